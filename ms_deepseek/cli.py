@@ -1,0 +1,73 @@
+"""``ms-deepseek <command>``: one entry point, each command in its own module.
+
+Commands are imported only when used, so ``ms-deepseek --help`` and the light
+commands (plan, report, doctor) start without paying for MindSpore's import.
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+A :class:`~ms_deepseek.errors.UserError` becomes one ``error: ...`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+from ms_deepseek import __version__
+from ms_deepseek.errors import UserError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("ms_deepseek.train.cli_train", "train a recipe in this process (one worker)"),
+    "launch": ("ms_deepseek.train.cli_launch", "build and run the msrun command for a recipe's parallel layout"),
+    "prepare-data": ("ms_deepseek.data.cli", "tokenize jsonl / parquet / text into MindRecord shards"),
+    "convert": ("ms_deepseek.convert.cli", "convert checkpoints between HuggingFace and ms_deepseek layouts"),
+    "plan": ("ms_deepseek.parallel.cli", "size a parallel layout for N NPUs: memory, traffic, tokens/s"),
+    "generate": ("ms_deepseek.generate_cli", "generate text from a checkpoint (latent KV cache)"),
+    "doctor": ("ms_deepseek.tools.doctor", "preflight checks for a host / node / cluster"),
+    "report": ("ms_deepseek.tools.report", "HTML health report of a training run, with alerts"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = [f"  {name:<14}{help_}" for name, (_, help_) in COMMANDS.items()]
+    parser = argparse.ArgumentParser(
+        prog="ms-deepseek",
+        description="Train, convert and serve DeepSeek-V2 models with MindSpore (Ascend and CPU).",
+        epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'ms-deepseek <command> --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ms-deepseek {__version__}")
+    parser.add_argument("command", nargs="?", help="one of: " + ", ".join(COMMANDS))
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    if argv[0] == "--version":
+        top.parse_args(argv)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ms-deepseek: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"ms-deepseek {name}", description=help_[0].upper() + help_[1:] + ".")
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        print(f"ms-deepseek {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ms-deepseek {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""ms-deepseek: DeepSeek-V2 training with MindSpore on Ascend (and CPU)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def read_pins(name):
+    """Requirement lines of a pins file (comments and blanks dropped)."""
+    lines = (HERE / name).read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+setup(
+    name="ms-deepseek",
+    version="0.1.0",
+    description="DeepSeek-V2 / V2-Lite training with MindSpore: HF-parity model, SEMI_AUTO_PARALLEL plans, converters",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9,<3.12",
+    packages=find_packages(include=["ms_deepseek", "ms_deepseek.*"]),
+    include_package_data=True,
+    package_data={"ms_deepseek": ["presets/*.json", "ops_src/**/*"]},
+    install_requires=read_pins("requirements.txt"),
+    extras_require={"test": read_pins("requirements-test.txt")},
+    entry_points={"console_scripts": ["ms-deepseek=ms_deepseek.cli:main"]},
+)

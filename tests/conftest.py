@@ -1,0 +1,50 @@
+"""Shared test setup.
+
+* Every test runs with a temporary working directory, so MindSpore's compile
+  droppings (rank_*/, kernel_meta/) never land in the checkout.
+* MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
+  into the temporary folder.
+* Tests marked ``ascend`` are skipped unless an Ascend device is present.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+os.environ.setdefault("GLOG_v", "3")
+os.environ.setdefault("MS_SUBMODULE_LOG_v", "{}")
+
+
+def ascend_available() -> bool:
+    return shutil.which("npu-smi") is not None and bool(os.environ.get("ASCEND_HOME_PATH"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if ascend_available():
+        return
+    skip = pytest.mark.skip(reason="needs an Ascend NPU and CANN (not on this host)")
+    for item in items:
+        if "ascend" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOG_MF_PATH", str(tmp_path / "mf_log"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
