@@ -1,0 +1,77 @@
+"""Public operator Cells; each holds the implementation chosen by the backend switch."""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn
+from mindspore.common import dtype as mstype
+
+from ms_deepseek.ops import backend, reference
+
+
+class ExpertLookup(nn.Cell):
+    """Expert placement lookup and capacity positions for MoE dispatch.
+
+    ``dest_rank, buffer_row, position, keep = lookup(topk_ids, placement, capacity)``
+
+    * ``topk_ids`` [T, k] int32 expert ids in [0, E); ``placement`` [E, 2] int32
+      (column 0: EP rank owning the expert, column 1: its local slot on that rank);
+      ``capacity``: python int >= 0 (static, per expert).
+    * ``dest_rank`` [T, k] int32; ``buffer_row`` [T, k] int32 = rank * E_local + slot;
+      ``position`` [T, k] int32: index of this (token, choice) in its expert's buffer,
+      assigned in k-major order (all first choices in token order, then all second
+      choices, ...), so a token's first choice is dropped last;
+      ``keep`` [T, k] float32: 1.0 if ``position < capacity`` else 0.0.
+
+    Integer outputs carry no gradient. Works in graph mode and PyNative.
+    """
+
+    def __init__(self, num_experts: int, experts_per_rank: int):
+        super().__init__()
+        reference.check_lookup_args(num_experts, experts_per_rank)
+        self.num_experts = num_experts
+        self.experts_per_rank = experts_per_rank
+        self.impl = backend.make("expert_lookup", num_experts=num_experts, experts_per_rank=experts_per_rank)
+
+    def construct(self, topk_ids, placement, capacity):
+        return self.impl(topk_ids, placement, capacity)
+
+
+class FP32Softmax(nn.Cell):
+    """Softmax over the last axis computed in float32 (max-subtracted), cast to ``out_dtype``.
+
+    Accepts float32 / float16 / bfloat16 input; differentiable.
+    """
+
+    def __init__(self, out_dtype=mstype.float32):
+        super().__init__()
+        reference.check_out_dtype(out_dtype)
+        self.out_dtype = out_dtype
+        self.impl = backend.make("fp32_softmax", out_dtype=out_dtype)
+
+    def construct(self, x):
+        return self.impl(x)
+
+
+class RepetitionPenalty(nn.Cell):
+    """HuggingFace repetition penalty on [B, V] float32 logits (PyNative, used by generation).
+
+    Every id present in ``token_ids[b]`` ([B, L] int32, L may be 0, duplicates allowed)
+    has ``logits[b, id]`` divided by ``penalty_value`` if positive, multiplied if not.
+    ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.errors.UserError`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.impl = backend.make("repetition_penalty")
+
+    def __call__(self, logits, token_ids, penalty_value):
+        # Host-side validation (reads the ids), then the operator itself.
+        penalty = reference.check_penalty(penalty_value)
+        reference.check_penalty_inputs(logits, token_ids)
+        if token_ids.shape[1] == 0:
+            return logits
+        return self.impl(logits, token_ids, ms.Tensor(penalty, mstype.float32))
+
+    def construct(self, logits, token_ids, penalty_value):  # pragma: no cover - __call__ is the entry
+        return self.impl(logits, token_ids, penalty_value)

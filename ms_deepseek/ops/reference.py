@@ -1,0 +1,136 @@
+"""Reference implementations of the custom operators in plain MindSpore ops.
+
+These define the math the kernels must reproduce; they run on every backend,
+in graph mode and PyNative, and are the fallback whenever a kernel is
+unavailable (see :mod:`ms_deepseek.ops.backend`).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+from mindspore.common import dtype as mstype
+
+from ms_deepseek.errors import UserError
+
+_FLOAT_DTYPES = (mstype.float32, mstype.float16, mstype.bfloat16)
+
+
+def check_lookup_args(num_experts, experts_per_rank) -> None:
+    for name, value in (("num_experts", num_experts), ("experts_per_rank", experts_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"ExpertLookup: {name} must be a positive int, got {value!r}")
+    if num_experts % experts_per_rank != 0:
+        raise UserError(
+            f"ExpertLookup: experts_per_rank={experts_per_rank} does not divide num_experts={num_experts}"
+        )
+
+
+def check_capacity(capacity) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise UserError(f"ExpertLookup: capacity must be an int >= 0, got {capacity!r}")
+
+
+def check_out_dtype(out_dtype) -> None:
+    if out_dtype not in _FLOAT_DTYPES:
+        raise UserError(f"FP32Softmax: out_dtype must be float32, float16 or bfloat16, got {out_dtype!r}")
+
+
+def check_penalty(penalty_value) -> float:
+    if isinstance(penalty_value, bool) or not isinstance(penalty_value, (int, float)):
+        raise UserError(f"repetition penalty must be a number > 0, got {penalty_value!r}")
+    if not penalty_value > 0:  # also rejects NaN
+        raise UserError(f"repetition penalty must be > 0, got {penalty_value!r}")
+    return float(penalty_value)
+
+
+def check_penalty_inputs(logits, token_ids) -> None:
+    """Shape / range checks for RepetitionPenalty (PyNative: reads the ids on the host)."""
+    if logits.ndim != 2:
+        raise UserError(f"repetition penalty: logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    if token_ids.ndim != 2 or token_ids.shape[0] != logits.shape[0]:
+        raise UserError(
+            f"repetition penalty: token_ids must be [batch={logits.shape[0]}, length], "
+            f"got shape {tuple(token_ids.shape)}"
+        )
+    if token_ids.shape[1] == 0:
+        return
+    ids = token_ids.asnumpy()
+    vocab = logits.shape[1]
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        b, j = (int(v) for v in np.argwhere(bad)[0])
+        raise UserError(
+            f"repetition penalty: token id {int(ids[b, j])} at [{b}, {j}] is outside the vocabulary [0, {vocab})"
+        )
+
+
+class ExpertLookupReference(nn.Cell):
+    """Placement lookup + capacity positions with one-hot cumsum (O(T*k*E) int32 memory).
+
+    See :class:`ms_deepseek.ops.ExpertLookup` for the contract.
+    """
+
+    def __init__(self, num_experts: int, experts_per_rank: int):
+        super().__init__()
+        check_lookup_args(num_experts, experts_per_rank)
+        self.num_experts = num_experts
+        self.experts_per_rank = experts_per_rank
+        self.one = ms.Tensor(1, mstype.int32)
+        self.zero = ms.Tensor(0, mstype.int32)
+
+    def construct(self, topk_ids, placement, capacity):
+        t, k = topk_ids.shape
+        ids = topk_ids.astype(mstype.int32)
+        # Placement lookup: rows of the [E, 2] table gathered by expert id.
+        flat = ids.reshape(-1)  # [T*k], token-major
+        rows = ops.gather(placement, flat, 0)  # [T*k, 2]
+        dest_rank = rows[:, 0].reshape(t, k)  # [T, k]
+        local_slot = rows[:, 1].reshape(t, k)  # [T, k]
+        buffer_row = dest_rank * self.experts_per_rank + local_slot
+
+        # Positions in k-major order: slot s = j*T + i for (token i, choice j).
+        ids_km = ids.transpose(1, 0).reshape(-1)  # [k, T] -> [k*T]
+        onehot = ops.one_hot(ids_km, self.num_experts, self.one, self.zero)  # [k*T, E]
+        running = ops.cumsum(onehot, 0)  # [k*T, E]: inclusive count per expert
+        pos_km = ops.gather_elements(running, 1, ids_km.reshape(-1, 1)) - 1  # [k*T, 1]
+        position = pos_km.reshape(k, t).transpose(1, 0)  # [k, T] -> [T, k]
+        keep = (position < capacity).astype(mstype.float32)
+        return dest_rank, buffer_row, position, keep
+
+
+class FP32SoftmaxReference(nn.Cell):
+    """Max-subtracted softmax over the last axis in float32, cast to ``out_dtype``."""
+
+    def __init__(self, out_dtype=mstype.float32):
+        super().__init__()
+        check_out_dtype(out_dtype)
+        self.out_dtype = out_dtype
+
+    def construct(self, x):
+        x32 = x.astype(mstype.float32)
+        shifted = x32 - x32.max(axis=-1, keepdims=True)
+        e = ops.exp(shifted)
+        y = e / e.sum(axis=-1, keepdims=True)
+        return y.astype(self.out_dtype)
+
+
+class RepetitionPenaltyReference(nn.Cell):
+    """HuggingFace repetition penalty: gather the seen logits, rescale, scatter back.
+
+    ``penalty`` is a float32 scalar Tensor (so a new value does not recompile);
+    the public Cell validates its inputs on the host before calling this.
+    """
+
+    def construct(self, logits, token_ids, penalty):
+        b, length = token_ids.shape
+        if length == 0:
+            return logits
+        ids = token_ids.astype(mstype.int32)
+        seen = ops.gather_elements(logits, 1, ids)  # [B, L]
+        scaled = ops.where(seen < 0, seen * penalty, seen / penalty)  # [B, L], HF rule
+        rows = ops.broadcast_to(ops.arange(b, dtype=mstype.int32).reshape(b, 1), (b, length))  # [B, L]
+        index = ops.stack([rows, ids], axis=-1)  # [B, L, 2] = (row, token id)
+        # Duplicated ids write the same value (gathered before any update), so order does not matter.
+        return ops.tensor_scatter_update(logits, index, scaled)
