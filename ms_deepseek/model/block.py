@@ -1,0 +1,37 @@
+"""Decoder layer: pre-norm MLA attention and a dense MLP or DeepSeekMoE, each with a residual."""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from ms_deepseek.config import DeepseekV2Config
+from ms_deepseek.model.layers import MLP, RMSNorm, to_ms_dtype
+from ms_deepseek.model.mla import MLAttention
+from ms_deepseek.model.moe import DeepseekV2MoE
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: DeepseekV2Config, layer_index: int):
+        super().__init__()
+        pdt = to_ms_dtype(cfg.param_dtype)
+        self.layer_index = layer_index
+        self.is_moe = cfg.is_moe_layer(layer_index)
+        self.num_experts = cfg.n_routed_experts or 0
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+        if self.is_moe:
+            self.mlp = DeepseekV2MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
+                           to_ms_dtype(cfg.compute_dtype), pdt)
+
+    def construct(self, x, cos, sin, mask):
+        """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask).astype(x.dtype)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            y, aux, stats, scores, idx, weight = self.mlp(h)
+            return x + y, aux, stats, (scores, idx, weight)
+        return x + self.mlp(h).astype(x.dtype), ops.zeros((), ms.float32), None, None

@@ -1,0 +1,139 @@
+"""DeepSeek-V2 causal language model (single-device math; see ms_deepseek.parallel for sharding).
+
+``DeepseekV2ForCausalLM(cfg)(input_ids, labels=None)``
+
+* Called from Python (PyNative or GRAPH_MODE) it returns :class:`CausalLMOutput`
+  with ``.logits`` float32 [B, T, V], and with labels ``.loss`` / ``.aux_loss``.
+* Inside a compiled graph (e.g. a training step wrapping it) ``construct`` returns the
+  tuple ``(logits, loss, aux_loss, moe_stats)`` (plus ``routing`` when
+  ``output_routing`` is set), because graphs return tensors, not Python objects.
+
+``loss`` is the mean next-token cross-entropy over labels != -100, with labels aligned
+to ``input_ids`` and shifted here (the HuggingFace convention). ``aux_loss`` is the sum
+over MoE layers of the balance losses times their alphas. ``moe_stats`` is
+[num_moe_layers, E + 4]: per-expert load fractions, dropped fraction, and the
+unweighted expert / device / communication balance losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ms_deepseek.config import DeepseekV2Config
+from ms_deepseek.errors import UserError
+from ms_deepseek.model.block import DecoderLayer
+from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
+from ms_deepseek.model.mla import causal_mask
+from ms_deepseek.model.rope import RotaryEmbedding
+
+IGNORE_INDEX = -100
+
+
+class CausalLMOutput(NamedTuple):
+    """A tuple with names: ``out.logits`` and ``out[0]`` both work, in and outside graphs."""
+
+    logits: Tensor
+    loss: Optional[Tensor] = None
+    aux_loss: Optional[Tensor] = None
+    moe_stats: Optional[Tensor] = None
+    routing: Optional[Tuple[Any, ...]] = None
+
+
+class Embedding(nn.Cell):
+    """Token embedding [V, H]; primitive ``gather``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float, param_dtype):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(init_std), [vocab_size, hidden_size], param_dtype), name="weight")
+        self.gather = ops.Gather()
+
+    def construct(self, ids):
+        return self.gather(self.weight, ids, 0)
+
+
+class DeepseekV2Model(nn.Cell):
+    def __init__(self, cfg: DeepseekV2Config):
+        super().__init__()
+        self.config = cfg
+        pdt = to_ms_dtype(cfg.param_dtype)
+        self.compute_dtype = to_ms_dtype(cfg.compute_dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range, pdt)
+        self.layers = nn.CellList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.num_moe_layers = len(cfg.moe_layer_indices)
+        self.stats_width = (cfg.n_routed_experts or 0) + 4
+
+    def construct(self, input_ids, start_pos=0):
+        """input_ids [B, T] -> hidden [B, T, H], aux scalar, stats [L_moe, E + 4], routing tuple."""
+        T = input_ids.shape[1]
+        positions = ops.arange(0, T, dtype=ms.float32) + start_pos
+        cos, sin = self.rotary_emb(positions)
+        mask = causal_mask(T, T)
+        x = self.embed_tokens(input_ids).astype(self.compute_dtype)
+        aux = ops.zeros((), ms.float32)
+        stats = ()
+        routing = ()
+        for layer in self.layers:
+            x, layer_aux, layer_stats, layer_routing = layer(x, cos, sin, mask)
+            aux = aux + layer_aux
+            if layer_stats is not None:
+                stats = stats + (layer_stats,)
+                routing = routing + (layer_routing,)
+        if self.num_moe_layers:
+            stats_t = ops.stack(stats)
+        else:
+            stats_t = ops.zeros((0, self.stats_width), ms.float32)
+        return self.norm(x), aux, stats_t, routing
+
+
+class DeepseekV2ForCausalLM(nn.Cell):
+    def __init__(self, config: DeepseekV2Config, output_routing: bool = False):
+        super().__init__()
+        if config.tie_word_embeddings:
+            raise UserError("config tie_word_embeddings: true is not supported (no DeepSeek-V2 release ties them)")
+        self.config = config
+        self.model = DeepseekV2Model(config)
+        kw = dict(init_std=config.initializer_range, compute_dtype=to_ms_dtype(config.compute_dtype),
+                  param_dtype=to_ms_dtype(config.param_dtype))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, **kw)
+        self.output_routing = output_routing
+        self.vocab_size = config.vocab_size
+
+    def cross_entropy(self, logits, labels):
+        """Mean next-token CE over labels != -100. logits [B, T, V] f32, labels [B, T] int."""
+        V = self.vocab_size
+        shift_logits = logits[:, :-1, :].reshape(-1, V)  # [B*(T-1), V]
+        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # [B*(T-1)]
+        valid = shift_labels != IGNORE_INDEX
+        safe = ops.select(valid, shift_labels, ops.zeros_like(shift_labels))
+        lse = ops.logsumexp(shift_logits, -1)  # [N]
+        picked = ops.gather_elements(shift_logits, 1, safe.reshape(-1, 1)).reshape(-1)  # [N]
+        validf = valid.astype(ms.float32)
+        return ((lse - picked) * validf).sum() / ops.maximum(validf.sum(), 1.0)
+
+    def construct(self, input_ids, labels=None):
+        hidden, aux, stats, routing = self.model(input_ids)
+        logits = self.lm_head(hidden).astype(ms.float32)
+        loss = None
+        if labels is not None:
+            loss = self.cross_entropy(logits, labels)
+        if self.output_routing:
+            return logits, loss, aux, stats, routing
+        return logits, loss, aux, stats
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        if isinstance(out, CausalLMOutput) or not isinstance(out, (tuple, list)):
+            return out
+        return CausalLMOutput(*out)
+
+    @classmethod
+    def from_pretrained(cls, path, **config_overrides) -> "DeepseekV2ForCausalLM":
+        from ms_deepseek.model.loading import load_pretrained
+
+        return load_pretrained(cls, path, **config_overrides)

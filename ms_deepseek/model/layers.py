@@ -1,0 +1,79 @@
+"""Building blocks: Linear, RMSNorm, SwiGLU MLP. Single-device math, no parallelism.
+
+Primitives live in named attributes (``matmul``, ``bmm`` ...) so the parallel plan
+(``ms_deepseek.parallel``) can give them shard strategies from outside.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+def to_ms_dtype(name: str):
+    return DTYPES[name]
+
+
+class Linear(nn.Cell):
+    """``y = x @ weight.T (+ bias)``; weight is [out, in] as in HuggingFace checkpoints.
+
+    Parameters are stored in ``param_dtype``; the matmul runs in ``compute_dtype``.
+    Primitive: ``matmul`` (MatMul, transpose_b) on 2-D input [N, in].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
+                 compute_dtype=ms.float32, param_dtype=ms.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(initializer(Normal(init_std), [out_features, in_features], param_dtype),
+                                name="weight")
+        self.bias = Parameter(initializer("zeros", [out_features], param_dtype), name="bias") if bias else None
+        self.compute_dtype = compute_dtype
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.add_bias = ops.Add()
+
+    def construct(self, x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).astype(self.compute_dtype)  # [N, in]
+        y = self.matmul(x2, self.weight.astype(self.compute_dtype))  # [N, out]
+        if self.bias is not None:
+            y = self.add_bias(y, self.bias.astype(self.compute_dtype))
+        return y.reshape(lead + (self.out_features,))
+
+
+class RMSNorm(nn.Cell):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, param_dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(initializer("ones", [dim], param_dtype), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        dtype = x.dtype
+        x32 = x.astype(ms.float32)
+        variance = (x32 * x32).mean(-1, keep_dims=True)
+        normed = x32 * ops.rsqrt(variance + self.eps)
+        return self.weight.astype(dtype) * normed.astype(dtype)
+
+
+class MLP(nn.Cell):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, init_std: float, compute_dtype, param_dtype):
+        super().__init__()
+        kw = dict(init_std=init_std, compute_dtype=compute_dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def numpy_param(array: np.ndarray, name: str, requires_grad: bool = False) -> Parameter:
+    return Parameter(Tensor(array), name=name, requires_grad=requires_grad)

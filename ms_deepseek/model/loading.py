@@ -1,0 +1,113 @@
+"""``DeepseekV2ForCausalLM.from_pretrained``: stream a checkpoint folder into a built model.
+
+Accepts the HuggingFace layout (per-expert tensors) and the ms_deepseek layout
+(stacked experts, converted folders and training checkpoints). Tensors are read one
+at a time straight from the safetensors bytes (bfloat16 included, widened on the
+host) and copied into the model's parameters; routed experts are stacked into one
+buffer per (layer, projection) that is handed over as soon as its last expert
+arrives, so the host never holds a second copy of the model, only the layers in flight.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+from tqdm import tqdm
+
+from ms_deepseek.convert import names
+from ms_deepseek.convert.layout import expected_ms_shapes
+from ms_deepseek.convert.safetensors_io import TensorInfo
+from ms_deepseek.convert.source import open_checkpoint
+from ms_deepseek.errors import UserError
+
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+_NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}
+_NOT_IN_CHECKPOINTS = ("expert_placement",)  # derived from the parallel plan, not a weight
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """The tensor's values as numpy (bfloat16 widened exactly to float32)."""
+    if info.dtype not in _NP_DTYPES:
+        raise UserError(f"{info.file}: tensor {info.name} has dtype {info.dtype}; expected F32, F16 or BF16")
+    with open(info.file, "rb") as f:
+        f.seek(info.offset)
+        raw = f.read(info.nbytes)
+    if len(raw) != info.nbytes:
+        raise UserError(f"{info.file}: truncated while reading tensor {info.name}")
+    array = np.frombuffer(raw, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+    if info.dtype == "BF16":  # bfloat16 is the top half of a float32
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def load_pretrained(cls, path, show_progress: bool = True, **config_overrides):
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config.replace(**config_overrides) if config_overrides else ckpt.config
+    model = cls(cfg)
+    load_weights(model, ckpt, show_progress=show_progress)
+    return model
+
+
+def load_weights(model, ckpt, show_progress: bool = True) -> None:
+    """Copy every tensor of ``ckpt`` into ``model``; UserError on missing / unexpected / misshaped tensors."""
+    cfg = model.config
+    params = {p.name: p for p in model.get_parameters()}
+    expected = expected_ms_shapes(cfg)
+    for name, shape in expected.items():  # the model and the layout table must agree
+        if name not in params or tuple(params[name].shape) != tuple(shape):
+            raise RuntimeError(f"internal: model parameter {name} does not match the checkpoint layout")
+    E = cfg.n_routed_experts or 0
+    pending: Dict[str, Tuple[np.ndarray, set]] = {}
+    loaded = set()
+    folder = ckpt.folder
+    infos = sorted(ckpt.tensors.values(), key=lambda i: (str(i.file), i.offset))
+    bar = tqdm(total=sum(i.nbytes for i in infos), unit="B", unit_scale=True, desc=f"loading {folder.name}",
+               disable=not show_progress or os.environ.get("MS_DEEPSEEK_QUIET") == "1", leave=False)
+    for info in infos:
+        if info.name.split(".")[-1] in _NOT_IN_CHECKPOINTS:
+            bar.update(info.nbytes)
+            continue
+        ms_name, expert = names.hf_to_ms(info.name)
+        if ms_name not in expected:
+            raise UserError(f"{info.file}: unexpected tensor {info.name} (not part of a DeepSeek-V2 model "
+                            f"with this config.json)")
+        target = expected[ms_name]
+        if expert is None:
+            if tuple(info.shape) != tuple(target):
+                raise UserError(f"{info.file}: tensor {info.name} has shape {list(info.shape)}, "
+                                f"config.json implies {list(target)}")
+            _assign(params[ms_name], read_tensor(info))
+            loaded.add(ms_name)
+        else:
+            if expert >= E or tuple(info.shape) != tuple(target[1:]):
+                raise UserError(f"{info.file}: tensor {info.name} has shape {list(info.shape)} / expert {expert}, "
+                                f"config.json implies {E} experts of {list(target[1:])}")
+            if ms_name not in pending:
+                pending[ms_name] = (np.empty(target, dtype=np.float32), set())
+            stack, seen = pending[ms_name]
+            stack[expert] = read_tensor(info)
+            seen.add(expert)
+            if len(seen) == E:  # the stack is complete: hand it over, free the buffer
+                _assign(params[ms_name], stack)
+                loaded.add(ms_name)
+                del pending[ms_name]
+        bar.update(info.nbytes)
+    bar.close()
+    missing = [n for n in expected if n not in loaded]
+    if missing:
+        detail = missing[0]
+        if missing[0] in pending:
+            absent = sorted(set(range(E)) - pending[missing[0]][1])
+            detail = f"{names.ms_to_hf(missing[0], E)[absent[0]]} (experts {absent[:8]} of {missing[0]})"
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"{folder}: checkpoint is missing tensor {detail}{more}")
+
+
+def _assign(param, array: np.ndarray) -> None:
+    np_dtype = _NP_OF_PARAM.get(param.dtype, np.float32)
+    param.set_data(Tensor(np.ascontiguousarray(array, dtype=np_dtype), dtype=param.dtype))
