@@ -1,0 +1,304 @@
+"""Training recipes: one YAML file, seven typed sections, checked before anything starts.
+
+```yaml
+model:      {source: tiny, overrides: {capacity_factor: 2.0}, expert_aux_loss_alpha: 0.003}
+data:       {seq_len: 256, embedded_vocab_size: 4096}          # ms_deepseek.data.DataConfig
+train:      {steps: 300, micro_batch_size: 8, grad_accum_steps: 1, seed: 1234}
+optim:      {lr: 3.0e-3, schedule: cosine, warmup_steps: 20, weight_decay: 0.1}
+parallel:   {dp: 1}                                             # ms_deepseek.parallel.ParallelConfig
+checkpoint: {save_interval: 100, keep_last: 2}
+logging:    {log_interval: 10}
+```
+
+:func:`load_recipe` reads the file, applies ``--set section.key=value`` overrides, builds
+the dataclasses (unknown keys and wrong types fail naming the key), resolves the model
+config (preset / config.json / checkpoint folder + overrides + alphas) and checks what
+needs two sections at once: the sequence length against the model's positions, the
+tokenizer's vocabulary against the model's, the batch against the data-parallel degree.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+
+import yaml
+
+from ms_deepseek.config import DeepseekV2Config, load_model_config
+from ms_deepseek.data.config import DataConfig
+from ms_deepseek.errors import UserError
+from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.schema import apply_overrides, from_dict, to_dict
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+@dataclass
+class ModelSection:
+    """What to train: a preset name, a ``config.json``, or a checkpoint folder to start from."""
+
+    source: str = "tiny"
+    # Model config fields to change, e.g. {capacity_factor: 2.0, num_hidden_layers: 2}.
+    overrides: Dict[str, Any] = field(default_factory=dict)
+    # Balance-loss weights (the paper's alpha1 / alpha2 / alpha3); null keeps the config's.
+    expert_aux_loss_alpha: Optional[float] = None
+    device_aux_loss_alpha: Optional[float] = None
+    comm_aux_loss_alpha: Optional[float] = None
+    # Load the folder's weights when ``source`` is a checkpoint folder (else: random init).
+    load_weights: bool = True
+
+    def __post_init__(self):
+        if not self.source.strip():
+            raise UserError("model.source: empty (a preset name, a config.json or a checkpoint folder)")
+        for key in ("expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise UserError(f"model.{key}: must be >= 0, got {value}")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100                      # optimizer steps
+    micro_batch_size: int = 8             # sequences per worker per micro-step
+    grad_accum_steps: int = 1             # micro-steps per optimizer step
+    seed: int = 1234
+    clip_grad_norm: Optional[float] = 1.0  # global-norm clipping; null = off
+    mode: Literal["graph", "pynative"] = "graph"
+    # Dynamic loss scale (used only when the model computes in float16).
+    loss_scale_init: float = 65536.0
+    loss_scale_factor: float = 2.0
+    loss_scale_window: int = 1000
+
+    def __post_init__(self):
+        for key in ("steps", "micro_batch_size", "grad_accum_steps"):
+            if getattr(self, key) < 1:
+                raise UserError(f"train.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.seed < 0:
+            raise UserError(f"train.seed: must be >= 0, got {self.seed}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise UserError(f"train.clip_grad_norm: must be > 0 or null (off), got {self.clip_grad_norm}")
+        if self.loss_scale_init < 1:
+            raise UserError(f"train.loss_scale_init: must be >= 1, got {self.loss_scale_init}")
+        if self.loss_scale_factor <= 1:
+            raise UserError(f"train.loss_scale_factor: must be > 1, got {self.loss_scale_factor}")
+        if self.loss_scale_window < 1:
+            raise UserError(f"train.loss_scale_window: must be >= 1, got {self.loss_scale_window}")
+
+
+@dataclass
+class OptimSection:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 3e-4
+    min_lr: float = 0.0                   # cosine floor
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    warmup_steps: int = 0
+    milestones: List[float] = field(default_factory=lambda: [0.6, 0.9])  # step schedule: fractions of the run
+    decay_factor: float = 0.316           # step schedule: lr multiplier at each milestone
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise UserError(f"optim.lr: must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"optim.min_lr: must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise UserError(f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if any(not 0 < m < 1 for m in self.milestones) or list(self.milestones) != sorted(self.milestones):
+            raise UserError(f"optim.milestones: must be increasing fractions in (0, 1), got {self.milestones}")
+        if not 0 < self.decay_factor <= 1:
+            raise UserError(f"optim.decay_factor: must be in (0, 1], got {self.decay_factor}")
+        if self.weight_decay < 0:
+            raise UserError(f"optim.weight_decay: must be >= 0, got {self.weight_decay}")
+        for key in ("beta1", "beta2"):
+            if not 0 < getattr(self, key) < 1:
+                raise UserError(f"optim.{key}: must be in (0, 1), got {getattr(self, key)}")
+        if self.eps <= 0:
+            raise UserError(f"optim.eps: must be > 0, got {self.eps}")
+
+
+@dataclass
+class CheckpointSection:
+    save_interval: int = 0    # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 3        # complete checkpoints kept (older ones deleted)
+    save_final: bool = True   # also save after the last step
+
+    def __post_init__(self):
+        if self.save_interval < 0:
+            raise UserError(f"checkpoint.save_interval: must be >= 0 (0 = only at the end), got {self.save_interval}")
+        if self.keep_last < 1:
+            raise UserError(f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class LoggingSection:
+    log_interval: int = 10    # optimizer steps between metrics records
+    tensorboard: bool = True  # event files under RUN_DIR/tb
+    progress_bar: bool = True
+    alerts: bool = True       # print ms_deepseek.tools.alerts warnings as they happen
+
+    def __post_init__(self):
+        if self.log_interval < 1:
+            raise UserError(f"logging.log_interval: must be >= 1, got {self.log_interval}")
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    # filled by load_recipe (not YAML keys)
+    source_path: Optional[str] = field(default=None, init=False, repr=False)
+    model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel workers."""
+        return self.train.micro_batch_size * self.train.grad_accum_steps * self.parallel.dp
+
+    @property
+    def seq_len(self) -> int:
+        return effective_seq_len(self.data)
+
+    @property
+    def weights_folder(self) -> Optional[Path]:
+        """The checkpoint folder to load weights from, or None for random init."""
+        p = Path(self.model.source).expanduser()
+        if self.model.load_weights and p.is_dir() and any((p / f).is_file() for f in _WEIGHT_FILES):
+            return p
+        if self.model.load_weights and p.is_dir() and list(p.glob("model-*-of-*.safetensors")):
+            return p
+        return None
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.init:
+                out[f.name] = to_dict(getattr(self, f.name))
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def effective_seq_len(data: DataConfig) -> int:
+    """The training sequence length: data.seq_len, else the prepared folder's, else the embedded default's."""
+    if data.seq_len is not None:
+        return data.seq_len
+    if data.path is None:
+        return data.embedded_seq_len
+    meta = Path(data.path).expanduser() / "meta.json"
+    try:
+        value = json.loads(meta.read_text(encoding="utf-8")).get("seq_len")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    if not isinstance(value, int):
+        raise UserError(f"data.path: {meta} is missing or has no seq_len; prepare the folder with "
+                        f"`ms-deepseek prepare-data` (or set data.seq_len)")
+    return value
+
+
+def build_model_config(section: ModelSection) -> DeepseekV2Config:
+    """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*)."""
+    try:
+        cfg = load_model_config(section.source)
+    except UserError as exc:
+        raise UserError(f"model.source: {exc}") from None
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    known = set(values)
+    for key, value in section.overrides.items():
+        if key not in known:
+            raise UserError(f"model.overrides.{key}: not a model config field")
+        values[key] = value
+    for key in ("expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha"):
+        if getattr(section, key) is not None:
+            values[key] = getattr(section, key)
+    try:
+        return from_dict(DeepseekV2Config, values, "model.overrides")
+    except UserError as exc:
+        text = str(exc)
+        raise UserError(text if text.startswith("model.") else f"model.overrides: {text}") from None
+
+
+def _tokenizer_vocab(data: DataConfig) -> Optional[tuple]:
+    """(key, vocab size) of the tokenizer training will use, when it can be known now."""
+    from ms_deepseek.data.tokenizer import load_tokenizer
+
+    if data.tokenizer is not None:
+        try:
+            return "data.tokenizer", load_tokenizer(data.tokenizer).vocab_size
+        except UserError as exc:
+            raise UserError(f"data.tokenizer: {exc}") from None
+    if data.path is not None:
+        folder = Path(data.path).expanduser()
+        if not folder.is_dir():
+            raise UserError(f"data.path: {folder} is not a folder (prepare one with `ms-deepseek prepare-data`)")
+        try:
+            return "data.path", load_tokenizer(folder).vocab_size
+        except UserError as exc:
+            raise UserError(f"data.path: {exc} (the prepared folder must hold its tokenizer)") from None
+    return "data.embedded_vocab_size", data.embedded_vocab_size
+
+
+def validate(recipe: Recipe) -> None:
+    """Checks that need more than one section (single-section checks run in __post_init__)."""
+    cfg = recipe.model_config
+    seq_len = recipe.seq_len
+    if seq_len > cfg.max_position_embeddings:
+        raise UserError(f"data.seq_len: {seq_len} is longer than the model's max_position_embeddings "
+                        f"{cfg.max_position_embeddings}")
+    key, vocab = _tokenizer_vocab(recipe.data)
+    if vocab > cfg.vocab_size:
+        raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
+                        f"(raise model.overrides.vocab_size or use a smaller tokenizer)")
+    if recipe.checkpoint.save_interval > recipe.train.steps:
+        raise UserError(f"checkpoint.save_interval: {recipe.checkpoint.save_interval} is more than train.steps "
+                        f"{recipe.train.steps} (no checkpoint would be written before the end)")
+
+
+def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe") -> Recipe:
+    data = copy.deepcopy(data) if data else {}
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a YAML mapping of sections (model, data, train, ...)")
+    apply_overrides(data, overrides)
+    for key, value in list(data.items()):
+        if value is None:  # an empty section in YAML ("data:") means defaults
+            data[key] = {}
+    recipe = from_dict(Recipe, data)
+    recipe.source_path = source
+    recipe.model_config = build_model_config(recipe.model)
+    validate(recipe)
+    return recipe
+
+
+def load_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override, type-check and cross-check a recipe file; raise UserError naming the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such recipe file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read recipe ({exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    try:
+        return load_recipe_dict(data or {}, overrides, str(path))
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
