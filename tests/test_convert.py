@@ -188,6 +188,9 @@ def test_mindspore_loads_converted_files_and_trainer_checkpoints_convert_back(bf
     # a training checkpoint as the trainer writes it: MindSpore's own safetensors writer, extra files
     step = tmp_path / "checkpoints" / "step_00000010"
     step.mkdir(parents=True)
+    for i in cfg.moe_layer_indices:  # non-weight model state the trainer's save_checkpoint(model) also writes
+        params[f"model.layers.{i}.mlp.expert_placement"] = ms.Parameter(
+            ms.Tensor(np.zeros((cfg.n_routed_experts, 2), np.int32)), requires_grad=False)
     ms.save_checkpoint(params, str(step / "model.safetensors"), format="safetensors")
     ms.save_checkpoint({"adam_m.x": ms.Parameter(ms.Tensor(np.ones(3, np.float32)))},
                        str(step / "optimizer.safetensors"), format="safetensors")
@@ -195,9 +198,14 @@ def test_mindspore_loads_converted_files_and_trainer_checkpoints_convert_back(bf
     (step / "state.json").write_text('{"step": 10}\n')
     (step / "recipe.yaml").write_text("model: tiny\n")
     ms_to_hf(step, tmp_path / "hf", progress=False)
-    assert read_all(tmp_path / "hf") == hf
+    assert read_all(tmp_path / "hf") == hf  # expert_placement and optimizer state dropped
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    params["model.layers.2.mlp.expert_placement"] = ms.Parameter(ms.Tensor(np.zeros((5, 2), np.int32)))
+    ms.save_checkpoint(params, str(step / "model.safetensors"), format="safetensors")
+    with pytest.raises(UserError, match=r"model\.safetensors: tensor model\.layers\.2\.mlp\.expert_placement has "
+                                        r"shape \[5, 2\], .*config\.json implies \[6, 2\]"):
+        ms_to_hf(step, tmp_path / "hf2", progress=False)
 
 
 # ------------------------------------------------------------------ destination handling

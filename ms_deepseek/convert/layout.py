@@ -89,6 +89,16 @@ def _expected(cfg: DeepseekV2Config, stacked: bool) -> Dict[str, Shape]:
     return out
 
 
+def ms_buffer_shapes(cfg: DeepseekV2Config) -> Dict[str, Shape]:
+    """Non-weight model state a training checkpoint may hold (``save_checkpoint(model)`` writes every
+    Parameter): the per-MoE-layer ``expert_placement`` table [E, 2] (EP rank, local slot), int32.
+
+    Derived from the parallel plan, so it has no HuggingFace counterpart: ms-to-hf checks its
+    shape and drops it; it is never required.
+    """
+    return {f"model.layers.{i}.mlp.expert_placement": (cfg.n_routed_experts, 2) for i in cfg.moe_layer_indices}
+
+
 def layer_key(name: str) -> Tuple[int, int]:
     """Sort key grouping tensors by position in the model: embeddings, layers 0..L-1, final norm and head."""
     layer = names.layer_of(name)

@@ -14,10 +14,10 @@ bfloat16) and the output is byte-identical to the input, only regrouped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.convert import names
-from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes, layer_key
+from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes, layer_key, ms_buffer_shapes
 from ms_deepseek.convert.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, OutTensor, TensorInfo, order_for_alignment
 from ms_deepseek.convert.source import Checkpoint
 from ms_deepseek.errors import UserError
@@ -38,10 +38,20 @@ def _fmt(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]], layout: str) -> None:
-    """Names, shapes and dtypes of ``ckpt`` against ``expected``; UserError naming file and tensor."""
+def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]], layout: str,
+                  optional: Optional[Dict[str, Tuple[int, ...]]] = None) -> None:
+    """Names, shapes and dtypes of ``ckpt`` against ``expected``; UserError naming file and tensor.
+
+    ``optional`` names non-weight tensors that may be present (shape checked, any dtype).
+    """
     cfg_file = ckpt.config_path.name
-    unexpected = [n for n in ckpt.tensors if n not in expected]
+    optional = optional or {}
+    for name, shape in optional.items():
+        info = ckpt.tensors.get(name)
+        if info is not None and info.shape != shape:
+            raise UserError(f"{info.file}: tensor {name} has shape {_fmt(info.shape)}, {ckpt.config_path} implies "
+                            f"{_fmt(shape)}")
+    unexpected = [n for n in ckpt.tensors if n not in expected and n not in optional]
     if unexpected:
         unexpected.sort(key=lambda n: (layer_key(n), n))
         name = unexpected[0]
@@ -89,7 +99,7 @@ def plan_hf_to_ms(ckpt: Checkpoint) -> List[OutTensor]:
 
 def plan_ms_to_hf(ckpt: Checkpoint) -> List[OutTensor]:
     cfg = ckpt.config
-    check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek")
+    check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek", optional=ms_buffer_shapes(cfg))  # buffers dropped
     out: List[OutTensor] = []
     for name in expected_ms_shapes(cfg):
         info = ckpt.tensors[name]
