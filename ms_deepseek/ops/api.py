@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import nn
 from mindspore.common import dtype as mstype
 
@@ -71,7 +70,7 @@ class RepetitionPenalty(nn.Cell):
         reference.check_penalty_inputs(logits, token_ids)
         if token_ids.shape[1] == 0:
             return logits
-        return self.impl(logits, token_ids, ms.Tensor(penalty, mstype.float32))
+        return self.impl(logits, token_ids, penalty)
 
     def construct(self, logits, token_ids, penalty_value):  # pragma: no cover - __call__ is the entry
         return self.impl(logits, token_ids, penalty_value)

@@ -49,6 +49,10 @@ def check_penalty_inputs(logits, token_ids) -> None:
     """Shape / range checks for RepetitionPenalty (PyNative: reads the ids on the host)."""
     if logits.ndim != 2:
         raise UserError(f"repetition penalty: logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    if logits.dtype != mstype.float32:
+        raise UserError(f"repetition penalty: logits must be float32, got {logits.dtype}")
+    if token_ids.dtype not in (mstype.int32, mstype.int64):
+        raise UserError(f"repetition penalty: token_ids must be int32 (or int64), got {token_ids.dtype}")
     if token_ids.ndim != 2 or token_ids.shape[0] != logits.shape[0]:
         raise UserError(
             f"repetition penalty: token_ids must be [batch={logits.shape[0]}, length], "
@@ -119,8 +123,8 @@ class FP32SoftmaxReference(nn.Cell):
 class RepetitionPenaltyReference(nn.Cell):
     """HuggingFace repetition penalty: gather the seen logits, rescale, scatter back.
 
-    ``penalty`` is a float32 scalar Tensor (so a new value does not recompile);
-    the public Cell validates its inputs on the host before calling this.
+    ``penalty`` is a python float > 0; the public Cell validates the inputs on the
+    host before calling this.
     """
 
     def construct(self, logits, token_ids, penalty):

@@ -1,0 +1,131 @@
+"""Ascend C kernels behind the public operator Cells (Atlas 800T A2 / 910B).
+
+The kernels live in ``ops/<op>/op_host`` + ``ops/<op>/op_kernel`` and are built and
+installed on a CANN host with ``ops/build_ascend.sh``, which prints the
+``ASCEND_CUSTOM_OPP_PATH`` to export. MindSpore then finds each operator by its
+type name through ``ops.Custom("<OpType>", ..., func_type="aot")``, generating the
+registration from the installed op info; attributes follow the tensor inputs.
+
+Not exercised on this CPU-only machine (no CANN): the tests for this module are
+marked ``ascend``. If the package is not installed, :func:`make` raises and the
+backend switch falls back to the reference with one warning.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Set
+
+from mindspore import nn, ops
+from mindspore.common import dtype as mstype
+
+from ms_deepseek.ops import reference
+
+VENDOR = "ms_deepseek"
+OP_TYPES = {"expert_lookup": "ExpertLookup", "fp32_softmax": "Fp32Softmax", "repetition_penalty": "RepetitionPenalty"}
+
+
+def installed_op_types() -> Set[str]:
+    """Operator types found in the custom / vendor op-info JSON files of this CANN environment."""
+    roots = [p for p in os.environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(":") if p]
+    opp = os.environ.get("ASCEND_OPP_PATH")
+    if opp:
+        roots += glob.glob(os.path.join(opp, "vendors", "*"))
+    found: Set[str] = set()
+    for root in roots:
+        for path in glob.glob(os.path.join(root, "op_impl", "ai_core", "tbe", "config", "*", "aic-*-ops-info.json")):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found.update(json.load(f).keys())
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def _require(op_name: str) -> str:
+    op_type = OP_TYPES[op_name]
+    if op_type not in installed_op_types():
+        raise RuntimeError(
+            f"Ascend custom operator {op_type} is not installed; run ops/build_ascend.sh and export "
+            f"ASCEND_CUSTOM_OPP_PATH as it prints"
+        )
+    return op_type
+
+
+class ExpertLookupAscend(nn.Cell):
+    kind = "ascend"
+
+    def __init__(self, num_experts: int, experts_per_rank: int):
+        super().__init__()
+        reference.check_lookup_args(num_experts, experts_per_rank)
+        self.experts_per_rank = experts_per_rank
+
+        def bprop(ids, placement, capacity, experts_per_rank, out, dout):
+            return ops.zeros_like(ids), ops.zeros_like(placement), 0, 0
+
+        self.op = ops.Custom(
+            _require("expert_lookup"),
+            out_shape=lambda ids, *rest: (ids, ids, ids, ids),
+            out_dtype=lambda *args: (mstype.int32, mstype.int32, mstype.int32, mstype.float32),
+            func_type="aot", bprop=bprop,
+        )
+
+    def construct(self, topk_ids, placement, capacity):
+        t, k = topk_ids.shape
+        ids_km = topk_ids.astype(mstype.int32).transpose(1, 0).reshape(-1)  # [T, k] -> [k, T] -> [k*T]
+        dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), capacity, self.experts_per_rank)
+        # [k*T] -> [k, T] -> [T, k]
+        dest = ops.stop_gradient(dest.reshape(k, t).transpose(1, 0))
+        row = ops.stop_gradient(row.reshape(k, t).transpose(1, 0))
+        pos = ops.stop_gradient(pos.reshape(k, t).transpose(1, 0))
+        keep = ops.stop_gradient(keep.reshape(k, t).transpose(1, 0))
+        return dest, row, pos, keep
+
+
+class FP32SoftmaxAscend(nn.Cell):
+    """Forward on the Ascend C kernel; backward y * (dy - sum(dy * y)) in float32 with built-in ops."""
+
+    kind = "ascend"
+
+    def __init__(self, out_dtype=mstype.float32):
+        super().__init__()
+        reference.check_out_dtype(out_dtype)
+        self.out_dtype = out_dtype
+
+        def bprop(x, out, dout):
+            dy = dout.astype(mstype.float32)
+            dx = out * (dy - (dy * out).sum(axis=-1, keepdims=True))
+            return (dx.astype(x.dtype),)
+
+        self.op = ops.Custom(_require("fp32_softmax"), out_shape=lambda x: x,
+                             out_dtype=lambda x: mstype.float32, func_type="aot", bprop=bprop)
+
+    def construct(self, x):
+        y = self.op(x)
+        if self.out_dtype != mstype.float32:
+            y = y.astype(self.out_dtype)
+        return y
+
+
+class RepetitionPenaltyAscend(nn.Cell):
+    kind = "ascend"
+
+    def __init__(self):
+        super().__init__()
+        self.op = ops.Custom(_require("repetition_penalty"), out_shape=lambda logits, *rest: logits,
+                             out_dtype=lambda logits, *rest: logits, func_type="aot")
+
+    def construct(self, logits, token_ids, penalty):
+        # The kernel takes the penalty (a python float) as a float attribute.
+        return self.op(logits, token_ids.astype(mstype.int32), penalty)
+
+
+def make(op_name: str, **kwargs):
+    cls = {
+        "expert_lookup": ExpertLookupAscend,
+        "fp32_softmax": FP32SoftmaxAscend,
+        "repetition_penalty": RepetitionPenaltyAscend,
+    }[op_name]
+    return cls(**kwargs)

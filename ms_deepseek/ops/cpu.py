@@ -1,0 +1,123 @@
+"""CPU kernels behind the public operator Cells: ``ops.Custom(func_type="aot")`` on g++-built libraries.
+
+Each Cell takes the library path from :func:`ms_deepseek.ops.build.build`. The
+kernels walk the same tile schedule as the Ascend kernels; ``core_num`` and
+``ub_bytes`` default to the Atlas 800T A2 (910B) values and only change the
+schedule, never the result (the tests shrink them to force tail tiles).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import mindspore as ms
+from mindspore import nn, ops
+from mindspore.common import dtype as mstype
+
+from ms_deepseek.ops import reference
+
+DEFAULT_CORE_NUM = 48  # msds::kDefaultCoreNum
+DEFAULT_UB_BYTES = 196352  # msds::kDefaultUbBytes
+
+
+def _custom(lib: Path, func: str, out_shape, out_dtype, bprop=None):
+    return ops.Custom(f"{lib}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+
+
+@functools.lru_cache(maxsize=None)
+def _cdll(lib: str) -> ctypes.CDLL:
+    return ctypes.CDLL(lib)
+
+
+def last_error(lib: Path) -> str:
+    """The message a kernel of this library left when it last failed ('' if none)."""
+    fn = _cdll(str(lib)).MsdsLastError
+    fn.restype = ctypes.c_char_p
+    return (fn() or b"").decode()
+
+
+class ExpertLookupCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.ExpertLookup` (k-major stream in, four outputs)."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path, num_experts: int, experts_per_rank: int, core_num: int = DEFAULT_CORE_NUM,
+                 ub_bytes: int = DEFAULT_UB_BYTES):
+        super().__init__()
+        reference.check_lookup_args(num_experts, experts_per_rank)
+        self.lib = Path(lib)
+        self.num_experts = num_experts
+        self.experts_per_rank = experts_per_rank
+        self.core_num = core_num
+        self.ub_bytes = ub_bytes
+
+        def bprop(ids, placement, cfg, out, dout):
+            # Routing indices are not differentiable.
+            return ops.zeros_like(ids), ops.zeros_like(placement), ops.zeros_like(cfg)
+
+        self.op = _custom(
+            self.lib, "ExpertLookupCpu",
+            out_shape=lambda ids, placement, cfg: (ids, ids, ids, ids),
+            out_dtype=lambda ids, placement, cfg: (mstype.int32, mstype.int32, mstype.int32, mstype.float32),
+            bprop=bprop,
+        )
+
+    def construct(self, topk_ids, placement, capacity):
+        t, k = topk_ids.shape
+        ids_km = topk_ids.astype(mstype.int32).transpose(1, 0).reshape(-1)  # [T, k] -> [k, T] -> [k*T]
+        cfg = ms.Tensor([capacity, self.experts_per_rank, self.core_num, self.ub_bytes], mstype.int64)
+        dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), cfg)
+        # [k*T] -> [k, T] -> [T, k]
+        dest = ops.stop_gradient(dest.reshape(k, t).transpose(1, 0))
+        row = ops.stop_gradient(row.reshape(k, t).transpose(1, 0))
+        pos = ops.stop_gradient(pos.reshape(k, t).transpose(1, 0))
+        keep = ops.stop_gradient(keep.reshape(k, t).transpose(1, 0))
+        return dest, row, pos, keep
+
+
+class FP32SoftmaxCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.FP32Softmax` (forward and backward in double precision)."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path, out_dtype=mstype.float32, core_num: int = DEFAULT_CORE_NUM,
+                 ub_bytes: int = DEFAULT_UB_BYTES):
+        super().__init__()
+        reference.check_out_dtype(out_dtype)
+        self.lib = Path(lib)
+        self.out_dtype = out_dtype
+        self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
+        grad = _custom(self.lib, "Fp32SoftmaxGradCpu",
+                       out_shape=lambda y, dy, cfg: y, out_dtype=lambda y, dy, cfg: mstype.float32)
+
+        def bprop(x, cfg, out, dout):
+            dx = grad(out, dout.astype(mstype.float32), cfg)  # dL/dx = y * (dy - sum(dy * y))
+            return dx.astype(x.dtype), ops.zeros_like(cfg)
+
+        self.op = _custom(self.lib, "Fp32SoftmaxCpu",
+                          out_shape=lambda x, cfg: x, out_dtype=lambda x, cfg: mstype.float32, bprop=bprop)
+
+    def construct(self, x):
+        y = self.op(x, self.cfg)
+        if self.out_dtype != mstype.float32:
+            y = y.astype(self.out_dtype)
+        return y
+
+
+class RepetitionPenaltyCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.RepetitionPenalty` (inputs validated by the caller)."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path, core_num: int = DEFAULT_CORE_NUM, ub_bytes: int = DEFAULT_UB_BYTES):
+        super().__init__()
+        self.lib = Path(lib)
+        self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
+        self.op = _custom(self.lib, "RepetitionPenaltyCpu",
+                          out_shape=lambda logits, ids, p, cfg: logits, out_dtype=lambda logits, ids, p, cfg: logits)
+
+    def construct(self, logits, token_ids, penalty):
+        # penalty: python float (validated by the public Cell)
+        return self.op(logits, token_ids.astype(mstype.int32), ms.Tensor([penalty], mstype.float32), self.cfg)

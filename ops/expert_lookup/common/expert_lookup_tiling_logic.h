@@ -1,0 +1,100 @@
+// ExpertLookup tiling: how the k-major stream of routed slots is cut into cores and tiles.
+//
+// Shared by op_host, op_kernel and the CPU kernel (which walks the same schedule).
+//
+// Input is the router's choice flattened in k-major order (slot s = j * T + i for
+// token i, choice j), so a slot's position in its expert's capacity buffer is the
+// number of earlier slots with the same expert. The work is three phases:
+//   1. count:  each core histograms the expert ids of its chunk of slots and
+//              writes the histogram to its row of a GM workspace [cores, E];
+//   2. sync:   all cores wait (SyncAll on Ascend; phase boundary on CPU);
+//   3. assign: each core starts every expert's counter at the sum of the earlier
+//              cores' histograms and walks its chunk again in order, giving each
+//              slot its position, destination rank, buffer row and keep flag.
+// Chunks are multiples of 8 slots (32 bytes of int32) so every core's GM offset
+// is block aligned; the last used core takes the tail. Within a core, the chunk
+// is walked in UB tiles of `tile` slots; the last tile of a chunk is shorter.
+#ifndef MSDS_EXPERT_LOOKUP_TILING_LOGIC_H
+#define MSDS_EXPERT_LOOKUP_TILING_LOGIC_H
+
+#include "msds_kernel_common.h"
+
+namespace msds {
+namespace expert_lookup {
+
+constexpr int64_t kAlign = kBlockBytes / 4;  // int32 / float32 elements per block
+constexpr int64_t kBufferNum = 2;
+
+struct ExpertLookupTiling {
+  int64_t slots;             // T * k
+  int64_t num_experts;       // E (rows of the placement table)
+  int64_t experts_per_rank;  // E_local
+  int64_t capacity;          // per-expert buffer rows
+  int64_t used_cores;
+  int64_t chunk;             // slots per core (multiple of kAlign) ...
+  int64_t last_chunk;        // ... except the last used core
+  int64_t tile;              // slots per UB tile (multiple of kAlign)
+  int64_t hist_stride;       // workspace row length: E rounded up to kAlign
+  int64_t workspace_bytes;   // GM workspace for the per-core histograms
+};
+
+// UB bytes per slot of a tile: double-buffered ids in, and four double-buffered
+// outputs (dest_rank, buffer_row, position as int32, keep as float32).
+MSDS_INLINE int64_t BytesPerSlot() { return kBufferNum * 4 + kBufferNum * 4 * 4; }
+
+// UB bytes that do not depend on the tile: the placement table [E, 2] and the
+// running counters [E] plus one histogram row being summed, all int32.
+MSDS_INLINE int64_t FixedUbBytes(int64_t num_experts) {
+  int64_t e = AlignUp(num_experts, kAlign);
+  return (2 * e + e + e) * 4;
+}
+
+MSDS_INLINE int ComputeTiling(int64_t slots, int64_t num_experts, int64_t experts_per_rank, int64_t capacity,
+                              int64_t core_num, int64_t ub_bytes, ExpertLookupTiling* t) {
+  if (slots < 0 || num_experts < 1) return kErrBadShape;
+  if (experts_per_rank < 1 || capacity < 0 || core_num < 1) return kErrBadConfig;
+  t->slots = slots;
+  t->num_experts = num_experts;
+  t->experts_per_rank = experts_per_rank;
+  t->capacity = capacity;
+  t->hist_stride = AlignUp(num_experts, kAlign);
+  t->chunk = AlignedChunks(slots, core_num, kAlign, &t->used_cores);
+  t->last_chunk = t->used_cores > 0 ? slots - (t->used_cores - 1) * t->chunk : 0;
+  t->workspace_bytes = t->used_cores * t->hist_stride * 4;
+  int64_t budget = ub_bytes - kUbReserveBytes - FixedUbBytes(num_experts);
+  int64_t fit = AlignDown(budget > 0 ? budget / BytesPerSlot() : 0, kAlign);
+  if (fit < kAlign) return kErrUbTooSmall;
+  t->tile = slots > 0 ? Min64(fit, t->chunk) : fit;
+  return kOk;
+}
+
+// Slots [*start, *start + *count) belong to core `core`.
+MSDS_INLINE void CoreSlots(const ExpertLookupTiling& t, int64_t core, int64_t* start, int64_t* count) {
+  if (core >= t.used_cores) {
+    *start = t.slots;
+    *count = 0;
+    return;
+  }
+  *start = core * t.chunk;
+  *count = core + 1 == t.used_cores ? t.last_chunk : t.chunk;
+}
+
+MSDS_INLINE int64_t Tiles(const ExpertLookupTiling& t, int64_t core_slots) { return CeilDiv(core_slots, t.tile); }
+
+MSDS_INLINE int64_t TileSlots(const ExpertLookupTiling& t, int64_t core_slots, int64_t tile) {
+  return Min64(t.tile, core_slots - tile * t.tile);
+}
+
+// The per-slot rule, identical on every backend.
+MSDS_INLINE void AssignSlot(int32_t rank, int32_t local_slot, int64_t position, const ExpertLookupTiling& t,
+                            int32_t* dest_rank, int32_t* buffer_row, int32_t* pos, float* keep) {
+  *dest_rank = rank;
+  *buffer_row = static_cast<int32_t>(rank * t.experts_per_rank + local_slot);
+  *pos = static_cast<int32_t>(position);
+  *keep = position < t.capacity ? 1.0f : 0.0f;
+}
+
+}  // namespace expert_lookup
+}  // namespace msds
+
+#endif  // MSDS_EXPERT_LOOKUP_TILING_LOGIC_H
