@@ -148,6 +148,29 @@ def test_shard_size_bounds_every_file_but_oversized_tensors(bf16_pair, tmp_path)
     assert read_all(tmp_path / "ms") == read_all(root / "ms")  # workers and shard size do not change bytes
 
 
+@pytest.mark.parametrize("how", ["env", "EXDEV"])
+def test_buffered_copy_fallback(bf16_pair, tmp_path, monkeypatch, how):
+    """Where copy_file_range is refused (another filesystem, old kernel) or disabled, pread/pwrite gives the same."""
+    import errno
+    import os
+
+    _, root = bf16_pair
+    calls = []
+    if how == "env":
+        monkeypatch.setenv("MS_DEEPSEEK_NO_COPY_FILE_RANGE", "1")
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: calls.append(a) or 1 / 0)
+    else:
+        monkeypatch.delenv("MS_DEEPSEEK_NO_COPY_FILE_RANGE", raising=False)
+
+        def refuse(*args):
+            calls.append(args)
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    hf_to_ms(root / "hf", tmp_path / "ms", shard_size="30KB", workers=2, progress=False)
+    assert read_all(tmp_path / "ms") == read_all(root / "ms")
+    assert (len(calls) == 0) if how == "env" else (len(calls) >= 1)
+
+
 # ------------------------------------------------------------------ readers: safetensors and MindSpore
 def test_safe_open_reads_converted_files(tmp_path):
     src = FIXTURES / "v2"

@@ -177,18 +177,24 @@ def build_header(tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, s
     return struct.pack("<Q", len(raw)) + raw
 
 
+def kernel_copy_enabled() -> bool:
+    """``os.copy_file_range`` unless ``MS_DEEPSEEK_NO_COPY_FILE_RANGE=1`` (for filesystems that mishandle it)."""
+    return hasattr(os, "copy_file_range") and os.environ.get("MS_DEEPSEEK_NO_COPY_FILE_RANGE", "") != "1"
+
+
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int,
-               on_bytes: Callable[[int], None], state: Dict[str, bool]) -> int:
+               on_bytes: Callable[[int], None], state: Dict[str, object]) -> int:
     """Copy ``count`` bytes; returns how many were copied (fewer only if the source ended early).
 
     Uses ``os.copy_file_range`` (in-kernel, no user-space buffer) and falls back to a
-    bounded pread/pwrite loop where the kernel or filesystem refuses it.
+    pread/pwrite loop through one reused 64 MB buffer where the kernel or filesystem
+    refuses it, so memory stays bounded either way.
     """
     done = 0
     while done < count:
         step = min(_COPY_CHUNK, count - done)
         got = -1
-        if state.get("kernel_copy", True):
+        if state.setdefault("kernel_copy", kernel_copy_enabled()):
             try:
                 got = os.copy_file_range(src_fd, dst_fd, step, src_off + done, dst_off + done)
             except OSError as exc:
@@ -196,12 +202,13 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int,
                     raise
                 state["kernel_copy"] = False
         if got < 0:
-            data = os.pread(src_fd, step, src_off + done)
-            got = len(data)
-            view = memoryview(data)
+            buf = state.get("buffer")
+            if buf is None or len(buf) < step:  # grows to the largest step seen, at most _COPY_CHUNK
+                buf = state["buffer"] = memoryview(bytearray(step))
+            got = os.preadv(src_fd, [buf[:step]], src_off + done)
             written = 0
             while written < got:
-                written += os.pwrite(dst_fd, view[written:], dst_off + done + written)
+                written += os.pwrite(dst_fd, buf[written:got], dst_off + done + written)
         if got == 0:
             return done
         done += got
@@ -213,7 +220,7 @@ def write_file(path: Path, tensors: Sequence[OutTensor], metadata: Optional[Mapp
                on_bytes: Callable[[int], None] = lambda n: None, fsync: bool = True) -> int:
     """Write one safetensors file from byte ranges of other files; returns the file size."""
     header = build_header(tensors, metadata)
-    state: Dict[str, bool] = {}
+    state: Dict[str, object] = {}
     fds: Dict[Path, int] = {}
     out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
