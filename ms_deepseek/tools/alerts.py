@@ -1,0 +1,246 @@
+"""Training-health alert rules: one implementation for the trainer's console and the report.
+
+``AlertMonitor.observe(record)`` takes one metrics record (the dict written to
+metrics.jsonl, see the shared interfaces) and returns the alerts that this
+record *opened*. An alert is an episode: while its condition keeps holding, the
+same Alert object's ``last_step`` (and message) follow along, so the report,
+which feeds the whole file through one monitor, shows one alert per episode
+with its step range, and the console prints each episode once, when it starts.
+
+Rule ids (cited by docs/troubleshooting.md as ``alert:<id>``) are in :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterable, List, Optional
+
+from ms_deepseek.tools.metrics_io import finite, normalize_record, number
+
+RULES: Dict[str, str] = {
+    "grad_norm_high": "gradient norm above 1 for 10 consecutive logs",
+    "grad_norm_low": "gradient norm below 1e-4 for 10 consecutive logs",
+    "expert_starved": "an expert gets under 50% of its fair share of routed tokens over the last 20 logs",
+    "loss_spike": "loss above the mean of the last 50 logs by more than 4 standard deviations",
+    "non_finite": "NaN or Inf in loss, total_loss, grad_norm, lr, balance losses or tokens/s",
+    "throughput_drop": "tokens/s below half the median of the last 20 logs",
+}
+
+# Bounds of the healthy gradient-norm band (the report shades it).
+GRAD_NORM_HIGH = 1.0
+GRAD_NORM_LOW = 1e-4
+
+FINITE_KEYS = ("loss", "total_loss", "grad_norm", "lr", "balance_expert", "balance_device", "balance_comm",
+               "tokens_per_s")
+
+
+@dataclass
+class Alert:
+    rule: str
+    message: str
+    first_step: int
+    last_step: int
+    key: str = ""  # what the episode is about (MoE layer for expert_starved), "" otherwise
+
+    @property
+    def steps(self) -> str:
+        return f"step {self.first_step}" if self.first_step == self.last_step else \
+            f"steps {self.first_step}-{self.last_step}"
+
+    def __str__(self) -> str:
+        return f"[alert:{self.rule}] {self.steps}: {self.message}"
+
+
+@dataclass
+class AlertConfig:
+    streak: int = 10  # consecutive logs for the gradient-norm rules
+    grad_high: float = GRAD_NORM_HIGH
+    grad_low: float = GRAD_NORM_LOW
+    expert_window: int = 20
+    expert_fraction: float = 0.5  # of the fair share 1/E
+    spike_window: int = 50
+    spike_min_history: int = 10
+    spike_sigmas: float = 4.0
+    spike_min_rel_std: float = 0.01  # std floor, relative to |mean|: a flat loss must not alert on noise
+    throughput_window: int = 20
+    throughput_min_history: int = 5
+    throughput_fraction: float = 0.5
+
+
+class _Streak:
+    """``count`` consecutive finite values satisfying ``pred`` open an episode."""
+
+    def __init__(self, rule: str, need: int, pred, describe):
+        self.rule, self.need, self.pred, self.describe = rule, need, pred, describe
+        self.start: Optional[int] = None
+        self.values: List[float] = []
+        self.open: Optional[Alert] = None
+
+    def observe(self, step: int, value: Optional[float]) -> Optional[Alert]:
+        if value is None:
+            return None  # key not logged this time: the streak neither grows nor breaks
+        if not math.isfinite(value) or not self.pred(value):
+            self.start, self.values, self.open = None, [], None
+            return None
+        if self.start is None:
+            self.start = step
+        self.values.append(value)
+        if len(self.values) < self.need:
+            return None
+        message = self.describe(self.values)
+        if self.open is None:
+            self.open = Alert(self.rule, message, self.start, step)
+            return self.open
+        self.open.last_step, self.open.message = step, message
+        return None
+
+
+class AlertMonitor:
+    """Feed records in step order with :meth:`observe`; every alert so far is in :attr:`alerts`."""
+
+    def __init__(self, config: Optional[AlertConfig] = None):
+        self.cfg = cfg = config or AlertConfig()
+        self.alerts: List[Alert] = []
+        self._grad_high = _Streak(
+            "grad_norm_high", cfg.streak, lambda v: v > cfg.grad_high,
+            lambda vs: f"gradient norm above {cfg.grad_high:g} for {len(vs)} consecutive logs (max {max(vs):.3g})")
+        self._grad_low = _Streak(
+            "grad_norm_low", cfg.streak, lambda v: v < cfg.grad_low,
+            lambda vs: f"gradient norm below {cfg.grad_low:g} for {len(vs)} consecutive logs (min {min(vs):.3g})")
+        self._loads: Dict[str, Deque] = {}
+        self._starved_open: Dict[str, Alert] = {}
+        self._starved_seen: Dict[str, Dict[int, float]] = {}
+        self._losses: Deque[float] = deque(maxlen=cfg.spike_window)
+        self._spike_open: Optional[Alert] = None
+        self._nonfinite_open: Optional[Alert] = None
+        self._tps: Deque[float] = deque(maxlen=cfg.throughput_window)
+        self._tps_open: Optional[Alert] = None
+        self._tps_baseline = 0.0
+
+    # -- public -------------------------------------------------------------------------------
+    def observe(self, record: Dict[str, Any]) -> List[Alert]:
+        """Alerts opened by ``record`` (episodes that continue are updated in place, not returned)."""
+        rec = normalize_record(record)
+        step = int(rec.get("step", 0))
+        opened = [a for a in (
+            self._grad_high.observe(step, number(rec, "grad_norm")),
+            self._grad_low.observe(step, number(rec, "grad_norm")),
+            self._non_finite(step, rec),
+            self._loss_spike(step, number(rec, "loss")),
+            self._throughput(step, number(rec, "tokens_per_s")),
+        ) if a is not None]
+        opened += self._expert_starved(step, rec.get("expert_load"))
+        self.alerts.extend(opened)
+        return opened
+
+    def observe_all(self, records: Iterable[Dict[str, Any]]) -> List[Alert]:
+        for record in records:
+            self.observe(record)
+        return self.alerts
+
+    # -- rules --------------------------------------------------------------------------------
+    def _non_finite(self, step: int, rec: Dict[str, Any]) -> Optional[Alert]:
+        bad = [k for k in FINITE_KEYS if number(rec, k) is not None and not math.isfinite(number(rec, k))]
+        # With a dynamic loss scale an inf/NaN gradient norm alone is an overflow the trainer skips.
+        if bad == ["grad_norm"] and "loss_scale" in rec:
+            bad = []
+        if not bad:
+            self._nonfinite_open = None
+            return None
+        text = ", ".join(f"{k}={number(rec, k)}" for k in bad)
+        if self._nonfinite_open is None:
+            self._nonfinite_open = Alert("non_finite", f"non-finite values: {text}", step, step)
+            return self._nonfinite_open
+        self._nonfinite_open.last_step = step
+        self._nonfinite_open.message = f"non-finite values (last: {text})"
+        return None
+
+    def _loss_spike(self, step: int, loss: Optional[float]) -> Optional[Alert]:
+        if not finite(loss):
+            return None
+        history = self._losses
+        opened = None
+        if len(history) >= self.cfg.spike_min_history:
+            mean = statistics.fmean(history)
+            std = max(statistics.pstdev(history), self.cfg.spike_min_rel_std * abs(mean))
+            sigmas = (loss - mean) / std
+            if sigmas > self.cfg.spike_sigmas:
+                text = (f"loss {loss:.4g} is {sigmas:.1f} standard deviations above the mean {mean:.4g} "
+                        f"of the last {len(history)} logs")
+                if self._spike_open is None:
+                    self._spike_open = opened = Alert("loss_spike", text, step, step)
+                else:
+                    self._spike_open.last_step = step
+            else:
+                self._spike_open = None
+        history.append(loss)
+        return opened
+
+    def _throughput(self, step: int, tps: Optional[float]) -> Optional[Alert]:
+        if not finite(tps):
+            return None
+        cfg = self.cfg
+        if self._tps_open is not None:
+            if tps < cfg.throughput_fraction * self._tps_baseline:
+                self._tps_open.last_step = step
+                return None
+            self._tps_open = None  # recovered
+            self._tps.append(tps)
+            return None
+        if len(self._tps) >= cfg.throughput_min_history:
+            baseline = statistics.median(self._tps)
+            if tps < cfg.throughput_fraction * baseline:
+                self._tps_baseline = baseline
+                self._tps_open = Alert("throughput_drop",
+                                       f"tokens/s fell to {tps:.4g} from a median of {baseline:.4g} "
+                                       f"over the last {len(self._tps)} logs", step, step)
+                return self._tps_open
+        self._tps.append(tps)
+        return None
+
+    def _expert_starved(self, step: int, loads: Any) -> List[Alert]:
+        if not isinstance(loads, dict):
+            return []
+        cfg, opened = self.cfg, []
+        for layer, load in loads.items():
+            if not isinstance(load, list) or not load or not all(finite(_f(x)) for x in load):
+                continue
+            window = self._loads.setdefault(layer, deque(maxlen=cfg.expert_window))
+            window.append((step, [float(x) for x in load]))
+            if len(window) < cfg.expert_window or len({len(v) for _, v in window}) != 1:
+                continue
+            n = len(load)
+            mean = [sum(v[e] for _, v in window) / len(window) for e in range(n)]
+            fair = 1.0 / n
+            starved = {e: m for e, m in enumerate(mean) if m < cfg.expert_fraction * fair}
+            if not starved:
+                self._starved_open.pop(layer, None)
+                continue
+            seen = self._starved_seen.setdefault(layer, {}) if layer in self._starved_open else {}
+            for e, m in starved.items():
+                seen[e] = min(m, seen.get(e, m))
+            self._starved_seen[layer] = seen
+            listing = ", ".join(f"{e} ({100 * m:.1f}%)" for e, m in sorted(seen.items())[:8])
+            more = f" and {len(seen) - 8} more" if len(seen) > 8 else ""
+            text = (f"MoE layer {layer}: expert(s) {listing}{more} below {100 * cfg.expert_fraction * fair:.1f}% "
+                    f"of routed slots over {len(window)} logs (fair share {100 * fair:.1f}%)")
+            if layer in self._starved_open:
+                alert = self._starved_open[layer]
+                alert.last_step, alert.message = step, text
+            else:
+                alert = Alert("expert_starved", text, window[0][0], step, key=str(layer))
+                self._starved_open[layer] = alert
+                opened.append(alert)
+        return opened
+
+
+def _f(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def scan(records: Iterable[Dict[str, Any]], config: Optional[AlertConfig] = None) -> List[Alert]:
+    """Every alert episode of a whole run (what the report shows)."""
+    return AlertMonitor(config).observe_all(records)

@@ -1,0 +1,85 @@
+"""Reading ``RUN_DIR/metrics.jsonl`` while a run may still be writing it.
+
+Tolerates what a live or crashed run leaves: the strings "NaN" / "Infinity" /
+"-Infinity" for non-finite numbers (anywhere, also inside expert_load lists),
+missing optional keys, blank lines, a truncated last line, and unreadable lines
+in the middle (skipped and counted, so the report can say so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ms_deepseek.errors import UserError
+
+SPECIAL = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def decode_value(value: Any) -> Any:
+    """Turn the non-finite strings back into floats, recursively."""
+    if isinstance(value, str):
+        return SPECIAL.get(value, value)
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+def normalize_record(record: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: decode_value(v) for k, v in record.items()}
+
+
+def number(record: Dict[str, Any], key: str) -> Optional[float]:
+    """``record[key]`` as a float (NaN / inf kept), None when absent or not a number."""
+    value = record.get(key)
+    if isinstance(value, str):
+        value = SPECIAL.get(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+@dataclass
+class MetricsFile:
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    skipped_lines: List[int] = field(default_factory=list)  # 1-based numbers of unreadable lines
+    truncated_tail: bool = False  # the last line was cut off (run still writing, or crashed mid-write)
+
+
+def read_metrics(path) -> MetricsFile:
+    """Parse a metrics.jsonl; raises UserError only when the file itself is missing."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no metrics file (is this a run folder? the trainer writes metrics.jsonl)") \
+            from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    result = MetricsFile()
+    lines = text.split("\n")
+    last_index = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a step record")
+        except ValueError:
+            if i == last_index and not text.endswith("\n"):
+                result.truncated_tail = True
+            else:
+                result.skipped_lines.append(i + 1)
+            continue
+        result.records.append(normalize_record(record))
+    return result
