@@ -263,9 +263,6 @@ def validate(recipe: Recipe) -> None:
     if vocab > cfg.vocab_size:
         raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
                         f"(raise model.overrides.vocab_size or use a smaller tokenizer)")
-    if recipe.checkpoint.save_interval > recipe.train.steps:
-        raise UserError(f"checkpoint.save_interval: {recipe.checkpoint.save_interval} is more than train.steps "
-                        f"{recipe.train.steps} (no checkpoint would be written before the end)")
 
 
 def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe") -> Recipe:

@@ -1,0 +1,57 @@
+"""``ms-deepseek train RECIPE``: train a recipe in this process (one worker, or one msrun worker).
+
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny
+    ms-deepseek train recipes/tiny-cpu.yaml --set train.steps=50 --set optim.lr=1e-3
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume          # newest checkpoint
+    ms-deepseek train recipes/tiny-cpu.yaml --resume runs/tiny/checkpoints/step_00000100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (see recipes/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
+    parser.add_argument("--output", "-o", default=None,
+                        help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                        help="continue from the newest checkpoint of --output, or from PATH")
+    parser.add_argument("--force", action="store_true",
+                        help="run even if the memory planner says the layout does not fit")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many steps in total (the LR schedule still spans train.steps)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def default_run_dir(recipe_path: str) -> Path:
+    return Path("runs") / Path(recipe_path).stem
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.errors import UserError
+    from ms_deepseek.train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
+    run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
+    from ms_deepseek.train.trainer import train
+
+    result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
+                   max_steps=args.max_steps)
+    rank = int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0)
+    if result.metrics_path is not None or rank == 0:
+        first = f" (first {result.losses[0]:.4f})" if result.losses else ""
+        print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
+              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s")
+        if result.checkpoint is not None:
+            print(f"checkpoint: {result.checkpoint}")
+        if result.metrics_path is not None:
+            print(f"metrics:    {result.metrics_path}")
+            print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
+    return 0
