@@ -95,7 +95,7 @@ def test_requirements_override_and_bad_lines(tmp_path):
 
 # ------------------------------------------------------------------------------- verdicts on recorded hosts
 
-HEALTHY_NPU_CHECKS = ["cann", "npu_devices", "npu_health", "npu_ecc", "swappiness", "disk_space",
+HEALTHY_NPU_CHECKS = ["cann", "npu_devices", "npu_health", "npu_memory", "npu_ecc", "swappiness", "disk_space",
                       "device_count", "hccn_conf", "nic_mtu", "hccl_timeouts"]
 
 
@@ -143,6 +143,14 @@ def test_mixed_mtu_and_missing_hccn_entries():
     assert res.status == FAIL and "address_7 missing" in res.message and "[9]" in res.message
 
 
+def test_hbm_taken_by_another_process():
+    p = probe("healthy")
+    p.commands["npu-smi info"] = CommandResult(0, p.commands["npu-smi info"].stdout.replace(
+        "3304 / 65536", "41697/ 65536"))
+    res = run_check(REGISTRY["npu_memory"], DoctorContext(probe=p))
+    assert res.status == WARN and "NPU 4: 40.7 of 64 GB" in res.message and "npu-smi" in res.fix
+
+
 def test_hccl_timeout_values():
     def res(**env):
         p = probe("healthy")
@@ -165,7 +173,8 @@ def test_hccl_timeout_values():
 def test_no_npu_host_skips_npu_checks_and_runs_the_rest():
     ctx = ctx_for("no_npu", level=8)
     results = {c.id: run_check(c, ctx) for c in checks_for_level(8) if not c.heavy}
-    for cid in ("cann", "npu_devices", "npu_health", "npu_ecc", "device_count", "hccn_conf", "nic_mtu"):
+    for cid in ("cann", "npu_devices", "npu_health", "npu_memory", "npu_ecc", "device_count", "hccn_conf",
+                "nic_mtu"):
         assert results[cid].status == SKIP and results[cid].message.startswith("skipped: no NPU"), results[cid]
     assert "enp189s0f0 mtu 1500" in results["nic_mtu"].message
     assert results["swappiness"].status == PASS and results["disk_space"].status == PASS

@@ -46,7 +46,14 @@ def synth_records(n=300, plant=(), layers=("1", "2"), experts=8, seed=0, memory=
         if step == 1:
             rec["tokens_per_s"] = 900.0  # the first step pays for compilation
         if memory:
-            rec.update(memory_allocated_gb=10 + step / 100, memory_reserved_gb=12.0, memory_fragmentation=0.05)
+            rec.update(memory_allocated_gb=10.0 + 0.05 * rnd.uniform(-1, 1), memory_reserved_gb=12.0,
+                       memory_fragmentation=0.05 + 0.01 * rnd.uniform(-1, 1))
+            if step <= 5:  # allocator warm-up
+                rec["memory_allocated_gb"] = 6.0 + step
+        if "memory_growth" in plant and step >= 150:
+            rec["memory_allocated_gb"] += 0.05 * (step - 150)
+        if "memory_fragmented" in plant and 120 <= step < 135:
+            rec["memory_fragmentation"] = 0.45
         if "grad_norm_high" in plant and 100 <= step < 115:
             rec["grad_norm"] = 2.5
         if "grad_norm_low" in plant and 200 <= step < 212:
@@ -78,6 +85,7 @@ EXPECTED = {
     "loss_spike": (250, 250),
     "non_finite": (270, 270),
     "throughput_drop": (280, 289),
+    "memory_fragmented": (120, 134),
 }
 
 
@@ -92,7 +100,10 @@ def test_planted_anomaly_gives_exactly_its_alert(rule, tmp_path):
     alerts = scan(read_metrics(run / "metrics.jsonl").records)
     assert [a.rule for a in alerts] == [rule], [str(a) for a in alerts]
     (alert,) = alerts
-    if rule == "expert_starved":
+    if rule == "memory_growth":
+        # median of the last 20 logs passes 10.0 * 1.1 + 0.25 GB about 35 steps into the growth
+        assert 180 <= alert.first_step <= 195 and alert.last_step == 300 and "grew from 10.0" in alert.message
+    elif rule == "expert_starved":
         # window of 20 logs: opens once the mean falls below half the fair share, ends when it recovers
         assert alert.key == "2" and "expert(s) 5 " in alert.message
         assert 140 <= alert.first_step <= 160 and 199 <= alert.last_step <= 215

@@ -27,6 +27,9 @@ RULES: Dict[str, str] = {
     "loss_spike": "loss above the mean of the last 50 logs by more than 4 standard deviations",
     "non_finite": "NaN or Inf in loss, total_loss, grad_norm, lr, balance losses or tokens/s",
     "throughput_drop": "tokens/s below half the median of the last 20 logs",
+    "memory_growth": "device memory allocated (median of the last 20 logs) over 10% + 0.25 GB above its "
+                     "level after warm-up (logs 21-40)",
+    "memory_fragmented": "memory fragmentation above 0.3 for 10 consecutive logs",
 }
 
 # Bounds of the healthy gradient-norm band (the report shades it).
@@ -68,6 +71,10 @@ class AlertConfig:
     throughput_window: int = 20
     throughput_min_history: int = 5
     throughput_fraction: float = 0.5
+    memory_window: int = 20
+    memory_growth: float = 0.10  # relative
+    memory_slack_gb: float = 0.25  # absolute, so allocator noise on small runs does not alert
+    fragmentation: float = 0.3
 
 
 class _Streak:
@@ -119,6 +126,13 @@ class AlertMonitor:
         self._tps: Deque[float] = deque(maxlen=cfg.throughput_window)
         self._tps_open: Optional[Alert] = None
         self._tps_baseline = 0.0
+        self._fragmented = _Streak(
+            "memory_fragmented", cfg.streak, lambda v: v > cfg.fragmentation,
+            lambda vs: f"memory fragmentation above {cfg.fragmentation:g} for {len(vs)} consecutive logs "
+                       f"(max {max(vs):.2f}): the allocator holds memory it cannot reuse")
+        self._mem: List[float] = []
+        self._mem_baseline: Optional[float] = None
+        self._mem_open: Optional[Alert] = None
 
     # -- public -------------------------------------------------------------------------------
     def observe(self, record: Dict[str, Any]) -> List[Alert]:
@@ -131,6 +145,8 @@ class AlertMonitor:
             self._non_finite(step, rec),
             self._loss_spike(step, number(rec, "loss")),
             self._throughput(step, number(rec, "tokens_per_s")),
+            self._memory_growth(step, number(rec, "memory_allocated_gb")),
+            self._fragmented.observe(step, number(rec, "memory_fragmentation")),
         ) if a is not None]
         opened += self._expert_starved(step, rec.get("expert_load"))
         self.alerts.extend(opened)
@@ -199,6 +215,30 @@ class AlertMonitor:
                                        f"over the last {len(self._tps)} logs", step, step)
                 return self._tps_open
         self._tps.append(tps)
+        return None
+
+    def _memory_growth(self, step: int, gb: Optional[float]) -> Optional[Alert]:
+        if not finite(gb):
+            return None
+        w = self.cfg.memory_window
+        self._mem.append(gb)
+        if self._mem_baseline is None:
+            if len(self._mem) < 2 * w:
+                return None
+            # the first window is warm-up (compilation, allocator growth); the second is the baseline
+            self._mem_baseline = statistics.median(self._mem[w:2 * w])
+        del self._mem[:-w]  # keep the last window only
+        recent = statistics.median(self._mem)
+        base = self._mem_baseline
+        if recent <= base * (1 + self.cfg.memory_growth) + self.cfg.memory_slack_gb:
+            self._mem_open = None
+            return None
+        text = (f"device memory allocated grew from {base:.2f} GB after warm-up to {recent:.2f} GB "
+                f"(median of the last {w} logs): a leak or growing buffers end in out-of-memory")
+        if self._mem_open is None:
+            self._mem_open = Alert("memory_growth", text, step, step)
+            return self._mem_open
+        self._mem_open.last_step, self._mem_open.message = step, text
         return None
 
     def _expert_starved(self, step: int, loads: Any) -> List[Alert]:

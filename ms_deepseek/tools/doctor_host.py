@@ -240,6 +240,27 @@ def check_npu_health(ctx: DoctorContext) -> CheckResult:
     return failed(f"unhealthy: {text}", fix)
 
 
+HBM_BUSY_FRACTION = 0.15  # an idle 910B shows ~3.3 of 64 GB in use (driver reserve); more means a tenant
+
+
+@check("npu_memory", 1, "NPU HBM free before training")
+def check_npu_memory(ctx: DoctorContext) -> CheckResult:
+    bad = _npu_error(ctx)
+    if bad:
+        return bad
+    devices = [d for d in npu_state(ctx)[2] if d.hbm_total_mb]
+    if not devices:
+        return warned("npu-smi shows no HBM usage column", "run `npu-smi info` by hand")
+    busy = [f"NPU {d.npu_id}: {d.hbm_used_mb / 1024:.1f} of {d.hbm_total_mb / 1024:.0f} GB in use"
+            for d in devices if d.hbm_used_mb > HBM_BUSY_FRACTION * d.hbm_total_mb]
+    if busy:
+        return warned("HBM already taken by another process: " + "; ".join(busy),
+                      "find it with `npu-smi info` (process table) and stop it, or the run may fail with "
+                      "out-of-memory at start")
+    worst = max(d.hbm_used_mb / d.hbm_total_mb for d in devices)
+    return passed(f"HBM free on all {len(devices)} NPU(s) (at most {100 * worst:.0f}% in use)")
+
+
 @check("npu_ecc", 1, "NPU HBM ECC error counters")
 def check_npu_ecc(ctx: DoctorContext) -> CheckResult:
     bad = _npu_error(ctx)
