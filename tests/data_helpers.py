@@ -67,3 +67,14 @@ def write_jsonl(path: Path, records) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def read_rows(folder):
+    """All rows of a prepared folder in reading order (MindDataset, no shuffle)."""
+    import mindspore.dataset as ds
+
+    from ms_deepseek.data.storage import load_meta, shard_paths
+
+    meta = load_meta(folder)
+    pipe = ds.MindDataset(shard_paths(folder, meta), columns_list=["input_ids", "labels", "length"], shuffle=False)
+    return list(pipe.create_dict_iterator(num_epochs=1, output_numpy=True))

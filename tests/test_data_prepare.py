@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from data_helpers import BOS_ID, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, write_jsonl
+from data_helpers import BOS_ID, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, read_rows, write_jsonl
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.prepare import prepare_data, prepare_embedded_default, stdlib_files
-from ms_deepseek.data.storage import load_meta, shard_paths
+from ms_deepseek.data.storage import load_meta
 from ms_deepseek.data.tokenizer import load_tokenizer
 from ms_deepseek.errors import UserError
 
@@ -18,15 +18,6 @@ def tok_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     make_byte_tokenizer(folder)
     return folder
-
-
-def read_rows(folder):
-    """All rows in storage order, read back with MindDataset."""
-    import mindspore.dataset as ds
-
-    meta = load_meta(folder)
-    pipe = ds.MindDataset(shard_paths(folder, meta), columns_list=["input_ids", "labels", "length"], shuffle=False)
-    return list(pipe.create_dict_iterator(num_epochs=1, output_numpy=True))
 
 
 def _siblings(path):
@@ -154,6 +145,11 @@ def test_cli(tmp_path, tok_dir, capsys):
     with pytest.raises(SystemExit) as ex:
         main(["prepare-data", "--help"])
     assert ex.value.code == 0 and "--embedded-default" in capsys.readouterr().out
+    assert main(["prepare-data", str(data), "--embedded-default", "--output", str(tmp_path / "e")]) == 2
+    assert "drop INPUTs" in capsys.readouterr().err
+    assert main(["prepare-data", "--embedded-default", "--output", str(tmp_path / "e"), "--seq-len", "32",
+                 "--vocab-size", "512", "--max-bytes", "30000", "--no-progress"]) == 0
+    assert "wrote " in capsys.readouterr().out and load_meta(tmp_path / "e")["seq_len"] == 32
 
 
 def test_embedded_default_small(tmp_path):

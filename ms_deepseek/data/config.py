@@ -43,7 +43,7 @@ class DataConfig:
     bucket_boundaries: SFT only: the padded lengths of the length buckets,
         strictly increasing, each <= seq_len (seq_len is always added as the
         last bucket). None: powers of two from 32 up to seq_len.
-    num_workers: MindDataset reader threads.
+    num_workers: MindDataset reader threads (capped at the CPU count).
     embedded_default: use the embedded corpus when ``path`` is not set.
     embedded_vocab_size / embedded_max_bytes: size of the embedded corpus's
         tokenizer and of its text.
