@@ -5,6 +5,7 @@ from __future__ import annotations
 from mindspore import nn
 from mindspore.common import dtype as mstype
 
+from ms_deepseek.errors import UserError
 from ms_deepseek.ops import backend, reference
 
 
@@ -31,6 +32,18 @@ class ExpertLookup(nn.Cell):
         self.num_experts = num_experts
         self.experts_per_rank = experts_per_rank
         self.impl = backend.make("expert_lookup", num_experts=num_experts, experts_per_rank=experts_per_rank)
+
+    def __call__(self, topk_ids, placement, capacity):
+        # PyNative entry: check the python arguments here (inside a compiled graph the
+        # enclosing Cell inlines construct() and capacity is a compile-time constant).
+        reference.check_capacity(capacity)
+        if placement.shape != (self.num_experts, 2):
+            raise UserError(
+                f"ExpertLookup: placement must have shape ({self.num_experts}, 2), got {tuple(placement.shape)}"
+            )
+        if topk_ids.ndim != 2:
+            raise UserError(f"ExpertLookup: topk_ids must be [tokens, k], got shape {tuple(topk_ids.shape)}")
+        return super().__call__(topk_ids, placement, capacity)
 
     def construct(self, topk_ids, placement, capacity):
         return self.impl(topk_ids, placement, capacity)

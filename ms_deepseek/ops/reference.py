@@ -76,6 +76,8 @@ class ExpertLookupReference(nn.Cell):
     See :class:`ms_deepseek.ops.ExpertLookup` for the contract.
     """
 
+    kind = "reference"
+
     def __init__(self, num_experts: int, experts_per_rank: int):
         super().__init__()
         check_lookup_args(num_experts, experts_per_rank)
@@ -107,6 +109,8 @@ class ExpertLookupReference(nn.Cell):
 class FP32SoftmaxReference(nn.Cell):
     """Max-subtracted softmax over the last axis in float32, cast to ``out_dtype``."""
 
+    kind = "reference"
+
     def __init__(self, out_dtype=mstype.float32):
         super().__init__()
         check_out_dtype(out_dtype)
@@ -126,6 +130,8 @@ class RepetitionPenaltyReference(nn.Cell):
     ``penalty`` is a python float > 0; the public Cell validates the inputs on the
     host before calling this.
     """
+
+    kind = "reference"
 
     def construct(self, logits, token_ids, penalty):
         b, length = token_ids.shape

@@ -1,0 +1,95 @@
+// ExpertLookup host side: op definition, shape/dtype inference and tiling.
+// The tiling arithmetic is expert_lookup_tiling_logic.h (shared with the CPU
+// kernel and tested on CPU). Inputs: ids (the router's top-k choices flattened
+// in k-major order) and the [E, 2] placement table; attributes: capacity and
+// experts_per_rank. The kernel needs a GM workspace for per-core histograms on
+// top of the system workspace.
+#include "expert_lookup_tiling.h"
+#include "expert_lookup_tiling_logic.h"
+#include "register/op_def_registry.h"
+#include "tiling/platform/platform_ascendc.h"
+
+namespace optiling {
+
+static ge::graphStatus ExpertLookupTiling(gert::TilingContext* context) {
+  auto platform = platform_ascendc::PlatformAscendC(context->GetPlatformInfo());
+  uint64_t ub_bytes = 0;
+  platform.GetCoreMemSize(platform_ascendc::CoreMemType::UB, ub_bytes);
+  int64_t core_num = platform.GetCoreNumAiv();
+
+  int64_t slots = context->GetInputShape(0)->GetStorageShape().GetShapeSize();
+  int64_t num_experts = context->GetInputShape(1)->GetStorageShape().GetDim(0);
+  const gert::RuntimeAttrs* attrs = context->GetAttrs();
+  int64_t capacity = *attrs->GetAttrPointer<int64_t>(0);
+  int64_t experts_per_rank = *attrs->GetAttrPointer<int64_t>(1);
+
+  msds::expert_lookup::ExpertLookupTiling t;
+  if (msds::expert_lookup::ComputeTiling(slots, num_experts, experts_per_rank, capacity, core_num,
+                                         static_cast<int64_t>(ub_bytes), &t) != msds::kOk) {
+    return ge::GRAPH_FAILED;
+  }
+  ExpertLookupTilingData data;
+  data.set_slots(t.slots);
+  data.set_num_experts(t.num_experts);
+  data.set_experts_per_rank(t.experts_per_rank);
+  data.set_capacity(t.capacity);
+  data.set_used_cores(t.used_cores);
+  data.set_chunk(t.chunk);
+  data.set_last_chunk(t.last_chunk);
+  data.set_tile(t.tile);
+  data.set_hist_stride(t.hist_stride);
+  data.set_workspace_bytes(t.workspace_bytes);
+
+  // SyncAll needs every launched core to reach it: launch exactly the used cores.
+  context->SetBlockDim(t.used_cores > 0 ? t.used_cores : 1);
+  context->SetTilingKey(1);
+  data.SaveToBuffer(context->GetRawTilingData()->GetData(), context->GetRawTilingData()->GetCapacity());
+  context->GetRawTilingData()->SetDataSize(data.GetDataSize());
+  size_t* workspace = context->GetWorkspaceSizes(1);
+  workspace[0] = platform.GetLibApiWorkSpaceSize() + static_cast<size_t>(t.workspace_bytes);
+  return ge::GRAPH_SUCCESS;
+}
+
+}  // namespace optiling
+
+namespace ge {
+
+static graphStatus ExpertLookupInferShape(gert::InferShapeContext* context) {
+  const gert::Shape* ids = context->GetInputShape(0);
+  for (size_t i = 0; i < 4; ++i) *context->GetOutputShape(i) = *ids;
+  return GRAPH_SUCCESS;
+}
+
+static graphStatus ExpertLookupInferDataType(gert::InferDataTypeContext* context) {
+  context->SetOutputDataType(0, DT_INT32);  // dest_rank
+  context->SetOutputDataType(1, DT_INT32);  // buffer_row
+  context->SetOutputDataType(2, DT_INT32);  // position
+  context->SetOutputDataType(3, DT_FLOAT);  // keep
+  return GRAPH_SUCCESS;
+}
+
+}  // namespace ge
+
+namespace ops {
+
+class ExpertLookup : public OpDef {
+ public:
+  explicit ExpertLookup(const char* name) : OpDef(name) {
+    this->Input("ids").ParamType(REQUIRED).DataType({ge::DT_INT32}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Input("placement").ParamType(REQUIRED).DataType({ge::DT_INT32}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Output("dest_rank").ParamType(REQUIRED).DataType({ge::DT_INT32}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Output("buffer_row").ParamType(REQUIRED).DataType({ge::DT_INT32}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Output("position").ParamType(REQUIRED).DataType({ge::DT_INT32}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Output("keep").ParamType(REQUIRED).DataType({ge::DT_FLOAT}).Format({ge::FORMAT_ND}).UnknownShapeFormat({ge::FORMAT_ND});
+    this->Attr("capacity").Int();
+    this->Attr("experts_per_rank").Int();
+    this->SetInferShape(ge::ExpertLookupInferShape).SetInferDataType(ge::ExpertLookupInferDataType);
+    this->AICore().SetTiling(optiling::ExpertLookupTiling);
+    this->AICore().AddConfig("ascend910b");
+    this->AICore().AddConfig("ascend910_93");
+  }
+};
+
+OP_ADD(ExpertLookup);
+
+}  // namespace ops
