@@ -211,13 +211,32 @@ def test_load_time_checks(folders, tmp_path):
         build_train_dataset(cfg(folders, "sft"), batch_size=75, rank=1, world_size=2)
 
 
-def test_embedded_default_is_built_once_and_cached(tmp_path):
+def test_embedded_default_is_built_once_and_cached(tmp_path, monkeypatch):
+    import threading
+
+    from ms_deepseek.data import prepare
+
+    calls = []
+    real = prepare.prepare_embedded_default
+    monkeypatch.setattr(prepare, "prepare_embedded_default", lambda *a, **k: calls.append(1) or real(*a, **k))
     c = DataConfig(seq_len=32, embedded_vocab_size=512, embedded_max_bytes=60_000, num_workers=1)
-    ds = build_train_dataset(c, batch_size=2, cache_dir=tmp_path, vocab_size=512, max_positions=32, progress=False)
-    batch = next(iter(ds))
-    assert batch["input_ids"].shape == (2, 32)
+    built = []
+
+    def rank():  # two ranks starting at once: one builds, the other waits and reuses
+        built.append(build_train_dataset(c, batch_size=2, cache_dir=tmp_path, vocab_size=512, max_positions=32,
+                                         progress=False))
+
+    threads = [threading.Thread(target=rank) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 2 and len(calls) == 1 and built[0].data_dir == built[1].data_dir
+    ds = built[0]
+    assert next(iter(ds))["input_ids"].shape == (2, 32)
     meta = ds.data_dir / "meta.json"
-    assert ds.data_dir.parent == tmp_path / "data" and meta.is_file()
+    assert ds.data_dir.parent == tmp_path / "data"
     stamp = meta.stat().st_mtime_ns
     again = build_train_dataset(c, batch_size=2, cache_dir=tmp_path, progress=False)
-    assert again.data_dir == ds.data_dir and meta.stat().st_mtime_ns == stamp
+    assert again.data_dir == ds.data_dir and meta.stat().st_mtime_ns == stamp and len(calls) == 1
+    assert not [p for p in ds.data_dir.parent.iterdir() if ".tmp-" in p.name]

@@ -104,6 +104,21 @@ def test_destination_is_never_half_written(tmp_path, tok_dir):
     assert load_meta(out)["seq_len"] == 4 and _siblings(out) == []
 
 
+@pytest.mark.parametrize("name, content, fmt, message", [
+    ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', "pretrain", r"bad.jsonl:2: bad JSON"),
+    ("bad.txt", b"fine\n\xff\xfe\n", "pretrain", r"bad.txt:2: not valid UTF-8"),
+    ("bad.parquet", b"PAR1 not really", "pretrain", r"bad.parquet: not a readable parquet file"),
+    ("bad.jsonl", b'{"messages": [{"role": "user"}]}\n', "sft", r"bad.jsonl:1: messages\[0\] must be an object"),
+])
+def test_bad_inputs_leave_nothing_behind(tmp_path, tok_dir, name, content, fmt, message):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello", "prompt": "q", "response": "a"}] * 3)
+    (tmp_path / name).write_bytes(content)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=message):
+        prepare_data([good, tmp_path / name], out, tok_dir, seq_len=8, fmt=fmt, progress=False)
+    assert not out.exists() and _siblings(out) == []
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"seq_len": 1}, r"--seq-len: must be an integer >= 2"),
     ({"fmt": "chat"}, r"--format: must be 'pretrain' or 'sft'"),

@@ -32,6 +32,7 @@ How the order is made (the same on every run and every rank):
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -66,15 +67,22 @@ def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] =
     dest = dest / "data" / name
     if find_meta(dest):
         return dest
-    try:
-        _, summary = prepare_embedded_default(dest, seq_len=cfg.embedded_seq_len,
-                                              vocab_size=cfg.embedded_vocab_size,
-                                              max_bytes=cfg.embedded_max_bytes, progress=progress)
-        if progress:
-            print(f"embedded default corpus: {summary}")
-    except (DestinationRaced, UserError):
-        if not find_meta(dest):
-            raise
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks on one host wait for the first builder instead of all building; across
+    # hosts on a shared file system the atomic rename below still keeps it safe.
+    with open(dest.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if find_meta(dest):
+            return dest
+        try:
+            _, summary = prepare_embedded_default(dest, seq_len=cfg.embedded_seq_len,
+                                                  vocab_size=cfg.embedded_vocab_size,
+                                                  max_bytes=cfg.embedded_max_bytes, progress=progress)
+            if progress:
+                print(f"embedded default corpus: {summary}")
+        except (DestinationRaced, UserError):
+            if not find_meta(dest):
+                raise
     return dest
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -27,7 +28,7 @@ _EOS_NAMES = ("<｜end▁of▁sentence｜>", "</s>", "<|end_of_text|>", "<|endof
 _PAD_NAMES = ("<｜▁pad▁｜>", "<pad>", "<|pad|>", "[PAD]")
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Common interface over a HuggingFace ``tokenizer.json`` or a sentencepiece ``.model``.
 
     Attributes: ``vocab_size`` (largest id + 1), ``bos_id`` (None if the tokenizer
@@ -47,19 +48,21 @@ class Tokenizer:
         ids = self._encode(text)
         return [self.bos_id] + ids if add_bos and self.bos_id is not None else ids
 
+    @abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """Token ids of many texts at once (parallel inside the tokenizer library)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_with_offsets(self, text: str) -> Tuple[List[int], List[int]]:
         """Token ids and, for each token, the character index in ``text`` where it starts."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+        """Text of ``ids``; special tokens left out unless ``skip_special_tokens`` is False."""
 
+    @abstractmethod
     def _encode(self, text: str) -> List[int]:
-        raise NotImplementedError
+        """Token ids of ``text`` without special tokens."""
 
     @property
     def special_ids(self) -> set:
