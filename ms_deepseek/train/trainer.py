@@ -61,6 +61,17 @@ def _init_distributed(dp: int):
     return rank, world
 
 
+def _device_target() -> str:
+    """MS_DEEPSEEK_DEVICE if set, else Ascend on a host with NPUs and CANN, else CPU."""
+    import shutil
+
+    if os.environ.get("MS_DEEPSEEK_DEVICE"):
+        return os.environ["MS_DEEPSEEK_DEVICE"]
+    if shutil.which("npu-smi") and os.environ.get("ASCEND_HOME_PATH"):
+        return "Ascend"
+    return "CPU"
+
+
 def _apply_recompute(model, policy: str) -> None:
     """``full``: recompute each decoder layer in backward; ``selective``: attention and MLP/MoE blocks."""
     if policy == "none":
@@ -144,7 +155,7 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    ms.set_context(device_target=os.environ.get("MS_DEEPSEEK_DEVICE", "CPU"))
+    ms.set_context(device_target=_device_target())
     rank, world = (0, 1)
     if _distributed():
         rank, world = _init_distributed(par.dp)
@@ -333,10 +344,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _check_fits(recipe: Recipe, force: bool) -> None:
     """Refuse a layout the planner says cannot fit in device memory, unless forced."""
-    from ms_deepseek.parallel import check_recipe_fits
-
     if force or recipe.parallel.force:
         return
+    from ms_deepseek.parallel import check_recipe_fits
+
     check_recipe_fits(recipe)
 
 

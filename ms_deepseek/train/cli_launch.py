@@ -1,0 +1,124 @@
+"""``ms-deepseek launch RECIPE``: build, print and run the msrun command for a recipe's layout.
+
+    ms-deepseek launch recipes/v2-lite-8npu.yaml --dry-run
+    ms-deepseek launch recipes/v2-64npu.yaml --nnodes 8 --node-rank 0 --master-addr 10.0.0.1
+
+Run the same command on every node with its own ``--node-rank``. The world size is the
+recipe's ``parallel`` layout (dp x tp x pp); each node starts ``world / nnodes`` workers.
+Every worker runs ``ms-deepseek train`` with the same recipe and ``--set`` overrides;
+msrun writes one log per worker into ``--log-dir`` (default ``RUN_DIR/msrun_logs``).
+On CPU a data-parallel recipe runs for real (collectives through mccl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from ms_deepseek.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe field (passed on to every worker; repeatable)")
+    parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (msrun scheduler)")
+    parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
+    parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
+    parser.add_argument("--cluster-time-out", type=int, default=600,
+                        help="seconds msrun waits for all workers to join (default 600)")
+    parser.add_argument("--hccl-connect-timeout", type=int, default=600,
+                        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default 600)")
+    parser.add_argument("--hccl-exec-timeout", type=int, default=1800,
+                        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default 1800)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                        help="workers continue from the newest checkpoint, or from PATH")
+    parser.add_argument("--force", action="store_true", help="run even if the planner says it does not fit")
+    parser.add_argument("--max-steps", type=int, default=None, help="passed on to train")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+
+
+def msrun_executable() -> List[str]:
+    """``msrun`` next to this Python (the venv's), else on PATH, else the module form."""
+    local = Path(sys.executable).parent / "msrun"
+    if local.is_file():
+        return [str(local)]
+    found = shutil.which("msrun")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "mindspore.parallel.cluster.run"]
+
+
+def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> Tuple[Dict[str, str], List[str]]:
+    """(environment additions, argv) of the msrun command for this node."""
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes: must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank: must be in [0, {args.nnodes - 1}], got {args.node_rank}")
+    if world_size % args.nnodes:
+        raise UserError(f"--nnodes: {args.nnodes} does not divide the recipe's world size {world_size} "
+                        "(parallel.dp x tp x pp)")
+    if not 1024 <= args.master_port <= 65535:
+        raise UserError(f"--master-port: must be in 1024..65535, got {args.master_port}")
+    for key in ("cluster_time_out", "hccl_connect_timeout", "hccl_exec_timeout"):
+        if getattr(args, key) < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
+    local = world_size // args.nnodes
+    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
+    env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout), "HCCL_EXEC_TIMEOUT": str(args.hccl_exec_timeout)}
+    cmd = msrun_executable() + [
+        f"--worker_num={world_size}", f"--local_worker_num={local}", f"--master_addr={args.master_addr}",
+        f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", f"--log_dir={log_dir}",
+        "--join=True", f"--cluster_time_out={args.cluster_time_out}",
+        # msrun runs "python ..." from PATH; run() puts this interpreter's folder first
+        "python", "-m", "ms_deepseek.cli", "train", str(args.recipe), "--output", str(run_dir), "--quiet",
+    ]
+    for text in args.overrides:
+        cmd += ["--set", text]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    if args.force:
+        cmd.append("--force")
+    if args.max_steps is not None:
+        cmd += ["--max-steps", str(args.max_steps)]
+    return env, cmd
+
+
+def format_command(env: Dict[str, str], cmd: List[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.train.cli_train import default_run_dir
+    from ms_deepseek.train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # fail here, not in N workers
+    if not (args.force or recipe.parallel.force):
+        from ms_deepseek.parallel import check_recipe_fits
+
+        check_recipe_fits(recipe)
+    run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
+    env, cmd = build_command(args, recipe.parallel.world_size, run_dir)
+    print(format_command(env, cmd), flush=True)
+    if args.dry_run:
+        return 0
+    full_env = dict(os.environ, **env)
+    full_env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full_env.get("PATH", "")
+    # Workers must import this very package, installed or not.
+    package_root = str(Path(__file__).resolve().parents[2])
+    full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, env=full_env)
+    if proc.returncode != 0:
+        log_dir = args.log_dir or run_dir / "msrun_logs"
+        print(f"ms-deepseek launch: msrun exited with {proc.returncode}; worker logs in {log_dir}", file=sys.stderr)
+    return proc.returncode
