@@ -1,0 +1,274 @@
+"""Per-NPU cost model of one training step: bytes held, bytes moved, FLOPs.
+
+Pure Python, no MindSpore. The formulas are written out in ``docs/planner.md``;
+names here follow that document. Everything is per NPU and per micro-batch unless
+the name says otherwise. ``n`` = tokens of one micro-batch on one data-parallel
+rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
+                                       parameter_inventory, shard_numel, stage_of_param)
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+GB = 1024 ** 3
+
+
+@dataclass
+class Hardware:
+    """Ascend 910B (Atlas 800T A2) figures; every one is a planner flag."""
+    hbm_gb: float = 64.0
+    peak_tflops: float = 313.0        # bf16 dense
+    mfu: float = 0.40                 # achieved fraction of peak on the FLOPs the device executes
+    hbm_tbps: float = 1.6
+    hccs_gbps: float = 56.0           # per peer, inside a node (full mesh)
+    roce_gbps: float = 25.0           # per NPU, across nodes
+    npus_per_node: int = 8
+    runtime_reserved_gb: float = 3.0  # CANN runtime, kernels, HCCL bookkeeping: outside MindSpore's pool
+    hccl_buffer_mb: float = 200.0     # HCCL_BUFFSIZE, one buffer per communication group
+    workspace_gb: float = 1.0         # operator workspaces and allocator slack
+
+
+@dataclass
+class Precision:
+    """Bytes per element. ``grad_bytes`` None: gradients in each parameter's own dtype (MindSpore)."""
+    compute_bytes: int = 2            # activations (bfloat16 on Ascend)
+    grad_bytes: Optional[int] = None
+    optimizer_bytes: int = 8          # AdamW m and v in float32 (MindFormers AdamW)
+    master_bytes: int = 0             # extra float32 master copy (0: parameters are updated in place)
+    optimizer_level: str = "level1"   # MindSpore parallel optimizer: level1 shards weights + states,
+                                      # level2/level3 also gradients
+
+
+@dataclass
+class Workload:
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int = 1
+    flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: int
+    weights: float = 0.0
+    weight_copies: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    working_set: float = 0.0
+    comm_buffers: float = 0.0
+    workspace: float = 0.0
+    params: int = 0                   # elements held (before optimizer sharding of weights)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.weight_copies + self.gradients + self.optimizer + self.activations
+                + self.working_set + self.comm_buffers + self.workspace)
+
+    def gb(self) -> Dict[str, float]:
+        keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
+                "comm_buffers", "workspace")
+        out = {k: round(getattr(self, k) / GB, 3) for k in keys}
+        out["total"] = round(self.total / GB, 3)
+        return out
+
+
+# ----------------------------------------------------------------------------- bytes held
+def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
+                inventory: Optional[List[ParamInfo]] = None, plan: Optional[Plan] = None,
+                threshold_kb: int = 64) -> List[Dict[str, float]]:
+    """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices."""
+    plan = plan or Plan()
+    inventory = inventory if inventory is not None else parameter_inventory(cfg)
+    mesh = Mesh.from_parallel(parallel)
+    stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
+    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0) for _ in range(parallel.pp)]
+    level2 = precision.optimizer_level in ("level2", "level3")
+    for info in inventory:
+        _, layout = plan.param_layout(info.name, mesh)
+        local = shard_numel(info.shape, layout)
+        size = ITEMSIZE[info.dtype]
+        group = 1
+        if parallel.optimizer_shard and info.trainable:
+            group = optimizer_shard_group(info.shape, layout, mesh.stage_devices, size, threshold_kb)
+        slot = out[stage_of_param(info, parallel.pp, stages)]
+        slot["params"] += local
+        slot["weights"] += local * size / group
+        if not info.trainable:
+            continue
+        grad = precision.grad_bytes or size
+        slot["gradients"] += local * grad / (group if level2 else 1)
+        slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
+        # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
+        # all-gathered full slice of an optimizer-sharded parameter.
+        if (size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight")) or group > 1:
+            slot["copies"] += local * precision.compute_bytes
+    return out
+
+
+def _slots_per_device(cfg, parallel: ParallelConfig, n: int) -> float:
+    """Rows of the expert capacity buffer [E, C, H] held by one NPU for one micro-batch."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    tokens = parallel.dp * n                       # the stage's tokens (global shapes under semi-auto)
+    capacity = (math.ceil(cfg.capacity_factor * tokens * k / E) if cfg.capacity_factor is not None
+                else tokens)                       # the model's dropless path: C = all tokens
+    inner = parallel.dp // parallel.ep if parallel.dp % parallel.ep == 0 else 1
+    return (E / parallel.ep) * capacity / inner
+
+
+def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int,
+                           policy: str) -> float:
+    """Bytes one decoder layer keeps for backward, for one micro-batch on one NPU."""
+    n = w.micro_batch_size * w.seq_len
+    t = parallel.tp
+    sp = t if parallel.sequence_parallel else 1
+    H = cfg.hidden_size
+    if policy == "full":
+        return n * H * c / sp                      # only the layer input
+    nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+    norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
+    a = norm(H, sp) * 2                            # input_layernorm, post_attention_layernorm
+    if cfg.q_lora_rank is not None:
+        a += norm(cfg.q_lora_rank)
+    a += norm(cfg.kv_lora_rank) + n * rope * c     # latent norm, k_pe before rotary
+    a += n * nh * (2 * qk + 2 * v + rope) * c      # q, k, v for the score / value matmuls, o_proj input, q_pe
+    scores = w.micro_batch_size * nh * w.seq_len * w.seq_len
+    if w.flash_attention:
+        a += scores / w.seq_len * 8                # FlashAttentionScore keeps max and sum per row
+    elif policy != "selective":
+        a += scores * (8 + c)                      # float32 exp and softmax output + probs in compute dtype
+    if cfg.is_moe_layer(i):
+        E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        a += n * (4 * H + 8 * E)                   # float32 router input, scores / softmax
+        slots = _slots_per_device(cfg, parallel, n)
+        a += slots * (H * c + 4 * c * I / t)       # expert inputs, gate / up / silu / product
+        a += n * k * H * 4                         # float32 expert outputs, for the routing-weight grad
+        if cfg.n_shared_experts:
+            a += 4 * n * c * I * cfg.n_shared_experts / t
+    else:
+        a += 4 * n * c * cfg.intermediate_size / t
+    return a
+
+
+def head_activation_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    n = w.micro_batch_size * w.seq_len
+    V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
+    return n * (cfg.hidden_size * (4 + 2 * c) + V * 8)  # final norm, head input, float32 logits + exp
+
+
+def in_flight(parallel: ParallelConfig, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B."""
+    if parallel.pp == 1:
+        return 1
+    return min(parallel.pp - stage, parallel.micro_batches)
+
+
+def comm_groups(parallel: ParallelConfig) -> int:
+    groups = 1                                           # world
+    groups += parallel.tp > 1
+    groups += parallel.dp > 1
+    groups += parallel.ep > 1
+    groups += parallel.ep > 1 and parallel.dp // parallel.ep > 1
+    groups += 2 * (parallel.pp > 1)                      # send / receive neighbours
+    groups += parallel.dp * parallel.tp > max(parallel.dp, parallel.tp)  # whole stage (replicated params)
+    return groups
+
+
+def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precision, hw: Hardware,
+                 held: List[Dict[str, float]]) -> List[StageMemory]:
+    c = precision.compute_bytes
+    counts = [0] * parallel.pp
+    stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
+    for s in stages:
+        counts[s] += 1
+    n = w.micro_batch_size * w.seq_len
+    result = []
+    for s in range(parallel.pp):
+        layers = [i for i, st in enumerate(stages) if st == s]
+        kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
+        if s == parallel.pp - 1:
+            kept += head_activation_bytes(cfg, parallel, w, c)
+        full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
+        working = n * cfg.hidden_size * 4 * 4          # activation gradients in flight
+        if parallel.recompute != "none":
+            working += max(full)                       # the layer being recomputed
+        if s == parallel.pp - 1:
+            working = max(working, n * cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1) * 4)
+        copies = held[s]["copies"]
+        if parallel.recompute == "full" and layers:
+            working += copies / max(1, len(layers))    # one layer's weight copies, recast when recomputed
+            copies = 0.0
+        comm = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
+        if cfg.has_moe and parallel.ep > 1 and any(cfg.is_moe_layer(i) for i in layers):
+            comm += 2 * _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c  # all-to-all send + receive
+        result.append(StageMemory(
+            stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
+            gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
+            activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm,
+            workspace=hw.workspace_gb * GB, params=int(held[s]["params"])))
+    return result
+
+
+# ------------------------------------------------------------------------ FLOPs and traffic
+def layer_flops(cfg, i: int, parallel: ParallelConfig, w: Workload) -> Tuple[float, float]:
+    """(forward FLOPs of one micro-batch of layer i on one NPU, of which attention core)."""
+    n = w.micro_batch_size * w.seq_len
+    t = parallel.tp
+    H, nh = cfg.hidden_size, cfg.num_attention_heads / t
+    f = 0.0
+    if cfg.q_lora_rank is None:
+        f += 2 * n * H * nh * cfg.qk_head_dim
+    else:
+        f += 2 * n * H * cfg.q_lora_rank + 2 * n * cfg.q_lora_rank * nh * cfg.qk_head_dim
+    f += 2 * n * H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    f += 2 * n * cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    f += 2 * n * nh * cfg.v_head_dim * H
+    pairs = w.seq_len * w.seq_len / (2 if w.flash_attention else 1)  # flash skips masked blocks
+    core = 2 * w.micro_batch_size * nh * pairs * (cfg.qk_head_dim + cfg.v_head_dim)
+    f += core
+    if cfg.is_moe_layer(i):
+        I = cfg.moe_intermediate_size
+        f += 2 * n * H * cfg.n_routed_experts                          # router
+        f += 2 * _slots_per_device(cfg, parallel, n) * 3 * H * I / t   # every capacity slot is computed
+        f += 2 * n * 3 * H * I * (cfg.n_shared_experts or 0) / t
+    else:
+        f += 2 * n * 3 * H * cfg.intermediate_size / t
+    return f, core
+
+
+def layer_tp_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    """Bytes one NPU sends in tp all-reduces for one forward of layer i (ring: 2(t-1)/t x size)."""
+    t = parallel.tp
+    if t == 1:
+        return 0.0
+    n = w.micro_batch_size * w.seq_len
+    size = n * cfg.hidden_size * c * 2                 # o_proj + MLP / shared-expert down_proj
+    if cfg.is_moe_layer(i):
+        size += _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c  # expert down_bmm partial sums
+    return 2 * (t - 1) / t * size
+
+
+def layer_ep_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    """Bytes one NPU sends in the dispatch + combine all-to-alls for one forward of layer i."""
+    if not cfg.is_moe_layer(i) or parallel.ep == 1:
+        return 0.0
+    n = w.micro_batch_size * w.seq_len
+    ep = parallel.ep
+    return 2 * _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c * (ep - 1) / ep
+
+
+def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:
+    """Bytes/s one NPU can send inside a collective over ``size`` ranks spaced ``stride`` apart."""
+    if size <= 1:
+        return float("inf")
+    if size * stride <= hw.npus_per_node:
+        return hw.hccs_gbps * 1e9 * (size - 1)         # full mesh: one HCCS link per peer
+    return hw.roce_gbps * 1e9

@@ -1,0 +1,349 @@
+"""The sharding plan for DeepSeek-V2, kept as data.
+
+``DEEPSEEK_V2_PLAN`` maps module-path patterns (``*`` = one path component, e.g. a
+layer index) to a style name. A path names either a Cell (a Linear, the embedding,
+the routed experts, a norm, the router) or a primitive attribute of a Cell (the
+attention batch matmuls, the MoE dispatch gathers). A style turns the parallel
+degrees into
+
+* ``prims``: primitive attribute -> (in_strategy, out_strategy or None), given to
+  ``Primitive.shard`` by :func:`ms_deepseek.parallel.apply.apply_plan`;
+* ``params``: parameter suffix -> tensor layout (how many ways each axis is split),
+  which must equal the strategy of the primitive input that consumes the parameter.
+
+This module is pure Python (no MindSpore import): the planner reads the same table
+to size every parameter's per-NPU shard, and :func:`parameter_inventory` lists the
+model's parameters (names and shapes exactly as the model builds them) from the
+config alone.
+
+Strategy conventions (MindSpore: one integer per tensor axis, the number of slices):
+
+* Linear: ``matmul`` is MatMul(transpose_b) on x [N, in] (N = batch * seq, split dp)
+  and weight [out, in]. colwise splits ``out`` by tp, rowwise splits ``in`` by tp
+  (partial sums are all-reduced; under sequence parallel the out_strategy
+  ``(dp * tp, 1)`` turns that into a reduce-scatter over tokens).
+* Attention batch matmuls on [B, nh, T, d]: batch by dp, heads by tp.
+* Routed experts: stacked weights [E, out, in], experts by ep, the expert
+  intermediate size by tp; the capacity buffer [E, C, H] splits E by ep and C by
+  dp / ep (the ep groups are carved out of dp: validator rule ``ep | dp``).
+* Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp.
+* Norm weights, the router and the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``
+  are replicated (small, and their outputs feed every head).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from ms_deepseek.errors import UserError
+
+Strategy = Tuple[Tuple[int, ...], ...]
+
+# Path pattern -> style. Exactly one pattern may match any path.
+DEEPSEEK_V2_PLAN: Dict[str, str] = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.input_layernorm": "norm",
+    "model.layers.*.post_attention_layernorm": "norm",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.q_a_proj": "replicate",
+    "model.layers.*.self_attn.q_a_layernorm": "norm",
+    "model.layers.*.self_attn.q_b_proj": "colwise",
+    "model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate",
+    "model.layers.*.self_attn.kv_a_layernorm": "norm",
+    "model.layers.*.self_attn.kv_b_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.qk_bmm": "head_bmm",
+    "model.layers.*.self_attn.pv_bmm": "head_bmm",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.mlp.shared_experts.gate_proj": "colwise",
+    "model.layers.*.mlp.shared_experts.up_proj": "colwise",
+    "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "model.layers.*.mlp.gate": "router",
+    "model.layers.*.mlp.experts": "experts",
+    "model.layers.*.mlp.dispatch_gather": "dispatch_gather",
+    "model.layers.*.mlp.combine_gather": "combine_gather",
+    "model.layers.*.mlp.expert_placement": "placement_table",
+    "model.norm": "norm",
+    "lm_head": "vocab_head",
+}
+
+# Primitive types that must receive a strategy (the rest follow by sharding propagation).
+STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees a style needs. ``dp``/``tp`` are per pipeline stage."""
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    vocab_parallel: bool = True
+
+    @classmethod
+    def from_parallel(cls, parallel) -> "Mesh":
+        return cls(dp=parallel.dp, tp=parallel.tp, ep=parallel.ep,
+                   sequence_parallel=parallel.sequence_parallel, vocab_parallel=parallel.vocab_parallel)
+
+    @property
+    def stage_devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass
+class StyleSpec:
+    # primitive attribute -> (in_strategy, out_strategy or None)
+    prims: Dict[str, Tuple[Strategy, Optional[Strategy]]] = field(default_factory=dict)
+    # parameter suffix (relative to the cell path) -> layout
+    params: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    # parameter suffix -> (primitive attribute, input index) that consumes it
+    consumers: Dict[str, Tuple[str, int]] = field(default_factory=dict)
+    # True when the path names a primitive (the spec then has one entry under "")
+    is_primitive: bool = False
+
+
+def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...],
+            out: Optional[Strategy] = None) -> StyleSpec:
+    dp = mesh.dp
+    out_rows = x[0] if out is None else out[0][0]
+    bias_cols = weight[0]
+    return StyleSpec(
+        prims={"matmul": ((x, weight), out),
+               "add_bias": (((out_rows, bias_cols), bias), None)},
+        params={"weight": weight, "bias": bias},
+        consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1)},
+    )
+
+
+def style_spec(style: str, mesh: Mesh) -> StyleSpec:
+    dp, tp, ep = mesh.dp, mesh.tp, mesh.ep
+    if style == "colwise":
+        return _linear(mesh, weight=(tp, 1), x=(dp, 1), bias=(tp,))
+    if style == "rowwise":
+        out = ((dp * tp, 1),) if mesh.sequence_parallel and tp > 1 else None
+        return _linear(mesh, weight=(1, tp), x=(dp, tp), bias=(1,), out=out)
+    if style == "replicate":
+        return _linear(mesh, weight=(1, 1), x=(dp, 1), bias=(1,))
+    if style == "vocab_head":
+        v = tp if mesh.vocab_parallel else 1
+        return _linear(mesh, weight=(v, 1), x=(dp, 1), bias=(v,))
+    if style == "vocab_embedding":
+        v = tp if mesh.vocab_parallel else 1
+        # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.
+        return StyleSpec(prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)},
+                         consumers={"weight": ("gather", 0)})
+    if style == "norm":
+        return StyleSpec(params={"weight": (1,)})
+    if style == "router":
+        # fp32 scores [N, E] replicated over tp; top-k per token row.
+        return StyleSpec(prims={"matmul": (((dp, 1), (1, 1)), None),
+                                "topk": (((dp, 1),), None),
+                                "group_topk": (((dp, 1),), None)},
+                         params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
+    if style == "experts":
+        inner = dp // ep if dp % ep == 0 else 1
+        return StyleSpec(
+            prims={"gate_bmm": (((ep, inner, 1), (ep, tp, 1)), None),   # [E, C, H] x [E, I, H]^T
+                   "up_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
+                   "down_bmm": (((ep, inner, tp), (ep, 1, tp)), None)},  # [E, C, I] x [E, H, I]^T
+            params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
+                    "down_proj.weight": (ep, 1, tp)},
+            consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
+                       "down_proj.weight": ("down_bmm", 1)})
+    if style == "head_bmm":
+        return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
+    if style == "dispatch_gather":
+        # Gather(tokens [N + 1, H], slot_token [E * C], 0): the token table is replicated
+        # (an all-gather over dp), the buffer rows are split by ep (expert-major).
+        return StyleSpec(prims={"": (((1, 1), (ep,)), None)}, is_primitive=True)
+    if style == "combine_gather":
+        # Gather(expert out [E * C + 1, H], slot [N * k], 0): the (token, choice) rows by dp.
+        return StyleSpec(prims={"": (((1, 1), (dp,)), None)}, is_primitive=True)
+    if style == "placement_table":
+        # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
+        return StyleSpec(params={"": (1, 1)})
+    raise UserError(f"parallel plan: unknown style {style!r}")
+
+
+# --------------------------------------------------------------------------- patterns
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+class Plan:
+    """A pattern table with lookups for cell paths and parameter names."""
+
+    def __init__(self, table: Optional[Dict[str, str]] = None):
+        self.table = dict(DEEPSEEK_V2_PLAN if table is None else table)
+        self._compiled = [(p, _compile(p), s) for p, s in self.table.items()]
+        self._cache: Dict[tuple, Tuple[str, Tuple[int, ...]]] = {}
+        self._layer_generic = not any(re.search(r"(^|\.)\d+(\.|$)", p) for p in self.table)
+
+    def match(self, path: str) -> Optional[Tuple[str, str]]:
+        """(pattern, style) for a cell or primitive path, None when nothing matches."""
+        hits = [(p, s) for p, rx, s in self._compiled if rx.fullmatch(path)]
+        if len(hits) > 1:
+            raise UserError(f"parallel plan: path {path!r} matches several patterns: "
+                            f"{', '.join(p for p, _ in hits)}")
+        return hits[0] if hits else None
+
+    def param_layout(self, name: str, mesh: Mesh) -> Tuple[str, Tuple[int, ...]]:
+        """(matched pattern, layout) for a full parameter name; UserError when no rule covers it."""
+        # Layers share rules: look each kind up once per mesh (unless a pattern names one layer).
+        kind = _LAYER_INDEX.sub(".*.", name) if self._layer_generic else name
+        key = (kind, mesh)
+        if key not in self._cache:
+            self._cache[key] = self._param_layout(kind, name, mesh)
+        return self._cache[key]
+
+    def _param_layout(self, kind: str, name: str, mesh: Mesh) -> Tuple[str, Tuple[int, ...]]:
+        found = []
+        for pattern, rx, style in self._compiled:
+            spec = style_spec(style, mesh)
+            for suffix, layout in spec.params.items():
+                full = rx.pattern + (r"\." + re.escape(suffix) if suffix else "")
+                if re.fullmatch(full, name):
+                    found.append((pattern, layout))
+        if not found:
+            raise UserError(f"parallel plan: no rule covers parameter {name!r}")
+        if len(found) > 1:
+            raise UserError(f"parallel plan: parameter {name!r} is covered by several rules: "
+                            f"{', '.join(p for p, _ in found)}")
+        return found[0]
+
+
+# ------------------------------------------------------------------- parameter inventory
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str          # "float32" | "bfloat16" | "float16" | "int32"
+    trainable: bool
+    layer: Optional[int]  # decoder layer index, None for embedding / final norm / head
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def parameter_inventory(cfg) -> List[ParamInfo]:
+    """Every parameter of ``DeepseekV2ForCausalLM(cfg)``: names, shapes and dtypes, from the config."""
+    H, V, nh = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    pdt = cfg.param_dtype
+    out: List[ParamInfo] = []
+
+    def add(name, shape, layer=None, dtype=pdt, trainable=True):
+        out.append(ParamInfo(name, tuple(int(d) for d in shape), dtype, trainable, layer))
+
+    add("model.embed_tokens.weight", (V, H))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", (H,), i)
+        a = p + "self_attn."
+        if cfg.q_lora_rank is None:
+            add(a + "q_proj.weight", (nh * cfg.qk_head_dim, H), i)
+        else:
+            add(a + "q_a_proj.weight", (cfg.q_lora_rank, H), i)
+            if cfg.attention_bias:
+                add(a + "q_a_proj.bias", (cfg.q_lora_rank,), i)
+            add(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), i)
+            add(a + "q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank), i)
+        add(a + "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H), i)
+        if cfg.attention_bias:
+            add(a + "kv_a_proj_with_mqa.bias", (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), i)
+        add(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), i)
+        add(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), i)
+        add(a + "o_proj.weight", (H, nh * cfg.v_head_dim), i)
+        if cfg.attention_bias:
+            add(a + "o_proj.bias", (H,), i)
+        add(p + "post_attention_layernorm.weight", (H,), i)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            add(m + "expert_placement", (E, 2), i, dtype="int32", trainable=False)
+            add(m + "gate.weight", (E, H), i, dtype="float32")  # the router is always float32
+            add(m + "experts.gate_proj.weight", (E, I, H), i)
+            add(m + "experts.up_proj.weight", (E, I, H), i)
+            add(m + "experts.down_proj.weight", (E, H, I), i)
+            if cfg.n_shared_experts:
+                S = I * cfg.n_shared_experts
+                add(m + "shared_experts.gate_proj.weight", (S, H), i)
+                add(m + "shared_experts.up_proj.weight", (S, H), i)
+                add(m + "shared_experts.down_proj.weight", (H, S), i)
+        else:
+            I = cfg.intermediate_size
+            add(m + "gate_proj.weight", (I, H), i)
+            add(m + "up_proj.weight", (I, H), i)
+            add(m + "down_proj.weight", (H, I), i)
+    add("model.norm.weight", (H,))
+    add("lm_head.weight", (V, H))
+    return out
+
+
+# ------------------------------------------------------------------------ pipeline stages
+def stage_layer_counts(num_layers: int, pp: int, stage_layers: Optional[List[int]] = None) -> List[int]:
+    """Layers per stage: the recipe's ``stage_layers`` or as even a cut as possible.
+
+    With an uneven cut the first stages take one layer fewer: they already hold the
+    embedding and keep the most micro-batches in flight under 1F1B.
+    """
+    if stage_layers is not None:
+        return list(stage_layers)
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+
+
+def layer_stages(num_layers: int, pp: int, stage_layers: Optional[List[int]] = None) -> List[int]:
+    """Stage of each decoder layer."""
+    stages: List[int] = []
+    for s, n in enumerate(stage_layer_counts(num_layers, pp, stage_layers)):
+        stages.extend([s] * n)
+    return stages
+
+
+def stage_of_param(info: ParamInfo, pp: int, stages: List[int]) -> int:
+    if info.layer is not None:
+        return stages[info.layer]
+    return 0 if info.name.startswith("model.embed_tokens") else pp - 1
+
+
+def shard_numel(shape: Tuple[int, ...], layout: Tuple[int, ...]) -> int:
+    """Elements of one device's slice (layouts always divide the shape after validation)."""
+    n = 1
+    for d, k in zip(shape, layout):
+        n *= -(-d // k)
+    return n
+
+
+def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage_devices: int,
+                          itemsize: int, threshold_kb: int = 64) -> int:
+    """How many ways MindSpore's parallel optimizer splits one parameter's slice.
+
+    The slice is replicated on ``stage_devices / prod(layout)`` devices; the optimizer
+    shards it over that group along its first axis when the first axis divides and the
+    slice is at least ``threshold_kb`` (MindSpore's ``parallel_optimizer_threshold``).
+    Otherwise it stays whole (group 1).
+    """
+    split = 1
+    for k in layout:
+        split *= k
+    group = stage_devices // split
+    if group <= 1:
+        return 1
+    first = -(-shape[0] // layout[0]) if shape else 1
+    if first % group:
+        return 1
+    if shard_numel(shape, layout) * itemsize < threshold_kb * 1024:
+        return 1
+    return group

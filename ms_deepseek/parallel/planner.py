@@ -1,0 +1,286 @@
+"""Planner: does a layout fit in NPU memory, how fast would it run, and which layout is best.
+
+``estimate(cfg, parallel, workload)`` sizes one layout: per-NPU memory of every
+pipeline stage (the fullest stage decides ``fits``), the bytes each NPU moves per
+step over tp all-reduces, ep all-to-alls, dp gradient sync and pp point-to-point,
+and a step time from FLOPs at a realistic fraction of the bf16 peak plus
+communication that is not overlapped, stretched by the pipeline bubble
+(pp - 1) / (m + pp - 1). ``search`` enumerates dp / tp / pp / ep / micro-batches /
+recompute / optimizer sharding / sequence parallel for a device count and ranks
+the layouts that fit by tokens/s per NPU. ``check_recipe_fits`` is what
+``train`` and ``launch`` call before building anything.
+
+The cost formulas live in :mod:`ms_deepseek.parallel.costs` and ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ms_deepseek.errors import UserError
+from ms_deepseek.parallel import costs
+from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
+from ms_deepseek.parallel.plan import (Mesh, Plan, layer_stages, parameter_inventory, shard_numel,
+                                       stage_of_param)
+from ms_deepseek.parallel.validate import layout_problems
+
+TP_CHOICES = (1, 2, 4, 8, 16)
+DEFAULT_PLAN = Plan()
+
+
+@dataclass
+class PlanResult:
+    layout: ParallelConfig
+    workload: Workload
+    fits: bool
+    problems: List[str]
+    stages: List[StageMemory] = field(default_factory=list)
+    usable_gb: float = 0.0
+    comm_gb: Dict[str, float] = field(default_factory=dict)   # per NPU per step
+    time_s: Dict[str, float] = field(default_factory=dict)
+    tokens_per_s_per_npu: float = 0.0
+    bubble_fraction: float = 0.0
+    grad_accumulation: int = 1
+    model: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def worst(self) -> Optional[StageMemory]:
+        return max(self.stages, key=lambda s: s.total) if self.stages else None
+
+    @property
+    def memory_gb(self) -> Dict[str, float]:
+        worst = self.worst
+        return worst.gb() if worst is not None else {}
+
+    @property
+    def peak_gb(self) -> float:
+        worst = self.worst
+        return worst.total / GB if worst is not None else float("inf")
+
+    def to_dict(self) -> Dict[str, Any]:
+        layout = dataclasses.asdict(self.layout)
+        for key in ("reserve_memory", "memory_headroom_gb", "hbm_gb", "force", "dataset_strategy"):
+            layout.pop(key, None)
+        memory = dict(self.memory_gb)
+        if self.worst is not None:
+            memory["stage"] = self.worst.stage
+        memory["usable"] = round(self.usable_gb, 3)
+        return {
+            "fits": self.fits,
+            "problems": self.problems,
+            "layout": layout,
+            "grad_accumulation": self.grad_accumulation,
+            "workload": dataclasses.asdict(self.workload),
+            "memory_gb": memory,
+            "stage_memory_gb": [dict(s.gb(), stage=s.stage, layers=s.layers) for s in self.stages],
+            "communication_gb_per_step": {k: round(v, 3) for k, v in self.comm_gb.items()},
+            "time_s": {k: round(v, 4) for k, v in self.time_s.items()},
+            "bubble_fraction": round(self.bubble_fraction, 4),
+            "tokens_per_s_per_npu": round(self.tokens_per_s_per_npu, 2),
+            "model": self.model,
+        }
+
+
+def default_precision(cfg, compute_dtype: Optional[str] = None) -> Precision:
+    dtype = compute_dtype or cfg.compute_dtype
+    return Precision(compute_bytes=costs.ITEMSIZE[dtype])
+
+
+def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optional[Precision] = None,
+             hardware: Optional[Hardware] = None, world_size: Optional[int] = None,
+             plan: Optional[Plan] = None, inventory=None) -> PlanResult:
+    """Memory, traffic and speed of one layout. Invalid layouts come back with ``problems`` set."""
+    precision = precision or default_precision(cfg)
+    hw = hardware or Hardware()
+    w = workload
+    problems = layout_problems(parallel, cfg, seq_len=w.seq_len, global_batch_size=w.global_batch_size,
+                               micro_batch_size=w.micro_batch_size, world_size=world_size)
+    result = PlanResult(layout=parallel, workload=w, fits=False, problems=problems,
+                        usable_gb=hw.hbm_gb - hw.runtime_reserved_gb, model=_model_summary(cfg))
+    if problems:
+        return result
+    inventory = inventory if inventory is not None else parameter_inventory(cfg)
+    plan = plan or DEFAULT_PLAN
+    held = costs.param_bytes(cfg, parallel, precision, inventory, plan)
+    result.stages = costs.stage_memory(cfg, parallel, w, precision, hw, held)
+    result.fits = result.peak_gb <= result.usable_gb
+    _speed(cfg, parallel, w, precision, hw, held, result, plan, inventory)
+    return result
+
+
+def _model_summary(cfg) -> Dict[str, Any]:
+    from ms_deepseek.config import count_parameters
+
+    count = count_parameters(cfg)
+    return {"total_params_b": round(count.total / 1e9, 3), "activated_params_b": round(count.activated / 1e9, 3),
+            "layers": cfg.num_hidden_layers, "routed_experts": cfg.n_routed_experts or 0,
+            "capacity_factor": cfg.capacity_factor, "param_dtype": cfg.param_dtype}
+
+
+def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held, result: PlanResult,
+           plan: Plan, inventory):
+    c = precision.compute_bytes
+    micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)   # micro-batches per dp rank per step
+    result.grad_accumulation = max(1, micro_total // p.micro_batches)
+    stages = layer_stages(cfg.num_hidden_layers, p.pp, p.stage_layers)
+    n = w.micro_batch_size * w.seq_len
+    # Forward passes that repeat the collectives: recompute="full" replays each layer's forward.
+    replays = 1 + (p.recompute == "full")
+    bw_tp = costs.group_bandwidth(p.tp, 1, hw)
+    bw_ep = costs.group_bandwidth(p.ep, p.tp, hw)
+    bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
+    per_stage = []
+    totals = dict(compute=0.0, tp=0.0, ep=0.0, pp=0.0)
+    for s in range(p.pp):
+        layers = [i for i, st in enumerate(stages) if st == s]
+        flops = tp_b = ep_b = 0.0
+        for i in layers:
+            f, core = costs.layer_flops(cfg, i, p, w)
+            extra = f if p.recompute == "full" else (core if p.recompute == "selective" else 0.0)
+            flops += 3 * f + extra                               # forward + backward (2x) + recompute
+            tp_b += (1 + replays) * costs.layer_tp_bytes(cfg, i, p, w, c)  # forward(s) + backward
+            ep_b += (1 + replays) * costs.layer_ep_bytes(cfg, i, p, w, c)
+        if s == p.pp - 1:
+            V = cfg.vocab_size / (p.tp if p.vocab_parallel else 1)
+            flops += 3 * 2 * n * cfg.hidden_size * V
+            if p.tp > 1 and p.vocab_parallel:                      # logits gathered for the loss
+                tp_b += 2 * n * cfg.vocab_size * 4 * (p.tp - 1) / p.tp
+        if s == 0 and p.tp > 1 and p.vocab_parallel:
+            tp_b += 2 * 2 * (p.tp - 1) / p.tp * n * cfg.hidden_size * c   # embedding all-reduce, fwd + bwd
+        pp_b = 0.0
+        if p.pp > 1:
+            sp = p.tp if p.sequence_parallel else 1
+            pp_b = 2 * n * cfg.hidden_size * c / sp * (2 if 0 < s < p.pp - 1 else 1)
+        t_compute = flops / (hw.peak_tflops * 1e12 * hw.mfu)
+        per_stage.append((t_compute + tp_b / bw_tp + ep_b / bw_ep + pp_b / bw_pp, t_compute, tp_b, ep_b, pp_b))
+    slowest = max(per_stage, key=lambda x: x[0])
+    t_mb = slowest[0]
+    m = p.micro_batches
+    if p.pp > 1:
+        result.bubble_fraction = (p.pp - 1) / (m + p.pp - 1)
+        t_pipe = result.grad_accumulation * (m + p.pp - 1) * t_mb
+    else:
+        t_pipe = micro_total * t_mb
+    # Gradient sync once per step over each parameter's replica group (reduce-scatter + all-gather
+    # under optimizer sharding, an all-reduce otherwise: the same bytes on a ring).
+    dp_bytes, t_dp = _dp_sync(cfg, p, precision, hw, plan, inventory)
+    worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
+    t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
+    step = t_pipe + t_dp + t_opt
+    result.time_s = {"step": step, "compute_per_microbatch": slowest[1], "per_microbatch": t_mb,
+                     "pipeline": t_pipe, "dp_sync": t_dp, "optimizer": t_opt}
+    result.comm_gb = {"tp_allreduce": slowest[2] * micro_total / GB, "ep_alltoall": slowest[3] * micro_total / GB,
+                      "dp_sync": dp_bytes / GB, "pp_p2p": slowest[4] * micro_total / GB}
+    tokens = w.global_batch_size * w.seq_len
+    result.tokens_per_s_per_npu = tokens / step / p.world_size
+
+
+def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory):
+    mesh = Mesh.from_parallel(p)
+    stages = layer_stages(cfg.num_hidden_layers, p.pp, p.stage_layers)
+    worst_bytes = worst_time = 0.0
+    per_stage = [[0.0, 0.0] for _ in range(p.pp)]
+    for info in inventory:
+        if not info.trainable:
+            continue
+        _, layout = plan.param_layout(info.name, mesh)
+        split = 1
+        for k in layout:
+            split *= k
+        group = mesh.stage_devices // split
+        if group <= 1:
+            continue
+        size = shard_numel(info.shape, layout) * (precision.grad_bytes or costs.ITEMSIZE[info.dtype])
+        sent = 2 * (group - 1) / group * size
+        # Replicas of a tp-split slice sit tp apart; fully replicated ones span the whole stage.
+        stride = p.tp if split > 1 or p.tp == 1 else 1
+        bw = costs.group_bandwidth(group, stride, hw)
+        s = stage_of_param(info, p.pp, stages)
+        per_stage[s][0] += sent
+        per_stage[s][1] += sent / bw
+    for sent, t in per_stage:
+        if t > worst_time:
+            worst_bytes, worst_time = sent, t
+    return worst_bytes, worst_time
+
+
+# ------------------------------------------------------------------------------ search
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
+                      recompute=("none", "selective", "full"), optimizer_shard=(False, True),
+                      sequence_parallel=(False, True)):
+    E = cfg.n_routed_experts or 1
+    for pp in _divisors(npus):
+        if pp > cfg.num_hidden_layers:
+            continue
+        for tp in TP_CHOICES:
+            if (npus // pp) % tp or tp > hw.npus_per_node:
+                continue
+            dp = npus // (pp * tp)
+            if workload.global_batch_size % (dp * workload.micro_batch_size):
+                continue
+            micro_total = workload.global_batch_size // (dp * workload.micro_batch_size)
+            if pp > 1 and micro_total < pp:
+                continue
+            m = micro_total if pp > 1 else 1
+            eps = [e for e in _divisors(dp) if E % e == 0] if cfg.has_moe else [1]
+            for ep, rc, opt, sp in itertools.product(eps, recompute, optimizer_shard, sequence_parallel):
+                if sp and tp == 1:
+                    continue
+                yield ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=m, recompute=rc,
+                                     optimizer_shard=opt, sequence_parallel=sp)
+
+
+def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = None,
+           hardware: Optional[Hardware] = None, top: int = 5, **choices) -> List[PlanResult]:
+    """Valid layouts for ``npus`` ranked by fit, then tokens/s per NPU (then lower peak memory)."""
+    precision = precision or default_precision(cfg)
+    hardware = hardware or Hardware()
+    inventory = parameter_inventory(cfg)
+    results = []
+    for layout in candidate_layouts(cfg, npus, workload, hardware, **choices):
+        r = estimate(cfg, layout, workload, precision, hardware, world_size=npus, inventory=inventory)
+        if not r.problems:
+            results.append(r)
+    if not results:
+        raise UserError(f"plan: no valid layout of {npus} NPUs for this model, sequence length "
+                        f"{workload.seq_len} and global batch {workload.global_batch_size}")
+    results.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_npu if r.fits else r.peak_gb, r.peak_gb))
+    return results[:top]
+
+
+# ------------------------------------------------------------------------ recipe check
+def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,
+                      precision: Optional[Precision] = None) -> PlanResult:
+    """The planner's verdict on a loaded recipe (``train`` / ``launch`` refuse ``fits=False``
+    unless ``--force`` or ``parallel.force``).
+
+    ``recipe`` needs ``parallel`` (ParallelConfig), ``data.seq_len``, ``train.global_batch_size``
+    and ``train.micro_batch_size``; ``model_cfg`` is the resolved DeepseekV2Config (taken from
+    ``recipe.model_config`` or ``recipe.model.config`` when not given).
+    """
+    parallel = recipe.parallel
+    cfg = model_cfg
+    if cfg is None:
+        cfg = getattr(recipe, "model_config", None) or getattr(getattr(recipe, "model", None), "config", None)
+    if callable(cfg):
+        cfg = cfg()
+    if cfg is None:
+        raise UserError("plan: the recipe's model config is not resolved (pass model_cfg)")
+    seq_len = getattr(recipe.data, "seq_len", None)
+    if seq_len is None:
+        raise UserError("data.seq_len: required to size activations for the parallel plan")
+    train = recipe.train
+    workload = Workload(seq_len=int(seq_len), global_batch_size=int(train.global_batch_size),
+                        micro_batch_size=int(getattr(train, "micro_batch_size", 1) or 1),
+                        flash_attention=False)  # the model runs the eager bmm attention
+    hw = hardware or Hardware(hbm_gb=parallel.hbm_gb)
+    return estimate(cfg, parallel, workload, precision or default_precision(cfg), hw,
+                    world_size=parallel.world_size)
