@@ -180,6 +180,8 @@ def test_sft_exact_resume_across_epochs(folders, sft_rows):
         np.testing.assert_array_equal(a["labels"], b["labels"])
     with pytest.raises(UserError, match=r"resume: SFT data position was saved with world_size=2, now 1"):
         build_train_dataset(c, batch_size=3, state=state)
+    with pytest.raises(UserError, match=r"resume: SFT data position was saved with buckets=\[24, 40, 64\]"):
+        build_train_dataset(cfg(folders, "sft"), batch_size=3, rank=1, world_size=2, state=state)
 
 
 def test_load_time_checks(folders, tmp_path):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -152,13 +152,20 @@ class TrainDataset:
     # ------------------------------------------------------------------ position
 
     def state_dict(self) -> Dict:
-        """The position after the last batch handed out (JSON-serialisable), the same on every rank."""
+        """The position after the last batch handed out (JSON-serialisable).
+
+        Any rank's dict restores every rank: pretraining positions are global,
+        SFT resumes from ``steps`` (its epoch / batches_in_epoch are this rank's own).
+        """
         return {"steps": self.steps, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "batches_in_epoch": self.batches_in_epoch, "seed": self.seed, "shuffle": self.shuffle,
                 "num_samples": self.num_samples, "format": self.format, "batch_size": self.batch_size,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "buckets": self.buckets}
 
     def _restore(self, state: Dict) -> None:
+        missing = [k for k in ("steps", "epoch", "samples_in_epoch", "batches_in_epoch") if k not in state]
+        if missing:
+            raise UserError(f"resume: the saved data position has no {', '.join(missing)}")
         for key in ("seed", "shuffle", "num_samples", "format"):
             if state.get(key) != getattr(self, key):
                 raise UserError(f"resume: the data position was saved with {key}={state.get(key)!r}, "
@@ -169,7 +176,7 @@ class TrainDataset:
             self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
             self.batches_in_epoch = int(state["batches_in_epoch"])
             return
-        for key in ("batch_size", "world_size"):
+        for key in ("batch_size", "world_size", "buckets"):
             if state.get(key) != getattr(self, key):
                 raise UserError(f"resume: SFT data position was saved with {key}={state.get(key)}, now "
                                 f"{getattr(self, key)}; length bucketing continues exactly only with the same value")
