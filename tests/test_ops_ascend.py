@@ -1,0 +1,134 @@
+"""Ascend C kernels on an NPU: build with CANN, install, run against the references.
+
+Skipped on hosts without an Ascend device and CANN (conftest's ``ascend`` marker).
+The build takes minutes; it runs once per module into a temporary install path.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.ascend
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ascend_ops(tmp_path_factory):
+    install = tmp_path_factory.mktemp("ascend_opp")
+    proc = subprocess.run(
+        ["bash", str(REPO / "ops" / "build_ascend.sh"), "--install-path", str(install)],
+        capture_output=True, text=True, timeout=3600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    vendor = install / "vendors" / "ms_deepseek"
+    assert vendor.is_dir(), f"no vendor folder in {install}"
+    old = os.environ.get("ASCEND_CUSTOM_OPP_PATH", "")
+    os.environ["ASCEND_CUSTOM_OPP_PATH"] = f"{vendor}:{old}" if old else str(vendor)
+
+    import mindspore as ms
+
+    ms.set_device("Ascend")
+    from ms_deepseek.ops import ascend
+
+    assert {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"} <= ascend.installed_op_types()
+    yield ascend
+    os.environ["ASCEND_CUSTOM_OPP_PATH"] = old
+    ms.set_device("CPU")
+
+
+def _softmax64(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _lookup_numpy(ids, placement, experts_per_rank, capacity):
+    t, k = ids.shape
+    position = np.zeros_like(ids)
+    counts = {}
+    for j in range(k):
+        for i in range(t):
+            e = int(ids[i, j])
+            position[i, j] = counts.get(e, 0)
+            counts[e] = position[i, j] + 1
+    dest = placement[ids, 0]
+    return dest, dest * experts_per_rank + placement[ids, 1], position, (position < capacity).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (3, 64, 203), (2, 100003)])  # the last one uses column tiles
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 4
+    xt = Tensor(x).astype(getattr(ms, dtype))
+    cell = ascend_ops.FP32SoftmaxAscend()
+    y = cell(xt).asnumpy()
+    want = _softmax64(xt.astype(ms.float32).asnumpy())
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-9)
+
+
+def test_fp32_softmax_grad_on_npu(ascend_ops):
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    class Loss(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.softmax = ascend_ops.FP32SoftmaxAscend()
+
+        def construct(self, x, w):
+            return (self.softmax(x) * w).sum()
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 33)).astype(np.float32)
+    w = rng.standard_normal((8, 33)).astype(np.float32)
+    grad = ms.jit(ms.grad(Loss(), grad_position=0))(Tensor(x), Tensor(w)).asnumpy()
+    y = _softmax64(x)
+    np.testing.assert_allclose(grad, y * (w - (w * y).sum(-1, keepdims=True)), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("t, k, e, e_local, capacity", [(37, 3, 8, 2, 15), (4096, 6, 160, 20, 200), (9, 2, 4, 4, 0)])
+def test_expert_lookup_on_npu(ascend_ops, t, k, e, e_local, capacity):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    rng = np.random.default_rng(t)
+    ids = rng.integers(0, e, (t, k)).astype(np.int32)
+    perm = rng.permutation(e)
+    placement = np.zeros((e, 2), np.int32)
+    placement[perm, 0] = np.arange(e) // e_local
+    placement[perm, 1] = np.arange(e) % e_local
+    cell = ascend_ops.ExpertLookupAscend(e, e_local)
+    for run in (cell, ms.jit(cell.construct)):
+        got = [o.asnumpy() for o in run(Tensor(ids), Tensor(placement), capacity)]
+        for g, w in zip(got, _lookup_numpy(ids, placement, e_local, capacity)):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("b, v, length", [(1, 102400, 4096), (3, 97, 11), (2, 50, 200)])
+def test_repetition_penalty_on_npu(ascend_ops, b, v, length):
+    from mindspore import Tensor
+
+    rng = np.random.default_rng(v)
+    logits = (rng.standard_normal((b, v)) * 5).astype(np.float32)
+    ids = rng.integers(0, v, (b, length)).astype(np.int32)
+    got = ascend_ops.RepetitionPenaltyAscend()(Tensor(logits), Tensor(ids), 1.3).asnumpy()
+    want = logits.copy()
+    for row in range(b):
+        for i in set(ids[row].tolist()):
+            want[row, i] = logits[row, i] * np.float32(1.3) if logits[row, i] < 0 else logits[row, i] / np.float32(1.3)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_public_cells_pick_the_ascend_kernels(ascend_ops):
+    from ms_deepseek.ops import ExpertLookup, FP32Softmax, RepetitionPenalty
+
+    assert ExpertLookup(8, 2).impl.kind == "ascend"
+    assert FP32Softmax().impl.kind == "ascend"
+    assert RepetitionPenalty().impl.kind == "ascend"

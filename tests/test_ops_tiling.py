@@ -1,0 +1,171 @@
+"""Tiling arithmetic of the custom operators (the shared C++ the Ascend host and the CPU kernels run).
+
+Checked through the CPU libraries' query hooks: every element is covered exactly
+once, core ranges and tiles are 32-byte aligned, tail tiles and shapes that do
+not divide come out right, UB budgets are respected, and impossible budgets are
+refused.
+"""
+
+import numpy as np
+import pytest
+
+from ms_deepseek.ops.tiling import TilingError, schedule, tiling
+
+BLOCK = 32
+RESERVE = 1024  # msds::kUbReserveBytes
+
+
+# --------------------------------------------------------------------------- softmax
+
+SOFTMAX_PROBLEMS = [
+    # rows, cols, in_bytes, num_inputs, core_num, ub_bytes
+    (1, 1, 4, 1, 48, 196352),
+    (7, 10, 4, 1, 48, 196352),  # fewer rows than cores
+    (97, 33, 2, 1, 8, 196352),  # rows do not divide over cores, cols not a block multiple
+    (1000, 129, 4, 2, 48, 196352),  # backward: two input streams
+    (64, 4096, 2, 1, 40, 196352),  # several rows per tile
+    (5, 203, 4, 1, 3, 4096),  # a row does not fit: column tiles with a tail
+    (9, 1000, 2, 1, 4, 4096),
+    (3, 8, 4, 1, 2, 1024 + 64 + 8 * 24),  # exactly one aligned row fits
+]
+
+
+def _per_elem(in_bytes, num_inputs):
+    return 2 * in_bytes * num_inputs + 2 * 4 + 4 + 4
+
+
+@pytest.mark.parametrize("problem", SOFTMAX_PROBLEMS, ids=lambda p: "x".join(map(str, p)))
+def test_softmax_tiling_covers_every_element_once_within_ub(problem):
+    rows, cols, in_bytes, num_inputs, core_num, ub = problem
+    kw = dict(rows=rows, cols=cols, in_bytes=in_bytes, num_inputs=num_inputs, core_num=core_num, ub_bytes=ub)
+    t = tiling("fp32_softmax", **kw)
+    assert t["align"] * in_bytes == BLOCK
+    assert t["cols_aligned"] % t["align"] == 0 and cols <= t["cols_aligned"] < cols + t["align"]
+    assert t["used_cores"] == min(core_num, rows)
+    seen = np.zeros((rows, cols), np.int32)
+    rows_per_core = {}
+    for tile in schedule("fp32_softmax", **kw):
+        r0, n, c0, m = tile["row_start"], tile["rows"], tile["col_start"], tile["cols"]
+        assert n >= 1 and m >= 1
+        seen[r0:r0 + n, c0:c0 + m] += 1
+        if c0 == 0:
+            rows_per_core[tile["core"]] = rows_per_core.get(tile["core"], 0) + n
+        if t["mode"] == 0:  # whole rows: a tile of n padded rows fits in UB
+            assert n <= t["rows_per_tile"]
+            assert n * (t["cols_aligned"] * _per_elem(in_bytes, num_inputs) + 2 * BLOCK) <= ub - RESERVE
+        else:  # column tiles start on a block boundary and fit in UB
+            assert n == 1 and m <= t["col_tile"] and (c0 * in_bytes) % BLOCK == 0
+            assert t["col_tile"] * _per_elem(in_bytes, num_inputs) + 2 * BLOCK <= ub - RESERVE
+    assert (seen == 1).all()
+    counts = list(rows_per_core.values())
+    assert len(counts) == t["used_cores"] and max(counts) - min(counts) <= 1
+
+
+def test_softmax_tiling_modes_and_tails():
+    t = tiling("fp32_softmax", rows=5, cols=203, in_bytes=4, num_inputs=1, core_num=3, ub_bytes=4096)
+    assert t["mode"] == 1  # 208 * 24 + 64 bytes per row > 3072
+    assert t["col_tile"] == 120  # (3072 - 64) // 24 = 125 -> 120 (block multiple)
+    assert t["col_tiles"] == 2 and t["col_tail"] == 83
+    t = tiling("fp32_softmax", rows=100, cols=64, in_bytes=2, num_inputs=1, core_num=48, ub_bytes=196352)
+    assert t["mode"] == 0 and (t["base_rows"], t["big_cores"]) == (2, 4)  # 4 cores get 3 rows
+    assert t["rows_per_tile"] == 3
+
+
+def test_softmax_tiling_refuses_impossible_problems():
+    with pytest.raises(TilingError) as err:  # not even one block of columns fits
+        tiling("fp32_softmax", rows=2, cols=100, in_bytes=4, num_inputs=1, core_num=1, ub_bytes=1200)
+    assert err.value.status == 2
+    with pytest.raises(TilingError) as err:
+        tiling("fp32_softmax", rows=2, cols=100, in_bytes=8, num_inputs=1)
+    assert err.value.status == 3
+    with pytest.raises(TilingError) as err:
+        tiling("fp32_softmax", rows=-1, cols=100, in_bytes=4, num_inputs=1)
+    assert err.value.status == 1
+    empty = tiling("fp32_softmax", rows=0, cols=7, in_bytes=4, num_inputs=1)
+    assert empty["used_cores"] == 0
+    assert schedule("fp32_softmax", rows=0, cols=7, in_bytes=4, num_inputs=1) == []
+
+
+# --------------------------------------------------------------------------- expert lookup
+
+LOOKUP_PROBLEMS = [
+    # slots, num_experts, experts_per_rank, capacity, core_num, ub_bytes
+    (1, 4, 2, 1, 48, 196352),
+    (37 * 3, 8, 2, 15, 48, 196352),  # fewer aligned chunks than cores
+    (4096 * 6, 160, 20, 300, 48, 196352),  # DeepSeek-V2 routing of 4096 tokens
+    (1000, 64, 8, 40, 7, 4096),  # small UB: several tiles per core, a tail tile
+    (8 * 5, 4, 4, 0, 5, 196352),  # exactly divisible
+]
+
+
+@pytest.mark.parametrize("problem", LOOKUP_PROBLEMS, ids=lambda p: "x".join(map(str, p)))
+def test_expert_lookup_tiling_covers_slots_in_order(problem):
+    slots, e, e_local, capacity, core_num, ub = problem
+    kw = dict(slots=slots, num_experts=e, experts_per_rank=e_local, capacity=capacity, core_num=core_num, ub_bytes=ub)
+    t = tiling("expert_lookup", **kw)
+    assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["hist_stride"] % 8 == 0
+    assert t["hist_stride"] >= e and t["workspace_bytes"] == t["used_cores"] * t["hist_stride"] * 4
+    assert 1 <= t["used_cores"] <= core_num
+    assert 0 < t["last_chunk"] <= t["chunk"]
+    fixed = (4 * -(-e // 8) * 8) * 4
+    assert t["tile"] * 40 + fixed <= ub - RESERVE
+    tiles = schedule("expert_lookup", **kw)
+    expected_start = 0
+    for tile in tiles:  # contiguous, in order: the k-major order is preserved
+        assert tile["start"] == expected_start and 1 <= tile["slots"] <= t["tile"]
+        expected_start += tile["slots"]
+    assert expected_start == slots
+    for core in range(t["used_cores"]):
+        first = next(x for x in tiles if x["core"] == core)
+        assert first["start"] == core * t["chunk"] and (first["start"] * 4) % BLOCK == 0
+
+
+def test_expert_lookup_tiling_edges():
+    t = tiling("expert_lookup", slots=0, num_experts=4, experts_per_rank=2, capacity=1)
+    assert t["used_cores"] == 0 and t["workspace_bytes"] == 0
+    assert schedule("expert_lookup", slots=0, num_experts=4, experts_per_rank=2, capacity=1) == []
+    t = tiling("expert_lookup", slots=100, num_experts=4, experts_per_rank=2, capacity=1, core_num=3)
+    assert (t["chunk"], t["used_cores"], t["last_chunk"]) == (40, 3, 20)  # ceil(100/3)=34 -> 40
+    with pytest.raises(TilingError) as err:  # the placement table alone overflows UB
+        tiling("expert_lookup", slots=10, num_experts=1000, experts_per_rank=10, capacity=1, ub_bytes=8192)
+    assert err.value.status == 2
+    with pytest.raises(TilingError):
+        tiling("expert_lookup", slots=10, num_experts=4, experts_per_rank=2, capacity=-1)
+
+
+# --------------------------------------------------------------------------- repetition penalty
+
+PENALTY_PROBLEMS = [
+    # batch, vocab, length, core_num, ub_bytes
+    (1, 102400, 4096, 48, 196352),  # DeepSeek-V2 vocabulary
+    (3, 97, 11, 48, 196352),
+    (2, 50, 200, 3, 4096),  # ids in several UB loads, tiles span rows
+    (4, 1000, 0, 7, 2048),  # empty prefix
+]
+
+
+@pytest.mark.parametrize("problem", PENALTY_PROBLEMS, ids=lambda p: "x".join(map(str, p)))
+def test_repetition_penalty_tiling_covers_logits_once(problem):
+    b, v, length, core_num, ub = problem
+    kw = dict(batch=b, vocab=v, length=length, core_num=core_num, ub_bytes=ub)
+    t = tiling("repetition_penalty", **kw)
+    assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["id_tile"] % 8 == 0
+    assert t["tile"] * 8 + t["id_tile"] * 8 <= ub - RESERVE
+    covered = np.zeros(b * v, np.int32)
+    for tile in schedule("repetition_penalty", **kw):
+        start, n = tile["start"], tile["len"]
+        assert 1 <= n <= t["tile"]
+        covered[start:start + n] += 1
+        assert tile["first_row"] == start // v and tile["last_row"] == (start + n - 1) // v
+    assert (covered == 1).all()
+    cores = {tile["core"] for tile in schedule("repetition_penalty", **kw)}
+    assert cores == set(range(t["used_cores"]))
+    for core in cores:
+        start = min(x["start"] for x in schedule("repetition_penalty", **kw) if x["core"] == core)
+        assert (start * 4) % BLOCK == 0
+
+
+def test_repetition_penalty_tiling_refuses_tiny_ub():
+    with pytest.raises(TilingError) as err:
+        tiling("repetition_penalty", batch=1, vocab=10, length=3, core_num=1, ub_bytes=1100)
+    assert err.value.status == 2
