@@ -320,3 +320,28 @@ def test_level8_allreduce_over_msrun():
     assert res["status"] == PASS, res
     assert res["details"]["world"] == 2 and res["details"]["busbw_gbps"] > 0
     assert "GB/s" in res["message"]
+
+
+@pytest.mark.msrun
+def test_level16_two_nodes_gather_versions_over_msrun():
+    """Two doctor processes play node 0 and node 1 of a level-16 check on this host (one CPU worker
+    each): the versions of every rank are gathered over msrun and compared, and the all-reduce
+    across the two 'nodes' reports its bandwidth."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ms_deepseek.cli", "doctor", "--level", "16", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "--bench-workers", "1", "--bench-mb", "1", "--json",
+           "--only", "master_reachable,version_consistency,cross_node_bw", "--node-rank"]
+    procs = [subprocess.Popen(cmd + [str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=str(REPO)) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, out + err
+        checks = {c["id"]: c for c in json.loads(out)["checks"]}
+        assert checks["version_consistency"]["status"] == PASS
+        assert "all 2 ranks run" in checks["version_consistency"]["message"]
+        assert "mindspore=" in checks["version_consistency"]["message"]
+        assert checks["cross_node_bw"]["status"] == PASS and checks["cross_node_bw"]["details"]["world"] == 2
