@@ -87,6 +87,8 @@ def test_requirements_override_and_bad_lines(tmp_path):
     req.write_text("numpy==0.0.1\n")
     res = run_check(REGISTRY["numpy"], DoctorContext(probe=RecordedProbe(), requirements=str(req)))
     assert res.status == FAIL and "0.0.1" in res.message and "pip install" in res.fix
+    res = run_check(REGISTRY["packages"], DoctorContext(probe=RecordedProbe(), requirements=str(tmp_path / "no")))
+    assert res.status == FAIL and "requirements file not found" in res.message and "crashed" not in res.message
     with pytest.raises(UserError, match="not found"):
         pins.read_pins(str(tmp_path / "missing.txt"))
     with pytest.raises(UserError, match="cannot read line"):

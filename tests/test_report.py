@@ -134,7 +134,12 @@ def test_monitor_is_incremental_and_reports_each_episode_once():
 def test_overflow_with_loss_scale_is_not_non_finite():
     mon = AlertMonitor()
     assert mon.observe({"step": 1, "loss": 2.0, "grad_norm": "Infinity", "loss_scale": 65536.0}) == []
-    assert [a.rule for a in mon.observe({"step": 2, "loss": "NaN", "grad_norm": 1.0})] == ["non_finite"]
+    assert mon.observe({"step": 2, "loss": 2.0, "grad_norm": "NaN", "loss_scale": 1024.0, "overflow": True}) == []
+    assert [a.rule for a in mon.observe({"step": 3, "loss": "NaN", "grad_norm": 1.0})] == ["non_finite"]
+    # an inf gradient norm the trainer did not flag as an overflow is reported
+    mon = AlertMonitor()
+    assert [a.rule for a in mon.observe({"step": 1, "grad_norm": "Infinity", "loss_scale": 1.0,
+                                         "overflow": False})] == ["non_finite"]
 
 
 def test_reader_tolerates_live_and_damaged_files(tmp_path):

@@ -160,8 +160,9 @@ class AlertMonitor:
     # -- rules --------------------------------------------------------------------------------
     def _non_finite(self, step: int, rec: Dict[str, Any]) -> Optional[Alert]:
         bad = [k for k in FINITE_KEYS if number(rec, k) is not None and not math.isfinite(number(rec, k))]
-        # With a dynamic loss scale an inf/NaN gradient norm alone is an overflow the trainer skips.
-        if bad == ["grad_norm"] and "loss_scale" in rec:
+        # With a dynamic loss scale an inf/NaN gradient norm alone is an overflow the trainer skips
+        # (it logs overflow: true next to loss_scale).
+        if bad == ["grad_norm"] and "loss_scale" in rec and rec.get("overflow", True) is not False:
             bad = []
         if not bad:
             self._nonfinite_open = None

@@ -126,8 +126,12 @@ def checks_for_level(level: int) -> List[Check]:
 
 def run_check(chk: Check, ctx: DoctorContext) -> CheckResult:
     """Run one check; a crash inside a check is reported as its failure, not a traceback."""
+    from ms_deepseek.errors import UserError
+
     try:
         result = chk.func(ctx)
+    except UserError as exc:  # bad input the check depends on (e.g. no requirements file)
+        return failed(str(exc), "fix the file or option named in the message")
     except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others
         return failed(f"the check itself crashed: {type(exc).__name__}: {exc}",
                       "report this as a bug in ms-deepseek doctor (run with --json for details)")
