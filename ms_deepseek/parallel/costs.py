@@ -64,18 +64,24 @@ class StageMemory:
     optimizer: float = 0.0
     activations: float = 0.0
     working_set: float = 0.0
-    comm_buffers: float = 0.0
+    comm_buffers: float = 0.0        # MoE all-to-all send / receive buffers (in MindSpore's pool)
+    hccl_buffers: float = 0.0        # HCCL's own buffers, one per communication group (outside the pool)
     workspace: float = 0.0
     params: int = 0                   # elements held (before optimizer sharding of weights)
 
     @property
     def total(self) -> float:
         return (self.weights + self.weight_copies + self.gradients + self.optimizer + self.activations
-                + self.working_set + self.comm_buffers + self.workspace)
+                + self.working_set + self.comm_buffers + self.hccl_buffers + self.workspace)
+
+    @property
+    def pool(self) -> float:
+        """What MindSpore's device memory pool must hold (everything but HCCL's buffers)."""
+        return self.total - self.hccl_buffers
 
     def gb(self) -> Dict[str, float]:
         keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
-                "comm_buffers", "workspace")
+                "comm_buffers", "hccl_buffers", "workspace")
         out = {k: round(getattr(self, k) / GB, 3) for k in keys}
         out["total"] = round(self.total / GB, 3)
         return out
@@ -143,8 +149,10 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
     scores = w.micro_batch_size * nh * w.seq_len * w.seq_len
     if w.flash_attention:
         a += scores / w.seq_len * 8                # FlashAttentionScore keeps max and sum per row
-    elif policy != "selective":
-        a += scores * (8 + c)                      # float32 exp and softmax output + probs in compute dtype
+    elif policy == "selective":
+        a += scores * (4 + c)                      # softmax input (float32) and probs; exp is replayed
+    else:
+        a += scores * (8 + c)                      # float32 scores and exp, probs in compute dtype
     if cfg.is_moe_layer(i):
         E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         a += n * (4 * H + 8 * E)                   # float32 router input, scores / softmax
@@ -206,13 +214,14 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         if parallel.recompute == "full" and layers:
             working += copies / max(1, len(layers))    # one layer's weight copies, recast when recomputed
             copies = 0.0
-        comm = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
+        hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
+        comm = 0.0
         if cfg.has_moe and parallel.ep > 1 and any(cfg.is_moe_layer(i) for i in layers):
             comm += 2 * _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c  # all-to-all send + receive
         result.append(StageMemory(
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
             gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
-            activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm,
+            activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm, hccl_buffers=hccl,
             workspace=hw.workspace_gb * GB, params=int(held[s]["params"])))
     return result
 
