@@ -206,3 +206,10 @@ def test_from_pretrained_reads_bfloat16(tmp_path):
     model = DeepseekV2ForCausalLM.from_pretrained(dst, show_progress=False)
     expect = (bf16["lm_head.weight"].astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(model.lm_head.weight.asnumpy(), expect)
+
+
+def test_from_pretrained_skips_zero_width_tensors(broken_copy):
+    """The reference code saves [H, 0] shared experts when n_shared_experts is 0: they carry nothing."""
+    _rewrite(broken_copy, lambda t: t.update({"model.layers.1.mlp.shared_experts.down_proj.weight":
+                                              np.zeros((64, 0), np.float32)}))
+    DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
