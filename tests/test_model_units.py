@@ -210,6 +210,15 @@ def test_from_pretrained_reads_bfloat16(tmp_path):
 
 def test_from_pretrained_skips_zero_width_tensors(broken_copy):
     """The reference code saves [H, 0] shared experts when n_shared_experts is 0: they carry nothing."""
-    _rewrite(broken_copy, lambda t: t.update({"model.layers.1.mlp.shared_experts.down_proj.weight":
-                                              np.zeros((64, 0), np.float32)}))
-    DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
+    cfg = json.loads((broken_copy / "config.json").read_text())
+    cfg["n_shared_experts"] = 0
+    (broken_copy / "config.json").write_text(json.dumps(cfg))
+
+    def zero_width(tensors):
+        for name in [n for n in tensors if ".shared_experts." in n]:
+            shape = list(tensors[name].shape)
+            shape[1 if name.endswith("down_proj.weight") else 0] = 0
+            tensors[name] = np.zeros(shape, np.float32)
+    _rewrite(broken_copy, zero_width)
+    model = DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
+    assert not any(".shared_experts." in p.name for p in model.get_parameters())
