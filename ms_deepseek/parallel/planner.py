@@ -257,30 +257,40 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
 
 
 # ------------------------------------------------------------------------ recipe check
+def recipe_workload(recipe) -> Workload:
+    """Sequence length and batch of a recipe (a loaded ``Recipe`` or any object with the same fields).
+
+    The global batch is dp * micro_batch_size * micro_batches * grad_accum_steps for a ``Recipe``
+    (pipeline micro-batches are part of each step), else ``train.global_batch_size``.
+    """
+    parallel, train = recipe.parallel, recipe.train
+    seq_len = getattr(recipe.data, "seq_len", None)
+    if seq_len is None:
+        seq_len = getattr(recipe, "seq_len", None)
+    if seq_len is None:
+        raise UserError("data.seq_len: required to size activations for the parallel plan")
+    mbs = int(getattr(train, "micro_batch_size", 1) or 1)
+    if hasattr(train, "grad_accum_steps"):
+        global_batch = parallel.dp * mbs * parallel.micro_batches * int(train.grad_accum_steps)
+    else:
+        global_batch = int(train.global_batch_size)
+    # The model's attention is the eager batch-matmul path: its [T, T] scores are counted.
+    return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
+                    flash_attention=False)
+
+
 def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,
                       precision: Optional[Precision] = None) -> PlanResult:
     """The planner's verdict on a loaded recipe (``train`` / ``launch`` refuse ``fits=False``
     unless ``--force`` or ``parallel.force``).
 
-    ``recipe`` needs ``parallel`` (ParallelConfig), ``data.seq_len``, ``train.global_batch_size``
-    and ``train.micro_batch_size``; ``model_cfg`` is the resolved DeepseekV2Config (taken from
-    ``recipe.model_config`` or ``recipe.model.config`` when not given).
+    ``recipe`` needs ``parallel`` (ParallelConfig), ``data.seq_len`` (or ``seq_len``), ``train``
+    (see :func:`recipe_workload`) and, unless ``model_cfg`` is given, ``model_config``.
     """
     parallel = recipe.parallel
-    cfg = model_cfg
-    if cfg is None:
-        cfg = getattr(recipe, "model_config", None) or getattr(getattr(recipe, "model", None), "config", None)
-    if callable(cfg):
-        cfg = cfg()
+    cfg = model_cfg if model_cfg is not None else getattr(recipe, "model_config", None)
     if cfg is None:
         raise UserError("plan: the recipe's model config is not resolved (pass model_cfg)")
-    seq_len = getattr(recipe.data, "seq_len", None)
-    if seq_len is None:
-        raise UserError("data.seq_len: required to size activations for the parallel plan")
-    train = recipe.train
-    workload = Workload(seq_len=int(seq_len), global_batch_size=int(train.global_batch_size),
-                        micro_batch_size=int(getattr(train, "micro_batch_size", 1) or 1),
-                        flash_attention=False)  # the model runs the eager bmm attention
     hw = hardware or Hardware(hbm_gb=parallel.hbm_gb)
-    return estimate(cfg, parallel, workload, precision or default_precision(cfg), hw,
+    return estimate(cfg, parallel, recipe_workload(recipe), precision or default_precision(cfg), hw,
                     world_size=parallel.world_size)

@@ -1,0 +1,215 @@
+"""``ms-deepseek plan``: size a parallel layout for N NPUs (memory, traffic, tokens/s per NPU).
+
+Search (rank the layouts that fit)::
+
+    ms-deepseek plan --model deepseek-v2 --npus 256 --seq-len 4096 --global-batch 1152
+
+Check one layout (any of --dp/--tp/--pp/--ep given; the rest default to 1, dp to the
+remaining devices)::
+
+    ms-deepseek plan --model deepseek-v2 --npus 64 --seq-len 4096 --global-batch 80 \\
+        --dp 4 --tp 8 --pp 2 --ep 4 --micro-batches 20 --recompute full --optimizer-shard
+
+Check a recipe: ``ms-deepseek plan --recipe recipes/v2-sft-64npu.yaml``.
+``--json`` prints one JSON object (``fits``, ``memory_gb``, ``tokens_per_s_per_npu``, ...).
+Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import List, Optional
+
+from ms_deepseek.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="preset name, config.json or checkpoint folder (e.g. deepseek-v2)")
+    parser.add_argument("--recipe", help="check a training recipe's layout instead of --model/--npus")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="recipe override (with --recipe)")
+    parser.add_argument("--npus", type=int, help="number of NPUs (world size)")
+    parser.add_argument("--seq-len", type=int, help="training sequence length")
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    g = parser.add_argument_group("layout (check one layout instead of searching)")
+    g.add_argument("--dp", type=int)
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--ep", type=int)
+    g.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: all of a dp rank's)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
+    g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-vocab-parallel", action="store_true", help="replicate the embedding and lm_head")
+    g.add_argument("--stage-layers", help="layers per pipeline stage, comma-separated")
+    m = parser.add_argument_group("model and precision")
+    m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    m.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"),
+                   help="parameter dtype (default: the model config's)")
+    m.add_argument("--capacity-factor", type=float,
+                   help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)")
+    m.add_argument("--grad-bytes", type=int, help="bytes per gradient element (default: the parameter's)")
+    m.add_argument("--optimizer-bytes", type=int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
+    m.add_argument("--master-bytes", type=int, default=0, help="extra master-weight bytes per element (default 0)")
+    m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1")
+    m.add_argument("--flash-attention", action="store_true",
+                   help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
+    h = parser.add_argument_group("hardware (Ascend 910B defaults)")
+    h.add_argument("--hbm-gb", type=float, default=64.0)
+    h.add_argument("--peak-tflops", type=float, default=313.0)
+    h.add_argument("--mfu", type=float, default=0.40, help="achieved fraction of peak on executed FLOPs")
+    h.add_argument("--hbm-tbps", type=float, default=1.6)
+    h.add_argument("--hccs-gbps", type=float, default=56.0, help="per peer inside a node")
+    h.add_argument("--roce-gbps", type=float, default=25.0, help="per NPU across nodes")
+    h.add_argument("--npus-per-node", type=int, default=8)
+    h.add_argument("--runtime-reserved-gb", type=float, default=3.0)
+    h.add_argument("--hccl-buffer-mb", type=float, default=200.0)
+    h.add_argument("--workspace-gb", type=float, default=1.0)
+    parser.add_argument("--top", type=int, default=5, help="layouts to list when searching")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _hardware(args):
+    from ms_deepseek.parallel.costs import Hardware
+
+    for key in ("hbm_gb", "peak_tflops", "hbm_tbps", "hccs_gbps", "roce_gbps"):
+        if getattr(args, key) <= 0:
+            raise UserError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu: must be in (0, 1], got {args.mfu}")
+    return Hardware(hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops, mfu=args.mfu, hbm_tbps=args.hbm_tbps,
+                    hccs_gbps=args.hccs_gbps, roce_gbps=args.roce_gbps, npus_per_node=args.npus_per_node,
+                    runtime_reserved_gb=args.runtime_reserved_gb, hccl_buffer_mb=args.hccl_buffer_mb,
+                    workspace_gb=args.workspace_gb)
+
+
+def _precision(args, cfg):
+    from ms_deepseek.parallel.costs import ITEMSIZE, Precision
+
+    return Precision(compute_bytes=ITEMSIZE[cfg.compute_dtype], grad_bytes=args.grad_bytes,
+                     optimizer_bytes=args.optimizer_bytes, master_bytes=args.master_bytes,
+                     optimizer_level=args.optimizer_level)
+
+
+def _model(args):
+    from ms_deepseek.config import load_model_config
+
+    cfg = load_model_config(args.model)
+    changes = {"compute_dtype": args.compute_dtype}
+    if args.param_dtype:
+        changes["param_dtype"] = args.param_dtype
+    if args.capacity_factor is not None:
+        changes["capacity_factor"] = args.capacity_factor
+    elif cfg.has_moe and cfg.capacity_factor is None:
+        changes["capacity_factor"] = 1.0
+    return cfg.replace(**changes)
+
+
+def _layout(args, npus: int, global_batch: int):
+    from ms_deepseek.parallel.config import ParallelConfig
+
+    tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
+    if args.dp is None:
+        if npus % (tp * pp):
+            raise UserError(f"--npus {npus} is not divisible by tp*pp = {tp * pp}")
+        dp = npus // (tp * pp)
+    else:
+        dp = args.dp
+    micro = args.micro_batches
+    if micro is None:
+        per_rank = global_batch // max(1, dp * args.micro_batch_size)
+        micro = per_rank if pp > 1 else 1
+    stage_layers = None
+    if args.stage_layers:
+        try:
+            stage_layers = [int(x) for x in args.stage_layers.split(",")]
+        except ValueError:
+            raise UserError(f"--stage-layers: expected comma-separated integers, got {args.stage_layers!r}") from None
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, micro),
+                          recompute=args.recompute or "none", optimizer_shard=args.optimizer_shard,
+                          sequence_parallel=args.sequence_parallel, vocab_parallel=not args.no_vocab_parallel,
+                          stage_layers=stage_layers, hbm_gb=args.hbm_gb)
+
+
+def _positive(args, *keys):
+    for key in keys:
+        value = getattr(args, key)
+        if value is None:
+            raise UserError(f"--{key.replace('_', '-')}: required (or pass --recipe)")
+        if value < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.parallel.costs import Workload
+    from ms_deepseek.parallel.planner import estimate, search
+
+    hw = _hardware(args)
+    if args.recipe:
+        result = _check_recipe(args, hw)
+        _emit(args, result, None)
+        return 0 if result.fits else 1
+    if not args.model:
+        raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
+    _positive(args, "npus", "seq_len", "global_batch", "micro_batch_size")
+    cfg = _model(args)
+    precision = _precision(args, cfg)
+    workload = Workload(seq_len=args.seq_len, global_batch_size=args.global_batch,
+                        micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention)
+    if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
+        layout = _layout(args, args.npus, args.global_batch)
+        result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
+        _emit(args, result, None)
+        return 0 if result.fits else 1
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top))
+    _emit(args, ranked[0], ranked)
+    return 0 if ranked[0].fits else 1
+
+
+def _check_recipe(args, hw):
+    from ms_deepseek.parallel.planner import check_recipe_fits
+    from ms_deepseek.train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    hw.hbm_gb = recipe.parallel.hbm_gb
+    return check_recipe_fits(recipe, hardware=hw)
+
+
+def _emit(args, result, ranked: Optional[List]) -> None:
+    if args.json:
+        out = result.to_dict()
+        if ranked is not None:
+            out["ranked"] = [r.to_dict() for r in ranked]
+        print(json.dumps(out, indent=2))
+        return
+    print(format_result(result))
+    if ranked is not None and len(ranked) > 1:
+        print("\nother layouts:")
+        for r in ranked[1:]:
+            verdict = "fits" if r.fits else "does not fit"
+            print(f"  {r.layout.describe():<58} {r.peak_gb:6.1f} GB  {r.tokens_per_s_per_npu:8.1f} tokens/s/NPU  "
+                  f"{verdict}")
+
+
+def format_result(result) -> str:
+    lines = [f"layout: {result.layout.describe()}  (world {result.layout.world_size}, "
+             f"grad accumulation {result.grad_accumulation})"]
+    if result.problems:
+        lines.append("INVALID:")
+        lines += [f"  {p}" for p in result.problems]
+        return "\n".join(lines)
+    verdict = "FITS" if result.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: {result.peak_gb:.1f} GB per NPU (stage {result.worst.stage}) of "
+                 f"{result.usable_gb:.1f} GB usable")
+    mem = result.memory_gb
+    for key in ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
+                "comm_buffers", "hccl_buffers", "workspace"):
+        lines.append(f"  {key:<14}{mem[key]:9.2f} GB")
+    comm = result.comm_gb
+    lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
+    t = result.time_s
+    lines.append(f"step {t['step']:.2f} s (pipeline {t['pipeline']:.2f} s, bubble {result.bubble_fraction:.1%}, "
+                 f"dp sync {t['dp_sync']:.2f} s)  ->  {result.tokens_per_s_per_npu:.1f} tokens/s per NPU")
+    return "\n".join(lines)
