@@ -177,7 +177,8 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
             # by stacked weight r, so the stacked weights are permuted into buffer order.
             experts = cell.experts
             for attr in ("gate_proj", "up_proj", "down_proj"):
-                weight = getattr(experts, attr)
+                holder = getattr(experts, attr)
+                weight = getattr(holder, "weight", holder)  # a Parameter or a cell holding ``weight``
                 weight.set_data(ms.Tensor(weight.asnumpy()[order]))
             applied.expert_orders[_join(path, "experts")] = order
 

@@ -62,7 +62,7 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
                 placement_table(E, ep, p.expert_placement)
             except UserError as exc:
                 out.append(str(exc))
-        if (ep > 1 and dp % ep == 0 and dp // ep > 1 and cfg.capacity_factor is not None
+        if (dp % ep == 0 and dp // ep > 1 and cfg.capacity_factor is not None
                 and seq_len is not None):
             tokens = dp * micro_batch_size * seq_len
             capacity = math.ceil(cfg.capacity_factor * tokens * cfg.num_experts_per_tok / E)
