@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
 from ms_deepseek.convert.plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
-from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, write_file
+from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, read_header, write_file
 from ms_deepseek.convert.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ms_deepseek.errors import UserError
 
@@ -153,8 +153,12 @@ def _write_shards(plan: Plan, tmp: Path, file_names: List[str], metadata: Dict[s
         raise (real or errors)[0]
 
 
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+def _write_json(path: Path, data, fsync: bool = True) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _convert(src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], shard_size, workers: int,
@@ -176,9 +180,13 @@ def _convert(src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], sh
     try:
         with _progress(plan.total_bytes, direction, progress) as bar:
             _write_shards(plan, tmp, file_names, metadata, workers, bar, fsync)
+        for k, tensors in enumerate(plan.shards):  # re-read what was written: headers only, cheap
+            written = read_header(tmp / file_names[k]).tensors
+            if [(t.name, t.dtype, t.shape) for t in tensors] != [(i.name, i.dtype, i.shape) for i in written.values()]:
+                raise RuntimeError(f"internal: {file_names[k]} does not hold the planned tensors")
         weight_map = {t.name: file_names[k] for k, tensors in enumerate(plan.shards) for t in tensors}
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes},
-                                       "weight_map": dict(sorted(weight_map.items()))})
+                                       "weight_map": dict(sorted(weight_map.items()))}, fsync)
         for name in CARRIED_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
@@ -192,7 +200,7 @@ def _convert(src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], sh
                 gen = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
                 if cfg.pad_token_id is not None:
                     gen["pad_token_id"] = cfg.pad_token_id
-                _write_json(tmp / "generation_config.json", gen)
+                _write_json(tmp / "generation_config.json", gen, fsync)
         _install(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,194 @@
+"""Benchmark the checkpoint converter against a plain file copy (not a test).
+
+Builds a random bfloat16 HuggingFace checkpoint with DeepSeek-V2-Lite-shaped layers
+(hidden 2048, 64 routed experts of 1408, vocab 102400; as many MoE layers as fit the
+requested size), then for each direction (hf-to-ms, then ms-to-hf back):
+
+* copies the same bytes with ``shutil.copyfile`` (+ fsync, as the converter does) and times it,
+* runs the converter in a child process and times it, sampling the child's resident memory,
+
+with the source evicted from the page cache before each run, so both read from disk.
+It prints throughput as a ratio to the copy, peak resident memory as a ratio to the
+largest layer, checks the round trip is byte-exact, and deletes everything it wrote.
+
+    python tools/bench_convert.py                       # ~3 GB, 4 workers
+    python tools/bench_convert.py --size-gb 8 --workers 8 --shard-size 2GB
+    MS_DEEPSEEK_NO_COPY_FILE_RANGE=1 python tools/bench_convert.py   # the buffered fallback path
+
+Targets (issue 3): at least half the copy rate; peak memory under three times the largest layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ms_deepseek.config import get_preset  # noqa: E402
+from ms_deepseek.convert import names  # noqa: E402
+from ms_deepseek.convert.layout import expected_hf_shapes  # noqa: E402
+from ms_deepseek.convert.safetensors_io import read_header  # noqa: E402
+from ms_deepseek.convert.synthetic import write_random_checkpoint  # noqa: E402
+
+# The child reports its own peak RSS (VmHWM: high-water mark of this process image, all threads, since exec;
+# ru_maxrss would also count the benchmark's memory inherited at fork).
+_CONVERT = ("import sys; from ms_deepseek.convert import {fn}; "
+            "{fn}(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), shard_size=sys.argv[4], progress=False); "
+            "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+
+
+def bench_config(size_gb: float):
+    """V2-Lite shapes, with the number of MoE layers chosen to reach about ``size_gb`` GB in bf16."""
+    lite = get_preset("deepseek-v2-lite")
+    one = lite.replace(num_hidden_layers=2)  # embeddings + head + dense layer 0 + one MoE layer
+    two = lite.replace(num_hidden_layers=3)
+    per_moe = nbytes(two) - nbytes(one)
+    fixed = nbytes(one) - per_moe
+    moe_layers = max(1, round((size_gb * 1e9 - fixed) / per_moe))
+    return lite.replace(num_hidden_layers=1 + moe_layers)
+
+
+def nbytes(cfg) -> int:
+    return sum(2 * _numel(s) for s in expected_hf_shapes(cfg).values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def largest_layer_bytes(cfg) -> int:
+    per = {}
+    for name, shape in expected_hf_shapes(cfg).items():
+        key = names.layer_of(name)
+        key = name if key is None else key  # embeddings / head count as layers of their own
+        per[key] = per.get(key, 0) + 2 * _numel(shape)
+    return max(per.values())
+
+
+def weight_files(folder: Path):
+    return sorted(folder.glob("model*.safetensors"))
+
+
+def evict(folder: Path) -> None:
+    """Drop the folder's files from the page cache (after fsync, so the pages are clean)."""
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed_copy(src: Path, dst: Path) -> float:
+    dst.mkdir()
+    start = time.perf_counter()
+    for path in weight_files(src):
+        shutil.copyfile(path, dst / path.name)
+        fd = os.open(dst / path.name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def timed_convert(fn: str, src: Path, dst: Path, workers: int, shard_size: str):
+    """(seconds, peak RSS bytes) of one conversion in a child process."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CONVERT.format(fn=fn), str(src), str(dst), str(workers),
+                           shard_size], env=env, stdout=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{fn} failed with exit code {proc.returncode}")
+    kib = int(proc.stdout.split("VmHWM")[-1].split()[0])
+    return seconds, kib * 1024
+
+
+def tensor_digests(folder: Path) -> dict:
+    out = {}
+    for path in weight_files(folder):
+        header = read_header(path)
+        with open(path, "rb") as f:
+            for name, info in header.tensors.items():
+                f.seek(info.offset)
+                out[name] = (info.dtype, info.shape, hashlib.blake2b(f.read(info.nbytes), digest_size=16).digest())
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=3.0, help="checkpoint size in GB (default 3)")
+    parser.add_argument("--workers", type=int, default=4, help="converter workers (default 4)")
+    parser.add_argument("--src-shards", type=int, default=4, help="shards of the random HF checkpoint (default 4)")
+    parser.add_argument("--shard-size", default="1GB", help="converter output shard size (default 1GB)")
+    parser.add_argument("--repeat", type=int, default=2, help="copy/convert pairs per direction, best kept "
+                                                                "(default 2; the disk may be shared)")
+    parser.add_argument("--workdir", default=None, help="where to write (default: a temporary folder in /tmp)")
+    parser.add_argument("--keep", action="store_true", help="keep the files written")
+    parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact round-trip check")
+    args = parser.parse_args(argv)
+
+    cfg = bench_config(args.size_gb)
+    total, largest = nbytes(cfg), largest_layer_bytes(cfg)
+    work = Path(tempfile.mkdtemp(prefix="bench_convert_", dir=args.workdir))
+    print(f"config: V2-Lite shapes, {cfg.num_hidden_layers} layers ({len(cfg.moe_layer_indices)} MoE, 64 experts "
+          f"of 1408), bf16: {total / 1e9:.2f} GB; largest layer {largest / 1e9:.3f} GB")
+    print(f"work dir: {work}; copy_file_range: "
+          f"{'off' if os.environ.get('MS_DEEPSEEK_NO_COPY_FILE_RANGE') == '1' else 'on'}")
+    try:
+        t0 = time.perf_counter()
+        write_random_checkpoint(work / "hf", cfg, dtype="bfloat16", num_shards=args.src_shards, seed=0,
+                                progress=True)
+        print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s")
+        rows = []
+        for fn, src, dst in (("hf_to_ms", work / "hf", work / "ms"), ("ms_to_hf", work / "ms", work / "hf2")):
+            copies, runs = [], []
+            for rep in range(args.repeat):  # alternate copy and conversion; keep the best of each
+                if rep:
+                    shutil.rmtree(dst)
+                evict(src)
+                copies.append(timed_copy(src, work / "copy"))
+                shutil.rmtree(work / "copy")
+                evict(src)
+                runs.append(timed_convert(fn, src, dst, args.workers, args.shard_size))
+            copy_s = min(copies)
+            conv_s, rss = min(r[0] for r in runs), max(r[1] for r in runs)
+            copy_rate, conv_rate = total / copy_s, total / conv_s
+            rows.append((fn, copy_rate, conv_rate, rss))
+            print(f"{fn}: copy {copy_s:.2f} s ({copy_rate / 1e9:.2f} GB/s), convert {conv_s:.2f} s "
+                  f"({conv_rate / 1e9:.2f} GB/s) = {conv_rate / copy_rate:.2f}x the copy rate; "
+                  f"peak RSS {rss / 1e6:.0f} MB = {rss / largest:.3f}x the largest layer  "
+                  f"[copy runs {', '.join(f'{c:.1f}' for c in copies)} s; "
+                  f"convert runs {', '.join(f'{r[0]:.1f}' for r in runs)} s]")
+        if not args.no_verify:
+            same = tensor_digests(work / "hf") == tensor_digests(work / "hf2")
+            print(f"round trip byte-exact: {same}")
+            if not same:
+                return 1
+        worst_rate = min(r[2] / r[1] for r in rows)
+        worst_mem = max(r[3] / largest for r in rows)
+        ok = worst_rate >= 0.5 and worst_mem < 3.0
+        print(f"summary: worst throughput {worst_rate:.2f}x copy (target >= 0.5), worst peak memory "
+              f"{worst_mem:.3f}x largest layer (target < 3): {'PASS' if ok else 'FAIL'}")
+        return 0 if ok else 1
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
