@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)  # fail here, not in N workers
     if not (args.force or recipe.parallel.force):
-        from ms_deepseek.parallel import check_recipe_fits
+        from ms_deepseek.train.trainer import check_fits
 
-        check_recipe_fits(recipe)
+        check_fits(recipe)
     run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
     env, cmd = build_command(args, recipe.parallel.world_size, run_dir)
     print(format_command(env, cmd), flush=True)

@@ -72,18 +72,6 @@ def _device_target() -> str:
     return "CPU"
 
 
-def _apply_recompute(model, policy: str) -> None:
-    """``full``: recompute each decoder layer in backward; ``selective``: attention and MLP/MoE blocks."""
-    if policy == "none":
-        return
-    for layer in model.model.layers:
-        if policy == "full":
-            layer.recompute()
-        else:
-            layer.self_attn.recompute()
-            layer.mlp.recompute()
-
-
 def _model_tensors(model) -> Dict[str, object]:
     """The model's parameters under its own names, without the expert placement table (plan data)."""
     return {name: p for name, p in model.parameters_and_names() if not name.endswith("expert_placement")}
@@ -107,7 +95,8 @@ def _restore_rng(state: Dict) -> None:
     if state.get("mindspore_seed") is not None:
         ms.set_seed(int(state["mindspore_seed"]))
     if "mindspore_generator" in state:
-        ms.set_rng_state(ms.Tensor(np.asarray(state["mindspore_generator"], dtype=np.int64)))
+        dtype = ms.get_rng_state().asnumpy().dtype  # the generator's own state dtype (uint8)
+        ms.set_rng_state(ms.Tensor(np.asarray(state["mindspore_generator"], dtype=dtype)))
 
 
 def _load_into(params: Dict[str, object], path: Path, what: str) -> None:
@@ -194,7 +183,9 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     else:
         model = DeepseekV2ForCausalLM(cfg)
     model.set_train(True)
-    _apply_recompute(model, par.recompute)
+    from ms_deepseek.parallel.apply import apply_plan
+
+    apply_plan(model, par, cfg)  # expert placement and recompute; strategies are inert in data parallel
 
     params = model.trainable_params()
     optimizer = optim.build_optimizer(params, recipe.optim, total, log_dir)
@@ -293,12 +284,16 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                         _print(f"ALERT {alert}", bar_or_none)
             save_now = (recipe.checkpoint.save_interval and step % recipe.checkpoint.save_interval == 0) or \
                 (step == stop_at and recipe.checkpoint.save_final)
-            if save_now and is_main:
-                last_ckpt = manager.save(step, model_tensors, opt_tensors, cfg, {
+            if save_now:
+                ckpt_state = {
                     "step": step, "data": dataset.state_dict(), "rng": _rng_state(),
                     "tokens_seen": tokens_seen, "elapsed_s": elapsed_before + time.time() - started,
                     "world_size": world, "global_batch_size": recipe.global_batch_size, "seq_len": seq_len,
-                }, recipe.to_yaml())
+                }
+                if world > 1:  # every rank takes part: the replicas must hold the same weights
+                    ckpt_state["replica_sha1"] = _replica_digests(model_tensors, world)
+                if is_main:
+                    last_ckpt = manager.save(step, model_tensors, opt_tensors, cfg, ckpt_state, recipe.to_yaml())
     finally:
         bar.close()
         writer.close()
@@ -308,6 +303,25 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                          metrics_path=writer.path if is_main else None,
                          tokens_per_s=steady_tokens / steady_time if steady_time else 0.0, wall_s=wall)
     return result
+
+
+def _replica_digests(tensors: Dict[str, object], world: int) -> List[str]:
+    """SHA-1 of this rank's weights, all-gathered: one hex digest per rank. Raises if they differ."""
+    import hashlib
+
+    import mindspore as ms
+    from mindspore import ops
+
+    h = hashlib.sha1()
+    for name in sorted(tensors):
+        h.update(name.encode() + tensors[name].asnumpy().tobytes())
+    mine = np.frombuffer(h.digest(), dtype=np.int32)  # 20 bytes -> [5]
+    gathered = ops.AllGather()(ms.Tensor(mine)).asnumpy().reshape(world, -1)  # [world, 5]
+    digests = [row.astype(np.int32).tobytes().hex() for row in gathered]
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"data-parallel replicas hold different weights (sha1 per rank: {digests}); "
+                           "gradient averaging is broken")
+    return digests
 
 
 class _RankMean:
@@ -346,9 +360,26 @@ def _check_fits(recipe: Recipe, force: bool) -> None:
     """Refuse a layout the planner says cannot fit in device memory, unless forced."""
     if force or recipe.parallel.force:
         return
-    from ms_deepseek.parallel import check_recipe_fits
+    check_fits(recipe)
 
-    check_recipe_fits(recipe)
+
+def check_fits(recipe: Recipe) -> None:
+    """The memory planner's verdict (``ms_deepseek.parallel.planner``); UserError when it does not fit."""
+    from types import SimpleNamespace
+
+    from ms_deepseek.parallel.planner import check_recipe_fits
+
+    view = SimpleNamespace(  # the fields the planner reads, with the sequence length resolved
+        parallel=recipe.parallel, model_config=recipe.model_config,
+        data=SimpleNamespace(seq_len=recipe.seq_len),
+        train=SimpleNamespace(global_batch_size=recipe.global_batch_size,
+                              micro_batch_size=recipe.train.micro_batch_size))
+    result = check_recipe_fits(view)
+    if not result.fits:
+        why = "; ".join(result.problems) if result.problems else \
+            f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
+        raise UserError(f"parallel: {recipe.parallel.describe()} does not fit ({why}); see `ms-deepseek plan`, "
+                        "or pass --force (parallel.force: true) to run anyway")
 
 
 def _alert_monitor():
@@ -358,7 +389,9 @@ def _alert_monitor():
 
 
 def _memory_metrics_fn():
-    """Device memory numbers for the record (no-ops on CPU return nothing)."""
+    """Device memory numbers for the record; None on CPU, where MindSpore keeps no device pool."""
+    if _device_target() == "CPU":
+        return None
     from ms_deepseek.parallel import memory_metrics
 
     return memory_metrics

@@ -1,0 +1,310 @@
+"""Training: metrics, exact resume, crash-safe checkpoints, accumulation, clipping, loss scale, bad data.
+
+One tiny prepared corpus (seq 32, vocab 512) and a 2-layer model (hidden 32, one MoE
+layer with 8 experts) are shared by the module; each ``train()`` call compiles its own
+graphs (~10 s each on 2 cores), so the runs are few and reused across tests.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from ms_deepseek.cli import main
+from ms_deepseek.errors import UserError
+
+SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
+               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+               "max_position_embeddings": 64, "capacity_factor": None}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from ms_deepseek.data.prepare import prepare_embedded_default
+
+    out = tmp_path_factory.mktemp("data") / "corpus"
+    prepare_embedded_default(out, seq_len=32, vocab_size=512, max_bytes=150_000, progress=False)
+    return out
+
+
+def recipe_dict(data_dir, **sections):
+    data = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL), "expert_aux_loss_alpha": 0.01,
+                  "device_aux_loss_alpha": 0.01},
+        "data": {"path": str(data_dir), "num_workers": 1},
+        "train": {"steps": STEPS, "micro_batch_size": 4, "grad_accum_steps": 1, "seed": 11},
+        "optim": {"lr": 3e-3, "warmup_steps": 1, "schedule": "cosine", "min_lr": 3e-4},
+        "checkpoint": {"save_interval": 1, "keep_last": 2},
+        "logging": {"log_interval": 1, "tensorboard": True},
+    }
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    return data
+
+
+def write_recipe(folder: Path, data) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def losses_of(run_dir: Path):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(ckpt: Path):
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    """STEPS steps in one uninterrupted run, through the CLI."""
+    root = tmp_path_factory.mktemp("ref")
+    recipe = write_recipe(root, recipe_dict(data_dir))
+    run_dir = root / "run"
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", str(recipe), "--output", str(run_dir), "--quiet"])
+    assert code == 0
+    return run_dir, out.getvalue()
+
+
+def test_cli_run_reports_loss_checkpoint_and_metrics(reference):
+    run_dir, stdout = reference
+    assert "final loss" in stdout
+    assert f"checkpoint: {run_dir / 'checkpoints' / 'step_00000004'}" in stdout
+    assert f"metrics:    {run_dir / 'metrics.jsonl'}" in stdout
+    assert (run_dir / "recipe.yaml").is_file()
+    assert list((run_dir / "tb").iterdir()), "no TensorBoard event file"
+    # keep_last 2 with a save every step: only the last two remain, each complete
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step_00000003", "step_00000004"]
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+        ["model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml"])
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 4 and state["data"]["steps"] == 4 and state["tokens_seen"] == 4 * 4 * 32
+    assert {"numpy", "mindspore_seed", "mindspore_generator"} <= set(state["rng"])
+
+
+def test_checkpoint_holds_the_models_own_names_and_optimizer_state(reference):
+    run_dir, _ = reference
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    model = weights(ckpt)
+    assert "model.embed_tokens.weight" in model and "lm_head.weight" in model
+    assert model["model.layers.1.mlp.experts.gate_proj.weight"].shape == (8, 16, 32)  # stacked [E, out, in]
+    assert not any(k.startswith(("network.", "model.model.")) or "placement" in k for k in model)
+    opt = load_file(str(ckpt / "optimizer.safetensors"))
+    assert int(opt["global_step"].reshape(-1)[0]) == 4
+    assert set(f"adam_m.{k}" for k in model) <= set(opt)
+    assert set(f"adam_v.{k}" for k in model) <= set(opt)
+    # a training checkpoint loads with from_pretrained
+    from ms_deepseek import DeepseekV2ForCausalLM
+
+    loaded = DeepseekV2ForCausalLM.from_pretrained(ckpt, show_progress=False)
+    got = {p.name: p.asnumpy() for p in loaded.trainable_params()}
+    np.testing.assert_array_equal(got["lm_head.weight"], model["lm_head.weight"])
+
+
+def test_metrics_records(reference):
+    from ms_deepseek.train.metrics import RECORD_KEYS
+    from ms_deepseek.train.optim import lr_fn
+    from ms_deepseek.train.recipe import OptimSection
+
+    run_dir, _ = reference
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    expected_lr = lr_fn(OptimSection(lr=3e-3, warmup_steps=1, schedule="cosine", min_lr=3e-4), STEPS)
+    for r in records:
+        assert set(RECORD_KEYS) <= set(r)
+        assert r["lr"] == pytest.approx(expected_lr(r["step"]), rel=1e-6)
+        assert r["total_loss"] > r["loss"] > 0  # balance losses added with their alphas
+        assert r["balance_expert"] > 0 and r["balance_device"] > 0
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+        assert list(r["expert_load"]) == ["1"] and len(r["expert_load"]["1"]) == 8
+        assert sum(r["expert_load"]["1"]) == pytest.approx(1.0, abs=1e-5)
+        assert r["dropped_fraction"] == {"1": 0.0}  # capacity_factor null: dropless
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["elapsed_s"] >= records[0]["elapsed_s"]
+
+
+def test_non_finite_numbers_are_written_as_strings(tmp_path):
+    from ms_deepseek.train.metrics import MetricsWriter, json_number, read_metrics
+
+    assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == \
+        {"a": "NaN", "b": ["Infinity", "-Infinity", 1.5]}
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
+    writer.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert '"loss": "NaN"' in line and '"grad_norm": "Infinity"' in line
+    rec = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert math.isnan(rec["loss"]) and rec["grad_norm"] == float("inf")
+
+
+def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tmp_path, monkeypatch):
+    """N steps, a crash while saving step N+..., --resume: same losses and weights as one run."""
+    from ms_deepseek.train import checkpoint as ckpt_mod
+
+    ref_dir, _ = reference
+    recipe = write_recipe(tmp_path, recipe_dict(data_dir, checkpoint={"save_interval": 2, "keep_last": 3}))
+    run_dir = tmp_path / "run"
+    real_save = ckpt_mod._save_tensors
+
+    def crashing_save(named, path):
+        if "step_00000004" in str(path.parent) and path.name == "optimizer.safetensors":
+            path.write_bytes(b"\x00" * 100)  # half-written file, then the process "dies"
+            raise KeyboardInterrupt("simulated crash during save")
+        return real_save(named, path)
+
+    monkeypatch.setattr(ckpt_mod, "_save_tensors", crashing_save)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
+    monkeypatch.setattr(ckpt_mod, "_save_tensors", real_save)
+
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    assert any(p.name.startswith(".tmp_") for p in ckpts.iterdir()), "the partial save should be left hidden"
+    assert ckpt_mod.resolve_resume("latest", run_dir) == ckpts / "step_00000002"
+
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
+    assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())
+    assert losses_of(run_dir) == losses_of(ref_dir)  # steps 1-2 from the first run, 3-4 resumed
+    got, want = weights(ckpts / "step_00000004"), weights(ref_dir / "checkpoints" / "step_00000004")
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    opt_got = load_file(str(ckpts / "step_00000004" / "optimizer.safetensors"))
+    opt_want = load_file(str(ref_dir / "checkpoints" / "step_00000004" / "optimizer.safetensors"))
+    for name in opt_want:
+        np.testing.assert_array_equal(opt_got[name], opt_want[name], err_msg=name)
+
+
+def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_path):
+    """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update)."""
+    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.train.trainer import train
+
+    ref_dir, _ = reference
+    recipe = load_recipe_dict(recipe_dict(data_dir, train={"micro_batch_size": 2, "grad_accum_steps": 2},
+                                          logging={"tensorboard": False}))
+    result = train(recipe, tmp_path / "accum", progress=False)
+    np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=1e-5)
+    got, want = weights(result.checkpoint), weights(ref_dir / "checkpoints" / "step_00000004")
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+# --------------------------------------------------------------- the apply step in isolation
+
+def _apply_setup(clip, dynamic, window=1000):
+    import mindspore as ms
+    from mindspore import nn
+
+    from ms_deepseek.train import optim
+    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.train.step import build_steps
+
+    ms.set_seed(0)
+    net = nn.Dense(3, 2)
+    opt = optim.build_optimizer(net.trainable_params(), OptimSection(lr=0.1, schedule="constant",
+                                                                     weight_decay=0.0), 10)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    _, apply, scale = build_steps(net, opt, 1, clip, dynamic, loss_scale_init=8.0, scale_window=window)
+    return net, opt, apply, scale
+
+
+def _fill(apply, grads):
+    import mindspore as ms
+
+    for acc, g in zip(apply.accum, grads):
+        acc.set_data(ms.Tensor(np.asarray(g, np.float32)))
+
+
+def test_global_norm_clipping():
+    grads = [np.full((2, 3), 3.0), np.full((2,), 4.0)]  # norm sqrt(6*9 + 2*16) = sqrt(86)
+    norm = math.sqrt(86.0)
+    for clip in (1.0, None, 100.0):
+        net, opt, apply, _ = _apply_setup(clip, dynamic=False)
+        _fill(apply, grads)
+        grad_norm, lr, overflow, _ = apply()
+        assert float(grad_norm.asnumpy()) == pytest.approx(norm, rel=1e-6)  # reported before clipping
+        assert not bool(overflow.asnumpy())
+        factor = 1.0 / norm if clip == 1.0 else 1.0
+        # Adam's first moment after one step is (1 - beta1) * g: the clipped gradient, exactly
+        m = opt.exp_avg[0].asnumpy()
+        np.testing.assert_allclose(m, 0.1 * grads[0] * factor, rtol=1e-5)
+        assert not apply.accum[0].asnumpy().any(), "accumulation buffers are zeroed after the update"
+
+
+def test_dynamic_loss_scale_skips_overflow_and_grows():
+    net, opt, apply, scale = _apply_setup(None, dynamic=True, window=2)
+    before = net.weight.asnumpy().copy()
+    _fill(apply, [np.full((2, 3), np.inf), np.ones(2)])
+    _, _, overflow, used = apply()
+    assert bool(overflow.asnumpy()) and float(used.asnumpy()) == 8.0
+    assert float(scale.asnumpy()) == 4.0                      # halved
+    np.testing.assert_array_equal(net.weight.asnumpy(), before)  # step skipped
+    assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 0
+    for _ in range(2):                                        # two good steps -> doubled
+        _fill(apply, [np.full((2, 3), 2.0), np.full((2,), 2.0)])
+        grad_norm, _, overflow, _ = apply()
+        assert not bool(overflow.asnumpy())
+        # the buffers hold scaled gradients: 2.0 / scale 4 = 0.5 per element, 8 elements
+        assert float(grad_norm.asnumpy()) == pytest.approx(math.sqrt(8 * 0.5 ** 2), rel=1e-6)
+    assert float(scale.asnumpy()) == 8.0
+    assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 2
+    assert not np.array_equal(net.weight.asnumpy(), before)
+
+
+# --------------------------------------------------------------- bad input stops before training
+
+@pytest.mark.parametrize("case", ["empty_folder", "corrupt_meta", "missing_tokenizer", "too_long", "vocab"])
+def test_bad_data_stops_with_one_line_before_training(case, data_dir, tmp_path, capsys):
+    import shutil
+
+    data = recipe_dict(data_dir)
+    key = "data.path"
+    if case == "empty_folder":
+        (tmp_path / "empty").mkdir()
+        data["data"]["path"] = str(tmp_path / "empty")
+    elif case == "corrupt_meta":
+        bad = tmp_path / "corrupt"
+        shutil.copytree(data_dir, bad)
+        (bad / "meta.json").write_text("{not json")
+        data["data"]["path"] = str(bad)
+        key = "meta.json"
+    elif case == "missing_tokenizer":
+        data["data"]["tokenizer"] = str(tmp_path / "no_such_tokenizer.model")
+        key = "data.tokenizer"
+    elif case == "too_long":
+        data["model"]["overrides"]["max_position_embeddings"] = 16  # the data has 32-token windows
+        key = "data.seq_len"
+    else:
+        data["model"]["overrides"]["vocab_size"] = 256  # the data's tokenizer has 512
+        key = "data.path"
+    recipe = write_recipe(tmp_path, data)
+    run_dir = tmp_path / "run"
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ms-deepseek train: error:") and "\n" not in err and key in err, err
+    assert not run_dir.exists(), "nothing may start before the data is checked"
+
+
+def test_resume_errors_are_clear(tmp_path, data_dir):
+    from ms_deepseek.train.checkpoint import resolve_resume
+
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        resolve_resume("latest", tmp_path)
+    (tmp_path / "step_00000002").mkdir()
+    with pytest.raises(UserError, match="incomplete checkpoint"):
+        resolve_resume(str(tmp_path / "step_00000002"), tmp_path)
