@@ -16,7 +16,7 @@ import safetensors
 from ms_deepseek import cli
 from ms_deepseek.config import DeepseekV2Config, count_parameters, get_preset
 from ms_deepseek.convert import hf_to_ms, ms_to_hf, parse_size
-from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes
+from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes, zero_width_shapes
 from ms_deepseek.convert.synthetic import write_random_checkpoint
 from ms_deepseek.errors import UserError
 
@@ -169,6 +169,28 @@ def test_buffered_copy_fallback(bf16_pair, tmp_path, monkeypatch, how):
     hf_to_ms(root / "hf", tmp_path / "ms", shard_size="30KB", workers=2, progress=False)
     assert read_all(tmp_path / "ms") == read_all(root / "ms")
     assert (len(calls) == 0) if how == "env" else (len(calls) >= 1)
+
+
+def test_zero_width_shared_experts_are_carried(tmp_path):
+    """n_shared_experts: 0 checkpoints from the reference code hold [0, H] / [H, 0] shared experts; keep them."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = odd_config(n_shared_experts=0)
+    write_random_checkpoint(tmp_path / "plain", cfg, dtype="float32", seed=5)
+    tensors = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    zero = zero_width_shapes(cfg)
+    assert zero["model.layers.2.mlp.shared_experts.down_proj.weight"] == (40, 0)
+    tensors.update({name: np.zeros(shape, np.float32) for name, shape in zero.items()})
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes((tmp_path / "plain" / "config.json").read_bytes())
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    hf_to_ms(src, tmp_path / "ms", progress=False)
+    assert set(zero) <= set(read_all(tmp_path / "ms"))
+    ms_to_hf(tmp_path / "ms", tmp_path / "back", progress=False)
+    assert read_all(tmp_path / "back") == read_all(src)
+    hf_to_ms(tmp_path / "plain", tmp_path / "ms_plain", progress=False)  # without them is fine too
+    assert not set(zero) & set(read_all(tmp_path / "ms_plain"))
 
 
 # ------------------------------------------------------------------ readers: safetensors and MindSpore

@@ -99,6 +99,17 @@ def ms_buffer_shapes(cfg: DeepseekV2Config) -> Dict[str, Shape]:
     return {f"model.layers.{i}.mlp.expert_placement": (cfg.n_routed_experts, 2) for i in cfg.moe_layer_indices}
 
 
+def zero_width_shapes(cfg: DeepseekV2Config) -> Dict[str, Shape]:
+    """Tensors of width 0 that the reference code (and transformers) still save when ``n_shared_experts`` is 0:
+    a shared-expert MLP of intermediate size 0. They hold no bytes; either layout may carry them or not."""
+    if cfg.n_shared_experts != 0 or not cfg.has_moe:
+        return {}
+    out: Dict[str, Shape] = {}
+    for i in cfg.moe_layer_indices:
+        out.update(_mlp(f"model.layers.{i}.mlp.shared_experts", cfg.hidden_size, 0))
+    return out
+
+
 def layer_key(name: str) -> Tuple[int, int]:
     """Sort key grouping tensors by position in the model: embeddings, layers 0..L-1, final norm and head."""
     layer = names.layer_of(name)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.convert import names
-from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes, layer_key, ms_buffer_shapes
+from ms_deepseek.convert.layout import (expected_hf_shapes, expected_ms_shapes, layer_key, ms_buffer_shapes,
+                                        zero_width_shapes)
 from ms_deepseek.convert.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, OutTensor, TensorInfo, order_for_alignment
 from ms_deepseek.convert.source import Checkpoint
 from ms_deepseek.errors import UserError
@@ -78,9 +79,18 @@ def check_tensors(ckpt: Checkpoint, expected: Dict[str, Tuple[int, ...]], layout
                             f"{', '.join(FLOAT_DTYPES)}")
 
 
+def _carry_zero_width(ckpt: Checkpoint, out: List[OutTensor]) -> List[OutTensor]:
+    """Zero-width tensors present in the source go to the output too (a byte-exact round trip), in layer order."""
+    for name in zero_width_shapes(ckpt.config):
+        info = ckpt.tensors.get(name)
+        if info is not None:
+            out.append(OutTensor(name, info.dtype, info.shape, ((info.file, info.offset, 0),)))
+    return sorted(out, key=lambda t: layer_key(t.name))  # stable: model order within a layer is kept
+
+
 def plan_hf_to_ms(ckpt: Checkpoint) -> List[OutTensor]:
     cfg = ckpt.config
-    check_tensors(ckpt, expected_hf_shapes(cfg), "HuggingFace")
+    check_tensors(ckpt, expected_hf_shapes(cfg), "HuggingFace", optional=zero_width_shapes(cfg))
     out: List[OutTensor] = []
     for name, shape in expected_ms_shapes(cfg).items():
         if not names.is_stacked_expert(name):
@@ -94,12 +104,13 @@ def plan_hf_to_ms(ckpt: Checkpoint) -> List[OutTensor]:
                 raise UserError(f"{part.file}: tensor {part.name} is {part.dtype} but {first.name} "
                                 f"({first.file.name}) is {first.dtype}: the experts of one layer must share a dtype")
         out.append(OutTensor(name, first.dtype, shape, tuple((p.file, p.offset, p.nbytes) for p in parts)))
-    return out
+    return _carry_zero_width(ckpt, out)
 
 
 def plan_ms_to_hf(ckpt: Checkpoint) -> List[OutTensor]:
     cfg = ckpt.config
-    check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek", optional=ms_buffer_shapes(cfg))  # buffers dropped
+    optional = {**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)}  # zero-width carried, buffers dropped
+    check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek", optional=optional)
     out: List[OutTensor] = []
     for name in expected_ms_shapes(cfg):
         info = ckpt.tensors[name]
@@ -110,7 +121,7 @@ def plan_ms_to_hf(ckpt: Checkpoint) -> List[OutTensor]:
         per = info.nbytes // E  # [E, out, in] -> E x [out, in], expert e at byte e * per
         for e, hf_name in enumerate(names.ms_to_hf(name, E)):
             out.append(OutTensor(hf_name, info.dtype, info.shape[1:], ((info.file, info.offset + e * per, per),)))
-    return out
+    return _carry_zero_width(ckpt, out)
 
 
 def shard(tensors: Sequence[OutTensor], shard_size: int) -> Plan:
