@@ -16,8 +16,9 @@ The rest of the operators get their strategies by MindSpore's sharding propagati
 hold no strategies and the plan stays one table. On CPU (stand-alone) the strategies
 are recorded but have no effect: the same model runs unsharded.
 
-:func:`context_kwargs` / :func:`set_parallel_context` / :func:`wrap_for_ascend` set up
-the distributed run (Ascend only: SEMI/AUTO parallel cannot compile on CPU).
+:func:`context_kwargs` / :func:`set_parallel_context` (the context API) or
+:func:`pipeline_wrap` + :func:`auto_parallel_wrap` (the ``AutoParallel`` API) set up the
+distributed run (Ascend only: SEMI/AUTO parallel cannot compile on CPU).
 """
 
 from __future__ import annotations
@@ -256,18 +257,24 @@ def pipeline_stage_config(applied: AppliedPlan, prefix: str = "") -> Dict[str, i
     return {_join(prefix, path): stage for path, stage in applied.stage_of_cell.items()}
 
 
-def wrap_for_ascend(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan, model_prefix: str = "",
-                    strategy_file: Optional[str] = None):
-    """Ascend only (needs ``communication.init`` and SEMI/AUTO parallel): the loss network wrapped in
-    ``Pipeline`` (micro-batches, stage_config) when pp > 1 and in ``AutoParallel`` with sharding
-    propagation, optimizer sharding (``hsdp``), 1F1B pipeline and the dataset strategy."""
-    from mindspore.parallel.auto_parallel import AutoParallel
+def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan, model_prefix: str = ""):
+    """``mindspore.parallel.nn.Pipeline`` over the loss network when pp > 1 (micro-batches and the
+    plan's stage of every cell; ``model_prefix`` is the model's attribute path inside the loss
+    network), else the network itself. Ascend only."""
+    if parallel.pp == 1:
+        return net_with_loss
     from mindspore.parallel.nn import Pipeline
 
-    net = net_with_loss
-    if parallel.pp > 1:
-        net = Pipeline(net, parallel.micro_batches, stage_config=pipeline_stage_config(applied, model_prefix))
-    wrapped = AutoParallel(net, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
+    return Pipeline(net_with_loss, parallel.micro_batches, stage_config=pipeline_stage_config(applied, model_prefix))
+
+
+def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Optional[str] = None):
+    """Ascend only (needs ``communication.init``): the outermost training cell (forward, gradients and
+    optimizer update) in ``AutoParallel`` with sharding propagation from the plan's strategies,
+    optimizer sharding (``hsdp``), the 1F1B pipeline and the dataset strategy."""
+    from mindspore.parallel.auto_parallel import AutoParallel
+
+    wrapped = AutoParallel(top_cell, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
     wrapped.dataset_strategy(parallel.dataset_strategy)
     wrapped.enable_gradients_mean()
     if parallel.optimizer_shard:
