@@ -249,7 +249,8 @@ def _png_pixels(path: Path):
     return width, height, nonwhite / (width * height)
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (/usr/bin/chromium); tools/test.sh installs it")
+@pytest.mark.skipif(not CHROMIUM.exists(),
+                    reason="needs Debian's chromium (/usr/bin/chromium); tools/test.sh installs it")
 def test_report_renders_in_headless_chromium(tmp_path):
     run = write_run(tmp_path / "run", synth_records(plant=tuple(RULES)))
     page = generate(run)["output"]

@@ -123,7 +123,8 @@ def check_nic_mtu(ctx: DoctorContext) -> CheckResult:
     unread = [d for d, m in mtus.items() if m is None]
     values = sorted({m for m in mtus.values() if m is not None})
     listing = ", ".join(f"{d}:{m}" for d, m in mtus.items())
-    fix = f"for i in 0..7: hccn_tool -i $i -mtu -s size {ROCE_MIN_MTU} (or more; the same value on every NIC and switch port)"
+    fix = (f"for i in 0..7: hccn_tool -i $i -mtu -s size {ROCE_MIN_MTU} (or more; the same value on every NIC "
+           "and switch port)")
     if unread:
         return warned(f"could not read the MTU of device(s) {unread}", "run `hccn_tool -i N -mtu -g` by hand")
     if len(values) > 1:

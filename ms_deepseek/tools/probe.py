@@ -96,7 +96,8 @@ class SystemProbe:
             return None
 
     def tcp_probe(self, host: str, port: int, timeout: float = 3.0) -> str:
-        """Reachability of ``host``: 'open', 'refused' (host answered), 'unresolved', 'timeout' or 'unreachable: ...'."""
+        """Reachability of ``host``: 'open', 'refused' (the host answered), 'unresolved', 'timeout'
+        or 'unreachable: <reason>'."""
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror:

@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     try:
         report = train(args.steps, args.device)
     except Exception as exc:  # noqa: BLE001 - the doctor reports the one-line cause
-        print(json.dumps({"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}))
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(json.dumps({"error": f"{type(exc).__name__}: {first_line}"}))
         return 1
     if not args.json:
         for i, loss in enumerate(report["losses"]):
