@@ -1,0 +1,125 @@
+"""``ms-deepseek launch``: the msrun command text, and a real 2-worker data-parallel run on CPU."""
+
+import contextlib
+import io
+import json
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from ms_deepseek.cli import main
+
+SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
+               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+               "max_position_embeddings": 64, "capacity_factor": None}
+
+
+def recipe_data(data_path=None, dp=2, **parallel):
+    data = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+            "data": {"seq_len": 32, "embedded_vocab_size": 512} if data_path is None
+            else {"path": str(data_path), "num_workers": 1},
+            "train": {"steps": 3, "micro_batch_size": 2, "seed": 5},
+            "optim": {"lr": 2e-3, "warmup_steps": 1},
+            "parallel": dict({"dp": dp}, **parallel),
+            "checkpoint": {"save_interval": 0},
+            "logging": {"log_interval": 1, "tensorboard": False}}
+    return data
+
+
+def write(folder: Path, data) -> Path:
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dry_run_prints_the_msrun_command(tmp_path):
+    recipe = write(tmp_path, recipe_data(dp=16))
+    code, out, _ = run_cli(["launch", str(recipe), "--dry-run", "--nnodes", "2", "--node-rank", "1",
+                            "--master-addr", "10.1.2.3", "--master-port", "29600", "--output", "runs/x",
+                            "--set", "train.steps=7", "--cluster-time-out", "900",
+                            "--hccl-connect-timeout", "1200", "--hccl-exec-timeout", "3600"])
+    assert code == 0
+    words = shlex.split(out.strip())
+    assert words[:2] == ["HCCL_CONNECT_TIMEOUT=1200", "HCCL_EXEC_TIMEOUT=3600"]
+    assert Path(words[2]).name == "msrun" or words[2] == sys.executable
+    for flag in ("--worker_num=16", "--local_worker_num=8", "--master_addr=10.1.2.3", "--master_port=29600",
+                 "--node_rank=1", "--log_dir=runs/x/msrun_logs", "--join=True", "--cluster_time_out=900"):
+        assert flag in words, flag
+    tail = words[words.index("python"):]
+    assert tail == ["python", "-m", "ms_deepseek.cli", "train", str(recipe), "--output", "runs/x", "--quiet",
+                    "--set", "train.steps=7"]
+    assert not Path("runs").exists(), "--dry-run starts nothing"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "3"], "--nnodes: 3 does not divide the recipe's world size 4"),
+    (["--node-rank", "2", "--nnodes", "2"], "--node-rank: must be in [0, 1]"),
+    (["--master-port", "80"], "--master-port: must be in 1024..65535"),
+    (["--set", "parallel.dp=0"], "parallel.dp: must be >= 1"),
+])
+def test_launch_refuses_bad_layouts_before_starting(tmp_path, argv, message):
+    recipe = write(tmp_path, recipe_data(dp=4))
+    code, out, err = run_cli(["launch", str(recipe), "--dry-run"] + argv)
+    assert code == 2
+    assert message in err and "\n" not in err.strip()
+
+
+def test_train_refuses_a_multi_worker_recipe_without_msrun(tmp_path):
+    recipe = write(tmp_path, recipe_data(dp=2))
+    code, _, err = run_cli(["train", str(recipe), "--output", str(tmp_path / "run")])
+    assert code == 2 and "parallel.dp: 2 needs 2 workers" in err
+
+
+@pytest.mark.msrun
+def test_two_worker_data_parallel_equals_one_worker(tmp_path):
+    """msrun, 2 CPU workers x batch 2 == 1 worker x batch 4: same losses, same final weights."""
+    from safetensors.numpy import load_file
+
+    from ms_deepseek.data.prepare import prepare_embedded_default
+
+    data = tmp_path / "corpus"
+    prepare_embedded_default(data, seq_len=32, vocab_size=512, max_bytes=100_000, progress=False)
+    recipe = write(tmp_path, recipe_data(data, dp=2))
+    dp_dir, single_dir = tmp_path / "dp2", tmp_path / "single"
+
+    code, out, err = run_cli(["launch", str(recipe), "--output", str(dp_dir), "--master-port", str(free_port()),
+                              "--cluster-time-out", "120"])
+    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in (dp_dir / "msrun_logs").glob("worker_*.log"))
+    assert code == 0, f"{err}\n{logs}"
+    assert "--worker_num=2 --local_worker_num=2" in out
+
+    code, _, err = run_cli(["train", str(recipe), "--output", str(single_dir), "--quiet",
+                            "--set", "parallel.dp=1", "--set", "train.micro_batch_size=4"])
+    assert code == 0, err
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    np.testing.assert_allclose(losses(dp_dir), losses(single_dir), rtol=1e-5)
+    ckpt = "checkpoints/step_00000003"
+    state = json.loads((dp_dir / ckpt / "state.json").read_text())
+    assert state["world_size"] == 2
+    assert len(state["replica_sha1"]) == 2 and state["replica_sha1"][0] == state["replica_sha1"][1]
+    got, want = load_file(str(dp_dir / ckpt / "model.safetensors")), load_file(str(single_dir / ckpt / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-5, err_msg=name)
