@@ -76,10 +76,13 @@ def format_line(chk: Check, result: CheckResult) -> str:
     return line
 
 
-def run_doctor(ctx: DoctorContext, checks: List[Check], echo=None) -> List[Tuple[Check, CheckResult, float]]:
-    """Run ``checks`` in order; ``echo(line)`` gets each line as soon as its check finishes."""
+def run_doctor(ctx: DoctorContext, checks: List[Check], echo=None,
+               before=None) -> List[Tuple[Check, CheckResult, float]]:
+    """Run ``checks`` in order; ``before(check)`` is called as each starts, ``echo(line)`` as it finishes."""
     results = []
     for chk in checks:
+        if before is not None:
+            before(chk)
         start = time.perf_counter()
         result = run_check(chk, ctx)
         results.append((chk, result, time.perf_counter() - start))
@@ -112,7 +115,21 @@ def run(args: argparse.Namespace) -> int:
     checks = select_checks(args.level, args.only)
     if not args.json:
         print(f"ms-deepseek doctor --level {args.level}: {len(checks)} checks", flush=True)
-    results = run_doctor(ctx, checks, echo=None if args.json else (lambda line: print(line, flush=True)))
+    if args.json:
+        results = run_doctor(ctx, checks)
+    else:
+        # progress on stderr (only on a terminal; the smoke run and msrun jobs take a while)
+        from tqdm import tqdm
+
+        with tqdm(total=len(checks), unit="check", leave=False, disable=not sys.stderr.isatty()) as bar:
+            def before(chk):
+                bar.set_description_str(chk.id)
+
+            def echo(line):
+                bar.update(1)
+                tqdm.write(line, file=sys.stdout)
+
+            results = run_doctor(ctx, checks, echo=echo, before=before)
     if args.json:
         print(json.dumps(to_json(ctx, results), indent=2, default=str))
     else:
