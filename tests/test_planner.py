@@ -1,6 +1,7 @@
 """Planner: published layouts, recipes, CLI, memory reservation, placement tables."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
 
+REPO = Path(__file__).resolve().parents[1]
 V2 = get_preset("deepseek-v2", compute_dtype="bfloat16")
 RECIPES = {
     "v2-lite-sft-8npu": "deepseek-v2-lite",
@@ -96,16 +98,11 @@ def _load(name, overrides=()):
     # The planner needs the architecture, not the weights or the data: point the recipe at the
     # preset and at the embedded corpus (format pretrain) so it loads without prepared folders.
     base = [f"model.source={RECIPES[name]}", "data.path=null", "data.format=pretrain"]
-    return load_recipe(f"recipes/{name}.yaml", base + list(overrides))
-
-
-@pytest.fixture
-def in_repo(repo_root, monkeypatch):
-    monkeypatch.chdir(repo_root)
+    return load_recipe(REPO / "recipes" / f"{name}.yaml", base + list(overrides))
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipes_validate_and_fit(in_repo, name):
+def test_recipes_validate_and_fit(name):
     from ms_deepseek.parallel.validate import validate_layout
     from ms_deepseek.parallel.planner import recipe_workload
 
@@ -120,7 +117,7 @@ def test_recipes_validate_and_fit(in_repo, name):
     assert result.peak_gb <= 64 - 3
 
 
-def test_recipe_that_cannot_fit_is_refused(in_repo):
+def test_recipe_that_cannot_fit_is_refused():
     recipe = _load("v2-sft-64npu", ["parallel.recompute=none"])
     result = check_recipe_fits(recipe)
     # eager attention keeps [16 heads x 4096 x 4096] scores per layer for 80 micro-batches' worth
@@ -129,7 +126,7 @@ def test_recipe_that_cannot_fit_is_refused(in_repo):
     assert result.memory_gb["activations"] > 64
 
 
-def test_256_recipe_is_the_planners_best(in_repo):
+def test_256_recipe_is_the_planners_best():
     recipe = _load("v2-pretrain-256npu")
     from ms_deepseek.parallel.planner import recipe_workload
 
