@@ -1,9 +1,9 @@
 """Device memory: reserve the pool from the planner's estimate, and report what is in use.
 
-On Ascend the whole pool is reserved before the first compile
-(``mindspore.runtime.set_memory(init_size=max_size=estimate + headroom)``), so the
-allocator never grows (and fragments) mid-run and an impossible layout fails at
-start-up instead of after an hour. The reservation is capped at the HBM size minus
+On Ascend the pool is reserved before the first compile:
+``mindspore.runtime.set_memory(init_size=estimate, max_size=estimate + headroom)``, so the
+planned working memory is taken in one piece at start-up (an impossible layout fails
+then, not after an hour) and the pool can grow only into the headroom. The reservation is capped at the HBM size minus
 what the CANN runtime and HCCL keep outside MindSpore's pool.
 
 On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (design.md): the
@@ -44,6 +44,9 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
     pool_need = estimate + headroom_gb
     cap -= hccl
     size = min(pool_need, cap)
+    # The estimate is reserved up front; the headroom is the pool's limit for growth, so
+    # 1 - allocated/reserved stays a measure of fragmentation rather than of unused headroom.
+    initial = min(estimate, size)
     return {
         "stage": chosen.stage,
         "estimate_gb": round(estimate, 3),
@@ -51,7 +54,7 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
         "hccl_gb": round(hccl, 3),
         "cap_gb": round(cap, 3),
         "capped": pool_need > cap,
-        "init_size": _gb_string(size),
+        "init_size": _gb_string(initial),
         "max_size": _gb_string(size),
         "increase_size": "2.0GB",
     }
