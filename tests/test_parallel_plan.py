@@ -227,3 +227,21 @@ def test_custom_placement_keeps_the_math_and_recompute():
                                   original)
     assert applied.recomputed == ["model.layers.0", "model.layers.1"]
     assert all(net.model.layers[i]._has_config_recompute for i in range(2))
+
+
+def test_selective_recompute_and_stage_config():
+    import mindspore as ms
+
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.parallel.apply import apply_plan, pipeline_stage_config
+
+    cfg = CFG.replace(num_hidden_layers=2)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    net = DeepseekV2ForCausalLM(cfg)
+    applied = apply_plan(net, ParallelConfig(pp=2, micro_batches=4, recompute="selective"), cfg)
+    assert applied.recomputed == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("qk_bmm", "softmax")]
+    attn = net.model.layers[0].self_attn
+    assert attn.qk_bmm.attrs.get("recompute") is True and attn.softmax._has_config_recompute
+    assert not net.model.layers[0]._has_config_recompute  # the rest of the layer keeps its activations
+    assert pipeline_stage_config(applied, "lm") == {"lm.model.embed_tokens": 0, "lm.model.norm": 1, "lm.lm_head": 1,
+                                                    "lm.model.layers.0": 0, "lm.model.layers.1": 1}
