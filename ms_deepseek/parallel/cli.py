@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
         _emit(args, result, None)
         return 0 if result.fits else 1
-    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top))
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top), progress=True)
     _emit(args, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 

@@ -239,13 +239,19 @@ def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
 
 
 def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = None,
-           hardware: Optional[Hardware] = None, top: int = 5, **choices) -> List[PlanResult]:
+           hardware: Optional[Hardware] = None, top: int = 5, progress: bool = False,
+           **choices) -> List[PlanResult]:
     """Valid layouts for ``npus`` ranked by fit, then tokens/s per NPU (then lower peak memory)."""
     precision = precision or default_precision(cfg)
     hardware = hardware or Hardware()
     inventory = parameter_inventory(cfg)
     results = []
-    for layout in candidate_layouts(cfg, npus, workload, hardware, **choices):
+    candidates = list(candidate_layouts(cfg, npus, workload, hardware, **choices))
+    if progress:
+        from tqdm import tqdm
+
+        candidates = tqdm(candidates, desc="plan", unit="layout", leave=False)
+    for layout in candidates:
         r = estimate(cfg, layout, workload, precision, hardware, world_size=npus, inventory=inventory)
         if not r.problems:
             results.append(r)
