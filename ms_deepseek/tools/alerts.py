@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional
 
-from ms_deepseek.tools.metrics_io import finite, normalize_record, number
+from ms_deepseek.tools.metrics_io import SPECIAL, finite, number
 
 RULES: Dict[str, str] = {
     "grad_norm_high": "gradient norm above 1 for 10 consecutive logs",
@@ -118,6 +118,7 @@ class AlertMonitor:
             "grad_norm_low", cfg.streak, lambda v: v < cfg.grad_low,
             lambda vs: f"gradient norm below {cfg.grad_low:g} for {len(vs)} consecutive logs (min {min(vs):.3g})")
         self._loads: Dict[str, Deque] = {}
+        self._load_sums: Dict[str, List[float]] = {}
         self._starved_open: Dict[str, Alert] = {}
         self._starved_seen: Dict[str, Dict[int, float]] = {}
         self._losses: Deque[float] = deque(maxlen=cfg.spike_window)
@@ -137,8 +138,8 @@ class AlertMonitor:
     # -- public -------------------------------------------------------------------------------
     def observe(self, record: Dict[str, Any]) -> List[Alert]:
         """Alerts opened by ``record`` (episodes that continue are updated in place, not returned)."""
-        rec = normalize_record(record)
-        step = int(rec.get("step", 0))
+        rec = record  # number() / _f() read "NaN" / "Infinity" strings too: no copy of big load lists
+        step = int(number(rec, "step") or 0)
         opened = [a for a in (
             self._grad_high.observe(step, number(rec, "grad_norm")),
             self._grad_low.observe(step, number(rec, "grad_norm")),
@@ -247,14 +248,25 @@ class AlertMonitor:
             return []
         cfg, opened = self.cfg, []
         for layer, load in loads.items():
-            if not isinstance(load, list) or not load or not all(finite(_f(x)) for x in load):
+            if not isinstance(load, list) or not load:
                 continue
-            window = self._loads.setdefault(layer, deque(maxlen=cfg.expert_window))
-            window.append((step, [float(x) for x in load]))
-            if len(window) < cfg.expert_window or len({len(v) for _, v in window}) != 1:
+            values = load if all(type(v) is float for v in load) else [_f(x) for x in load]
+            if None in values or not all(map(math.isfinite, values)):
+                continue
+            window = self._loads.setdefault(layer, deque())
+            sums = self._load_sums.get(layer)
+            if sums is None or len(sums) != len(load):  # first record, or the expert count changed
+                window.clear()
+                sums = self._load_sums[layer] = [0.0] * len(load)
+            window.append((step, values))
+            sums = [a + b for a, b in zip(sums, values)]  # running sums: O(E) per record, not O(E * window)
+            if len(window) > cfg.expert_window:
+                sums = [a - b for a, b in zip(sums, window.popleft()[1])]
+            self._load_sums[layer] = sums
+            if len(window) < cfg.expert_window:
                 continue
             n = len(load)
-            mean = [sum(v[e] for _, v in window) / len(window) for e in range(n)]
+            mean = [x / len(window) for x in sums]
             fair = 1.0 / n
             starved = {e: m for e, m in enumerate(mean) if m < cfg.expert_fraction * fair}
             if not starved:
@@ -279,6 +291,8 @@ class AlertMonitor:
 
 
 def _f(x: Any) -> Optional[float]:
+    if isinstance(x, str):
+        return SPECIAL.get(x)
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 

@@ -24,6 +24,8 @@ def decode_value(value: Any) -> Any:
     if isinstance(value, str):
         return SPECIAL.get(value, value)
     if isinstance(value, list):
+        if all(type(v) in (float, int) for v in value):  # the common case: plain numbers, no copy
+            return value
         return [decode_value(v) for v in value]
     if isinstance(value, dict):
         return {k: decode_value(v) for k, v in value.items()}

@@ -219,14 +219,18 @@ def colormap(t: float) -> str:
     return "#%02x%02x%02x" % _rgb(t)
 
 
-def png_data_uri(pixels: Sequence[Sequence[Tuple[int, int, int]]]) -> str:
-    """A ``data:image/png;base64,...`` URI of an RGB image given as rows of (r, g, b)."""
+def png_data_uri(pixels) -> str:
+    """A ``data:image/png;base64,...`` URI of an RGB image: uint8 array [height, width, 3]."""
     import base64
     import struct
     import zlib
 
-    height, width = len(pixels), len(pixels[0])
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)  # filter 0 per row
+    import numpy as np
+
+    pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+    height, width, _ = pixels.shape
+    rows = np.concatenate([np.zeros((height, 1), np.uint8), pixels.reshape(height, width * 3)], axis=1)
+    raw = rows.tobytes()  # filter byte 0 + RGB per row
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
@@ -236,28 +240,41 @@ def png_data_uri(pixels: Sequence[Sequence[Tuple[int, int, int]]]) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
-def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows: Sequence[Sequence[float]],
-                   vmax: float = 2.0, max_cols: int = 400) -> str:
+def colormap_array(t):
+    """Viridis colours of ``t`` in [0, 1] (clipped): uint8 array [..., 3]."""
+    import numpy as np
+
+    stops = np.asarray(_STOPS, np.float64)
+    pos = np.clip(np.asarray(t, np.float64), 0.0, 1.0) * (len(_STOPS) - 1)
+    i = np.minimum(pos.astype(np.int64), len(_STOPS) - 2)
+    f = (pos - i)[..., None]
+    return np.rint(stops[i] + (stops[i + 1] - stops[i]) * f).astype(np.uint8)
+
+
+def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows, vmax: float = 2.0,
+                   max_cols: int = 400) -> str:
     """Heatmap of ``rows`` [T][E] (value / fair share) over time: x = logs (bucketed), y = expert.
 
     The cells are one small PNG (one pixel per cell) stretched over the plot area, so a
     160-expert layer over thousands of logs stays a few kilobytes.
     """
-    if not rows:
+    import numpy as np
+
+    data = np.asarray(rows, np.float64) if len(rows) else np.zeros((0, 0))
+    if data.size == 0:
         return _frame(Chart(chart_id, title), f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" '
                                               f'class="empty">no data logged</text>', "")
-    T, E = len(rows), len(rows[0])
+    T, E = data.shape
     cols = min(T, max_cols)
+    starts = (np.arange(cols) * T) // cols  # first log of each column bucket
+    ok = np.isfinite(data)
+    sums = np.add.reduceat(np.where(ok, data, 0.0), starts, axis=0)  # [cols, E]
+    counts = np.add.reduceat(ok.astype(np.int64), starts, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums / counts
+    pixels = colormap_array(mean.T / vmax)  # [E, cols, 3]
+    pixels[(counts.T == 0)] = 255  # nothing finite logged: white
     pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
-    white = (255, 255, 255)
-    pixels = [[white] * cols for _ in range(E)]  # [E][cols]
-    for c in range(cols):
-        lo, hi = c * T // cols, max(c * T // cols + 1, (c + 1) * T // cols)
-        chunk = rows[lo:hi]
-        for e in range(E):
-            vals = [r[e] for r in chunk if e < len(r) and math.isfinite(r[e])]
-            if vals:
-                pixels[e][c] = _rgb(sum(vals) / len(vals) / vmax)
     parts = [f'<image x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" preserveAspectRatio="none" '
              f'style="image-rendering:pixelated" href="{png_data_uri(pixels)}"/>',
              f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="frame"/>']
@@ -268,7 +285,7 @@ def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows: Sequen
                          f'class="tick">{int(t)}</text>')
     for c in sorted({0, cols // 2, cols - 1}):
         parts.append(f'<text x="{PAD_L + (c + 0.5) * cw:.1f}" y="{PAD_T + ph + 17}" text-anchor="middle" '
-                     f'class="tick">{steps[c * T // cols]}</text>')
+                     f'class="tick">{steps[int(starts[c])]}</text>')
     parts.append(f'<text x="{PAD_L + pw / 2}" y="{H - 4}" text-anchor="middle" class="label">step</text>')
     parts.append(f'<text x="14" y="{PAD_T + ph / 2}" transform="rotate(-90 14 {PAD_T + ph / 2})" '
                  f'text-anchor="middle" class="label">expert</text>')
