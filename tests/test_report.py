@@ -6,7 +6,6 @@ import importlib.util
 import json
 import math
 import random
-import shutil
 import struct
 import subprocess
 import sys
