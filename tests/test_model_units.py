@@ -222,3 +222,13 @@ def test_from_pretrained_skips_zero_width_tensors(broken_copy):
     _rewrite(broken_copy, zero_width)
     model = DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
     assert not any(".shared_experts." in p.name for p in model.get_parameters())
+
+
+def test_capacity_rounds_up_to_the_plans_multiple():
+    moe = DeepseekV2MoE(small_cfg(capacity_factor=1.5))
+    moe.set_train(True)
+    assert moe.capacity(100) == 38  # ceil(1.5 * 100 * 2 / 8)
+    moe.capacity_multiple = 4  # the parallel plan sets dp / ep
+    assert moe.capacity(100) == 40
+    moe.set_train(False)
+    assert moe.capacity(100) == 100  # dropless at evaluation

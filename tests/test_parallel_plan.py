@@ -131,6 +131,7 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
         assert tuple(prims[path].attrs["in_strategy"]) == applied.strategies[path][0], path
     # spot checks against the plan's meaning
     layer = model.model.layers[1]
+    assert layer.mlp.capacity_multiple == dp // ep  # the capacity buffer's C axis splits by dp / ep
     assert layer.self_attn.kv_b_proj.matmul.attrs["in_strategy"] == ((dp, 1), (tp, 1))        # colwise
     assert layer.self_attn.o_proj.matmul.attrs["in_strategy"] == ((dp, tp), (1, tp))           # rowwise
     if parallel.sequence_parallel:

@@ -85,15 +85,6 @@ def test_custom_placement_checked():
            ParallelConfig(dp=2, ep=2, expert_placement=bad), TINY)
 
 
-def test_capacity_divisible_by_inner_dp():
-    cfg = TINY.replace(capacity_factor=1.5)
-    # 4 ranks x 1 x 100 tokens = 400, capacity ceil(1.5 * 400 * 2 / 8) = 150; dp/ep = 4 does not divide it
-    _fails("parallel.ep: expert capacity 150 (capacity_factor=1.5 x 400 tokens x k=2 / E=8) is not divisible "
-           "by dp/ep = 4; change capacity_factor, seq_len or micro_batch_size",
-           ParallelConfig(dp=4, ep=1), cfg, seq_len=100)
-    assert layout_problems(ParallelConfig(dp=4, ep=1), cfg, seq_len=128) == []  # capacity 192
-
-
 def test_layers_split_into_stages():
     _fails("parallel.pp: num_hidden_layers=4 cannot be split into pp=8 stages",
            ParallelConfig(pp=8, micro_batches=8), TINY)

@@ -9,7 +9,8 @@ Dispatch uses static shapes (graph mode, SEMI_AUTO_PARALLEL on Ascend):
    token's first choice is dropped last; ``keep`` marks positions < capacity;
 3. the tokens are gathered into the buffer [E, C, H] (index arithmetic, no one-hot
    [N, E, C] tensor), the experts run as batched matmuls on stacked weights
-   [E, out, in], and the results are gathered back and mixed with the weights.
+   [E, out, in], and the results are gathered back and mixed with the weights
+   (a dropped choice gets weight 0).
 
 Capacity: ``ceil(capacity_factor * N * k / E)`` in training when the config sets a
 factor; otherwise C = N, which is dropless (an expert receives each token at most once).
@@ -79,6 +80,7 @@ class DeepseekV2MoE(nn.Cell):
         E = cfg.n_routed_experts
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
         self.capacity_factor = cfg.capacity_factor
+        self.capacity_multiple = 1  # set by the parallel plan (dp / ep) so [E, C, H] splits evenly
         self.alphas = (cfg.expert_alpha, cfg.device_aux_loss_alpha, cfg.comm_aux_loss_alpha)
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
@@ -95,8 +97,11 @@ class DeepseekV2MoE(nn.Cell):
         self.combine_gather = ops.Gather()
 
     def capacity(self, num_tokens: int) -> int:
+        """Per-expert buffer rows: from the factor in training (rounded up to ``capacity_multiple``,
+        which the parallel plan sets so the buffer splits evenly), else ``num_tokens`` (dropless)."""
         if self.training and self.capacity_factor is not None:
-            return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+            capacity = max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+            return -(-capacity // self.capacity_multiple) * self.capacity_multiple
         return num_tokens  # dropless
 
     def construct(self, x):
@@ -116,10 +121,13 @@ class DeepseekV2MoE(nn.Cell):
                                     (E * C + 1,)) + N  # [E*C + 1]
         padded = ops.concat((flat, ops.zeros((1, H), flat.dtype)), 0)  # [N + 1, H]
         buffer = self.dispatch_gather(padded, slot_token[: E * C], 0).reshape(E, C, H)  # [E, C, H]
-        out = self.experts(buffer).reshape(E * C, H).astype(x.dtype)
-        out = ops.concat((out, ops.zeros((1, H), out.dtype)), 0)  # [E*C + 1, H]
-        picked = self.combine_gather(out, slot.reshape(N * k), 0).reshape(N, k, H)  # [N, k, H]
-        routed = (picked.astype(ms.float32) * topk_weight.reshape(N, k, 1)).sum(1)  # [N, H]
+        out = self.experts(buffer).reshape(E * C, H).astype(x.dtype)  # [E*C, H]
+        # Combine: dropped choices read row 0 and get weight 0 (no padding row, so the expert
+        # output keeps its [E*C, H] layout and splits by ep without a gather).
+        kept_slot = ops.select(keep > 0, slot, ops.zeros_like(slot))  # [N, k]
+        picked = self.combine_gather(out, kept_slot.reshape(N * k), 0).reshape(N, k, H)  # [N, k, H]
+        weight = topk_weight * keep  # [N, k]
+        routed = (picked.astype(ms.float32) * weight.reshape(N, k, 1)).sum(1)  # [N, H]
         y = routed.astype(x.dtype).reshape(B, T, H)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -170,6 +170,8 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
             continue
         placement.set_data(ms.Tensor(table))
         applied.placements[placement.name] = table
+        if hasattr(cell, "capacity_multiple") and parallel.dp % ep == 0:
+            cell.capacity_multiple = parallel.dp // ep  # the buffer's C axis splits by dp / ep
         lookup = getattr(cell, "lookup", None)
         if lookup is not None and getattr(lookup, "experts_per_rank", E // ep) != E // ep:
             cell.lookup = ExpertLookup(num_experts=E, experts_per_rank=E // ep)

@@ -161,7 +161,7 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         # (an all-gather over dp), the buffer rows are split by ep (expert-major).
         return StyleSpec(prims={"": (((1, 1), (ep,)), None)}, is_primitive=True)
     if style == "combine_gather":
-        # Gather(expert out [E * C + 1, H], slot [N * k], 0): the (token, choice) rows by dp.
+        # Gather(expert out [E * C, H], slot [N * k], 0): the (token, choice) rows by dp.
         return StyleSpec(prims={"": (((1, 1), (dp,)), None)}, is_primitive=True)
     if style == "placement_table":
         # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.

@@ -8,7 +8,6 @@ layouts); :func:`validate_layout` raises the first as a UserError.
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 from ms_deepseek.errors import UserError
@@ -62,14 +61,6 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
                 placement_table(E, ep, p.expert_placement)
             except UserError as exc:
                 out.append(str(exc))
-        if (dp % ep == 0 and dp // ep > 1 and cfg.capacity_factor is not None
-                and seq_len is not None):
-            tokens = dp * micro_batch_size * seq_len
-            capacity = math.ceil(cfg.capacity_factor * tokens * cfg.num_experts_per_tok / E)
-            if capacity % (dp // ep):
-                out.append(f"parallel.ep: expert capacity {capacity} (capacity_factor={cfg.capacity_factor} "
-                           f"x {tokens} tokens x k={cfg.num_experts_per_tok} / E={E}) is not divisible by "
-                           f"dp/ep = {dp // ep}; change capacity_factor, seq_len or micro_batch_size")
 
     # --- pipeline
     L = cfg.num_hidden_layers
