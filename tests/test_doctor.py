@@ -80,6 +80,14 @@ def test_pins_come_from_requirements_txt():
     assert pinned["mindspore"].exact in pins.MINDSPORE_CANN
 
 
+def test_version_specs_without_packaging(monkeypatch):
+    # a bare venv has no importable `packaging`: the fallback must agree on the pins' forms
+    monkeypatch.setitem(sys.modules, "packaging.specifiers", None)
+    assert pins.satisfies("3.11.4", ">=3.9,<3.12") and not pins.satisfies("3.12.0", ">=3.9,<3.12")
+    assert pins.satisfies("2.9.0", "==2.9.0") and not pins.satisfies("2.9.1", "==2.9.0")
+    assert pins.satisfies("1.26.4", "") and not pins.satisfies("2.0.0", "<2")
+
+
 def test_requirements_override_and_bad_lines(tmp_path):
     from ms_deepseek.errors import UserError
 
