@@ -308,3 +308,14 @@ def test_resume_errors_are_clear(tmp_path, data_dir):
     (tmp_path / "step_00000002").mkdir()
     with pytest.raises(UserError, match="incomplete checkpoint"):
         resolve_resume(str(tmp_path / "step_00000002"), tmp_path)
+
+
+def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
+    run_dir, _ = reference
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--quiet"]) == 2
+    assert "already holds checkpoints (newest step_00000004); pass --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    # and a resume of a finished run says there is nothing left to do
+    assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--resume"]) == 2
+    assert "nothing to do" in capsys.readouterr().err

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 
@@ -44,14 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
                    max_steps=args.max_steps)
-    rank = int(os.environ.get("RANK_ID", os.environ.get("MS_NODE_ID", "0")) or 0)
-    if result.metrics_path is not None or rank == 0:
+    if result.metrics_path is not None:  # the main worker (rank 0) reports
         first = f" (first {result.losses[0]:.4f})" if result.losses else ""
         print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
               f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s")
         if result.checkpoint is not None:
             print(f"checkpoint: {result.checkpoint}")
-        if result.metrics_path is not None:
-            print(f"metrics:    {result.metrics_path}")
+        print(f"metrics:    {result.metrics_path}")
+        if recipe.logging.tensorboard:
             print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
     return 0

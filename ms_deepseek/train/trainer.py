@@ -155,6 +155,10 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
 
     # ---- resume state
     resume_dir = ckpt_mod.resolve_resume(resume, run_dir) if resume else None
+    existing = ckpt_mod.CheckpointManager(run_dir / "checkpoints").latest()
+    if resume_dir is None and existing is not None:
+        raise UserError(f"--output {run_dir}: already holds checkpoints (newest {existing.name}); pass --resume "
+                        "to continue that run, or choose another --output")
     state = ckpt_mod.read_state(resume_dir) if resume_dir else {}
     start_step = int(state.get("step", 0))
     total = recipe.train.steps
