@@ -44,7 +44,8 @@ class GenerationResult:
     mode: str                          # "graph" or "pynative"
     cache: Optional[dict] = None       # latent-cache figures (see model.decode.CacheFigures.as_dict)
     timings: dict = field(default_factory=dict)
-    text: Optional[str] = None         # filled by callers that hold a tokenizer
+    text: Optional[str] = None         # prompt + completion, filled by callers that hold a tokenizer
+    completion: Optional[str] = None   # the new tokens' text
 
     @property
     def prompt_ids(self) -> List[int]:
@@ -59,7 +60,7 @@ class GenerationResult:
                "finish_reason": self.finish_reason, "use_cache": self.use_cache, "mode": self.mode,
                "timings": self.timings}
         if self.text is not None:
-            out["text"] = self.text
+            out["text"], out["completion"] = self.text, self.completion
         if self.cache is not None:
             out["cache"] = self.cache
         return out
@@ -151,19 +152,60 @@ def _mode_name() -> str:
     return "graph" if ms.get_context("mode") == ms.GRAPH_MODE else "pynative"
 
 
+def cache_length(total: int, max_positions: int) -> int:
+    """Cache rows for a sequence of ``total`` tokens: the next power of two (>= 16), at most the model's
+    positions, so generations of similar length share one buffer and one compiled decode step."""
+    return min(max(16, 1 << (total - 1).bit_length()), max_positions)
+
+
+class _ModelState:
+    """What generation keeps per model between calls: latent-cache decoders by (batch, rows), and one
+    repetition-penalty operator (in GRAPH_MODE each is compiled once and then reused)."""
+
+    MAX_DECODERS = 4
+
+    def __init__(self):
+        self.decoders = {}
+        self.penalty_op = None
+
+    @staticmethod
+    def of(model) -> "_ModelState":
+        state = model.__dict__.get("_ms_deepseek_generation")
+        if state is None:
+            state = _ModelState()
+            # object.__setattr__: a plain attribute, not a registered sub-Cell (parameter names stay as they are)
+            object.__setattr__(model, "_ms_deepseek_generation", state)
+        return state
+
+    def decoder(self, model, batch_size: int, rows: int):
+        from ms_deepseek.model.decode import CachedDecoder
+
+        key = (batch_size, rows)
+        if key not in self.decoders:
+            while len(self.decoders) >= self.MAX_DECODERS:  # drop the oldest buffers
+                self.decoders.pop(next(iter(self.decoders)))
+            self.decoders[key] = CachedDecoder(model, batch_size, rows)
+        return self.decoders[key]
+
+    def penalty(self):
+        if self.penalty_op is None:
+            from ms_deepseek.ops import RepetitionPenalty
+
+            self.penalty_op = RepetitionPenalty()
+        return self.penalty_op
+
+
 class _Penalty:
-    """Repetition penalty over every id seen so far, with a static [B, max_len] id buffer.
+    """Repetition penalty over every id seen so far, with a static [B, rows] id buffer.
 
     Unused slots repeat the row's first id (duplicates do not change the result), so in
     GRAPH_MODE the operator compiles once instead of once per length.
     """
 
-    def __init__(self, value: float, ids: np.ndarray, max_len: int):
-        from ms_deepseek.ops import RepetitionPenalty
-
+    def __init__(self, op, value: float, ids: np.ndarray, rows: int):
         self.value = float(value)
-        self.op = RepetitionPenalty() if self.value != 1.0 else None
-        self.buffer = np.repeat(ids[:, :1], max_len, axis=1).astype(np.int32)  # [B, max_len]
+        self.op = op if self.value != 1.0 else None
+        self.buffer = np.repeat(ids[:, :1], rows, axis=1).astype(np.int32)  # [B, rows]
         self.buffer[:, : ids.shape[1]] = ids
         self.length = ids.shape[1]
 
@@ -183,9 +225,9 @@ class _Penalty:
 class _UncachedStep:
     """Reference decoder: the full forward of the sequence so far, logits of its last position."""
 
-    def __init__(self, model, batch_size: int, total_len: int):
+    def __init__(self, model, batch_size: int, rows: int):
         self.model = model
-        self.total_len = total_len
+        self.rows = rows
         self.padded = _mode_name() == "graph"  # one static shape in graph mode
         self.ids = np.zeros((batch_size, 0), np.int32)
 
@@ -195,7 +237,7 @@ class _UncachedStep:
         self.ids = np.concatenate([self.ids, new_ids.astype(np.int32)], axis=1)  # [B, t]
         t = self.ids.shape[1]
         if self.padded:
-            padded = np.zeros((self.ids.shape[0], self.total_len), np.int32)  # [B, total_len]
+            padded = np.zeros((self.ids.shape[0], self.rows), np.int32)  # [B, rows]
             padded[:, :t] = self.ids
             logits = self.model(ms.Tensor(padded)).logits
         else:
@@ -206,18 +248,30 @@ class _UncachedStep:
 class _CachedStep:
     """Latent-cache decoder: prefill once, then one absorbed decode step per token."""
 
-    def __init__(self, model, batch_size: int, total_len: int):
-        from ms_deepseek.model.decode import CachedDecoder
-
-        self.decoder = CachedDecoder(model, batch_size, total_len)
+    def __init__(self, decoder):
+        self.decoder = decoder
         self.position = 0
 
     def __call__(self, new_ids: np.ndarray):
         import mindspore as ms
 
-        logits = self.decoder(ms.Tensor(new_ids.astype(np.int32)), ms.Tensor(self.position, ms.int32))
+        prefill = self.position == 0
+        logits = self.decoder(ms.Tensor(new_ids.astype(np.int32)), ms.Tensor(self.position, ms.int32), prefill)
         self.position += new_ids.shape[1]
         return logits
+
+
+def _timings(token_s: List[float], batch_size: int) -> dict:
+    """prefill_s: time to the first new token; decode: every later token (one forward + sampling each);
+    steady: without the first decode step (in graph mode that one includes compiling the step)."""
+    decode = token_s[1:]
+    out = {"new_tokens": len(token_s), "prefill_s": round(token_s[0], 4), "decode_s": round(sum(decode), 4),
+           "decode_tokens_per_s": None, "steady_tokens_per_s": None}
+    if decode and sum(decode) > 0:
+        out["decode_tokens_per_s"] = round(len(decode) * batch_size / sum(decode), 3)
+    if len(decode) > 1 and sum(decode[1:]) > 0:
+        out["steady_tokens_per_s"] = round((len(decode) - 1) * batch_size / sum(decode[1:]), 3)
+    return out
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
@@ -243,43 +297,42 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     was_training = model.training
     model.set_train(False)  # eval: dropless MoE, whatever the config's capacity factor
     try:
-        step = (_CachedStep if use_cache else _UncachedStep)(model, B, total)
-        penalty = _Penalty(repetition_penalty, ids, total)
+        state = _ModelState.of(model)
+        rows = cache_length(total, cfg.max_position_embeddings)
+        step = _CachedStep(state.decoder(model, B, rows)) if use_cache else _UncachedStep(model, B, rows)
+        penalty = _Penalty(state.penalty(), repetition_penalty, ids, rows)
         done = np.zeros(B, bool)
         reason = ["length"] * B
         out = [list(map(int, row)) for row in ids]
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(eos) if eos else 0)
+        token_s = []  # wall time of each new token: the forward that produced its logits + sampling
         t0 = time.perf_counter()
         logits = step(ids)  # prefill
-        prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        generated = 0
         bar = tqdm(total=max_new_tokens, desc="generating", unit="tok", disable=not progress, leave=False)
         for i in range(max_new_tokens):
             nxt = sample(penalty(logits), rng, float(temperature), int(top_k), float(top_p))
-            pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(eos) if eos else 0)
             nxt = np.where(done, pad, nxt).astype(np.int32)  # finished rows keep emitting padding
             for b in range(B):
                 if not done[b]:
                     out[b].append(int(nxt[b]))
                     if int(nxt[b]) in eos:
                         done[b], reason[b] = True, "eos"
-            generated += 1
-            bar.update(1)
             penalty.add(nxt)
+            token_s.append(time.perf_counter() - t0)
+            bar.update(1)
             if done.all() or i == max_new_tokens - 1:
                 break
+            t0 = time.perf_counter()
             logits = step(nxt.reshape(B, 1))
         bar.close()
-        decode_s = time.perf_counter() - t1
     finally:
         model.set_train(was_training)
     figures = None
     if use_cache:
         fig = cache_figures(cfg)
-        figures = dict(fig.as_dict(), buffer_bytes=fig.latent_bytes_per_token * B * total, summary=fig.describe())
-    timings = {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4), "new_tokens": generated,
-               "decode_tokens_per_s": round((generated - 1) * B / decode_s, 3) if generated > 1 and decode_s > 0
-               else None}
+        figures = dict(fig.as_dict(), buffer_rows=rows, buffer_bytes=fig.latent_bytes_per_token * B * rows,
+                       summary=fig.describe())
+    timings = _timings(token_s, B)
     return [GenerationResult(ids=out[b], prompt_length=T, finish_reason=reason[b], use_cache=use_cache,
                              mode=_mode_name(), cache=figures, timings=timings) for b in range(B)]
 

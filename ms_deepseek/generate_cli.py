@@ -159,6 +159,7 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
     if tok is not None:
         result.text = tok.decode(result.ids)
+        result.completion = tok.decode(result.new_ids)
     return result
 
 
@@ -185,7 +186,8 @@ def run(args) -> int:
         return 0
     print(result.text if result.text is not None else ",".join(map(str, result.ids)))
     t = result.timings
-    speed = f", {t['decode_tokens_per_s']:.1f} tokens/s" if t.get("decode_tokens_per_s") else ""
+    tps = t.get("steady_tokens_per_s") or t.get("decode_tokens_per_s")
+    speed = f", {tps:.1f} tokens/s" if tps else ""
     print(f"[{len(result.new_ids)} new tokens ({result.finish_reason}), {result.mode}, "
           f"{'latent cache' if result.use_cache else 'no cache'}{speed}]", file=sys.stderr)
     if result.cache:

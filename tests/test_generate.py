@@ -56,6 +56,8 @@ def test_reference_generations_cached_and_uncached(variant):
     greedy = generate(model, ref["prompt"], n, eos_ids=())  # the fixtures were made with EOS disabled
     assert greedy.ids == ref["greedy"], f"{variant}: cached greedy {greedy.ids} != {ref['greedy']}"
     assert greedy.new_ids == ref["greedy"][len(ref["prompt"]):] and greedy.finish_reason == "length"
+    t = greedy.timings
+    assert t["new_tokens"] == n and t["prefill_s"] > 0 and t["decode_tokens_per_s"] > 0
     pen = generate(model, ref["prompt"], n, eos_ids=(), repetition_penalty=penalty)
     assert pen.ids == ref["penalty13"], f"{variant}: cached penalty {pen.ids} != {ref['penalty13']}"
     plain = generate(model, ref["prompt"], n, eos_ids=(), use_cache=False)
@@ -77,11 +79,16 @@ def test_decode_logits_and_cache_contents(variant):
     assert len(dec.caches) == cfg.num_hidden_layers
     assert tuple(dec.caches[0].shape) == (1, total + 3, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     assert [p.name for p in model.get_parameters()][0] == "model.embed_tokens.weight"  # names untouched
-    logits = dec(Tensor([ids[:T0]], ms.int32), Tensor(0, ms.int32)).asnumpy()
+    logits = dec(Tensor([ids[:T0]], ms.int32), Tensor(0, ms.int32), True).asnumpy()
     np.testing.assert_allclose(logits[0], full[T0 - 1], atol=1e-4, err_msg="prefill logits")
     for pos in range(T0, total):
         logits = dec(Tensor([[ids[pos]]], ms.int32), Tensor(pos, ms.int32)).asnumpy()
         np.testing.assert_allclose(logits[0], full[pos], atol=1e-4, err_msg=f"decode logits at position {pos}")
+    # The absorbed path on several new tokens at once (causal among them) after a shorter prefill.
+    dec(Tensor([ids[:2]], ms.int32), Tensor(0, ms.int32), True)
+    logits = dec(Tensor([ids[2:T0 + 1]], ms.int32), Tensor(2, ms.int32)).asnumpy()
+    np.testing.assert_allclose(logits[0], full[T0], atol=1e-4, err_msg="absorbed chunk logits")
+    dec(Tensor([ids[T0 + 1:]], ms.int32), Tensor(T0 + 1, ms.int32))
     # Layer 0's cache rows: c_kv after kv_a_layernorm and the rotated k_pe, computed by the training path.
     m = model.model
     x = m.embed_tokens(Tensor([ids], ms.int32))
@@ -98,10 +105,11 @@ def test_graph_mode_matches_reference():
         greedy = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=())
         pen = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=(),
                        repetition_penalty=ref["repetition_penalty"])
+        plain = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=(), use_cache=False)  # padded
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
     assert greedy.mode == "graph"
-    assert greedy.ids == ref["greedy"] and pen.ids == ref["penalty13"]
+    assert greedy.ids == ref["greedy"] and pen.ids == ref["penalty13"] and plain.ids == ref["greedy"]
 
 
 def test_batch_equals_single_rows():
@@ -153,7 +161,21 @@ def test_cache_figures():
     cfg = model.config
     assert res.cache["latent_bytes_per_token"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert res.cache["full_kv_bytes_per_token"] == cfg.num_hidden_layers * 4 * (24 + 16) * 4
-    assert res.cache["buffer_bytes"] == res.cache["latent_bytes_per_token"] * 7
+    assert res.cache["buffer_rows"] == 16  # 5 + 2 tokens, rounded up to a power of two >= 16
+    assert res.cache["buffer_bytes"] == res.cache["latent_bytes_per_token"] * 16
+
+
+def test_decoders_are_reused_between_calls():
+    from ms_deepseek.generate import _ModelState, cache_length
+
+    model, ref = _load("lite")
+    generate(model, ref["prompt"], 3, eos_ids=())
+    state = _ModelState.of(model)
+    first = state.decoders[(1, 16)]
+    generate(model, ref["prompt"][:3], 6, eos_ids=(), repetition_penalty=1.2)
+    assert state.decoders[(1, 16)] is first and state.penalty_op is not None
+    assert [cache_length(n, 4096) for n in (1, 16, 17, 100, 4000)] == [16, 16, 32, 128, 4096]
+    assert cache_length(300, 260) == 260
 
 
 @pytest.mark.parametrize("call, message", [

@@ -81,7 +81,7 @@ def test_run_dir_text_prompt_json(run_dir, lite_model, capsys):
     assert result["prompt_ids"] == prompt and len(result["ids"]) == len(prompt) + 6
     # The newest checkpoint (step 7) holds the lite weights: same ids as generating from the fixture directly.
     assert result["ids"] == generate(lite_model, prompt, 6, eos_ids=()).ids
-    assert result["text"] == tok.decode(result["ids"])
+    assert result["text"] == tok.decode(result["ids"]) and result["completion"] == tok.decode(result["new_ids"])
     cfg = lite_model.config
     assert result["cache"]["latent_bytes_per_token"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + 8) * 4
     assert result["cache"]["full_kv_bytes_per_token"] > result["cache"]["latent_bytes_per_token"]

@@ -19,10 +19,12 @@ W_UV = [:, nope:]:
 Prefill (several tokens from position 0) runs the full MLA path (``MLAttention``'s own
 math) on the prompt and writes the latent entries of every prompt token into the cache.
 
-``CachedDecoder(model, batch_size, max_len)(input_ids, start_pos)`` writes the
+``CachedDecoder(model, batch_size, max_len)(input_ids, start_pos, prefill)`` writes the
 entries of ``input_ids`` [B, T] at positions ``start_pos .. start_pos + T - 1`` and
-returns the float32 logits of the last position [B, V]. T > 1 uses the full path and
-needs ``start_pos == 0``; T == 1 is a decode step. Works in PyNative and GRAPH_MODE.
+returns the float32 logits of the last position [B, V]. ``prefill=True`` (from position
+0) uses the full path and clears the rest of the cache; otherwise the absorbed path runs
+(T == 1 for a decode step; larger T works too, causal among the new tokens). Works in
+PyNative and GRAPH_MODE (prefill compiles once per prompt length, the decode step once).
 """
 
 from __future__ import annotations
@@ -152,11 +154,6 @@ class CachedDecoder(nn.Cell):
         # Batch index of every (b, t) cache write: [B, 1] (broadcast over T inside construct).
         self.batch_index = Tensor(np.arange(batch_size, dtype=np.int32).reshape(batch_size, 1))
 
-    def reset(self) -> None:
-        """Zero the buffers (not needed for correctness: rows beyond the current position are masked)."""
-        for c in self.caches:
-            c.set_data(Tensor(np.zeros(c.shape, np.float32), self.cache_dtype))
-
     def _write(self, cache, entry, positions):
         """cache[b, positions[t]] = entry[b, t]; entry [B, T, width], positions [T] int32."""
         B, T = entry.shape[0], entry.shape[1]
@@ -165,13 +162,26 @@ class CachedDecoder(nn.Cell):
         index = ops.stack((rows, cols), -1)  # [B, T, 2]
         return ops.scatter_nd_update(cache, index, entry.astype(self.cache_dtype))
 
-    def construct(self, input_ids, start_pos):
+    def _fill(self, cache, entry):
+        """Prefill: rows [0, T) = entry, every later row zero (nothing stale from an earlier sequence)."""
+        B, T = entry.shape[0], entry.shape[1]
+        value = entry.astype(self.cache_dtype)
+        if T < self.max_len:
+            value = ops.concat((value, ops.zeros((B, self.max_len - T, self.width), self.cache_dtype)), 1)
+        return ops.assign(cache, value)  # [B, max_len, width]
+
+    def construct(self, input_ids, start_pos, prefill=False):
+        """input_ids [B, T] at positions start_pos.. -> logits [B, V] of the last one; writes the cache.
+
+        prefill=True: the full MLA path, from position 0 (start_pos must be 0), resets the cache.
+        prefill=False: the absorbed path against the cache (any T; causal among the new tokens).
+        """
         model = self.lm.model
         B, T = input_ids.shape
         positions = ops.arange(0, T, dtype=ms.int32) + start_pos.astype(ms.int32)  # [T]
         cos, sin = model.rotary_emb(positions.astype(ms.float32))  # [T, rope]
-        if T > 1:
-            mask = causal_mask(T, T)  # prefill from position 0: the prompt attends to itself
+        if prefill:
+            mask = causal_mask(T, T)  # the prompt attends to itself only
         else:
             cols = ops.arange(0, self.max_len, dtype=ms.int32).reshape(1, -1)  # [1, S]
             mask = (cols > positions.reshape(-1, 1)).astype(ms.float32) * MASK_VALUE  # [T, S]
@@ -180,12 +190,12 @@ class CachedDecoder(nn.Cell):
         for layer in model.layers:
             cache = self.caches[i]
             h = layer.input_layernorm(x)
-            if T > 1:
+            if prefill:
                 attn_out, entry = full_attention(layer.self_attn, h, cos, sin, mask)
-                self._write(cache, entry, positions)
+                self._fill(cache, entry)
             else:
                 c_kv, k_pe = layer.self_attn.latent(h, cos, sin)
-                entry = ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1)  # [B, 1, kv_lora + rope]
+                entry = ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1)  # [B, T, kv_lora + rope]
                 cache = ops.depend(cache, self._write(cache, entry, positions))  # read after the write
                 attn_out = absorbed_attention(layer.self_attn, h, cos, sin, cache, mask)
             x = x + attn_out.astype(x.dtype)
@@ -197,4 +207,3 @@ class CachedDecoder(nn.Cell):
             i += 1
         last = model.norm(x[:, T - 1:, :])  # [B, 1, H]
         return self.lm.lm_head(last).astype(ms.float32).reshape(B, -1)  # [B, V]
-
