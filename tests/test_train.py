@@ -319,3 +319,16 @@ def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
     # and a resume of a finished run says there is nothing left to do
     assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--resume"]) == 2
     assert "nothing to do" in capsys.readouterr().err
+
+
+def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path):
+    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.train.trainer import train
+
+    ref_dir, _ = reference
+    data = recipe_dict(data_dir, checkpoint={"save_interval": 0}, logging={"tensorboard": False})
+    data["model"]["overrides"]["compute_dtype"] = "float16"
+    result = train(load_recipe_dict(data), tmp_path / "fp16", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "fp16" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss_scale"] == 65536.0 and r["overflow"] is False for r in records)
+    np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=5e-3)  # float16 matmuls, fp32 master
