@@ -8,7 +8,10 @@ tokenizer has one, as in training) or ids (``--prompt-ids 1,2,3``).
 The tokenizer is ``--tokenizer``, else ``tokenizer.json`` / ``tokenizer.model`` in the
 checkpoint folder or the two folders above it (a run folder), else the tokenizer of the
 data named by the checkpoint's ``recipe.yaml`` (``data.tokenizer``, ``data.path``, or the
-embedded default corpus).
+embedded default corpus, which is rebuilt in the cache if it was deleted since training).
+
+``--mode pynative`` (default) starts at once; ``--mode graph`` first compiles the prefill
+and the decode step (seconds on CPU) and then decodes several times faster per token.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def full_attention(attn, x, cos, sin, mask):
 
 
 class CachedDecoder(nn.Cell):
-    """A model plus its latent cache buffers; ``decoder(input_ids, start_pos) -> logits [B, V]``.
+    """A model plus its latent cache buffers; ``decoder(input_ids, start_pos, prefill) -> logits [B, V]``.
 
     The model's parameters keep their names (``auto_prefix=False``), so a model wrapped
     here can still be saved or loaded by name.
