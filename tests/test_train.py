@@ -332,3 +332,22 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
     records = [json.loads(line) for line in (tmp_path / "fp16" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss_scale"] == 65536.0 and r["overflow"] is False for r in records)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=5e-3)  # float16 matmuls, fp32 master
+
+
+def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
+    """model.source = a checkpoint folder: its weights are loaded (not a random init), overrides still apply."""
+    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.train.trainer import train
+
+    ref_dir, _ = reference
+    data = recipe_dict(data_dir, train={"steps": 1}, checkpoint={"save_interval": 0},
+                       logging={"tensorboard": False})
+    data["model"] = {"source": str(ref_dir / "checkpoints" / "step_00000004"),
+                     "overrides": {"capacity_factor": 4.0}}
+    recipe = load_recipe_dict(data)
+    assert recipe.weights_folder is not None and recipe.model_config.capacity_factor == 4.0
+    result = train(recipe, tmp_path / "finetune", progress=False)
+    # the first batch again, now seen by the trained weights: lower loss than at random init
+    assert result.losses[0] < losses_of(ref_dir)[0] - 0.02
+    cfg = json.loads((result.checkpoint / "config.json").read_text())
+    assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2
