@@ -351,3 +351,22 @@ def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_
     assert result.losses[0] < losses_of(ref_dir)[0] - 0.02
     cfg = json.loads((result.checkpoint / "config.json").read_text())
     assert cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2
+
+
+def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
+    from ms_deepseek import DeepseekV2ForCausalLM
+
+    run_dir, _ = reference
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    assert main(["convert", "ms-to-hf", str(ckpt), str(tmp_path / "hf")]) == 0
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(str(f)))
+    ours = weights(ckpt)
+    stacked = ours["model.layers.1.mlp.experts.up_proj.weight"]  # [E, out, in]
+    for e in range(8):
+        np.testing.assert_array_equal(hf[f"model.layers.1.mlp.experts.{e}.up_proj.weight"], stacked[e])
+    back = DeepseekV2ForCausalLM.from_pretrained(tmp_path / "hf", show_progress=False)
+    got = {p.name: p.asnumpy() for p in back.trainable_params()}
+    for name, value in ours.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
