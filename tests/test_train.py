@@ -321,17 +321,23 @@ def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
     assert "nothing to do" in capsys.readouterr().err
 
 
-def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path):
+def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
+    from ms_deepseek.tools.alerts import AlertConfig, AlertMonitor
+    from ms_deepseek.train import trainer
     from ms_deepseek.train.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
+    # alerts are printed as they open (a threshold every step crosses, to see the wiring)
+    monkeypatch.setattr(trainer, "_alert_monitor", lambda: AlertMonitor(AlertConfig(streak=2, grad_high=1e-3)))
     data = recipe_dict(data_dir, checkpoint={"save_interval": 0}, logging={"tensorboard": False})
     data["model"]["overrides"]["compute_dtype"] = "float16"
     result = train(load_recipe_dict(data), tmp_path / "fp16", progress=False)
     records = [json.loads(line) for line in (tmp_path / "fp16" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss_scale"] == 65536.0 and r["overflow"] is False for r in records)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=5e-3)  # float16 matmuls, fp32 master
+    out = capsys.readouterr().out
+    assert out.count("ALERT [alert:grad_norm_high] steps 1-2: gradient norm above 0.001") == 1, out
 
 
 def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
