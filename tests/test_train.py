@@ -190,13 +190,15 @@ def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tm
 
 
 def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_path):
-    """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update)."""
+    """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update).
+
+    Run with selective recompute, which must not change the math either."""
     from ms_deepseek.train.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
     recipe = load_recipe_dict(recipe_dict(data_dir, train={"micro_batch_size": 2, "grad_accum_steps": 2},
-                                          logging={"tensorboard": False}))
+                                          parallel={"recompute": "selective"}, logging={"tensorboard": False}))
     result = train(recipe, tmp_path / "accum", progress=False)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=1e-5)
     got, want = weights(result.checkpoint), weights(ref_dir / "checkpoints" / "step_00000004")
