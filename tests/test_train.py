@@ -378,3 +378,15 @@ def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
     got = {p.name: p.asnumpy() for p in back.trainable_params()}
     for name, value in ours.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
+    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.train.trainer import train
+
+    ref_dir, _ = reference
+    data = recipe_dict(data_dir, train={"mode": "pynative"}, checkpoint={"save_interval": 0, "save_final": False},
+                       logging={"tensorboard": False})
+    result = train(load_recipe_dict(data), tmp_path / "pynative", progress=False, max_steps=2)
+    np.testing.assert_allclose(result.losses, losses_of(ref_dir)[:2], rtol=1e-5)
+    assert result.checkpoint is None

@@ -35,9 +35,15 @@ class _LossFn(nn.Cell):
         super().__init__(auto_prefix=False)
         self.model = model
         self.inv_accum = 1.0 / accum_steps
+        # Called from Python (PyNative) the model returns an output object; inside a graph, a tuple.
+        self.graph = ms.get_context("mode") == ms.GRAPH_MODE
 
     def construct(self, input_ids, labels, scale):
-        _, loss, aux_loss, stats = self.model(input_ids, labels)
+        if self.graph:
+            _, loss, aux_loss, stats = self.model(input_ids, labels)
+        else:
+            out = self.model(input_ids, labels)
+            loss, aux_loss, stats = out.loss, out.aux_loss, out.moe_stats
         total = (loss + aux_loss) * scale * self.inv_accum
         return total, loss, aux_loss, stats
 

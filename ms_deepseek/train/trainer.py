@@ -231,7 +231,6 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     last_ckpt: Optional[Path] = None
     interval_tokens, interval_start = 0, time.time()
     steady_tokens, steady_time = 0, 0.0
-    record = None
     batches = iter(dataset)
     from tqdm import tqdm
 
