@@ -135,8 +135,9 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     cfg = recipe.model_config
     par = recipe.parallel
     if par.uses_semi_auto:
-        raise UserError(f"parallel: {par.describe()} needs SEMI_AUTO_PARALLEL (tp / pp / ep / optimizer "
-                        "sharding), which compiles only on Ascend; on CPU only data parallel (dp) runs")
+        raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding); "
+                        "`ms-deepseek plan` and `launch --dry-run` size and check such layouts, but this trainer "
+                        "runs data-parallel layouts only (parallel.dp with tp = pp = ep = 1)")
     _check_fits(recipe, force)
     log_dir = run_dir / "logs"
     optim._mindformers(log_dir)
