@@ -87,6 +87,9 @@ def test_train_refuses_a_multi_worker_recipe_without_msrun(tmp_path):
     recipe = write(tmp_path, recipe_data(dp=2))
     code, _, err = run_cli(["train", str(recipe), "--output", str(tmp_path / "run")])
     assert code == 2 and "parallel.dp: 2 needs 2 workers" in err
+    code, _, err = run_cli(["train", str(recipe), "--output", str(tmp_path / "run"), "--set", "parallel.tp=2"])
+    assert code == 2 and "runs data-parallel layouts only" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.msrun
