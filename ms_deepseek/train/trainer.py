@@ -128,7 +128,7 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
           progress: bool = True, max_steps: Optional[int] = None) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
     spans ``train.steps``), which is how a run is split into resumable pieces."""
-    from ms_deepseek.train import optim  # imports MindFormers first: it resets the execution mode
+    from ms_deepseek.train import optim
 
     started = time.time()
     run_dir = Path(run_dir)
@@ -139,19 +139,15 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                         "`ms-deepseek plan` and `launch --dry-run` size and check such layouts, but this trainer "
                         "runs data-parallel layouts only (parallel.dp with tp = pp = ep = 1)")
     _check_fits(recipe, force)
-    log_dir = run_dir / "logs"
-    optim._mindformers(log_dir)
+    if par.dp > 1 and not _distributed():
+        raise UserError(f"parallel.dp: {par.dp} needs {par.dp} workers; start them with "
+                        f"`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker")
 
     import mindspore as ms
     from mindspore import Tensor, nn
 
     ms.set_context(device_target=_device_target())
-    rank, world = (0, 1)
-    if _distributed():
-        rank, world = _init_distributed(par.dp)
-    elif par.dp > 1:
-        raise UserError(f"parallel.dp: {par.dp} needs {par.dp} workers; start them with "
-                        f"`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker")
+    rank, world = _init_distributed(par.dp) if _distributed() else (0, 1)
     is_main = rank == 0
 
     # ---- resume state
@@ -175,6 +171,9 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                                   state=state.get("data"), max_positions=cfg.max_position_embeddings,
                                   vocab_size=cfg.vocab_size, progress=progress and is_main)
     seq_len = dataset.seq_len
+    # MindFormers (AdamW, cosine schedule) logs into the run folder; its import resets the
+    # execution mode, so it comes before set_context(mode=...) below.
+    optim._mindformers(run_dir / "logs")
 
     # ---- model
     ms.set_seed(recipe.train.seed)
@@ -193,7 +192,7 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     apply_plan(model, par, cfg)  # expert placement and recompute; strategies are inert in data parallel
 
     params = model.trainable_params()
-    optimizer = optim.build_optimizer(params, recipe.optim, total, log_dir)
+    optimizer = optim.build_optimizer(params, recipe.optim, total, run_dir / "logs")
     ms.set_context(mode=ms.GRAPH_MODE if recipe.train.mode == "graph" else ms.PYNATIVE_MODE)
     reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
     dynamic = cfg.compute_dtype == "float16"
