@@ -270,7 +270,8 @@ def test_dynamic_loss_scale_skips_overflow_and_grows():
 
 # --------------------------------------------------------------- bad input stops before training
 
-@pytest.mark.parametrize("case", ["empty_folder", "corrupt_meta", "missing_tokenizer", "too_long", "vocab"])
+@pytest.mark.parametrize("case", ["empty_folder", "corrupt_meta", "corrupt_shard", "too_few_samples",
+                                  "missing_tokenizer", "too_long", "vocab"])
 def test_bad_data_stops_with_one_line_before_training(case, data_dir, tmp_path, capsys):
     import shutil
 
@@ -285,6 +286,16 @@ def test_bad_data_stops_with_one_line_before_training(case, data_dir, tmp_path, 
         (bad / "meta.json").write_text("{not json")
         data["data"]["path"] = str(bad)
         key = "meta.json"
+    elif case == "corrupt_shard":
+        bad = tmp_path / "corrupt"
+        shutil.copytree(data_dir, bad)
+        shard = next(p for p in bad.iterdir() if p.suffix == ".mindrecord")
+        shard.write_bytes(shard.read_bytes()[:1000])  # truncated
+        data["data"]["path"] = str(bad)
+        key = "cannot read the training samples"
+    elif case == "too_few_samples":
+        data["train"]["micro_batch_size"] = 100_000
+        key = "fewer than one global batch"
     elif case == "missing_tokenizer":
         data["data"]["tokenizer"] = str(tmp_path / "no_such_tokenizer.model")
         key = "data.tokenizer"

@@ -117,6 +117,24 @@ def _load_into(params: Dict[str, object], path: Path, what: str) -> None:
         param.set_data(ms.Tensor(value.asnumpy(), dtype=param.dtype))
 
 
+def _first_batch_checked(dataset):
+    """The batch iterator, with its first batch already read: unreadable shards fail here, as one line."""
+    import itertools
+
+    it = iter(dataset)
+    try:
+        first = next(it)
+    except UserError:
+        raise
+    except Exception as exc:  # MindSpore's reader raises RuntimeError with a multi-line report
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        # the report's "Dataset Pipeline Error Message" section holds the reason, e.g. "Failed to read file."
+        reason = next((ln for ln in lines if ln.startswith("[ERROR]")), lines[0] if lines else type(exc).__name__)
+        raise UserError(f"data.path: {dataset.data_dir}: cannot read the training samples "
+                        f"({reason[:300]}); prepare the folder again with `ms-deepseek prepare-data`") from None
+    return itertools.chain([first], it)
+
+
 def _print(msg: str, bar) -> None:
     if bar is not None:
         bar.write(msg)
@@ -171,6 +189,7 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                                   state=state.get("data"), max_positions=cfg.max_position_embeddings,
                                   vocab_size=cfg.vocab_size, progress=progress and is_main)
     seq_len = dataset.seq_len
+    batches = _first_batch_checked(dataset)
     # MindFormers (AdamW, cosine schedule) logs into the run folder; its import resets the
     # execution mode, so it comes before set_context(mode=...) below.
     optim._mindformers(run_dir / "logs")
@@ -231,7 +250,6 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     last_ckpt: Optional[Path] = None
     interval_tokens, interval_start = 0, time.time()
     steady_tokens, steady_time = 0, 0.0
-    batches = iter(dataset)
     from tqdm import tqdm
 
     bar = tqdm(total=stop_at, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
