@@ -206,62 +206,57 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-5, err_msg=name)
 
 
-# --------------------------------------------------------------- the apply step in isolation
+# --------------------------------------------------------------- the update in isolation
 
-def _apply_setup(clip, dynamic, window=1000):
+def _update_setup(clip, dynamic, window=1000):
     import mindspore as ms
-    from mindspore import nn
+    from mindspore import Parameter, Tensor, nn
 
     from ms_deepseek.train import optim
     from ms_deepseek.train.recipe import OptimSection
-    from ms_deepseek.train.step import build_steps
+    from ms_deepseek.train.step import Update
 
     ms.set_seed(0)
     net = nn.Dense(3, 2)
     opt = optim.build_optimizer(net.trainable_params(), OptimSection(lr=0.1, schedule="constant",
                                                                      weight_decay=0.0), 10)
     ms.set_context(mode=ms.GRAPH_MODE)
-    _, apply, scale = build_steps(net, opt, 1, clip, dynamic, loss_scale_init=8.0, scale_window=window)
-    return net, opt, apply, scale
+    scale = Parameter(Tensor(8.0 if dynamic else 1.0, ms.float32), name="loss_scale", requires_grad=False)
+    return net, opt, Update(opt, scale, clip, dynamic, scale_window=window), scale
 
 
-def _fill(apply, grads):
+def _grads(values):
     import mindspore as ms
 
-    for acc, g in zip(apply.accum, grads):
-        acc.set_data(ms.Tensor(np.asarray(g, np.float32)))
+    return tuple(ms.Tensor(np.asarray(g, np.float32)) for g in values)
 
 
 def test_global_norm_clipping():
     grads = [np.full((2, 3), 3.0), np.full((2,), 4.0)]  # norm sqrt(6*9 + 2*16) = sqrt(86)
     norm = math.sqrt(86.0)
     for clip in (1.0, None, 100.0):
-        net, opt, apply, _ = _apply_setup(clip, dynamic=False)
-        _fill(apply, grads)
-        grad_norm, lr, overflow, _ = apply()
+        net, opt, update, _ = _update_setup(clip, dynamic=False)
+        grad_norm, lr, overflow, _ = update(_grads(grads))
         assert float(grad_norm.asnumpy()) == pytest.approx(norm, rel=1e-6)  # reported before clipping
         assert not bool(overflow.asnumpy())
         factor = 1.0 / norm if clip == 1.0 else 1.0
         # Adam's first moment after one step is (1 - beta1) * g: the clipped gradient, exactly
         m = opt.exp_avg[0].asnumpy()
         np.testing.assert_allclose(m, 0.1 * grads[0] * factor, rtol=1e-5)
-        assert not apply.accum[0].asnumpy().any(), "accumulation buffers are zeroed after the update"
 
 
 def test_dynamic_loss_scale_skips_overflow_and_grows():
-    net, opt, apply, scale = _apply_setup(None, dynamic=True, window=2)
+    net, opt, update, scale = _update_setup(None, dynamic=True, window=2)
     before = net.weight.asnumpy().copy()
-    _fill(apply, [np.full((2, 3), np.inf), np.ones(2)])
-    _, _, overflow, used = apply()
+    _, _, overflow, used = update(_grads([np.full((2, 3), np.inf), np.ones(2)]))
     assert bool(overflow.asnumpy()) and float(used.asnumpy()) == 8.0
     assert float(scale.asnumpy()) == 4.0                      # halved
     np.testing.assert_array_equal(net.weight.asnumpy(), before)  # step skipped
     assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 0
     for _ in range(2):                                        # two good steps -> doubled
-        _fill(apply, [np.full((2, 3), 2.0), np.full((2,), 2.0)])
-        grad_norm, _, overflow, _ = apply()
+        grad_norm, _, overflow, _ = update(_grads([np.full((2, 3), 2.0), np.full((2,), 2.0)]))
         assert not bool(overflow.asnumpy())
-        # the buffers hold scaled gradients: 2.0 / scale 4 = 0.5 per element, 8 elements
+        # scaled gradients: 2.0 / scale 4 = 0.5 per element, 8 elements
         assert float(grad_norm.asnumpy()) == pytest.approx(math.sqrt(8 * 0.5 ** 2), rel=1e-6)
     assert float(scale.asnumpy()) == 8.0
     assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 2

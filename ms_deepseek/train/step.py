@@ -1,78 +1,69 @@
-"""The compiled training step: micro-steps that accumulate gradients, and one update.
+"""The compiled training step: one graph per optimizer step.
 
-Two Cells share the model's parameters and an accumulation buffer per parameter:
+``TrainStep(input_ids, labels) -> (outputs, grad_norm, lr, overflow, loss_scale)`` with
+``input_ids`` / ``labels`` [k * b, T]: the step's ``k`` micro-batches of ``b`` sequences,
+stacked in order.
 
-* :class:`MicroStep` ``(input_ids, labels) -> (loss, aux_loss, moe_stats)``: forward and
-  backward of ``(loss + aux_loss) * loss_scale / accum_steps``; the gradients are added
-  into the buffers. ``loss`` is the LM cross-entropy, ``aux_loss`` the balance losses
-  already multiplied by their alphas (the model does that).
-* :class:`ApplyStep` ``() -> (grad_norm, lr, overflow, loss_scale)``: all-reduce (mean) of
-  the buffers across data-parallel workers, unscale, global norm, clipping, AdamW
-  (MindFormers) with the scheduled lr, buffers zeroed. With float16 compute the loss
-  scale is dynamic: a step whose gradients overflow is skipped and the scale divided by
-  ``factor``; after ``window`` good steps it is multiplied by ``factor``.
+* :class:`StepOutputs` runs the model on one micro-batch and returns one float32 vector
+  ``[total, loss, aux_loss, moe_stats.flatten()] / k`` (``loss`` the LM cross-entropy,
+  ``aux_loss`` the balance losses already times their alphas, ``total`` their sum).
+* With ``k > 1`` it is wrapped in ``mindspore.parallel.nn.GradAccumulation`` (micro-batch
+  ``i`` = rows ``[i*b, (i+1)*b)``, outputs and gradients summed over micro-batches: the
+  MindSpore construct that semi-auto parallel compiles into accumulation on Ascend);
+  with pipeline parallelism the trainer wraps it in ``Pipeline`` instead.
+* The gradient is taken of ``total`` alone (sensitivity ``[loss_scale, 0, 0, ...]``), so
+  ``k`` micro-batches of ``b`` give the same update as one batch of ``k * b``.
+* :class:`Update`: all-reduce (mean) across data-parallel workers when a reducer is
+  given, unscale, global norm (reported before clipping), clipping to ``clip_norm``,
+  MindFormers AdamW with the scheduled lr. With float16 compute the loss scale is
+  dynamic: a step whose gradients overflow is skipped and the scale divided by
+  ``factor``; after ``window`` good steps in a row it is multiplied by ``factor``.
 
-Wrapping Cells are built with ``auto_prefix=False`` so the model's parameters keep
-their own names (the checkpoint names).
-
-``k`` micro-steps of batch ``b`` then give the same update as one micro-step of batch
-``k * b`` (the loss is a per-token mean, and micro-batches have equal token counts).
+Wrapping Cells use ``auto_prefix=False`` so the model's parameters keep their own names
+(the checkpoint names).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
 
-class _LossFn(nn.Cell):
-    """``(input_ids, labels) -> (scaled total, loss, aux_loss, moe_stats)``; only the first is differentiated."""
+class StepOutputs(nn.Cell):
+    """One micro-batch -> ``[total, loss, aux_loss, stats...] / k`` (float32 vector of ``width``)."""
 
-    def __init__(self, model: nn.Cell, accum_steps: int):
+    def __init__(self, model: nn.Cell, accum_steps: int, num_moe_layers: int):
         super().__init__(auto_prefix=False)
         self.model = model
         self.inv_accum = 1.0 / accum_steps
+        self.has_stats = num_moe_layers > 0
         # Called from Python (PyNative) the model returns an output object; inside a graph, a tuple.
         self.graph = ms.get_context("mode") == ms.GRAPH_MODE
 
-    def construct(self, input_ids, labels, scale):
+    def construct(self, input_ids, labels):
         if self.graph:
             _, loss, aux_loss, stats = self.model(input_ids, labels)
         else:
             out = self.model(input_ids, labels)
             loss, aux_loss, stats = out.loss, out.aux_loss, out.moe_stats
-        total = (loss + aux_loss) * scale * self.inv_accum
-        return total, loss, aux_loss, stats
+        head = ops.stack((loss + aux_loss, loss, aux_loss)).astype(mstype.float32)  # [3]
+        if self.has_stats:
+            head = ops.concat((head, stats.reshape(-1).astype(mstype.float32)))  # [3 + L_moe * (E + 4)]
+        return head * self.inv_accum
 
 
-class MicroStep(nn.Cell):
-    def __init__(self, model: nn.Cell, weights: ParameterTuple, accum: ParameterTuple, loss_scale: Parameter,
-                 accum_steps: int):
-        super().__init__(auto_prefix=False)
-        self.loss_fn = _LossFn(model, accum_steps)
-        self.weights = weights
-        self.accum = accum
-        self.loss_scale = loss_scale
-        self.grad_fn = ms.value_and_grad(self.loss_fn, None, self.weights, has_aux=True)
+class Update(nn.Cell):
+    """Gradients -> (grad_norm, lr, overflow, loss_scale used): reduce, unscale, clip, AdamW."""
 
-    def construct(self, input_ids, labels):
-        (_, loss, aux_loss, stats), grads = self.grad_fn(input_ids, labels, self.loss_scale)
-        done = ()
-        for acc, g in zip(self.accum, grads):
-            done = done + (ops.assign_add(acc, g.astype(acc.dtype)),)
-        return ops.depend(loss, done), aux_loss, stats
-
-
-class ApplyStep(nn.Cell):
-    def __init__(self, optimizer: nn.Cell, accum: ParameterTuple, loss_scale: Parameter,
-                 clip_norm: Optional[float], dynamic_loss_scale: bool, scale_factor: float = 2.0,
-                 scale_window: int = 1000, grad_reducer: Optional[nn.Cell] = None):
+    def __init__(self, optimizer: nn.Cell, loss_scale: Parameter, clip_norm: Optional[float],
+                 dynamic_loss_scale: bool, scale_factor: float = 2.0, scale_window: int = 1000,
+                 grad_reducer: Optional[nn.Cell] = None):
         super().__init__(auto_prefix=False)
         self.optimizer = optimizer
-        self.accum = accum
         self.loss_scale = loss_scale
         self.clip = clip_norm
         self.dynamic = dynamic_loss_scale
@@ -81,30 +72,29 @@ class ApplyStep(nn.Cell):
         self.good_steps = Parameter(Tensor(0, mstype.int32), name="loss_scale_good_steps", requires_grad=False)
         self.reducer = grad_reducer
 
-    def construct(self):
+    def construct(self, grads):
         scale = self.loss_scale * 1.0
-        # Unscaled copies of the buffers (so zeroing them afterwards cannot race the update).
-        inv = 1.0 / scale
-        grads = ()
-        for acc in self.accum:
-            grads = grads + (acc * inv,)
         if self.reducer is not None:
             grads = self.reducer(grads)
-        sq = ()
+        inv = 1.0 / scale
+        unscaled = ()
         for g in grads:
+            unscaled = unscaled + (g.astype(mstype.float32) * inv,)
+        sq = ()
+        for g in unscaled:
             sq = sq + ((g * g).sum(),)
         grad_norm = ops.sqrt(ops.stack(sq).sum())
         overflow = ops.logical_not(ops.isfinite(grad_norm))
+        grads = unscaled
         if self.clip is not None:
-            # min(1, clip / norm): a no-op below the threshold
-            factor = self.clip / ops.maximum(grad_norm, self.clip)
+            factor = self.clip / ops.maximum(grad_norm, self.clip)  # min(1, clip / norm)
             clipped = ()
-            for g in grads:
+            for g in unscaled:
                 clipped = clipped + (g * factor,)
             grads = clipped
         lr = self.optimizer.get_lr()
         if self.dynamic:
-            if overflow:
+            if overflow:  # skip the update, shrink the scale
                 ops.assign(self.loss_scale, ops.maximum(scale / self.scale_factor, 1.0))
                 ops.assign(self.good_steps, 0)
             else:
@@ -115,23 +105,48 @@ class ApplyStep(nn.Cell):
                 ops.assign(self.good_steps, ops.select(grow, ops.zeros_like(good), good))
         else:
             self.optimizer(grads)
-        zeroed = ()
-        for acc in self.accum:
-            zeroed = zeroed + (ops.assign(acc, ops.zeros_like(acc)),)
-        grad_norm = ops.depend(grad_norm, zeroed)
         return grad_norm, lr, overflow, scale
 
 
-def build_steps(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, clip_norm: Optional[float],
-                dynamic_loss_scale: bool, loss_scale_init: float = 65536.0, scale_factor: float = 2.0,
-                scale_window: int = 1000, grad_reducer: Optional[nn.Cell] = None):
-    """Micro and apply Cells, the accumulation buffers, and the loss-scale Parameter."""
-    weights = optimizer.parameters
-    accum = ParameterTuple([Parameter(ops.zeros(p.shape, mstype.float32), name=f"accum_grad.{p.name}",
-                                      requires_grad=False) for p in weights])
+class TrainStep(nn.Cell):
+    """Forward + backward over the step's micro-batches, then :class:`Update`."""
+
+    def __init__(self, net: nn.Cell, weights: ParameterTuple, update: Update, width: int):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.weights = weights
+        self.update = update
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        onehot = np.zeros(width, np.float32)
+        onehot[0] = 1.0  # differentiate the total loss only; the other entries are reported
+        self.onehot = Tensor(onehot)
+
+    def construct(self, input_ids, labels):
+        outputs = self.net(input_ids, labels)
+        sens = self.onehot * self.update.loss_scale
+        grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
+        grad_norm, lr, overflow, scale = self.update(grads)
+        return outputs, grad_norm, lr, overflow, scale
+
+
+def output_width(num_moe_layers: int, num_experts: int) -> int:
+    return 3 + num_moe_layers * (num_experts + 4) if num_moe_layers else 3
+
+
+def build_step(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, num_moe_layers: int, num_experts: int,
+               clip_norm: Optional[float], dynamic_loss_scale: bool, loss_scale_init: float = 65536.0,
+               scale_factor: float = 2.0, scale_window: int = 1000, grad_reducer: Optional[nn.Cell] = None,
+               wrap_net=None):
+    """The step Cell and its loss-scale Parameter. ``wrap_net`` replaces the accumulation wrapper
+    (the trainer passes the pipeline wrapper for pp > 1)."""
+    net = StepOutputs(model, accum_steps, num_moe_layers)
+    if wrap_net is not None:
+        net = wrap_net(net)
+    elif accum_steps > 1:
+        from mindspore.parallel.nn import GradAccumulation
+
+        net = GradAccumulation(net, accum_steps)
     scale = Parameter(Tensor(loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
                       name="loss_scale", requires_grad=False)
-    micro = MicroStep(model, weights, accum, scale, accum_steps)
-    apply = ApplyStep(optimizer, accum, scale, clip_norm, dynamic_loss_scale, scale_factor, scale_window,
-                      grad_reducer)
-    return micro, apply, scale
+    update = Update(optimizer, scale, clip_norm, dynamic_loss_scale, scale_factor, scale_window, grad_reducer)
+    return TrainStep(net, optimizer.parameters, update, output_width(num_moe_layers, num_experts)), update

@@ -2,7 +2,7 @@
 
 ``train(recipe, run_dir, resume=None)`` builds the model (random init, or a checkpoint
 folder's weights), the data-parallel rank's batches, MindFormers AdamW and the compiled
-micro / apply steps, then runs ``train.steps`` optimizer steps. Every
+compiled train step (one graph per optimizer step), then runs ``train.steps`` optimizer steps. Every
 ``logging.log_interval`` steps it writes a record to ``RUN_DIR/metrics.jsonl`` and
 TensorBoard and prints a line; every ``checkpoint.save_interval`` steps (and at the end)
 it saves ``RUN_DIR/checkpoints/step_N``. ``resume`` continues from a checkpoint exactly:
@@ -117,6 +117,24 @@ def _load_into(params: Dict[str, object], path: Path, what: str) -> None:
         param.set_data(ms.Tensor(value.asnumpy(), dtype=param.dtype))
 
 
+def _stack_micro_batches(parts: List[Dict[str, np.ndarray]], pad_id: int):
+    """k micro-batches -> one [k * b, T] pair, in order (SFT buckets of one step padded to the longest)."""
+    from ms_deepseek.data.chat import IGNORE_INDEX
+
+    if len(parts) == 1:
+        return parts[0]["input_ids"], parts[0]["labels"]
+    width = max(p["input_ids"].shape[1] for p in parts)
+    ids, labels = [], []
+    for p in parts:
+        extra = width - p["input_ids"].shape[1]
+        # pads go after the real tokens: causal attention keeps them invisible, -100 keeps them out of the loss
+        ids.append(np.pad(p["input_ids"], ((0, 0), (0, extra)), constant_values=pad_id) if extra
+                   else p["input_ids"])
+        labels.append(np.pad(p["labels"], ((0, 0), (0, extra)), constant_values=IGNORE_INDEX) if extra
+                      else p["labels"])
+    return np.concatenate(ids), np.concatenate(labels)
+
+
 def _first_batch_checked(dataset):
     """The batch iterator, with its first batch already read: unreadable shards fail here, as one line."""
     import itertools
@@ -215,15 +233,18 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     ms.set_context(mode=ms.GRAPH_MODE if recipe.train.mode == "graph" else ms.PYNATIVE_MODE)
     reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
     dynamic = cfg.compute_dtype == "float16"
-    from ms_deepseek.train.step import build_steps
+    from ms_deepseek.train.step import build_step
 
-    micro, apply, scale = build_steps(model, optimizer, recipe.train.grad_accum_steps,
-                                      recipe.train.clip_grad_norm, dynamic, recipe.train.loss_scale_init,
-                                      recipe.train.loss_scale_factor, recipe.train.loss_scale_window, reducer)
+    moe_layers = cfg.moe_layer_indices
+    E = cfg.n_routed_experts or 0
+    k = recipe.train.grad_accum_steps
+    step_cell, update = build_step(model, optimizer, k, len(moe_layers), E, recipe.train.clip_grad_norm, dynamic,
+                                   recipe.train.loss_scale_init, recipe.train.loss_scale_factor,
+                                   recipe.train.loss_scale_window, reducer)
     model_tensors = _model_tensors(model)
     opt_tensors = dict(optim.optimizer_state(optimizer))
-    opt_tensors["loss_scale"] = scale
-    opt_tensors["loss_scale_good_steps"] = apply.good_steps
+    opt_tensors["loss_scale"] = update.loss_scale
+    opt_tensors["loss_scale_good_steps"] = update.good_steps
     if resume_dir is not None:
         _load_into(model_tensors, resume_dir / "model.safetensors", "model")
         _load_into(opt_tensors, resume_dir / "optimizer.safetensors", "optimizer")
@@ -241,8 +262,6 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     monitor = _alert_monitor() if (is_main and recipe.logging.alerts) else None
     memory_fn = _memory_metrics_fn()
 
-    moe_layers = cfg.moe_layer_indices
-    E = cfg.n_routed_experts or 0
     tokens_per_step = recipe.global_batch_size * seq_len
     elapsed_before = float(state.get("elapsed_s", 0.0))
     tokens_seen = int(state.get("tokens_seen", 0))
@@ -263,18 +282,12 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     try:
         for step in range(start_step + 1, stop_at + 1):
             t0 = time.time()
-            loss_sum, aux_sum, stats_sum = 0.0, 0.0, None
-            for _ in range(recipe.train.grad_accum_steps):
-                batch = next(batches)
-                loss, aux, stats = micro(Tensor(batch["input_ids"]), Tensor(batch["labels"]))
-                loss_sum += float(loss.asnumpy())
-                aux_sum += float(aux.asnumpy())
-                s = stats.asnumpy()
-                stats_sum = s if stats_sum is None else stats_sum + s
-            grad_norm, lr, overflow, cur_scale = apply()
-            grad_norm = float(grad_norm.asnumpy())  # host read: the step is finished
-            k = recipe.train.grad_accum_steps
-            loss_v, aux_v, stats_v = loss_sum / k, aux_sum / k, stats_sum / k
+            input_ids, labels = _stack_micro_batches([next(batches) for _ in range(k)], dataset.pad_id)  # [k * b, T]
+            outputs, grad_norm, lr, overflow, cur_scale = step_cell(Tensor(input_ids), Tensor(labels))
+            vec = outputs.asnumpy()  # host read: the step is finished
+            grad_norm = float(grad_norm.asnumpy())
+            loss_v, aux_v = float(vec[1]), float(vec[2])
+            stats_v = vec[3:].reshape(len(moe_layers), E + 4) if moe_layers else np.zeros((0, E + 4), np.float32)
             if stats_mean is not None:
                 loss_v, aux_v, stats_v = stats_mean(loss_v, aux_v, stats_v)
             losses.append(loss_v)
@@ -291,8 +304,7 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                           "grad_norm": grad_norm,
                           "tokens_per_s": interval_tokens / max(now - interval_start, 1e-9),
                           "elapsed_s": elapsed_before + now - started}
-                record.update(metrics_mod.moe_fields(stats_v.reshape(len(moe_layers), -1) if moe_layers
-                                                     else np.zeros((0, E + 4)), moe_layers, E))
+                record.update(metrics_mod.moe_fields(stats_v, moe_layers, E))
                 if dynamic:
                     record["loss_scale"] = float(cur_scale.asnumpy())
                     record["overflow"] = bool(overflow.asnumpy())
