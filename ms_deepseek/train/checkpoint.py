@@ -41,7 +41,15 @@ def step_dir_name(step: int) -> str:
 
 
 def is_complete(folder: Path) -> bool:
-    return folder.is_dir() and all((folder / f).is_file() for f in REQUIRED_FILES)
+    """All files present: whole tensors, or every rank's slices of a sharded run (see .sharded)."""
+    if not folder.is_dir():
+        return False
+    if all((folder / f).is_file() for f in REQUIRED_FILES):
+        return True
+    from ms_deepseek.train.sharded import is_complete_sharded
+
+    return all((folder / f).is_file() for f in ("config.json", "state.json", "recipe.yaml")) and \
+        is_complete_sharded(folder)
 
 
 def _save_tensors(named: Dict[str, object], path: Path) -> None:
@@ -135,8 +143,8 @@ def resolve_resume(spec: str, run_dir: Path) -> Path:
     if not path.exists():
         raise UserError(f"--resume {spec}: no such folder")
     if STEP_DIR.match(path.name) or (path / "state.json").exists():
-        missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-        if missing:
+        if not is_complete(path):
+            missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
             raise UserError(f"--resume {spec}: incomplete checkpoint (missing {', '.join(missing)})")
         return path
     for candidate in (path / "checkpoints", path):

@@ -102,10 +102,9 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # fail here, not in N workers
-    if not (args.force or recipe.parallel.force):
-        from ms_deepseek.train.trainer import check_fits
+    from ms_deepseek.train.trainer import fit_plan
 
-        check_fits(recipe)
+    fit_plan(recipe, args.force)
     run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
     env, cmd = build_command(args, recipe.parallel.world_size, run_dir)
     print(format_command(env, cmd), flush=True)

@@ -165,8 +165,10 @@ class Recipe:
     # ---------------------------------------------------------------- derived
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step over all data-parallel workers."""
-        return self.train.micro_batch_size * self.train.grad_accum_steps * self.parallel.dp
+        """Sequences per optimizer step over all data-parallel replicas (with pipeline parallelism the
+        pipeline's micro-batches are the accumulation: dp x micro_batch_size x micro_batches)."""
+        per_replica = self.parallel.micro_batches if self.parallel.pp > 1 else self.train.grad_accum_steps
+        return self.train.micro_batch_size * per_replica * self.parallel.dp
 
     @property
     def seq_len(self) -> int:
@@ -259,6 +261,10 @@ def validate(recipe: Recipe) -> None:
     if seq_len > cfg.max_position_embeddings:
         raise UserError(f"data.seq_len: {seq_len} is longer than the model's max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
+    if recipe.parallel.pp > 1 and recipe.train.grad_accum_steps != 1:
+        raise UserError(f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
+                        f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
+                        f"{recipe.parallel.micro_batches} are the accumulation")
     key, vocab = _tokenizer_vocab(recipe.data)
     if vocab > cfg.vocab_size:
         raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "

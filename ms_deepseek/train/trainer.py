@@ -46,18 +46,19 @@ def _distributed() -> bool:
     return int(os.environ.get("MS_WORKER_NUM", "1") or 1) > 1 or os.environ.get("MS_ROLE") == "MS_WORKER"
 
 
-def _init_distributed(dp: int):
+def _init_distributed(par):
     """Join the collective group; returns (rank, world size)."""
     import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init
 
     init()
     rank, world = get_rank(), get_group_size()
-    if world != dp:
-        raise UserError(f"parallel.dp: {dp} but msrun started {world} workers; data parallel needs dp = workers "
-                        "(tp, pp and ep need SEMI_AUTO_PARALLEL, which runs only on Ascend)")
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 device_num=world)
+    if world != par.world_size:
+        raise UserError(f"parallel: {par.describe()} needs {par.world_size} workers (dp x tp x pp) but msrun "
+                        f"started {world}")
+    if not par.uses_semi_auto:  # sharded layouts get their context from the AutoParallel wrapper
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                     device_num=world)
     return rank, world
 
 
@@ -170,21 +171,28 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     run_dir = Path(run_dir)
     cfg = recipe.model_config
     par = recipe.parallel
-    if par.uses_semi_auto:
-        raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding); "
-                        "`ms-deepseek plan` and `launch --dry-run` size and check such layouts, but this trainer "
-                        "runs data-parallel layouts only (parallel.dp with tp = pp = ep = 1)")
-    _check_fits(recipe, force)
-    if par.dp > 1 and not _distributed():
-        raise UserError(f"parallel.dp: {par.dp} needs {par.dp} workers; start them with "
-                        f"`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker")
+    sharded = par.uses_semi_auto
+    if sharded and _device_target() == "CPU":
+        raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), which "
+                        "MindSpore compiles only on Ascend; on CPU train data-parallel layouts (parallel.dp only), "
+                        "and size this one with `ms-deepseek plan` / `launch --dry-run`")
+    plan = fit_plan(recipe, force)
+    if par.world_size > 1 and not _distributed():
+        what = f"parallel: {par.describe()}" if sharded else f"parallel.dp: {par.dp}"
+        raise UserError(f"{what} needs {par.world_size} workers; start them with `ms-deepseek launch` (msrun), "
+                        "or set parallel.dp=1 for one worker")
 
     import mindspore as ms
     from mindspore import Tensor, nn
 
+    from ms_deepseek.train import sharded as sharded_mod
+
     ms.set_context(device_target=_device_target())
-    rank, world = _init_distributed(par.dp) if _distributed() else (0, 1)
-    is_main = rank == 0
+    rank, world = _init_distributed(par) if _distributed() else (0, 1)
+    # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
+    # parallelism only the last stage computes it).
+    log_rank = (par.pp - 1) * par.dp * par.tp if sharded else 0
+    is_main = rank == log_rank
 
     # ---- resume state
     resume_dir = ckpt_mod.resolve_resume(resume, run_dir) if resume else None
@@ -203,7 +211,9 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     # ---- data first: a bad dataset stops the run before anything is compiled
     from ms_deepseek.data.dataset import build_train_dataset
 
-    dataset = build_train_dataset(recipe.data, recipe.train.micro_batch_size, rank, world,
+    data_rank, data_world, rows = (sharded_mod.data_coordinates(rank, par, recipe.train.micro_batch_size)
+                                   if sharded else (rank, world, recipe.train.micro_batch_size))
+    dataset = build_train_dataset(recipe.data, rows, data_rank, data_world,
                                   state=state.get("data"), max_positions=cfg.max_position_embeddings,
                                   vocab_size=cfg.vocab_size, progress=progress and is_main)
     seq_len = dataset.seq_len
@@ -224,32 +234,48 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
     else:
         model = DeepseekV2ForCausalLM(cfg)
     model.set_train(True)
-    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.parallel.apply import apply_plan, auto_parallel_wrap, pipeline_wrap
+    from ms_deepseek.parallel.memory import reserve_device_memory
 
-    apply_plan(model, par, cfg)  # expert placement and recompute; strategies are inert in data parallel
+    applied = apply_plan(model, par, cfg)  # strategies (inert in data parallel), expert placement, recompute
+    if par.reserve_memory:  # Ascend: the planner's estimate + headroom, before compile (no-op on CPU)
+        reserve_device_memory(plan, par.memory_headroom_gb, stage=sharded_mod.stage_of_rank(rank, par)
+                              if par.pp > 1 else None, hbm_gb=par.hbm_gb)
 
     params = model.trainable_params()
     optimizer = optim.build_optimizer(params, recipe.optim, total, run_dir / "logs")
     ms.set_context(mode=ms.GRAPH_MODE if recipe.train.mode == "graph" else ms.PYNATIVE_MODE)
-    reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
+    # data parallel: average gradients here; sharded layouts: AutoParallel inserts the reductions
+    reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) \
+        if world > 1 and not sharded else None
     dynamic = cfg.compute_dtype == "float16"
     from ms_deepseek.train.step import build_step
 
     moe_layers = cfg.moe_layer_indices
     E = cfg.n_routed_experts or 0
-    k = recipe.train.grad_accum_steps
+    k = par.micro_batches if par.pp > 1 else recipe.train.grad_accum_steps  # micro-batches per step
+    wrap = (lambda net: pipeline_wrap(net, par, applied, model_prefix="model")) if par.pp > 1 else None
     step_cell, update = build_step(model, optimizer, k, len(moe_layers), E, recipe.train.clip_grad_norm, dynamic,
                                    recipe.train.loss_scale_init, recipe.train.loss_scale_factor,
-                                   recipe.train.loss_scale_window, reducer)
+                                   recipe.train.loss_scale_window, reducer, wrap_net=wrap)
+    strategy_file = run_dir / "strategy" / f"rank_{rank:05d}.ckpt"
+    if sharded:  # Ascend only (refused on CPU above)
+        strategy_file.parent.mkdir(parents=True, exist_ok=True)
+        step_cell = auto_parallel_wrap(step_cell, par, str(strategy_file))
     model_tensors = _model_tensors(model)
     opt_tensors = dict(optim.optimizer_state(optimizer))
     opt_tensors["loss_scale"] = update.loss_scale
     opt_tensors["loss_scale_good_steps"] = update.good_steps
     if resume_dir is not None:
-        _load_into(model_tensors, resume_dir / "model.safetensors", "model")
-        _load_into(opt_tensors, resume_dir / "optimizer.safetensors", "optimizer")
+        if sharded:  # parameters are sliced when the step compiles: compile, then load this rank's slices
+            shape = (k * rows, dataset.seq_len)
+            step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+            sharded_mod.load_sharded(resume_dir, rank, world, model_tensors, opt_tensors, _load_into)
+        else:
+            _load_into(model_tensors, resume_dir / "model.safetensors", "model")
+            _load_into(opt_tensors, resume_dir / "optimizer.safetensors", "optimizer")
         _restore_rng(state.get("rng", {}))
-    stats_mean = _RankMean(world) if world > 1 else None
+    stats_mean = _RankMean(world) if world > 1 and not sharded else None
 
     # ---- outputs
     manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last)
@@ -323,10 +349,15 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
                     "tokens_seen": tokens_seen, "elapsed_s": elapsed_before + time.time() - started,
                     "world_size": world, "global_batch_size": recipe.global_batch_size, "seq_len": seq_len,
                 }
-                if world > 1:  # every rank takes part: the replicas must hold the same weights
-                    ckpt_state["replica_sha1"] = _replica_digests(model_tensors, world)
-                if is_main:
-                    last_ckpt = manager.save(step, model_tensors, opt_tensors, cfg, ckpt_state, recipe.to_yaml())
+                if sharded:  # every rank writes its slices, rank 0 completes the folder
+                    last_ckpt = sharded_mod.save_sharded(manager, step, rank, world, model_tensors, opt_tensors,
+                                                         cfg, ckpt_state, recipe.to_yaml(), strategy_file, par)
+                else:
+                    if world > 1:  # every rank takes part: the replicas must hold the same weights
+                        ckpt_state["replica_sha1"] = _replica_digests(model_tensors, world)
+                    if rank == 0:
+                        last_ckpt = manager.save(step, model_tensors, opt_tensors, cfg, ckpt_state,
+                                                 recipe.to_yaml())
     finally:
         bar.close()
         writer.close()
@@ -389,15 +420,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _check_fits(recipe: Recipe, force: bool) -> None:
-    """Refuse a layout the planner says cannot fit in device memory, unless forced."""
-    if force or recipe.parallel.force:
-        return
-    check_fits(recipe)
+def fit_plan(recipe: Recipe, force: bool = False):
+    """The memory planner's verdict (``ms_deepseek.parallel.planner``) on the recipe's layout.
 
-
-def check_fits(recipe: Recipe) -> None:
-    """The memory planner's verdict (``ms_deepseek.parallel.planner``); UserError when it does not fit."""
+    UserError when it does not fit, unless ``force`` / ``parallel.force``; the result also
+    sizes the device memory pool reserved before compile."""
     from types import SimpleNamespace
 
     from ms_deepseek.parallel.planner import check_recipe_fits
@@ -408,11 +435,12 @@ def check_fits(recipe: Recipe) -> None:
         train=SimpleNamespace(global_batch_size=recipe.global_batch_size,
                               micro_batch_size=recipe.train.micro_batch_size))
     result = check_recipe_fits(view)
-    if not result.fits:
+    if not result.fits and not (force or recipe.parallel.force):
         why = "; ".join(result.problems) if result.problems else \
             f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
         raise UserError(f"parallel: {recipe.parallel.describe()} does not fit ({why}); see `ms-deepseek plan`, "
                         "or pass --force (parallel.force: true) to run anyway")
+    return result
 
 
 def _alert_monitor():
@@ -425,6 +453,6 @@ def _memory_metrics_fn():
     """Device memory numbers for the record; None on CPU, where MindSpore keeps no device pool."""
     if _device_target() == "CPU":
         return None
-    from ms_deepseek.parallel import memory_metrics
+    from ms_deepseek.parallel.memory import memory_metrics
 
     return memory_metrics
