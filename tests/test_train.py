@@ -396,3 +396,23 @@ def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
     result = train(load_recipe_dict(data), tmp_path / "pynative", progress=False, max_steps=2)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir)[:2], rtol=1e-5)
     assert result.checkpoint is None
+
+
+def test_weight_decay_skips_norms_biases_and_routers():
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    from ms_deepseek.train import optim
+    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.train.step import Update
+
+    names = ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",
+             "model.layers.0.self_attn.kv_a_layernorm.weight"]
+    params = [Parameter(Tensor(np.ones((2, 2), np.float32)), name=n) for n in names]
+    opt = optim.build_optimizer(params, OptimSection(lr=0.5, schedule="constant", weight_decay=0.1), 10)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
+    Update(opt, scale, None, False)(tuple(Tensor(np.zeros((2, 2), np.float32)) for _ in names))
+    got = {n: float(p.asnumpy()[0, 0]) for n, p in zip(names, params)}
+    assert got[names[0]] == pytest.approx(1.0 - 0.5 * 0.1)  # decoupled decay, zero gradient
+    assert got[names[1]] == got[names[2]] == got[names[3]] == 1.0
