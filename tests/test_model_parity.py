@@ -105,10 +105,7 @@ def test_gradients(variant, mode):
     E = model.config.n_routed_experts
     checked = 0
     for param, g in zip(weights, got):
-        g = g.asnumpy()
-        hf_names = names.ms_to_hf(param.name, E)
-        parts = [g] if len(hf_names) == 1 else list(g)
-        for hf_name, part in zip(hf_names, parts):
+        for hf_name, part in names.unstack(param.name, g.asnumpy(), E):
             expected = ref_grads[hf_name]
             scale = max(np.abs(expected).max(), 1e-12)
             err = np.abs(part - expected).max()

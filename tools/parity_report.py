@@ -55,9 +55,7 @@ def measure(folder: Path, mode: str) -> dict:
     _, got_grads = grad_fn(ids, labels)
     ref_grads, worst = grads(ref), 0.0
     for param, g in zip(weights, got_grads):
-        hf = names.ms_to_hf(param.name, cfg.n_routed_experts)
-        parts = [g.asnumpy()] if len(hf) == 1 else list(g.asnumpy())
-        for name, part in zip(hf, parts):
+        for name, part in names.unstack(param.name, g.asnumpy(), cfg.n_routed_experts):
             expect = ref_grads[name]
             worst = max(worst, np.abs(part - expect).max() / max(np.abs(expect).max(), 1e-12))
     return {"logits": float(np.abs(out.logits.asnumpy() - ref["logits"]).max()),

@@ -48,3 +48,9 @@ def layer_of(name: str) -> Optional[int]:
     """Decoder layer index of a tensor name (either layout), None for embeddings / final norm / head."""
     match = re.match(r"^model\.layers\.(\d+)\.", name)
     return int(match.group(1)) if match else None
+
+
+def unstack(name: str, array, num_experts: int) -> List[Tuple[str, object]]:
+    """(HF name, value) pairs of one of our tensors: a stacked expert tensor splits along axis 0."""
+    hf_names = ms_to_hf(name, num_experts)
+    return list(zip(hf_names, [array] if len(hf_names) == 1 else list(array)))
