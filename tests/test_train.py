@@ -426,3 +426,12 @@ def test_weight_decay_skips_norms_biases_and_routers():
     got = {n: float(p.asnumpy()[0, 0]) for n, p in zip(names, params)}
     assert got[names[0]] == pytest.approx(1.0 - 0.5 * 0.1)  # decoupled decay, zero gradient
     assert got[names[1]] == got[names[2]] == got[names[3]] == 1.0
+
+
+def test_resume_truncates_metrics_past_the_checkpoint(tmp_path):
+    from ms_deepseek.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    truncate_after(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'

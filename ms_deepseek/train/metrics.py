@@ -54,8 +54,13 @@ def truncate_after(path: Path, step: int) -> None:
     """Drop records with ``step > step`` (a resumed run re-logs them)."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except (ValueError, AttributeError):  # a line cut short by a crash
+            continue
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     os.replace(tmp, path)
