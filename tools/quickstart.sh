@@ -41,8 +41,7 @@ echo "== training $RECIPE -> $RUN_DIR"
 "$MSD" train "$RECIPE" --output "$RUN_DIR" "$@"
 
 echo "== sampling from the trained model"
-"$MSD" generate "$RUN_DIR" --prompt "def " --max-new-tokens 60 --temperature 0.7 --top-k 20 --seed 0 \
-  || echo "(sampling failed; the trained checkpoint is in $RUN_DIR/checkpoints)"
+"$MSD" generate "$RUN_DIR" --prompt "def " --max-new-tokens 60 --temperature 0.7 --top-k 20 --seed 0
 
 echo "== done in $(( $(date +%s) - START ))s: run folder $RUN_DIR (metrics.jsonl, checkpoints/, tb/)"
 echo "   report: $MSD report $RUN_DIR -o $RUN_DIR/report.html"
