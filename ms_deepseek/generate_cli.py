@@ -59,12 +59,11 @@ def resolve_checkpoint(path) -> Path:
         raise UserError(f"{p}: not a folder (expected a checkpoint folder holding config.json, or a run folder)")
     if (p / "config.json").is_file():
         return p
-    from ms_deepseek.train.checkpoint import CheckpointManager
+    from ms_deepseek.train.checkpoint import latest_in
 
-    for candidate in (p / "checkpoints", p):
-        found = CheckpointManager(candidate).latest()
-        if found is not None:
-            return found
+    found = latest_in(p)
+    if found is not None:
+        return found
     raise UserError(f"{p}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint inside")
 
 

@@ -26,10 +26,10 @@ TOL = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3, "aux": 1e-4}
 def measure(folder: Path, mode: str) -> dict:
     import mindspore as ms
     from mindspore import Tensor
-    from load_reference import grads, load_reference, routing
+    from load_reference import load_reference, routing
+    from parity import gradient_errors
 
     from ms_deepseek import DeepseekV2ForCausalLM
-    from ms_deepseek.convert import names
 
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     ref = load_reference(folder)
@@ -43,24 +43,9 @@ def measure(folder: Path, mode: str) -> dict:
         got = np.sort(out.routing[slot][1].asnumpy(), 1)
         same_sets &= bool((got == np.sort(routing(ref, layer)[1], 1)).all())
     aux_ref = sum(ref["summary"]["aux"][str(i)]["seq"] for i in cfg.moe_layer_indices)
-    model.output_routing = False
-    weights = model.trainable_params()
-
-    def loss_fn(x, y):
-        return model(x, y)[1]
-
-    grad_fn = ms.value_and_grad(loss_fn, None, weights)
-    if mode == "graph":
-        grad_fn = ms.jit(grad_fn)
-    _, got_grads = grad_fn(ids, labels)
-    ref_grads, worst = grads(ref), 0.0
-    for param, g in zip(weights, got_grads):
-        for name, part in names.unstack(param.name, g.asnumpy(), cfg.n_routed_experts):
-            expect = ref_grads[name]
-            worst = max(worst, np.abs(part - expect).max() / max(np.abs(expect).max(), 1e-12))
     return {"logits": float(np.abs(out.logits.asnumpy() - ref["logits"]).max()),
             "loss": abs(float(out.loss.asnumpy()) - float(ref["loss"])),
-            "grad": float(worst),
+            "grad": max(gradient_errors(model, ref, mode).values()),
             "aux": abs(float(out.aux_loss.asnumpy()) - aux_ref) / max(abs(aux_ref), 1e-12),
             "routing": same_sets}
 

@@ -147,11 +147,19 @@ def resolve_resume(spec: str, run_dir: Path) -> Path:
             missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
             raise UserError(f"--resume {spec}: incomplete checkpoint (missing {', '.join(missing)})")
         return path
-    for candidate in (path / "checkpoints", path):
+    found = latest_in(path)
+    if found is None:
+        raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
+    return found
+
+
+def latest_in(folder: Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run folder (``folder/checkpoints``) or a checkpoints folder."""
+    for candidate in (folder / "checkpoints", folder):
         found = CheckpointManager(candidate).latest()
         if found is not None:
             return found
-    raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
+    return None
 
 
 def read_state(folder: Path) -> Dict:
