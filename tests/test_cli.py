@@ -1,0 +1,39 @@
+"""The top-level command: help, unknown commands, user errors as one line, closed pipes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ms_deepseek.cli import COMMANDS, main
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_unknown_command_is_one_line(capsys):
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err and "Traceback" not in err
+
+
+def test_every_command_has_help():
+    for name in COMMANDS:
+        proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", name, "--help"], capture_output=True,
+                              text=True, timeout=120, env=ENV)
+        assert proc.returncode == 0, (name, proc.stderr[-500:])
+        assert "usage: ms-deepseek " + name in proc.stdout
+
+
+def test_closed_pipe_is_not_a_traceback():
+    proc = subprocess.run(f"{sys.executable} -m ms_deepseek.cli plan --model deepseek-v2 --npus 64 --seq-len 4096 "
+                          f"--global-batch 64 --dp 4 --tp 8 --pp 2 --ep 4 --json | head -c 10", shell=True,
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert "Traceback" not in proc.stderr and proc.stdout.startswith("{")
