@@ -2,14 +2,17 @@
 
 * Every test runs with a temporary working directory, so MindSpore's compile
   droppings (rank_*/, kernel_meta/) never land in the checkout.
+* The embedded default corpus is cached in a session temporary folder (MS_DEEPSEEK_CACHE).
 * MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
   into the temporary folder.
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
 * PyNative launches ops synchronously (``launch_blocking``): faster on a 2-core CPU.
 """
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 os.environ.setdefault("GLOG_v", "3")
+# The embedded corpus is built once per test session in a temporary folder, never in ~/.cache.
+_CACHE = tempfile.mkdtemp(prefix="ms-deepseek-test-cache-")
+os.environ.setdefault("MS_DEEPSEEK_CACHE", _CACHE)
+atexit.register(shutil.rmtree, _CACHE, True)
 os.environ.setdefault("MS_SUBMODULE_LOG_v", "{}")
 
 
