@@ -84,6 +84,7 @@ class DeepseekV2Config:
     capacity_factor: Optional[float] = None        # per-expert capacity in training; None = dropless
     compute_dtype: str = "float32"                 # float32 on CPU, bfloat16 on Ascend
     param_dtype: str = "float32"                   # master weights
+    use_flash_attention: bool = False              # Ascend FlashAttentionScore instead of the composite
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -220,7 +221,7 @@ class DeepseekV2Config:
     def to_hf_dict(self, dtype: str = "bfloat16") -> Dict[str, Any]:
         """The release-format ``config.json`` contents."""
         ours = {"expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha",
-                "capacity_factor", "compute_dtype", "param_dtype"}
+                "capacity_factor", "compute_dtype", "param_dtype", "use_flash_attention"}
         out: Dict[str, Any] = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
         for f in dataclasses.fields(self):
             if f.name not in ours:

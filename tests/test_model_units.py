@@ -232,3 +232,17 @@ def test_capacity_rounds_up_to_the_plans_multiple():
     assert moe.capacity(100) == 40
     moe.set_train(False)
     assert moe.capacity(100) == 100  # dropless at evaluation
+
+
+@pytest.mark.ascend
+def test_flash_attention_matches_composite_on_ascend():
+    """Ascend only: the fused FlashAttentionScore path equals the composite attention (bf16 tolerance)."""
+    ms.set_context(device_target="Ascend", mode=ms.GRAPH_MODE)
+    cfg = small_cfg(compute_dtype="bfloat16", qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16)
+    eager = DeepseekV2ForCausalLM(cfg)
+    fused = DeepseekV2ForCausalLM(cfg.replace(use_flash_attention=True))
+    for p_f, p_e in zip(fused.get_parameters(), eager.get_parameters()):
+        p_f.set_data(p_e.data)
+    ids = Tensor(np.random.default_rng(5).integers(0, 128, (2, 64)).astype(np.int32))
+    a, b = eager(ids).logits.asnumpy(), fused(ids).logits.asnumpy()
+    assert np.abs(a - b).max() < 3e-2 * max(1.0, np.abs(a).max())

@@ -16,7 +16,7 @@ from ms_deepseek.parallel.costs import Precision, param_bytes
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
 
 CFG = get_preset("tiny")
-STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK")
+STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore")
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +246,21 @@ def test_selective_recompute_and_stage_config():
     assert not net.model.layers[0]._has_config_recompute  # the rest of the layer keeps its activations
     assert pipeline_stage_config(applied, "lm") == {"lm.model.embed_tokens": 0, "lm.model.norm": 1, "lm.lm_head": 1,
                                                     "lm.model.layers.0": 0, "lm.model.layers.1": 1}
+
+
+def test_flash_attention_primitive_gets_heads_by_tp():
+    """With use_flash_attention (Ascend) the fused attention primitive is sharded batch x heads."""
+    import mindspore as ms
+
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.parallel.apply import apply_plan
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = CFG.replace(use_flash_attention=True)
+    net = DeepseekV2ForCausalLM(cfg)
+    apply_plan(net, ParallelConfig(dp=2, tp=2), cfg)
+    fa = net.model.layers[0].self_attn.flash_attention
+    assert fa.attrs["in_strategy"] == ((2, 2, 1, 1), (2, 2, 1, 1), (2, 2, 1, 1), (1, 1))
+    assert not hasattr(DeepseekV2ForCausalLM(CFG).model.layers[0].self_attn, "flash_attention")
+    with pytest.raises(UserError, match="use_flash_attention: FlashAttentionScore runs only on Ascend"):
+        net(ms.Tensor(np.zeros((1, 4), np.int32)))

@@ -127,6 +127,9 @@ class DeepseekV2ForCausalLM(nn.Cell):
         return logits, loss, aux, stats
 
     def __call__(self, *args, **kwargs):
+        if self.config.use_flash_attention and ms.get_context("device_target") != "Ascend":
+            raise UserError("config use_flash_attention: FlashAttentionScore runs only on Ascend; "
+                            "set it to false on this device")
         out = super().__call__(*args, **kwargs)
         if isinstance(out, CausalLMOutput) or not isinstance(out, (tuple, list)):
             return out

@@ -6,13 +6,16 @@ Shapes (B batch, T query length, S key length, nh heads):
   kv_b_proj(kv_a_layernorm(c_kv)) -> per head [k_nope (qk_nope) | v (v_head)]
 
 Primitives (for the parallel plan): ``qk_bmm`` (q @ k^T), ``pv_bmm`` (probs @ v),
-``softmax`` (FP32Softmax op), plus the Linear cells' ``matmul``.
+``softmax`` (FP32Softmax op), plus the Linear cells' ``matmul``; with
+``use_flash_attention`` (Ascend only) the causal full-sequence path is one
+``flash_attention`` (FlashAttentionScore) primitive instead, the same math fused.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from ms_deepseek.config import DeepseekV2Config, softmax_scale
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
@@ -48,6 +51,17 @@ class MLAttention(nn.Cell):
         self.qk_bmm = ops.BatchMatMul(transpose_b=True)
         self.pv_bmm = ops.BatchMatMul()
         self.softmax = FP32Softmax(out_dtype=cdt)
+        self.use_flash_attention = cfg.use_flash_attention
+        if cfg.use_flash_attention:
+            from mindspore.ops.operations.nn_ops import FlashAttentionScore
+
+            # Causal via sparse_mode 2 (left-up causal) with the compressed 2048 x 2048 mask
+            # (1 = masked); q/k/v share one head size, so v is zero-padded to it (or q/k to v's).
+            self.fa_head_dim = max(self.qk_head_dim, self.v_dim)
+            self.flash_attention = FlashAttentionScore(head_num=nh, keep_prob=1.0, scale_value=self.scale,
+                                                       pre_tokens=2147483647, next_tokens=0, inner_precise=0,
+                                                       input_layout="BNSD", sparse_mode=2)
+            self.fa_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
 
     # ------------------------------------------------------------------ pieces
     def query(self, x, cos, sin):
@@ -85,6 +99,22 @@ class MLAttention(nn.Cell):
         out = self.pv_bmm(probs, v.astype(self.compute_dtype))  # [B, nh, T, dv]
         return out.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.v_dim)
 
+    def flash_attend(self, q, k, v):
+        """Causal attention fused on Ascend: q, k [B, nh, T, qk], v [B, nh, T, dv] -> [B, T, nh*dv]."""
+        B, T, D = q.shape[0], q.shape[2], self.fa_head_dim
+        cdt = self.compute_dtype
+        q, k, v = (self._pad_head(t.astype(cdt), D) for t in (q, k, v))  # [B, nh, T, D]
+        _, _, _, out = self.flash_attention(q, k, v, None, None, None, self.fa_mask, None, None, None)
+        out = out[..., : self.v_dim]  # [B, nh, T, dv]
+        return out.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.v_dim)
+
+    @staticmethod
+    def _pad_head(t, size: int):
+        extra = size - t.shape[-1]
+        if extra == 0:
+            return t
+        return ops.concat((t, ops.zeros(t.shape[:-1] + (extra,), t.dtype)), -1)  # zeros leave q.k unchanged
+
     # ----------------------------------------------------------------- forward
     def construct(self, x, cos, sin, mask):
         """Full (training / prefill) attention. x [B, T, H]; cos/sin [T, rope]; mask [T, T] additive."""
@@ -92,6 +122,8 @@ class MLAttention(nn.Cell):
         c_kv, k_pe = self.latent(x, cos, sin)
         k, v = self.expand_kv(c_kv, k_pe)
         q = ops.concat((q_nope, q_pe), -1)
+        if self.use_flash_attention:
+            return self.o_proj(self.flash_attend(q, k, v))
         return self.o_proj(self.attend(q, k, v, mask))
 
 

@@ -56,6 +56,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.o_proj": "rowwise",
     "model.layers.*.self_attn.qk_bmm": "head_bmm",
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
+    "model.layers.*.self_attn.flash_attention": "flash_attention",
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
@@ -72,7 +73,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
 }
 
 # Primitive types that must receive a strategy (the rest follow by sharding propagation).
-STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK")
+STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore")
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,11 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
                        "down_proj.weight": ("down_bmm", 1)})
     if style == "head_bmm":
         return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
+    if style == "flash_attention":
+        # FlashAttentionScore(q, k, v [B, nh, T, D] BNSD, ..., compressed causal mask [2048, 2048]):
+        # batch by dp, heads by tp; the mask is replicated.
+        heads = ((dp, tp, 1, 1),) * 3
+        return StyleSpec(prims={"": ((heads + ((1, 1),)), None)}, is_primitive=True)
     if style == "dispatch_gather":
         # Gather(tokens [N + 1, H], slot_token [E * C], 0): the token table is replicated
         # (an all-gather over dp), the buffer rows are split by ep (expert-major).

@@ -280,9 +280,10 @@ def recipe_workload(recipe) -> Workload:
         global_batch = parallel.dp * mbs * parallel.micro_batches * int(train.grad_accum_steps)
     else:
         global_batch = int(train.global_batch_size)
-    # The model's attention is the eager batch-matmul path: its [T, T] scores are counted.
+    # Eager attention keeps [T, T] scores; the fused Ascend path (model use_flash_attention) does not.
+    model_cfg = getattr(recipe, "model_config", None)
     return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
-                    flash_attention=False)
+                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)))
 
 
 def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,
