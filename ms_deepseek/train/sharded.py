@@ -95,8 +95,10 @@ def save_sharded(manager, step: int, rank: int, world: int, model_tensors: Dict,
     return final
 
 
-def load_sharded(step_dir: Path, rank: int, world: int, model_tensors: Dict, optimizer_tensors: Dict, load_into) -> None:
+def load_sharded(step_dir: Path, rank: int, world: int, model_tensors: Dict, optimizer_tensors: Dict) -> None:
     """Load this rank's slices (after the step Cell is compiled, so the parameters are sliced)."""
+    from ms_deepseek.train.step_io import load_into
+
     saved = json.loads((step_dir / SHARDS_FILE).read_text())
     if int(saved["world_size"]) != world:
         raise UserError(f"--resume {step_dir}: saved by {saved['world_size']} ranks ({saved['layout']}), now {world}; "

@@ -111,7 +111,8 @@ class Trainer:
     -> ``_build_model`` -> ``_build_step`` (optimizer, compiled step) -> ``_restore`` (resume:
     tensors + RNG) -> ``_open_outputs`` (run folder, metrics, progress) -> per step
     ``_run_step``, ``_account``, ``_log``, ``_maybe_save``.
-    Every refusal comes before anything is written to the run folder."""
+    Refusals about the layout, the workers, the resume state and the data come before anything
+    is written to the run folder."""
 
     def __init__(self, recipe: Recipe, run_dir, resume: Optional[str], force: bool, progress: bool,
                  max_steps: Optional[int]):
@@ -279,8 +280,7 @@ class Trainer:
 
             shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
             self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
-            sharded_mod.load_sharded(self.resume_dir, self.rank, self.world, self.model_tensors, self.opt_tensors,
-                                     load_into)
+            sharded_mod.load_sharded(self.resume_dir, self.rank, self.world, self.model_tensors, self.opt_tensors)
         else:
             load_into(self.model_tensors, self.resume_dir / "model.safetensors", "model")
             load_into(self.opt_tensors, self.resume_dir / "optimizer.safetensors", "optimizer")
