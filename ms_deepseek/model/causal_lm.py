@@ -111,7 +111,10 @@ class DeepseekV2ForCausalLM(nn.Cell):
         shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # [B*(T-1)]
         valid = shift_labels != IGNORE_INDEX
         safe = ops.select(valid, shift_labels, ops.zeros_like(shift_labels))
-        lse = ops.logsumexp(shift_logits, -1)  # [N]
+        # log-sum-exp with the max held constant: the same value and gradient, without a
+        # backward pass through the max (whose gradient cancels).
+        row_max = ops.stop_gradient(ops.amax(shift_logits, -1, keepdims=True))  # [N, 1]
+        lse = ops.log(ops.exp(shift_logits - row_max).sum(-1)) + row_max.reshape(-1)  # [N]
         picked = ops.gather_elements(shift_logits, 1, safe.reshape(-1, 1)).reshape(-1)  # [N]
         validf = valid.astype(ms.float32)
         return ((lse - picked) * validf).sum() / ops.maximum(validf.sum(), 1.0)
