@@ -1,12 +1,19 @@
-"""The one MindFormers adapter: AdamW and the cosine schedule, imported lazily.
+"""AdamW (our own Cell over MindSpore's fused kernel) and the schedules; the one MindFormers adapter.
 
-Importing MindFormers costs seconds, writes a log folder (``LOG_MF_PATH``, which we
-point at the run's ``logs/`` first), prints, and its ``get_context`` resets MindSpore
-to PyNative: call :func:`build_optimizer` *before* setting the execution mode.
+The cosine schedule is MindFormers' ``CosineWithWarmUpLR``. Importing MindFormers costs
+seconds, writes a log folder (``LOG_MF_PATH``, which we point at the run's ``logs/``
+first), prints, and its ``get_context`` resets MindSpore to PyNative: call
+:func:`build_optimizer` (or :func:`_mindformers`) *before* setting the execution mode.
 
-MindFormers' ``AdamW`` is the decoupled-weight-decay Adam with bias correction and
-float32 moments (``adam_m.*``, ``adam_v.*``) and a ``global_step`` counter; it compiles
-and runs in graph mode on CPU. (``nn.AdamWeightDecay`` has no bias correction.)
+:class:`AdamW` is decoupled-weight-decay Adam with bias correction, float32 moments
+(``adam_m.*``, ``adam_v.*``) and a ``global_step`` counter, numerically MindFormers'
+``AdamW`` (the test compares them over several steps). It used to *be* MindFormers'
+``AdamW``, whose update is a chain of ~10 elementwise ops per parameter: on the 43.6M
+benchmark step (``tools/bench_step.py``) the update took 23% of a 1.88 s graph-mode step,
+its ``Addcmul`` alone 242 ms. Here each parameter is updated by one call of MindSpore's
+fused ``ops.AdamWeightDecay`` kernel (CPU and Ascend kernels), with the bias correction
+folded into its scalar inputs once per step (see :meth:`AdamW.construct`).
+(``nn.AdamWeightDecay`` uses the same kernel but has no bias correction.)
 Norm weights, biases and the router are not decayed, as in the DeepSeek recipes.
 """
 
@@ -16,7 +23,11 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from mindspore import Parameter, nn
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.common import dtype as mstype
+from mindspore.common.initializer import initializer
+from mindspore.nn.optim.optimizer import Optimizer
 
 from ms_deepseek.train import schedules
 
@@ -24,7 +35,7 @@ _MF = None
 
 
 def _mindformers(log_dir: Optional[Path]):
-    """Import the two MindFormers classes we use, with its log folder set first."""
+    """Import the MindFormers class we use (the cosine schedule), with its log folder set first."""
     global _MF
     if _MF is None:
         if log_dir is not None:
@@ -36,10 +47,9 @@ def _mindformers(log_dir: Optional[Path]):
 
         saved = warnings.showwarning  # MindFormers replaces it on import
         from mindformers.core.lr.lr_schedule import CosineWithWarmUpLR
-        from mindformers.core.optim.adamw import AdamW
 
         warnings.showwarning = saved
-        _MF = {"AdamW": AdamW, "CosineWithWarmUpLR": CosineWithWarmUpLR}
+        _MF = {"CosineWithWarmUpLR": CosineWithWarmUpLR}
     return _MF
 
 
@@ -73,9 +83,95 @@ def _no_decay(name: str) -> bool:
             or name.endswith("mlp.gate.weight"))
 
 
+class AdamW(Optimizer):
+    """Decoupled AdamW with bias correction; one fused ``AdamWeightDecay`` call per parameter.
+
+    ``params`` as for ``mindspore.nn.Optimizer`` (groups with ``weight_decay`` and
+    ``order_params``). The update of step ``t`` (``global_step`` after the increment),
+    with ``lr`` the schedule's value and ``wd`` the parameter's group decay, is
+    MindFormers' ``AdamW``::
+
+        m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd) - lr / bc1 * m / (sqrt(v / bc2) + eps),   bc1 = 1 - b1^t, bc2 = 1 - b2^t
+
+    The fused kernel computes ``p -= lr' (m / (sqrt(v) + eps') + wd' p)``; multiplying the
+    second term's numerator and denominator by ``sqrt(bc2)`` shows the two agree for
+    ``lr' = lr sqrt(bc2) / bc1``, ``eps' = eps sqrt(bc2)`` and ``lr' wd' = lr wd``, i.e.
+    ``wd' = wd bc1 / sqrt(bc2)``. Parameters not stored in float32 (``param_dtype``
+    float16 / bfloat16) take the same update written out in float32 ops instead, because
+    the fused kernel wants ``var`` and its moments in one dtype and the moments stay float32.
+    """
+
+    def __init__(self, params, learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(learning_rate, params, weight_decay=weight_decay)
+        self.beta1 = Tensor(np.array([betas[0]], np.float32))
+        self.beta2 = Tensor(np.array([betas[1]], np.float32))
+        self.eps = Tensor(np.array([eps], np.float32))
+        self.exp_avg = self._state("adam_m")
+        self.exp_avg_sq = self._state("adam_v")
+        self.fused = ops.AdamWeightDecay()
+        self.is_fp32 = tuple(p.dtype == mstype.float32 for p in self._parameters)
+        if not self.is_group:  # one decay for all: make it a per-parameter tuple like the grouped case
+            self.weight_decay = tuple(self.weight_decay for _ in self._parameters)
+
+    def _state(self, prefix: str) -> ParameterTuple:
+        """Float32 zeros shaped like each parameter, named ``<prefix>.<param name>``; each shares its
+        parameter's ``param_info`` clone so a parallel layout applied to the parameter reaches its state."""
+        states = []
+        for param in self._parameters:
+            state = Parameter(initializer("zeros", param.shape, mstype.float32))
+            state.param_info = param.param_info.clone()
+            if hasattr(param.param_info, "cloned_obj"):
+                param.param_info.cloned_obj.append(state)
+            else:
+                param.param_info.cloned_obj = [state]
+            state.is_init = False
+            state.set_data(initializer("zeros", param.shape, mstype.float32))
+            state.name = f"{prefix}.{state.name}"
+            states.append(state)
+        return ParameterTuple(states)
+
+    def construct(self, gradients):
+        weight_decay = self.get_weight_decay()
+        lr = self.get_lr()
+        self.assignadd(self.global_step, self.global_step_increase_tensor)
+        t = self.global_step.astype(mstype.float32)
+        bc1 = 1.0 - ops.pow(self.beta1, t)
+        bc2 = 1.0 - ops.pow(self.beta2, t)
+        root_bc2 = ops.sqrt(bc2)
+        lr_f = (lr * root_bc2 / bc1).astype(mstype.float32)  # lr'
+        eps_f = self.eps * root_bc2                          # eps'
+        wd_scale = bc1 / root_bc2                            # wd' = wd * wd_scale
+        results = ()
+        for i in range(len(self._parameters)):
+            param, m, v, grad = self._parameters[i], self.exp_avg[i], self.exp_avg_sq[i], gradients[i]
+            if not self.optim_filter[i]:  # optimizer-sharded away from this rank (Ascend layouts)
+                results = results + (grad.astype(param.dtype),)
+            elif self.is_fp32[i]:
+                self.fused(param, m, v, lr_f, self.beta1, self.beta2, eps_f, weight_decay[i] * wd_scale,
+                           grad.astype(mstype.float32))
+                results = results + (param,)
+            else:
+                results = results + (self._composite(param, m, v, grad, lr, weight_decay[i], bc1, bc2),)
+        if self.use_parallel:
+            self.broadcast_params(results)
+        return results
+
+    def _composite(self, param, m, v, grad, lr, wd, bc1, bc2):
+        """The same update in float32 ops, for parameters stored in another dtype."""
+        g = grad.astype(mstype.float32)
+        p = param.astype(mstype.float32)
+        m_new = m * self.beta1 + g * (1.0 - self.beta1)
+        v_new = v * self.beta2 + g * g * (1.0 - self.beta2)
+        p_new = p * (1.0 - lr * wd) - m_new / (ops.sqrt(v_new / bc2) + self.eps) * (lr / bc1)
+        p_new = ops.depend(p_new, ops.assign(m, m_new))
+        p_new = ops.depend(p_new, ops.assign(v, v_new))
+        ops.assign(param, p_new.astype(param.dtype))
+        return p_new.astype(param.dtype)
+
+
 def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int, log_dir: Optional[Path] = None):
-    """MindFormers AdamW over ``params`` (weight decay off for norms, biases, routers)."""
-    mf = _mindformers(log_dir)
+    """:class:`AdamW` over ``params`` (weight decay off for norms, biases, routers)."""
     lr = build_lr_schedule(optim_cfg, total_steps, log_dir)
     decay = [p for p in params if not _no_decay(p.name)]
     no_decay = [p for p in params if _no_decay(p.name)]
@@ -85,8 +181,8 @@ def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int, log_di
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     groups.append({"order_params": params})
-    return mf["AdamW"](groups, learning_rate=lr, betas=(float(optim_cfg.beta1), float(optim_cfg.beta2)),
-                       eps=float(optim_cfg.eps), weight_decay=float(optim_cfg.weight_decay))
+    return AdamW(groups, learning_rate=lr, betas=(float(optim_cfg.beta1), float(optim_cfg.beta2)),
+                 eps=float(optim_cfg.eps), weight_decay=float(optim_cfg.weight_decay))
 
 
 def optimizer_state(optimizer) -> Dict[str, Parameter]:

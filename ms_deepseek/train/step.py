@@ -15,7 +15,7 @@ stacked in order.
   ``k`` micro-batches of ``b`` give the same update as one batch of ``k * b``.
 * :class:`Update`: all-reduce (mean) across data-parallel workers when a reducer is
   given, unscale, global norm (reported before clipping), clipping to ``clip_norm``,
-  MindFormers AdamW with the scheduled lr. With float16 compute the loss scale is
+  our AdamW (``optim.AdamW``, fused kernel) with the scheduled lr. With float16 compute the loss scale is
   dynamic: a step whose gradients overflow is skipped and the scale divided by
   ``factor``; after ``window`` good steps in a row it is multiplied by ``factor``.
 

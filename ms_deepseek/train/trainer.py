@@ -2,7 +2,7 @@
 
 ``train(recipe, run_dir, resume=None)`` runs a :class:`Trainer`: it builds the model
 (random init, or a checkpoint folder's weights), the data-parallel rank's batches,
-MindFormers AdamW and the compiled train step (one graph per optimizer step), then runs
+our AdamW and the compiled train step (one graph per optimizer step), then runs
 ``train.steps`` optimizer steps. Every ``logging.log_interval`` steps it writes a record
 to ``RUN_DIR/metrics.jsonl`` and TensorBoard and prints a line; every
 ``checkpoint.save_interval`` steps (and at the end) it saves ``RUN_DIR/checkpoints/step_N``.
