@@ -12,7 +12,9 @@ first), prints, and its ``get_context`` resets MindSpore to PyNative: call
 benchmark step (``tools/bench_step.py``) the update took 23% of a 1.88 s graph-mode step,
 its ``Addcmul`` alone 242 ms. Here each parameter is updated by one call of MindSpore's
 fused ``ops.AdamWeightDecay`` kernel (CPU and Ascend kernels), with the bias correction
-folded into its scalar inputs once per step (see :meth:`AdamW.construct`).
+folded into its scalar inputs once per step (see :class:`AdamW`): measured with
+``tools/bench_step.py --only moe_cf2`` on 2 cores, the update part (clip + AdamW) went from
+0.63 s to 0.30 s and the whole step from 1.33 s to 1.06 s.
 (``nn.AdamWeightDecay`` uses the same kernel but has no bias correction.)
 Norm weights, biases and the router are not decayed, as in the DeepSeek recipes.
 """
