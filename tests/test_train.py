@@ -318,6 +318,16 @@ def test_bad_data_stops_with_one_line_before_training(case, data_dir, tmp_path, 
     assert not run_dir.exists(), "nothing may start before the data is checked"
 
 
+def test_flash_attention_on_cpu_stops_with_one_line_before_anything_is_built(data_dir, tmp_path, capsys):
+    data = recipe_dict(data_dir, model={"overrides": dict(SMALL_MODEL, use_flash_attention=True)})
+    recipe = write_recipe(tmp_path, data)
+    run_dir = tmp_path / "run"
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model.overrides.use_flash_attention" in err and "Ascend" in err, err
+    assert not run_dir.exists()
+
+
 def test_resume_errors_are_clear(tmp_path, data_dir):
     from ms_deepseek.train.checkpoint import resolve_resume
 
