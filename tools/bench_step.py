@@ -16,7 +16,7 @@ with ``first_k_dense_replace = num_hidden_layers``.
 Each row runs in its own subprocess (a fresh MindSpore or torch, its own compile cache):
 
 * ``moe cf=2.0`` / ``moe cf=1.0``: the trainer's compiled step (``ms_deepseek.train.step.
-  build_step``: forward + backward + clip + MindFormers AdamW, one graph) in GRAPH_MODE,
+  build_step``: forward + backward + clip + AdamW (fused kernel), one graph) in GRAPH_MODE,
   with the capacity factor given; the dropped fraction of routed slots is printed.
 * ``dense``: the same step on the dense baseline.
 * ``moe cf=2.0 pynative`` (async launch, as the trainer runs it) and ``... pynative+blocking``

@@ -40,7 +40,7 @@ class Precision:
     """Bytes per element. ``grad_bytes`` None: gradients in each parameter's own dtype (MindSpore)."""
     compute_bytes: int = 2            # activations (bfloat16 on Ascend)
     grad_bytes: Optional[int] = None
-    optimizer_bytes: int = 8          # AdamW m and v in float32 (MindFormers AdamW)
+    optimizer_bytes: int = 8          # AdamW m and v in float32 (train.optim.AdamW)
     master_bytes: int = 0             # extra float32 master copy (0: parameters are updated in place)
     optimizer_level: str = "level1"   # MindSpore parallel optimizer: level1 shards weights + states,
                                       # level2/level3 also gradients
