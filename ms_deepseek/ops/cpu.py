@@ -66,15 +66,11 @@ class ExpertLookupCpu(nn.Cell):
 
     def construct(self, topk_ids, placement, capacity):
         t, k = topk_ids.shape
-        ids_km = topk_ids.astype(mstype.int32).transpose(1, 0).reshape(-1)  # [T, k] -> [k, T] -> [k*T]
+        ids_km = reference.to_kmajor(topk_ids)  # [k*T]
         cfg = ms.Tensor([capacity, self.experts_per_rank, self.core_num, self.ub_bytes], mstype.int64)
         dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), cfg)
-        # [k*T] -> [k, T] -> [T, k]
-        dest = ops.stop_gradient(dest.reshape(k, t).transpose(1, 0))
-        row = ops.stop_gradient(row.reshape(k, t).transpose(1, 0))
-        pos = ops.stop_gradient(pos.reshape(k, t).transpose(1, 0))
-        keep = ops.stop_gradient(keep.reshape(k, t).transpose(1, 0))
-        return dest, row, pos, keep
+        return (reference.from_kmajor(dest, t, k), reference.from_kmajor(row, t, k),
+                reference.from_kmajor(pos, t, k), reference.from_kmajor(keep, t, k))
 
 
 class FP32SoftmaxCpu(nn.Cell):

@@ -17,6 +17,16 @@ from ms_deepseek.errors import UserError
 _FLOAT_DTYPES = (mstype.float32, mstype.float16, mstype.bfloat16)
 
 
+def to_kmajor(topk_ids):
+    """[T, k] expert ids -> [k*T] int32 in k-major order (all first choices, then all second, ...)."""
+    return topk_ids.astype(mstype.int32).transpose(1, 0).reshape(-1)  # [T, k] -> [k, T] -> [k*T]
+
+
+def from_kmajor(values, t: int, k: int):
+    """[k*T] k-major values -> [T, k], without gradient (the lookup's outputs are indices)."""
+    return ops.stop_gradient(values.reshape(k, t).transpose(1, 0))  # [k*T] -> [k, T] -> [T, k]
+
+
 def check_lookup_args(num_experts, experts_per_rank) -> None:
     for name, value in (("num_experts", num_experts), ("experts_per_rank", experts_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -97,11 +107,11 @@ class ExpertLookupReference(nn.Cell):
         buffer_row = dest_rank * self.experts_per_rank + local_slot
 
         # Positions in k-major order: slot s = j*T + i for (token i, choice j).
-        ids_km = ids.transpose(1, 0).reshape(-1)  # [k, T] -> [k*T]
+        ids_km = to_kmajor(ids)  # [k*T]
         onehot = ops.one_hot(ids_km, self.num_experts, self.one, self.zero)  # [k*T, E]
         running = ops.cumsum(onehot, 0)  # [k*T, E]: inclusive count per expert
         pos_km = ops.gather_elements(running, 1, ids_km.reshape(-1, 1)) - 1  # [k*T, 1]
-        position = pos_km.reshape(k, t).transpose(1, 0)  # [k, T] -> [T, k]
+        position = from_kmajor(pos_km, t, k)  # [T, k]
         keep = (position < capacity).astype(mstype.float32)
         return dest_rank, buffer_row, position, keep
 
