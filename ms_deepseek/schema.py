@@ -50,14 +50,13 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, where)
-            except UserError as exc:
-                errors.append(str(exc))
+            except UserError:
+                pass
         raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value not in get_args(tp):

@@ -31,11 +31,6 @@ def is_stacked_expert(name: str) -> bool:
     return _MS_EXPERT.match(name) is not None
 
 
-def stacked_layer_index(name: str) -> Optional[int]:
-    match = _MS_EXPERT.match(name)
-    return int(match.group(2)) if match else None
-
-
 def ms_to_hf(name: str, num_experts: int) -> List[str]:
     """Our name -> the HF names it holds (one, or one per expert for a stacked tensor, in stack order)."""
     match = _MS_EXPERT.match(name)

@@ -6,9 +6,8 @@ Primitives live in named attributes (``matmul``, ``bmm`` ...) so the parallel pl
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -74,6 +73,3 @@ class MLP(nn.Cell):
     def construct(self, x):
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
 
-
-def numpy_param(array: np.ndarray, name: str, requires_grad: bool = False) -> Parameter:
-    return Parameter(Tensor(array), name=name, requires_grad=requires_grad)

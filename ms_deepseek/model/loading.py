@@ -11,7 +11,6 @@ arrives, so the host never holds a second copy of the model, only the layers in 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Dict, Tuple
 
 import numpy as np

@@ -13,10 +13,9 @@ q.k is unchanged and the latent cache stores k_pe in this rotated layout.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ms_deepseek.config import DeepseekV2Config, yarn_get_mscale

@@ -109,7 +109,6 @@ class StyleSpec:
 
 def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...],
             out: Optional[Strategy] = None) -> StyleSpec:
-    dp = mesh.dp
     out_rows = x[0] if out is None else out[0][0]
     bias_cols = weight[0]
     return StyleSpec(

@@ -134,7 +134,6 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
     bw_ep = costs.group_bandwidth(p.ep, p.tp, hw)
     bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
     per_stage = []
-    totals = dict(compute=0.0, tp=0.0, ep=0.0, pp=0.0)
     for s in range(p.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
         flops = tp_b = ep_b = 0.0
