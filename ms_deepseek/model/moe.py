@@ -131,10 +131,8 @@ class DeepseekV2MoE(nn.Cell):
         y = routed.astype(x.dtype).reshape(B, T, H)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        l_exp, l_dev, l_com = self.gate.balance_losses(scores, topk_idx, B)
+        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
         aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
-        load = ops.one_hot(topk_idx.reshape(-1), E, ops.ones((), ms.float32),
-                           ops.zeros((), ms.float32)).mean(0)  # [E] fraction of routed slots
         dropped = 1.0 - keep.mean()
         stats = ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
         return y, aux, ops.stop_gradient(stats), scores, topk_idx, topk_weight

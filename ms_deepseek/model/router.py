@@ -69,7 +69,8 @@ class Router(nn.Cell):
         return scores, idx.astype(ms.int32), weight
 
     def balance_losses(self, scores, topk_idx, batch: int):
-        """Unweighted (L_exp, L_dev, L_com), each a float32 scalar. scores [N, E], topk_idx [N, k]."""
+        """Unweighted (L_exp, L_dev, L_com) float32 scalars and the expert load [E] (fraction of routed
+        slots per expert). scores [N, E], topk_idx [N, k]."""
         E, k, D = self.num_experts, self.top_k, self.num_devices
         groups = batch if self.seq_aux else 1
         T = scores.shape[0] // groups
@@ -84,4 +85,5 @@ class Router(nn.Cell):
         sent = (counts.reshape(groups, T, D, E // D).sum(-1) > 0).astype(ms.float32)  # [G, T, D]
         f_com = sent.sum(1) * (D / (self.devices_per_token * T))  # [G, D]
         l_com = (f_com * P_dev).sum(-1).mean()
-        return l_exp, l_dev, l_com
+        load = counts.reshape(-1, E).sum(0) / (groups * T * k)  # [E]
+        return l_exp, l_dev, l_com, load
