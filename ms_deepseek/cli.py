@@ -25,8 +25,8 @@ COMMANDS = {
     "convert": ("ms_deepseek.convert.cli", "convert checkpoints between HuggingFace and ms_deepseek layouts"),
     "plan": ("ms_deepseek.parallel.cli", "size a parallel layout for N NPUs: memory, traffic, tokens/s"),
     "generate": ("ms_deepseek.generate_cli", "generate text from a checkpoint (latent KV cache)"),
-    "doctor": ("ms_deepseek.tools.doctor", "preflight checks for a host / node / cluster"),
-    "report": ("ms_deepseek.tools.report", "HTML health report of a training run, with alerts"),
+    "doctor": ("ms_deepseek.diagnostics.doctor", "preflight checks for a host / node / cluster"),
+    "report": ("ms_deepseek.diagnostics.report", "HTML health report of a training run, with alerts"),
 }
 
 

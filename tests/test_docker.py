@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.tools import doctor, pins  # noqa: F401  (doctor registers the checks)
-from ms_deepseek.tools.doctor_core import PASS, REGISTRY, DoctorContext, run_check
-from ms_deepseek.tools.probe import RecordedProbe
+from ms_deepseek.diagnostics import doctor, pins  # noqa: F401  (doctor registers the checks)
+from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
+from ms_deepseek.diagnostics.probe import RecordedProbe
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
-ENTRYPOINT = REPO / "ms_deepseek" / "tools" / "docker-entrypoint.sh"
+ENTRYPOINT = REPO / "ms_deepseek" / "diagnostics" / "docker-entrypoint.sh"
 
 
 def hadolint():

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.tools import npu_parse, pins
-from ms_deepseek.tools.doctor import exit_code, format_line, run_doctor, select_checks, to_json
-from ms_deepseek.tools.doctor_core import (FAIL, PASS, REGISTRY, SKIP, WARN, CheckResult, DoctorContext,
+from ms_deepseek.diagnostics import npu_parse, pins
+from ms_deepseek.diagnostics.doctor import exit_code, format_line, run_doctor, select_checks, to_json
+from ms_deepseek.diagnostics.doctor_core import (FAIL, PASS, REGISTRY, SKIP, WARN, CheckResult, DoctorContext,
                                            checks_for_level, run_check)
-from ms_deepseek.tools.doctor_host import parse_smoke_output, smoke_verdict
-from ms_deepseek.tools.probe import CommandResult, RecordedProbe
+from ms_deepseek.diagnostics.doctor_host import parse_smoke_output, smoke_verdict
+from ms_deepseek.diagnostics.probe import CommandResult, RecordedProbe
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "doctor"
 REPO = Path(__file__).resolve().parents[1]
@@ -253,7 +253,7 @@ def test_smoke_verdicts_from_recorded_output():
     assert smoke_verdict({"losses": [5.5, 5.6, 5.5]}).status == FAIL
     assert smoke_verdict({"losses": [5.5, float("nan")]}).status == FAIL
     p = probe("healthy")
-    p.commands["python -m ms_deepseek.tools.smoke --steps 10 --json"] = CommandResult(
+    p.commands["python -m ms_deepseek.diagnostics.smoke --steps 10 --json"] = CommandResult(
         1, '{"error": "ImportError: cannot import name DeepseekV2ForCausalLM"}\n')
     res = run_check(REGISTRY["smoke_train"], DoctorContext(probe=p))
     assert res.status == FAIL and "ImportError" in res.message

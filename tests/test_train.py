@@ -350,7 +350,7 @@ def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
-    from ms_deepseek.tools.alerts import AlertConfig, AlertMonitor
+    from ms_deepseek.diagnostics.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train import trainer
     from ms_deepseek.train.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train

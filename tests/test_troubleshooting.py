@@ -5,9 +5,9 @@ issue's list has a section with symptom, detector and fix."""
 import re
 from pathlib import Path
 
-from ms_deepseek.tools import doctor  # noqa: F401  (registers every check)
-from ms_deepseek.tools.alerts import RULES
-from ms_deepseek.tools.doctor_core import REGISTRY
+from ms_deepseek.diagnostics import doctor  # noqa: F401  (registers every check)
+from ms_deepseek.diagnostics.alerts import RULES
+from ms_deepseek.diagnostics.doctor_core import REGISTRY
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 

@@ -448,7 +448,7 @@ def fit_plan(recipe: Recipe, force: bool = False):
 
 
 def _alert_monitor():
-    from ms_deepseek.tools.alerts import AlertMonitor
+    from ms_deepseek.diagnostics.alerts import AlertMonitor
 
     return AlertMonitor()
 

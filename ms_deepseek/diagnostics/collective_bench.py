@@ -44,8 +44,8 @@ def versions_string() -> str:
     except ImportError:
         parts.append("ms-deepseek=missing")
     try:
-        from ms_deepseek.tools.doctor_core import DoctorContext
-        from ms_deepseek.tools.doctor_host import find_cann
+        from ms_deepseek.diagnostics.doctor_core import DoctorContext
+        from ms_deepseek.diagnostics.doctor_host import find_cann
 
         found = find_cann(DoctorContext())
         parts.append(f"cann={found[2] if found else 'none'}")

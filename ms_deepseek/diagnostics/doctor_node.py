@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ms_deepseek.tools import npu_parse
-from ms_deepseek.tools.doctor_core import (DEVICES_PER_NODE, HCCS_GBPS_PER_PEER, NO_NPU, ROCE_GBPS_PER_NPU,
+from ms_deepseek.diagnostics import npu_parse
+from ms_deepseek.diagnostics.doctor_core import (DEVICES_PER_NODE, HCCS_GBPS_PER_PEER, NO_NPU, ROCE_GBPS_PER_NPU,
                                            CheckResult, DoctorContext, check, failed, passed, skipped, warned)
-from ms_deepseek.tools.doctor_host import _npu_error, has_npu, npu_state
+from ms_deepseek.diagnostics.doctor_host import _npu_error, has_npu, npu_state
 
 ROCE_MIN_MTU = 4200  # carries a 4096-byte RoCE payload plus headers; below it RoCE drops to 1024-byte frames
 HCCL_CONNECT_RANGE = (120, 7200)  # CANN env reference: integer seconds, default 120
@@ -256,7 +256,7 @@ def check_allreduce_bw(ctx: DoctorContext) -> CheckResult:
     res = run_collective_job(ctx, "node")
     if not res.get("ok"):
         return failed(f"all-reduce test failed: {res.get('error', 'wrong result')}",
-                      "run `msrun --worker_num=8 --local_worker_num=8 ms_deepseek/tools/collective_bench.py "
+                      "run `msrun --worker_num=8 --local_worker_num=8 ms_deepseek/diagnostics/collective_bench.py "
                       "--out /tmp/bench --device Ascend` and read its worker logs; see doctor:hccl_timeouts")
     text = _bw_text(res)
     if res["device"] != "Ascend":

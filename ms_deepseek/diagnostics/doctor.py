@@ -17,10 +17,10 @@ import time
 from typing import List, Optional, Tuple
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.tools import doctor_host, doctor_node  # noqa: F401  (register the checks)
-from ms_deepseek.tools.doctor_core import (FAIL, LEVELS, PASS, REGISTRY, SKIP, WARN, Check, CheckResult,
+from ms_deepseek.diagnostics import doctor_host, doctor_node  # noqa: F401  (register the checks)
+from ms_deepseek.diagnostics.doctor_core import (FAIL, LEVELS, PASS, REGISTRY, SKIP, WARN, Check, CheckResult,
                                            DoctorContext, checks_for_level, run_check)
-from ms_deepseek.tools.probe import SystemProbe
+from ms_deepseek.diagnostics.probe import SystemProbe
 
 _TAG = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", SKIP: "SKIP"}
 

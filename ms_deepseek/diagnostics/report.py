@@ -1,7 +1,7 @@
 """``ms-deepseek report RUN_DIR``: a self-contained HTML health page of a training run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (tolerating a run that is still writing it),
-runs the alert rules of :mod:`ms_deepseek.tools.alerts` over the whole file and
+runs the alert rules of :mod:`ms_deepseek.diagnostics.alerts` over the whole file and
 writes one HTML file with the alerts at the top and inline SVG plots: loss (with
 a smoothed line), learning rate, gradient norm with its healthy band, tokens/s,
 per-MoE-layer expert load heatmaps, dropped-token fraction, balance losses, and
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.tools.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
-from ms_deepseek.tools.metrics_io import MetricsFile, number, read_metrics
-from ms_deepseek.tools.report_svg import (Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy)
+from ms_deepseek.diagnostics.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
+from ms_deepseek.diagnostics.metrics_io import MetricsFile, number, read_metrics
+from ms_deepseek.diagnostics.report_svg import (Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy)
 
 CORE_PLOTS = ("plot-loss", "plot-lr", "plot-grad-norm", "plot-tokens-per-s", "plot-expert-load",
               "plot-dropped-fraction", "plot-balance-losses")

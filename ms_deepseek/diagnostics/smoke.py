@@ -4,7 +4,7 @@
 The step is ``ms.value_and_grad`` + ``nn.AdamWeightDecay`` compiled with ``ms.jit``
 (graph mode, what Ascend runs). Prints one JSON line:
 ``{"device", "mode", "steps", "losses", "seconds", "params"}`` (or ``{"error": ...}``).
-Run it alone with ``python -m ms_deepseek.tools.smoke``.
+Run it alone with ``python -m ms_deepseek.diagnostics.smoke``.
 """
 
 from __future__ import annotations

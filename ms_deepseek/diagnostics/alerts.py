@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Iterable, List, Optional
 
-from ms_deepseek.tools.metrics_io import SPECIAL, finite, number
+from ms_deepseek.diagnostics.metrics_io import SPECIAL, finite, number
 
 RULES: Dict[str, str] = {
     "grad_norm_high": "gradient norm above 1 for 10 consecutive logs",

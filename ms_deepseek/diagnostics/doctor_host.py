@@ -16,8 +16,8 @@ import sys
 import tempfile
 from typing import List, Optional, Tuple
 
-from ms_deepseek.tools import npu_parse, pins
-from ms_deepseek.tools.doctor_core import (NO_NPU, CheckResult, DoctorContext, check, failed, passed, skipped,
+from ms_deepseek.diagnostics import npu_parse, pins
+from ms_deepseek.diagnostics.doctor_core import (NO_NPU, CheckResult, DoctorContext, check, failed, passed, skipped,
                                            warned)
 
 GIB = 1024 ** 3
@@ -343,7 +343,7 @@ def check_disk_space(ctx: DoctorContext) -> CheckResult:
 
 
 def smoke_command(ctx: DoctorContext) -> List[str]:
-    return [sys.executable, "-m", "ms_deepseek.tools.smoke", "--steps", str(ctx.smoke_steps), "--json"]
+    return [sys.executable, "-m", "ms_deepseek.diagnostics.smoke", "--steps", str(ctx.smoke_steps), "--json"]
 
 
 def parse_smoke_output(stdout: str) -> Optional[dict]:
@@ -362,7 +362,7 @@ def smoke_verdict(report: dict) -> CheckResult:
     losses = [float(x) for x in report.get("losses", [])]
     where = f"{report.get('device', '?')}, {report.get('mode', 'graph')} mode, {report.get('seconds', 0):.1f} s"
     if len(losses) < 2:
-        return failed(f"smoke run reported {len(losses)} loss value(s)", "run `python -m ms_deepseek.tools.smoke`")
+        return failed(f"smoke run reported {len(losses)} loss value(s)", "run `python -m ms_deepseek.diagnostics.smoke`")
     if not all(math.isfinite(x) for x in losses):
         return failed(f"smoke run loss is not finite: {losses}",
                       "the tiny model diverges on this backend: check the MindSpore / CANN install and "
@@ -392,5 +392,5 @@ def check_smoke_train(ctx: DoctorContext) -> CheckResult:
         if report and report.get("error"):
             tail = [report["error"]]
         return failed(f"smoke run failed: {tail[0][:300]}",
-                      "run `python -m ms_deepseek.tools.smoke` to see the full error")
+                      "run `python -m ms_deepseek.diagnostics.smoke` to see the full error")
     return smoke_verdict(report)
