@@ -50,6 +50,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1 and dataclasses.is_dataclass(others[0]) and isinstance(value, Mapping):
+            return coerce(value, others[0], where)  # an optional section: keep its own error message
         for arg in args:
             if arg is type(None):
                 continue

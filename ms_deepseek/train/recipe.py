@@ -149,6 +149,42 @@ class LoggingSection:
             raise UserError(f"logging.log_interval: must be >= 1, got {self.log_interval}")
 
 
+# Target names as PEFT names the modules of the HF DeepseekV2 model (matched like PEFT: the module
+# path equals the name or ends with "." + name). Routed experts are the stacked ``mlp.experts.*``
+# projections: the leaf names match them too, ``experts.gate_proj`` matches only them,
+# ``shared_experts.gate_proj`` only the shared ones, ``mlp.gate_proj`` only the dense layers.
+LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSection:
+    """LoRA fine-tuning (``lora:`` in the recipe; absent = full fine-tuning). See ms_deepseek.model.lora."""
+
+    r: int = 8                            # adapter rank
+    alpha: float = 16.0                   # scaling alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0                  # dropout on the adapter input, training only
+    target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])
+    train_router: bool = False            # also train mlp.gate.weight (saved with the adapter)
+
+    def __post_init__(self):
+        if self.r < 1:
+            raise UserError(f"lora.r: must be >= 1, got {self.r}")
+        if self.alpha <= 0:
+            raise UserError(f"lora.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise UserError("lora.target_modules: empty (name at least one of " + ", ".join(LORA_TARGETS) + ")")
+        for i, name in enumerate(self.target_modules):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in LORA_TARGETS or not name.strip():
+                raise UserError(f"lora.target_modules[{i}]: unknown target module {name!r}; "
+                                f"known: {', '.join(LORA_TARGETS)} (optionally prefixed: experts., "
+                                f"shared_experts., mlp., self_attn.)")
+
+
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
@@ -158,6 +194,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    lora: Optional[LoraSection] = None    # LoRA fine-tuning; null = full fine-tuning
     # filled by load_recipe (not YAML keys)
     source_path: Optional[str] = field(default=None, init=False, repr=False)
     model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)
@@ -188,7 +225,8 @@ class Recipe:
         out = {}
         for f in dataclasses.fields(self):
             if f.init:
-                out[f.name] = to_dict(getattr(self, f.name))
+                value = getattr(self, f.name)
+                out[f.name] = None if value is None else to_dict(value)
         return out
 
     def to_yaml(self) -> str:
