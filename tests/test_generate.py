@@ -165,15 +165,26 @@ def test_cache_figures():
     assert res.cache["buffer_bytes"] == res.cache["latent_bytes_per_token"] * 16
 
 
-def test_decoders_are_reused_between_calls():
-    from ms_deepseek.generate import _ModelState, cache_length
+def test_decoders_are_reused_between_calls(monkeypatch):
+    """Generations whose cache fits the same buffer rows reuse one latent cache (one graph compile)."""
+    from ms_deepseek.generate import cache_length
+    from ms_deepseek.model import decode
 
-    model, ref = _load("lite")
+    built = []
+
+    class Counting(decode.CachedDecoder):
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(args[1:])
+
+    monkeypatch.setattr(decode, "CachedDecoder", Counting)
+    ref = _load("lite")[1]
+    model = DeepseekV2ForCausalLM.from_pretrained(FIXTURES_DIR / "lite", show_progress=False)  # no decoders yet
     generate(model, ref["prompt"], 3, eos_ids=())
-    state = _ModelState.of(model)
-    first = state.decoders[(1, 16)]
-    generate(model, ref["prompt"][:3], 6, eos_ids=(), repetition_penalty=1.2)
-    assert state.decoders[(1, 16)] is first and state.penalty_op is not None
+    generate(model, ref["prompt"][:3], 6, eos_ids=(), repetition_penalty=1.2)  # 9 tokens: 16 rows again
+    assert built == [(1, 16)]
+    generate(model, ref["prompt"], 20, eos_ids=())  # 25 tokens: a 32-row buffer
+    assert built == [(1, 16), (1, 32)]
     assert [cache_length(n, 4096) for n in (1, 16, 17, 100, 4000)] == [16, 16, 32, 128, 4096]
     assert cache_length(300, 260) == 260
 

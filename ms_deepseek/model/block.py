@@ -1,4 +1,8 @@
-"""Decoder layer: pre-norm MLA attention and a dense MLP or DeepSeekMoE, each with a residual."""
+"""Decoder layer: pre-norm MLA attention and a dense MLP or DeepSeekMoE, each with a residual.
+
+The same layer runs training, prefill and decode steps: the optional latent cache
+arguments go straight to the attention (see ``MLAttention.construct``).
+"""
 
 from __future__ import annotations
 
@@ -27,9 +31,13 @@ class DecoderLayer(nn.Cell):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
                            to_ms_dtype(cfg.compute_dtype), pdt)
 
-    def construct(self, x, cos, sin, mask):
-        """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask).astype(x.dtype)
+    def construct(self, x, cos, sin, mask, cache=None, positions=None, prefill=False):
+        """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None).
+
+        cache / positions / prefill: this layer's latent cache buffer and the tokens' positions, or None
+        in training (see ``MLAttention.construct``).
+        """
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, positions, prefill).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, aux, stats, scores, idx, weight = self.mlp(h)

@@ -68,18 +68,31 @@ class DeepseekV2Model(nn.Cell):
         self.num_moe_layers = len(cfg.moe_layer_indices)
         self.stats_width = (cfg.n_routed_experts or 0) + 4
 
-    def construct(self, input_ids, start_pos=0):
-        """input_ids [B, T] -> hidden [B, T, H], aux scalar, stats [L_moe, E + 4], routing tuple."""
+    def construct(self, input_ids, start_pos=0, caches=None, prefill=False):
+        """input_ids [B, T] -> hidden [B, T, H], aux scalar, stats [L_moe, E + 4], routing tuple.
+
+        Training passes input_ids only. Decoding passes ``caches`` (one latent buffer per layer,
+        [B, S, kv_lora + rope], updated in place; see ``model.decode.CachedDecoder``) and the position
+        of the first token, ``start_pos`` (int32 scalar Tensor): ``prefill=True`` runs the prompt from
+        position 0 through the full attention and fills the caches, otherwise the tokens at
+        start_pos.. attend to everything cached so far (themselves included, causally).
+        """
         T = input_ids.shape[1]
-        positions = ops.arange(0, T, dtype=ms.float32) + start_pos
-        cos, sin = self.rotary_emb(positions)
-        mask = causal_mask(T, T)
+        positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]
+        cos, sin = self.rotary_emb(positions.astype(ms.float32))
+        if caches is None or prefill:
+            mask = causal_mask(T, T)  # [T, T]
+        else:
+            mask = causal_mask(T, caches[0].shape[1], start_pos)  # [T, S]: rows after each query masked
         x = self.embed_tokens(input_ids).astype(self.compute_dtype)
         aux = ops.zeros((), ms.float32)
         stats = ()
         routing = ()
+        i = 0
         for layer in self.layers:
-            x, layer_aux, layer_stats, layer_routing = layer(x, cos, sin, mask)
+            cache = None if caches is None else caches[i]
+            x, layer_aux, layer_stats, layer_routing = layer(x, cos, sin, mask, cache, positions, prefill)
+            i += 1
             aux = aux + layer_aux
             if layer_stats is not None:
                 stats = stats + (layer_stats,)

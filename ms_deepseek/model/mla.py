@@ -9,6 +9,12 @@ Primitives (for the parallel plan): ``qk_bmm`` (q @ k^T), ``pv_bmm`` (probs @ v)
 ``softmax`` (FP32Softmax op), plus the Linear cells' ``matmul``; with
 ``use_flash_attention`` (Ascend only) the causal full-sequence path is one
 ``flash_attention`` (FlashAttentionScore) primitive instead, the same math fused.
+
+One class serves training, prefill and decoding: ``construct`` takes an optional latent
+cache (one buffer per layer, ``[B, max_len, kv_lora_rank + qk_rope_head_dim]``: c_kv after
+``kv_a_layernorm`` and the rotated k_pe, side by side). Training and prefill run the full
+path; a decode step writes its entries into the cache and attends in the absorbed-weight
+form (no per-head K/V), see :meth:`MLAttention.absorbed`.
 """
 
 from __future__ import annotations
@@ -115,11 +121,70 @@ class MLAttention(nn.Cell):
             return t
         return ops.concat((t, ops.zeros(t.shape[:-1] + (extra,), t.dtype)), -1)  # zeros leave q.k unchanged
 
+    # ------------------------------------------------------------ latent cache
+    def write_cache(self, cache, entry, positions):
+        """cache[b, positions[t]] = entry[b, t]; cache [B, S, kv_lora + rope], entry [B, T, width], positions [T]."""
+        B, T = entry.shape[0], entry.shape[1]
+        rows = ops.broadcast_to(ops.arange(0, B, dtype=ms.int32).reshape(B, 1), (B, T))  # [B, T]
+        cols = ops.broadcast_to(positions.astype(ms.int32).reshape(1, T), (B, T))  # [B, T]
+        index = ops.stack((rows, cols), -1)  # [B, T, 2]
+        return ops.scatter_nd_update(cache, index, entry.astype(cache.dtype))
+
+    @staticmethod
+    def fill_cache(cache, entry):
+        """Prefill: rows [0, T) = entry, every later row zero (nothing stale from an earlier sequence)."""
+        B, T, S = entry.shape[0], entry.shape[1], cache.shape[1]
+        value = entry.astype(cache.dtype)
+        if T < S:
+            value = ops.concat((value, ops.zeros((B, S - T, cache.shape[2]), cache.dtype)), 1)  # [B, S, width]
+        return ops.assign(cache, value)
+
+    def absorbed(self, q_nope, q_pe, cache, mask):
+        """New queries against the latent cache without per-head K/V (the "absorbed" form).
+
+        With ``kv_b_proj.weight`` viewed as [nh, nope + v, kv_lora], W_UK = [:, :nope], W_UV = [:, nope:]:
+        q_lat = q_nope W_UK; scores = [q_lat | q_pe] . [c_kv | k_pe]; o_lat = probs . c_kv; out = o_lat W_UV^T.
+        q_nope [B, nh, T, nope], q_pe [B, nh, T, rope], cache [B, S, kv_lora + rope], mask [T, S] additive
+        -> [B, T, nh*v] (before o_proj).
+        """
+        B, T = q_nope.shape[0], q_nope.shape[2]
+        nh, nope, vd, r = self.num_heads, self.qk_nope, self.v_dim, self.kv_lora_rank
+        cdt = self.compute_dtype
+        w = self.kv_b_proj.weight.astype(cdt).reshape(nh, nope + vd, r)  # [nh, nope + v, kv_lora]
+        w_uk, w_uv = w[:, :nope, :], w[:, nope:, :]  # [nh, nope, kv_lora], [nh, v, kv_lora]
+        q_nope = q_nope.astype(cdt).transpose(1, 0, 2, 3).reshape(nh, B * T, nope)  # [nh, B*T, nope]
+        q_lat = ops.bmm(q_nope, w_uk)  # [nh, B*T, kv_lora]
+        q_lat = q_lat.reshape(nh, B, T, r).transpose(1, 0, 2, 3)  # [B, nh, T, kv_lora]
+        q = ops.concat((q_lat, q_pe.astype(cdt)), -1).reshape(B, nh * T, r + self.qk_rope)  # [B, nh*T, kv_lora+rope]
+        kv = cache.astype(cdt)
+        scores = ops.bmm(q, kv.transpose(0, 2, 1))  # [B, nh*T, S]
+        S = scores.shape[-1]
+        scores = scores.astype(ms.float32).reshape(B, nh, T, S) * self.scale + mask  # [B, nh, T, S]
+        probs = self.softmax(scores).reshape(B, nh * T, S)  # float32 softmax, compute dtype out
+        o_lat = ops.bmm(probs, kv[:, :, :r])  # [B, nh*T, kv_lora]
+        o_lat = o_lat.reshape(B, nh, T, r).transpose(1, 0, 2, 3).reshape(nh, B * T, r)  # [nh, B*T, kv_lora]
+        out = ops.bmm(o_lat, w_uv.transpose(0, 2, 1))  # [nh, B*T, v]
+        return out.reshape(nh, B, T, vd).transpose(1, 2, 0, 3).reshape(B, T, nh * vd)  # [B, T, nh*v]
+
     # ----------------------------------------------------------------- forward
-    def construct(self, x, cos, sin, mask):
-        """Full (training / prefill) attention. x [B, T, H]; cos/sin [T, rope]; mask [T, T] additive."""
+    def construct(self, x, cos, sin, mask, cache=None, positions=None, prefill=False):
+        """x [B, T, H] (normed) -> [B, T, H]; cos/sin [T, rope] of the tokens' positions; mask additive.
+
+        cache None (training): full attention, mask [T, T].
+        cache [B, S, kv_lora + rope] (a Parameter, updated in place) with positions [T]:
+          prefill=True  (positions 0..T-1): the same full attention, mask [T, T]; the cache gets these
+                        entries and zeros after them;
+          prefill=False: the tokens' entries are written at ``positions``, then the absorbed form attends
+                        over the whole buffer, mask [T, S] (rows past each query's position masked).
+        """
         q_nope, q_pe = self.query(x, cos, sin)
         c_kv, k_pe = self.latent(x, cos, sin)
+        if cache is not None and not prefill:
+            entry = ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1)  # [B, T, kv_lora + rope]
+            cache = ops.depend(cache, self.write_cache(cache, entry, positions))  # read after the write
+            return self.o_proj(self.absorbed(q_nope, q_pe, cache, mask))
+        if cache is not None:
+            self.fill_cache(cache, ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1))
         k, v = self.expand_kv(c_kv, k_pe)
         q = ops.concat((q_nope, q_pe), -1)
         if self.use_flash_attention:
@@ -128,7 +193,11 @@ class MLAttention(nn.Cell):
 
 
 def causal_mask(q_len: int, k_len: int, offset=0):
-    """Additive mask [q_len, k_len]: 0 where key position <= query position + offset, MASK_VALUE elsewhere."""
-    rows = ops.arange(0, q_len, dtype=ms.int32).reshape(-1, 1) + offset
-    cols = ops.arange(0, k_len, dtype=ms.int32).reshape(1, -1)
+    """Additive mask [q_len, k_len]: 0 where key position <= query position + offset, MASK_VALUE elsewhere.
+
+    Training and prefill: ``causal_mask(T, T)``; a decode step of T tokens from position p against a
+    cache of S rows: ``causal_mask(T, S, p)`` (p may be a Tensor).
+    """
+    rows = ops.arange(0, q_len, dtype=ms.int32).reshape(-1, 1) + offset  # [q_len, 1]
+    cols = ops.arange(0, k_len, dtype=ms.int32).reshape(1, -1)  # [1, k_len]
     return (cols > rows).astype(ms.float32) * MASK_VALUE
