@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Build and install the ms_deepseek Ascend C operators (ExpertLookup, Fp32Softmax,
-# RepetitionPenalty) on a CANN host, with MindSpore's custom operator compiler.
+# RepetitionPenalty) on a CANN host.
 #
-#   ops/build_ascend.sh [--soc ascend910b] [--install-path DIR] [--cann PATH]
+#   ops/build_ascend.sh [--soc ascend910b] [--install-path DIR] [--cann PATH] [--keep]
 #
-# MindSpore's builder (mindspore/lib/plugin/ascend/custom_compiler/setup.py)
-# expects one flat op_host folder and one flat op_kernel folder, so this script
-# stages every operator's op_host/*, op_kernel/* and the shared CANN-free headers
-# (ops/common/*.h, ops/<op>/common/*.h) into a temporary project, builds the
-# custom OPP package under vendor "ms_deepseek" and installs it into
-# --install-path (default: $HOME/.cache/ms_deepseek/ascend_opp). Then:
+# Stages every operator's op_host/*, op_kernel/* and the shared CANN-free headers
+# (ops/common/*.h, ops/<op>/common/*.h) into one custom-operator project made from
+# CANN's Ascend C project template (the steps of MindSpore's
+# lib/plugin/ascend/custom_compiler/setup.py, done here: see below), builds the OPP
+# package under vendor "ms_deepseek" with the project's build.sh and installs it
+# non-interactively into --install-path (default: $HOME/.cache/ms_deepseek/ascend_opp).
+# Then:
 #
 #   export ASCEND_CUSTOM_OPP_PATH=<install-path>/vendors/ms_deepseek:$ASCEND_CUSTOM_OPP_PATH
 #
 # and ms_deepseek.ops picks the kernels up on device_target Ascend.
+# --keep leaves the staged project (and its build.log) in place for inspection.
+#
+# Why not MindSpore's setup.py as is: it writes its project into the MindSpore
+# wheel's own folder (read-only installs fail, two builds race), copies the template's
+# cmake helpers to "/cmake/util/" (an absolute os.path.join), and installs the .run
+# without --quiet with its output in install.log, so re-installing into an existing
+# vendor folder waits forever on an invisible prompt.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,50 +30,123 @@ SOC="ascend910b"
 INSTALL="${HOME}/.cache/ms_deepseek/ascend_opp"
 CANN="${ASCEND_HOME_PATH:-/usr/local/Ascend/ascend-toolkit/latest}"
 PYTHON="${PYTHON:-python3}"
+KEEP=0
+
+die() { echo "build_ascend.sh: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --soc) SOC="$2"; shift 2 ;;
-    --install-path) INSTALL="$2"; shift 2 ;;
-    --cann) CANN="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --soc) [[ $# -ge 2 ]] || die "--soc needs a value"; SOC="$2"; shift 2 ;;
+    --install-path) [[ $# -ge 2 ]] || die "--install-path needs a value"; INSTALL="$2"; shift 2 ;;
+    --cann) [[ $# -ge 2 ]] || die "--cann needs a value"; CANN="$2"; shift 2 ;;
+    --keep) KEEP=1; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "build_ascend.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 
-if [[ ! -d "$CANN" ]]; then
-  echo "build_ascend.sh: CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH)" >&2
-  exit 1
-fi
-MS_DIR="$("$PYTHON" -c 'import mindspore, os; print(os.path.dirname(mindspore.__file__))')"
-COMPILER="$MS_DIR/lib/plugin/ascend/custom_compiler"
-if [[ ! -f "$COMPILER/setup.py" ]]; then
-  echo "build_ascend.sh: MindSpore custom compiler not found at $COMPILER" >&2
-  exit 1
-fi
+case "$SOC" in
+  ascend310p|ascend310b|ascend910|ascend910b|ascend910_93) ;;
+  *) die "--soc: unsupported SoC '$SOC' (ascend910b for Atlas 800T A2)" ;;
+esac
+[[ -d "$CANN" ]] || die "CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH)"
+CANN="$(cd "$CANN" && pwd -P)"
 
-STAGE="$(mktemp -d)"
-trap 'rm -rf "$STAGE"' EXIT
-mkdir -p "$STAGE/op_host" "$STAGE/op_kernel" "$INSTALL"
-for op in "${OPS[@]}"; do
-  cp "$HERE/$op/op_host/"*.cpp "$HERE/$op/op_host/"*.h "$STAGE/op_host/"
-  cp "$HERE/$op/op_kernel/"*.cpp "$STAGE/op_kernel/"
-  cp "$HERE/$op/common/"*.h "$STAGE/op_host/"
-  cp "$HERE/$op/common/"*.h "$STAGE/op_kernel/"
+# --- CANN environment -------------------------------------------------------------------
+# CANN 8.x's setenv.bash / set_env.sh read "$1" and "$LD_LIBRARY_PATH" unguarded: sourced
+# under `set -u` they kill this shell (silently, when the output is discarded). Source with
+# nounset off, no positional arguments, output kept, and check that it worked.
+ENV_SCRIPT=""
+for candidate in "$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$CANN/../set_env.sh"; do
+  if [[ -f "$candidate" ]]; then ENV_SCRIPT="$candidate"; break; fi
 done
-cp "$HERE/common/msds_kernel_common.h" "$STAGE/op_host/"
-cp "$HERE/common/msds_kernel_common.h" "$HERE/common/msds_ascendc_sync.h" "$STAGE/op_kernel/"
+[[ -n "$ENV_SCRIPT" ]] || die "no bin/setenv.bash or set_env.sh under $CANN (is this a CANN toolkit?)"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+set --
+set +eu
+# shellcheck disable=SC1090
+source "$ENV_SCRIPT"
+env_status=$?
+set -eu
+[[ $env_status -eq 0 ]] || die "sourcing $ENV_SCRIPT failed with status $env_status"
+export ASCEND_HOME_PATH="${ASCEND_HOME_PATH:-$CANN}"
 
-source "$CANN/bin/setenv.bash" >/dev/null 2>&1 || source "$CANN/set_env.sh" >/dev/null 2>&1 || true
-cd "$COMPILER"
-"$PYTHON" setup.py \
-  --op_host_path "$STAGE/op_host" \
-  --op_kernel_path "$STAGE/op_kernel" \
-  --soc_version "$SOC" \
-  --ascend_cann_package_path "$CANN" \
-  --vendor_name ms_deepseek \
-  --install_path "$INSTALL" \
-  --clear
+# --- project from CANN's template -------------------------------------------------------
+TEMPLATES="$CANN/tools/op_project_templates/ascendc"
+SAMPLE="$CANN/tools/msopgen/template/operator_demo_projects/ascendc_operator_sample"
+STAGE="$(mktemp -d "${TMPDIR:-/tmp}/ms_deepseek_ascend_build.XXXXXX")"
+if [[ $KEEP -eq 1 ]]; then
+  trap 'echo "build_ascend.sh: staged project kept in $STAGE/project" >&2' EXIT
+else
+  trap 'rm -rf "$STAGE"' EXIT
+fi
+PROJECT="$STAGE/project"
+if [[ -d "$TEMPLATES/customize" && -d "$TEMPLATES/common" ]]; then
+  cp -r "$TEMPLATES/customize" "$PROJECT"
+  mkdir -p "$PROJECT/cmake/util"
+  find "$TEMPLATES/common" -maxdepth 1 -type f -exec cp {} "$PROJECT/cmake/util/" \;
+elif [[ -d "$SAMPLE" ]]; then
+  cp -r "$SAMPLE" "$PROJECT"
+else
+  die "no Ascend C project template in $CANN ($TEMPLATES/customize or $SAMPLE)"
+fi
+chmod -R u+rwX "$PROJECT"
+[[ -f "$PROJECT/CMakePresets.json" && -f "$PROJECT/build.sh" ]] \
+  || die "the project template in $CANN has no CMakePresets.json / build.sh"
+mkdir -p "$PROJECT/op_host" "$PROJECT/op_kernel"
+# The template's demo operator must not be built with ours.
+find "$PROJECT/op_host" "$PROJECT/op_kernel" -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' \) -delete
 
-echo "Installed. Now run:"
+for op in "${OPS[@]}"; do
+  cp "$HERE/$op/op_host/"*.cpp "$HERE/$op/op_host/"*.h "$PROJECT/op_host/"
+  cp "$HERE/$op/op_kernel/"*.cpp "$PROJECT/op_kernel/"
+  cp "$HERE/$op/common/"*.h "$PROJECT/op_host/"
+  cp "$HERE/$op/common/"*.h "$PROJECT/op_kernel/"
+done
+cp "$HERE/common/msds_kernel_common.h" "$PROJECT/op_host/"
+cp "$HERE/common/msds_kernel_common.h" "$HERE/common/msds_ascendc_sync.h" "$PROJECT/op_kernel/"
+
+"$PYTHON" - "$PROJECT/CMakePresets.json" "$CANN" "$SOC" <<'EOF' || die "cannot set the CANN path, SoC and vendor in $PROJECT/CMakePresets.json"
+import json, sys
+path, cann, soc = sys.argv[1:]
+with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+variables = data["configurePresets"][0]["cacheVariables"]
+for key, value in (("ASCEND_CANN_PACKAGE_PATH", cann), ("ASCEND_COMPUTE_UNIT", soc),
+                   ("vendor_name", "ms_deepseek")):
+    entry = variables.get(key)
+    if isinstance(entry, dict):
+        entry["value"] = value
+    else:
+        variables[key] = {"type": "STRING", "value": value}
+with open(path, "w", encoding="utf-8") as f:
+    json.dump(data, f, indent=4)
+EOF
+
+# --- build ------------------------------------------------------------------------------
+LOG="$STAGE/build.log"
+echo "build_ascend.sh: building ${OPS[*]} for $SOC with $CANN ..."
+# The template's build.sh must not see another vendor's operators.
+if ! (cd "$PROJECT" && unset ASCEND_CUSTOM_OPP_PATH && bash build.sh) >"$LOG" 2>&1 </dev/null; then
+  tail -n 40 "$LOG" >&2
+  [[ $KEEP -eq 1 ]] && die "build failed (full log: $LOG)"
+  die "build failed (last lines above; rerun with --keep for the full log)"
+fi
+shopt -s nullglob
+RUNS=("$PROJECT"/build_out/*.run)
+shopt -u nullglob
+[[ ${#RUNS[@]} -eq 1 ]] || die "expected one .run package in $PROJECT/build_out, found ${#RUNS[@]}"
+
+# --- install ----------------------------------------------------------------------------
+# --quiet: the installer asks before replacing an existing vendor folder; stdin closed so a
+# prompt we did not foresee fails instead of hanging.
+mkdir -p "$INSTALL"
+INSTALL="$(cd "$INSTALL" && pwd -P)"
+if ! bash "${RUNS[0]}" --quiet --install-path="$INSTALL" </dev/null >"$STAGE/install.log" 2>&1; then
+  tail -n 40 "$STAGE/install.log" >&2
+  die "installing ${RUNS[0]##*/} into $INSTALL failed"
+fi
+[[ -d "$INSTALL/vendors/ms_deepseek" ]] || die "the installer left no $INSTALL/vendors/ms_deepseek"
+
+echo "Installed into $INSTALL/vendors/ms_deepseek. Now run:"
 echo "  export ASCEND_CUSTOM_OPP_PATH=$INSTALL/vendors/ms_deepseek:\${ASCEND_CUSTOM_OPP_PATH:-}"
