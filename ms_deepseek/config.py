@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -317,85 +316,5 @@ def load_model_config(spec: Union[str, Path]) -> DeepseekV2Config:
 
 
 # ------------------------------------------------------------------ parameter counts
-@dataclass
-class ParamCount:
-    total: int
-    activated: int  # per token, excluding the input embedding (a lookup, no FLOPs), as in the paper
-    embedding: int
-    attention: int
-    dense_mlp: int
-    routed_experts: int
-    shared_experts: int
-    routers: int
-    norms: int
-    lm_head: int
-    per_layer: List[int] = field(default_factory=list)
-
-    def summary(self) -> str:
-        return f"{self.total / 1e9:.2f}B total, {self.activated / 1e9:.2f}B activated per token"
-
-
-def attention_params(cfg: DeepseekV2Config) -> int:
-    H, nh = cfg.hidden_size, cfg.num_attention_heads
-    bias = 1 if cfg.attention_bias else 0
-    if cfg.q_lora_rank is None:
-        q = H * nh * cfg.qk_head_dim
-    else:
-        q = (H + bias) * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim
-    kv_a = (H + bias) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    kv_b = cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.kv_lora_rank
-    o = nh * cfg.v_head_dim * H + bias * H
-    return q + kv_a + kv_b + o
-
-
-def count_parameters(cfg: DeepseekV2Config) -> ParamCount:
-    """Total and per-token activated parameter counts from the config alone."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    attn = attention_params(cfg)
-    mlp = lambda inter: 3 * H * inter  # noqa: E731  gate, up, down
-    embed = V * H
-    head = 0 if cfg.tie_word_embeddings else V * H
-    counts = dict(attention=0, dense_mlp=0, routed_experts=0, shared_experts=0, routers=0, norms=H)
-    activated = head + H
-    per_layer = []
-    for i in range(cfg.num_hidden_layers):
-        layer = attn + 2 * H
-        counts["attention"] += attn
-        counts["norms"] += 2 * H
-        act = attn + 2 * H
-        if cfg.is_moe_layer(i):
-            routed = cfg.n_routed_experts * mlp(cfg.moe_intermediate_size)
-            shared = (cfg.n_shared_experts or 0) * mlp(cfg.moe_intermediate_size)
-            router = cfg.n_routed_experts * H
-            counts["routed_experts"] += routed
-            counts["shared_experts"] += shared
-            counts["routers"] += router
-            layer += routed + shared + router
-            act += cfg.num_experts_per_tok * mlp(cfg.moe_intermediate_size) + shared + router
-        else:
-            counts["dense_mlp"] += mlp(cfg.intermediate_size)
-            layer += mlp(cfg.intermediate_size)
-            act += mlp(cfg.intermediate_size)
-        per_layer.append(layer)
-        activated += act
-    total = embed + head + H + sum(per_layer)
-    return ParamCount(total=total, activated=activated, embedding=embed, lm_head=head, per_layer=per_layer,
-                      **counts)
-
-
-# ------------------------------------------------------------------------- YaRN
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-def softmax_scale(cfg: DeepseekV2Config) -> float:
-    """``qk_head_dim**-0.5``, times ``yarn_mscale(factor, mscale_all_dim)**2`` under YaRN."""
-    scale = cfg.qk_head_dim ** -0.5
-    if cfg.rope_scaling is not None:
-        mscale_all_dim = cfg.rope_scaling.get("mscale_all_dim", 0)
-        if mscale_all_dim:
-            m = yarn_get_mscale(cfg.rope_scaling["factor"], mscale_all_dim)
-            scale *= m * m
-    return scale
+# Counted over the model's name/shape table (the one the planner and the converter read).
+from ms_deepseek.model.inventory import ParamCount, count_parameters  # noqa: E402,F401

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from ms_deepseek.config import (PRESET_NAMES, DeepseekV2Config, count_parameters, get_preset, load_model_config,
-                                softmax_scale)
+from ms_deepseek.config import PRESET_NAMES, DeepseekV2Config, count_parameters, get_preset, load_model_config
+from ms_deepseek.model.rope import softmax_scale
 from ms_deepseek.errors import UserError
 
 

@@ -18,7 +18,26 @@ from typing import Tuple
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from ms_deepseek.config import DeepseekV2Config, yarn_get_mscale
+from ms_deepseek.config import DeepseekV2Config
+
+
+# ------------------------------------------------------------------------- YaRN
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when the context is not stretched)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(cfg: DeepseekV2Config) -> float:
+    """``qk_head_dim**-0.5``, times ``yarn_mscale(factor, mscale_all_dim)**2`` under YaRN."""
+    scale = cfg.qk_head_dim ** -0.5
+    if cfg.rope_scaling is not None:
+        mscale_all_dim = cfg.rope_scaling.get("mscale_all_dim", 0)
+        if mscale_all_dim:
+            m = yarn_get_mscale(cfg.rope_scaling["factor"], mscale_all_dim)
+            scale *= m * m
+    return scale
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
