@@ -2,10 +2,16 @@
 
 Skipped on hosts without an Ascend device and CANN (conftest's ``ascend`` marker).
 The build takes minutes; it runs once per module into a temporary install path.
+
+MindSpore accepts ``set_device`` once per process (design.md), and other test modules
+run on CPU first, so ``test_npu_kernels_in_their_own_process`` re-runs this module in a
+fresh interpreter with ``MS_DEEPSEEK_NPU_CHILD=1``; only there do the kernel tests run
+(and call ``set_device("Ascend")``, never switching back).
 """
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +20,18 @@ import pytest
 pytestmark = pytest.mark.ascend
 
 REPO = Path(__file__).resolve().parents[1]
+CHILD = os.environ.get("MS_DEEPSEEK_NPU_CHILD") == "1"
+in_child = pytest.mark.skipif(not CHILD, reason="runs in the subprocess started by "
+                              "test_npu_kernels_in_their_own_process (set_device once per process)")
+
+
+@pytest.mark.skipif(CHILD, reason="this is the child process")
+def test_npu_kernels_in_their_own_process(tmp_path):
+    env = dict(os.environ, MS_DEEPSEEK_NPU_CHILD="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+                          capture_output=True, text=True, timeout=3600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +49,12 @@ def ascend_ops(tmp_path_factory):
 
     import mindspore as ms
 
-    ms.set_device("Ascend")
+    ms.set_device("Ascend")  # this process's only set_device (the child started above)
     from ms_deepseek.ops import ascend
 
     assert {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"} <= ascend.installed_op_types()
     yield ascend
     os.environ["ASCEND_CUSTOM_OPP_PATH"] = old
-    ms.set_device("CPU")
 
 
 def _softmax64(x):
@@ -59,6 +76,7 @@ def _lookup_numpy(ids, placement, experts_per_rank, capacity):
     return dest, dest * experts_per_rank + placement[ids, 1], position, (position < capacity).astype(np.float32)
 
 
+@in_child
 @pytest.mark.parametrize("shape", [(4, 7), (3, 64, 203), (2, 100003)])  # the last one uses column tiles
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
@@ -73,6 +91,7 @@ def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
     np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-9)
 
 
+@in_child
 def test_fp32_softmax_grad_on_npu(ascend_ops):
     import mindspore as ms
     from mindspore import Tensor, nn
@@ -93,6 +112,7 @@ def test_fp32_softmax_grad_on_npu(ascend_ops):
     np.testing.assert_allclose(grad, y * (w - (w * y).sum(-1, keepdims=True)), rtol=1e-4, atol=1e-6)
 
 
+@in_child
 @pytest.mark.parametrize("t, k, e, e_local, capacity", [(37, 3, 8, 2, 15), (4096, 6, 160, 20, 200), (9, 2, 4, 4, 0)])
 def test_expert_lookup_on_npu(ascend_ops, t, k, e, e_local, capacity):
     import mindspore as ms
@@ -111,6 +131,7 @@ def test_expert_lookup_on_npu(ascend_ops, t, k, e, e_local, capacity):
             np.testing.assert_array_equal(g, w)
 
 
+@in_child
 @pytest.mark.parametrize("b, v, length", [(1, 102400, 4096), (3, 97, 11), (2, 50, 200)])
 def test_repetition_penalty_on_npu(ascend_ops, b, v, length):
     from mindspore import Tensor
@@ -126,6 +147,7 @@ def test_repetition_penalty_on_npu(ascend_ops, b, v, length):
     np.testing.assert_array_equal(got, want)
 
 
+@in_child
 def test_public_cells_pick_the_ascend_kernels(ascend_ops):
     from ms_deepseek.ops import ExpertLookup, FP32Softmax, RepetitionPenalty
 
