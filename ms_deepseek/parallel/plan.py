@@ -12,9 +12,8 @@ degrees into
   which must equal the strategy of the primitive input that consumes the parameter.
 
 This module is pure Python (no MindSpore import): the planner reads the same table
-to size every parameter's per-NPU shard, and :func:`parameter_inventory` lists the
-model's parameters (names and shapes exactly as the model builds them) from the
-config alone.
+to size every parameter's per-NPU shard from the model's name/shape table
+(:func:`ms_deepseek.model.inventory.parameter_inventory`, re-exported here).
 
 Strategy conventions (MindSpore: one integer per tensor axis, the number of slices):
 
@@ -226,74 +225,8 @@ class Plan:
 
 
 # ------------------------------------------------------------------- parameter inventory
-@dataclass(frozen=True)
-class ParamInfo:
-    name: str
-    shape: Tuple[int, ...]
-    dtype: str          # "float32" | "bfloat16" | "float16" | "int32"
-    trainable: bool
-    layer: Optional[int]  # decoder layer index, None for embedding / final norm / head
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def parameter_inventory(cfg) -> List[ParamInfo]:
-    """Every parameter of ``DeepseekV2ForCausalLM(cfg)``: names, shapes and dtypes, from the config."""
-    H, V, nh = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    pdt = cfg.param_dtype
-    out: List[ParamInfo] = []
-
-    def add(name, shape, layer=None, dtype=pdt, trainable=True):
-        out.append(ParamInfo(name, tuple(int(d) for d in shape), dtype, trainable, layer))
-
-    add("model.embed_tokens.weight", (V, H))
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", (H,), i)
-        a = p + "self_attn."
-        if cfg.q_lora_rank is None:
-            add(a + "q_proj.weight", (nh * cfg.qk_head_dim, H), i)
-        else:
-            add(a + "q_a_proj.weight", (cfg.q_lora_rank, H), i)
-            if cfg.attention_bias:
-                add(a + "q_a_proj.bias", (cfg.q_lora_rank,), i)
-            add(a + "q_a_layernorm.weight", (cfg.q_lora_rank,), i)
-            add(a + "q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank), i)
-        add(a + "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H), i)
-        if cfg.attention_bias:
-            add(a + "kv_a_proj_with_mqa.bias", (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), i)
-        add(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), i)
-        add(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), i)
-        add(a + "o_proj.weight", (H, nh * cfg.v_head_dim), i)
-        if cfg.attention_bias:
-            add(a + "o_proj.bias", (H,), i)
-        add(p + "post_attention_layernorm.weight", (H,), i)
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            add(m + "expert_placement", (E, 2), i, dtype="int32", trainable=False)
-            add(m + "gate.weight", (E, H), i, dtype="float32")  # the router is always float32
-            add(m + "experts.gate_proj.weight", (E, I, H), i)
-            add(m + "experts.up_proj.weight", (E, I, H), i)
-            add(m + "experts.down_proj.weight", (E, H, I), i)
-            if cfg.n_shared_experts:
-                S = I * cfg.n_shared_experts
-                add(m + "shared_experts.gate_proj.weight", (S, H), i)
-                add(m + "shared_experts.up_proj.weight", (S, H), i)
-                add(m + "shared_experts.down_proj.weight", (H, S), i)
-        else:
-            I = cfg.intermediate_size
-            add(m + "gate_proj.weight", (I, H), i)
-            add(m + "up_proj.weight", (I, H), i)
-            add(m + "down_proj.weight", (H, I), i)
-    add("model.norm.weight", (H,))
-    add("lm_head.weight", (V, H))
-    return out
+# The model's name/shape table lives in ms_deepseek.model.inventory (shared with the converter and loaders).
+from ms_deepseek.model.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------ pipeline stages
