@@ -344,9 +344,39 @@ def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
     assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--quiet"]) == 2
     assert "already holds checkpoints (newest step_00000004); pass --resume" in capsys.readouterr().err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
-    # and a resume of a finished run says there is nothing left to do
-    assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--resume"]) == 2
-    assert "nothing to do" in capsys.readouterr().err
+    # a resume of a finished run (a restart loop re-running the command) is a success that does nothing
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", str(run_dir.parent / "recipe.yaml"), "--output", str(run_dir), "--resume"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("run complete:") and "at step 4 of train.steps=4" in out and "\n" not in out
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, data_dir, tmp_path, capsys):
+    """A restart loop: the same command (`--resume auto`, or checkpoint.resume: auto) after every stop."""
+    ref_dir, _ = reference
+    recipe = write_recipe(tmp_path, recipe_dict(data_dir))
+    run_dir = tmp_path / "run"
+    # no checkpoint yet: a fresh start (stopped after 2 steps, as a crash would)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto",
+                 "--max-steps", "2"]) == 0
+    assert "starting:" in capsys.readouterr().out
+    # a complete checkpoint exists: resumed from it, and the run continues exactly
+    auto = write_recipe(tmp_path / "auto", recipe_dict(data_dir, checkpoint={"resume": "auto"}))
+    assert main(["train", str(auto), "--output", str(run_dir), "--quiet"]) == 0
+    assert f"resuming {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in capsys.readouterr().out
+    assert losses_of(run_dir) == losses_of(ref_dir)
+    got, want = weights(run_dir / "checkpoints" / "step_00000004"), weights(ref_dir / "checkpoints" / "step_00000004")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # the run is finished: the same command again exits 0 with one line
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto"]) == 0
+    assert capsys.readouterr().out.startswith("run complete:")
+    with pytest.raises(UserError, match="checkpoint.resume: must be 'auto' or null"):
+        from ms_deepseek.train.recipe import load_recipe_dict
+
+        load_recipe_dict(recipe_dict(data_dir, checkpoint={"resume": "latest"}))
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):

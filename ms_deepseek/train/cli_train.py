@@ -4,6 +4,10 @@
     ms-deepseek train recipes/tiny-cpu.yaml --set train.steps=50 --set optim.lr=1e-3
     ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume          # newest checkpoint
     ms-deepseek train recipes/tiny-cpu.yaml --resume runs/tiny/checkpoints/step_00000100
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume auto     # resume if possible, else fresh
+
+A run that has already reached ``train.steps`` exits 0 with one line saying so, so a restart
+loop can re-run the same command after any failure.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", default=None,
                         help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                        help="continue from the newest checkpoint of --output, or from PATH")
+                        help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
+                             "when --output holds a complete checkpoint, else start fresh (recipe: "
+                             "checkpoint.resume: auto)")
     parser.add_argument("--force", action="store_true",
                         help="run even if the memory planner says the layout does not fit")
     parser.add_argument("--max-steps", type=int, default=None,
@@ -43,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
     result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
                    max_steps=args.max_steps)
+    if result.complete:
+        print(f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
+              "nothing to do (raise train.steps with --set train.steps=N to train further)", flush=True)
+        return 0
     if result.metrics_path is not None:  # the main worker (rank 0) reports
         first = f" (first {result.losses[0]:.4f})" if result.losses else ""
         print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "

@@ -129,8 +129,15 @@ class CheckpointSection:
     save_interval: int = 0    # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 3        # complete checkpoints kept (older ones deleted)
     save_final: bool = True   # also save after the last step
+    # What `train` does with an existing run folder when --resume is not given: null = fresh runs
+    # only (a folder with checkpoints is refused); "auto" = resume its newest complete checkpoint
+    # when there is one, else start fresh (a scheduler can re-run the same command after a failure).
+    resume: Optional[str] = None
 
     def __post_init__(self):
+        if self.resume is not None and self.resume != "auto":
+            raise UserError(f"checkpoint.resume: must be 'auto' or null, got {self.resume!r} (a checkpoint path "
+                            "goes on the command line: --resume PATH)")
         if self.save_interval < 0:
             raise UserError(f"checkpoint.save_interval: must be >= 0 (0 = only at the end), got {self.save_interval}")
         if self.keep_last < 1:

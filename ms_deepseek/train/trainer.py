@@ -44,6 +44,7 @@ class TrainResult:
     metrics_path: Optional[Path] = None
     tokens_per_s: float = 0.0       # steady state: steps after the first (compile) step of this call
     wall_s: float = 0.0
+    complete: bool = False          # the resumed checkpoint had already reached train.steps: nothing was run
 
 
 def _distributed() -> bool:
@@ -127,6 +128,8 @@ class Trainer:
     def run(self) -> TrainResult:
         self._check_layout()
         self._setup_run()
+        if self.complete:
+            return self._complete_result()
         self._build_data()    # a bad dataset stops the run before anything is compiled
         self._build_model()
         self._build_step()
@@ -174,8 +177,12 @@ class Trainer:
         log_rank = (par.pp - 1) * par.dp * par.tp if self.sharded else 0
         self.is_main = self.rank == log_rank
 
-        self.resume_dir = ckpt_mod.resolve_resume(self.resume, self.run_dir) if self.resume else None
         existing = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints").latest()
+        resume = self.resume or self.recipe.checkpoint.resume  # the command line wins over the recipe
+        if resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
+            self.resume_dir = existing
+        else:
+            self.resume_dir = ckpt_mod.resolve_resume(resume, self.run_dir) if resume else None
         if self.resume_dir is None and existing is not None:
             raise UserError(f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "
                             "--resume to continue that run, or choose another --output")
@@ -183,10 +190,8 @@ class Trainer:
         self.start_step = int(self.state.get("step", 0))
         self.total = self.recipe.train.steps
         self.stop_at = min(self.total, self.max_steps) if self.max_steps is not None else self.total
-        if self.start_step >= self.total:
-            raise UserError(f"--resume: {self.resume_dir} is at step {self.start_step}; train.steps is "
-                            f"{self.total}, nothing to do (raise train.steps with --set train.steps=N to train "
-                            "further)")
+        # A finished run re-run by a restart loop is a success, not an error (exit 0, nothing written).
+        self.complete = self.start_step >= self.total
 
     def _build_data(self) -> None:
         from ms_deepseek.data.dataset import build_train_dataset
@@ -399,6 +404,12 @@ class Trainer:
 
     def _print(self, msg: str) -> None:
         _print(msg, self.bar if not self.bar.disable else None)
+
+    def _complete_result(self) -> TrainResult:
+        metrics = self.run_dir / "metrics.jsonl"
+        return TrainResult(run_dir=self.run_dir, steps=self.start_step, final_loss=float("nan"),
+                           checkpoint=self.resume_dir, metrics_path=metrics if metrics.is_file() else None,
+                           complete=True)
 
     def _result(self) -> TrainResult:
         return TrainResult(run_dir=self.run_dir, steps=self.stop_at,
