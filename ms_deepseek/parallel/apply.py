@@ -32,6 +32,7 @@ from ms_deepseek.errors import UserError
 from ms_deepseek.parallel.config import ParallelConfig
 from ms_deepseek.parallel.placement import buffer_order, placement_table
 from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, layer_stages, style_spec
+from ms_deepseek.parallel.ranks import dataset_strategy
 
 
 @dataclass
@@ -229,7 +230,8 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
         "device_num": parallel.world_size,
         "gradients_mean": True,
         "enable_alltoall": parallel.ep > 1,
-        "dataset_strategy": parallel.dataset_strategy,
+        # what each rank really reads (tp peers share rows): ((dp, 1), (dp, 1)) or "full_batch"
+        "dataset_strategy": dataset_strategy(parallel),
         "pipeline_stages": parallel.pp,
         "enable_parallel_optimizer": parallel.optimizer_shard,
         "strategy_ckpt_config": {"save_file": "./strategy/ckpt_strategy.ckpt", "only_trainable_params": False},
@@ -277,7 +279,7 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     from mindspore.parallel.auto_parallel import AutoParallel
 
     wrapped = AutoParallel(top_cell, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
-    wrapped.dataset_strategy(parallel.dataset_strategy)
+    wrapped.dataset_strategy(dataset_strategy(parallel))  # the same rule as the context API
     wrapped.enable_gradients_mean()
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")

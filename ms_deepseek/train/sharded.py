@@ -25,23 +25,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict
 
 from ms_deepseek.errors import UserError
 from ms_deepseek.parallel.config import ParallelConfig
+# The rank geometry lives in ms_deepseek.parallel.ranks (re-exported for older imports).
+from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank  # noqa: F401
 
 SHARDS_FILE = "shards.json"
-
-
-def stage_of_rank(rank: int, par: ParallelConfig) -> int:
-    return rank // (par.dp * par.tp)
-
-
-def data_coordinates(rank: int, par: ParallelConfig, micro_batch_size: int) -> Tuple[int, int, int]:
-    """(data rank, data world, rows per micro-batch read by this rank) for the dataset."""
-    if par.dataset_strategy == "full_batch":
-        return 0, 1, micro_batch_size * par.dp  # every device reads the replicas' batches together
-    return (rank % (par.dp * par.tp)) // par.tp, par.dp, micro_batch_size
 
 
 def rank_dir(step_dir: Path, rank: int) -> Path:

@@ -1,0 +1,70 @@
+"""Rank geometry of a layout: which pipeline stage a rank is in, which rows of the batch it reads.
+
+One rule, used both for what each rank's dataset reads (:func:`data_coordinates`) and for
+what MindSpore is told each rank holds (:func:`dataset_strategy`, given to
+``set_auto_parallel_context(dataset_strategy=...)`` and ``AutoParallel.dataset_strategy``):
+
+* world = pp stages x (dp x tp) devices per stage, tp fastest: rank ``r`` is in stage
+  ``r // (dp * tp)`` at position ``p = r % (dp * tp)`` of it.
+* ``dataset_strategy: data_parallel``: the global micro-batch [dp * b, T] is split on the
+  batch axis dp ways; position ``p`` holds slice ``p // tp`` (rows ``[s * b, (s + 1) * b)``),
+  so the tp ranks of one data-parallel replica hold the *same* rows. MindSpore is told
+  exactly that with the per-input strategy ``((dp, 1), (dp, 1))`` (input_ids, labels): a
+  strategy that uses dp of the stage's dp * tp devices repeats each slice on tp devices,
+  and MindSpore puts the repeated devices rightmost (fastest) in the device matrix, which
+  is ``p // tp``. Left as MindSpore's own ``"data_parallel"``, it would assume the dp * tp
+  devices hold dp * tp *different* slices (each sequence trained on tp times, the batch
+  misread as tp times larger).
+* ``dataset_strategy: full_batch``: every rank reads the whole global micro-batch
+  [dp * b, T]; MindSpore's ``full_batch`` slices it itself.
+
+Pure Python: the CLI's planner and ``plan --simulate`` use it without MindSpore.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple, Union
+
+from ms_deepseek.parallel.config import ParallelConfig
+
+# The step's dataset inputs: input_ids [k * b, T] and labels [k * b, T].
+STEP_INPUTS = 2
+
+
+def stage_of_rank(rank: int, par: ParallelConfig) -> int:
+    """Pipeline stage of a global rank (stages are contiguous blocks of dp * tp ranks)."""
+    return rank // (par.dp * par.tp)
+
+
+def batch_slices(par: ParallelConfig) -> int:
+    """How many ways the global batch axis is split among the ranks of a stage."""
+    return 1 if par.dataset_strategy == "full_batch" else par.dp
+
+
+def data_slice(rank: int, par: ParallelConfig) -> int:
+    """Index of the batch slice a rank holds: tp peers share one (repeated devices rightmost)."""
+    if par.dataset_strategy == "full_batch":
+        return 0
+    return (rank % (par.dp * par.tp)) // par.tp
+
+
+def data_coordinates(rank: int, par: ParallelConfig, micro_batch_size: int) -> Tuple[int, int, int]:
+    """(data rank, data world, rows per micro-batch read by this rank) for the dataset.
+
+    ``micro_batch_size`` is per data-parallel replica; the global micro-batch is dp times it."""
+    slices = batch_slices(par)
+    return data_slice(rank, par), slices, micro_batch_size * par.dp // slices
+
+
+def rows_of_rank(rank: int, par: ParallelConfig, micro_batch_size: int) -> List[int]:
+    """Rows of the global micro-batch [dp * b, T] that a rank holds, as MindSpore sees them."""
+    _, slices, rows = data_coordinates(rank, par, micro_batch_size)
+    start = data_slice(rank, par) * rows
+    return list(range(start, start + rows))
+
+
+def dataset_strategy(par: ParallelConfig, num_inputs: int = STEP_INPUTS) -> Union[str, Tuple[Tuple[int, ...], ...]]:
+    """What to tell MindSpore about the step's inputs: ``"full_batch"`` or ``((dp, 1),) * num_inputs``."""
+    if par.dataset_strategy == "full_batch":
+        return "full_batch"
+    return ((batch_slices(par), 1),) * num_inputs
