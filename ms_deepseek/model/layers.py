@@ -34,6 +34,11 @@ class Linear(nn.Cell):
         self.compute_dtype = compute_dtype
         self.matmul = ops.MatMul(transpose_b=True)
         self.add_bias = ops.Add()
+        # Optional LoRA adapter, attached by ms_deepseek.model.lora.add_adapters (None: plain layer).
+        self.lora_A = None  # LoraWeight [r, in]
+        self.lora_B = None  # LoraWeight [out, r]
+        self.lora_scaling = 0.0
+        self.lora_dropout = None
 
     def construct(self, x):
         lead = x.shape[:-1]
@@ -41,6 +46,10 @@ class Linear(nn.Cell):
         y = self.matmul(x2, self.weight.astype(self.compute_dtype))  # [N, out]
         if self.bias is not None:
             y = self.add_bias(y, self.bias.astype(self.compute_dtype))
+        if self.lora_A is not None:
+            h = x2 if self.lora_dropout is None else self.lora_dropout(x2)
+            h = self.lora_a_matmul(h, self.lora_A.weight.astype(self.compute_dtype))  # [N, r]
+            y = y + self.lora_b_matmul(h, self.lora_B.weight.astype(self.compute_dtype)) * self.lora_scaling
         return y.reshape(lead + (self.out_features,))
 
 

@@ -47,6 +47,20 @@ class StackedWeight(nn.Cell):
     def __init__(self, shape, std: float, dtype):
         super().__init__()
         self.weight = Parameter(initializer(Normal(std), shape, dtype), name="weight")
+        # Optional stacked LoRA adapter (ms_deepseek.model.lora.add_adapters): A [E, r, in], B [E, out, r].
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_scaling = 0.0
+        self.lora_dropout = None
+
+    def project(self, x, bmm, cdt):
+        """x [E, C, in] -> [E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
+        y = bmm(x, self.weight.astype(cdt))  # [E, C, out]
+        if self.lora_A is not None:
+            h = x if self.lora_dropout is None else self.lora_dropout(x)
+            h = self.lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
+            y = y + self.lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
+        return y
 
 
 class RoutedExperts(nn.Cell):
@@ -69,9 +83,9 @@ class RoutedExperts(nn.Cell):
         """x [E, C, H] -> [E, C, H]."""
         cdt = self.compute_dtype
         x = x.astype(cdt)
-        gate = self.gate_bmm(x, self.gate_proj.weight.astype(cdt))  # [E, C, I]
-        up = self.up_bmm(x, self.up_proj.weight.astype(cdt))  # [E, C, I]
-        return self.down_bmm(ops.silu(gate) * up, self.down_proj.weight.astype(cdt))  # [E, C, H]
+        gate = self.gate_proj.project(x, self.gate_bmm, cdt)  # [E, C, I]
+        up = self.up_proj.project(x, self.up_bmm, cdt)  # [E, C, I]
+        return self.down_proj.project(ops.silu(gate) * up, self.down_bmm, cdt)  # [E, C, H]
 
 
 class DeepseekV2MoE(nn.Cell):
