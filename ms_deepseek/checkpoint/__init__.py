@@ -1,0 +1,13 @@
+"""All checkpoint I/O of ms_deepseek, in one place.
+
+* :mod:`.atomic`    the one atomic writer: a temporary sibling folder, every file and the folder
+                    fsynced, swapped in with no moment when no complete checkpoint exists;
+* :mod:`.tensors`   whole safetensors files in and out of a model or optimizer, raw slice reads,
+                    RNG state, experts always stored in HF order;
+* :mod:`.layout`    which slice of each tensor each rank holds (from the plan) and ``layout.json``;
+* :mod:`.training`  the run's ``checkpoints/step_N`` folders (whole or ``rank_RRRRR`` slices);
+* :mod:`.sharded`   per-rank loading straight from HF / ms_deepseek safetensors, pre-sharded
+                    conversion, merge back to HF, resharding.
+
+The model's name/shape table is :mod:`ms_deepseek.model.inventory`.
+"""

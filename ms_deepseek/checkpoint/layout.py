@@ -1,0 +1,330 @@
+"""Which slice of each tensor every rank holds, derived from the plan, and the layout file that records it.
+
+A sharded checkpoint (``rank_RRRRR/`` folders) carries ``layout.json``: for every tensor its
+full shape and dtype, its pipeline stage, and MindSpore's own description of a sliced
+tensor, a *device matrix* over the stage's ``dp * tp`` devices (row-major, last axis
+fastest) and a *tensor map* (per tensor axis: the device-matrix axis that splits it,
+counted from the right as in MindSpore's strategy files, ``-1`` = not split). Routed
+experts add the expert ids each expert-parallel coordinate holds (the placement table).
+
+Deriving the device matrix (the rule MindSpore's ``ops_info`` applies to the primitive
+that consumes the parameter, read from the plan's ``StyleSpec.consumers``):
+
+* ``MatMul(transpose_b)``, x ``(n, c)``, weight ``(o, c)``: device matrix ``(n, c, o)``;
+* ``BatchMatMul(transpose_b)``, x ``(b, n, c)``, weight ``(b, o, c)``: ``(b, n, c, o)``;
+* ``Gather`` of the embedding, table ``(v, 1)``, ids ``(n, 1)``: ``(n, v)`` (vocab fastest,
+  as tp is);
+* a parameter no primitive consumes (norms, tables) is whole on every rank.
+
+When the strategy uses fewer devices than the stage has, the repeat count is the rightmost
+device-matrix axis, as in MindSpore (see :mod:`ms_deepseek.parallel.ranks`). On Ascend the
+strategy files that MindSpore writes are the ground truth: :func:`check_strategy_file`
+compares them with this layout and names the first tensor that differs.
+
+Global ranks: world = pp x dp x tp, tp fastest; rank r is device ``r % (dp * tp)`` of stage
+``r // (dp * tp)``; a tensor lives only on the ranks of its stage.
+
+Optimizer sharding (``parallel.optimizer_shard``) is not a further cut here: every rank
+holds (and loads) its model-parallel slice; MindSpore's parallel optimizer keeps its own
+part of the optimizer state inside the compiled step. A layout with optimizer sharding is
+recorded (``parallel.optimizer_shard``) so a checkpoint is never resumed under another one
+without resharding.
+
+Pure Python (no MindSpore): ``plan --simulate``, the converter and the tests use it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ms_deepseek.errors import UserError
+
+LAYOUT_FILE = "layout.json"
+FORMAT = "ms_deepseek.sharded"
+VERSION = 1
+
+Slice = Tuple[object, ...]  # per axis: (start, stop) or a tuple of expert ids (axis 0 of stacked experts)
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str                                  # safetensors dtype ("BF16", "F32", ...)
+    stage: int
+    dev_matrix: Tuple[int, ...]                 # over the stage's dp * tp devices, last axis fastest
+    tensor_map: Tuple[int, ...]                 # per tensor axis, device-matrix axis from the right; -1 = whole
+    experts: Optional[Tuple[Tuple[int, ...], ...]] = None  # stacked experts: expert ids per axis-0 coordinate
+
+    @property
+    def split(self) -> Tuple[int, ...]:
+        """Slices per axis."""
+        n = len(self.dev_matrix)
+        return tuple(1 if m < 0 else self.dev_matrix[n - 1 - m] for m in self.tensor_map)
+
+    def coordinate(self, device: int, axis: int) -> int:
+        """The slice index along ``axis`` held by device ``device`` of the stage."""
+        m = self.tensor_map[axis]
+        if m < 0:
+            return 0
+        n = len(self.dev_matrix)
+        stride = 1
+        for size in self.dev_matrix[n - m:]:
+            stride *= size
+        return (device // stride) % self.dev_matrix[n - 1 - m]
+
+    def slice_of(self, device: int) -> Slice:
+        out: List[object] = []
+        for axis, (dim, k) in enumerate(zip(self.shape, self.split)):
+            c = self.coordinate(device, axis)
+            if axis == 0 and self.experts is not None:
+                out.append(self.experts[c])
+            else:
+                out.append((c * (dim // k), (c + 1) * (dim // k)))
+        return tuple(out)
+
+    def slice_shape(self) -> Tuple[int, ...]:
+        return tuple(d // k for d, k in zip(self.shape, self.split))
+
+    def to_json(self) -> Dict:
+        d = {"shape": list(self.shape), "dtype": self.dtype, "stage": self.stage,
+             "dev_matrix": list(self.dev_matrix), "tensor_map": list(self.tensor_map)}
+        if self.experts is not None:
+            d["experts"] = [list(e) for e in self.experts]
+        return d
+
+
+class ExpertIds(tuple):
+    """Expert ids held on axis 0 of a stacked expert tensor (never read as a (start, stop) range)."""
+
+
+def slice_array(array, sl: Slice):
+    """Cut one rank's slice out of a full array (numpy); expert ids on axis 0 pick those experts."""
+    import numpy as np
+
+    if sl and isinstance(sl[0], ExpertIds):
+        array = array[np.asarray(sl[0], dtype=np.int64)]
+        sl = ((0, array.shape[0]),) + tuple(sl[1:])
+    return array[tuple(slice(a, b) for a, b in sl)]
+
+
+@dataclass
+class ShardLayout:
+    """Every tensor's layout for one parallel configuration, plus the degrees."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    optimizer_shard: bool
+    tensors: Dict[str, TensorLayout]
+
+    @property
+    def stage_devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep}" + (" opt-shard" if self.optimizer_shard else "")
+
+    def same_geometry(self, other: "ShardLayout") -> bool:
+        return self.to_json()["parallel"] == other.to_json()["parallel"] and \
+            {n: t.to_json() for n, t in self.tensors.items()} == {n: t.to_json() for n, t in other.tensors.items()}
+
+    def ranks_holding(self, name: str) -> List[int]:
+        t = self.tensors[name]
+        first = t.stage * self.stage_devices
+        return list(range(first, first + self.stage_devices))
+
+    def tensors_of_rank(self, rank: int) -> List[str]:
+        stage = rank // self.stage_devices
+        return [n for n, t in self.tensors.items() if t.stage == stage]
+
+    def slice_of(self, name: str, rank: int) -> Slice:
+        return self.tensors[name].slice_of(rank % self.stage_devices)
+
+    def distinct_slices(self, name: str) -> List[Tuple[int, Slice]]:
+        """(lowest rank, slice) of every distinct slice of a tensor: enough to rebuild it."""
+        seen: Dict[Slice, int] = {}
+        for r in self.ranks_holding(name):
+            sl = self.slice_of(name, r)
+            seen.setdefault(sl, r)
+        return [(r, sl) for sl, r in seen.items()]
+
+    def to_json(self) -> Dict:
+        return {"format": FORMAT, "version": VERSION, "world_size": self.world_size,
+                "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
+                             "optimizer_shard": self.optimizer_shard},
+                "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+
+    def write(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- derivation
+def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(device matrix, tensor map) of a parameter from the primitive that consumes it."""
+    consumer = spec.consumers.get(suffix)
+    if consumer is None or all(k == 1 for k in layout):
+        return (devices,), tuple(-1 for _ in layout)
+    attr, index = consumer
+    strategies = spec.prims[attr][0]
+    if attr == "gather":  # Gather(table (v, 1), ids (n, 1)): device matrix (n, v)
+        ids = strategies[1]
+        dev = (ids[0], layout[0])
+        tmap = (0,) + tuple(-1 for _ in layout[1:])
+    elif len(layout) == 2:  # MatMul(transpose_b): x (n, c), w (o, c) -> (n, c, o)
+        x = strategies[0]
+        dev = (x[0], x[1], layout[0])
+        tmap = (0, 1)
+    elif len(layout) == 3:  # BatchMatMul(transpose_b): x (b, n, c), w (b, o, c) -> (b, n, c, o)
+        x = strategies[0]
+        dev = (x[0], x[1], x[2], layout[1])
+        tmap = (3, 0, 1)
+    elif len(layout) == 1:  # a bias added to the matmul output rows x cols: split like the output columns
+        x = strategies[0]
+        dev = tuple(x)
+        tmap = (0,)
+    else:
+        raise UserError(f"checkpoint layout: no device-matrix rule for a {len(layout)}-axis parameter ({suffix})")
+    used = 1
+    for d in dev:
+        used *= d
+    if devices % used:
+        raise UserError(f"checkpoint layout: strategy of {suffix} uses {used} devices, not a divisor of {devices}")
+    if used < devices:
+        dev = dev + (devices // used,)  # repeated devices rightmost, as MindSpore does
+        tmap = tuple(m + 1 if m >= 0 else m for m in tmap)
+    # axes split 1 way are whole: MindSpore maps them to a size-1 device axis, which is the same
+    n = len(dev)
+    tmap = tuple(m if m >= 0 and dev[n - 1 - m] > 1 else -1 for m in tmap)
+    return dev, tmap
+
+
+def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None) -> ShardLayout:
+    """Every weight's layout for ``parallel`` (a ParallelConfig), from the plan and the model's name table.
+
+    ``dtypes``: tensor name -> safetensors dtype (default: the config's parameter dtype, routers F32).
+    """
+    import re
+
+    from ms_deepseek.model.inventory import parameter_inventory
+    from ms_deepseek.parallel.placement import placement_table
+    from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
+
+    plan = plan or Plan()
+    mesh = Mesh.from_parallel(parallel)
+    devices = parallel.dp * parallel.tp
+    stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
+    experts = None
+    if cfg.n_routed_experts:
+        table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
+        experts = tuple(ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r)
+                        for r in range(parallel.ep))
+    sf = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
+    out: Dict[str, TensorLayout] = {}
+    for info in parameter_inventory(cfg):
+        if info.is_buffer:
+            continue
+        pattern, layout = plan.param_layout(info.name, mesh)
+        style = plan.table[pattern]
+        spec = style_spec(style, mesh)
+        rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+        match = rx.match(info.name)
+        suffix = info.name[match.end() + 1:] if match else ""
+        for axis, (dim, k) in enumerate(zip(info.shape, layout)):
+            if dim % k:
+                raise UserError(f"parallel: {info.name} axis {axis} ({dim}) is not divisible by {k} "
+                                f"({parallel.describe()})")
+        dev, tmap = _dev_matrix_for(spec, suffix, layout, devices)
+        stacked = info.kind == "routed_experts"
+        dtype = (dtypes or {}).get(info.name, sf[info.dtype])
+        t = TensorLayout(info.name, info.shape, dtype, stage_of_param(info, parallel.pp, stages), dev, tmap,
+                         experts if stacked and tmap[0] >= 0 else None)
+        if stacked and t.split[0] != parallel.ep:
+            raise UserError(f"checkpoint layout: {info.name} splits experts {t.split[0]} ways, parallel.ep is "
+                            f"{parallel.ep}")
+        out[info.name] = t
+    return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out)
+
+
+# ---------------------------------------------------------------------------- layout file
+def read_layout(folder: Path) -> ShardLayout:
+    """``folder/layout.json``, checked for form; UserError naming the file."""
+    path = Path(folder) / LAYOUT_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing (a sharded checkpoint folder holds rank_RRRRR/ folders and "
+                        f"{LAYOUT_FILE})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable layout file ({exc})") from None
+    try:
+        if data.get("format") != FORMAT or int(data.get("version", 0)) != VERSION:
+            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} "
+                             f"version {VERSION}")
+        par = data["parallel"]
+        dp, tp, pp, ep = (int(par[k]) for k in ("dp", "tp", "pp", "ep"))
+        if min(dp, tp, pp, ep) < 1 or int(data["world_size"]) != dp * tp * pp:
+            raise ValueError(f"world_size {data['world_size']} is not dp*tp*pp = {dp * tp * pp}")
+        tensors: Dict[str, TensorLayout] = {}
+        for name, t in data["tensors"].items():
+            shape, dev, tmap = (tuple(int(x) for x in t[k]) for k in ("shape", "dev_matrix", "tensor_map"))
+            stage = int(t["stage"])
+            prod = 1
+            for d in dev:
+                prod *= d
+            if prod != dp * tp or len(tmap) != len(shape) or not 0 <= stage < pp or \
+                    any(m >= len(dev) or m < -1 for m in tmap):
+                raise ValueError(f"tensor {name}: dev_matrix {list(dev)} / tensor_map {list(tmap)} / stage {stage} "
+                                 f"do not fit dp*tp = {dp * tp} devices, pp = {pp}")
+            exp = tuple(ExpertIds(int(e) for e in ids) for ids in t["experts"]) if t.get("experts") else None
+            lay = TensorLayout(name, shape, str(t["dtype"]), stage, dev, tmap, exp)
+            for axis, (d, k) in enumerate(zip(shape, lay.split)):
+                if d % k:
+                    raise ValueError(f"tensor {name}: axis {axis} ({d}) is not divisible by {k}")
+            if exp is not None and (len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids)
+                                    != list(range(shape[0]))):
+                raise ValueError(f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
+                                 f"{shape[0]} experts over {lay.split[0]} ranks")
+            tensors[name] = lay
+        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{path}: malformed layout file ({exc})") from None
+
+
+def check_strategy_file(layout: ShardLayout, strategy_path: Path, rank: int) -> None:
+    """A MindSpore strategy file (``strategy.ckpt``, Ascend runs) must agree with the layout file.
+
+    Read with ``mindspore.build_searched_strategy`` (name -> layout with ``dev_matrix`` and
+    ``tensor_map``); parameters absent from the layout (optimizer accumulators) are skipped.
+    """
+    import mindspore as ms
+
+    try:
+        strategies = ms.build_searched_strategy(str(strategy_path))
+    except Exception as exc:  # MindSpore raises assorted types for damaged files
+        raise UserError(f"{strategy_path}: cannot read the strategy file ({str(exc).splitlines()[0]})") from None
+    for name, entry in strategies.items():
+        plain = name.split("adam_m.")[-1].split("adam_v.")[-1]
+        if plain not in layout.tensors:
+            continue
+        want = layout.tensors[plain]
+        dev = tuple(int(x) for x in entry.dev_matrix[0].dim)
+        tmap = tuple(int(x) for x in entry.tensor_map[0].dim)
+        mine = TensorLayout(plain, want.shape, want.dtype, want.stage, dev, tmap)
+        if mine.split != want.split or any(mine.slice_of(rank % layout.stage_devices)[a] !=
+                                           want.slice_of(rank % layout.stage_devices)[a]
+                                           for a in range(len(want.shape)) if want.experts is None or a > 0):
+            raise UserError(f"{strategy_path}: tensor {name} has dev_matrix {list(dev)} tensor_map {list(tmap)}; "
+                            f"{LAYOUT_FILE} says {list(want.dev_matrix)} / {list(want.tensor_map)}")
