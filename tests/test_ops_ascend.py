@@ -64,16 +64,23 @@ def _softmax64(x):
 
 
 def _lookup_numpy(ids, placement, experts_per_rank, capacity):
-    t, k = ids.shape
-    position = np.zeros_like(ids)
-    counts = {}
-    for j in range(k):
-        for i in range(t):
-            e = int(ids[i, j])
-            position[i, j] = counts.get(e, 0)
-            counts[e] = position[i, j] + 1
-    dest = placement[ids, 0]
-    return dest, dest * experts_per_rank + placement[ids, 1], position, (position < capacity).astype(np.float32)
+    """ids [G, T, k]: positions per group in k-major order; ids outside [0, E) -> (-1, -1, -1, 0)."""
+    g, t, k = ids.shape
+    dest, row, position = (np.full_like(ids, -1) for _ in range(3))
+    keep = np.zeros(ids.shape, np.float32)
+    for grp in range(g):
+        counts = {}
+        for j in range(k):
+            for i in range(t):
+                e = int(ids[grp, i, j])
+                if not 0 <= e < placement.shape[0]:
+                    continue
+                position[grp, i, j] = counts.get(e, 0)
+                counts[e] = position[grp, i, j] + 1
+                dest[grp, i, j] = placement[e, 0]
+                row[grp, i, j] = placement[e, 0] * experts_per_rank + placement[e, 1]
+                keep[grp, i, j] = float(position[grp, i, j] < capacity)
+    return dest, row, position, keep
 
 
 @in_child
@@ -113,13 +120,14 @@ def test_fp32_softmax_grad_on_npu(ascend_ops):
 
 
 @in_child
-@pytest.mark.parametrize("t, k, e, e_local, capacity", [(37, 3, 8, 2, 15), (4096, 6, 160, 20, 200), (9, 2, 4, 4, 0)])
-def test_expert_lookup_on_npu(ascend_ops, t, k, e, e_local, capacity):
+@pytest.mark.parametrize("g, t, k, e, e_local, capacity",
+                         [(1, 37, 3, 8, 2, 15), (1, 4096, 6, 160, 20, 200), (3, 9, 2, 4, 4, 0), (4, 50, 2, 8, 2, 9)])
+def test_expert_lookup_on_npu(ascend_ops, g, t, k, e, e_local, capacity):
     import mindspore as ms
     from mindspore import Tensor
 
     rng = np.random.default_rng(t)
-    ids = rng.integers(0, e, (t, k)).astype(np.int32)
+    ids = rng.integers(-1, e + 1, (g, t, k)).astype(np.int32)  # includes out-of-range ids (range-checked on device)
     perm = rng.permutation(e)
     placement = np.zeros((e, 2), np.int32)
     placement[perm, 0] = np.arange(e) // e_local

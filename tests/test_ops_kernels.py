@@ -30,17 +30,25 @@ def libs():
 # --------------------------------------------------------------------------- numpy truth
 
 def lookup_numpy(ids, placement, experts_per_rank, capacity):
-    t, k = ids.shape
-    position = np.zeros_like(ids)
-    counts = {}
-    for j in range(k):  # k-major: all first choices in token order, then all second choices, ...
-        for i in range(t):
-            e = int(ids[i, j])
-            position[i, j] = counts.get(e, 0)
-            counts[e] = position[i, j] + 1
-    dest = placement[ids, 0]
-    row = dest * experts_per_rank + placement[ids, 1]
-    keep = (position < capacity).astype(np.float32)
+    """ids [G, T, k] (or [T, k]); positions count per group; ids outside [0, E) -> (-1, -1, -1, 0)."""
+    if ids.ndim == 2:
+        return tuple(o[0] for o in lookup_numpy(ids[None], placement, experts_per_rank, capacity))
+    g, t, k = ids.shape
+    num_experts = placement.shape[0]
+    dest, row, position = (np.full_like(ids, -1) for _ in range(3))
+    keep = np.zeros(ids.shape, np.float32)
+    for grp in range(g):
+        counts = {}
+        for j in range(k):  # k-major: all first choices in token order, then all second choices, ...
+            for i in range(t):
+                e = int(ids[grp, i, j])
+                if not 0 <= e < num_experts:
+                    continue
+                position[grp, i, j] = counts.get(e, 0)
+                counts[e] = position[grp, i, j] + 1
+                dest[grp, i, j] = placement[e, 0]
+                row[grp, i, j] = placement[e, 0] * experts_per_rank + placement[e, 1]
+                keep[grp, i, j] = float(position[grp, i, j] < capacity)
     return dest, row, position, keep
 
 
@@ -71,22 +79,24 @@ def random_placement(rng, num_experts, experts_per_rank):
 # --------------------------------------------------------------------------- ExpertLookup
 
 LOOKUP_CASES = {
-    # name: (T, k, E, E_local, capacity, id generator)
-    "random": (37, 3, 8, 2, 15, lambda rng, t, k, e: rng.integers(0, e, (t, k))),
-    "all_dropped": (9, 2, 4, 4, 0, lambda rng, t, k, e: rng.integers(0, e, (t, k))),
-    "one_expert_exactly_full": (6, 2, 4, 1, 12, lambda rng, t, k, e: np.full((t, k), 3)),
-    "one_expert_one_over": (6, 2, 4, 1, 11, lambda rng, t, k, e: np.full((t, k), 3)),
-    "single_token": (1, 6, 64, 8, 1, lambda rng, t, k, e: rng.permutation(e)[:k].reshape(1, k)),
-    "many_slots": (301, 6, 160, 20, 12, lambda rng, t, k, e: rng.integers(0, e, (t, k))),
+    # name: (G, T, k, E, E_local, capacity, id generator)
+    "random": (1, 37, 3, 8, 2, 15, lambda rng, g, t, k, e: rng.integers(0, e, (g, t, k))),
+    "groups": (4, 13, 3, 8, 2, 4, lambda rng, g, t, k, e: rng.integers(0, e, (g, t, k))),
+    "all_dropped": (2, 9, 2, 4, 4, 0, lambda rng, g, t, k, e: rng.integers(0, e, (g, t, k))),
+    "one_expert_exactly_full": (1, 6, 2, 4, 1, 12, lambda rng, g, t, k, e: np.full((g, t, k), 3)),
+    "one_expert_one_over": (3, 6, 2, 4, 1, 11, lambda rng, g, t, k, e: np.full((g, t, k), 3)),
+    "single_token": (1, 1, 6, 64, 8, 1, lambda rng, g, t, k, e: rng.permutation(e)[:k].reshape(1, 1, k)),
+    "many_slots": (1, 301, 6, 160, 20, 12, lambda rng, g, t, k, e: rng.integers(0, e, (g, t, k))),
+    "out_of_range": (3, 11, 2, 8, 4, 3, lambda rng, g, t, k, e: rng.integers(-3, e + 3, (g, t, k))),
 }
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"cores{s[0]}_ub{s[1]}")
 @pytest.mark.parametrize("case", sorted(LOOKUP_CASES))
 def test_expert_lookup_cpu_matches_numpy_and_reference(libs, case, schedule):
-    t, k, e, e_local, capacity, gen = LOOKUP_CASES[case]
+    g, t, k, e, e_local, capacity, gen = LOOKUP_CASES[case]
     rng = np.random.default_rng(len(case))
-    ids = gen(rng, t, k, e).astype(np.int32)
+    ids = gen(rng, g, t, k, e).astype(np.int32)
     placement = random_placement(rng, e, e_local)
     kernel = cpu.ExpertLookupCpu(libs["expert_lookup"], e, e_local, core_num=schedule[0], ub_bytes=schedule[1])
     got = [o.asnumpy() for o in kernel(Tensor(ids), Tensor(placement), capacity)]
@@ -109,12 +119,37 @@ def test_expert_lookup_first_choice_dropped_last(libs):
     np.testing.assert_array_equal(keep.asnumpy(), [[1, 1], [1, 0], [1, 0], [1, 0], [1, 0]])
 
 
-def test_expert_lookup_rejects_out_of_range_ids(libs):
-    kernel = cpu.ExpertLookupCpu(libs["expert_lookup"], 4, 2)
-    with pytest.raises(RuntimeError):
-        out = kernel(Tensor(np.array([[0, 7]], np.int32)), Tensor(random_placement(np.random.default_rng(0), 4, 2)), 2)
-        out[0].asnumpy()
-    assert "expert id 7" in cpu.last_error(libs["expert_lookup"])
+def test_expert_lookup_out_of_range_ids_are_inert(libs):
+    # Ids outside [0, E) are not counted (the next valid slot of expert 0 still gets position 1)
+    # and come out as (-1, -1, -1, 0): same on the CPU kernel and the reference.
+    ids = np.array([[[0, 7], [-1, 0], [4, 1]]], np.int32)  # [G=1, T=3, k=2], E = 4
+    placement = random_placement(np.random.default_rng(0), 4, 2)
+    want = lookup_numpy(ids, placement, 2, 2)
+    np.testing.assert_array_equal(want[2], [[[0, -1], [-1, 1], [-1, 0]]])
+    for impl in (cpu.ExpertLookupCpu(libs["expert_lookup"], 4, 2), reference.ExpertLookupReference(4, 2)):
+        got = [o.asnumpy() for o in impl(Tensor(ids), Tensor(placement), 2)]
+        for name, g, w in zip(("dest_rank", "buffer_row", "position", "keep"), got, want):
+            np.testing.assert_array_equal(g, w, err_msg=f"{impl.kind} {name}")
+
+
+@pytest.mark.parametrize("mode", [ms.PYNATIVE_MODE, ms.GRAPH_MODE])
+def test_expert_lookup_one_group_equals_its_row_of_all_groups(libs, mode):
+    # What one device computes under the strategy ((dp, 1), (1, 1)): its own group only.
+    rng = np.random.default_rng(3)
+    g, t, k, e, e_local, capacity = 4, 17, 2, 8, 2, 5
+    ids = rng.integers(0, e, (g, t, k)).astype(np.int32)
+    placement = random_placement(rng, e, e_local)
+    old = ms.get_context("mode")
+    ms.set_context(mode=mode)
+    try:
+        kernel = cpu.ExpertLookupCpu(libs["expert_lookup"], e, e_local)
+        full = [o.asnumpy() for o in kernel(Tensor(ids), Tensor(placement), capacity)]
+        for grp in range(g):
+            one = [o.asnumpy() for o in kernel(Tensor(ids[grp:grp + 1]), Tensor(placement), capacity)]
+            for a, b in zip(one, full):
+                np.testing.assert_array_equal(a[0], b[grp])
+    finally:
+        ms.set_context(mode=old)
 
 
 # --------------------------------------------------------------------------- FP32Softmax

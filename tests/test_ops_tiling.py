@@ -99,22 +99,26 @@ LOOKUP_PROBLEMS = [
 
 
 @pytest.mark.parametrize("problem", LOOKUP_PROBLEMS, ids=lambda p: "x".join(map(str, p)))
-def test_expert_lookup_tiling_covers_slots_in_order(problem):
+@pytest.mark.parametrize("groups", [1, 4])
+def test_expert_lookup_tiling_covers_slots_in_order(problem, groups):
     slots, e, e_local, capacity, core_num, ub = problem
-    kw = dict(slots=slots, num_experts=e, experts_per_rank=e_local, capacity=capacity, core_num=core_num, ub_bytes=ub)
+    kw = dict(slots=slots * groups, groups=groups, num_experts=e, experts_per_rank=e_local, capacity=capacity,
+              core_num=core_num, ub_bytes=ub)
     t = tiling("expert_lookup", **kw)
+    assert (t["groups"], t["group_slots"]) == (groups, slots)
     assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["hist_stride"] % 8 == 0
-    assert t["hist_stride"] >= e and t["workspace_bytes"] == t["used_cores"] * t["hist_stride"] * 4
+    # one counter per (group, expert) in each core's workspace row
+    assert t["hist_stride"] >= groups * e and t["workspace_bytes"] == t["used_cores"] * t["hist_stride"] * 4
     assert 1 <= t["used_cores"] <= core_num
     assert 0 < t["last_chunk"] <= t["chunk"]
-    fixed = (4 * -(-e // 8) * 8) * 4
+    fixed = (2 * -(-e // 8) * 8 + 2 * -(-(groups * e) // 8) * 8) * 4
     assert t["tile"] * 40 + fixed <= ub - RESERVE
     tiles = schedule("expert_lookup", **kw)
     expected_start = 0
     for tile in tiles:  # contiguous, in order: the k-major order is preserved
         assert tile["start"] == expected_start and 1 <= tile["slots"] <= t["tile"]
         expected_start += tile["slots"]
-    assert expected_start == slots
+    assert expected_start == slots * groups
     for core in range(t["used_cores"]):
         first = next(x for x in tiles if x["core"] == core)
         assert first["start"] == core * t["chunk"] and (first["start"] * 4) % BLOCK == 0
@@ -131,6 +135,9 @@ def test_expert_lookup_tiling_edges():
     assert err.value.status == 2
     with pytest.raises(TilingError):
         tiling("expert_lookup", slots=10, num_experts=4, experts_per_rank=2, capacity=-1)
+    with pytest.raises(TilingError) as err:  # the stream does not split into equal groups
+        tiling("expert_lookup", slots=10, groups=3, num_experts=4, experts_per_rank=2, capacity=1)
+    assert err.value.status == 1
 
 
 # --------------------------------------------------------------------------- repetition penalty

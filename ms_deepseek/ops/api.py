@@ -14,14 +14,20 @@ class ExpertLookup(nn.Cell):
 
     ``dest_rank, buffer_row, position, keep = lookup(topk_ids, placement, capacity)``
 
-    * ``topk_ids`` [T, k] int32 expert ids in [0, E); ``placement`` [E, 2] int32
-      (column 0: EP rank owning the expert, column 1: its local slot on that rank);
-      ``capacity``: python int >= 0 (static, per expert).
-    * ``dest_rank`` [T, k] int32; ``buffer_row`` [T, k] int32 = rank * E_local + slot;
-      ``position`` [T, k] int32: index of this (token, choice) in its expert's buffer,
-      assigned in k-major order (all first choices in token order, then all second
-      choices, ...), so a token's first choice is dropped last;
-      ``keep`` [T, k] float32: 1.0 if ``position < capacity`` else 0.0.
+    * ``topk_ids`` [G, T, k] int32 expert ids of G token groups (one per data-parallel
+      rank; [T, k] is one group); ``placement`` [E, 2] int32 (column 0: EP rank owning
+      the expert, column 1: its local slot on that rank); ``capacity``: python int >= 0
+      (static, per expert and group).
+    * ``dest_rank`` [G, T, k] int32; ``buffer_row`` [G, T, k] int32 = rank * E_local + slot;
+      ``position`` [G, T, k] int32: index of this (token, choice) in its expert's buffer
+      of its group, assigned in k-major order within the group (all first choices in
+      token order, then all second choices, ...), so a token's first choice is dropped
+      last; ``keep`` [G, T, k] float32: 1.0 if ``position < capacity`` else 0.0.
+    * Groups are independent: the op on group g alone ([1, T, k]) gives exactly row g of
+      the op on all groups, which is what a device computes under the strategy
+      ((dp, 1, 1), (1, 1)).
+    * An id outside [0, E) is not counted and gets (-1, -1, -1, 0.0): no kernel reads or
+      writes out of bounds (the same on the reference, CPU and Ascend kernels).
 
     Integer outputs carry no gradient. Works in graph mode and PyNative.
     """
@@ -41,11 +47,16 @@ class ExpertLookup(nn.Cell):
             raise UserError(
                 f"ExpertLookup: placement must have shape ({self.num_experts}, 2), got {tuple(placement.shape)}"
             )
-        if topk_ids.ndim != 2:
-            raise UserError(f"ExpertLookup: topk_ids must be [tokens, k], got shape {tuple(topk_ids.shape)}")
+        if topk_ids.ndim not in (2, 3):
+            raise UserError(f"ExpertLookup: topk_ids must be [groups, tokens, k] (or [tokens, k]), "
+                            f"got shape {tuple(topk_ids.shape)}")
         return super().__call__(topk_ids, placement, capacity)
 
     def construct(self, topk_ids, placement, capacity):
+        if topk_ids.ndim == 2:  # one group: [T, k] -> [1, T, k] and back
+            t, k = topk_ids.shape
+            outs = self.impl(topk_ids.reshape(1, t, k), placement, capacity)
+            return tuple(o.reshape(t, k) for o in outs)
         return self.impl(topk_ids, placement, capacity)
 
 

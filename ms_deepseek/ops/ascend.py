@@ -56,6 +56,7 @@ def _require(op_name: str) -> str:
 
 class ExpertLookupAscend(nn.Cell):
     kind = "ascend"
+    strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
 
     def __init__(self, num_experts: int, experts_per_rank: int):
         super().__init__()
@@ -73,14 +74,15 @@ class ExpertLookupAscend(nn.Cell):
         )
 
     def construct(self, topk_ids, placement, capacity):
-        t, k = topk_ids.shape
-        ids_km = reference.to_kmajor(topk_ids)  # [k*T]
+        _, t, k = topk_ids.shape
+        ids_km = reference.to_kmajor(topk_ids)  # [G, k*T]
         dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), capacity, self.experts_per_rank)
         return (reference.from_kmajor(dest, t, k), reference.from_kmajor(row, t, k),
                 reference.from_kmajor(pos, t, k), reference.from_kmajor(keep, t, k))
 
 
 class FP32SoftmaxAscend(nn.Cell):
+    strategy_tail = ()
     """Forward on the Ascend C kernel; backward y * (dy - sum(dy * y)) in float32 with built-in ops."""
 
     kind = "ascend"

@@ -39,9 +39,15 @@ def last_error(lib: Path) -> str:
 
 
 class ExpertLookupCpu(nn.Cell):
-    """CPU kernel of :class:`ms_deepseek.ops.ExpertLookup` (k-major stream in, four outputs)."""
+    """CPU kernel of :class:`ms_deepseek.ops.ExpertLookup` (per-group k-major streams [G, k*T] in, four outputs).
+
+    ``strategy_tail``: the strategies of the op's inputs after the data inputs (the config
+    tensor, replicated), which :func:`ms_deepseek.parallel.apply.apply_plan` appends to the
+    plan's strategy for this custom op.
+    """
 
     kind = "cpu"
+    strategy_tail = ((1,),)
 
     def __init__(self, lib: Path, num_experts: int, experts_per_rank: int, core_num: int = DEFAULT_CORE_NUM,
                  ub_bytes: int = DEFAULT_UB_BYTES):
@@ -65,8 +71,8 @@ class ExpertLookupCpu(nn.Cell):
         )
 
     def construct(self, topk_ids, placement, capacity):
-        t, k = topk_ids.shape
-        ids_km = reference.to_kmajor(topk_ids)  # [k*T]
+        _, t, k = topk_ids.shape
+        ids_km = reference.to_kmajor(topk_ids)  # [G, k*T]
         cfg = ms.Tensor([capacity, self.experts_per_rank, self.core_num, self.ub_bytes], mstype.int64)
         dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), cfg)
         return (reference.from_kmajor(dest, t, k), reference.from_kmajor(row, t, k),
@@ -77,6 +83,7 @@ class FP32SoftmaxCpu(nn.Cell):
     """CPU kernel of :class:`ms_deepseek.ops.FP32Softmax` (forward and backward in double precision)."""
 
     kind = "cpu"
+    strategy_tail = ((1,),)  # the config tensor
 
     def __init__(self, lib: Path, out_dtype=mstype.float32, core_num: int = DEFAULT_CORE_NUM,
                  ub_bytes: int = DEFAULT_UB_BYTES):

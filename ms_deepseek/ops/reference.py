@@ -18,13 +18,16 @@ _FLOAT_DTYPES = (mstype.float32, mstype.float16, mstype.bfloat16)
 
 
 def to_kmajor(topk_ids):
-    """[T, k] expert ids -> [k*T] int32 in k-major order (all first choices, then all second, ...)."""
-    return topk_ids.astype(mstype.int32).transpose(1, 0).reshape(-1)  # [T, k] -> [k, T] -> [k*T]
+    """[G, T, k] expert ids -> [G, k*T] int32, each group in k-major order (all first choices, then all
+    second, ...)."""
+    g, t, k = topk_ids.shape
+    return topk_ids.astype(mstype.int32).transpose(0, 2, 1).reshape(g, k * t)  # [G, T, k] -> [G, k, T] -> [G, k*T]
 
 
 def from_kmajor(values, t: int, k: int):
-    """[k*T] k-major values -> [T, k], without gradient (the lookup's outputs are indices)."""
-    return ops.stop_gradient(values.reshape(k, t).transpose(1, 0))  # [k*T] -> [k, T] -> [T, k]
+    """[G, k*T] k-major values -> [G, T, k], without gradient (the lookup's outputs are indices)."""
+    g = values.shape[0]
+    return ops.stop_gradient(values.reshape(g, k, t).transpose(0, 2, 1))  # [G, k*T] -> [G, k, T] -> [G, T, k]
 
 
 def check_lookup_args(num_experts, experts_per_rank) -> None:
@@ -81,9 +84,9 @@ def check_penalty_inputs(logits, token_ids) -> None:
 
 
 class ExpertLookupReference(nn.Cell):
-    """Placement lookup + capacity positions with one-hot cumsum (O(T*k*E) int32 memory).
+    """Placement lookup + per-group capacity positions with one-hot cumsum (O(G*T*k*E) int32 memory).
 
-    See :class:`ms_deepseek.ops.ExpertLookup` for the contract.
+    See :class:`ms_deepseek.ops.ExpertLookup` for the contract (``topk_ids`` [G, T, k]).
     """
 
     kind = "reference"
@@ -97,22 +100,27 @@ class ExpertLookupReference(nn.Cell):
         self.zero = ms.Tensor(0, mstype.int32)
 
     def construct(self, topk_ids, placement, capacity):
-        t, k = topk_ids.shape
+        g, t, k = topk_ids.shape
         ids = topk_ids.astype(mstype.int32)
+        # Ids outside [0, E) are not counted and get (-1, -1, -1, 0.0), like the kernels.
+        valid = ops.logical_and(ids >= 0, ids < self.num_experts)  # [G, T, k]
+        safe = ops.select(valid, ids, ops.zeros_like(ids))  # [G, T, k], in range
+        invalid = ops.full_like(ids, -1)
         # Placement lookup: rows of the [E, 2] table gathered by expert id.
-        flat = ids.reshape(-1)  # [T*k], token-major
-        rows = ops.gather(placement, flat, 0)  # [T*k, 2]
-        dest_rank = rows[:, 0].reshape(t, k)  # [T, k]
-        local_slot = rows[:, 1].reshape(t, k)  # [T, k]
-        buffer_row = dest_rank * self.experts_per_rank + local_slot
+        rows = ops.gather(placement, safe.reshape(-1), 0)  # [G*T*k, 2]
+        dest_rank = rows[:, 0].reshape(g, t, k)  # [G, T, k]
+        local_slot = rows[:, 1].reshape(g, t, k)  # [G, T, k]
+        buffer_row = ops.select(valid, dest_rank * self.experts_per_rank + local_slot, invalid)
+        dest_rank = ops.select(valid, dest_rank, invalid)
 
-        # Positions in k-major order: slot s = j*T + i for (token i, choice j).
-        ids_km = to_kmajor(ids)  # [k*T]
-        onehot = ops.one_hot(ids_km, self.num_experts, self.one, self.zero)  # [k*T, E]
-        running = ops.cumsum(onehot, 0)  # [k*T, E]: inclusive count per expert
-        pos_km = ops.gather_elements(running, 1, ids_km.reshape(-1, 1)) - 1  # [k*T, 1]
-        position = from_kmajor(pos_km, t, k)  # [T, k]
-        keep = (position < capacity).astype(mstype.float32)
+        # Positions per group in k-major order: slot s = j*T + i for (token i, choice j).
+        safe_km = to_kmajor(safe)  # [G, k*T]
+        valid_km = to_kmajor(valid.astype(mstype.int32))  # [G, k*T] in {0, 1}
+        onehot = ops.one_hot(safe_km, self.num_experts, self.one, self.zero) * valid_km.reshape(g, k * t, 1)
+        running = ops.cumsum(onehot, 1)  # [G, k*T, E]: inclusive count per expert within the group
+        pos_km = ops.gather_elements(running, 2, safe_km.reshape(g, k * t, 1)) - 1  # [G, k*T, 1]
+        position = ops.select(valid, from_kmajor(pos_km.reshape(g, k * t), t, k), invalid)  # [G, T, k]
+        keep = ops.logical_and(valid, position < capacity).astype(mstype.float32)
         return dest_rank, buffer_row, position, keep
 
 

@@ -29,9 +29,9 @@ _SPECS = {
     ),
     "expert_lookup": (
         "ExpertLookup",
-        ("slots", "num_experts", "experts_per_rank", "capacity", "core_num", "ub_bytes"),
-        ("slots", "num_experts", "experts_per_rank", "capacity", "used_cores", "chunk", "last_chunk", "tile",
-         "hist_stride", "workspace_bytes"),
+        ("slots", "groups", "num_experts", "experts_per_rank", "capacity", "core_num", "ub_bytes"),
+        ("slots", "groups", "group_slots", "num_experts", "experts_per_rank", "capacity", "used_cores", "chunk",
+         "last_chunk", "tile", "hist_stride", "workspace_bytes"),
         ("core", "start", "slots"),
     ),
     "repetition_penalty": (
@@ -58,6 +58,8 @@ def _lib(op_name: str) -> ctypes.CDLL:
 def _inputs(op_name: str, kwargs: Dict[str, int]):
     _, names, _, _ = _SPECS[op_name]
     values = {"core_num": DEFAULT_CORE_NUM, "ub_bytes": DEFAULT_UB_BYTES, **kwargs}
+    if "groups" in names:
+        values.setdefault("groups", 1)
     unknown = set(values) - set(names)
     if unknown:
         raise TypeError(f"{op_name}: unknown tiling inputs {sorted(unknown)}; expected {names}")

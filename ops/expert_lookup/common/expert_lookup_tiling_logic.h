@@ -2,11 +2,18 @@
 //
 // Shared by op_host, op_kernel and the CPU kernel (which walks the same schedule).
 //
-// Input is the router's choice flattened in k-major order (slot s = j * T + i for
-// token i, choice j), so a slot's position in its expert's capacity buffer is the
-// number of earlier slots with the same expert. The work is three phases:
-//   1. count:  each core histograms the expert ids of its chunk of slots and
-//              writes the histogram to its row of a GM workspace [cores, E];
+// Input is the router's choice of G token groups (one per data-parallel rank), each
+// flattened in k-major order ([G, k * T]: slot s = j * T + i for token i, choice j of
+// a group), so a slot's position in its expert's capacity buffer is the number of
+// earlier slots of the SAME GROUP with the same expert. Counting runs over the flat
+// stream [G * k * T] with the key g * E + e (group g's slots are contiguous), so one
+// histogram row of G * E counters per core gives per-group positions; a device that
+// holds one group (G = 1, the sharded case) computes exactly its group's result.
+// An id outside [0, E) is not counted and gets (dest_rank, buffer_row, position,
+// keep) = (-1, -1, -1, 0.0) (InvalidSlot): nothing is read or written out of bounds.
+// The work is three phases:
+//   1. count:  each core histograms the keys of its chunk of slots and
+//              writes the histogram to its row of a GM workspace [cores, G * E];
 //   2. sync:   all cores wait (SyncAll on Ascend; phase boundary on CPU);
 //   3. assign: each core starts every expert's counter at the sum of the earlier
 //              cores' histograms and walks its chunk again in order, giving each
@@ -26,7 +33,9 @@ constexpr int64_t kAlign = kBlockBytes / 4;  // int32 / float32 elements per blo
 constexpr int64_t kBufferNum = 2;
 
 struct ExpertLookupTiling {
-  int64_t slots;             // T * k
+  int64_t slots;             // G * T * k
+  int64_t groups;            // G (token groups; slots of group g are [g * group_slots, (g + 1) * group_slots))
+  int64_t group_slots;       // T * k
   int64_t num_experts;       // E (rows of the placement table)
   int64_t experts_per_rank;  // E_local
   int64_t capacity;          // per-expert buffer rows
@@ -34,7 +43,7 @@ struct ExpertLookupTiling {
   int64_t chunk;             // slots per core (multiple of kAlign) ...
   int64_t last_chunk;        // ... except the last used core
   int64_t tile;              // slots per UB tile (multiple of kAlign)
-  int64_t hist_stride;       // workspace row length: E rounded up to kAlign
+  int64_t hist_stride;       // workspace row length: G * E rounded up to kAlign
   int64_t workspace_bytes;   // GM workspace for the per-core histograms
 };
 
@@ -43,25 +52,29 @@ struct ExpertLookupTiling {
 MSDS_INLINE int64_t BytesPerSlot() { return kBufferNum * 4 + kBufferNum * 4 * 4; }
 
 // UB bytes that do not depend on the tile: the placement table [E, 2] and the
-// running counters [E] plus one histogram row being summed, all int32.
-MSDS_INLINE int64_t FixedUbBytes(int64_t num_experts) {
+// running counters [G * E] plus one histogram row being summed, all int32.
+MSDS_INLINE int64_t FixedUbBytes(int64_t num_experts, int64_t groups) {
   int64_t e = AlignUp(num_experts, kAlign);
-  return (2 * e + e + e) * 4;
+  int64_t ge = AlignUp(groups * num_experts, kAlign);
+  return (2 * e + ge + ge) * 4;
 }
 
-MSDS_INLINE int ComputeTiling(int64_t slots, int64_t num_experts, int64_t experts_per_rank, int64_t capacity,
-                              int64_t core_num, int64_t ub_bytes, ExpertLookupTiling* t) {
-  if (slots < 0 || num_experts < 1) return kErrBadShape;
+// `slots` is the whole stream (G * T * k) and must be a multiple of `groups`.
+MSDS_INLINE int ComputeTiling(int64_t slots, int64_t groups, int64_t num_experts, int64_t experts_per_rank,
+                              int64_t capacity, int64_t core_num, int64_t ub_bytes, ExpertLookupTiling* t) {
+  if (slots < 0 || num_experts < 1 || groups < 1 || slots % groups != 0) return kErrBadShape;
   if (experts_per_rank < 1 || capacity < 0 || core_num < 1) return kErrBadConfig;
   t->slots = slots;
+  t->groups = groups;
+  t->group_slots = slots / groups;
   t->num_experts = num_experts;
   t->experts_per_rank = experts_per_rank;
   t->capacity = capacity;
-  t->hist_stride = AlignUp(num_experts, kAlign);
+  t->hist_stride = AlignUp(groups * num_experts, kAlign);
   t->chunk = AlignedChunks(slots, core_num, kAlign, &t->used_cores);
   t->last_chunk = t->used_cores > 0 ? slots - (t->used_cores - 1) * t->chunk : 0;
   t->workspace_bytes = t->used_cores * t->hist_stride * 4;
-  int64_t budget = ub_bytes - kUbReserveBytes - FixedUbBytes(num_experts);
+  int64_t budget = ub_bytes - kUbReserveBytes - FixedUbBytes(num_experts, groups);
   int64_t fit = AlignDown(budget > 0 ? budget / BytesPerSlot() : 0, kAlign);
   if (fit < kAlign) return kErrUbTooSmall;
   t->tile = slots > 0 ? Min64(fit, t->chunk) : fit;
@@ -83,6 +96,21 @@ MSDS_INLINE int64_t Tiles(const ExpertLookupTiling& t, int64_t core_slots) { ret
 
 MSDS_INLINE int64_t TileSlots(const ExpertLookupTiling& t, int64_t core_slots, int64_t tile) {
   return Min64(t.tile, core_slots - tile * t.tile);
+}
+
+// Counter key of flat slot s with expert id e, or -1 when e is outside [0, E).
+MSDS_INLINE int64_t SlotKey(const ExpertLookupTiling& t, int64_t s, int32_t e) {
+  if (e < 0 || e >= t.num_experts) return -1;
+  int64_t g = t.group_slots > 0 ? s / t.group_slots : 0;
+  return g * t.num_experts + e;
+}
+
+// The outputs of a slot whose id is out of range.
+MSDS_INLINE void InvalidSlot(int32_t* dest_rank, int32_t* buffer_row, int32_t* pos, float* keep) {
+  *dest_rank = -1;
+  *buffer_row = -1;
+  *pos = -1;
+  *keep = 0.0f;
 }
 
 // The per-slot rule, identical on every backend.

@@ -17,19 +17,23 @@ static ge::graphStatus ExpertLookupTiling(gert::TilingContext* context) {
   platform.GetCoreMemSize(platform_ascendc::CoreMemType::UB, ub_bytes);
   int64_t core_num = platform.GetCoreNumAiv();
 
-  int64_t slots = context->GetInputShape(0)->GetStorageShape().GetShapeSize();
+  const gert::Shape& ids = context->GetInputShape(0)->GetStorageShape();
+  int64_t slots = ids.GetShapeSize();
+  int64_t groups = ids.GetDimNum() == 2 ? ids.GetDim(0) : 1;
   int64_t num_experts = context->GetInputShape(1)->GetStorageShape().GetDim(0);
   const gert::RuntimeAttrs* attrs = context->GetAttrs();
   int64_t capacity = *attrs->GetAttrPointer<int64_t>(0);
   int64_t experts_per_rank = *attrs->GetAttrPointer<int64_t>(1);
 
   msds::expert_lookup::ExpertLookupTiling t;
-  if (msds::expert_lookup::ComputeTiling(slots, num_experts, experts_per_rank, capacity, core_num,
-                                         static_cast<int64_t>(ub_bytes), &t) != msds::kOk) {
+  if (msds::expert_lookup::ComputeTiling(slots, groups > 0 ? groups : 1, num_experts, experts_per_rank, capacity,
+                                         core_num, static_cast<int64_t>(ub_bytes), &t) != msds::kOk) {
     return ge::GRAPH_FAILED;
   }
   ExpertLookupTilingData data;
   data.set_slots(t.slots);
+  data.set_groups(t.groups);
+  data.set_group_slots(t.group_slots);
   data.set_num_experts(t.num_experts);
   data.set_experts_per_rank(t.experts_per_rank);
   data.set_capacity(t.capacity);
@@ -55,7 +59,9 @@ static ge::graphStatus ExpertLookupTiling(gert::TilingContext* context) {
 namespace ge {
 
 static graphStatus ExpertLookupInferShape(gert::InferShapeContext* context) {
+  // Every output has the shape of ids ([G, k*T] or [k*T]).
   const gert::Shape* ids = context->GetInputShape(0);
+  if (ids->GetDimNum() != 1 && ids->GetDimNum() != 2) return GRAPH_FAILED;
   for (size_t i = 0; i < 4; ++i) *context->GetOutputShape(i) = *ids;
   return GRAPH_SUCCESS;
 }

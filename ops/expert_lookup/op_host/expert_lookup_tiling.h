@@ -8,6 +8,8 @@
 namespace optiling {
 BEGIN_TILING_DATA_DEF(ExpertLookupTilingData)
 TILING_DATA_FIELD_DEF(int64_t, slots);
+TILING_DATA_FIELD_DEF(int64_t, groups);
+TILING_DATA_FIELD_DEF(int64_t, group_slots);
 TILING_DATA_FIELD_DEF(int64_t, num_experts);
 TILING_DATA_FIELD_DEF(int64_t, experts_per_rank);
 TILING_DATA_FIELD_DEF(int64_t, capacity);

@@ -1,16 +1,20 @@
 // ExpertLookup Ascend C kernel: placement lookup + capacity positions for MoE dispatch.
 //
 // A thin translation of expert_lookup_tiling_logic.h. Core c owns slots
-// CoreSlots(c) of the k-major stream and walks them in tiles of `tile` slots:
-//   1. count:  histogram of its expert ids (scalar loop over the UB tile) ->
+// CoreSlots(c) of the flat stream of G k-major groups and walks them in tiles of
+// `tile` slots; counters are keyed by SlotKey = group * E + expert:
+//   1. count:  histogram of its keys (scalar loop over the UB tile) ->
 //              workspace row c (GM);
 //   2. SyncAll: every core's histogram is in GM;
 //   3. assign: counters = sum of workspace rows 0..c-1 (vector adds), then the
 //              same walk gives each slot counter[e]++ as its position and looks
 //              up (rank, local slot) in the UB copy of the placement table.
 // The per-slot work is scalar (an id-dependent read-modify-write of a counter),
-// which is cheap at T * k of a few thousand slots per step. Ids must lie in
-// [0, E) (the router guarantees it; the CPU kernel checks).
+// which is cheap at T * k of a few thousand slots per step. Ids are range-checked
+// here on the device: an id outside [0, E) touches no counter and no placement
+// entry and gets InvalidSlot's (-1, -1, -1, 0.0), as in the CPU kernel and the
+// reference. The kernel is declared mixed (KERNEL_TYPE_MIX_AIV_1_0, vector cores
+// only) so that CANN sets up the FFTS sync that the hardware SyncAll() needs.
 #include "kernel_operator.h"
 #include "expert_lookup_tiling_logic.h"
 #include "msds_ascendc_sync.h"
@@ -38,7 +42,7 @@ class ExpertLookupKernel {
     pipe_.InitBuffer(rowBuf_, el::kBufferNum * t_.tile * 4);
     pipe_.InitBuffer(posBuf_, el::kBufferNum * t_.tile * 4);
     pipe_.InitBuffer(keepBuf_, el::kBufferNum * t_.tile * 4);
-    pipe_.InitBuffer(placeBuf_, 2 * t_.hist_stride * 4);
+    pipe_.InitBuffer(placeBuf_, 2 * msds::AlignUp(t_.num_experts, el::kAlign) * 4);
     pipe_.InitBuffer(counterBuf_, t_.hist_stride * 4);
     pipe_.InitBuffer(histRowBuf_, t_.hist_stride * 4);
   }
@@ -54,9 +58,10 @@ class ExpertLookupKernel {
     for (int64_t i = 0; i < tiles; ++i) {
       int64_t n = el::TileSlots(t_, count_, i);
       LocalTensor<int32_t> ids = LoadIds(start_ + i * t_.tile, n);
+      int64_t s0 = start_ + i * t_.tile;
       for (int64_t j = 0; j < n; ++j) {
-        int32_t e = ids.GetValue(j);
-        counter.SetValue(e, counter.GetValue(e) + 1);
+        int64_t key = el::SlotKey(t_, s0 + j, ids.GetValue(j));
+        if (key >= 0) counter.SetValue(key, counter.GetValue(key) + 1);
       }
       msds::Sync<HardEvent::S_MTE2>();  // the next tile overwrites the ids buffer
     }
@@ -95,11 +100,16 @@ class ExpertLookupKernel {
       msds::Sync<HardEvent::MTE3_S>();  // the previous tile's outputs have left UB
       for (int64_t j = 0; j < n; ++j) {
         int32_t e = ids.GetValue(j);
-        int32_t p = counter.GetValue(e);
-        counter.SetValue(e, p + 1);
+        int64_t key = el::SlotKey(t_, s0 + j, e);
         int32_t d, r, q;
         float k;
-        el::AssignSlot(place.GetValue(2 * e), place.GetValue(2 * e + 1), p, t_, &d, &r, &q, &k);
+        if (key < 0) {
+          el::InvalidSlot(&d, &r, &q, &k);
+        } else {
+          int32_t p = counter.GetValue(key);
+          counter.SetValue(key, p + 1);
+          el::AssignSlot(place.GetValue(2 * e), place.GetValue(2 * e + 1), p, t_, &d, &r, &q, &k);
+        }
         dest.SetValue(j, d);
         row.SetValue(j, r);
         pos.SetValue(j, q);
@@ -138,9 +148,14 @@ class ExpertLookupKernel {
 extern "C" __global__ __aicore__ void expert_lookup(GM_ADDR ids, GM_ADDR placement, GM_ADDR dest_rank,
                                                     GM_ADDR buffer_row, GM_ADDR position, GM_ADDR keep,
                                                     GM_ADDR workspace, GM_ADDR tiling) {
+  // SyncAll() between the count and assign phases is the hardware barrier: CANN sets up
+  // its FFTS sync only for a kernel declared mixed (vector cores only, 1:0).
+  KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);
   GET_TILING_DATA(td, tiling);
   el::ExpertLookupTiling t;
   t.slots = td.slots;
+  t.groups = td.groups;
+  t.group_slots = td.group_slots;
   t.num_experts = td.num_experts;
   t.experts_per_rank = td.experts_per_rank;
   t.capacity = td.capacity;
