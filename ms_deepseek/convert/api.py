@@ -20,12 +20,12 @@ import re
 import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
+from ms_deepseek.checkpoint.atomic import check_destination, fsync_path, install, temporary_sibling
 from ms_deepseek.convert.plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
 from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, read_header, write_file
 from ms_deepseek.convert.source import INDEX_NAME, Checkpoint, open_checkpoint
@@ -70,45 +70,9 @@ class _Cancelled(Exception):
 
 
 # ------------------------------------------------------------------- destination
-def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    if os.path.realpath(src) == os.path.realpath(dst):
-        raise UserError(f"{dst}: the destination is the source folder")
-    if dst.is_symlink() or dst.exists():
-        if not dst.is_dir() or dst.is_symlink():
-            raise UserError(f"{dst}: destination exists and is not a folder")
-        if any(dst.iterdir()):
-            if not overwrite:
-                raise UserError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
-            real_dst = os.path.realpath(dst)
-            if os.path.commonpath([real_dst, os.path.realpath(src)]) == real_dst:
-                raise UserError(f"{dst}: destination holds the source folder; refusing to overwrite it")
-
-
-def _install(tmp: Path, dst: Path) -> None:
-    """Rename the finished temporary folder to ``dst`` (replacing an existing one only at the very end)."""
-    old: Optional[Path] = None
-    if dst.exists():
-        if any(dst.iterdir()):
-            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(dst, old)
-        else:
-            os.rmdir(dst)
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        if old is not None:
-            os.rename(old, dst)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    try:  # make the rename durable
-        fd = os.open(dst.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+# One atomic writer for every checkpoint folder (see ms_deepseek.checkpoint.atomic).
+_check_destination = check_destination
+_install = install
 
 
 # ------------------------------------------------------------------- writing
@@ -163,19 +127,31 @@ def _write_json(path: Path, data, fsync: bool = True) -> None:
 
 def _convert(src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], shard_size, workers: int,
              overwrite: bool, progress: bool, fsync: bool) -> ConvertResult:
-    start = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     size = parse_size(shard_size)
+    _check_workers(workers)
+    return convert_with(open_checkpoint(src), src, dst, direction, plan_fn, size, workers, overwrite, progress,
+                        fsync)
+
+
+def _check_workers(workers) -> None:
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise UserError(f"--workers {workers!r}: must be an integer >= 1")
-    ckpt = open_checkpoint(src)
-    plan = shard(plan_fn(ckpt), size)
+
+
+def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], shard_size, workers: int,
+                 overwrite: bool, progress: bool, fsync: bool) -> ConvertResult:
+    """Write the planned HF / ms folder for an opened source (``ckpt``: folder, config, config_path)."""
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    _check_workers(workers)
+    plan = shard(plan_fn(ckpt), parse_size(shard_size))
     _check_destination(src, dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
     n = len(plan.shards)
     file_names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     metadata = {"format": "ms"} if direction == "hf-to-ms" else {"format": "pt"}
-    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp = temporary_sibling(dst)
     tmp.mkdir()  # not tempfile.mkdtemp: the result keeps the user's umask, not mode 0700
     try:
         with _progress(plan.total_bytes, direction, progress) as bar:
@@ -201,6 +177,7 @@ def _convert(src, dst, direction: str, plan_fn: Callable[[Checkpoint], list], sh
                 if cfg.pad_token_id is not None:
                     gen["pad_token_id"] = cfg.pad_token_id
                 _write_json(tmp / "generation_config.json", gen, fsync)
+        fsync_path(tmp)
         _install(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -140,15 +140,19 @@ def _check_entry(path: Path, name: str, info) -> Tuple[str, str, Tuple[int, ...]
 # --------------------------------------------------------------------------- writing
 @dataclass(frozen=True)
 class OutTensor:
-    """One tensor of an output file: its bytes are the concatenation of ``pieces`` (file, offset, nbytes)."""
+    """One tensor of an output file: its bytes are the concatenation of ``pieces`` (file, offset, nbytes),
+    or, when ``produce`` is given, what it returns (an array or bytes, e.g. slices put together)."""
 
     name: str
     dtype: str
     shape: Tuple[int, ...]
-    pieces: Tuple[Tuple[Path, int, int], ...]
+    pieces: Tuple[Tuple[Path, int, int], ...] = ()
+    produce: Optional[Callable[[], object]] = None
 
     @property
     def nbytes(self) -> int:
+        if self.produce is not None:
+            return numel(self.shape) * DTYPE_SIZES[self.dtype]
         return sum(p[2] for p in self.pieces)
 
 
@@ -227,6 +231,16 @@ def write_file(path: Path, tensors: Sequence[OutTensor], metadata: Optional[Mapp
         os.write(out, header)
         pos = len(header)
         for t in tensors:
+            if t.produce is not None:
+                data = memoryview(t.produce()).cast("B")  # bytes of an array, in C order
+                if len(data) != t.nbytes:
+                    raise AssertionError(f"{t.name}: produced {len(data)} bytes, expected {t.nbytes}")
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(out, data[written:], pos + written)
+                on_bytes(len(data))
+                pos += len(data)
+                continue
             for src, src_off, nbytes in t.pieces:
                 if src not in fds:
                     try:

@@ -1,0 +1,210 @@
+"""Read any part of a tensor from a checkpoint, whole or sharded, touching only the bytes it needs.
+
+Every source answers one question: :meth:`read(name, sl)`: the raw values (bytes unchanged:
+bfloat16 stays uint16 bit patterns) of tensor ``name`` (our names, routed experts stacked
+[E, out, in]) restricted to ``sl`` (per axis a (start, stop) range, and for stacked experts
+a tuple of expert ids on axis 0).
+
+* :class:`WholeSource`: an HF folder (per-expert tensors, stacked on the fly, only the
+  experts asked for) or an ms_deepseek folder / whole training checkpoint;
+* :class:`ShardedSource`: ``rank_RRRRR/`` folders plus ``layout.json``; the pieces of
+  the stored slices that intersect the request are read and put together.
+
+Reads go through ``numpy.memmap`` of the safetensors data: a row range of a tensor reads
+those rows only (what ``safe_open(...).get_slice(name)[a:b]`` does), so a rank's peak host
+memory is its own slices plus, for slices across the inner axis, one tensor's pages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, read_layout, rank_dir_name
+from ms_deepseek.convert import names
+from ms_deepseek.convert.safetensors_io import TensorInfo, read_header
+from ms_deepseek.errors import UserError
+
+RAW_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I32": "<i4", "I64": "<i8", "I16": "<i2",
+              "U8": "u1", "I8": "i1", "BOOL": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
+
+
+def full_slice(shape, experts: bool = False):
+    sl = tuple((0, d) for d in shape)
+    if experts and shape:
+        sl = (ExpertIds(range(shape[0])),) + sl[1:]
+    return sl
+
+
+def slice_shape(sl) -> Tuple[int, ...]:
+    return tuple(len(s) if isinstance(s, ExpertIds) else s[1] - s[0] for s in sl)
+
+
+def memmap(info: TensorInfo) -> np.ndarray:
+    """A read-only view of a tensor's bytes (nothing is read until indexed)."""
+    if info.dtype not in RAW_DTYPES:
+        raise UserError(f"{info.file}: tensor {info.name} has dtype {info.dtype}, which ms_deepseek cannot load")
+    if 0 in info.shape or info.nbytes == 0:
+        return np.zeros(info.shape, dtype=RAW_DTYPES[info.dtype])
+    return np.memmap(info.file, dtype=RAW_DTYPES[info.dtype], mode="r", offset=info.offset, shape=info.shape)
+
+
+def _ranges(sl) -> Tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in sl)
+
+
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw safetensors values -> float32 (bfloat16 is the top half of a float32: widened exactly)."""
+    if dtype == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32, copy=False)
+
+
+class WholeSource:
+    """An HF / ms_deepseek folder or a whole training checkpoint (``convert.source.open_checkpoint``)."""
+
+    def __init__(self, ckpt, extra: Optional[Dict[str, TensorInfo]] = None):
+        self.ckpt = ckpt
+        self.cfg = ckpt.config
+        self.hf = any(names.hf_to_ms(n)[1] is not None for n in ckpt.tensors)
+        self.tensors: Dict[str, TensorInfo] = dict(ckpt.tensors)
+        self.tensors.update(extra or {})
+        self.folder = ckpt.folder
+
+    def has(self, name: str) -> bool:
+        if name in self.tensors:
+            return True
+        return self.hf and names.is_stacked_expert(name) and \
+            names.ms_to_hf(name, self.cfg.n_routed_experts)[0] in self.tensors
+
+    def dtype(self, name: str) -> str:
+        if name in self.tensors:
+            return self.tensors[name].dtype
+        return self.tensors[names.ms_to_hf(name, self.cfg.n_routed_experts)[0]].dtype
+
+    def read(self, name: str, sl) -> np.ndarray:
+        stacked = names.is_stacked_expert(name)
+        if stacked and self.hf and name not in self.tensors:
+            hf_names = names.ms_to_hf(name, self.cfg.n_routed_experts)
+            ids = sl[0] if isinstance(sl[0], ExpertIds) else range(sl[0][0], sl[0][1])
+            parts = [np.array(memmap(self.tensors[hf_names[e]])[_ranges(sl[1:])]) for e in ids]
+            return np.stack(parts) if parts else np.zeros(slice_shape(sl), RAW_DTYPES[self.dtype(name)])
+        view = memmap(self.tensors[name])
+        if sl and isinstance(sl[0], ExpertIds):
+            return np.stack([np.array(view[e][_ranges(sl[1:])]) for e in sl[0]])
+        return np.array(view[_ranges(sl)])
+
+
+class ShardedSource:
+    """``rank_RRRRR/<file>`` slices described by ``layout.json`` (a sharded training or converted checkpoint)."""
+
+    def __init__(self, folder: Path, file_name: str = "model.safetensors", layout: Optional[ShardLayout] = None,
+                 check_shapes: bool = True):
+        self.folder = Path(folder)
+        self.layout = layout or read_layout(self.folder)
+        self.file_name = file_name
+        self._headers: Dict[int, Dict[str, TensorInfo]] = {}
+        missing = [r for r in range(self.layout.world_size) if not (self.folder / rank_dir_name(r)).is_dir()]
+        if missing:
+            raise UserError(f"{self.folder / rank_dir_name(missing[0])}: missing rank folder (layout.json "
+                            f"describes {self.layout.world_size} ranks, {self.layout.describe()})")
+        extra = sorted(int(p.name[5:]) for p in self.folder.glob("rank_*") if p.name[5:].isdigit()
+                       and int(p.name[5:]) >= self.layout.world_size)
+        if extra:
+            raise UserError(f"{self.folder / rank_dir_name(extra[0])}: rank folder of another layout "
+                            f"(layout.json describes {self.layout.world_size} ranks, {self.layout.describe()})")
+        if check_shapes:
+            for r in range(self.layout.world_size):
+                self.check_rank(r)
+
+    def rank_tensors(self, rank: int) -> Dict[str, TensorInfo]:
+        if rank not in self._headers:
+            path = self.folder / rank_dir_name(rank) / self.file_name
+            if not path.is_file():
+                raise UserError(f"{path}: missing (every rank folder of a sharded checkpoint holds {self.file_name})")
+            self._headers[rank] = read_header(path).tensors
+        return self._headers[rank]
+
+    def check_rank(self, rank: int, optional_prefixes: Tuple[str, ...] = ()) -> None:
+        """The rank's file holds exactly its tensors, each with the slice shape and dtype the layout gives."""
+        held = self.rank_tensors(rank)
+        path = self.folder / rank_dir_name(rank) / self.file_name
+        for name in self.layout.tensors_of_rank(rank):
+            lay = self.layout.tensors[name]
+            info = held.get(name)
+            if info is None:
+                raise UserError(f"{path}: tensor {name} is missing (layout.json puts it on rank {rank})")
+            if tuple(info.shape) != lay.slice_shape() or info.dtype != lay.dtype:
+                raise UserError(f"{path}: tensor {name} is {info.dtype} {list(info.shape)}, layout.json says "
+                                f"{lay.dtype} {list(lay.slice_shape())}: the layout file does not match the tensors")
+
+    def has(self, name: str) -> bool:
+        return name in self.layout.tensors
+
+    def dtype(self, name: str) -> str:
+        return self.layout.tensors[name].dtype
+
+    def read(self, name: str, sl) -> np.ndarray:
+        """The request put together from the stored slices that intersect it."""
+        lay = self.layout.tensors[name]
+        out = np.empty(slice_shape(sl), dtype=RAW_DTYPES[lay.dtype])
+        covered = 0
+        for rank, stored in self.layout.distinct_slices(name):
+            src_index, dst_index = [], []
+            empty = False
+            for axis, (want, have) in enumerate(zip(sl, stored)):
+                if isinstance(have, ExpertIds) or isinstance(want, ExpertIds):
+                    want_ids = list(want) if isinstance(want, ExpertIds) else list(range(want[0], want[1]))
+                    have_ids = list(have) if isinstance(have, ExpertIds) else list(range(have[0], have[1]))
+                    pos = {e: i for i, e in enumerate(have_ids)}
+                    pairs = [(pos[e], j) for j, e in enumerate(want_ids) if e in pos]
+                    if not pairs:
+                        empty = True
+                        break
+                    src_index.append([p for p, _ in pairs])
+                    dst_index.append([j for _, j in pairs])
+                else:
+                    lo, hi = max(want[0], have[0]), min(want[1], have[1])
+                    if lo >= hi:
+                        empty = True
+                        break
+                    src_index.append(slice(lo - have[0], hi - have[0]))
+                    dst_index.append(slice(lo - want[0], hi - want[0]))
+            if empty:
+                continue
+            view = memmap(self.rank_tensors(rank)[name])
+            piece = _take(view, src_index)
+            _put(out, dst_index, piece)
+            covered += piece.size
+        if covered != out.size:
+            raise UserError(f"{self.folder / 'layout.json'}: the slices of {name} do not cover it "
+                            f"({covered} of {out.size} values)")
+        return out
+
+
+def _take(view: np.ndarray, index: List[object]) -> np.ndarray:
+    """view[index] where list entries pick positions along one axis (the expert axis)."""
+    if isinstance(index[0], list):
+        return np.stack([np.array(view[i][tuple(index[1:])]) for i in index[0]])
+    return np.array(view[tuple(index)])
+
+
+def _put(out: np.ndarray, index: List[object], piece: np.ndarray) -> None:
+    if isinstance(index[0], list):
+        for k, j in enumerate(index[0]):
+            out[j][tuple(index[1:])] = piece[k]
+    else:
+        out[tuple(index)] = piece
+
+
+def open_source(folder: Path, file_name: str = "model.safetensors"):
+    """A :class:`ShardedSource` when ``folder`` holds ``layout.json``, else a :class:`WholeSource`."""
+    from ms_deepseek.checkpoint.layout import LAYOUT_FILE
+    from ms_deepseek.convert.source import open_checkpoint
+
+    folder = Path(folder)
+    if (folder / LAYOUT_FILE).is_file() or any(folder.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
+        return ShardedSource(folder, file_name)
+    return WholeSource(open_checkpoint(folder))
