@@ -10,7 +10,16 @@ remaining devices)::
     ms-deepseek plan --model deepseek-v2 --npus 64 --seq-len 4096 --global-batch 80 \\
         --dp 4 --tp 8 --pp 2 --ep 4 --micro-batches 20 --recompute full --optimizer-shard
 
-Check a recipe: ``ms-deepseek plan --recipe recipes/v2-sft-64npu.yaml``.
+Check a recipe: ``ms-deepseek plan --recipe recipes/v2-sft-64npu.yaml`` (any of --dp/--tp/--pp/--ep
+override the recipe's layout). Neither the recipe's checkpoint nor its data need be on this
+machine: the architecture comes from a preset, or from ``<recipe>.config.json`` / ``config.json``
+beside the recipe, and the data's shape from ``data.seq_len``.
+
+Simulate a recipe's layout on CPU: ``ms-deepseek plan --recipe R --simulate [--dp 4 --tp 2 --ep 2 --pp 2]``
+builds the model at reduced depth and width with the same parallel structure and prints one
+line per check (MoE dispatch forward/backward per virtual rank, the rows each rank reads,
+pipeline stage contents, loader slices, the parallel-rules lint) with its max error; exit 0 when
+every check passes (max error <= 1e-5), 1 when one fails or is not available, 2 on bad input.
 ``--json`` prints one JSON object (``fits``, ``memory_gb``, ``tokens_per_s_per_npu``, ...).
 Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
 """
@@ -27,6 +36,9 @@ from ms_deepseek.errors import UserError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset name, config.json or checkpoint folder (e.g. deepseek-v2)")
     parser.add_argument("--recipe", help="check a training recipe's layout instead of --model/--npus")
+    parser.add_argument("--simulate", action="store_true",
+                        help="with --recipe: run the CPU simulation of the sharded layout (reduced model, same "
+                             "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
     parser.add_argument("--npus", type=int, help="number of NPUs (world size)")
@@ -147,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.parallel.planner import estimate, search
 
     hw = _hardware(args)
+    if args.simulate and not args.recipe:
+        raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
     if args.recipe:
-        result = _check_recipe(args, hw)
+        result, recipe = _check_recipe(args, hw)
         _emit(args, result, None)
+        if args.simulate:
+            return _simulate(args, recipe)
         return 0 if result.fits else 1
     if not args.model:
         raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
@@ -172,9 +188,47 @@ def _check_recipe(args, hw):
     from ms_deepseek.parallel.planner import check_recipe_fits
     from ms_deepseek.train.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, planning=True)
+    recipe.parallel = _recipe_layout(args, recipe)
     hw.hbm_gb = recipe.parallel.hbm_gb
-    return check_recipe_fits(recipe, hardware=hw)
+    return check_recipe_fits(recipe, hardware=hw), recipe
+
+
+def _recipe_layout(args, recipe):
+    """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
+    import dataclasses
+
+    from ms_deepseek.parallel.validate import validate_layout
+
+    changes = {k: getattr(args, k) for k in ("dp", "tp", "pp", "ep") if getattr(args, k) is not None}
+    if args.micro_batches is not None:
+        changes["micro_batches"] = args.micro_batches
+    if not changes:
+        return recipe.parallel
+    for key, value in changes.items():
+        if value < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+    par = recipe.parallel
+    pp = changes.get("pp", par.pp)
+    if "micro_batches" not in changes and pp > 1 and par.micro_batches < pp:
+        changes["micro_batches"] = pp  # 1F1B needs one micro-batch per stage at least
+    if "pp" in changes and changes["pp"] != par.pp:
+        changes["stage_layers"] = None  # the recipe's cut was for its own pp
+    par = dataclasses.replace(par, **changes)
+    validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
+    return par
+
+
+def _simulate(args, recipe) -> int:
+    from ms_deepseek.parallel.simulate import all_passed, format_results, simulate
+
+    results = simulate(recipe.model_config, recipe.parallel, recipe.seq_len, recipe.train.micro_batch_size)
+    if args.json:
+        print(json.dumps({"simulation": [{"check": r.name, "status": r.status, "max_err": r.max_err,
+                                          "detail": r.detail} for r in results]}, indent=2))
+    else:
+        print(format_results(recipe, results))
+    return 0 if all_passed(results) else 1
 
 
 def _emit(args, result, ranked: Optional[List]) -> None:

@@ -4,6 +4,11 @@ Pure Python, no MindSpore. The formulas are written out in ``docs/planner.md``;
 names here follow that document. Everything is per NPU and per micro-batch unless
 the name says otherwise. ``n`` = tokens of one micro-batch on one data-parallel
 rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
+
+The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
+read from :func:`ms_deepseek.model.dispatch_shapes.dispatch_buffers`, the shapes the MoE
+layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
+[E, G*C, H] expert input split (ep, dp/ep, 1)).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.model.dispatch_shapes import dispatch_buffers
 from ms_deepseek.parallel.config import ParallelConfig
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
                                        parameter_inventory, shard_numel, stage_of_param)
@@ -25,7 +31,6 @@ class Hardware:
     """Ascend 910B (Atlas 800T A2) figures; every one is a planner flag."""
     hbm_gb: float = 64.0
     peak_tflops: float = 313.0        # bf16 dense
-    mfu: float = 0.40                 # achieved fraction of peak on the FLOPs the device executes
     hbm_tbps: float = 1.6
     hccs_gbps: float = 56.0           # per peer, inside a node (full mesh)
     roce_gbps: float = 25.0           # per NPU, across nodes
@@ -33,6 +38,40 @@ class Hardware:
     runtime_reserved_gb: float = 3.0  # CANN runtime, kernels, HCCL bookkeeping: outside MindSpore's pool
     hccl_buffer_mb: float = 200.0     # HCCL_BUFFSIZE, one buffer per communication group
     workspace_gb: float = 1.0         # operator workspaces and allocator slack
+    low: "Efficiency" = None          # the throughput range's ends (default LOW / HIGH below)
+    high: "Efficiency" = None
+
+    def __post_init__(self):
+        self.low = self.low or LOW
+        self.high = self.high or HIGH
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What the software stack achieves of the hardware (docs/planner.md, "Efficiencies").
+
+    ``compute``: fraction of the bf16 peak on the FLOPs the device executes (recompute and
+    capacity padding included). ``comm``: fraction of the nominal link bandwidth a collective
+    achieves. ``overlap``: fraction of the tp / ep collectives hidden under compute.
+    """
+    name: str
+    compute: float
+    comm: float
+    overlap: float = 0.0
+
+
+# The two ends of the throughput range, each fitted on a published run
+# (planner.calibration_anchors; tests/test_planner.py re-derives both):
+# LOW  = MindFormers' 236B fine-tune on 64 x 910B (dp4 tp8 pp2 ep4, seq 4096, cf 2, bf16, eager
+#        attention, full recompute): 36 tokens/s/p. Assumed: collectives at 60% of the nominal
+#        link bandwidth, no overlap (a MindSpore graph without communication overlap); the
+#        compute efficiency is solved so the planner gives 36. MFU that figure implies: 1.8%.
+# HIGH = DeepSeek-V2 pretraining on H800 (the paper: 172.8K GPU-hours per 1T tokens = 1,607
+#        tokens/s per GPU; pp16 ep8 ZeRO-1 dp, no tp, seq 4096). Assumed: 80% of link bandwidth,
+#        half of the tp/ep collectives hidden (the paper overlaps shared-expert compute with the
+#        all-to-all); compute solved on H800 figures (planner.PAPER_H800). MFU implied: 25%.
+LOW = Efficiency("low", compute=0.161, comm=0.6, overlap=0.0)
+HIGH = Efficiency("high", compute=0.449, comm=0.8, overlap=0.5)
 
 
 @dataclass
@@ -96,7 +135,8 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     mesh = Mesh.from_parallel(parallel)
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0) for _ in range(parallel.pp)]
+    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0, largest_grad=0)
+           for _ in range(parallel.pp)]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
         _, layout = plan.param_layout(info.name, mesh)
@@ -112,6 +152,7 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
             continue
         grad = precision.grad_bytes or size
         slot["gradients"] += local * grad / (group if level2 else 1)
+        slot["largest_grad"] = max(slot["largest_grad"], local)
         slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
         # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
         # all-gathered full slice of an optimizer-sharded parameter.
@@ -120,14 +161,33 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     return out
 
 
-def _slots_per_device(cfg, parallel: ParallelConfig, n: int) -> float:
-    """Rows of the expert capacity buffer [E, C, H] held by one NPU for one micro-batch."""
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    tokens = parallel.dp * n                       # the stage's tokens (global shapes under semi-auto)
-    capacity = (math.ceil(cfg.capacity_factor * tokens * k / E) if cfg.capacity_factor is not None
-                else tokens)                       # the model's dropless path: C = all tokens
-    inner = parallel.dp // parallel.ep if parallel.dp % parallel.ep == 0 else 1
-    return (E / parallel.ep) * capacity / inner
+def moe_buffers(cfg, parallel: ParallelConfig, n: int) -> Dict[str, float]:
+    """Elements one NPU holds in one MoE layer's forward for one micro-batch, from the dispatch as
+    built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements."""
+    built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=True)
+    out = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
+    out["alltoall"] = float(built["alltoall_elements_per_device"])
+    out["capacity"] = float(built["capacity"])
+    return out
+
+
+def _expert_rows(cfg, parallel: ParallelConfig, n: int) -> float:
+    """Rows of the expert input [E, G*C, H] one NPU computes: (E/ep) x (ep*C) = E*C."""
+    return moe_buffers(cfg, parallel, n)["expert_input"] / cfg.hidden_size
+
+
+def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
+    """Peak bytes of one MoE layer's temporaries that are not kept for backward.
+
+    Forward: the float32 sort keys of the slot assignment with the sorted copy and its indices
+    (3 x slot_keys x 4). Backward: the float32 gradient of the combined outputs, two
+    [E, C, H] gradients live across an AllToAll (send and receive), and the three expert-hidden
+    gradients (gate, up, product).
+    """
+    b = moe_buffers(cfg, parallel, n)
+    forward = 3 * b["slot_keys"] * 4
+    backward = b["combined"] * 4 + 2 * b["expert_output"] * c + 3 * b["expert_hidden"] * c
+    return max(forward, backward)
 
 
 def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int,
@@ -154,11 +214,13 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
     else:
         a += scores * (8 + c)                      # float32 scores and exp, probs in compute dtype
     if cfg.is_moe_layer(i):
-        E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         a += n * (4 * H + 8 * E)                   # float32 router input, scores / softmax
-        slots = _slots_per_device(cfg, parallel, n)
-        a += slots * (H * c + 4 * c * I / t)       # expert inputs, gate / up / silu / product
-        a += n * k * H * 4                         # float32 expert outputs, for the routing-weight grad
+        b = moe_buffers(cfg, parallel, n)          # the dispatch as built, per device
+        a += b["expert_input"] * c                 # expert inputs (after the AllToAll), for the weight grads
+        a += 4 * b["expert_hidden"] * c            # gate, up, silu(gate), product
+        a += b["combined"] * 4                     # float32 combined outputs, for the routing-weight grad
+        a += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
         if cfg.n_shared_experts:
             a += 4 * n * c * I * cfg.n_shared_experts / t
     else:
@@ -167,9 +229,12 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
 
 
 def head_activation_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    """Final norm, head input and the vocab-parallel loss's [n, V/tp] float32 temporaries kept
+    for backward: the logits, exp(logits - max) and the one-hot target (MindFormers'
+    CrossEntropyLoss pattern: no gather over the split vocabulary axis)."""
     n = w.micro_batch_size * w.seq_len
     V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
-    return n * (cfg.hidden_size * (4 + 2 * c) + V * 8)  # final norm, head input, float32 logits + exp
+    return n * (cfg.hidden_size * (4 + 2 * c) + V * 12)
 
 
 def in_flight(parallel: ParallelConfig, stage: int) -> int:
@@ -208,16 +273,25 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         working = n * cfg.hidden_size * 4 * 4          # activation gradients in flight
         if parallel.recompute != "none":
             working += max(full)                       # the layer being recomputed
+        moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
+        if moe_layers:
+            working += moe_transient_bytes(cfg, parallel, n, c)
         if s == parallel.pp - 1:
-            working = max(working, n * cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1) * 4)
+            # the logits' float32 gradient and its cast to the compute dtype, [n, V/tp] each
+            V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
+            working = max(working, n * V * (4 + c))
+        # Clipping: the global norm's square sums run one gradient at a time with float32
+        # accumulation (train/step.py), at most a float32 image of the largest local gradient;
+        # activations are freed by then, so it competes with the working set, not with them.
+        working = max(working, held[s]["largest_grad"] * 4)
         copies = held[s]["copies"]
         if parallel.recompute == "full" and layers:
             working += copies / max(1, len(layers))    # one layer's weight copies, recast when recomputed
             copies = 0.0
         hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
         comm = 0.0
-        if cfg.has_moe and parallel.ep > 1 and any(cfg.is_moe_layer(i) for i in layers):
-            comm += 2 * _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c  # all-to-all send + receive
+        if cfg.has_moe and parallel.ep > 1 and moe_layers:
+            comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
         result.append(StageMemory(
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
             gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
@@ -246,7 +320,7 @@ def layer_flops(cfg, i: int, parallel: ParallelConfig, w: Workload) -> Tuple[flo
     if cfg.is_moe_layer(i):
         I = cfg.moe_intermediate_size
         f += 2 * n * H * cfg.n_routed_experts                          # router
-        f += 2 * _slots_per_device(cfg, parallel, n) * 3 * H * I / t   # every capacity slot is computed
+        f += 2 * _expert_rows(cfg, parallel, n) * 3 * H * I / t        # every capacity slot is computed
         f += 2 * n * 3 * H * I * (cfg.n_shared_experts or 0) / t
     else:
         f += 2 * n * 3 * H * cfg.intermediate_size / t
@@ -261,7 +335,7 @@ def layer_tp_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -
     n = w.micro_batch_size * w.seq_len
     size = n * cfg.hidden_size * c * 2                 # o_proj + MLP / shared-expert down_proj
     if cfg.is_moe_layer(i):
-        size += _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c  # expert down_bmm partial sums
+        size += _expert_rows(cfg, parallel, n) * cfg.hidden_size * c  # expert down_bmm partial sums
     return 2 * (t - 1) / t * size
 
 
@@ -270,8 +344,19 @@ def layer_ep_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -
     if not cfg.is_moe_layer(i) or parallel.ep == 1:
         return 0.0
     n = w.micro_batch_size * w.seq_len
-    ep = parallel.ep
-    return 2 * _slots_per_device(cfg, parallel, n) * cfg.hidden_size * c * (ep - 1) / ep
+    return 2 * moe_buffers(cfg, parallel, n)["alltoall"] * c   # dispatch + combine exchanges
+
+
+def model_flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of the model itself, the MFU numerator: forward + backward (3x)
+    of every matmul a token activates (k routed experts, no capacity padding, no recompute) and
+    of causal attention (half the score matrix), on one device."""
+    exact = cfg.replace(capacity_factor=1.0) if cfg.has_moe else cfg
+    w = Workload(seq_len=seq_len, global_batch_size=1, micro_batch_size=1, flash_attention=True)
+    p = ParallelConfig()
+    f = sum(layer_flops(exact, i, p, w)[0] for i in range(cfg.num_hidden_layers))
+    f += 2 * seq_len * cfg.hidden_size * cfg.vocab_size       # lm_head
+    return 3 * f / seq_len
 
 
 def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:

@@ -1,10 +1,14 @@
-"""Device memory: reserve the pool from the planner's estimate, and report what is in use.
+"""Device memory: reserve the pool from what the device has, check it against the planner's
+estimate, and report what is in use.
 
-On Ascend the pool is reserved before the first compile:
-``mindspore.runtime.set_memory(init_size=estimate, max_size=estimate + headroom)``, so the
-planned working memory is taken in one piece at start-up (an impossible layout fails
-then, not after an hour) and the pool can grow only into the headroom. The reservation is capped at the HBM size minus
-what the CANN runtime and HCCL keep outside MindSpore's pool.
+On Ascend the pool is reserved before the first compile with
+``mindspore.runtime.set_memory(init_size=estimate, max_size=cap)`` where ``cap`` is the HBM
+minus what the CANN runtime and HCCL keep outside MindSpore's pool. The pool is NOT capped at
+the planner's estimate: an underestimate must not turn into an out-of-memory error while HBM
+is free. ``init_size`` takes the estimate in one piece at start-up (so a layout the device
+cannot hold fails then, not an hour later) and the pool may grow up to the cap.
+``parallel.memory_headroom_gb`` is the margin the estimate should leave below the cap: less
+than that is reported (``tight``) and logged as a warning, not enforced.
 
 On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (design.md): the
 sizes are still computed and returned, and :func:`memory_metrics` reports zeros.
@@ -20,9 +24,10 @@ LOG = logging.getLogger("ms_deepseek.parallel.memory")
 GB = 1024 ** 3
 
 
-def _gb_string(value: float) -> str:
-    """MindSpore's size format ("12.5GB"), rounded up to 0.1 GB, never "0GB"."""
-    return f"{max(0.1, math.ceil(value * 10) / 10):.1f}GB"
+def _gb_string(value: float, up: bool = True) -> str:
+    """MindSpore's size format ("12.5GB"), rounded to 0.1 GB (up, or down for a cap), never "0GB"."""
+    tenths = math.ceil(value * 10 - 1e-9) if up else math.floor(value * 10 + 1e-9)
+    return f"{max(0.1, tenths / 10):.1f}GB"
 
 
 def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int] = None,
@@ -37,25 +42,21 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
         raise ValueError("reservation_sizes: the plan result has no memory estimate (invalid layout)")
     chosen = plan_result.worst if stage is None else stages[stage]
     hbm = hbm_gb if hbm_gb is not None else plan_result.layout.hbm_gb
-    cap = hbm - runtime_reserved_gb
-    # HCCL allocates its communication buffers itself, outside MindSpore's pool.
+    hccl = chosen.hccl_buffers / GB            # HCCL allocates its buffers itself, outside the pool
+    cap = hbm - runtime_reserved_gb - hccl     # what the device has for MindSpore's pool
     estimate = chosen.pool / GB
-    hccl = chosen.hccl_buffers / GB
-    pool_need = estimate + headroom_gb
-    cap -= hccl
-    size = min(pool_need, cap)
-    # The estimate is reserved up front; the headroom is the pool's limit for growth, so
-    # 1 - allocated/reserved stays a measure of fragmentation rather than of unused headroom.
-    initial = min(estimate, size)
+    free = cap - estimate
     return {
         "stage": chosen.stage,
         "estimate_gb": round(estimate, 3),
-        "headroom_gb": headroom_gb,
-        "hccl_gb": round(hccl, 3),
         "cap_gb": round(cap, 3),
-        "capped": pool_need > cap,
-        "init_size": _gb_string(initial),
-        "max_size": _gb_string(size),
+        "free_gb": round(free, 3),             # what the estimate leaves of the pool
+        "headroom_gb": headroom_gb,            # the margin asked for (parallel.memory_headroom_gb)
+        "hccl_gb": round(hccl, 3),
+        "tight": free < headroom_gb,
+        "over": free < 0,
+        "init_size": _gb_string(min(estimate, cap), up=estimate < cap),
+        "max_size": _gb_string(cap, up=False),
         "increase_size": "2.0GB",
     }
 
@@ -75,11 +76,12 @@ def reserve_device_memory(plan_result, headroom_gb: float = 2.0, stage: Optional
         ms.runtime.set_memory(init_size=sizes["init_size"], increase_size=sizes["increase_size"],
                               max_size=sizes["max_size"])
         sizes["applied"] = True
-        LOG.info("device memory pool reserved: %s (estimate %.1f GB + headroom %.1f GB, cap %.1f GB)",
-                 sizes["max_size"], sizes["estimate_gb"], headroom_gb, sizes["cap_gb"])
-        if sizes["capped"]:
-            LOG.warning("device memory: estimate + headroom exceeds %.1f GB; the pool is capped there",
-                        sizes["cap_gb"])
+        LOG.info("device memory pool: %s reserved up front (the planner's estimate), up to %s (HBM minus "
+                 "runtime and HCCL)", sizes["init_size"], sizes["max_size"])
+        if sizes["tight"]:
+            LOG.warning("device memory: the planner's estimate %.1f GB leaves %.1f GB of the %.1f GB pool "
+                        "(parallel.memory_headroom_gb asks for %.1f GB)", sizes["estimate_gb"], sizes["free_gb"],
+                        sizes["cap_gb"], headroom_gb)
     return sizes
 
 

@@ -56,6 +56,8 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.qk_bmm": "head_bmm",
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
     "model.layers.*.self_attn.flash_attention": "flash_attention",
+    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",     # FP32Softmax custom op
+    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",       # the router's FP32Softmax
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
@@ -155,6 +157,12 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
                        "down_proj.weight": ("down_bmm", 1)})
     if style == "head_bmm":
         return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
+    if style == "head_softmax":
+        # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
+        return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
+    if style == "row_softmax":
+        # FP32Softmax (ops.Custom) on router logits [N, E]: tokens by dp, the expert axis whole.
+        return StyleSpec(prims={"": (((dp, 1),), None)}, is_primitive=True)
     if style == "flash_attention":
         # FlashAttentionScore(q, k, v [B, nh, T, D] BNSD, ..., compressed causal mask [2048, 2048]):
         # batch by dp, heads by tp; the mask is replicated.
@@ -285,3 +293,27 @@ def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage
     if shard_numel(shape, layout) * itemsize < threshold_kb * 1024:
         return 1
     return group
+
+
+# ------------------------------------------------------------- listed redistributions
+def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
+    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.parallel.lint``).
+
+    Key: ``"<primitive path pattern>:<input index>"`` (a consumer whose input strategy differs from
+    its producer's layout) or ``"<primitive path pattern>:out"`` (a residual-stream producer whose
+    output differs from the stream's layout). Value: why the redistribution is wanted.
+    """
+    out: Dict[str, str] = {}
+    if mesh.sequence_parallel and mesh.tp > 1:
+        why = ("sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
+               "(dp*tp) and all-gathered again before the column-parallel matmuls")
+        for p in ("model.layers.*.self_attn.o_proj.matmul", "model.layers.*.mlp.down_proj.matmul",
+                  "model.layers.*.mlp.shared_experts.down_proj.matmul"):
+            out[p + ":out"] = why
+        for p in ("model.layers.*.self_attn.q_proj.matmul", "model.layers.*.self_attn.q_a_proj.matmul",
+                  "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul", "model.layers.*.mlp.gate_proj.matmul",
+                  "model.layers.*.mlp.up_proj.matmul", "model.layers.*.mlp.gate.matmul",
+                  "model.layers.*.mlp.shared_experts.gate_proj.matmul",
+                  "model.layers.*.mlp.shared_experts.up_proj.matmul", "lm_head.matmul"):
+            out[p + ":0"] = why
+    return out

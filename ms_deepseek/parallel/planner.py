@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ms_deepseek.errors import UserError
 from ms_deepseek.parallel import costs
@@ -42,7 +42,9 @@ class PlanResult:
     usable_gb: float = 0.0
     comm_gb: Dict[str, float] = field(default_factory=dict)   # per NPU per step
     time_s: Dict[str, float] = field(default_factory=dict)
-    tokens_per_s_per_npu: float = 0.0
+    tokens_per_s_per_npu: float = 0.0                 # the low end (costs.LOW): the estimate
+    tokens_per_s_range: Tuple[float, float] = (0.0, 0.0)   # (low, high) efficiency ends
+    mfu_range: Tuple[float, float] = (0.0, 0.0)       # model FLOPs utilisation each end implies
     bubble_fraction: float = 0.0
     grad_accumulation: int = 1
     model: Dict[str, Any] = field(default_factory=dict)
@@ -81,6 +83,8 @@ class PlanResult:
             "time_s": {k: round(v, 4) for k, v in self.time_s.items()},
             "bubble_fraction": round(self.bubble_fraction, 4),
             "tokens_per_s_per_npu": round(self.tokens_per_s_per_npu, 2),
+            "tokens_per_s_per_npu_range": [round(x, 2) for x in self.tokens_per_s_range],
+            "mfu_range": [round(x, 4) for x in self.mfu_range],
             "model": self.model,
         }
 
@@ -123,9 +127,50 @@ def _model_summary(cfg) -> Dict[str, Any]:
 
 def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held, result: PlanResult,
            plan: Plan, inventory):
-    c = precision.compute_bytes
+    """Step time and tokens/s at both ends of the efficiency range (costs.LOW / costs.HIGH)."""
     micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)   # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
+    traffic = _stage_traffic(cfg, p, w, precision, hw)
+    dp_bytes, dp_seconds = _dp_sync(cfg, p, precision, hw, plan, inventory)   # at nominal bandwidth
+    worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
+    t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
+    tokens = w.global_batch_size * w.seq_len
+    m = p.micro_batches
+    result.bubble_fraction = (p.pp - 1) / (m + p.pp - 1) if p.pp > 1 else 0.0
+    per_end = {}
+    for eff in (hw.low, hw.high):
+        per_stage = []
+        for st in traffic:
+            t_compute = st["flops"] / (hw.peak_tflops * 1e12 * eff.compute)
+            t_comm = (st["tp"] / st["bw_tp"] + st["ep"] / st["bw_ep"]) / eff.comm
+            t_pp = st["pp"] / st["bw_pp"] / eff.comm
+            per_stage.append((t_compute + (1 - eff.overlap) * t_comm + t_pp, t_compute, st))
+        t_mb, t_compute, slowest = max(per_stage, key=lambda x: x[0])
+        if p.pp > 1:
+            t_pipe = result.grad_accumulation * (m + p.pp - 1) * t_mb
+        else:
+            t_pipe = micro_total * t_mb
+        t_dp = dp_seconds / eff.comm
+        step = t_pipe + t_dp + t_opt
+        per_end[eff.name] = dict(step=step, compute=t_compute, t_mb=t_mb, pipe=t_pipe, dp=t_dp, slowest=slowest,
+                                 tokens=tokens / step / p.world_size)
+    low, high = per_end[hw.low.name], per_end[hw.high.name]
+    result.time_s = {"step": low["step"], "step_high": high["step"], "compute_per_microbatch": low["compute"],
+                     "per_microbatch": low["t_mb"], "pipeline": low["pipe"], "dp_sync": low["dp"],
+                     "optimizer": t_opt}
+    slowest = low["slowest"]
+    result.comm_gb = {"tp_allreduce": slowest["tp"] * micro_total / GB, "ep_alltoall": slowest["ep"] * micro_total / GB,
+                      "dp_sync": dp_bytes / GB, "pp_p2p": slowest["pp"] * micro_total / GB}
+    result.tokens_per_s_per_npu = low["tokens"]
+    result.tokens_per_s_range = (low["tokens"], high["tokens"])
+    flops_per_token = costs.model_flops_per_token(cfg, w.seq_len)
+    result.mfu_range = tuple(t * flops_per_token / (hw.peak_tflops * 1e12) for t in result.tokens_per_s_range)
+
+
+def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware) -> List[Dict[str, float]]:
+    """Per pipeline stage and micro-batch: FLOPs executed and bytes sent (tp, ep, pp) with the
+    nominal bandwidth of each group."""
+    c = precision.compute_bytes
     stages = layer_stages(cfg.num_hidden_layers, p.pp, p.stage_layers)
     n = w.micro_batch_size * w.seq_len
     # Forward passes that repeat the collectives: recompute="full" replays each layer's forward.
@@ -133,7 +178,7 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
     bw_tp = costs.group_bandwidth(p.tp, 1, hw)
     bw_ep = costs.group_bandwidth(p.ep, p.tp, hw)
     bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
-    per_stage = []
+    out = []
     for s in range(p.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
         flops = tp_b = ep_b = 0.0
@@ -146,36 +191,18 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
         if s == p.pp - 1:
             V = cfg.vocab_size / (p.tp if p.vocab_parallel else 1)
             flops += 3 * 2 * n * cfg.hidden_size * V
-            if p.tp > 1 and p.vocab_parallel:                      # logits gathered for the loss
-                tp_b += 2 * n * cfg.vocab_size * 4 * (p.tp - 1) / p.tp
+            if p.tp > 1 and p.vocab_parallel:
+                # vocab-parallel loss: all-reduces of the row max, the sum of exp and the target
+                # logit ([n] float32 each), forward; the backward needs none
+                tp_b += 3 * 2 * (p.tp - 1) / p.tp * n * 4
         if s == 0 and p.tp > 1 and p.vocab_parallel:
             tp_b += 2 * 2 * (p.tp - 1) / p.tp * n * cfg.hidden_size * c   # embedding all-reduce, fwd + bwd
         pp_b = 0.0
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1
             pp_b = 2 * n * cfg.hidden_size * c / sp * (2 if 0 < s < p.pp - 1 else 1)
-        t_compute = flops / (hw.peak_tflops * 1e12 * hw.mfu)
-        per_stage.append((t_compute + tp_b / bw_tp + ep_b / bw_ep + pp_b / bw_pp, t_compute, tp_b, ep_b, pp_b))
-    slowest = max(per_stage, key=lambda x: x[0])
-    t_mb = slowest[0]
-    m = p.micro_batches
-    if p.pp > 1:
-        result.bubble_fraction = (p.pp - 1) / (m + p.pp - 1)
-        t_pipe = result.grad_accumulation * (m + p.pp - 1) * t_mb
-    else:
-        t_pipe = micro_total * t_mb
-    # Gradient sync once per step over each parameter's replica group (reduce-scatter + all-gather
-    # under optimizer sharding, an all-reduce otherwise: the same bytes on a ring).
-    dp_bytes, t_dp = _dp_sync(cfg, p, precision, hw, plan, inventory)
-    worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
-    t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
-    step = t_pipe + t_dp + t_opt
-    result.time_s = {"step": step, "compute_per_microbatch": slowest[1], "per_microbatch": t_mb,
-                     "pipeline": t_pipe, "dp_sync": t_dp, "optimizer": t_opt}
-    result.comm_gb = {"tp_allreduce": slowest[2] * micro_total / GB, "ep_alltoall": slowest[3] * micro_total / GB,
-                      "dp_sync": dp_bytes / GB, "pp_p2p": slowest[4] * micro_total / GB}
-    tokens = w.global_batch_size * w.seq_len
-    result.tokens_per_s_per_npu = tokens / step / p.world_size
+        out.append(dict(flops=flops, tp=tp_b, ep=ep_b, pp=pp_b, bw_tp=bw_tp, bw_ep=bw_ep, bw_pp=bw_pp))
+    return out
 
 
 def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory):
@@ -205,6 +232,65 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
         if t > worst_time:
             worst_bytes, worst_time = sent, t
     return worst_bytes, worst_time
+
+
+# ------------------------------------------------------------------------- calibration
+MINDFORMERS_TOKENS_PER_S = 36.0                       # research/deepseek2 README, 64 x 910B
+PAPER_TOKENS_PER_S = 1e12 / (172.8e3 * 3600)          # 172.8K H800 GPU-hours per 1T tokens: 1,607
+# H800 SXM: 989 TFLOPS bf16 dense, 80 GB at 3.35 TB/s, NVLink 400 GB/s (200 GB/s each way, spread
+# over 7 peers through NVSwitch), 8 x 400 Gb/s InfiniBand per node (50 GB/s per GPU).
+PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0 / 7, roce_gbps=50.0,
+                  npus_per_node=8)
+
+
+def calibration_anchors() -> Dict[str, Dict[str, Any]]:
+    """The two published runs the efficiency ends are fitted on (docs/planner.md, "Efficiencies")."""
+    from ms_deepseek.config import get_preset
+
+    v2 = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16")
+    return {
+        # MindFormers research/deepseek2 236B fine-tune: dp4 mp8 pp2 ep4, 20 micro-batches, full
+        # recompute, optimizer sharding, capacity factor 2, eager attention, seq 4096.
+        "low": dict(cfg=v2.replace(capacity_factor=2.0),
+                    layout=ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full",
+                                          optimizer_shard=True),
+                    workload=Workload(seq_len=4096, global_batch_size=80), precision=Precision(),
+                    hardware={}, world=64, published=MINDFORMERS_TOKENS_PER_S),
+        # DeepSeek-V2 pretraining (paper, section 3.1): 16-way pipeline, 8-way EP, ZeRO-1 DP, no TP,
+        # seq 4096, batch 9216 for most of the run, device-level capacity factor 1.0, recompute of
+        # norms and MLA up-projections (~selective), fused attention, bf16 with fp32 master weights
+        # and gradients. The cluster size is not published: 1,024 GPUs (dp 64) assumed.
+        "high": dict(cfg=v2.replace(capacity_factor=1.0),
+                     layout=ParallelConfig(dp=64, tp=1, pp=16, ep=8, micro_batches=144, recompute="selective",
+                                           optimizer_shard=True),
+                     workload=Workload(seq_len=4096, global_batch_size=9216, flash_attention=True),
+                     precision=Precision(compute_bytes=2, grad_bytes=4, master_bytes=4),
+                     hardware=PAPER_H800, world=1024, published=PAPER_TOKENS_PER_S),
+    }
+
+
+def anchor_estimate(end: str, compute: Optional[float] = None) -> PlanResult:
+    """The planner's estimate of one anchor run (``compute`` overrides that end's compute efficiency)."""
+    a = calibration_anchors()[end]
+    eff = costs.LOW if end == "low" else costs.HIGH
+    if compute is not None:
+        eff = dataclasses.replace(eff, compute=compute)
+    hw = Hardware(**a["hardware"], low=eff, high=eff)
+    return estimate(a["cfg"], a["layout"], a["workload"], a["precision"], hw, world_size=a["world"])
+
+
+def solve_compute_efficiency(end: str) -> float:
+    """The compute efficiency at which the planner reproduces the anchor's published tokens/s
+    (bisection; the comm efficiency and overlap of that end are assumptions, see costs.LOW/HIGH)."""
+    target = calibration_anchors()[end]["published"]
+    lo, hi = 1e-3, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if anchor_estimate(end, mid).tokens_per_s_per_npu < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 # ------------------------------------------------------------------------------ search

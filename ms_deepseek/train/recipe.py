@@ -257,12 +257,27 @@ def effective_seq_len(data: DataConfig) -> int:
     return value
 
 
-def build_model_config(section: ModelSection) -> DeepseekV2Config:
-    """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*)."""
+def planning_config_path(recipe_path: Union[str, Path]) -> List[Path]:
+    """Where planning looks for the architecture when ``model.source`` is a checkpoint folder that
+    is not on this machine: ``<recipe stem>.config.json``, then ``config.json``, beside the recipe."""
+    recipe_path = Path(recipe_path)
+    return [recipe_path.with_name(recipe_path.stem + ".config.json"), recipe_path.with_name("config.json")]
+
+
+def build_model_config(section: ModelSection, planning_from: Optional[Union[str, Path]] = None) -> DeepseekV2Config:
+    """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*).
+
+    ``planning_from`` (the recipe's path; ``plan`` only): when the source is absent, read the
+    architecture from a config.json beside the recipe (:func:`planning_config_path`)."""
     try:
         cfg = load_model_config(section.source)
     except UserError as exc:
-        raise UserError(f"model.source: {exc}") from None
+        beside = [p for p in planning_config_path(planning_from) if p.is_file()] if planning_from else []
+        if not beside:
+            hint = (f"; to plan without it put its config.json beside the recipe as "
+                    f"{planning_config_path(planning_from)[0]}" if planning_from else "")
+            raise UserError(f"model.source: {exc}{hint}") from None
+        cfg = load_model_config(beside[0])
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     known = set(values)
     for key, value in section.overrides.items():
@@ -299,8 +314,11 @@ def _tokenizer_vocab(data: DataConfig) -> Optional[tuple]:
     return "data.embedded_vocab_size", data.embedded_vocab_size
 
 
-def validate(recipe: Recipe) -> None:
-    """Checks that need more than one section (single-section checks run in __post_init__)."""
+def validate(recipe: Recipe, planning: bool = False) -> None:
+    """Checks that need more than one section (single-section checks run in __post_init__).
+
+    ``planning``: the data folder may be absent (planning a cluster job elsewhere); its tokenizer
+    check is skipped then, and the sequence length must come from ``data.seq_len``."""
     cfg = recipe.model_config
     seq_len = recipe.seq_len
     if seq_len > cfg.max_position_embeddings:
@@ -310,13 +328,17 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
                         f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
                         f"{recipe.parallel.micro_batches} are the accumulation")
-    key, vocab = _tokenizer_vocab(recipe.data)
+    data = recipe.data
+    if planning and data.path is not None and not Path(data.path).expanduser().is_dir():
+        return
+    key, vocab = _tokenizer_vocab(data)
     if vocab > cfg.vocab_size:
         raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
                         f"(raise model.overrides.vocab_size or use a smaller tokenizer)")
 
 
-def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe") -> Recipe:
+def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe",
+                     planning: bool = False) -> Recipe:
     data = copy.deepcopy(data) if data else {}
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a YAML mapping of sections (model, data, train, ...)")
@@ -326,13 +348,16 @@ def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source
             data[key] = {}
     recipe = from_dict(Recipe, data)
     recipe.source_path = source
-    recipe.model_config = build_model_config(recipe.model)
-    validate(recipe)
+    recipe.model_config = build_model_config(recipe.model, planning_from=source if planning else None)
+    validate(recipe, planning=planning)
     return recipe
 
 
-def load_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe:
-    """Read, override, type-check and cross-check a recipe file; raise UserError naming the key."""
+def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (), planning: bool = False) -> Recipe:
+    """Read, override, type-check and cross-check a recipe file; raise UserError naming the key.
+
+    ``planning`` (``ms-deepseek plan``): neither the checkpoint nor the data need be on this
+    machine (see :func:`build_model_config`, :func:`validate`)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -347,6 +372,6 @@ def load_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise UserError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
     try:
-        return load_recipe_dict(data or {}, overrides, str(path))
+        return load_recipe_dict(data or {}, overrides, str(path), planning=planning)
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None
