@@ -71,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
     h.add_argument("--hbm-gb", type=float, default=64.0)
     h.add_argument("--peak-tflops", type=float, default=313.0)
-    h.add_argument("--mfu", type=float, default=0.40, help="achieved fraction of peak on executed FLOPs")
+    e = parser.add_argument_group("efficiencies: LOW,HIGH ends of the tokens/s range (docs/planner.md)")
+    e.add_argument("--compute-efficiency", metavar="LOW[,HIGH]",
+                   help="fraction of the peak achieved on executed FLOPs (default: calibrated, "
+                        "costs.LOW / costs.HIGH)")
+    e.add_argument("--comm-efficiency", metavar="LOW[,HIGH]", help="fraction of nominal link bandwidth achieved")
+    e.add_argument("--overlap", metavar="LOW[,HIGH]", help="fraction of tp/ep communication hidden under compute")
     h.add_argument("--hbm-tbps", type=float, default=1.6)
     h.add_argument("--hccs-gbps", type=float, default=56.0, help="per peer inside a node")
     h.add_argument("--roce-gbps", type=float, default=25.0, help="per NPU across nodes")
@@ -83,18 +88,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool):
+    """"a" or "a,b" -> (low, high); each in (0, 1] ([0, 1) for the overlap)."""
+    if text is None:
+        return low, high
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected LOW or LOW,HIGH numbers, got {text!r}") from None
+    if len(values) not in (1, 2):
+        raise UserError(f"{flag}: expected LOW or LOW,HIGH, got {text!r}")
+    for v in values:
+        if not ((0 <= v < 1) if zero_ok else (0 < v <= 1)):
+            raise UserError(f"{flag}: must be in {'[0, 1)' if zero_ok else '(0, 1]'}, got {v}")
+    return values[0], values[-1]
+
+
 def _hardware(args):
-    from ms_deepseek.parallel.costs import Hardware
+    import dataclasses
+
+    from ms_deepseek.parallel.costs import HIGH, LOW, Hardware
 
     for key in ("hbm_gb", "peak_tflops", "hbm_tbps", "hccs_gbps", "roce_gbps"):
         if getattr(args, key) <= 0:
             raise UserError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
-    if not 0 < args.mfu <= 1:
-        raise UserError(f"--mfu: must be in (0, 1], got {args.mfu}")
-    return Hardware(hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops, mfu=args.mfu, hbm_tbps=args.hbm_tbps,
+    compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
+    comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
+    overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
+    low = dataclasses.replace(LOW, compute=compute[0], comm=comm[0], overlap=overlap[0])
+    high = dataclasses.replace(HIGH, compute=compute[1], comm=comm[1], overlap=overlap[1])
+    return Hardware(hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps,
                     hccs_gbps=args.hccs_gbps, roce_gbps=args.roce_gbps, npus_per_node=args.npus_per_node,
                     runtime_reserved_gb=args.runtime_reserved_gb, hccl_buffer_mb=args.hccl_buffer_mb,
-                    workspace_gb=args.workspace_gb)
+                    workspace_gb=args.workspace_gb, low=low, high=high)
 
 
 def _precision(args, cfg):
@@ -243,8 +269,8 @@ def _emit(args, result, ranked: Optional[List]) -> None:
         print("\nother layouts:")
         for r in ranked[1:]:
             verdict = "fits" if r.fits else "does not fit"
-            print(f"  {r.layout.describe():<58} {r.peak_gb:6.1f} GB  {r.tokens_per_s_per_npu:8.1f} tokens/s/NPU  "
-                  f"{verdict}")
+            lo, hi = r.tokens_per_s_range
+            print(f"  {r.layout.describe():<58} {r.peak_gb:6.1f} GB  {lo:7.0f}-{hi:.0f} tokens/s/NPU  {verdict}")
 
 
 def format_result(result) -> str:
@@ -264,6 +290,10 @@ def format_result(result) -> str:
     comm = result.comm_gb
     lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
     t = result.time_s
-    lines.append(f"step {t['step']:.2f} s (pipeline {t['pipeline']:.2f} s, bubble {result.bubble_fraction:.1%}, "
-                 f"dp sync {t['dp_sync']:.2f} s)  ->  {result.tokens_per_s_per_npu:.1f} tokens/s per NPU")
+    lo, hi = result.tokens_per_s_range
+    lines.append(f"step {t['step_high']:.1f}-{t['step']:.1f} s (bubble {result.bubble_fraction:.1%}; at the low end: "
+                 f"pipeline {t['pipeline']:.1f} s, dp sync {t['dp_sync']:.2f} s)")
+    lines.append(f"throughput {lo:.0f}-{hi:.0f} tokens/s per NPU (MFU {result.mfu_range[0]:.1%}-"
+                 f"{result.mfu_range[1]:.1%}; low = MindFormers-calibrated efficiency, high = the DeepSeek "
+                 f"paper's, docs/planner.md)")
     return "\n".join(lines)
