@@ -50,8 +50,9 @@ class ParallelConfig:
     # Custom expert -> EP rank assignment (length n_routed_experts, each rank owning
     # n_routed_experts / ep experts); None = contiguous blocks (expert e on rank e // (E/ep)).
     expert_placement: Optional[List[int]] = None
-    # Device memory pool reserved before compile (Ascend): planner estimate + headroom,
-    # capped at hbm_gb. Ignored on CPU.
+    # Device memory pool reserved before compile (Ascend): the planner's estimate up front,
+    # growing up to hbm_gb minus the runtime and HCCL reserve; a warning when the estimate
+    # leaves less than memory_headroom_gb of it. Ignored on CPU.
     reserve_memory: bool = True
     memory_headroom_gb: float = 2.0
     hbm_gb: float = 64.0
