@@ -235,7 +235,7 @@ class Trainer:
 
         par = self.par
         self.applied = apply_plan(model, par, self.cfg)
-        if par.reserve_memory:  # Ascend: the planner's estimate + headroom, before compile (no-op on CPU)
+        if par.reserve_memory:  # Ascend: pool up to HBM - runtime - HCCL, estimate up front (no-op on CPU)
             reserve_device_memory(self.plan, par.memory_headroom_gb, stage=sharded_mod.stage_of_rank(self.rank, par)
                                   if par.pp > 1 else None, hbm_gb=par.hbm_gb)
         self.model = model
