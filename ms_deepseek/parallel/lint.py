@@ -244,46 +244,78 @@ def _mlp_edges() -> List[Edge]:
 def _moe_edges() -> List[Edge]:
     """The MoE dataflow as built (one group per dispatch design; an MoE layer must match one)."""
     m = "mlp."
-    flat = "flat-capacity"  # tokens flattened over the stage, [E*C, H] buffer (before the per-group redesign)
-    edges = [
-        Edge(m + "dispatch_gather", 0, m + "experts.gate_bmm", 0, "rows_to_ech", requires=m + "dispatch_gather",
-             group=flat),
-        Edge(m + "dispatch_gather", 0, m + "experts.up_bmm", 0, "rows_to_ech", requires=m + "dispatch_gather",
-             group=flat),
-        Edge(m + "experts.gate_bmm", 0, m + "experts.down_bmm", 0, requires=m + "dispatch_gather", group=flat),
-        Edge(m + "experts.down_bmm", 0, m + "combine_gather", 0, "ech_to_rows", requires=m + "dispatch_gather",
-             group=flat),
-        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "same", requires=m + "dispatch_gather", group=flat),
+    edges: List[Edge] = []
+    # Per-group dispatch (MindFormers MoE v1, ms_deepseek/model/dispatch_shapes.py): tokens [G, N, H],
+    # buffer [G, E, C, H] viewed [ep, G/ep, E, C, H], transposed (2, 1, 0, 3, 4) to [E, G/ep, ep, C, H]
+    # and read as the expert input [E, G*C, H]; the same way back before the combine gather.
+    grouped = "per-group"
+    req = m + "to_experts"
+    edges += [
+        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "rows_to_groups", requires=req, group=grouped),
+        Edge(m + "pad_tokens", 0, m + "dispatch_gather", 0, requires=req, group=grouped),
+        Edge(m + "dispatch_gather", 0, m + "to_experts", 0, "groups_to_view", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.gate_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.up_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "experts.gate_bmm", 0, m + "experts.down_bmm", 0, requires=req, group=grouped),
+        Edge(m + "experts.down_bmm", 0, m + "from_experts", 0, "experts_to_view", requires=req, group=grouped),
+        Edge(m + "from_experts", 0, m + "combine_gather", 0, "view_to_groups", requires=req, group=grouped),
     ]
     return edges
 
 
-def _ech_to_rows(layout: Layout, mesh: Mesh) -> Layout:
-    # [E, C, H] -> reshape [E*C, H]
-    e, c, h = layout
-    if c != 1 and e == 1:
-        raise _NotExpressible("C split with E whole does not survive the merge")
-    return (e * c, h)
-
-
-def _rows_to_ech(layout: Layout, mesh: Mesh) -> Layout:
-    # [E*C, H] -> reshape [E, C, H]: a row split s lands on E (s divides E)
+def _rows_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # [G*N, X] -> reshape [G, N, X]: a row split by dp lands on G (rank-major rows)
     return (layout[0], 1, layout[1])
 
 
-TRANSFORMS.update({"ech_to_rows": _ech_to_rows, "rows_to_ech": _rows_to_ech})
+def _groups_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [G, E, C, H] -> reshape [ep, G/ep, E, C, H]: a G split g (g = dp) lands on (ep, g/ep)
+    g = layout[0]
+    ep = mesh.ep if g % mesh.ep == 0 else 1
+    return (ep, g // ep) + tuple(layout[1:])
+
+
+def _merge(splits: Sequence[int]) -> int:
+    out = 1
+    for k in splits:
+        out *= k
+    return out
+
+
+def _view_to_experts(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (2, 1, 0, 3, 4): [ep, G/ep, E, C, H] -> [E, G/ep, ep, C, H]; reshape -> [E, G*C, H]
+    a, b, e, c, h = layout
+    return (e, _merge((b, a, c)), h)
+
+
+def _experts_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [E, G*C, H] -> reshape [E, G/ep, ep, C, H]: a split s of G*C lands on (G/ep, ep) major-first
+    e, gc, h = layout
+    inner = gc // mesh.ep if gc % mesh.ep == 0 and gc >= mesh.ep else gc
+    return (e, inner, gc // inner, 1, h)
+
+
+def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (2, 1, 0, 3, 4): [E, G/ep, ep, C, H] -> [ep, G/ep, E, C, H]; reshape -> [G, E, C, H]
+    e, b, a, c, h = layout
+    return (a * b, e, c, h)
+
+
+TRANSFORMS.update({"rows_to_groups": _rows_to_groups,
+                   "groups_to_view": _groups_to_view, "view_to_experts": _view_to_experts,
+                   "experts_to_view": _experts_to_view, "view_to_groups": _view_to_groups})
 
 
 # The residual stream [B*T, H]: every producer's output and every consumer's input share one layout.
 RESIDUAL_PRODUCERS = ("model.embed_tokens.gather:0>tokens_to_rows", "model.layers.*.self_attn.o_proj.matmul:0",
                       "model.layers.*.mlp.down_proj.matmul:0", "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
-                      "model.layers.*.mlp.combine_gather:0")
+                      )
 RESIDUAL_CONSUMERS = ("model.layers.*.self_attn.q_proj.matmul:0", "model.layers.*.self_attn.q_a_proj.matmul:0",
                       "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0", "model.layers.*.mlp.gate_proj.matmul:0",
                       "model.layers.*.mlp.up_proj.matmul:0", "model.layers.*.mlp.gate.matmul:0",
                       "model.layers.*.mlp.shared_experts.gate_proj.matmul:0",
                       "model.layers.*.mlp.shared_experts.up_proj.matmul:0",
-                      "model.layers.*.mlp.dispatch_gather:0", "lm_head.matmul:0")
+                      "model.layers.*.mlp.pad_tokens:0>rows_to_groups", "lm_head.matmul:0")
 
 EDGES: List[Edge] = _attention_edges() + _mlp_edges() + _moe_edges()
 
@@ -424,6 +456,30 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
         rx = _compile(pattern)
         return [(p, int(port), transform or "same") for p in table if rx.fullmatch(p)]
 
+    def compare_stream(head, dst: str, inp: int, transform: str) -> None:
+        # stream layout (rows [B*T, H]) -> the consumer's view of it
+        if head[0] not in strategies or dst not in strategies:
+            return
+        try:
+            rows = TRANSFORMS[head[2]](out_layout(head[0], head[1]), mesh)
+        except _NotExpressible as exc:
+            report.problems.append(f"{head[0]}: {exc}")
+            return
+        _compare_layout(f"{head[0]} (residual stream)", head[1], dst, inp, TRANSFORMS[transform](rows, mesh))
+
+    def _compare_layout(src: str, out: int, dst: str, inp: int, got: Layout) -> None:
+        want = tuple(int(k) for k in strategies[dst][0][inp])
+        report.edges += 1
+        if tuple(got) == want:
+            return
+        key = f"{dst}:{inp}"
+        if next((w for rx, w in allow_rx if rx.fullmatch(key)), None) is not None:
+            report.allowed += 1
+            return
+        report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output {out} "
+                               f"gives {_fmt(got)}: MindSpore would redistribute here and the plan does not list it "
+                               f"(plan.deliberate_redistributions)")
+
     producers = [x for s in RESIDUAL_PRODUCERS for x in expand(s)]
     consumers = [x for s in RESIDUAL_CONSUMERS for x in expand(s)]
     if producers:
@@ -449,5 +505,5 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
                         else:
                             report.allowed += 1
             elif (src, out, transform) not in producers:
-                compare(head[0], head[1], src, out, head[2])
+                compare_stream(head, src, out, transform)
     return report

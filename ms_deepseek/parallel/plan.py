@@ -304,6 +304,15 @@ def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
     output differs from the stream's layout). Value: why the redistribution is wanted.
     """
     out: Dict[str, str] = {}
+    if mesh.ep > 1 or mesh.dp > 1:
+        # MindFormers MoE v1: the buffer [G, E, C, H] is dp-split; the expert matmuls read it
+        # ep-split (E) and dp/ep-split (G*C): MindSpore lowers the change to one AllToAll inside
+        # each group of ep data-parallel ranks (enable_alltoall), and the same way back.
+        go = "MoE dispatch: the dp -> ep exchange of the capacity buffer (AllToAll, enable_alltoall)"
+        back = "MoE combine: the ep -> dp exchange of the expert output (AllToAll, enable_alltoall)"
+        for p in ("gate_bmm", "up_bmm"):
+            out[f"model.layers.*.mlp.experts.{p}:0"] = go
+        out["model.layers.*.mlp.combine_gather:0"] = back
     if mesh.sequence_parallel and mesh.tp > 1:
         why = ("sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
                "(dp*tp) and all-gathered again before the column-parallel matmuls")

@@ -1,0 +1,92 @@
+"""The parallel-rules lint on built tiny models with their applied plans: the real plan passes,
+deliberately broken plans fail naming the primitive (and axis). Nothing is compiled."""
+
+import copy
+
+import pytest
+
+from ms_deepseek.config import get_preset
+from ms_deepseek.parallel import simulate as S
+from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.parallel.lint import lint_model
+from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
+
+TINY = get_preset("tiny")
+DENSE = TINY.replace(n_routed_experts=None)  # no MoE: every layer a dense MLP
+PAR = ParallelConfig(dp=2, tp=2, pp=2, ep=1, micro_batches=2)
+MOE_PAR = ParallelConfig(dp=4, tp=2, pp=2, ep=2, micro_batches=2)
+
+
+@pytest.fixture(scope="module")
+def dense_ctx():
+    return S.build_context(DENSE, PAR, 64)
+
+
+@pytest.fixture(scope="module")
+def moe_ctx():
+    return S.build_context(TINY, MOE_PAR, 64)
+
+
+def _with_strategy(applied, path, strategy):
+    broken = copy.copy(applied)
+    broken.strategies = dict(applied.strategies)
+    broken.strategies[path] = strategy
+    return broken
+
+
+def test_real_plan_passes_on_dense_model(dense_ctx):
+    report = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh)
+    assert report.ok, report.problems
+    assert report.edges >= 20 and report.primitives >= 40
+
+
+def test_real_plan_passes_on_moe_model(moe_ctx):
+    report = lint_model(moe_ctx.model, moe_ctx.applied, moe_ctx.mesh)
+    assert report.ok, report.problems
+    assert report.allowed >= 1  # the MoE dp -> ep exchange is a listed redistribution
+
+
+def test_sequence_parallel_redistribution_is_listed():
+    ctx = S.build_context(DENSE, ParallelConfig(dp=2, tp=2, sequence_parallel=True), 64)
+    report = lint_model(ctx.model, ctx.applied, ctx.mesh)
+    assert report.ok, report.problems
+    assert report.allowed > 0
+
+
+def test_split_topk_last_axis_fails_naming_primitive_and_axis(moe_ctx):
+    path = "model.layers.1.mlp.gate.topk"
+    broken = _with_strategy(moe_ctx.applied, path, (((4, 2),), None))
+    problems = lint_model(moe_ctx.model, broken, moe_ctx.mesh).problems
+    hits = [p for p in problems if p.startswith(path)]
+    assert hits and "axis 1" in hits[0] and "topk_info.cc" in hits[0], problems
+
+
+def test_split_softmax_axis_of_custom_op_fails(dense_ctx):
+    path = "model.layers.0.self_attn.softmax.impl.op"
+    broken = _with_strategy(dense_ctx.applied, path, (((2, 1, 1, 2),), None))
+    problems = lint_model(dense_ctx.model, broken, dense_ctx.mesh).problems
+    assert any(p.startswith(path) and "axis 3" in p and "FP32Softmax" in p for p in problems), problems
+
+
+def test_custom_op_without_strategy_fails():
+    table = {k: v for k, v in DEEPSEEK_V2_PLAN.items() if k != "model.layers.*.self_attn.softmax.impl.op"}
+    ctx = S.build_context(DENSE, PAR, 64, plan=Plan(table))
+    problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
+    assert any("self_attn.softmax.impl.op (FP32Softmax): no strategy" in p for p in problems), problems
+
+
+def test_wrong_style_is_an_unlisted_redistribution():
+    table = dict(DEEPSEEK_V2_PLAN)
+    table["model.layers.*.self_attn.o_proj"] = "colwise"  # should be rowwise: heads arrive split by tp
+    ctx = S.build_context(DENSE, PAR, 64, plan=Plan(table))
+    problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
+    assert any(p.startswith("model.layers.0.self_attn.o_proj.matmul input 0 has strategy (2, 1)")
+               and "pv_bmm" in p for p in problems), problems
+
+
+def test_stale_edge_table_fails(dense_ctx):
+    from ms_deepseek.parallel.lint import EDGES, Edge
+
+    edges = list(EDGES) + [Edge("self_attn.qk_bmm", 0, "self_attn.renamed_softmax", 0, requires="self_attn.qk_bmm")]
+    problems = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh, edges=edges).problems
+    assert any("renamed_softmax is not in the model" in p for p in problems), problems
