@@ -24,6 +24,7 @@ COMMANDS = {
     "prepare-data": ("ms_deepseek.data.cli", "tokenize jsonl / parquet / text into MindRecord shards"),
     "convert": ("ms_deepseek.convert.cli", "convert checkpoints between HuggingFace and ms_deepseek layouts"),
     "plan": ("ms_deepseek.parallel.cli", "size a parallel layout for N NPUs: memory, traffic, tokens/s"),
+    "export-lora": ("ms_deepseek.train.cli_export_lora", "export a LoRA run as a PEFT adapter, or merged into a base"),
     "generate": ("ms_deepseek.generate_cli", "generate text from a checkpoint (latent KV cache)"),
     "doctor": ("ms_deepseek.diagnostics.doctor", "preflight checks for a host / node / cluster"),
     "report": ("ms_deepseek.diagnostics.report", "HTML health report of a training run, with alerts"),

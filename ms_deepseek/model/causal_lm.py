@@ -152,7 +152,13 @@ class DeepseekV2ForCausalLM(nn.Cell):
         return CausalLMOutput(*out)
 
     @classmethod
-    def from_pretrained(cls, path, **config_overrides) -> "DeepseekV2ForCausalLM":
+    def from_pretrained(cls, path, adapter=None, **config_overrides) -> "DeepseekV2ForCausalLM":
+        """Load a checkpoint folder; ``adapter`` = a PEFT LoRA folder to attach (ms_deepseek.model.lora_peft)."""
         from ms_deepseek.model.loading import load_pretrained
 
-        return load_pretrained(cls, path, **config_overrides)
+        model = load_pretrained(cls, path, **config_overrides)
+        if adapter is not None:
+            from ms_deepseek.model.lora_peft import load_adapter
+
+            load_adapter(model, adapter)
+        return model

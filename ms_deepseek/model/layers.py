@@ -39,6 +39,8 @@ class Linear(nn.Cell):
         self.lora_B = None  # LoraWeight [out, r]
         self.lora_scaling = 0.0
         self.lora_dropout = None
+        self.lora_a_matmul = ops.MatMul(transpose_b=True)  # x [N, in] x A^T -> [N, r]
+        self.lora_b_matmul = ops.MatMul(transpose_b=True)  # [N, r] x B^T -> [N, out]
 
     def construct(self, x):
         lead = x.shape[:-1]

@@ -131,13 +131,6 @@ def attach(holder, experts, r: int, scaling: float, dropout: float, a: np.ndarra
     holder.lora_B.weight.name = f"{path}.lora_B.weight"
     holder.lora_scaling = float(scaling)
     holder.lora_dropout = nn.Dropout(p=dropout) if dropout > 0 else None
-    if experts is None:
-        # the adapter's matmuls on 2-D input, named for the parallel plan
-        holder.lora_a_matmul = ops.MatMul(transpose_b=True)
-        holder.lora_b_matmul = ops.MatMul(transpose_b=True)
-    else:
-        holder.lora_a_bmm = ops.BatchMatMul(transpose_b=True)
-        holder.lora_b_bmm = ops.BatchMatMul(transpose_b=True)
 
 
 def add_adapters(model, spec: AdapterSpec, seed: int = 0, key: str = "lora") -> List[str]:

@@ -53,13 +53,13 @@ class StackedWeight(nn.Cell):
         self.lora_scaling = 0.0
         self.lora_dropout = None
 
-    def project(self, x, bmm, cdt):
+    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt):
         """x [E, C, in] -> [E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
         y = bmm(x, self.weight.astype(cdt))  # [E, C, out]
         if self.lora_A is not None:
             h = x if self.lora_dropout is None else self.lora_dropout(x)
-            h = self.lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
-            y = y + self.lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
+            h = lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
+            y = y + lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
         return y
 
 
@@ -78,14 +78,19 @@ class RoutedExperts(nn.Cell):
         self.gate_bmm = ops.BatchMatMul(transpose_b=True)
         self.up_bmm = ops.BatchMatMul(transpose_b=True)
         self.down_bmm = ops.BatchMatMul(transpose_b=True)
+        # the stacked adapters' batched matmuls (used once ms_deepseek.model.lora attaches adapters)
+        self.gate_lora_a_bmm, self.gate_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
+        self.up_lora_a_bmm, self.up_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
+        self.down_lora_a_bmm, self.down_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
 
     def construct(self, x):
         """x [E, C, H] -> [E, C, H]."""
         cdt = self.compute_dtype
         x = x.astype(cdt)
-        gate = self.gate_proj.project(x, self.gate_bmm, cdt)  # [E, C, I]
-        up = self.up_proj.project(x, self.up_bmm, cdt)  # [E, C, I]
-        return self.down_proj.project(ops.silu(gate) * up, self.down_bmm, cdt)  # [E, C, H]
+        gate = self.gate_proj.project(x, self.gate_bmm, self.gate_lora_a_bmm, self.gate_lora_b_bmm, cdt)  # [E, C, I]
+        up = self.up_proj.project(x, self.up_bmm, self.up_lora_a_bmm, self.up_lora_b_bmm, cdt)  # [E, C, I]
+        return self.down_proj.project(ops.silu(gate) * up, self.down_bmm, self.down_lora_a_bmm,
+                                      self.down_lora_b_bmm, cdt)  # [E, C, H]
 
 
 class DeepseekV2MoE(nn.Cell):

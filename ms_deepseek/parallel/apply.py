@@ -184,6 +184,9 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
                 holder = getattr(experts, attr)
                 weight = getattr(holder, "weight", holder)  # a Parameter or a cell holding ``weight``
                 weight.set_data(ms.Tensor(weight.asnumpy()[order]))
+                for factor in (getattr(holder, "lora_A", None), getattr(holder, "lora_B", None)):
+                    if factor is not None:  # a stacked LoRA adapter follows its expert weights
+                        factor.weight.set_data(ms.Tensor(factor.weight.asnumpy()[order]))
             applied.expert_orders[_join(path, "experts")] = order
 
 

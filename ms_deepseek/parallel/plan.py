@@ -112,12 +112,25 @@ def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple
             out: Optional[Strategy] = None) -> StyleSpec:
     out_rows = x[0] if out is None else out[0][0]
     bias_cols = weight[0]
+    # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
+    # (a rowwise layer's partial sums are reduced after x A^T), B [out, r] splits ``out``.
+    lora_a, lora_b = (1, weight[1]), (weight[0], 1)
     return StyleSpec(
         prims={"matmul": ((x, weight), out),
-               "add_bias": (((out_rows, bias_cols), bias), None)},
-        params={"weight": weight, "bias": bias},
-        consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1)},
+               "add_bias": (((out_rows, bias_cols), bias), None),
+               "lora_a_matmul": ((x, lora_a), None),
+               "lora_b_matmul": (((x[0], 1), lora_b), None)},
+        params={"weight": weight, "bias": bias, "lora_A.weight": lora_a, "lora_B.weight": lora_b},
+        consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1),
+                   "lora_A.weight": ("lora_a_matmul", 1), "lora_B.weight": ("lora_b_matmul", 1)},
     )
+
+
+def _expert_lora_layouts(ep: int, tp: int) -> Dict[str, Tuple[int, ...]]:
+    """Layouts of the stacked expert adapters: E by ep; the intermediate size by tp, as in the weights."""
+    return {"gate_proj.lora_A.weight": (ep, 1, 1), "gate_proj.lora_B.weight": (ep, tp, 1),
+            "up_proj.lora_A.weight": (ep, 1, 1), "up_proj.lora_B.weight": (ep, tp, 1),
+            "down_proj.lora_A.weight": (ep, 1, tp), "down_proj.lora_B.weight": (ep, 1, 1)}
 
 
 def style_spec(style: str, mesh: Mesh) -> StyleSpec:
@@ -150,11 +163,21 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         return StyleSpec(
             prims={"gate_bmm": (((ep, inner, 1), (ep, tp, 1)), None),   # [E, C, H] x [E, I, H]^T
                    "up_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
-                   "down_bmm": (((ep, inner, tp), (ep, 1, tp)), None)},  # [E, C, I] x [E, H, I]^T
+                   "down_bmm": (((ep, inner, tp), (ep, 1, tp)), None),  # [E, C, I] x [E, H, I]^T
+                   # stacked adapters, split like the expert weights they adapt:
+                   # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
+                   "gate_lora_a_bmm": (((ep, inner, 1), (ep, 1, 1)), None),
+                   "gate_lora_b_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
+                   "up_lora_a_bmm": (((ep, inner, 1), (ep, 1, 1)), None),
+                   "up_lora_b_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
+                   "down_lora_a_bmm": (((ep, inner, tp), (ep, 1, tp)), None),
+                   "down_lora_b_bmm": (((ep, inner, 1), (ep, 1, 1)), None)},
             params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
-                    "down_proj.weight": (ep, 1, tp)},
+                    "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp)},
             consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
-                       "down_proj.weight": ("down_bmm", 1)})
+                       "down_proj.weight": ("down_bmm", 1),
+                       **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
+                          for p in ("gate", "up", "down") for ab in ("A", "B")}})
     if style == "head_bmm":
         return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
     if style == "head_softmax":

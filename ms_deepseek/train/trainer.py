@@ -222,12 +222,19 @@ class Trainer:
         from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
         weights_folder = self.recipe.weights_folder
-        if weights_folder is not None and self.resume_dir is None:
+        lora = self.recipe.lora
+        if lora is not None:  # the frozen base is loaded on resume too: LoRA checkpoints hold adapters only
+            from ms_deepseek.train import lora_run
+
+            weights_folder = lora_run.base_folder(self.recipe, self.run_dir)
+        if weights_folder is not None and (self.resume_dir is None or lora is not None):
             model = DeepseekV2ForCausalLM.from_pretrained(weights_folder,
                                                           show_progress=self.progress and self.is_main,
-                                                          **_config_changes(self.recipe))
+                                                          **_config_changes(self.recipe, weights_folder))
         else:
             model = DeepseekV2ForCausalLM(self.cfg)
+        if lora is not None:  # adapters + frozen base; a random base is saved once to RUN_DIR/base
+            lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main)
         model.set_train(True)
         from ms_deepseek.parallel.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
@@ -274,7 +281,8 @@ class Trainer:
             self.strategy_file.parent.mkdir(parents=True, exist_ok=True)
             self.step_cell = auto_parallel_wrap(self.step_cell, par, str(self.strategy_file))
         # what a checkpoint holds
-        self.model_tensors = model_tensors(self.model)
+        self.model_tensors = model_tensors(self.model) if self.recipe.lora is None else \
+            lora_checkpoint_tensors(self.model)  # LoRA: adapters (+ trained routers) only
         self.opt_tensors = dict(optim.optimizer_state(optimizer))
         self.opt_tensors["loss_scale"] = update.loss_scale
         self.opt_tensors["loss_scale_good_steps"] = update.good_steps
@@ -420,11 +428,17 @@ class Trainer:
                            wall_s=time.time() - self.started)
 
 
-def _config_changes(recipe: Recipe) -> Dict:
+def lora_checkpoint_tensors(model) -> Dict[str, object]:
+    from ms_deepseek.train.lora_run import checkpoint_tensors
+
+    return checkpoint_tensors(model)
+
+
+def _config_changes(recipe: Recipe, folder=None) -> Dict:
     """Fields of the resolved config that differ from the folder's config.json (overrides, alphas)."""
     from ms_deepseek.config import load_model_config
 
-    base = load_model_config(recipe.model.source)
+    base = load_model_config(str(folder) if folder is not None else recipe.model.source)
     cfg = recipe.model_config
     return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if getattr(cfg, k) != getattr(base, k)}
 

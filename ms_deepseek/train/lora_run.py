@@ -1,0 +1,301 @@
+"""LoRA runs: the trainer's hooks, and ``export-lora`` (PEFT folder, or a merged HF folder).
+
+A LoRA run trains only the adapters (and the routers with ``lora.train_router``); its
+checkpoints hold those tensors and their optimizer state, nothing of the frozen base. The
+base is ``model.source`` when that is a checkpoint folder; a random base (``source: tiny``
+or a config.json) is written once to ``RUN_DIR/base`` in the HF layout, so resume, export
+and ``--merge`` find the same weights again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import yaml
+
+from ms_deepseek.errors import UserError
+
+BASE_DIR = "base"
+_SF_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+# ------------------------------------------------------------------------------- trainer hooks
+def base_folder(recipe, run_dir: Path) -> Optional[Path]:
+    """Where the frozen base's weights are: model.source, else RUN_DIR/base once written (None: random init)."""
+    if recipe.weights_folder is not None:
+        return recipe.weights_folder
+    saved = Path(run_dir) / BASE_DIR
+    return saved if (saved / "model.safetensors").is_file() else None
+
+
+def prepare(model, recipe, run_dir: Path, write_base: bool) -> List[str]:
+    """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first."""
+    from ms_deepseek.model import lora
+
+    section = recipe.lora
+    if write_base:
+        save_base(model, Path(run_dir) / BASE_DIR)
+    spec = lora.AdapterSpec(r=section.r, alpha=section.alpha, dropout=section.dropout,
+                            target_modules=section.target_modules, train_router=section.train_router)
+    paths = lora.add_adapters(model, spec, seed=recipe.train.seed)
+    lora.freeze_base(model, section.train_router)
+    return paths
+
+
+def checkpoint_tensors(model) -> Dict[str, object]:
+    """What a LoRA checkpoint holds: the trainable tensors (adapters, trained routers)."""
+    from ms_deepseek.model.lora import trainable_tensors
+
+    return trainable_tensors(model)
+
+
+def save_base(model, folder: Path) -> None:
+    """The model's weights as an HF folder (per-expert names, the parameters' dtype), written atomically."""
+    from ms_deepseek.convert import names
+
+    cfg = model.config
+    E = cfg.n_routed_experts or 0
+    tensors = {}
+    for name, p in model.parameters_and_names():
+        if name.endswith("expert_placement") or ".lora_" in name:
+            continue
+        value = _host(p)
+        for hf_name, arr in names.unstack(name, value, E):
+            tensors[hf_name] = (arr, cfg.param_dtype)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    write_arrays(tmp / "model.safetensors", tensors)
+    cfg.save(tmp / "config.json", dtype=cfg.param_dtype)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def _host(p) -> np.ndarray:
+    import mindspore as ms
+
+    return p.astype(ms.float32).asnumpy() if p.dtype == ms.bfloat16 else p.asnumpy()
+
+
+def write_arrays(path: Path, tensors: Dict[str, Tuple[np.ndarray, str]]) -> None:
+    """A safetensors file from host arrays, each encoded to its dtype name (bfloat16 rounded to nearest even)."""
+    from ms_deepseek.convert.safetensors_io import OutTensor, build_header, order_for_alignment
+    from ms_deepseek.convert.synthetic import _encode
+
+    planned = [OutTensor(n, _SF_OF[d], tuple(a.shape), ((path, 0, a.size * (4 if d == "float32" else 2)),))
+               for n, (a, d) in tensors.items()]
+    planned = order_for_alignment(planned)
+    with open(path, "wb") as f:
+        f.write(build_header(planned, {"format": "pt"}))
+        for t in planned:
+            f.write(_encode(np.ascontiguousarray(tensors[t.name][0]), t.dtype))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------- export
+def resolve_checkpoint(spec) -> Path:
+    """A checkpoint folder (``.../checkpoints/step_N``) or a run folder (its newest complete checkpoint)."""
+    from ms_deepseek.train import checkpoint as ckpt_mod
+
+    p = Path(spec)
+    if not p.is_dir():
+        raise UserError(f"{p}: no such run or checkpoint folder")
+    if (p / "state.json").is_file() and (p / "model.safetensors").is_file():
+        return p
+    latest = ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None
+    if latest is None:
+        raise UserError(f"{p}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
+                        "complete checkpoints")
+    return latest
+
+
+def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
+    """(lora section, model section) of the recipe a checkpoint was trained with."""
+    path = ckpt / "recipe.yaml"
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read the run's recipe ({exc})") from None
+    section = recipe.get("lora")
+    if not section:
+        raise UserError(f"{ckpt}: not a LoRA run (its recipe.yaml has no lora section); export full "
+                        "checkpoints with `ms-deepseek convert`")
+    return section, recipe.get("model") or {}
+
+
+def run_base(ckpt: Path, model_section: Dict) -> Path:
+    """The base a LoRA checkpoint was trained on: RUN_DIR/base (random base) or model.source."""
+    run_dir = ckpt.parent.parent
+    if (run_dir / BASE_DIR / "model.safetensors").is_file():
+        return run_dir / BASE_DIR
+    source = Path(str(model_section.get("source", ""))).expanduser()
+    if source.is_dir() and (source / "config.json").is_file():
+        return source.resolve()
+    raise UserError(f"{ckpt}: cannot find the run's base model ({run_dir / BASE_DIR} or model.source "
+                    f"{str(source)!r}); pass --base FOLDER")
+
+
+def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], Dict]:
+    """(PEFT-named tensors, adapter_config) of a LoRA training checkpoint."""
+    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.model.lora_peft import PREFIX, adapter_config
+    from ms_deepseek.train.recipe import LoraSection
+    from ms_deepseek.schema import from_dict
+    from ms_deepseek.model.loading import read_tensor
+    from ms_deepseek.convert.safetensors_io import read_header
+    import re
+
+    section, _model = run_lora_settings(ckpt)
+    lora_cfg = from_dict(LoraSection, section, "lora")
+    cfg = DeepseekV2Config.from_json(ckpt / "config.json")
+    E = cfg.n_routed_experts or 0
+    header = read_header(ckpt / "model.safetensors")
+    tensors: Dict[str, np.ndarray] = {}
+    targets, routed = set(), False
+    has_router = False
+    for name, info in header.tensors.items():
+        value = read_tensor(info).astype(np.float32)
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate|up|down)_proj)\.(lora_[AB]\.weight)$", name)
+        if m:  # stacked [E, ...] -> per expert, in expert order
+            routed = True
+            targets.add(m.group(2))
+            for e in range(value.shape[0]):
+                tensors[f"{PREFIX}{m.group(1)}.{e}.{m.group(2)}.{m.group(3)}"] = np.ascontiguousarray(value[e])
+        elif ".lora_A.weight" in name or ".lora_B.weight" in name:
+            targets.add(name.split(".lora_")[0].rsplit(".", 1)[-1])
+            tensors[PREFIX + name] = value
+        elif re.match(r"^model\.layers\.\d+\.mlp\.gate\.weight$", name):
+            has_router = True
+            tensors[PREFIX + name] = value
+        else:
+            raise UserError(f"{ckpt / 'model.safetensors'}: tensor {name} is neither an adapter nor a router; "
+                            "not a LoRA checkpoint")
+    if not targets:
+        raise UserError(f"{ckpt / 'model.safetensors'}: holds no LoRA adapter")
+    # PEFT refuses lora_dropout on parameter-targeted (fused-expert) adapters; dropout only acts in training.
+    dropout = 0.0 if routed else lora_cfg.dropout
+    config = adapter_config(lora_cfg.r, lora_cfg.alpha, dropout, sorted(targets), str(base), has_router)
+    return tensors, config
+
+
+def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = False) -> Path:
+    """``export-lora RUN_OR_CHECKPOINT OUT``: the PEFT folder of a LoRA run's checkpoint."""
+    from ms_deepseek.model.lora_peft import write_adapter
+
+    ckpt = resolve_checkpoint(spec)
+    _section, model_section = run_lora_settings(ckpt)
+    base_path = Path(base) if base else run_base(ckpt, model_section)
+    tensors, config = checkpoint_adapter(ckpt, base_path)
+    return write_adapter(Path(out), tensors, config, overwrite)
+
+
+# ------------------------------------------------------------------------------- merge
+def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) -> Path:
+    """A full HF folder with the adapter folded into the base, streaming one tensor at a time.
+
+    Tensors the adapter does not touch are copied as bytes (the converter's writer); each touched
+    one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
+    own dtype into a scratch file and copied from there. Output shards mirror the base's."""
+    from ms_deepseek.convert import api as convert_api
+    from ms_deepseek.convert import names
+    from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, OutTensor, order_for_alignment, write_file
+    from ms_deepseek.convert.source import open_checkpoint
+    from ms_deepseek.model.loading import read_tensor
+    from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
+
+    base, out = Path(base), Path(out)
+    ckpt = open_checkpoint(base)
+    E = ckpt.config.n_routed_experts or 0
+    cfg = read_config(adapter_folder)
+    factors, routers = group_adapter(_read_tensors(adapter_folder), cfg, E, Path(adapter_folder))
+    convert_api._check_destination(base, out, overwrite)
+    # per HF tensor name: (A [r, in], B [out, r], scaling)
+    deltas: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+    for path, (a, b, s) in factors.items():
+        if a.ndim == 3:
+            for e in range(a.shape[0]):
+                deltas[names.ms_to_hf(f"{path}.weight", E)[e]] = (a[e], b[e], s)
+        else:
+            deltas[f"{path}.weight"] = (a, b, s)
+    stacked_deltas = {f"{p}.weight": v for p, v in factors.items() if v[0].ndim == 3}
+    present = set()
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        scratch = tmp / ".scratch.bin"
+        weight_map: Dict[str, str] = {}
+        files = []
+        with open(scratch, "wb") as sf:
+            for src in ckpt.files:
+                planned: List[OutTensor] = []
+                for info in sorted((i for i in ckpt.tensors.values() if i.file == src), key=lambda i: i.offset):
+                    name = info.name
+                    if name in deltas or name in routers or name in stacked_deltas:
+                        if info.dtype not in DTYPE_NAMES:
+                            raise UserError(f"{info.file}: tensor {name} has dtype {info.dtype}; cannot merge into it")
+                        w = read_tensor(info).astype(np.float32)
+                        if name in routers:
+                            w = routers[name]
+                        elif name in stacked_deltas:  # our stacked layout: all experts at once
+                            a, b, s = stacked_deltas[name]
+                            w = w + s * np.matmul(b, a)  # [E, out, r] @ [E, r, in]
+                        else:
+                            a, b, s = deltas[name]
+                            if w.shape != (b.shape[0], a.shape[1]):
+                                raise UserError(f"{adapter_folder}: adapter for {name} is {b.shape[0]} x {a.shape[1]}, "
+                                                f"the base tensor is {list(w.shape)} (an adapter for another base?)")
+                            w = w + s * (b @ a)
+                        pieces = []
+                        outs = names.unstack(name, w, E) if name in stacked_deltas else [(name, w)]
+                        for out_name, arr in outs:
+                            from ms_deepseek.convert.synthetic import _encode
+
+                            raw = _encode(np.ascontiguousarray(arr), info.dtype)
+                            off = sf.tell()
+                            sf.write(raw)
+                            planned.append(OutTensor(out_name, info.dtype, tuple(arr.shape),
+                                                     ((scratch, off, len(raw)),)))
+                        present.add(name)
+                    elif names.is_stacked_expert(name):  # our layout: unstack by byte ranges
+                        per = info.nbytes // info.shape[0]
+                        for e, out_name in enumerate(names.ms_to_hf(name, E)):
+                            planned.append(OutTensor(out_name, info.dtype, tuple(info.shape[1:]),
+                                                     ((info.file, info.offset + e * per, per),)))
+                    else:
+                        planned.append(OutTensor(name, info.dtype, tuple(info.shape),
+                                                 ((info.file, info.offset, info.nbytes),)))
+                files.append((src.name, order_for_alignment(planned)))
+            sf.flush()
+        for path, (a, _b, _s) in sorted(factors.items()):
+            stack = f"{path}.weight"
+            ok = stack in present or (a.ndim == 3 and all(n in present for n in names.ms_to_hf(stack, E)))
+            if not ok:
+                raise UserError(f"{adapter_folder}: the adapter for {path} has no base tensor in {base} "
+                                "(an adapter for another base?)")
+        for name in routers:
+            if name not in present:
+                raise UserError(f"{adapter_folder}: router {name} has no base tensor in {base}")
+        for file_name, planned in files:
+            write_file(tmp / file_name, planned, {"format": "pt"})
+            for t in planned:
+                weight_map[t.name] = file_name
+        scratch.unlink()
+        if ckpt.index_path is not None:
+            total = sum((tmp / f).stat().st_size for f, _ in files)
+            (tmp / ckpt.index_path.name).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        for extra in base.iterdir():  # config.json, tokenizer files, generation_config.json ...
+            if extra.is_file() and not extra.name.endswith(".safetensors") and extra != ckpt.index_path:
+                shutil.copy2(extra, tmp / extra.name)
+        convert_api._install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
