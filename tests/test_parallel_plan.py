@@ -142,6 +142,18 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
     vocab = tp if parallel.vocab_parallel else 1
     assert model.model.embed_tokens.gather.attrs["in_strategy"] == ((vocab, 1), (dp, 1))
     assert model.lm_head.matmul.attrs["in_strategy"] == ((dp, 1), (vocab, 1))
+    # the loss keeps the logits [N, V] as lm_head leaves them, (dp, vocab split): every op over V
+    # is a partial reduction (no GatherD, which cannot split its gather axis)
+    loss = model.loss_fn
+    head_out = (dp, model.lm_head.matmul.attrs["in_strategy"][1][0])
+    for attr in ("row_max", "exp", "sum_exp", "pick"):
+        assert getattr(loss, attr).attrs["in_strategy"] == (head_out,), attr
+    assert loss.sub.attrs["in_strategy"] == (head_out, (dp, 1))
+    assert loss.mul.attrs["in_strategy"] == (head_out, head_out)
+    assert loss.onehot.attrs["in_strategy"] == (head_out, (), ())
+    assert not [p for p in prims if p.startswith("loss_fn.") and type(prims[p]).__name__ == "GatherD"]
+    if parallel.pp > 1:
+        assert loss.pipeline_stage == model.lm_head.pipeline_stage == parallel.pp - 1
     # each strategy uses at most the stage's devices and divides every axis it splits
     for path, (in_s, _) in applied.strategies.items():
         for tensor in in_s:
@@ -245,6 +257,7 @@ def test_selective_recompute_and_stage_config():
     assert attn.qk_bmm.attrs.get("recompute") is True and attn.softmax._has_config_recompute
     assert not net.model.layers[0]._has_config_recompute  # the rest of the layer keeps its activations
     assert pipeline_stage_config(applied, "lm") == {"lm.model.embed_tokens": 0, "lm.model.norm": 1, "lm.lm_head": 1,
+                                                    "lm.loss_fn": 1,  # the loss runs where the logits are
                                                     "lm.model.layers.0": 0, "lm.model.layers.1": 1}
 
 

@@ -27,10 +27,9 @@ from ms_deepseek.config import DeepseekV2Config
 from ms_deepseek.errors import UserError
 from ms_deepseek.model.block import DecoderLayer
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
+from ms_deepseek.model.loss import IGNORE_INDEX, VocabParallelCrossEntropy  # noqa: F401 (IGNORE_INDEX re-exported)
 from ms_deepseek.model.mla import causal_mask
 from ms_deepseek.model.rope import RotaryEmbedding
-
-IGNORE_INDEX = -100
 
 
 class CausalLMOutput(NamedTuple):
@@ -114,23 +113,15 @@ class DeepseekV2ForCausalLM(nn.Cell):
         kw = dict(init_std=config.initializer_range, compute_dtype=to_ms_dtype(config.compute_dtype),
                   param_dtype=to_ms_dtype(config.param_dtype))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **kw)
+        self.loss_fn = VocabParallelCrossEntropy(config.vocab_size)  # no parameters
         self.output_routing = output_routing
         self.vocab_size = config.vocab_size
 
     def cross_entropy(self, logits, labels):
-        """Mean next-token CE over labels != -100. logits [B, T, V] f32, labels [B, T] int."""
-        V = self.vocab_size
-        shift_logits = logits[:, :-1, :].reshape(-1, V)  # [B*(T-1), V]
-        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # [B*(T-1)]
-        valid = shift_labels != IGNORE_INDEX
-        safe = ops.select(valid, shift_labels, ops.zeros_like(shift_labels))
-        # log-sum-exp with the max held constant: the same value and gradient, without a
-        # backward pass through the max (whose gradient cancels).
-        row_max = ops.stop_gradient(ops.amax(shift_logits, -1, keepdims=True))  # [N, 1]
-        lse = ops.log(ops.exp(shift_logits - row_max).sum(-1)) + row_max.reshape(-1)  # [N]
-        picked = ops.gather_elements(shift_logits, 1, safe.reshape(-1, 1)).reshape(-1)  # [N]
-        validf = valid.astype(ms.float32)
-        return ((lse - picked) * validf).sum() / ops.maximum(validf.sum(), 1.0)
+        """Mean next-token CE over labels != -100. logits [B, T, V] f32, labels [B, T] int.
+
+        Vocabulary-parallel form (``ms_deepseek.model.loss``): no gather over the vocabulary axis."""
+        return self.loss_fn(logits, labels)
 
     def construct(self, input_ids, labels=None):
         hidden, aux, stats, routing = self.model(input_ids)

@@ -127,7 +127,8 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     # 3. pipeline stages
     if cfg is not None:
         stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-        assignment = {"model.embed_tokens": 0, "model.norm": parallel.pp - 1, "lm_head": parallel.pp - 1}
+        assignment = {"model.embed_tokens": 0, "model.norm": parallel.pp - 1, "lm_head": parallel.pp - 1,
+                      "loss_fn": parallel.pp - 1}
         assignment.update({f"model.layers.{i}": s for i, s in enumerate(stages)})
         for path, stage in assignment.items():
             if path in cells:

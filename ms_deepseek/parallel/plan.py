@@ -25,7 +25,8 @@ Strategy conventions (MindSpore: one integer per tensor axis, the number of slic
 * Routed experts: stacked weights [E, out, in], experts by ep, the expert
   intermediate size by tp; the capacity buffer [E, C, H] splits E by ep and C by
   dp / ep (the ep groups are carved out of dp: validator rule ``ep | dp``).
-* Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp.
+* Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp; the loss
+  (``loss_fn``, ``ms_deepseek.model.loss``) keeps the logits [N, V] split (dp, tp).
 * Norm weights, the router and the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``
   are replicated (small, and their outputs feed every head).
 """
@@ -71,6 +72,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.expert_placement": "placement_table",
     "model.norm": "norm",
     "lm_head": "vocab_head",
+    "loss_fn": "vocab_cross_entropy",
 }
 
 # Primitive types that must receive a strategy (the rest follow by sharding propagation).
@@ -145,6 +147,16 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
     if style == "vocab_head":
         v = tp if mesh.vocab_parallel else 1
         return _linear(mesh, weight=(v, 1), x=(dp, 1), bias=(v,))
+    if style == "vocab_cross_entropy":
+        # logits [N, V] as lm_head leaves them: tokens by dp, vocabulary by the head's split. Every
+        # reduction over V is partial per device and all-reduced (MindFormers' CrossEntropyLoss
+        # strategies); OneHot builds each device's vocabulary slice of the targets.
+        v = tp if mesh.vocab_parallel else 1
+        nv = ((dp, v),)
+        return StyleSpec(prims={"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
+                                "sum_exp": (nv, None), "log": (((dp,),), None),
+                                "onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None),
+                                "pick": (nv, None)})
     if style == "vocab_embedding":
         v = tp if mesh.vocab_parallel else 1
         # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.

@@ -1,0 +1,70 @@
+"""Next-token cross-entropy written so that the vocabulary axis can be split (vocabulary parallel).
+
+``VocabParallelCrossEntropy()(logits [B, T, V] f32, labels [B, T] int) -> scalar``: the mean
+next-token cross-entropy over labels != -100, labels aligned with ``input_ids`` (the
+HuggingFace convention: position t predicts label t + 1).
+
+Single-device math (no strategies here); every primitive is an attribute so the plan
+(``ms_deepseek.parallel.plan``, style ``vocab_cross_entropy``) can split logits [N, V] as
+(dp, tp), the layout ``lm_head``'s vocabulary split produces. The pattern is MindFormers'
+``CrossEntropyLoss`` (``mindformers/core/loss/loss.py``, ran on 910B), where every op over
+the vocabulary axis is one MindSpore can split:
+
+* ``row_max``: ReduceMax over V (partial maxima, all-reduced max) held constant;
+* ``sub`` / ``exp`` / ``sum_exp``: the partial sums of exp(logit - max) all-reduced;
+* the target logit: ``OneHot(labels)`` [N, V] (each device builds its own vocabulary slice
+  of it) times the logits, summed over V (a partial sum all-reduced): no ``gather_elements``,
+  which cannot split its gather axis and would all-gather full-vocabulary fp32 logits.
+
+The next-token shift moves the labels (one int column), not the logits: shifting the logits
+(``logits[:, :-1]``) copies a full [N, V] fp32 tensor; here the last position's label is
+-100 instead, which gives the same mean and the same gradient (zero on the last position).
+
+Memory per device, with N = B * T local tokens and V/tp local vocabulary, besides the logits:
+forward transients ``logits - max`` and its exp (the exp is kept for backward, as any
+softmax cross-entropy keeps one [N, V/tp] fp32), then the one-hot and its product with the
+logits (freed after the sum). The one-hot is marked recompute so backward rebuilds it
+instead of keeping a second [N, V/tp] fp32 tensor alive (graph mode; PyNative keeps it).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.ops import operations as P
+
+IGNORE_INDEX = -100
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.row_max = P.ReduceMax(keep_dims=True)
+        self.sub = P.Sub()
+        self.exp = P.Exp()
+        self.sum_exp = P.ReduceSum(keep_dims=False)
+        self.log = P.Log()
+        self.onehot = P.OneHot()
+        self.onehot.recompute()  # rebuilt in backward: no second [N, V] fp32 tensor kept alive
+        self.mul = P.Mul()
+        self.pick = P.ReduceSum(keep_dims=False)
+        self.on_value = Tensor(1.0, ms.float32)
+        self.off_value = Tensor(0.0, ms.float32)
+
+    def construct(self, logits, labels):
+        B, T = labels.shape
+        flat = logits.reshape(B * T, self.vocab_size)  # [B, T, V] -> [N, V], N = B * T
+        # label of position t is the token at t + 1; the last position has none
+        last = ops.full((B, 1), IGNORE_INDEX, dtype=ms.int32)
+        shifted = ops.concat((labels[:, 1:].astype(ms.int32), last), 1).reshape(-1)  # [B, T] -> [N]
+        valid = shifted != IGNORE_INDEX
+        safe = ops.select(valid, shifted, ops.zeros_like(shifted))  # [N], ignored rows pick class 0
+        # log-sum-exp with the max held constant: the same value and gradient, no backward
+        # through the max (whose gradient cancels)
+        row_max = ops.stop_gradient(self.row_max(flat, -1))  # [N, 1]
+        lse = self.log(self.sum_exp(self.exp(self.sub(flat, row_max)), -1)) + row_max.reshape(-1)  # [N]
+        target = self.onehot(safe, self.vocab_size, self.on_value, self.off_value)  # [N, V]
+        picked = self.pick(self.mul(flat, target), -1)  # [N]: the target logit
+        validf = valid.astype(ms.float32)
+        return ((lse - picked) * validf).sum() / ops.maximum(validf.sum(), 1.0)
