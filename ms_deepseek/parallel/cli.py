@@ -20,6 +20,7 @@ builds the model at reduced depth and width with the same parallel structure and
 line per check (MoE dispatch forward/backward per virtual rank, the rows each rank reads,
 pipeline stage contents, loader slices, the parallel-rules lint) with its max error; exit 0 when
 every check passes (max error <= 1e-5), 1 when one fails or is not available, 2 on bad input.
+
 ``--json`` prints one JSON object (``fits``, ``memory_gb``, ``tokens_per_s_per_npu``, ...).
 Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
 """
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="training sequence length")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    g = parser.add_argument_group("layout (check one layout instead of searching)")
+    g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
     g.add_argument("--dp", type=int)
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
@@ -189,9 +190,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
     if args.recipe:
         result, recipe = _check_recipe(args, hw)
-        _emit(args, result, None)
         if args.simulate:
-            return _simulate(args, recipe)
+            return _simulate(args, recipe, result)
+        _emit(args, result, None)
         return 0 if result.fits else 1
     if not args.model:
         raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
@@ -245,13 +246,19 @@ def _recipe_layout(args, recipe):
     return par
 
 
-def _simulate(args, recipe) -> int:
+def _simulate(args, recipe, result) -> int:
+    """The planner's verdict, then the simulation's lines; the exit status is the simulation's."""
     from ms_deepseek.parallel.simulate import all_passed, format_results, simulate
 
+    if not args.json:
+        _emit(args, result, None)
     results = simulate(recipe.model_config, recipe.parallel, recipe.seq_len, recipe.train.micro_batch_size)
     if args.json:
-        print(json.dumps({"simulation": [{"check": r.name, "status": r.status, "max_err": r.max_err,
-                                          "detail": r.detail} for r in results]}, indent=2))
+        out = result.to_dict()
+        out["simulation"] = [{"check": r.name, "status": r.status, "max_err": r.max_err, "detail": r.detail}
+                             for r in results]
+        out["simulation_passed"] = all_passed(results)
+        print(json.dumps(out, indent=2))
     else:
         print(format_results(recipe, results))
     return 0 if all_passed(results) else 1
