@@ -313,3 +313,95 @@ def test_context_kwargs():
     assert kw["enable_parallel_optimizer"] is True and kw["pipeline_config"]["pipeline_scheduler"] == "1f1b"
     assert context_kwargs(ParallelConfig(dp=2))["parallel_mode"] == "data_parallel"
     assert context_kwargs(ParallelConfig())["parallel_mode"] == "stand_alone"
+
+
+# -------------------------------------------------------------------------- LoRA
+LORA_ALL = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+            "gate_proj", "up_proj", "down_proj")
+
+
+def test_lora_inventory_freezes_the_base_and_adds_adapters():
+    from ms_deepseek.parallel.costs import LoraWorkload, lora_inventory
+
+    cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16")
+    base = parameter_inventory(cfg)
+    inv = lora_inventory(cfg, LoraWorkload(r=8, target_modules=("kv_b_proj", "experts.down_proj")))
+    trainable = [i for i in inv if i.trainable]
+    assert all(".lora_" in i.name for i in trainable) and len(inv) == len(base) + len(trainable)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    assert len(trainable) == 2 * (cfg.num_hidden_layers + len(moe_layers))
+    a = {i.name: i.shape for i in trainable}
+    kv_b = next(i for i in base if i.name == "model.layers.0.self_attn.kv_b_proj.weight").shape
+    assert a["model.layers.0.self_attn.kv_b_proj.lora_A.weight"] == (8, kv_b[1])
+    assert a["model.layers.0.self_attn.kv_b_proj.lora_B.weight"] == (kv_b[0], 8)
+    E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    layer = moe_layers[0]
+    assert a[f"model.layers.{layer}.mlp.experts.down_proj.lora_A.weight"] == (E, 8, I)   # one adapter per expert
+    assert a[f"model.layers.{layer}.mlp.experts.down_proj.lora_B.weight"] == (E, H, 8)
+    assert not any("shared_experts" in n for n in a)                                     # experts.down_proj only
+    adapters = sum(i.numel for i in trainable)
+    assert adapters == 8 * (cfg.num_hidden_layers * sum(kv_b) + len(moe_layers) * E * (H + I))
+    # frozen weights: no gradient, no optimizer state; float32 adapters: 4 + 8 bytes per element
+    held = param_bytes(cfg, ParallelConfig(), Precision(master_bytes=4), inv)[0]
+    assert held["gradients"] == 4 * adapters and held["optimizer"] == (8 + 4) * adapters
+    router = lora_inventory(cfg, LoraWorkload(r=8, target_modules=("o_proj",), train_router=True))
+    assert {i.name for i in router if i.trainable and ".lora_" not in i.name} == {
+        f"model.layers.{k}.mlp.gate.weight" for k in moe_layers}
+    with pytest.raises(UserError, match="lora.target_modules: no module of this model is targeted"):
+        lora_inventory(cfg, LoraWorkload(r=8, target_modules=("q_a_proj",)))   # V2-Lite has q_proj only
+    dense = get_preset("tiny", compute_dtype="float32").replace(n_routed_experts=None)
+    with pytest.raises(UserError, match=r"lora.target_modules\[1\]: 'experts.up_proj' matches no module"):
+        lora_inventory(dense, LoraWorkload(r=8, target_modules=("o_proj", "experts.up_proj")))
+    assert lora_inventory(cfg, LoraWorkload(r=8, target_modules=("q_proj", "q_a_proj", "q_b_proj")))
+
+
+def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
+    import dataclasses
+
+    from ms_deepseek.parallel.costs import LoraWorkload
+
+    cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
+    w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,
+                 lora=LoraWorkload(r=16, target_modules=LORA_ALL))
+    best = search(cfg, 8, w, top=1, recompute=("none",), sequence_parallel=(False,))[0]
+    assert best.fits and best.layout.world_size == 8
+    full = estimate(cfg, best.layout, dataclasses.replace(w, lora=None), world_size=8)
+    lo, fu = best.memory_gb, full.memory_gb
+    assert lo["gradients"] < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
+    assert best.peak_gb < full.peak_gb - 15
+    assert best.comm_gb["dp_sync"] < 0.05 * full.comm_gb["dp_sync"]          # only adapter gradients sync
+    assert best.tokens_per_s_per_npu > full.tokens_per_s_per_npu            # no base weight gradients
+
+
+def test_lora_v2_needs_two_nodes():
+    from ms_deepseek.parallel.costs import LoraWorkload
+
+    cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
+    w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,
+                 lora=LoraWorkload(r=16, target_modules=LORA_ALL[:6]))
+    choices = dict(top=1, recompute=("full",), optimizer_shard=(True,))
+    assert not search(cfg, 8, w, **choices)[0].fits        # 236B bf16 weights alone are ~59 GB per NPU on 8
+    two = search(cfg, 16, w, **choices)[0]
+    assert two.fits and two.peak_gb <= 61.0
+
+
+def test_cli_lora(capsys):
+    args = ["--model", "deepseek-v2-lite", "--npus", "8", "--seq-len", "4096", "--global-batch", "64",
+            "--param-dtype", "bfloat16", "--capacity-factor", "2", "--flash-attention", "--dp", "8", "--ep", "8",
+            "--recompute", "full", "--json"]
+    code, out = _cli(capsys, *args)
+    full = json.loads(out.out)
+    code, out = _cli(capsys, *args, "--lora-r", "16", "--lora-targets", "q_proj,kv_b_proj,experts.gate_proj")
+    lora = json.loads(out.out)
+    assert code == 0 and lora["fits"]
+    assert lora["workload"]["lora"] == {"r": 16, "target_modules": ["q_proj", "kv_b_proj", "experts.gate_proj"],
+                                        "train_router": False}
+    assert lora["memory_gb"]["optimizer"] < 0.05 * full["memory_gb"]["optimizer"]
+    lo, hi = lora["tokens_per_s_per_npu_range"]
+    assert lo == lora["tokens_per_s_per_npu"] < hi
+    code, out = _cli(capsys, *args, "--lora-r", "0")
+    assert code == 2 and out.err.strip() == "ms-deepseek plan: error: --lora-r: must be >= 1, got 0"
+    code, out = _cli(capsys, *args, "--lora-r", "4", "--lora-targets", "lm_head")
+    assert code == 2 and "--lora-targets: unknown target module 'lm_head'" in out.err
+    code, out = _cli(capsys, *args, "--compute-efficiency", "0.2,1.5")
+    assert code == 2 and "--compute-efficiency: must be in (0, 1], got 1.5" in out.err

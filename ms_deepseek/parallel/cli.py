@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--optimizer-bytes", type=int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
     m.add_argument("--master-bytes", type=int, default=0, help="extra master-weight bytes per element (default 0)")
     m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1")
+    m.add_argument("--lora-r", type=int, help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
+                   "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r")
+    m.add_argument("--lora-targets", help="comma-separated PEFT target modules (default with --lora-r: the "
+                   "recipe's, else q_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj)")
+    m.add_argument("--train-router", action="store_true", help="LoRA: the router weights are trained too")
     m.add_argument("--flash-attention", action="store_true",
                    help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
@@ -200,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _model(args)
     precision = _precision(args, cfg)
     workload = Workload(seq_len=args.seq_len, global_batch_size=args.global_batch,
-                        micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention)
+                        micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention,
+                        lora=_lora(args, None))
     if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
         layout = _layout(args, args.npus, args.global_batch)
         result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
@@ -211,6 +217,35 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ranked[0].fits else 1
 
 
+DEFAULT_LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def _lora(args, section):
+    """The LoRA workload from --lora-r / --lora-targets / --train-router over the recipe's section."""
+    from ms_deepseek.parallel.costs import LORA_LEAVES, LoraWorkload
+
+    if args.lora_r is None and args.lora_targets is None and section is None:
+        if args.train_router:
+            raise UserError("--train-router: only with LoRA (--lora-r or a recipe lora: section)")
+        return None
+    r = args.lora_r if args.lora_r is not None else (section.r if section is not None else None)
+    if r is None:
+        raise UserError("--lora-targets: needs --lora-r (the adapter rank)")
+    if r < 1:
+        raise UserError(f"--lora-r: must be >= 1, got {r}")
+    if args.lora_targets is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        for t in targets:
+            if t.rsplit(".", 1)[-1] not in LORA_LEAVES:
+                raise UserError(f"--lora-targets: unknown target module {t!r}; known: {', '.join(LORA_LEAVES)}")
+        if not targets:
+            raise UserError("--lora-targets: empty")
+    else:
+        targets = tuple(section.target_modules) if section is not None else DEFAULT_LORA_TARGETS
+    train_router = args.train_router or bool(section is not None and section.train_router)
+    return LoraWorkload(r=int(r), target_modules=targets, train_router=train_router)
+
+
 def _check_recipe(args, hw):
     from ms_deepseek.parallel.planner import check_recipe_fits
     from ms_deepseek.train.recipe import load_recipe
@@ -218,7 +253,13 @@ def _check_recipe(args, hw):
     recipe = load_recipe(args.recipe, args.overrides, planning=True)
     recipe.parallel = _recipe_layout(args, recipe)
     hw.hbm_gb = recipe.parallel.hbm_gb
-    return check_recipe_fits(recipe, hardware=hw), recipe
+    import dataclasses
+
+    from ms_deepseek.parallel.planner import recipe_workload
+
+    workload = recipe_workload(recipe)
+    workload = dataclasses.replace(workload, lora=_lora(args, getattr(recipe, "lora", None)))
+    return check_recipe_fits(recipe, hardware=hw, workload=workload), recipe
 
 
 def _recipe_layout(args, recipe):

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.errors import UserError
 from ms_deepseek.model.dispatch_shapes import dispatch_buffers
 from ms_deepseek.parallel.config import ParallelConfig
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
@@ -85,12 +86,80 @@ class Precision:
                                       # level2/level3 also gradients
 
 
+LORA_LEAVES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+               "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraWorkload:
+    """LoRA fine-tuning (the recipe's ``lora:`` section): base weights frozen (no gradient, no
+    optimizer state, no master copy), float32 adapters A [r, in] / B [out, r] on the targeted
+    Linears (stacked [E, r, in] / [E, out, r] on routed experts), trained with AdamW."""
+    r: int
+    target_modules: Tuple[str, ...]
+    train_router: bool = False
+
+
 @dataclass
 class Workload:
     seq_len: int
     global_batch_size: int
     micro_batch_size: int = 1
     flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
+    lora: Optional[LoraWorkload] = None  # None: full fine-tuning / pretraining
+
+
+def _targeted(module_path: str, targets) -> bool:
+    """PEFT's matching rule (model/lora.py): the path equals a target or ends with "." + target."""
+    return any(module_path == t or module_path.endswith("." + t) for t in targets)
+
+
+def lora_inventory(cfg, lora: LoraWorkload, inventory: Optional[List[ParamInfo]] = None) -> List[ParamInfo]:
+    """The model's parameters under LoRA: every base weight frozen (the router trainable only with
+    ``train_router``), plus the float32 adapters of each targeted module, named as model/lora.py
+    names them (``<module>.lora_A.weight`` / ``.lora_B.weight``)."""
+    import dataclasses
+
+    inventory = inventory if inventory is not None else parameter_inventory(cfg)
+    modules = [i.name[:-len(".weight")] for i in inventory
+               if i.name.endswith(".weight") and i.name.rsplit(".", 2)[-2] in LORA_LEAVES]
+    q_variants = ("q_proj", "q_a_proj", "q_b_proj")
+    for k, target in enumerate(lora.target_modules):
+        if not any(_targeted(m, (target,)) for m in modules):
+            # a model has q_proj or q_a_proj + q_b_proj; naming the other variant is not an error
+            # (model/lora.py's rule)
+            if target in q_variants and any(_targeted(m, (q,)) for m in modules for q in q_variants if q != target):
+                continue
+            raise UserError(f"lora.target_modules[{k}]: {target!r} matches no module of this model")
+    if not any(_targeted(m, lora.target_modules) for m in modules):
+        raise UserError("lora.target_modules: no module of this model is targeted")
+    out: List[ParamInfo] = []
+    for info in inventory:
+        router = info.name.endswith("mlp.gate.weight")
+        out.append(dataclasses.replace(info, trainable=info.trainable and router and lora.train_router))
+        module, leaf = info.name.rsplit(".", 1)
+        if leaf != "weight" or module.rsplit(".", 1)[-1] not in LORA_LEAVES or not _targeted(module, lora.target_modules):
+            continue
+        *lead, out_f, in_f = info.shape
+        lead = tuple(lead)
+        out.append(ParamInfo(module + ".lora_A.weight", lead + (lora.r, in_f), "float32", True, info.layer, info.kind))
+        out.append(ParamInfo(module + ".lora_B.weight", lead + (out_f, lora.r), "float32", True, info.layer, info.kind))
+    return out
+
+
+def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
+    """A parameter's layout from the plan; an adapter without a rule of its own is split like its
+    base weight: A [.., r, in] keeps the base's split of ``in``, B [.., out, r] its split of
+    ``out`` (and the expert axis of stacked adapters), the rank axis never split."""
+    for part in (".lora_A.weight", ".lora_B.weight"):
+        if name.endswith(part):
+            try:
+                return plan.param_layout(name, mesh)[1]
+            except UserError:
+                base = plan.param_layout(name[:-len(part)] + ".weight", mesh)[1]
+                *lead, o, i = base
+                return tuple(lead) + ((1, i) if part == ".lora_A.weight" else (o, 1))
+    return plan.param_layout(name, mesh)[1]
 
 
 @dataclass
@@ -139,16 +208,22 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
            for _ in range(parallel.pp)]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
-        _, layout = plan.param_layout(info.name, mesh)
+        layout = param_layout(plan, info.name, mesh)
         local = shard_numel(info.shape, layout)
         size = ITEMSIZE[info.dtype]
         group = 1
+        # MindSpore's parallel optimizer shards trainable parameters only: frozen (LoRA base)
+        # weights stay whole on every dp replica.
         if parallel.optimizer_shard and info.trainable:
             group = optimizer_shard_group(info.shape, layout, mesh.stage_devices, size, threshold_kb)
         slot = out[stage_of_param(info, parallel.pp, stages)]
         slot["params"] += local
         slot["weights"] += local * size / group
         if not info.trainable:
+            # A frozen weight wider than the compute dtype is still cast for the matmul, and the
+            # cast is kept for the activation gradient.
+            if not info.is_buffer and size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
+                slot["copies"] += local * precision.compute_bytes
             continue
         grad = precision.grad_bytes or size
         slot["gradients"] += local * grad / (group if level2 else 1)
@@ -327,6 +402,32 @@ def layer_flops(cfg, i: int, parallel: ParallelConfig, w: Workload) -> Tuple[flo
     return f, core
 
 
+def lora_adapter_dims(adapters: List[ParamInfo]) -> Dict[int, List[Tuple[bool, int, int, int]]]:
+    """Decoder layer -> [(stacked over experts, r, in, out)] of its adapters."""
+    shapes = {a.name: a.shape for a in adapters if ".lora_" in a.name}
+    out: Dict[int, List[Tuple[bool, int, int, int]]] = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        b = shapes[name.replace(".lora_A.", ".lora_B.")]
+        out.setdefault(layer, []).append((len(shape) == 3, shape[-2], shape[-1], b[-2]))
+    return out
+
+
+def layer_lora_flops(cfg, i: int, parallel: ParallelConfig, w: Workload,
+                     dims: Dict[int, List[Tuple[bool, int, int, int]]]) -> float:
+    """Forward + backward (3x) FLOPs of layer i's adapters on one NPU for one micro-batch: each
+    row passes A then B (2*r*(in+out)); a stacked routed-expert adapter sees the expert rows this
+    NPU computes (every capacity slot, E*C); a tp share of each."""
+    n = w.micro_batch_size * w.seq_len
+    f = 0.0
+    for stacked, r, in_f, out_f in dims.get(i, ()):
+        rows = _expert_rows(cfg, parallel, n) if stacked else n
+        f += 2 * rows * r * (in_f + out_f) / parallel.tp
+    return 3 * f
+
+
 def layer_tp_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
     """Bytes one NPU sends in tp all-reduces for one forward of layer i (ring: 2(t-1)/t x size)."""
     t = parallel.tp
@@ -347,16 +448,21 @@ def layer_ep_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -
     return 2 * moe_buffers(cfg, parallel, n)["alltoall"] * c   # dispatch + combine exchanges
 
 
-def model_flops_per_token(cfg, seq_len: int) -> float:
+def model_flops_per_token(cfg, seq_len: int, lora: bool = False) -> float:
     """Training FLOPs per token of the model itself, the MFU numerator: forward + backward (3x)
     of every matmul a token activates (k routed experts, no capacity padding, no recompute) and
-    of causal attention (half the score matrix), on one device."""
+    of causal attention (half the score matrix), on one device. Under LoRA the frozen weights
+    get no weight gradient: 2x for their matmuls (the adapters' own FLOPs are left out)."""
     exact = cfg.replace(capacity_factor=1.0) if cfg.has_moe else cfg
     w = Workload(seq_len=seq_len, global_batch_size=1, micro_batch_size=1, flash_attention=True)
     p = ParallelConfig()
-    f = sum(layer_flops(exact, i, p, w)[0] for i in range(cfg.num_hidden_layers))
+    f = core = 0.0
+    for i in range(cfg.num_hidden_layers):
+        layer, attention = layer_flops(exact, i, p, w)
+        f += layer
+        core += attention
     f += 2 * seq_len * cfg.hidden_size * cfg.vocab_size       # lm_head
-    return 3 * f / seq_len
+    return ((2 * f + core) if lora else 3 * f) / seq_len
 
 
 def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:

@@ -108,6 +108,8 @@ def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optio
     if problems:
         return result
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
+    if w.lora is not None and not any(".lora_A." in i.name for i in inventory):
+        inventory = costs.lora_inventory(cfg, w.lora, inventory)
     plan = plan or DEFAULT_PLAN
     held = costs.param_bytes(cfg, parallel, precision, inventory, plan)
     result.stages = costs.stage_memory(cfg, parallel, w, precision, hw, held)
@@ -130,7 +132,7 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
     """Step time and tokens/s at both ends of the efficiency range (costs.LOW / costs.HIGH)."""
     micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)   # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
-    traffic = _stage_traffic(cfg, p, w, precision, hw)
+    traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
     dp_bytes, dp_seconds = _dp_sync(cfg, p, precision, hw, plan, inventory)   # at nominal bandwidth
     worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
     t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
@@ -163,11 +165,12 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
                       "dp_sync": dp_bytes / GB, "pp_p2p": slowest["pp"] * micro_total / GB}
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
-    flops_per_token = costs.model_flops_per_token(cfg, w.seq_len)
+    flops_per_token = costs.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
     result.mfu_range = tuple(t * flops_per_token / (hw.peak_tflops * 1e12) for t in result.tokens_per_s_range)
 
 
-def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware) -> List[Dict[str, float]]:
+def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware,
+                   inventory) -> List[Dict[str, float]]:
     """Per pipeline stage and micro-batch: FLOPs executed and bytes sent (tp, ep, pp) with the
     nominal bandwidth of each group."""
     c = precision.compute_bytes
@@ -179,18 +182,25 @@ def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw
     bw_ep = costs.group_bandwidth(p.ep, p.tp, hw)
     bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
     out = []
+    adapters = costs.lora_adapter_dims(inventory) if w.lora is not None else {}
     for s in range(p.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
         flops = tp_b = ep_b = 0.0
         for i in layers:
             f, core = costs.layer_flops(cfg, i, p, w)
             extra = f if p.recompute == "full" else (core if p.recompute == "selective" else 0.0)
-            flops += 3 * f + extra                               # forward + backward (2x) + recompute
+            if w.lora is None:
+                flops += 3 * f + extra                           # forward + backward (2x) + recompute
+            else:
+                # frozen weights: the backward computes activation gradients but no weight
+                # gradients (the attention core has no weights: its backward stays 2x), plus the
+                # adapters' forward + backward
+                flops += 2 * f + core + extra + costs.layer_lora_flops(cfg, i, p, w, adapters)
             tp_b += (1 + replays) * costs.layer_tp_bytes(cfg, i, p, w, c)  # forward(s) + backward
             ep_b += (1 + replays) * costs.layer_ep_bytes(cfg, i, p, w, c)
         if s == p.pp - 1:
             V = cfg.vocab_size / (p.tp if p.vocab_parallel else 1)
-            flops += 3 * 2 * n * cfg.hidden_size * V
+            flops += (3 if w.lora is None else 2) * 2 * n * cfg.hidden_size * V
             if p.tp > 1 and p.vocab_parallel:
                 # vocab-parallel loss: all-reduces of the row max, the sum of exp and the target
                 # logit ([n] float32 each), forward; the backward needs none
@@ -213,7 +223,7 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
     for info in inventory:
         if not info.trainable:
             continue
-        _, layout = plan.param_layout(info.name, mesh)
+        layout = costs.param_layout(plan, info.name, mesh)
         split = 1
         for k in layout:
             split *= k
@@ -330,6 +340,8 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
     precision = precision or default_precision(cfg)
     hardware = hardware or Hardware()
     inventory = parameter_inventory(cfg)
+    if workload.lora is not None:
+        inventory = costs.lora_inventory(cfg, workload.lora, inventory)
     results = []
     candidates = list(candidate_layouts(cfg, npus, workload, hardware, **choices))
     if progress:
@@ -367,12 +379,17 @@ def recipe_workload(recipe) -> Workload:
         global_batch = int(train.global_batch_size)
     # Eager attention keeps [T, T] scores; the fused Ascend path (model use_flash_attention) does not.
     model_cfg = getattr(recipe, "model_config", None)
+    section = getattr(recipe, "lora", None)
+    lora = None
+    if section is not None:
+        lora = costs.LoraWorkload(r=int(section.r), target_modules=tuple(section.target_modules),
+                                  train_router=bool(section.train_router))
     return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
-                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)))
+                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora)
 
 
 def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,
-                      precision: Optional[Precision] = None) -> PlanResult:
+                      precision: Optional[Precision] = None, workload: Optional[Workload] = None) -> PlanResult:
     """The planner's verdict on a loaded recipe (``train`` / ``launch`` refuse ``fits=False``
     unless ``--force`` or ``parallel.force``).
 
@@ -384,5 +401,5 @@ def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = Non
     if cfg is None:
         raise UserError("plan: the recipe's model config is not resolved (pass model_cfg)")
     hw = hardware or Hardware(hbm_gb=parallel.hbm_gb)
-    return estimate(cfg, parallel, recipe_workload(recipe), precision or default_precision(cfg), hw,
+    return estimate(cfg, parallel, workload or recipe_workload(recipe), precision or default_precision(cfg), hw,
                     world_size=parallel.world_size)
