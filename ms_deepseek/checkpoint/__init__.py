@@ -11,3 +11,12 @@
 
 The model's name/shape table is :mod:`ms_deepseek.model.inventory`.
 """
+
+
+def __getattr__(name):
+    # Lazy: the converter imports .atomic, and .sharded imports the converter's modules.
+    if name in ("check_loader_slices", "load_rank", "write_sharded", "merge_to_hf", "write_whole"):
+        from ms_deepseek.checkpoint import sharded
+
+        return getattr(sharded, name)
+    raise AttributeError(f"module 'ms_deepseek.checkpoint' has no attribute {name!r}")

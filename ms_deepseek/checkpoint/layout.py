@@ -125,6 +125,8 @@ class ShardLayout:
     ep: int
     optimizer_shard: bool
     tensors: Dict[str, TensorLayout]
+    # the optimizer file's tensors (adam_m/adam_v like their parameter, scalars on every rank: stage -1)
+    optimizer: Optional[Dict[str, TensorLayout]] = None
 
     @property
     def stage_devices(self) -> int:
@@ -141,14 +143,34 @@ class ShardLayout:
         return self.to_json()["parallel"] == other.to_json()["parallel"] and \
             {n: t.to_json() for n, t in self.tensors.items()} == {n: t.to_json() for n, t in other.tensors.items()}
 
+    def for_optimizer(self) -> "ShardLayout":
+        """The layout of the optimizer file (same degrees)."""
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, dict(self.optimizer or {}))
+
+    def with_optimizer(self, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> "ShardLayout":
+        """This layout plus the optimizer file's (name -> (shape, dtype)): ``adam_m.X`` / ``adam_v.X`` are
+        sliced like X; everything else (step counter, loss scale) is whole on every rank (stage -1)."""
+        opt: Dict[str, TensorLayout] = {}
+        for name, (shape, dtype) in tensors.items():
+            base = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else None
+            t = self.tensors.get(base) if base else None
+            if t is not None and tuple(shape) == t.shape:
+                opt[name] = TensorLayout(name, t.shape, dtype, t.stage, t.dev_matrix, t.tensor_map, t.experts)
+            else:
+                opt[name] = TensorLayout(name, tuple(shape), dtype, -1, (self.stage_devices,),
+                                         tuple(-1 for _ in shape))
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt)
+
     def ranks_holding(self, name: str) -> List[int]:
         t = self.tensors[name]
+        if t.stage < 0:  # on every rank (optimizer scalars)
+            return list(range(self.world_size))
         first = t.stage * self.stage_devices
         return list(range(first, first + self.stage_devices))
 
     def tensors_of_rank(self, rank: int) -> List[str]:
         stage = rank // self.stage_devices
-        return [n for n, t in self.tensors.items() if t.stage == stage]
+        return [n for n, t in self.tensors.items() if t.stage in (stage, -1)]
 
     def slice_of(self, name: str, rank: int) -> Slice:
         return self.tensors[name].slice_of(rank % self.stage_devices)
@@ -165,7 +187,8 @@ class ShardLayout:
         return {"format": FORMAT, "version": VERSION, "world_size": self.world_size,
                 "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
                              "optimizer_shard": self.optimizer_shard},
-                "tensors": {n: t.to_json() for n, t in self.tensors.items()}}
+                "tensors": {n: t.to_json() for n, t in self.tensors.items()},
+                **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {})}
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
@@ -277,30 +300,36 @@ def read_layout(folder: Path) -> ShardLayout:
         dp, tp, pp, ep = (int(par[k]) for k in ("dp", "tp", "pp", "ep"))
         if min(dp, tp, pp, ep) < 1 or int(data["world_size"]) != dp * tp * pp:
             raise ValueError(f"world_size {data['world_size']} is not dp*tp*pp = {dp * tp * pp}")
-        tensors: Dict[str, TensorLayout] = {}
-        for name, t in data["tensors"].items():
-            shape, dev, tmap = (tuple(int(x) for x in t[k]) for k in ("shape", "dev_matrix", "tensor_map"))
-            stage = int(t["stage"])
-            prod = 1
-            for d in dev:
-                prod *= d
-            if prod != dp * tp or len(tmap) != len(shape) or not 0 <= stage < pp or \
-                    any(m >= len(dev) or m < -1 for m in tmap):
-                raise ValueError(f"tensor {name}: dev_matrix {list(dev)} / tensor_map {list(tmap)} / stage {stage} "
-                                 f"do not fit dp*tp = {dp * tp} devices, pp = {pp}")
-            exp = tuple(ExpertIds(int(e) for e in ids) for ids in t["experts"]) if t.get("experts") else None
-            lay = TensorLayout(name, shape, str(t["dtype"]), stage, dev, tmap, exp)
-            for axis, (d, k) in enumerate(zip(shape, lay.split)):
-                if d % k:
-                    raise ValueError(f"tensor {name}: axis {axis} ({d}) is not divisible by {k}")
-            if exp is not None and (len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids)
-                                    != list(range(shape[0]))):
-                raise ValueError(f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
-                                 f"{shape[0]} experts over {lay.split[0]} ranks")
-            tensors[name] = lay
-        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors)
+        tensors = _read_tensors(data["tensors"], dp, tp, pp)
+        optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
+        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{path}: malformed layout file ({exc})") from None
+
+
+def _read_tensors(entries: Dict, dp: int, tp: int, pp: int) -> Dict[str, TensorLayout]:
+    tensors: Dict[str, TensorLayout] = {}
+    for name, t in entries.items():
+        shape, dev, tmap = (tuple(int(x) for x in t[k]) for k in ("shape", "dev_matrix", "tensor_map"))
+        stage = int(t["stage"])
+        prod = 1
+        for d in dev:
+            prod *= d
+        if prod != dp * tp or len(tmap) != len(shape) or not -1 <= stage < pp or \
+                any(m >= len(dev) or m < -1 for m in tmap):
+            raise ValueError(f"tensor {name}: dev_matrix {list(dev)} / tensor_map {list(tmap)} / stage {stage} "
+                             f"do not fit dp*tp = {dp * tp} devices, pp = {pp}")
+        exp = tuple(ExpertIds(int(e) for e in ids) for ids in t["experts"]) if t.get("experts") else None
+        lay = TensorLayout(name, shape, str(t["dtype"]), stage, dev, tmap, exp)
+        for axis, (d, k) in enumerate(zip(shape, lay.split)):
+            if d % k:
+                raise ValueError(f"tensor {name}: axis {axis} ({d}) is not divisible by {k}")
+        if exp is not None and (len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids)
+                                != list(range(shape[0]))):
+            raise ValueError(f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
+                             f"{shape[0]} experts over {lay.split[0]} ranks")
+        tensors[name] = lay
+    return tensors
 
 
 def check_strategy_file(layout: ShardLayout, strategy_path: Path, rank: int) -> None:

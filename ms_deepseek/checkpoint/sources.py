@@ -106,6 +106,14 @@ class ShardedSource:
         self.layout = layout or read_layout(self.folder)
         self.file_name = file_name
         self._headers: Dict[int, Dict[str, TensorInfo]] = {}
+        import os
+
+        root = os.path.realpath(self.folder)
+        for r in range(self.layout.world_size):
+            path = self.folder / rank_dir_name(r)
+            real = os.path.realpath(path)
+            if path.exists() and os.path.commonpath([root, real]) != root:
+                raise UserError(f"{path}: rank folder lies outside the checkpoint folder (-> {real})")
         missing = [r for r in range(self.layout.world_size) if not (self.folder / rank_dir_name(r)).is_dir()]
         if missing:
             raise UserError(f"{self.folder / rank_dir_name(missing[0])}: missing rank folder (layout.json "
@@ -186,13 +194,13 @@ class ShardedSource:
 
 def _take(view: np.ndarray, index: List[object]) -> np.ndarray:
     """view[index] where list entries pick positions along one axis (the expert axis)."""
-    if isinstance(index[0], list):
+    if index and isinstance(index[0], list):
         return np.stack([np.array(view[i][tuple(index[1:])]) for i in index[0]])
     return np.array(view[tuple(index)])
 
 
 def _put(out: np.ndarray, index: List[object], piece: np.ndarray) -> None:
-    if isinstance(index[0], list):
+    if index and isinstance(index[0], list):
         for k, j in enumerate(index[0]):
             out[j][tuple(index[1:])] = piece[k]
     else:

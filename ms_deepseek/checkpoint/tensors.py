@@ -1,0 +1,141 @@
+"""Tensors in and out of a model or optimizer, and the RNG state, for training checkpoints.
+
+* :func:`save_tensors` / :func:`load_tensors`: one safetensors file (MindSpore's writer/reader);
+* :func:`model_tensors`: the model's parameters under its own names (the expert placement
+  table is plan data, not saved); :func:`hf_ordered` puts stacked experts back in expert
+  order when a placement permuted them into buffer order (``apply.restore_expert_order``),
+  so every checkpoint stores experts in HF order whatever the placement;
+* :func:`restore_into`: copy a checkpoint (any source, any layout) into the live
+  parameters, whole or this rank's slices, experts into buffer order;
+* :func:`rng_state` / :func:`restore_rng`: numpy and MindSpore generators, so a resume
+  continues exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+from ms_deepseek.errors import UserError
+
+
+def save_tensors(named: Dict[str, object], path: Path) -> None:
+    import mindspore as ms
+
+    ms.save_checkpoint([{"name": name, "data": value} for name, value in named.items()], str(path),
+                       format="safetensors")
+    if not path.is_file():  # MindSpore appends the suffix when it is missing; we always pass it
+        raise RuntimeError(f"internal: save_checkpoint did not write {path}")
+
+
+def load_tensors(path: Path):
+    import mindspore as ms
+
+    try:
+        return ms.load_checkpoint(str(path), format="safetensors")
+    except Exception as exc:  # MindSpore raises assorted types for damaged files
+        raise UserError(f"{path}: cannot read checkpoint tensors ({str(exc).splitlines()[0]})") from None
+
+
+def model_tensors(model) -> Dict[str, object]:
+    """The model's parameters under its own names, without the expert placement table (plan data)."""
+    return {name: p for name, p in model.parameters_and_names() if not name.endswith("expert_placement")}
+
+
+def _expert_order(name: str, applied) -> Optional[np.ndarray]:
+    """The buffer order of a stacked expert tensor (or its optimizer state) under a placement, else None."""
+    for path, order in (getattr(applied, "expert_orders", None) or {}).items():
+        # our names ("model.layers.1.mlp.experts.up_proj.weight") and optimizer states ("adam_m.<name>")
+        if name.startswith(path + ".") or ("." + path + ".") in name:
+            return order
+    return None
+
+
+def hf_ordered(tensors: Dict[str, object], applied) -> Dict[str, object]:
+    """``tensors`` with stacked experts (and their optimizer states) back in expert order
+    (``apply.restore_expert_order``); only the tensors a placement permuted are copied to the host."""
+    import mindspore as ms
+
+    out = dict(tensors)
+    for name, value in tensors.items():
+        order = _expert_order(name, applied)
+        if order is not None:
+            array = value.asnumpy()
+            restored = np.empty_like(array)
+            restored[order] = array  # buffer row r holds expert order[r]
+            out[name] = ms.Tensor(restored)
+    return out
+
+
+def to_buffer_order(name: str, array: np.ndarray, applied) -> np.ndarray:
+    """Inverse of :func:`hf_ordered` for one tensor: an expert-ordered stack into buffer order."""
+    order = _expert_order(name, applied)
+    return array if order is None else array[order]
+
+
+def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None) -> None:
+    """Copy tensors of ``src`` (a :mod:`.sources` source) into ``params``: all must be present, shapes equal.
+
+    With ``layout`` each parameter receives this rank's slice (the parameters of a compiled sharded
+    step are slices); without, the whole tensor."""
+    from mindspore import Tensor
+
+    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+
+    missing = [n for n in params if not src.has(n)]
+    if missing:
+        where = getattr(src, "folder", "")
+        raise UserError(f"{where}: {what} tensor {missing[0]} is missing"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                        + "; the checkpoint does not match this recipe's model")
+    for name, param in params.items():
+        if layout is not None and name in layout.tensors:
+            sl = layout.slice_of(name, rank)
+        else:
+            sl = full_slice(_stored_shape(src, name, param))
+        raw = src.read(name, sl)
+        value = to_float32(raw, src.dtype(name)) if src.dtype(name) in ("BF16", "F16", "F32") else raw
+        if layout is None:
+            value = to_buffer_order(name, value, applied)
+        # a lazily built, not yet compiled parameter still has the full shape: it takes the slice as its data
+        as_slice = layout is not None and name in layout.tensors and tuple(param.shape) == layout.tensors[name].shape
+        if tuple(value.shape) != tuple(param.shape) and not as_slice:
+            raise UserError(f"{getattr(src, 'folder', '')}: {what} tensor {name} has shape {list(value.shape)}, "
+                            f"the model has {list(param.shape)}")
+        np_dtype = {"Int32": np.int32, "Int64": np.int64}.get(str(param.dtype), np.float32)
+        param.set_data(Tensor(np.ascontiguousarray(value, dtype=np_dtype), dtype=param.dtype),
+                       slice_shape=tuple(value.shape) != tuple(param.shape))
+
+
+def _stored_shape(src, name: str, param):
+    info = getattr(src, "tensors", {}).get(name)
+    if info is not None:
+        return tuple(info.shape)
+    layout = getattr(src, "layout", None)
+    if layout is not None and name in layout.tensors:
+        return layout.tensors[name].shape
+    return tuple(param.shape)
+
+
+def rng_state() -> Dict:
+    import mindspore as ms
+
+    np_state = np.random.get_state()
+    return {"numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "mindspore_seed": ms.get_seed(),
+            "mindspore_generator": ms.get_rng_state().asnumpy().tolist()}
+
+
+def restore_rng(state: Dict) -> None:
+    import mindspore as ms
+
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if state.get("mindspore_seed") is not None:
+        ms.set_seed(int(state["mindspore_seed"]))
+    if "mindspore_generator" in state:
+        dtype = ms.get_rng_state().asnumpy().dtype  # the generator's own state dtype (uint8)
+        ms.set_rng_state(ms.Tensor(np.asarray(state["mindspore_generator"], dtype=dtype)))

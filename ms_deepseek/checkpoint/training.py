@@ -1,0 +1,210 @@
+"""Training checkpoints: ``RUN_DIR/checkpoints/step_{N:08d}/``, written whole or not at all.
+
+A whole checkpoint folder (data-parallel and single-worker runs) holds
+
+* ``model.safetensors``      the model's parameters under its own names (the HF names,
+                              routed experts stacked [E, out, in], in expert order);
+                              convertible with ``ms-deepseek convert ms-to-hf``;
+* ``optimizer.safetensors``  ``global_step``, ``adam_m.<name>``, ``adam_v.<name>``, and
+                              the loss-scale state;
+* ``config.json``            the model config (HF release format);
+* ``state.json``             step, data position, RNG states, tokens seen, elapsed time;
+* ``recipe.yaml``            the recipe as trained (after ``--set`` overrides).
+
+A sharded run's folder (tp / pp / ep / optimizer sharding, Ascend) holds instead one
+``rank_RRRRR/{model,optimizer}.safetensors`` per rank with that rank's slices (plus
+MindSpore's ``strategy.ckpt``), and ``layout.json`` (:mod:`.layout`) saying which slice
+each rank holds; ``convert ms-to-hf`` merges it, ``convert reshard`` turns it into another
+layout, ``train --resume`` reads whatever slices the new layout needs.
+
+Every folder is written with :func:`ms_deepseek.checkpoint.atomic.atomic_folder`: a crash
+mid-save leaves the previous checkpoints intact and no ``step_*`` folder that is
+incomplete; leftover temporary folders are removed when the next run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ms_deepseek.checkpoint.atomic import atomic_folder, fsync_tree, install, remove_partials, temporary_sibling
+from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, rank_dir_name, read_layout
+from ms_deepseek.checkpoint.tensors import save_tensors
+from ms_deepseek.errors import UserError
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
+RANK_FILES = ("model.safetensors", "optimizer.safetensors")
+COMMON_FILES = ("config.json", "state.json", "recipe.yaml")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_dir(step_dir: Path, rank: int) -> Path:
+    return Path(step_dir) / rank_dir_name(rank)
+
+
+def is_sharded(folder: Path) -> bool:
+    return (Path(folder) / LAYOUT_FILE).is_file()
+
+
+def is_complete(folder: Path) -> bool:
+    """All files present: whole tensors, or every rank's slices of a sharded run."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    if all((folder / f).is_file() for f in REQUIRED_FILES):
+        return True
+    if not all((folder / f).is_file() for f in COMMON_FILES):
+        return False
+    try:
+        world = int(json.loads((folder / LAYOUT_FILE).read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((rank_dir(folder, r) / f).is_file() for r in range(world) for f in RANK_FILES)
+
+
+class CheckpointManager:
+    """Saves, lists, prunes and finds the training checkpoints of one run."""
+
+    def __init__(self, folder: Path, keep_last: int = 3):
+        self.folder = Path(folder)
+        self.keep_last = keep_last
+
+    def complete(self) -> List[Tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        out = []
+        for child in self.folder.iterdir():
+            match = STEP_DIR.match(child.name)
+            if match and is_complete(child):
+                out.append((int(match.group(1)), child))
+        return sorted(out)
+
+    def latest(self) -> Optional[Path]:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def remove_partial(self) -> List[Path]:
+        """Delete temporary folders left by a save that crashed; return what was removed."""
+        return remove_partials(self.folder)
+
+    def save(self, step: int, model_tensors: Dict[str, object], optimizer_tensors: Dict[str, object],
+             config, state: Dict, recipe_yaml: str) -> Path:
+        """Write one whole checkpoint atomically, then prune to ``keep_last``."""
+        final = self.folder / step_dir_name(step)
+        with atomic_folder(final) as tmp:
+            save_tensors(model_tensors, tmp / "model.safetensors")
+            save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
+            _common_files(tmp, config, state, recipe_yaml)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        done = self.complete()
+        for _, folder in done[:-self.keep_last]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str) -> None:
+    config.save(tmp / "config.json", dtype=config.param_dtype)
+    (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    # state.json last: its presence is part of what makes a folder complete
+    (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+
+
+def barrier() -> None:
+    """All ranks meet here (an AllReduce of one number)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    ops.AllReduce()(ms.Tensor([1.0], ms.float32)).asnumpy()
+
+
+def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: ShardLayout, model_tensors: Dict,
+                 optimizer_tensors: Dict, config, state: Dict, recipe_yaml: str, strategy_file: Path) -> Path:
+    """Every rank writes its slices into a shared temporary folder; rank 0 completes it and swaps it in.
+
+    The ranks need one shared file system (as the msrun log folder does); the temporary folder's
+    name is the step's, so every rank finds it without a broadcast."""
+    folder = manager.folder
+    final = folder / step_dir_name(step)
+    tmp = folder / f".{final.name}.partial-sharded"
+    mine = rank_dir(tmp, rank)
+    if mine.exists():
+        shutil.rmtree(mine)
+    mine.mkdir(parents=True)
+    save_tensors(model_tensors, mine / "model.safetensors")
+    save_tensors(optimizer_tensors, mine / "optimizer.safetensors")
+    if strategy_file.is_file():
+        shutil.copy2(strategy_file, mine / "strategy.ckpt")
+    fsync_tree(mine)
+    barrier()  # every slice is on disk
+    if rank == 0:
+        layout.write(tmp / LAYOUT_FILE)
+        _common_files(tmp, config, state, recipe_yaml)
+        fsync_tree(tmp)
+        install(tmp, final)
+        manager.prune()
+    barrier()  # nobody starts the next save before the swap
+    return final
+
+
+def resolve_resume(spec: str, run_dir: Path) -> Path:
+    """``latest`` -> newest complete checkpoint of ``run_dir``; a path -> that checkpoint (or the newest inside)."""
+    if spec == "latest":
+        found = CheckpointManager(run_dir / "checkpoints").latest()
+        if found is None:
+            raise UserError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+        return found
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"--resume {spec}: no such folder")
+    if STEP_DIR.match(path.name) or (path / "state.json").exists():
+        if not is_complete(path):
+            if is_sharded(path):
+                read_layout(path)  # a malformed layout file names itself
+                raise UserError(f"--resume {spec}: incomplete sharded checkpoint (a rank folder or file is missing)")
+            missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+            raise UserError(f"--resume {spec}: incomplete checkpoint (missing {', '.join(missing)})")
+        return path
+    found = latest_in(path)
+    if found is None:
+        raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
+    return found
+
+
+def latest_in(folder: Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run folder (``folder/checkpoints``) or a checkpoints folder."""
+    for candidate in (Path(folder) / "checkpoints", Path(folder)):
+        found = CheckpointManager(candidate).latest()
+        if found is not None:
+            return found
+    return None
+
+
+def read_state(folder: Path) -> Dict:
+    try:
+        return json.loads((Path(folder) / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{Path(folder) / 'state.json'}: unreadable ({exc})") from None
+
+
+def open_resume_sources(folder: Path):
+    """(model source, optimizer source) of a checkpoint to resume from, whole or sharded."""
+    from ms_deepseek.checkpoint.sharded import open_any
+
+    model, opt, _, _ = open_any(folder)
+    if opt is None:
+        raise UserError(f"{folder}: no optimizer state (optimizer.safetensors) to resume from")
+    return model, opt
+
+
+__all__ = ["CheckpointManager", "is_complete", "latest_in", "read_state", "resolve_resume", "save_sharded",
+           "step_dir_name", "rank_dir", "temporary_sibling"]
