@@ -2,8 +2,16 @@
 
 Commands are imported only when used, so ``ms-deepseek --help`` and the light
 commands (plan, report, doctor) start without paying for MindSpore's import.
-Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
-A :class:`~ms_deepseek.errors.UserError` becomes one ``error: ...`` line and exit 2.
+
+The convention every command follows: its module exposes ``add_arguments(parser)``
+and ``run(args) -> int`` and nothing else for the command line (no ``main`` of its own,
+no error handling: this file does it once). A new command is one line in
+:data:`COMMANDS`. A :class:`~ms_deepseek.errors.UserError` becomes one ``error: ...``
+line and exit 2.
+
+Every command also takes ``--verbose``: without it MindSpore prints errors only
+(``GLOG_v=3``, unless you set ``GLOG_v`` yourself) and MindFormers' import chatter goes
+to the run's log folder (:mod:`ms_deepseek.runtime`, :mod:`ms_deepseek.train.mf_adapter`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import List, Optional
 
 from ms_deepseek import __version__
 from ms_deepseek.errors import UserError
+from ms_deepseek.runtime import quiet_defaults
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -57,9 +66,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ms-deepseek: error: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module_name, help_ = COMMANDS[name]
+    quiet_defaults(verbose="--verbose" in rest)  # before the command's module imports MindSpore
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"ms-deepseek {name}", description=help_[0].upper() + help_[1:] + ".")
     module.add_arguments(parser)
+    parser.add_argument("--verbose", action="store_true",
+                        help="show MindSpore's warnings and MindFormers' output (default: errors only)")
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)

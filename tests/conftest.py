@@ -37,7 +37,9 @@ def pytest_configure(config):
 
 
 def ascend_available() -> bool:
-    return shutil.which("npu-smi") is not None and bool(os.environ.get("ASCEND_HOME_PATH"))
+    from ms_deepseek.runtime import detect_device
+
+    return detect_device() == "Ascend"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -190,3 +190,114 @@ def test_vocab_parallel_cross_entropy_splits_over_the_vocabulary():
         loss = ((np.log(sum_exp) + row_max - picked) * valid).sum() / valid.sum()
         assert abs(loss - full) < 1e-5 * max(1.0, abs(full)), tp
     assert ms.get_context("device_target") == "CPU"
+
+
+# ------------------------------------------------------------------ global gradient norm (item 5)
+def test_norm_marker_is_the_one_mindspore_completes():
+    """The marker pattern: an ExpandDims carrying grad_scale after each gradient's square sum, then
+    AddN and Sqrt; its value equals the CPU GEMV form (float32) and the float64 norm."""
+    from mindspore import Tensor
+
+    from ms_deepseek.train.step import _NORM_MARKER, global_norm
+
+    assert type(_NORM_MARKER).__name__ == "ExpandDims" and _NORM_MARKER.attrs.get("grad_scale") is True
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((7, 5), (3,), (4, 6, 2), (1,))]
+    want = float(np.sqrt(sum((a.astype(np.float64) ** 2).sum() for a in arrays)))
+    grads = tuple(Tensor(a) for a in arrays)
+    marked = float(global_norm(grads, as_dot=False).asnumpy())
+    dot = float(global_norm(grads, as_dot=True).asnumpy())
+    assert marked == pytest.approx(want, rel=1e-6) and dot == pytest.approx(want, rel=1e-6)
+    # float16 gradients are widened before squaring (their squares overflow above 256)
+    big = (np.full((4, 4), 300.0, np.float16),)
+    assert float(global_norm(tuple(Tensor(a) for a in big), as_dot=False).asnumpy()) == pytest.approx(1200.0)
+
+
+# ------------------------------------------------------------------------ pipeline step (item 4)
+@pytest.fixture(scope="module")
+def tiny_model():
+    from ms_deepseek.config import get_preset
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+
+    cfg = get_preset("tiny", num_hidden_layers=2)
+    ms.set_seed(0)
+    return cfg, DeepseekV2ForCausalLM(cfg)
+
+
+def _optimizer(model):
+    from ms_deepseek.train import optim
+    from ms_deepseek.train.recipe import OptimSection
+
+    return optim.build_optimizer(model.trainable_params(), OptimSection(lr=1e-3, schedule="constant"), 10)
+
+
+@pytest.mark.parametrize("optimizer_shard", [False, True])
+def test_pipeline_step_has_accu_grads_for_every_optimizer_parameter(tiny_model, optimizer_shard):
+    """pp > 1: Pipeline over the loss net with the plan's stages and micro-batches, and zero
+    accu_grads.<name> clones of the optimizer's parameters (what MindSpore's pipeline pass fills)."""
+    from mindspore.parallel.nn import Pipeline
+
+    from ms_deepseek.parallel.apply import apply_plan, pipeline_wrap
+    from ms_deepseek.train.step import PipelineGrads, build_step
+
+    cfg, model = tiny_model
+    par = ParallelConfig(dp=1, tp=1, pp=2, micro_batches=4, optimizer_shard=optimizer_shard)
+    applied = apply_plan(model, par, cfg)
+    optimizer = _optimizer(model)
+    step, update = build_step(model, optimizer, par.micro_batches, len(cfg.moe_layer_indices), cfg.n_routed_experts,
+                              1.0, False, wrap_net=lambda net: pipeline_wrap(net, par, applied, model_prefix="model"),
+                              pipeline=True, optimizer_shard=par.optimizer_shard)
+    assert isinstance(step.net, Pipeline) and step.net.micro_size == 4
+    assert isinstance(step.pipeline, PipelineGrads) and step.pipeline.opt_shard is optimizer_shard
+    assert update.pre_unscaled  # the accumulated gradients are unscaled once, by PipelineGrads
+    accu = {p.name: p for p in step.pipeline.accu_grads}
+    params = list(optimizer.parameters)
+    assert list(accu) == [f"accu_grads.{p.name}" for p in params]
+    for p in params:
+        a = accu[f"accu_grads.{p.name}"]
+        assert a.shape == p.shape and a.dtype == p.dtype
+        assert not np.any(a.asnumpy())
+    # the plan's stages reached the model's cells through the wrapper's stage_config
+    stages = {path: cell.pipeline_stage for path, cell in model.cells_and_names() if path in applied.stage_of_cell}
+    assert stages == applied.stage_of_cell and stages["loss_fn"] == 1 and stages["model.embed_tokens"] == 0
+    # the step's own names are unchanged: the model's parameters keep their checkpoint names
+    names = {p.name for p in step.get_parameters()}
+    assert {p.name for p in model.get_parameters()} <= names and set(accu) <= names
+
+
+@pytest.mark.parametrize("optimizer_shard", [False, True])
+def test_pipeline_grads_hand_over_the_accumulated_gradient_and_zero_it(optimizer_shard):
+    """What the pipeline pass leaves in accu_grads (here written by hand) reaches the update divided
+    by the loss scale, and the buffers start the next step at zero (graph mode, as on Ascend).
+    With optimizer sharding MindSpore hands the accumulated gradient itself: it is used, the buffer
+    is only zeroed."""
+    from mindspore import Parameter, ParameterTuple, Tensor
+
+    from ms_deepseek.train.step import PipelineGrads
+
+    saved = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        params = ParameterTuple([Parameter(Tensor(np.ones((2, 3), np.float32)), name="w"),
+                                 Parameter(Tensor(np.ones((4,), np.float32)), name="b")])
+        cell = PipelineGrads(params, optimizer_shard)
+        accumulated = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full((4,), 3.0, np.float32)]
+        handed = [np.full((2, 3), 5.0, np.float32), np.full((4,), 7.0, np.float32)]
+        for a, value in zip(cell.accu_grads, accumulated):
+            a.set_data(Tensor(value))
+        out = cell(tuple(Tensor(g) for g in handed), Tensor(4.0, ms.float32))
+    finally:
+        ms.set_context(mode=saved)
+    source = handed if optimizer_shard else accumulated
+    for got, want in zip(out, source):
+        np.testing.assert_allclose(got.asnumpy(), want / 4.0)
+    assert all(not np.any(a.asnumpy()) for a in cell.accu_grads)
+
+
+def test_without_pipeline_the_step_has_no_accu_grads(tiny_model):
+    from ms_deepseek.train.step import build_step
+
+    cfg, model = tiny_model
+    step, update = build_step(model, _optimizer(model), 2, len(cfg.moe_layer_indices), cfg.n_routed_experts, 1.0, False)
+    assert step.pipeline is None and not update.pre_unscaled
+    assert not [p.name for p in step.get_parameters() if p.name.startswith("accu_grads")]

@@ -218,7 +218,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
 
 # --------------------------------------------------------------- the update in isolation
 
-def _update_setup(clip, dynamic, window=1000):
+def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     import mindspore as ms
     from mindspore import Parameter, Tensor, nn
 
@@ -232,7 +232,7 @@ def _update_setup(clip, dynamic, window=1000):
                                                                      weight_decay=0.0), 10)
     ms.set_context(mode=ms.GRAPH_MODE)
     scale = Parameter(Tensor(8.0 if dynamic else 1.0, ms.float32), name="loss_scale", requires_grad=False)
-    return net, opt, Update(opt, scale, clip, dynamic, scale_window=window), scale
+    return net, opt, Update(opt, scale, clip, dynamic, scale_window=window, dot_norm=dot_norm), scale
 
 
 def _grads(values):
@@ -241,11 +241,12 @@ def _grads(values):
     return tuple(ms.Tensor(np.asarray(g, np.float32)) for g in values)
 
 
-def test_global_norm_clipping():
+@pytest.mark.parametrize("dot_norm", [True, False], ids=["cpu-gemv", "grad-scale-marker"])
+def test_global_norm_clipping(dot_norm):
     grads = [np.full((2, 3), 3.0), np.full((2,), 4.0)]  # norm sqrt(6*9 + 2*16) = sqrt(86)
     norm = math.sqrt(86.0)
     for clip in (1.0, None, 100.0):
-        net, opt, update, _ = _update_setup(clip, dynamic=False)
+        net, opt, update, _ = _update_setup(clip, dynamic=False, dot_norm=dot_norm)
         grad_norm, lr, overflow, _ = update(_grads(grads))
         assert float(grad_norm.asnumpy()) == pytest.approx(norm, rel=1e-6)  # reported before clipping
         assert not bool(overflow.asnumpy())
@@ -255,8 +256,9 @@ def test_global_norm_clipping():
         np.testing.assert_allclose(m, 0.1 * grads[0] * factor, rtol=1e-5)
 
 
-def test_dynamic_loss_scale_skips_overflow_and_grows():
-    net, opt, update, scale = _update_setup(None, dynamic=True, window=2)
+@pytest.mark.parametrize("dot_norm", [True, False], ids=["cpu-gemv", "grad-scale-marker"])
+def test_dynamic_loss_scale_skips_overflow_and_grows(dot_norm):
+    net, opt, update, scale = _update_setup(None, dynamic=True, window=2, dot_norm=dot_norm)
     before = net.weight.asnumpy().copy()
     _, _, overflow, used = update(_grads([np.full((2, 3), np.inf), np.ones(2)]))
     assert bool(overflow.asnumpy()) and float(used.asnumpy()) == 8.0

@@ -94,9 +94,10 @@ def _ms_worker(case: str, args) -> None:
 
     from ms_deepseek.config import DeepseekV2Config, count_parameters
     from ms_deepseek.train import optim
+    from ms_deepseek.train.mf_adapter import mindformers_classes
     from ms_deepseek.train.recipe import OptimSection
 
-    ms.set_context(device_target="CPU")
+    ms.set_device("CPU")
     if args.threads:
         ms.device_context.cpu.op_tuning.threads_num(args.threads)
     values = dict(BENCH_CONFIG)
@@ -108,7 +109,7 @@ def _ms_worker(case: str, args) -> None:
     count = count_parameters(cfg)
     pynative = case.startswith("moe_pynative")
 
-    optim._mindformers(Path.cwd() / "logs")  # its import resets the mode: before set_context(mode=...)
+    mindformers_classes(Path.cwd() / "logs")  # its import resets the mode: before set_context(mode=...)
     ms.set_seed(0)
     np.random.seed(0)
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM

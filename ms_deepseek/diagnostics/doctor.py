@@ -136,17 +136,3 @@ def run(args: argparse.Namespace) -> int:
         doc = to_json(ctx, results)["counts"]
         print(f"{doc[PASS]} passed, {doc[WARN]} warnings, {doc[FAIL]} failed, {doc[SKIP]} skipped")
     return exit_code(results)
-
-
-def main(argv=None) -> int:  # pragma: no cover - `ms-deepseek doctor` goes through cli.py
-    parser = argparse.ArgumentParser(prog="ms-deepseek doctor", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except UserError as exc:
-        print(f"ms-deepseek doctor: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

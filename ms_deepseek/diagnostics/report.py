@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -224,9 +223,3 @@ def run(args: argparse.Namespace) -> int:
         print(alert)
     print(f"wrote {info['output']}: {info['records']} records, {len(info['alerts'])} alert(s)")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from ms_deepseek.cli import main
-
-    sys.exit(main(["report", *sys.argv[1:]]))

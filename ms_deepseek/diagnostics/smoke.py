@@ -1,8 +1,9 @@
 """Smoke training run for ``ms-deepseek doctor``: the tiny preset, shrunk further, trains
 ``--steps`` optimizer steps on one fixed random batch; the loss must fall.
 
-The step is ``ms.value_and_grad`` + ``nn.AdamWeightDecay`` compiled with ``ms.jit``
-(graph mode, what Ascend runs). Prints one JSON line:
+The step is the project's own: ``train.step.build_step`` (forward, backward, clipping)
+with ``train.optim.build_optimizer`` (our AdamW, constant lr), in graph mode (what Ascend
+runs), so the smoke run exercises the code a real run uses. Prints one JSON line:
 ``{"device", "mode", "steps", "losses", "seconds", "params"}`` (or ``{"error": ...}``).
 Run it alone with ``python -m ms_deepseek.diagnostics.smoke``.
 """
@@ -12,8 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
 import sys
 import time
 
@@ -34,44 +33,40 @@ def smoke_config():
 def pick_device(requested: str) -> str:
     if requested != "auto":
         return requested
-    has_npu = shutil.which("npu-smi") is not None and bool(os.environ.get("ASCEND_HOME_PATH"))
-    return "Ascend" if has_npu else "CPU"
+    from ms_deepseek.runtime import detect_device
+
+    return detect_device()
 
 
 def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int = 2, lr: float = 3e-3,
           seed: int = 0) -> dict:
     import numpy as np
     import mindspore as ms
-    from mindspore import nn
 
     from ms_deepseek import DeepseekV2ForCausalLM
+    from ms_deepseek.runtime import use_device
+    from ms_deepseek.train.optim import build_optimizer
+    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.train.step import build_step
 
-    device = pick_device(device)
-    ms.set_device(device)
+    device = use_device(pick_device(device))
+    ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(seed)
     cfg = smoke_config()
     model = DeepseekV2ForCausalLM(cfg)
+    model.set_train(True)
     params = model.trainable_params()
-    optimizer = nn.AdamWeightDecay(params, learning_rate=lr, weight_decay=0.0)
+    optimizer = build_optimizer(params, OptimSection(lr=lr, schedule="constant", weight_decay=0.0), steps)
+    step, _ = build_step(model, optimizer, 1, len(cfg.moe_layer_indices), cfg.n_routed_experts or 0,
+                         clip_norm=1.0, dynamic_loss_scale=False)
     rng = np.random.default_rng(seed)
     ids = ms.Tensor(rng.integers(3, cfg.vocab_size, size=(batch, seq_len)), ms.int32)  # [B, T]
-
-    def forward(input_ids):
-        out = model(input_ids, input_ids)  # (logits, loss, aux_loss, moe_stats)
-        return out[1] + out[2], out[1]
-
-    grad_fn = ms.value_and_grad(forward, None, optimizer.parameters, has_aux=True)
-
-    @ms.jit
-    def step(input_ids):
-        (_, lm_loss), grads = grad_fn(input_ids)
-        optimizer(grads)
-        return lm_loss
 
     losses = []
     start = time.perf_counter()
     for _ in range(steps):
-        losses.append(float(step(ids).asnumpy()))  # host read: waits for the step
+        outputs = step(ids, ids)[0]  # [total, loss, aux_loss, moe stats...]
+        losses.append(float(outputs.asnumpy()[1]))  # host read: waits for the step
     return {"device": device, "mode": "graph", "steps": steps, "losses": losses,
             "seconds": time.perf_counter() - start, "params": int(sum(p.size for p in params))}
 
@@ -85,6 +80,9 @@ def main(argv=None) -> int:
     if args.steps < 2:
         print(json.dumps({"error": f"--steps must be >= 2, got {args.steps}"}))
         return 2
+    from ms_deepseek.runtime import quiet_defaults
+
+    quiet_defaults()
     try:
         report = train(args.steps, args.device)
     except Exception as exc:  # noqa: BLE001 - the doctor reports the one-line cause

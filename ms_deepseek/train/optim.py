@@ -1,27 +1,22 @@
-"""AdamW (our own Cell over MindSpore's fused kernel) and the schedules; the one MindFormers adapter.
+"""AdamW (our own Cell over MindSpore's fused kernel) and the learning-rate schedules.
 
-The cosine schedule is MindFormers' ``CosineWithWarmUpLR``. Importing MindFormers costs
-seconds, writes a log folder (``LOG_MF_PATH``, which we point at the run's ``logs/``
-first), prints, and its ``get_context`` resets MindSpore to PyNative: call
-:func:`build_optimizer` (or :func:`_mindformers`) *before* setting the execution mode.
+The cosine schedule is MindFormers' ``CosineWithWarmUpLR``, imported through
+:mod:`ms_deepseek.train.mf_adapter` (its import resets MindSpore to PyNative: call
+:func:`build_optimizer` *before* setting the execution mode).
 
 :class:`AdamW` is decoupled-weight-decay Adam with bias correction, float32 moments
-(``adam_m.*``, ``adam_v.*``) and a ``global_step`` counter, numerically MindFormers'
-``AdamW`` (the test compares them over several steps). It used to *be* MindFormers'
-``AdamW``, whose update is a chain of ~10 elementwise ops per parameter: on the 43.6M
-benchmark step (``tools/bench_step.py``) the update took 23% of a 1.88 s graph-mode step,
-its ``Addcmul`` alone 242 ms. Here each parameter is updated by one call of MindSpore's
-fused ``ops.AdamWeightDecay`` kernel (CPU and Ascend kernels), with the bias correction
-folded into its scalar inputs once per step (see :class:`AdamW`): measured with
-``tools/bench_step.py --only moe_cf2`` on 2 cores, the update part (clip + AdamW) went from
-0.63 s to 0.30 s and the whole step from 1.33 s to 1.06 s.
-(``nn.AdamWeightDecay`` uses the same kernel but has no bias correction.)
-Norm weights, biases and the router are not decayed, as in the DeepSeek recipes.
+(``adam_m.*``, ``adam_v.*``) and a ``global_step`` counter: the update rule of
+MindFormers' ``AdamW`` (a test compares the two over several steps). Each parameter is
+updated by one call of MindSpore's fused ``ops.AdamWeightDecay`` kernel (CPU and Ascend
+kernels) instead of a chain of elementwise ops, because the optimizer update is a large
+part of a small model's step; the bias correction is folded into the kernel's scalar
+inputs once per step (see :class:`AdamW`). ``nn.AdamWeightDecay`` uses the same kernel
+but has no bias correction. Norm weights, biases and the router are not decayed, as in
+the DeepSeek recipes. Measured figures: docs/training.md.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -32,34 +27,13 @@ from mindspore.common.initializer import initializer
 from mindspore.nn.optim.optimizer import Optimizer
 
 from ms_deepseek.train import schedules
-
-_MF = None
-
-
-def _mindformers(log_dir: Optional[Path]):
-    """Import the MindFormers class we use (the cosine schedule), with its log folder set first."""
-    global _MF
-    if _MF is None:
-        if log_dir is not None:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            os.environ["LOG_MF_PATH"] = str(log_dir)
-        else:
-            os.environ.setdefault("LOG_MF_PATH", str(Path.cwd() / "logs" / "mindformers"))
-        import warnings
-
-        saved = warnings.showwarning  # MindFormers replaces it on import
-        from mindformers.core.lr.lr_schedule import CosineWithWarmUpLR
-
-        warnings.showwarning = saved
-        _MF = {"CosineWithWarmUpLR": CosineWithWarmUpLR}
-    return _MF
-
+from ms_deepseek.train.mf_adapter import mindformers_classes
 
 def build_lr_schedule(optim_cfg, total_steps: int, log_dir: Optional[Path] = None) -> nn.Cell:
     """The schedule Cell for ``optim_cfg.schedule``, evaluated at ``global_step + 1``."""
     kind = optim_cfg.schedule
     if kind == "cosine":
-        mf = _mindformers(log_dir)
+        mf = mindformers_classes(log_dir)
         inner = mf["CosineWithWarmUpLR"](learning_rate=float(optim_cfg.lr), warmup_steps=int(optim_cfg.warmup_steps),
                                          total_steps=int(total_steps), lr_end=float(optim_cfg.min_lr))
     elif kind == "step":

@@ -15,10 +15,17 @@ stacked in order.
   ``k`` micro-batches of ``b`` give the same update as one batch of ``k * b``.
 * :class:`Update`: all-reduce (mean) across data-parallel workers when a reducer is
   given, unscale (dynamic loss scale only: a static scale is 1.0), global norm (reported
-  before clipping), clipping to ``clip_norm``, our AdamW (``optim.AdamW``, fused kernel)
-  with the scheduled lr. With float16 compute the loss scale is dynamic: a step whose
-  gradients overflow is skipped and the scale divided by ``factor``; after ``window`` good
-  steps in a row it is multiplied by ``factor``.
+  before clipping, see :func:`global_norm`), clipping to ``clip_norm``, our AdamW
+  (``optim.AdamW``, fused kernel) with the scheduled lr. With float16 compute the loss scale
+  is dynamic: a step whose gradients overflow is skipped and the scale divided by
+  ``factor``; after ``window`` good steps in a row it is multiplied by ``factor``.
+* Pipeline parallelism (Ascend, ``pp > 1``): the trainer wraps :class:`StepOutputs` in
+  ``mindspore.parallel.nn.Pipeline`` (micro-batches, the plan's stages) and the step gets a
+  :class:`PipelineGrads`: the ``accu_grads.<param>`` Parameters MindSpore's pipeline pass
+  accumulates every micro-batch's gradient into, handed to :class:`Update` (divided by the
+  loss scale) and zeroed for the next step. The pattern is MindFormers'
+  ``MFPipelineWithLossScaleCell`` (``mindformers/wrapper/wrapper.py``, ran on 910B) and
+  MindSpore's documented ``PipelineGradReducer`` path.
 
 Wrapping Cells use ``auto_prefix=False`` so the model's parameters keep their own names
 (the checkpoint names).
@@ -30,8 +37,10 @@ from typing import Optional
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 from mindspore.common import dtype as mstype
+from mindspore.ops import composite as C
+from mindspore.ops import operations as P
 
 
 class StepOutputs(nn.Cell):
@@ -57,19 +66,105 @@ class StepOutputs(nn.Cell):
         return head * self.inv_accum
 
 
-def _square_sum(g, as_dot: bool):
-    """Sum of squares of ``g`` in float32.
+# The marker MindSpore's parallel pass looks for (frontend/parallel/step_parallel.cc,
+# HandleGlobalNormScale; the pattern of MindFormers' core/clip_grad.py): from each parameter's
+# gradient it walks Cast / Mul / Square / ReduceSum / SumExt / Depend nodes to an ExpandDims
+# carrying ``grad_scale``, divides that square sum by the parameter's replica count, and
+# all-reduces the sum reaching the next Sqrt over the stage's devices (and between pipeline
+# stages): every rank then holds the global norm, not its own slices' partial one.
+_NORM_MARKER = P.ExpandDims().add_prim_attr("grad_scale", True)
 
-    On CPU: one dot product of the flattened gradient with itself, a single GEMV (37 ms vs
-    140 ms for ``(g * g).sum()`` over the 43.6M benchmark gradients on 2 cores). Elsewhere
-    the elementwise form, which Ascend fuses, and which keeps a [1, N] @ [N, 1] matmul with
-    N in the billions (a large expert shard) and the cube unit's fp32 precision mode out of it.
+
+def _dot_square_sum(g):
+    """CPU (stand-alone / data parallel): the square sum of ``g`` as one dot product of the
+    flattened gradient with itself, a single GEMV (37 ms vs 140 ms for ``(g * g).sum()`` over
+    the 43.6M benchmark gradients on 2 cores)."""
+    flat = g.astype(mstype.float32).reshape(1, -1)  # [1, N] (float32 on CPU: no copy)
+    return ops.matmul(flat, flat.reshape(-1, 1)).reshape(())  # [1, N] @ [N, 1] -> scalar
+
+
+def _marked_square_sum(g):
+    """The square sum of ``g`` as [1] float32, in the marker pattern (Ascend, any layout).
+
+    Only ops the parallel pass walks through (Square, SumExt, Cast), which rules out the
+    reshape + matmul of the CPU form. No float32 copy of the gradient: the square is taken in
+    the gradient's own dtype (bfloat16 has float32's range; one temporary of this gradient's
+    size, freed after its reduction) and ``SumExt(dtype=float32)`` accumulates in float32 (on
+    Ascend aclnnReduceSum with a float32 output: the widening happens inside the one reduce
+    kernel, one gradient at a time). The per-element rounding of a bfloat16 square (2**-9,
+    unbiased) leaves the norm within ~1e-3 relative. float16 squares overflow above 256, so a
+    float16 gradient (CPU fp16 runs with a dynamic loss scale) is widened first.
     """
-    g = g.astype(mstype.float32)
+    if g.dtype == mstype.float16:
+        g = g.astype(mstype.float32)
+    return _NORM_MARKER(mint.sum(ops.square(g), dtype=mstype.float32), 0)  # [1]
+
+
+def global_norm(grads, as_dot: bool):
+    """L2 norm of all gradients (float32 scalar). ``as_dot``: the CPU GEMV form; otherwise the
+    ``grad_scale`` marker pattern, which MindSpore completes across model-parallel slices and
+    pipeline stages under SEMI/AUTO parallel (and which is exact as it is elsewhere)."""
     if as_dot:
-        flat = g.reshape(1, -1)  # [1, N]
-        return ops.matmul(flat, flat.reshape(-1, 1)).reshape(())  # [1, N] @ [N, 1] -> scalar
-    return (g * g).sum()
+        sq = ()
+        for g in grads:
+            sq = sq + (_dot_square_sum(g),)
+        return ops.sqrt(ops.stack(sq).sum())
+    sq = ()
+    for g in grads:
+        sq = sq + (_marked_square_sum(g),)
+    return ops.sqrt(ops.addn(sq)).reshape(())  # AddN then Sqrt: where the pass inserts its AllReduce
+
+
+_take_accumulated = C.MultitypeFuncGraph("take_accumulated")
+
+
+@_take_accumulated.register("Tensor", "Tensor", "Tensor")
+def _take_accumulated_grad(scale, grad, accu_grad):
+    """Pipeline, no optimizer sharding: the gradient is what the pass accumulated into ``accu_grad``
+    (``grad`` only orders it); the result is a new tensor, and ``accu_grad`` is zeroed after it."""
+    accu_grad = ops.depend(accu_grad, grad)
+    new_grad = accu_grad * ops.reciprocal(scale).astype(accu_grad.dtype)  # in the gradient's dtype
+    accu_grad = ops.depend(accu_grad, new_grad)
+    new_grad = ops.depend(new_grad, ops.assign(accu_grad, ops.zeros_like(accu_grad)))
+    return new_grad
+
+
+_take_sharded = C.MultitypeFuncGraph("take_sharded")
+
+
+@_take_sharded.register("Tensor", "Tensor", "Tensor")
+def _take_sharded_grad(scale, grad, accu_grad):
+    """Pipeline with optimizer sharding: MindSpore hands the accumulated (reduce-scattered)
+    gradient itself; ``accu_grad`` is only zeroed."""
+    new_grad = grad * ops.reciprocal(scale).astype(grad.dtype)
+    accu_grad = ops.depend(accu_grad, new_grad)
+    new_grad = ops.depend(new_grad, ops.assign(accu_grad, ops.zeros_like(accu_grad)))
+    return new_grad
+
+
+class PipelineGrads(nn.Cell):
+    """``accu_grads.<param>``: a zero clone of every optimizer parameter (same shape and dtype),
+    the buffers MindSpore's pipeline pass accumulates each micro-batch's gradient into.
+    ``(grads, scale) -> gradients / scale`` for :class:`Update`, zeroing the buffers.
+
+    Written after MindFormers' ``MFPipelineWithLossScaleCell`` (``grad_scale`` /
+    ``shard_grad_scale``) rather than taken from ``mindspore.parallel.nn.PipelineGradReducer``,
+    whose ``opt_shard=False`` branch in MindSpore 2.9.0 reads an undefined ``grads`` (graph
+    compile fails: "The name 'grads' is not defined"); the deprecated
+    ``mindspore.nn.PipelineGradReducer`` has the same semantics as this cell. Only Mul, Cast
+    and Depend lie between a gradient and the norm, so the norm marker still finds it.
+    """
+
+    def __init__(self, parameters: ParameterTuple, optimizer_shard: bool):
+        super().__init__(auto_prefix=False)
+        self.accu_grads = parameters.clone(prefix="accu_grads", init="zeros")
+        self.opt_shard = optimizer_shard
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self, grads, scale):
+        if self.opt_shard:
+            return self.hyper_map(ops.partial(_take_sharded, scale), grads, self.accu_grads)
+        return self.hyper_map(ops.partial(_take_accumulated, scale), grads, self.accu_grads)
 
 
 class Update(nn.Cell):
@@ -77,7 +172,8 @@ class Update(nn.Cell):
 
     def __init__(self, optimizer: nn.Cell, loss_scale: Parameter, clip_norm: Optional[float],
                  dynamic_loss_scale: bool, scale_factor: float = 2.0, scale_window: int = 1000,
-                 grad_reducer: Optional[nn.Cell] = None):
+                 grad_reducer: Optional[nn.Cell] = None, dot_norm: Optional[bool] = None,
+                 pre_unscaled: bool = False):
         super().__init__(auto_prefix=False)
         self.optimizer = optimizer
         self.loss_scale = loss_scale
@@ -87,29 +183,33 @@ class Update(nn.Cell):
         self.scale_window = int(scale_window)
         self.good_steps = Parameter(Tensor(0, mstype.int32), name="loss_scale_good_steps", requires_grad=False)
         self.reducer = grad_reducer
-        self.dot_norm = ms.get_context("device_target") == "CPU"
+        # the CPU GEMV norm (stand-alone / data parallel only: the marker pattern is what a
+        # sharded graph needs); None = by device
+        self.dot_norm = ms.get_context("device_target") == "CPU" if dot_norm is None else bool(dot_norm)
+        self.pre_unscaled = pre_unscaled  # PipelineGrads already divided by the loss scale
 
     def construct(self, grads):
         scale = self.loss_scale * 1.0
         if self.reducer is not None:
             grads = self.reducer(grads)
-        if self.dynamic:
+        if self.dynamic and not self.pre_unscaled:
             # a static scale is 1.0 (float32 / bfloat16 compute): no unscale pass over the gradients then
             inv = 1.0 / scale
             unscaled = ()
             for g in grads:
                 unscaled = unscaled + (g.astype(mstype.float32) * inv,)
             grads = unscaled
-        sq = ()
-        for g in grads:
-            sq = sq + (_square_sum(g, self.dot_norm),)
-        grad_norm = ops.sqrt(ops.stack(sq).sum())
+        grad_norm = global_norm(grads, self.dot_norm)
+        # the norm is global (all-reduced by the marker pattern when sharded): every rank agrees on
+        # overflow, as MindFormers' all-reduced overflow status does
         overflow = ops.logical_not(ops.isfinite(grad_norm))
         if self.clip is not None:
             factor = self.clip / ops.maximum(grad_norm, self.clip)  # min(1, clip / norm)
             clipped = ()
             for g in grads:
-                clipped = clipped + (g.astype(mstype.float32) * factor,)
+                # in the gradient's own dtype: no float32 copy of every gradient (the optimizer
+                # widens one parameter's gradient at a time where its update needs it)
+                clipped = clipped + (g * factor.astype(g.dtype),)
             grads = clipped
         lr = self.optimizer.get_lr()
         if self.dynamic:
@@ -130,11 +230,13 @@ class Update(nn.Cell):
 class TrainStep(nn.Cell):
     """Forward + backward over the step's micro-batches, then :class:`Update`."""
 
-    def __init__(self, net: nn.Cell, weights: ParameterTuple, update: Update, width: int):
+    def __init__(self, net: nn.Cell, weights: ParameterTuple, update: Update, width: int,
+                 pipeline: Optional[PipelineGrads] = None):
         super().__init__(auto_prefix=False)
         self.net = net
         self.weights = weights
         self.update = update
+        self.pipeline = pipeline
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         onehot = np.zeros(width, np.float32)
         onehot[0] = 1.0  # differentiate the total loss only; the other entries are reported
@@ -144,6 +246,8 @@ class TrainStep(nn.Cell):
         outputs = self.net(input_ids, labels)
         sens = self.onehot * self.update.loss_scale
         grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
+        if self.pipeline is not None:  # the micro-batches' sum, accumulated by MindSpore's pipeline pass
+            grads = self.pipeline(grads, self.update.loss_scale)
         grad_norm, lr, overflow, scale = self.update(grads)
         return outputs, grad_norm, lr, overflow, scale
 
@@ -155,9 +259,11 @@ def output_width(num_moe_layers: int, num_experts: int) -> int:
 def build_step(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, num_moe_layers: int, num_experts: int,
                clip_norm: Optional[float], dynamic_loss_scale: bool, loss_scale_init: float = 65536.0,
                scale_factor: float = 2.0, scale_window: int = 1000, grad_reducer: Optional[nn.Cell] = None,
-               wrap_net=None):
-    """The step Cell and its loss-scale Parameter. ``wrap_net`` replaces the accumulation wrapper
-    (the trainer passes the pipeline wrapper for pp > 1)."""
+               wrap_net=None, pipeline: bool = False, optimizer_shard: bool = False):
+    """The step Cell and its :class:`Update`. ``wrap_net`` replaces the accumulation wrapper
+    (the trainer passes the pipeline wrapper for pp > 1); ``pipeline`` adds the
+    :class:`PipelineGrads` (``accu_grads.*``) the pipeline pass needs, with ``optimizer_shard``
+    the recipe's ``parallel.optimizer_shard``."""
     net = StepOutputs(model, accum_steps, num_moe_layers)
     if wrap_net is not None:
         net = wrap_net(net)
@@ -167,5 +273,8 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, num_moe_lay
         net = GradAccumulation(net, accum_steps)
     scale = Parameter(Tensor(loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
                       name="loss_scale", requires_grad=False)
-    update = Update(optimizer, scale, clip_norm, dynamic_loss_scale, scale_factor, scale_window, grad_reducer)
-    return TrainStep(net, optimizer.parameters, update, output_width(num_moe_layers, num_experts)), update
+    update = Update(optimizer, scale, clip_norm, dynamic_loss_scale, scale_factor, scale_window, grad_reducer,
+                    pre_unscaled=pipeline)
+    grads = PipelineGrads(optimizer.parameters, optimizer_shard) if pipeline else None
+    step = TrainStep(net, optimizer.parameters, update, output_width(num_moe_layers, num_experts), pipeline=grads)
+    return step, update

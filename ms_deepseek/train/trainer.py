@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.runtime import detect_device, use_device
 from ms_deepseek.train import checkpoint as ckpt_mod
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.recipe import Recipe
@@ -65,17 +66,6 @@ def _init_distributed(par):
         ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                      device_num=world)
     return rank, world
-
-
-def _device_target() -> str:
-    """MS_DEEPSEEK_DEVICE if set, else Ascend on a host with NPUs and CANN, else CPU."""
-    import shutil
-
-    if os.environ.get("MS_DEEPSEEK_DEVICE"):
-        return os.environ["MS_DEEPSEEK_DEVICE"]
-    if shutil.which("npu-smi") and os.environ.get("ASCEND_HOME_PATH"):
-        return "Ascend"
-    return "CPU"
 
 
 def _print(msg: str, bar) -> None:
@@ -152,11 +142,11 @@ class Trainer:
 
     def _check_layout(self) -> None:
         par = self.par
-        if self.sharded and _device_target() == "CPU":
+        if self.sharded and detect_device() == "CPU":
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
                             "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`")
-        if self.cfg.use_flash_attention and _device_target() == "CPU":
+        if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
                             "set it to false to train on CPU")
@@ -167,10 +157,8 @@ class Trainer:
                             "or set parallel.dp=1 for one worker")
 
     def _setup_run(self) -> None:
-        import mindspore as ms
-
         par = self.par
-        ms.set_context(device_target=_device_target())
+        use_device()
         self.rank, self.world = _init_distributed(par) if _distributed() else (0, 1)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
@@ -212,11 +200,11 @@ class Trainer:
         parallel), expert placement, recompute; on Ascend the device memory pool is reserved."""
         import mindspore as ms
 
-        from ms_deepseek.train import optim
+        from ms_deepseek.train.mf_adapter import mindformers_classes
 
-        # MindFormers (AdamW, cosine schedule) logs into the run folder; its import resets the
+        # MindFormers (the cosine schedule) logs into the run folder; its import resets the
         # execution mode, so it comes before set_context(mode=...) in _build_step.
-        optim._mindformers(self.run_dir / "logs")
+        mindformers_classes(self.run_dir / "logs")
         ms.set_seed(self.recipe.train.seed)
         np.random.seed(self.recipe.train.seed)
         from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
@@ -260,7 +248,7 @@ class Trainer:
         optimizer = optim.build_optimizer(self.model.trainable_params(), recipe.optim, self.total,
                                           self.run_dir / "logs")
         ms.set_context(mode=ms.GRAPH_MODE if tc.mode == "graph" else ms.PYNATIVE_MODE)
-        if tc.mode == "pynative" and _device_target() == "CPU":
+        if tc.mode == "pynative" and detect_device() == "CPU":
             # asynchronous launch costs ~0.8 ms per op on 2 cores: synchronous is 2.2x faster here
             ms.runtime.launch_blocking()
         # data parallel: average gradients here; sharded layouts: AutoParallel inserts the reductions
@@ -275,7 +263,9 @@ class Trainer:
         wrap = (lambda net: pipeline_wrap(net, par, self.applied, model_prefix="model")) if par.pp > 1 else None
         self.step_cell, update = build_step(self.model, optimizer, self.k, len(self.moe_layers), self.E,
                                             tc.clip_grad_norm, self.dynamic, tc.loss_scale_init,
-                                            tc.loss_scale_factor, tc.loss_scale_window, reducer, wrap_net=wrap)
+                                            tc.loss_scale_factor, tc.loss_scale_window, reducer, wrap_net=wrap,
+                                            # pp > 1: the accu_grads.* the pipeline pass accumulates into
+                                            pipeline=par.pp > 1, optimizer_shard=par.optimizer_shard)
         self.strategy_file = self.run_dir / "strategy" / f"rank_{self.rank:05d}.ckpt"
         if self.sharded:  # Ascend only (refused on CPU in _check_layout)
             self.strategy_file.parent.mkdir(parents=True, exist_ok=True)
@@ -480,7 +470,7 @@ def _alert_monitor():
 
 def _memory_metrics_fn():
     """Device memory numbers for the record; None on CPU, where MindSpore keeps no device pool."""
-    if _device_target() == "CPU":
+    if detect_device() == "CPU":
         return None
     from ms_deepseek.parallel.memory import memory_metrics
 
