@@ -26,20 +26,32 @@ def _plan(tmp_path, *args):
                           capture_output=True, text=True, timeout=300)
 
 
+def _plan_here(tmp_path, monkeypatch, capsys, *args):
+    """In-process ``ms-deepseek plan`` (the same entry point, without a second MindSpore import)."""
+    from ms_deepseek.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize("name", ATLAS)
-def test_atlas_recipe_simulation_passes(tmp_path, name):
-    out = _plan(tmp_path, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"), "--simulate")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "SIMULATION PASSED" in out.stdout
+def test_atlas_recipe_simulation_passes(tmp_path, monkeypatch, capsys, name):
+    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
+                                "--simulate")
+    assert code == 0, out + err
+    assert "SIMULATION PASSED" in out
     for check in S.CHECKS:
-        assert f"  {check} " in out.stdout
+        assert f"  {check} " in out
 
 
-def test_all_four_degrees_above_one(tmp_path):
-    out = _plan(tmp_path, "--recipe", str(ROOT / "recipes" / "v2-lite-sft-8npu.yaml"), "--simulate",
-                "--dp", "4", "--tp", "2", "--ep", "2", "--pp", "2")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "dp4 tp2 ep2 pp2" in out.stdout and "SIMULATION PASSED" in out.stdout
+def test_all_four_degrees_above_one(tmp_path, monkeypatch, capsys):
+    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe",
+                                str(ROOT / "recipes" / "v2-lite-sft-8npu.yaml"), "--simulate",
+                                "--dp", "4", "--tp", "2", "--ep", "2", "--pp", "2")
+    assert code == 0, out + err
+    assert "dp4 tp2 ep2 pp2" in out and "SIMULATION PASSED" in out
 
 
 def test_broken_plan_fails_the_simulation():
