@@ -224,12 +224,17 @@ def test_from_pretrained_skips_zero_width_tensors(broken_copy):
     assert not any(".shared_experts." in p.name for p in model.get_parameters())
 
 
-def test_capacity_rounds_up_to_the_plans_multiple():
+def test_capacity_rule_is_dispatch_shapes():
+    from ms_deepseek.model import dispatch_shapes
+
     moe = DeepseekV2MoE(small_cfg(capacity_factor=1.5))
     moe.set_train(True)
-    assert moe.capacity(100) == 38  # ceil(1.5 * 100 * 2 / 8)
-    moe.capacity_multiple = 4  # the parallel plan sets dp / ep
+    assert moe.capacity(100) == 38 == dispatch_shapes.capacity(100, 2, 8, 1.5)  # ceil(1.5 * 100 * 2 / 8)
+    moe.capacity_multiple = 4
     assert moe.capacity(100) == 40
+    moe.capacity_multiple = 1
+    moe.capacity_factor = 9.0  # more rows than tokens could never be filled
+    assert moe.capacity(100) == 100
     moe.set_train(False)
     assert moe.capacity(100) == 100  # dropless at evaluation
 

@@ -16,7 +16,8 @@ from ms_deepseek.parallel.costs import Precision, param_bytes
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
 
 CFG = get_preset("tiny")
-STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore")
+STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose",
+             "Concat")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,11 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
         assert tuple(prims[path].attrs["in_strategy"]) == applied.strategies[path][0], path
     # spot checks against the plan's meaning
     layer = model.model.layers[1]
-    assert layer.mlp.capacity_multiple == dp // ep  # the capacity buffer's C axis splits by dp / ep
+    # the MoE's degrees come from the plan: one token group per dp rank, the exchange view by ep
+    assert (layer.mlp.groups, layer.mlp.ep, layer.mlp.capacity_multiple) == (dp, ep, 1)
+    assert layer.mlp.lookup.impl.op.attrs["in_strategy"][:2] == ((dp, 1), (1, 1))  # the custom op, per group
+    assert layer.mlp.dispatch_gather.attrs["in_strategy"] == ((dp, 1, 1), (dp, 1, 1))
+    assert layer.mlp.to_experts.attrs["in_strategy"] == ((ep, dp // ep, 1, 1, 1),)
     assert layer.self_attn.kv_b_proj.matmul.attrs["in_strategy"] == ((dp, 1), (tp, 1))        # colwise
     assert layer.self_attn.o_proj.matmul.attrs["in_strategy"] == ((dp, tp), (1, tp))           # rowwise
     if parallel.sequence_parallel:

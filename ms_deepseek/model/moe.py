@@ -1,27 +1,45 @@
-"""DeepSeekMoE layer: router, capacity-buffer dispatch, stacked routed experts, shared experts.
+"""DeepSeekMoE layer: router, per-group capacity dispatch, stacked routed experts, shared experts.
 
-Dispatch uses static shapes (graph mode, SEMI_AUTO_PARALLEL on Ascend):
+Expert parallelism follows MindFormers' MoE v1 / ``MoEV2`` pattern (``mindformers/modules/
+transformer/moe.py``: ``TopkRouterV2`` + ``MoEV2``, used by ``research/deepseek2``, which ran
+on 910B under SEMI_AUTO_PARALLEL): tokens stay on their data-parallel rank, every index is
+computed per rank on local tokens, and the only traffic is the dp -> ep exchange of the
+capacity buffer, a transpose whose layout changes from dp-split to ep-split, which MindSpore
+lowers to an AllToAll under ``enable_alltoall``. We chose it over the newer MindFormers
+``Morph(...)`` + explicit AlltoAllV + GroupedMatmul design because it keeps static shapes
+(graph mode, CPU and Ascend run the same math), needs no Ascend-only kernels and keeps the
+model single-device math with the split left to the plan (``parallel/plan.py``).
 
-1. the router picks k experts per token (``topk_idx`` [N, k]) with weights;
-2. ``ExpertLookup`` maps each expert id through the placement table
-   (``expert_placement`` [E, 2] = EP rank, local slot) to its buffer row and gives each
-   (token, choice) a position inside that expert's capacity buffer, k-major so a
-   token's first choice is dropped last; ``keep`` marks positions < capacity;
-3. the tokens are gathered into the buffer [E, C, H] (index arithmetic, no one-hot
-   [N, E, C] tensor), the experts run as batched matmuls on stacked weights
-   [E, out, in], and the results are gathered back and mixed with the weights
-   (a dropped choice gets weight 0).
+Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.parallel.apply.apply_plan`
+sets it; N = B*T/G local tokens; batch rows are rank-major because the batch axis is split
+by dp; C = :func:`ms_deepseek.model.dispatch_shapes.capacity` per group):
 
-Capacity: ``ceil(capacity_factor * N * k / E)`` in training when the config sets a
-factor; otherwise C = N, which is dropless (an expert receives each token at most once).
+1. router on the local tokens ``[G*N, H]`` -> ``topk_idx`` ``[G, N, k]`` and weights;
+2. ``ExpertLookup`` per group: buffer row (placement table ``expert_placement`` [E, 2] =
+   EP rank, local slot) and the position in that expert's buffer of its group, k-major so
+   a token's first choice is dropped last; ``keep`` marks positions < C;
+3. ``dispatch_index`` ``[G, E, C]`` (which local token fills each slot, N = zero row) from a
+   per-group sort of float32 keys ``[G, E, k*N]`` (``TopkRouterV2``'s sort indexing), then
+   the dispatch is a LOCAL Gather with batch dims: ``[G, N+1, H]`` -> ``[G, E, C, H]``;
+4. dp -> ep exchange: ``[G, E, C, H]`` viewed ``[ep, G/ep, E, C, H]`` (group g = i*(G/ep)+j),
+   transposed locally to ``[E, G/ep, ep, C, H]`` and read as ``[E, G*C, H]``; the expert
+   matmuls split that (ep, G/ep, 1), so the reshape's layout change is one AllToAll inside
+   each ep group {i*(G/ep) + j : i} of data-parallel ranks (same j);
+5. experts: batched matmuls on stacked weights [E, out, in] (E split by ep, I by tp);
+6. the same exchange back (``from_experts``) -> ``[G, E*C, H]`` split by dp, and a LOCAL
+   combine Gather with batch dims at ``row*C + position`` (dropped choices read slot 0 with
+   weight 0) -> ``[G, N, k, H]``, mixed with the routing weights.
+
+No Concat over a split axis (the zero row is appended on the unsplit token axis), no
+replicated [E*C, H] table. With G = 1 (single device, evaluation) this is exactly the
+unsharded math; without a capacity factor, or in evaluation, C = N (dropless).
 
 Primitives (for the parallel plan): ``experts.gate_bmm``, ``experts.up_bmm``,
-``experts.down_bmm`` (BatchMatMul on [E, C, *]), ``dispatch_gather``, ``combine_gather``.
+``experts.down_bmm``, ``pad_tokens``, ``slot_sort``, ``dispatch_gather``, ``to_experts``,
+``from_experts``, ``combine_gather``, and the lookup's custom op ``lookup.impl.op``.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import mindspore as ms
@@ -29,6 +47,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_deepseek.config import DeepseekV2Config
+from ms_deepseek.model import dispatch_shapes
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
@@ -99,55 +118,92 @@ class DeepseekV2MoE(nn.Cell):
         E = cfg.n_routed_experts
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
         self.capacity_factor = cfg.capacity_factor
-        self.capacity_multiple = 1  # set by the parallel plan (dp / ep) so [E, C, H] splits evenly
+        self.capacity_multiple = 1  # rounds C up; the per-group layout needs none (G*C splits by G/ep)
+        # The parallel degrees come from the plan (apply_plan), never from the config's ep_size.
+        self.groups = 1  # G: token groups = the plan's dp
+        self.ep = 1      # the plan's ep (the exchange view [ep, G/ep, E, C, H])
         self.alphas = (cfg.expert_alpha, cfg.device_aux_loss_alpha, cfg.comm_aux_loss_alpha)
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
-        ep = cfg.ep_size if cfg.ep_size and E % cfg.ep_size == 0 else 1
-        self.expert_placement = Parameter(Tensor(default_placement(E, ep)), name="expert_placement",
+        self.expert_placement = Parameter(Tensor(default_placement(E, 1)), name="expert_placement",
                                           requires_grad=False)
-        self.lookup = ExpertLookup(num_experts=E, experts_per_rank=E // ep)
+        self.lookup = ExpertLookup(num_experts=E, experts_per_rank=E)
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                       cfg.initializer_range, to_ms_dtype(cfg.compute_dtype),
                                       to_ms_dtype(cfg.param_dtype))
-        self.dispatch_gather = ops.Gather()
-        self.combine_gather = ops.Gather()
+        self.pad_tokens = ops.Concat(1)
+        self.slot_sort = ops.Sort(axis=-1)
+        self.dispatch_gather = ops.Gather(batch_dims=1)
+        self.to_experts = ops.Transpose()
+        self.from_experts = ops.Transpose()
+        self.combine_gather = ops.Gather(batch_dims=1)
 
-    def capacity(self, num_tokens: int) -> int:
-        """Per-expert buffer rows: from the factor in training (rounded up to ``capacity_multiple``,
-        which the parallel plan sets so the buffer splits evenly), else ``num_tokens`` (dropless)."""
-        if self.training and self.capacity_factor is not None:
-            capacity = max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
-            return -(-capacity // self.capacity_multiple) * self.capacity_multiple
-        return num_tokens  # dropless
+    def capacity(self, tokens_per_group: int) -> int:
+        """Per-expert buffer rows of one group: the factor's in training, else dropless (the rule is
+        :func:`ms_deepseek.model.dispatch_shapes.capacity`)."""
+        factor = self.capacity_factor if self.training else None
+        return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
+                                        self.capacity_multiple)
+
+    def dispatch_index(self, buffer_row, keep, C: int):
+        """[G, E, C] int32: the local token in each buffer slot (N = the zero row), from buffer_row and
+        keep [G, N, k] (MindFormers TopkRouterV2's sort indexing, on the lookup's kept slots)."""
+        G, N, k = buffer_row.shape
+        E, S = self.num_experts, k * N
+        row_km = buffer_row.transpose(0, 2, 1).reshape(G, 1, S)  # [G, N, k] -> [G, k, N] -> [G, 1, k*N]
+        kept_km = keep.transpose(0, 2, 1).reshape(G, 1, S) > 0  # [G, 1, k*N]
+        rows = ops.arange(0, E, dtype=ms.int32).reshape(1, E, 1)  # [1, E, 1]
+        stream = ops.arange(0, S, dtype=ms.float32).reshape(1, 1, S)  # [1, 1, k*N]: k-major slot s = j*N + i
+        mine = ops.logical_and(row_km == rows, kept_km)  # [G, E, k*N]: slot s is kept in buffer row e
+        # Keys: kept slots of row e keep their stream index, the rest move past 2*k*N; sorting each row
+        # puts row e's slots first in k-major order, i.e. by position. Exact in float32 while 3*k*N < 2**24.
+        keys = ops.select(mine, ops.broadcast_to(stream, mine.shape), ops.broadcast_to(stream + 2.0 * S, mine.shape))
+        ordered, _ = self.slot_sort(keys)  # [G, E, k*N]
+        first = ordered[:, :, :C]  # [G, E, C]
+        token = ops.floor_mod(first.astype(ms.int32), N)  # k-major s -> token i = s mod N
+        filled = first < 2.0 * S
+        return ops.stop_gradient(ops.select(filled, token, ops.full_like(token, N)))  # [G, E, C]
 
     def construct(self, x):
-        """x [B, T, H] -> (y [B, T, H], aux_loss scalar, stats [E + 4])."""
+        """x [B, T, H] -> (y [B, T, H], aux_loss scalar, stats [E + 4], scores [B*T, E], topk_idx [B*T, k],
+        topk_weight [B*T, k])."""
         B, T, H = x.shape
-        N, E, k = B * T, self.num_experts, self.top_k
-        flat = x.reshape(N, H)
-        scores, topk_idx, topk_weight = self.gate(flat)
+        E, k, G, ep = self.num_experts, self.top_k, self.groups, self.ep
+        # Internal guards (graph mode raises only builtin exceptions): apply_plan and the recipe checks
+        # refuse these layouts earlier with a UserError.
+        if (B * T) % G or G % ep:
+            raise ValueError(f"MoE: {B}x{T} tokens do not split into {G} data-parallel groups of ep {ep}")
+        N = B * T // G
         C = self.capacity(N)
-        _, buffer_row, position, keep = self.lookup(topk_idx, self.expert_placement, C)
-        # Slot of each kept (token, choice) in the flattened [E * C] buffer; dropped -> E * C (a zero row).
-        slot = ops.select(keep > 0, buffer_row * C + position, ops.full_like(position, E * C))  # [N, k]
-        token = ops.broadcast_to(ops.arange(0, N, dtype=ms.int32).reshape(N, 1), (N, k))  # [N, k]
-        # Which token fills each buffer slot: empty slots point at row N (zeros). Kept slots are unique,
-        # so a scatter-add of (token - N) onto N is an exact assignment; dropped ones land on row E*C.
-        slot_token = ops.scatter_nd(slot.reshape(N * k, 1), (token - N).reshape(N * k),
-                                    (E * C + 1,)) + N  # [E*C + 1]
-        padded = ops.concat((flat, ops.zeros((1, H), flat.dtype)), 0)  # [N + 1, H]
-        buffer = self.dispatch_gather(padded, slot_token[: E * C], 0).reshape(E, C, H)  # [E, C, H]
-        out = self.experts(buffer).reshape(E * C, H).astype(x.dtype)  # [E*C, H]
-        # Combine: dropped choices read row 0 and get weight 0 (no padding row, so the expert
-        # output keeps its [E*C, H] layout and splits by ep without a gather).
-        kept_slot = ops.select(keep > 0, slot, ops.zeros_like(slot))  # [N, k]
-        picked = self.combine_gather(out, kept_slot.reshape(N * k), 0).reshape(N, k, H)  # [N, k, H]
-        weight = topk_weight * keep  # [N, k]
-        routed = (picked.astype(ms.float32) * weight.reshape(N, k, 1)).sum(1)  # [N, H]
-        y = routed.astype(x.dtype).reshape(B, T, H)
+        if 3 * k * N >= 2 ** 24:
+            raise ValueError(f"MoE: {N} tokens per group x top-{k} exceed the float32 sort keys of the dispatch")
+        flat = x.reshape(G * N, H)  # [B, T, H] -> [G*N, H], rank-major
+        scores, topk_idx, topk_weight = self.gate(flat)  # [G*N, E], [G*N, k], [G*N, k]
+        ids = topk_idx.reshape(G, N, k)  # [G*N, k] -> [G, N, k]
+        _, buffer_row, position, keep = self.lookup(ids, self.expert_placement, C)  # [G, N, k] each
+
+        # Dispatch: a local gather per group from its tokens plus a zero row (index N).
+        tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]
+        padded = self.pad_tokens((tokens, ops.zeros((G, 1, H), x.dtype)))  # [G, N + 1, H]
+        buffer = self.dispatch_gather(padded, self.dispatch_index(buffer_row, keep, C), 1)  # [G, E, C, H]
+
+        # dp -> ep exchange (one AllToAll per ep group when G and E are split), experts, and back.
+        inner = G // ep
+        view = buffer.reshape(ep, inner, E, C, H)  # [G, E, C, H] -> [ep, G/ep, E, C, H]
+        expert_in = self.to_experts(view, (2, 1, 0, 3, 4)).reshape(E, inner * ep * C, H)  # -> [E, G*C, H]
+        out = self.experts(expert_in).astype(x.dtype)  # [E, G*C, H]
+        out = out.reshape(E, inner, ep, C, H)  # [E, G*C, H] -> [E, G/ep, ep, C, H]
+        back = self.from_experts(out, (2, 1, 0, 3, 4)).reshape(G, E * C, H)  # -> [ep, G/ep, E, C, H] -> [G, E*C, H]
+
+        # Combine: a local gather per group; dropped choices read slot 0 and get weight 0.
+        kept = keep > 0
+        combine_index = ops.select(kept, buffer_row * C + position, ops.zeros_like(position))  # [G, N, k]
+        picked = self.combine_gather(back, ops.stop_gradient(combine_index), 1)  # [G, N, k, H]
+        weight = topk_weight.reshape(G, N, k) * keep  # [G, N, k]
+        routed = (picked.astype(ms.float32) * weight.reshape(G, N, k, 1)).sum(2)  # [G, N, H]
+        y = routed.astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)

@@ -10,8 +10,10 @@ the paper (section 2.2.3) and, for the expert-level one, the original code exact
   L_com = sum_d D / (M * T) * #{t: token t sends to device d} * sum_{i in d} P_i
 
 With ``seq_aux`` each is computed per sequence and averaged over the batch. Devices
-are the routing groups (``n_group``) under group-limited routing, else ``ep_size``
-contiguous expert blocks; M is ``topk_group`` (devices a token may reach) or k.
+are the routing groups (``n_group``) under group-limited routing, else the parallel
+plan's ``ep`` contiguous expert blocks (set by :meth:`Router.set_expert_parallel`, called
+by ``apply_plan``; 1 before; the config's ``ep_size`` is only an HF key and is never
+read); M is ``topk_group`` (devices a token may reach) or min(k, D).
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ class Router(nn.Cell):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.seq_aux = cfg.seq_aux
-        devices = cfg.n_group if self.group_limited else cfg.ep_size
-        self.num_devices = devices if devices and E % devices == 0 else 1
-        self.devices_per_token = self.topk_group if self.group_limited else min(self.top_k, self.num_devices)
+        self.set_expert_parallel(1)
         self.matmul = ops.MatMul(transpose_b=True)
         self.softmax = FP32Softmax(out_dtype=ms.float32)
         self.topk = ops.TopK(sorted=True)
         self.group_topk = ops.TopK(sorted=True)
+
+    def set_expert_parallel(self, ep: int) -> None:
+        """Device groups of the balance losses: the routing groups under group-limited routing,
+        else ``ep`` contiguous expert blocks (the plan's expert-parallel degree)."""
+        devices = self.n_group if self.group_limited else ep
+        self.num_devices = devices if devices and self.num_experts % devices == 0 else 1
+        self.devices_per_token = self.topk_group if self.group_limited else min(self.top_k, self.num_devices)
 
     def construct(self, x):
         """x [N, H] -> scores [N, E] f32, topk_idx [N, k] int32, topk_weight [N, k] f32."""

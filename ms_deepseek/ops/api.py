@@ -39,6 +39,12 @@ class ExpertLookup(nn.Cell):
         self.experts_per_rank = experts_per_rank
         self.impl = backend.make("expert_lookup", num_experts=num_experts, experts_per_rank=experts_per_rank)
 
+    def set_experts_per_rank(self, experts_per_rank: int) -> None:
+        """Change E_local in place (the parallel plan's E / ep), keeping the op and its strategy."""
+        reference.check_lookup_args(self.num_experts, experts_per_rank)
+        self.experts_per_rank = experts_per_rank
+        self.impl.experts_per_rank = experts_per_rank  # every impl reads it when it runs / compiles
+
     def __call__(self, topk_ids, placement, capacity):
         # PyNative entry: check the python arguments here (inside a compiled graph the
         # enclosing Cell inlines construct() and capacity is a compile-time constant).

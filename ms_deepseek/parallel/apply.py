@@ -5,8 +5,11 @@
 1. tensor / expert / vocabulary parallel: every Cell or primitive whose path matches
    the plan table gets ``Primitive.shard(in_strategy, out_strategy)``; parameter
    layouts follow from the primitive that consumes them (checked here);
-2. expert placement: each MoE layer's ``expert_placement`` [E, 2] table is written for
-   ``parallel.ep`` (and the lookup's experts-per-rank updated to E / ep);
+2. expert placement and the MoE's parallel degrees, all from the plan's layout (the
+   config's ``ep_size`` is never read): each MoE layer's ``expert_placement`` [E, 2]
+   table is written for ``parallel.ep`` (the lookup's experts-per-rank = E / ep), its
+   token groups = ``parallel.dp`` and exchange view = ``parallel.ep`` (per-group
+   dispatch), and the router's balance-loss device groups = ``parallel.ep``;
 3. pipeline: decoder layers get ``pipeline_stage`` (embedding on the first stage,
    final norm and lm_head on the last);
 4. recompute: "full" recomputes whole decoder layers, "selective" the attention scores.
@@ -98,6 +101,9 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
             if not spec.is_primitive:
                 raise UserError(f"parallel plan: {phit[0]!r} ({phit[1]}) names a Cell but {ppath!r} is a primitive")
             in_s, out_s = spec.prims[""]
+            if type(prim).__name__ == "Custom":
+                # the op Cell's non-data inputs (e.g. a CPU kernel's config tensor), replicated
+                in_s = tuple(in_s) + tuple(getattr(cell, "strategy_tail", ()))
             prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
             applied.strategies[ppath] = (in_s, out_s)
 
@@ -160,9 +166,10 @@ def _check_consumers(plan: Plan, mesh: Mesh, cells, applied: AppliedPlan) -> Non
 
 def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -> None:
     import mindspore as ms
-    from ms_deepseek.ops import ExpertLookup
 
-    E, ep = cfg.n_routed_experts, parallel.ep
+    E, ep, dp = cfg.n_routed_experts, parallel.ep, parallel.dp
+    if dp % ep:
+        raise UserError(f"parallel: ep={ep} must divide dp={dp} (the expert-parallel groups are carved out of dp)")
     table = placement_table(E, ep, parallel.expert_placement)
     order = buffer_order(table)
     identity = bool((order == np.arange(E)).all())
@@ -172,11 +179,15 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
             continue
         placement.set_data(ms.Tensor(table))
         applied.placements[placement.name] = table
-        if hasattr(cell, "capacity_multiple") and parallel.dp % ep == 0:
-            cell.capacity_multiple = parallel.dp // ep  # the buffer's C axis splits by dp / ep
+        if hasattr(cell, "groups"):
+            cell.groups = dp  # one token group per data-parallel rank: capacity and slots per rank
+            cell.ep = ep      # the dp -> ep exchange view [ep, dp/ep, E, C, H]
+        gate = getattr(cell, "gate", None)
+        if gate is not None and hasattr(gate, "set_expert_parallel"):
+            gate.set_expert_parallel(ep)  # the device-level balance losses' groups
         lookup = getattr(cell, "lookup", None)
-        if lookup is not None and getattr(lookup, "experts_per_rank", E // ep) != E // ep:
-            cell.lookup = ExpertLookup(num_experts=E, experts_per_rank=E // ep)
+        if lookup is not None and hasattr(lookup, "set_experts_per_rank"):
+            lookup.set_experts_per_rank(E // ep)  # in place: the op keeps the strategy set in step 1
         if not identity:
             # Buffer row r holds the tokens of expert order[r]; the batched matmul multiplies row r
             # by stacked weight r, so the stacked weights are permuted into buffer order.

@@ -23,8 +23,11 @@ Strategy conventions (MindSpore: one integer per tensor axis, the number of slic
   ``(dp * tp, 1)`` turns that into a reduce-scatter over tokens).
 * Attention batch matmuls on [B, nh, T, d]: batch by dp, heads by tp.
 * Routed experts: stacked weights [E, out, in], experts by ep, the expert
-  intermediate size by tp; the capacity buffer [E, C, H] splits E by ep and C by
-  dp / ep (the ep groups are carved out of dp: validator rule ``ep | dp``).
+  intermediate size by tp. The MoE dispatch is per data-parallel group (MindFormers
+  MoE v1, ``ms_deepseek/model/moe.py``): everything up to the capacity buffer
+  [G, E, C, H] and back from it is split by dp on G (local), the expert input
+  [E, G*C, H] splits E by ep and G*C by dp / ep (the ep groups are carved out of dp:
+  validator rule ``ep | dp``); the layout change in between is the AllToAll.
 * Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp; the loss
   (``loss_fn``, ``ms_deepseek.model.loss``) keeps the logits [N, V] split (dp, tp).
 * Norm weights, the router and the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``
@@ -67,7 +70,12 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
     "model.layers.*.mlp.gate": "router",
     "model.layers.*.mlp.experts": "experts",
+    "model.layers.*.mlp.pad_tokens": "moe_pad_tokens",
+    "model.layers.*.mlp.lookup.impl.op": "expert_lookup",        # ExpertLookup custom op
+    "model.layers.*.mlp.slot_sort": "moe_slot_sort",
     "model.layers.*.mlp.dispatch_gather": "dispatch_gather",
+    "model.layers.*.mlp.to_experts": "moe_exchange",
+    "model.layers.*.mlp.from_experts": "moe_exchange",
     "model.layers.*.mlp.combine_gather": "combine_gather",
     "model.layers.*.mlp.expert_placement": "placement_table",
     "model.norm": "norm",
@@ -76,7 +84,10 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
 }
 
 # Primitive types that must receive a strategy (the rest follow by sharding propagation).
-STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore")
+# Custom ops (our kernels) included: without a strategy MindSpore splits a custom op on its first
+# input only and leaves its other outputs full-size.
+STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort",
+                        "Transpose", "Concat")
 
 
 @dataclass(frozen=True)
@@ -203,13 +214,31 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         # batch by dp, heads by tp; the mask is replicated.
         heads = ((dp, tp, 1, 1),) * 3
         return StyleSpec(prims={"": ((heads + ((1, 1),)), None)}, is_primitive=True)
+    # MoE dispatch per data-parallel group G = dp (ms_deepseek/model/moe.py, dispatch_shapes.py).
+    if style == "moe_pad_tokens":
+        # Concat(tokens [G, N, H], zero row [G, 1, H]) on axis 1: the concat axis stays whole.
+        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+    if style == "expert_lookup":
+        # ExpertLookup custom op on the k-major ids [G, k*N] and the placement [E, 2]: each device
+        # counts positions for its own group (the op's groups are independent); the placement is
+        # replicated. apply_plan appends the impl's strategy_tail (e.g. the CPU config tensor).
+        return StyleSpec(prims={"": (((dp, 1), (1, 1)), None)}, is_primitive=True)
+    if style == "moe_slot_sort":
+        # Sort of the keys [G, E, k*N] along the last axis (which cannot be split).
+        return StyleSpec(prims={"": (((dp, 1, 1),), None)}, is_primitive=True)
     if style == "dispatch_gather":
-        # Gather(tokens [N + 1, H], slot_token [E * C], 0): the token table is replicated
-        # (an all-gather over dp), the buffer rows are split by ep (expert-major).
-        return StyleSpec(prims={"": (((1, 1), (ep,)), None)}, is_primitive=True)
+        # Gather(batch_dims=1)(padded tokens [G, N+1, H], dispatch_index [G, E, C], axis 1): local per
+        # group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy).
+        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+    if style == "moe_exchange":
+        # Transpose (2, 1, 0, 3, 4) of [ep, G/ep, E, C, H] (to_experts) or [E, G/ep, ep, C, H]
+        # (from_experts): local, in the dp layout for to_experts (G = (ep, dp/ep)) and in the ep
+        # layout for from_experts (E by ep, G/ep by dp/ep); the consumer's layout change is the AllToAll.
+        inner = dp // ep if dp % ep == 0 else 1
+        return StyleSpec(prims={"": (((ep, inner, 1, 1, 1),), None)}, is_primitive=True)
     if style == "combine_gather":
-        # Gather(expert out [E * C, H], slot [N * k], 0): the (token, choice) rows by dp.
-        return StyleSpec(prims={"": (((1, 1), (dp,)), None)}, is_primitive=True)
+        # Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1): local per group.
+        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
     if style == "placement_table":
         # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
         return StyleSpec(params={"": (1, 1)})
