@@ -1,0 +1,184 @@
+"""LoRA adapters against transformers + PEFT (fixtures in tests/fixtures/lora, made by
+tests/fixtures/make_lora_reference.py), the streaming merge, and the refusals of bad input.
+
+* ``peft_adapter``: made by PEFT 0.21.2 itself on transformers 5.24's model (random, nonzero
+  A and B; on transformers 5 PEFT puts gate/up/down_proj on the fused routed experts);
+* ``ours_adapter``: three LoRA steps of our trainer on ``base``, exported by ``export-lora``;
+  PEFT applied it to the transformers model for ``logits_ours_adapter``, and plain transformers
+  loaded our ``--merge`` output for ``logits_merged``.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from ms_deepseek.cli import main
+from ms_deepseek.errors import UserError
+
+FIX = Path(__file__).parent / "fixtures" / "lora"
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return load_file(str(FIX / "reference.safetensors"))
+
+
+def _logits(model, ids):
+    import mindspore as ms
+
+    model.set_train(False)
+    return model(ms.Tensor(ids)).logits.asnumpy()
+
+
+def _load(base, adapter=None):
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM.from_pretrained(str(base), adapter=None if adapter is None else str(adapter),
+                                                 show_progress=False)
+
+
+def test_peft_made_adapter_loads_with_the_same_logits(ref):
+    base_logits = _logits(_load(FIX / "base"), ref["input_ids"])
+    np.testing.assert_allclose(base_logits, ref["logits_base"], atol=ATOL)
+    got = _logits(_load(FIX / "base", FIX / "peft_adapter"), ref["input_ids"])
+    assert np.abs(ref["logits_peft_adapter"] - ref["logits_base"]).max() > 0.5  # the adapter matters
+    np.testing.assert_allclose(got, ref["logits_peft_adapter"], atol=ATOL)
+
+
+def test_peft_made_adapter_in_graph_mode(ref):
+    import mindspore as ms
+
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        got = _logits(_load(FIX / "base", FIX / "peft_adapter"), ref["input_ids"])
+    finally:
+        ms.set_context(mode=mode)
+    np.testing.assert_allclose(got, ref["logits_peft_adapter"], atol=ATOL)
+
+
+def test_our_exported_adapter_matches_peft_on_transformers(ref):
+    model = _load(FIX / "base", FIX / "ours_adapter")
+    np.testing.assert_allclose(_logits(model, ref["input_ids"]), ref["logits_ours_adapter"], atol=ATOL)
+    # the routed-expert adapters are part of what PEFT reproduced: without them the logits move
+    import mindspore as ms
+
+    for p in model.get_parameters():
+        if "lora_B" in p.name and ".mlp.experts." in p.name:
+            p.set_data(ms.Tensor(np.zeros(p.shape, np.float32)))
+    assert np.abs(_logits(model, ref["input_ids"]) - ref["logits_ours_adapter"]).max() > 0.05
+
+
+def test_exported_adapter_uses_peft_names_with_experts_unstacked():
+    cfg = json.loads((FIX / "ours_adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    assert cfg["base_model_name_or_path"] == "tests/fixtures/lora/base"
+    names = set(load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in names
+    assert "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight" in names
+    assert not any(".mlp.experts.gate_proj." in n for n in names)  # no stacked tensor
+
+
+def test_merge_streams_an_hf_folder_that_transformers_reads_the_same(ref, tmp_path):
+    out = tmp_path / "merged"
+    assert main(["export-lora", str(FIX / "ours_adapter"), str(out), "--merge", str(FIX / "base")]) == 0
+    np.testing.assert_allclose(_logits(_load(out), ref["input_ids"]), ref["logits_merged"], atol=ATOL)
+    from ms_deepseek.convert.safetensors_io import read_header
+
+    merged, base = read_header(out / "model.safetensors").tensors, read_header(FIX / "base" / "model.safetensors").tensors
+    assert merged.keys() == base.keys()
+    assert {t.dtype for t in merged.values()} == {"BF16"}  # dtype kept
+    raw_m, raw_b = (out / "model.safetensors").read_bytes(), (FIX / "base" / "model.safetensors").read_bytes()
+
+    def data(raw, info):
+        return raw[info.offset: info.offset + info.nbytes]
+
+    untouched = "model.layers.1.mlp.shared_experts.up_proj.weight"  # not a target of ours_adapter
+    assert data(raw_m, merged[untouched]) == data(raw_b, base[untouched])
+    touched = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert data(raw_m, merged[touched]) != data(raw_b, base[touched])
+    assert (out / "config.json").read_text() == (FIX / "base" / "config.json").read_text()
+
+
+# ------------------------------------------------------------------------------ bad input
+def _adapter_copy(tmp_path, edit=None, tensors=None):
+    out = tmp_path / "adapter"
+    shutil.copytree(FIX / "peft_adapter", out)
+    if edit is not None:
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        cfg.update(edit)
+        (out / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        data = load_file(str(out / "adapter_model.safetensors"))
+        tensors(data)
+        save_file(data, str(out / "adapter_model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("edit, key", [({"use_dora": True}, "use_dora"), ({"use_rslora": True}, "use_rslora"),
+                                       ({"peft_type": "IA3"}, "peft_type"), ({"bias": "all"}, "bias"),
+                                       ({"layers_to_transform": [0]}, "layers_to_transform"),
+                                       ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, edit, key):
+    adapter = _adapter_copy(tmp_path, edit=edit)
+    code = main(["export-lora", str(adapter), str(tmp_path / "out"), "--merge", str(FIX / "base")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and key in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match=key):
+        _load(FIX / "base", adapter)
+
+
+def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
+    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.convert.synthetic import write_random_checkpoint
+
+    cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)
+    other = write_random_checkpoint(tmp_path / "other", cfg, dtype="float32")
+    with pytest.raises(UserError, match=r"q_a_proj\.lora_B\.weight has shape \[12, 4\], this base needs \[8, 4\]"):
+        _load(other, FIX / "peft_adapter")
+    code = main(["export-lora", str(FIX / "peft_adapter"), str(tmp_path / "out"), "--merge", str(other)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "q_a_proj" in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_adapter_with_a_missing_expert_names_it(tmp_path):
+    adapter = tmp_path / "ours"
+    shutil.copytree(FIX / "ours_adapter", adapter)
+    data = load_file(str(adapter / "adapter_model.safetensors"))
+    del data["base_model.model.model.layers.1.mlp.experts.2.up_proj.lora_A.weight"]
+    save_file(data, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(UserError, match=r"experts\.2\.up_proj\.lora_A\.weight is missing"):
+        _load(FIX / "base", adapter)
+
+
+def test_targets_and_ranks_are_checked_against_the_model():
+    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.model import lora
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+
+    model = DeepseekV2ForCausalLM(DeepseekV2Config.from_json(FIX / "base" / "config.json"))
+    with pytest.raises(UserError, match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
+                                        r"\(12 x 32\)"):
+        lora.add_adapters(model, lora.AdapterSpec(r=13, alpha=8, target_modules=["q_a_proj"]))
+    with pytest.raises(UserError, match=r"lora\.target_modules\[1\]: 'shared_experts\.o_proj' matches no module"):
+        lora.add_adapters(model, lora.AdapterSpec(r=2, alpha=8, target_modules=["o_proj", "shared_experts.o_proj"]))
+    assert not lora.has_adapters(model)  # refused before anything was attached
+
+
+@pytest.mark.parametrize("lora_section, key", [({"r": 0}, "lora.r"), ({"alpha": 0}, "lora.alpha"),
+                                               ({"target_modules": ["q_proj", "foo_proj"]}, "lora.target_modules[1]"),
+                                               ({"use_dora": True}, "lora.use_dora"),
+                                               ({"dropout": 1.0}, "lora.dropout")])
+def test_recipe_lora_section_refusals(lora_section, key):
+    from ms_deepseek.train.recipe import load_recipe_dict
+
+    with pytest.raises(UserError) as info:
+        load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": lora_section})
+    assert str(info.value).startswith(key), str(info.value)
