@@ -62,8 +62,10 @@ UNSPLITTABLE: Dict[str, Tuple[str, str]] = {
     # our custom operators (the op Cell type owning the ops.Custom)
     "FP32Softmax": ("the last axis", "ms_deepseek.ops.FP32Softmax normalises over the last axis: a split would "
                     "normalise each slice on its own"),
-    "ExpertLookup": ("every axis of topk_ids but the group axis, and the placement table",
+    "ExpertLookup": ("every axis of the k-major ids [G, k*N] but the group axis, and the placement table",
                      "ms_deepseek.ops.ExpertLookup counts capacity positions over all tokens of a group"),
+    "Sort": ("the sorted axis", "a sort along a split axis would order each slice on its own (no SortInfo rule "
+             "was found in MindSpore's ops_info; the plan keeps the axis whole)"),
 }
 
 # Gather, GatherD and CumSum take their axis as a call argument: every such call in the model
@@ -96,13 +98,17 @@ def _unsplittable(kind: str, prim, in_strategy) -> List[Tuple[int, int]]:
     if kind in ("Softmax", "LogSoftmax"):
         return [(0, _axis(prim, "axis", -1, n0))]
     if kind == "Gather":
+        batch_dims = int(prim.attrs.get("batch_dims", 0) or 0)
+        if batch_dims:  # our batched gathers take axis = batch_dims: a per-group local gather
+            return [(0, batch_dims)] + [(1, a) for a in range(batch_dims, len(in_strategy[1]))]
         return [(0, _CALL_AXIS["Gather"])] if n0 > 2 else []
+    if kind == "Sort":
+        return [(0, _axis(prim, "axis", -1, n0))]
     if kind == "FlashAttentionScore":
         pairs = [(i, 3) for i in range(min(3, len(in_strategy)))]   # BNSD head dim
         return pairs + [(1, 2), (2, 2)]                              # key / value sequence
     if kind == "ExpertLookup":
-        keep_group = 1 if n0 == 3 else 0   # [G, N, k] may split G; the old [N, k] nothing
-        pairs = [(0, a) for a in range(keep_group, n0)]
+        pairs = [(0, a) for a in range(1, n0)]   # only the group axis G may split
         if len(in_strategy) > 1:
             pairs += [(1, a) for a in range(len(in_strategy[1]))]
         return pairs
@@ -127,7 +133,9 @@ def output_layouts(kind: str, prim, in_strategy, out_strategy=None) -> List[Layo
         cols = w[-2] if attrs.get("transpose_b") else w[-1]
         return [tuple(x[:-2]) + (rows, cols)]
     if kind == "Gather":
-        return [s[1] + s[0][1:]]       # axis 0: index layout, then the parameter's other axes
+        b = int(attrs.get("batch_dims", 0) or 0)
+        axis = b if b else _CALL_AXIS["Gather"]
+        return [s[0][:axis] + s[1][b:] + s[0][axis + 1:]]   # params[:axis] + indices[batch_dims:] + params[axis+1:]
     if kind == "TopK":
         return [s[0], s[0]]
     if kind == "FlashAttentionScore":
@@ -251,7 +259,7 @@ def _moe_edges() -> List[Edge]:
     grouped = "per-group"
     req = m + "to_experts"
     edges += [
-        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "rows_to_groups", requires=req, group=grouped),
+        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "rows_to_kmajor", requires=req, group=grouped),
         Edge(m + "pad_tokens", 0, m + "dispatch_gather", 0, requires=req, group=grouped),
         Edge(m + "dispatch_gather", 0, m + "to_experts", 0, "groups_to_view", requires=req, group=grouped),
         Edge(m + "to_experts", 0, m + "experts.gate_bmm", 0, "view_to_experts", requires=req, group=grouped),
@@ -266,6 +274,13 @@ def _moe_edges() -> List[Edge]:
 def _rows_to_groups(layout: Layout, mesh: Mesh) -> Layout:
     # [G*N, X] -> reshape [G, N, X]: a row split by dp lands on G (rank-major rows)
     return (layout[0], 1, layout[1])
+
+
+def _rows_to_kmajor(layout: Layout, mesh: Mesh) -> Layout:
+    # topk ids [G*N, k] -> [G, N, k] -> transpose [G, k, N] -> reshape [G, k*N] (the lookup's k-major input)
+    if layout[1] != 1:
+        raise _NotExpressible(f"a split of k ({layout[1]}) does not survive the k-major merge")
+    return (layout[0], 1)
 
 
 def _groups_to_view(layout: Layout, mesh: Mesh) -> Layout:
@@ -291,17 +306,20 @@ def _view_to_experts(layout: Layout, mesh: Mesh) -> Layout:
 def _experts_to_view(layout: Layout, mesh: Mesh) -> Layout:
     # [E, G*C, H] -> reshape [E, G/ep, ep, C, H]: a split s of G*C lands on (G/ep, ep) major-first
     e, gc, h = layout
-    inner = gc // mesh.ep if gc % mesh.ep == 0 and gc >= mesh.ep else gc
-    return (e, inner, gc // inner, 1, h)
+    groups = max(1, mesh.dp // mesh.ep)          # size of the leading G/ep axis
+    first = gc if groups % gc == 0 else groups  # the merged axis's split lands on its major part first
+    if gc % first:
+        raise _NotExpressible(f"a split {gc} of G*C does not map onto [G/ep, ep, C]")
+    return (e, first, gc // first, 1, h)
 
 
 def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
-    # transpose (2, 1, 0, 3, 4): [E, G/ep, ep, C, H] -> [ep, G/ep, E, C, H]; reshape -> [G, E, C, H]
+    # transpose (2, 1, 0, 3, 4): [E, G/ep, ep, C, H] -> [ep, G/ep, E, C, H]; reshape -> [G, E*C, H]
     e, b, a, c, h = layout
-    return (a * b, e, c, h)
+    return (a * b, e * c, h)
 
 
-TRANSFORMS.update({"rows_to_groups": _rows_to_groups,
+TRANSFORMS.update({"rows_to_groups": _rows_to_groups, "rows_to_kmajor": _rows_to_kmajor,
                    "groups_to_view": _groups_to_view, "view_to_experts": _view_to_experts,
                    "experts_to_view": _experts_to_view, "view_to_groups": _view_to_groups})
 
