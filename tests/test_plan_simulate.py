@@ -62,7 +62,7 @@ def test_broken_plan_fails_the_simulation():
     by_name = {r.name: r for r in results}
     assert by_name["lint"].status == "fail" and "o_proj" in by_name["lint"].detail
     assert not S.all_passed(results)
-    assert "SIMULATION DID NOT PASS" in S.format_results(None, results)
+    assert "SIMULATION DID NOT PASS" in S.format_results(results)
 
 
 def _ctx(par, mbs=1):

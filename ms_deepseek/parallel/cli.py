@@ -301,7 +301,7 @@ def _simulate(args, recipe, result) -> int:
         out["simulation_passed"] = all_passed(results)
         print(json.dumps(out, indent=2))
     else:
-        print(format_results(recipe, results))
+        print(format_results(results))
     return 0 if all_passed(results) else 1
 
 

@@ -187,7 +187,7 @@ def all_passed(results: Sequence[CheckResult]) -> bool:
     return bool(results) and all(r.passed for r in results)
 
 
-def format_results(ctx_or_cfg, results: Sequence[CheckResult]) -> str:
+def format_results(results: Sequence[CheckResult]) -> str:
     lines = ["simulation (CPU, reduced model, same parallel structure; pass at max_err <= 1e-5):"]
     lines += [r.line() for r in results]
     failed = [r.name for r in results if r.status == "fail"]
@@ -252,10 +252,8 @@ def check_moe(ctx: SimContext) -> CheckResult:
 
 
 def _data_coordinates():
-    try:
-        from ms_deepseek.parallel.ranks import data_coordinates
-    except ImportError:
-        from ms_deepseek.train.sharded import data_coordinates
+    from ms_deepseek.parallel.ranks import data_coordinates
+
     return data_coordinates
 
 
