@@ -165,3 +165,64 @@ def test_bad_arguments(tmp_path, args, message):
                           stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+# ----------------------------------------------------------------- tools/ascend_dryrun.sh
+DRYRUN = REPO / "tools" / "ascend_dryrun.sh"
+
+
+def dryrun(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH",)}
+    full_env.update(env or {})
+    return subprocess.run(["bash", str(DRYRUN), *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, env=full_env)
+
+
+def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
+    proc = dryrun(str(REPO / "recipes" / "v2-sft-64npu.yaml"), "--print-only", "--out", str(tmp_path / "dr"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("recipe ") and "dp1 tp8 pp8, world 64; dry run at 16 of 60 layers" in lines[0]
+    assert lines[1].startswith("planner, full depth: ") and "tokens/s/NPU" in lines[1]
+    assert lines[2].startswith("planner, 16 layers: GB per NPU by stage: ")
+    assert len([float(x) for x in lines[2].rsplit(": ", 1)[1].split(", ")]) == 8
+    ranks = [line for line in lines if line.startswith("stage ")]
+    assert len(ranks) == 8
+    for stage, line in enumerate(ranks):
+        assert f"RANK_SIZE=64 RANK_ID={8 * stage} " in line and "MS_SIMULATION_LEVEL=1 " in line
+        assert " train " in line and "--max-steps 1" in line and "num_hidden_layers=16" in line
+        assert f"> {tmp_path}/dr/rank_{8 * stage}/dryrun.log" in line
+    assert not (tmp_path / "dr").exists()                    # print-only writes nothing
+
+
+def test_dryrun_print_only_passes_overrides_and_level(tmp_path):
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--print-only", "--level", "0", "--layers", "3",
+                  "--set", "train.micro_batch_size=1")
+    assert proc.returncode == 0, proc.stderr
+    ranks = [line for line in proc.stdout.splitlines() if line.startswith("stage ")]
+    assert len(ranks) == 1 and "MS_SIMULATION_LEVEL=0 RANK_SIZE=8 RANK_ID=0 " in ranks[0]
+    assert "num_hidden_layers=3" in ranks[0] and "--set train.micro_batch_size=1" in ranks[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "RECIPE: required"),
+    (["recipes/none.yaml", "--print-only"], "RECIPE: no such file: recipes/none.yaml"),
+    (["@recipe", "--level", "7"], "--level: must be 0, 1, 2 or 3, got '7'"),
+    (["@recipe", "--layers", "0"], "--layers: must be a positive integer, got '0'"),
+    (["@recipe", "--layers", "4", "--print-only"], "--layers: 4 is fewer than the 8 pipeline stages"),
+    (["@recipe", "--layers", "99", "--print-only"], "--layers: 99 is more than the model's 60 layers"),
+    (["@recipe", "--set", "oops"], "--set: expected SECTION.KEY=VALUE, got 'oops'"),
+    (["@recipe", "--bogus"], "unknown option --bogus"),
+    (["@recipe", "--set", "parallel.tp=3", "--print-only"], "the planner refused the recipe"),
+    (["@recipe", "--cann", "/nonexistent/cann"], "CANN not found at /nonexistent/cann"),
+])
+def test_dryrun_bad_arguments(args, message):
+    recipe = str(REPO / "recipes" / "v2-sft-64npu.yaml")
+    proc = dryrun(*[recipe if a == "@recipe" else a for a in args])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+
+
+def test_dryrun_help():
+    proc = dryrun("--help")
+    assert proc.returncode == 0 and "MS_SIMULATION_LEVEL" in proc.stdout and "--print-only" in proc.stdout
