@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 HERE = Path(__file__).parent
 
@@ -20,9 +20,16 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9,<3.12",
-    packages=find_packages(include=["ms_deepseek", "ms_deepseek.*"]),
+    # The kernel sources (ms_deepseek/ops_src, a link to ops/: C++, Ascend C, build scripts) are
+    # data, but setuptools treats every folder of shipped files as a (namespace) package: list
+    # them as such so it has nothing to warn about, and ship every file in them.
+    # package_dir {"": "."}: an editable install is one .pth line naming this folder; without it
+    # setuptools picks its import-hook finder, which warns about same-named folders on every install.
+    package_dir={"": "."},
+    packages=find_namespace_packages(include=["ms_deepseek", "ms_deepseek.*"], exclude=["*.__pycache__"]),
     include_package_data=True,
-    package_data={"ms_deepseek": ["presets/*.json", "ops_src/**/*"]},
+    package_data={"ms_deepseek.ops_src": ["**/*"]},
+    exclude_package_data={"": ["*.so", "*.o", "*.pyc"]},  # kernels built in place on first use stay out
     install_requires=read_pins("requirements.txt"),
     extras_require={"test": read_pins("requirements-test.txt")},
     entry_points={"console_scripts": ["ms-deepseek=ms_deepseek.cli:main"]},

@@ -18,11 +18,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 echo "== installing ms-deepseek and its pinned requirements into .venv"
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e .
+# pip's own notices (index locations, resolver chatter) go to a log shown only if the install fails
+INSTALL_LOG=.venv/ms-deepseek-install.log
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+if ! { "${PIP[@]}" install --upgrade pip && "${PIP[@]}" install -e .; } > "$INSTALL_LOG" 2>&1; then
+  cat "$INSTALL_LOG" >&2
+  echo "quickstart: the install failed; the full log is $INSTALL_LOG" >&2
+  exit 1
+fi
 
-export GLOG_v="${GLOG_v:-3}"                       # MindSpore: errors only
-export MS_SUBMODULE_LOG_v="${MS_SUBMODULE_LOG_v:-{\}}"
+# MindSpore prints errors only unless GLOG_v is set or --verbose is passed (ms-deepseek does this
+# itself; the corpus step below calls the same helper).
 RECIPE=recipes/tiny-cpu.yaml
 RUN_DIR=${RUN_DIR:-runs/tiny-cpu-$(date +%Y%m%d-%H%M%S)}
 MSD=.venv/bin/ms-deepseek
@@ -30,6 +36,8 @@ MSD=.venv/bin/ms-deepseek
 echo "== preparing the embedded default corpus"
 .venv/bin/python - "$RECIPE" <<'PYEOF'
 import sys
+from ms_deepseek.runtime import quiet_defaults
+quiet_defaults()
 from ms_deepseek.data.dataset import ensure_embedded_default
 from ms_deepseek.train.recipe import load_recipe
 
