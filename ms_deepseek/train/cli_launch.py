@@ -16,7 +16,6 @@ import argparse
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -116,8 +115,13 @@ def run(args: argparse.Namespace) -> int:
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=full_env)
-    if proc.returncode != 0:
-        log_dir = args.log_dir or run_dir / "msrun_logs"
-        print(f"ms-deepseek launch: msrun exited with {proc.returncode}; worker logs in {log_dir}", file=sys.stderr)
-    return proc.returncode
+    from ms_deepseek.train.supervise import run_supervised
+
+    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
+    # a dead worker stops the whole job within seconds, with one line naming it (see train/supervise.py)
+    code, failure = run_supervised(cmd, full_env, log_dir)
+    if failure is not None:
+        print(f"ms-deepseek launch: {failure}", file=sys.stderr)
+    elif code != 0:
+        print(f"ms-deepseek launch: msrun exited with {code}; worker logs in {log_dir}", file=sys.stderr)
+    return code

@@ -1,0 +1,107 @@
+"""A dead worker fails the job fast: a 2-worker msrun data-parallel run on CPU, one worker SIGKILLed.
+
+The job must exit non-zero within 60 s with one line naming the rank and its log file, the newest
+complete checkpoint must be intact, and `launch --resume` must continue exactly (the resumed
+steps' losses equal the ones the killed run logged for the same steps).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_launch import free_port, recipe_data, write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(recipe, run_dir, *extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
+                             "--master-port", str(free_port()), "--cluster-time-out", "120", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def _steps(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _rank_pid(rank, run_dir):
+    """pid of msrun's worker RANK_ID=rank training into run_dir (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"MS_ROLE=MS_WORKER" in env and f"RANK_ID={rank}".encode() in env and str(run_dir).encode() in cmd:
+            return int(entry)
+    return None
+
+
+@pytest.mark.msrun
+def test_a_killed_worker_stops_the_job_fast_and_resume_continues_exactly(tmp_path):
+    from ms_deepseek.checkpoint.training import CheckpointManager, is_complete
+    from ms_deepseek.data.prepare import prepare_embedded_default
+
+    data = tmp_path / "corpus"
+    prepare_embedded_default(data, seq_len=32, vocab_size=512, max_bytes=100_000, progress=False)
+    spec = recipe_data(data, dp=2)
+    spec["train"]["steps"] = 2000  # far more than it runs before the kill
+    spec["checkpoint"] = {"save_interval": 3, "keep_last": 2}
+    recipe = write(tmp_path, spec)
+    run_dir = tmp_path / "run"
+
+    proc = _launch(recipe, run_dir)
+    deadline = time.time() + 400
+    while max(_steps(run_dir), default=0) < 7 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    pid = _rank_pid(1, run_dir)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    detection_s = time.time() - killed_at
+    print(f"dead worker: job exited {detection_s:.1f} s after SIGKILL")
+    assert proc.returncode != 0
+    assert detection_s < 60
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ms-deepseek launch: worker rank 1 ") and "was killed by SIGKILL" in last, err[-3000:]
+    assert f"its log: {run_dir / 'msrun_logs' / 'worker_1.log'}" in last
+    assert _rank_pid(0, run_dir) is None and _rank_pid(1, run_dir) is None, "a worker outlived the job"
+
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    assert latest is not None and is_complete(latest)
+    saved_at = json.loads((latest / "state.json").read_text())["step"]
+    logged = _steps(run_dir)  # what the killed run logged, before resume truncates it
+    assert max(logged) > saved_at
+
+    stop = min(max(logged), saved_at + 3)
+    proc = _launch(recipe, run_dir, "--resume", "--max-steps", str(stop))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    resumed = _steps(run_dir)
+    assert sorted(resumed) == list(range(1, stop + 1))
+    for step in range(saved_at + 1, stop + 1):
+        assert resumed[step] == logged[step], step  # the same data, weights and RNG: bit-identical losses
