@@ -339,8 +339,9 @@ def format_result(result) -> str:
     lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
     t = result.time_s
     lo, hi = result.tokens_per_s_range
-    lines.append(f"step {t['step_high']:.1f}-{t['step']:.1f} s (bubble {result.bubble_fraction:.1%}; at the low end: "
-                 f"pipeline {t['pipeline']:.1f} s, dp sync {t['dp_sync']:.2f} s)")
+    sec = lambda x: f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # noqa: E731
+    lines.append(f"step {sec(t['step_high'])}-{sec(t['step'])} s (bubble {result.bubble_fraction:.1%}; at the low "
+                 f"end: pipeline {sec(t['pipeline'])} s, dp sync {sec(t['dp_sync'])} s)")
     lines.append(f"throughput {lo:.0f}-{hi:.0f} tokens/s per NPU (MFU {result.mfu_range[0]:.1%}-"
                  f"{result.mfu_range[1]:.1%}; low = MindFormers-calibrated efficiency, high = the DeepSeek "
                  f"paper's, docs/planner.md)")
