@@ -59,7 +59,7 @@ def resolve_checkpoint(path) -> Path:
         raise UserError(f"{p}: not a folder (expected a checkpoint folder holding config.json, or a run folder)")
     if (p / "config.json").is_file():
         return p
-    from ms_deepseek.train.checkpoint import latest_in
+    from ms_deepseek.checkpoint.training import latest_in
 
     found = latest_in(p)
     if found is not None:
@@ -104,7 +104,7 @@ def _recipe_tokenizer(recipe_path: Path):
     if data.tokenizer:
         return load_tokenizer(data.tokenizer)
     if data.path:
-        folder = Path(data.path).expanduser()
+        folder = Path(data.primary_path).expanduser()
         if not folder.is_dir():
             return None
         return load_tokenizer(folder)

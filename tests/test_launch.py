@@ -142,8 +142,9 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     """The Ascend-only sharded path's pure parts: data replica / pipeline stage of a rank, and when a
     checkpoint of per-rank slices counts as complete."""
     from ms_deepseek.parallel.config import ParallelConfig
-    from ms_deepseek.train.checkpoint import CheckpointManager, is_complete
-    from ms_deepseek.train.sharded import SHARDS_FILE, data_coordinates, rank_dir, stage_of_rank
+    from ms_deepseek.checkpoint.layout import LAYOUT_FILE
+    from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
+    from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
 
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=4)  # world 8: stage = r // 4, replica = (r % 4) // 2
     assert [stage_of_rank(r, par) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -156,7 +157,7 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     for name in ("config.json", "state.json", "recipe.yaml"):
         (step / name).parent.mkdir(parents=True, exist_ok=True)
         (step / name).write_text("{}")
-    (step / SHARDS_FILE).write_text(json.dumps({"world_size": 2, "layout": par.describe()}))
+    (step / LAYOUT_FILE).write_text(json.dumps({"world_size": 2, "layout": par.describe()}))
     for r in range(2):
         rank_dir(step, r).mkdir()
         (rank_dir(step, r) / "model.safetensors").write_bytes(b"x")

@@ -164,12 +164,12 @@ def test_non_finite_numbers_are_written_as_strings(tmp_path):
 
 def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tmp_path, monkeypatch):
     """N steps, a crash while saving step N+..., --resume: same losses and weights as one run."""
-    from ms_deepseek.train import checkpoint as ckpt_mod
+    from ms_deepseek.checkpoint import training as ckpt_mod
 
     ref_dir, _ = reference
     recipe = write_recipe(tmp_path, recipe_dict(data_dir, checkpoint={"save_interval": 2, "keep_last": 3}))
     run_dir = tmp_path / "run"
-    real_save = ckpt_mod._save_tensors
+    real_save = ckpt_mod.save_tensors
 
     def crashing_save(named, path):
         if "step_00000004" in str(path.parent) and path.name == "optimizer.safetensors":
@@ -177,17 +177,19 @@ def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tm
             raise KeyboardInterrupt("simulated crash during save")
         return real_save(named, path)
 
-    monkeypatch.setattr(ckpt_mod, "_save_tensors", crashing_save)
+    monkeypatch.setattr(ckpt_mod, "save_tensors", crashing_save)
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
-    monkeypatch.setattr(ckpt_mod, "_save_tensors", real_save)
+    monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
 
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
-    assert any(p.name.startswith(".tmp_") for p in ckpts.iterdir()), "the partial save should be left hidden"
+    # the half-written folder is hidden (a killed process leaves it; an interrupted one removes it)
+    assert all(p.name.startswith((".step_00000004.partial-", "step_")) for p in ckpts.iterdir())
     assert ckpt_mod.resolve_resume("latest", run_dir) == ckpts / "step_00000002"
+    (ckpts / ".step_00000004.partial-killed").mkdir()  # what a SIGKILL mid-save leaves
 
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
-    assert not any(p.name.startswith(".tmp_") for p in ckpts.iterdir())
+    assert not any(p.name.startswith(".") for p in ckpts.iterdir())
     assert losses_of(run_dir) == losses_of(ref_dir)  # steps 1-2 from the first run, 3-4 resumed
     got, want = weights(ckpts / "step_00000004"), weights(ref_dir / "checkpoints" / "step_00000004")
     assert got.keys() == want.keys()
@@ -331,7 +333,7 @@ def test_flash_attention_on_cpu_stops_with_one_line_before_anything_is_built(dat
 
 
 def test_resume_errors_are_clear(tmp_path, data_dir):
-    from ms_deepseek.train.checkpoint import resolve_resume
+    from ms_deepseek.checkpoint.training import resolve_resume
 
     with pytest.raises(UserError, match="no complete checkpoint"):
         resolve_resume("latest", tmp_path)

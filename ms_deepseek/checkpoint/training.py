@@ -196,14 +196,30 @@ def read_state(folder: Path) -> Dict:
         raise UserError(f"{Path(folder) / 'state.json'}: unreadable ({exc})") from None
 
 
-def open_resume_sources(folder: Path):
-    """(model source, optimizer source) of a checkpoint to resume from, whole or sharded."""
-    from ms_deepseek.checkpoint.sharded import open_any
+def open_resume_sources(folder: Path, cfg):
+    """(model source, optimizer source) of a checkpoint to resume from, whole or sharded.
 
-    model, opt, _, _ = open_any(folder)
-    if opt is None:
-        raise UserError(f"{folder}: no optimizer state (optimizer.safetensors) to resume from")
-    return model, opt
+    A whole checkpoint is read by name only (a LoRA run's holds its adapters, not the model);
+    a sharded one is checked against its layout file and config."""
+    from types import SimpleNamespace
+
+    from ms_deepseek.checkpoint.sharded import open_any
+    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.convert.safetensors_io import read_header
+
+    folder = Path(folder)
+    if is_sharded(folder):
+        model, opt, _, _ = open_any(folder)
+        if opt is None:
+            raise UserError(f"{folder / LAYOUT_FILE}: no optimizer tensors listed (not a training checkpoint)")
+        return model, opt
+    out = []
+    for name in RANK_FILES:
+        tensors = read_header(folder / name).tensors
+        src = WholeSource(SimpleNamespace(config=cfg, tensors=tensors, folder=folder / name))
+        src.hf = False
+        out.append(src)
+    return tuple(out)
 
 
 __all__ = ["CheckpointManager", "is_complete", "latest_in", "read_state", "resolve_resume", "save_sharded",

@@ -102,7 +102,7 @@ def write_arrays(path: Path, tensors: Dict[str, Tuple[np.ndarray, str]]) -> None
 # ------------------------------------------------------------------------------- export
 def resolve_checkpoint(spec) -> Path:
     """A checkpoint folder (``.../checkpoints/step_N``) or a run folder (its newest complete checkpoint)."""
-    from ms_deepseek.train import checkpoint as ckpt_mod
+    from ms_deepseek.checkpoint import training as ckpt_mod
 
     p = Path(spec)
     if not p.is_dir():

@@ -8,7 +8,8 @@ to ``RUN_DIR/metrics.jsonl`` and TensorBoard and prints a line; every
 ``checkpoint.save_interval`` steps (and at the end) it saves ``RUN_DIR/checkpoints/step_N``.
 ``resume`` continues from a checkpoint exactly: same data position, optimizer state, step
 count and RNG state. Batches, checkpoint tensors, RNG state and the rank collectives the
-loop uses live in :mod:`ms_deepseek.train.step_io`.
+loop uses live where their concern does: :mod:`ms_deepseek.data.batches`, :mod:`ms_deepseek.checkpoint`
+(all checkpoint I/O, any layout) and :mod:`ms_deepseek.train.distributed`.
 
 Under msrun (``MS_WORKER_NUM`` set) each worker joins the collective group
 (``mindspore.communication.init``, mccl on CPU, HCCL on Ascend), reads its shard of each
@@ -28,11 +29,12 @@ import numpy as np
 
 from ms_deepseek.errors import UserError
 from ms_deepseek.runtime import detect_device, use_device
-from ms_deepseek.train import checkpoint as ckpt_mod
+from ms_deepseek.checkpoint import training as ckpt_mod
+from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into, restore_rng, rng_state
+from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.recipe import Recipe
-from ms_deepseek.train.step_io import (RankMean, first_batch_checked, load_into, model_tensors, replica_digests,
-                                       restore_rng, rng_state, stack_micro_batches)
+from ms_deepseek.train.distributed import RankMean, replica_digests
 
 
 @dataclass
@@ -186,11 +188,11 @@ class Trainer:
 
     def _build_data(self) -> None:
         from ms_deepseek.data.dataset import build_train_dataset
-        from ms_deepseek.train import sharded as sharded_mod
+        from ms_deepseek.parallel.ranks import data_coordinates
 
         recipe, cfg = self.recipe, self.cfg
         data_rank, data_world, self.rows = (
-            sharded_mod.data_coordinates(self.rank, self.par, recipe.train.micro_batch_size) if self.sharded
+            data_coordinates(self.rank, self.par, recipe.train.micro_batch_size) if self.sharded
             else (self.rank, self.world, recipe.train.micro_batch_size))
         self.dataset = build_train_dataset(recipe.data, self.rows, data_rank, data_world,
                                            state=self.state.get("data"), max_positions=cfg.max_position_embeddings,
@@ -218,7 +220,14 @@ class Trainer:
             from ms_deepseek.train import lora_run
 
             weights_folder = lora_run.base_folder(self.recipe, self.run_dir)
-        if weights_folder is not None and (self.resume_dir is None or lora is not None):
+        if self.sharded and lora is None:
+            # Sharded layouts build without allocating (no_init_parameters); after the step compiles
+            # each rank reads only its slices of the weights folder or checkpoint (_restore).
+            from mindspore.nn.utils import no_init_parameters
+
+            with no_init_parameters():
+                model = DeepseekV2ForCausalLM(self.cfg)
+        elif weights_folder is not None and (self.resume_dir is None or lora is not None):
             model = DeepseekV2ForCausalLM.from_pretrained(weights_folder,
                                                           show_progress=self.progress and self.is_main,
                                                           **_config_changes(self.recipe, weights_folder))
@@ -229,12 +238,12 @@ class Trainer:
         model.set_train(True)
         from ms_deepseek.parallel.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
-        from ms_deepseek.train import sharded as sharded_mod
+        from ms_deepseek.parallel.ranks import stage_of_rank
 
         par = self.par
         self.applied = apply_plan(model, par, self.cfg)
         if par.reserve_memory:  # Ascend: pool up to HBM - runtime - HCCL, estimate up front (no-op on CPU)
-            reserve_device_memory(self.plan, par.memory_headroom_gb, stage=sharded_mod.stage_of_rank(self.rank, par)
+            reserve_device_memory(self.plan, par.memory_headroom_gb, stage=stage_of_rank(self.rank, par)
                                   if par.pp > 1 else None, hbm_gb=par.hbm_gb)
         self.model = model
 
@@ -283,21 +292,51 @@ class Trainer:
         self.stats_mean = RankMean(world) if world > 1 and not self.sharded else None
 
     def _restore(self) -> None:
-        """Resume: model + optimizer tensors and the RNG state of the checkpoint."""
-        if self.resume_dir is None:
-            return
-        if self.sharded:  # parameters are sliced when the step compiles: compile, then load this rank's slices
-            from mindspore import Tensor
+        """Resume: model + optimizer tensors and the RNG state of the checkpoint, read for this run's layout.
 
-            from ms_deepseek.train import sharded as sharded_mod
+        The checkpoint may be whole or sharded and of another layout: each tensor (or, in a sharded
+        run, this rank's slice of it) is read from whatever the checkpoint holds. A sharded run
+        compiles first (its parameters are slices then) and, without a checkpoint, reads its slices
+        of the weights folder (it was built without allocating)."""
+        if self.resume_dir is None and not (self.sharded and self.recipe.lora is None):
+            return
+        layout = None
+        if self.sharded:
+            from mindspore import Tensor
 
             shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
             self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
-            sharded_mod.load_sharded(self.resume_dir, self.rank, self.world, self.model_tensors, self.opt_tensors)
-        else:
-            load_into(self.model_tensors, self.resume_dir / "model.safetensors", "model")
-            load_into(self.opt_tensors, self.resume_dir / "optimizer.safetensors", "optimizer")
+            layout = self._layout()
+        if self.resume_dir is None:
+            self._load_weights_slices(layout)
+            return
+        model_src, opt_src = ckpt_mod.open_resume_sources(self.resume_dir, self.cfg)
+        restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied)
+        restore_into(self.opt_tensors, opt_src, "optimizer", layout=layout and layout.for_optimizer(),
+                     rank=self.rank, applied=self.applied)
         restore_rng(self.state.get("rng", {}))
+
+    def _layout(self):
+        """Which slice of every model and optimizer tensor this run's ranks hold (checkpoint.layout)."""
+        from ms_deepseek.checkpoint.layout import build_layout
+
+        layout = build_layout(self.cfg, self.par)
+        full = {n: t.shape for n, t in layout.tensors.items()}
+        return layout.with_optimizer({n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32")
+                                      for n, p in self.opt_tensors.items()})
+
+    def _load_weights_slices(self, layout) -> None:
+        """Sharded run without a checkpoint: this rank's slices of the weights folder, or a seeded random init."""
+        weights = self.recipe.weights_folder
+        if weights is None:
+            for param in self.model.get_parameters():  # nothing to read: materialise the seeded init
+                if param.has_init:
+                    param.init_data()
+            return
+        from ms_deepseek.checkpoint.sharded import open_any
+
+        src, _, _, _ = open_any(weights)
+        restore_into(self.model_tensors, src, "model", layout=layout, rank=self.rank)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
@@ -390,17 +429,17 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_before + time.time() - self.started,
             "world_size": self.world, "global_batch_size": self.recipe.global_batch_size, "seq_len": self.seq_len,
         }
-        if self.sharded:  # every rank writes its slices, rank 0 completes the folder
-            from ms_deepseek.train import sharded as sharded_mod
-
-            self.last_ckpt = sharded_mod.save_sharded(self.manager, step, self.rank, self.world, self.model_tensors,
-                                                      self.opt_tensors, self.cfg, state, self.recipe.to_yaml(),
-                                                      self.strategy_file, self.par)
+        if self.sharded:  # every rank writes its slices (experts in HF order by construction), rank 0 completes
+            self.last_ckpt = ckpt_mod.save_sharded(self.manager, step, self.rank, self._layout(), self.model_tensors,
+                                                   self.opt_tensors, self.cfg, state, self.recipe.to_yaml(),
+                                                   self.strategy_file)
             return
         if self.world > 1:  # every rank takes part: the replicas must hold the same weights
             state["replica_sha1"] = replica_digests(self.model_tensors, self.world)
         if self.rank == 0:
-            self.last_ckpt = self.manager.save(step, self.model_tensors, self.opt_tensors, self.cfg, state,
+            # experts in HF order whatever the placement (a whole run's placement is contiguous today)
+            self.last_ckpt = self.manager.save(step, hf_ordered(self.model_tensors, self.applied),
+                                               hf_ordered(self.opt_tensors, self.applied), self.cfg, state,
                                                self.recipe.to_yaml())
 
     def _print(self, msg: str) -> None:
