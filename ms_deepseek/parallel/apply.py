@@ -195,7 +195,8 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
             for attr in ("gate_proj", "up_proj", "down_proj"):
                 holder = getattr(experts, attr)
                 weight = getattr(holder, "weight", holder)  # a Parameter or a cell holding ``weight``
-                weight.set_data(ms.Tensor(weight.asnumpy()[order]))
+                if not weight.has_init:  # a lazy build (no data yet) loads its experts' slices in buffer order
+                    weight.set_data(ms.Tensor(weight.asnumpy()[order]))
                 for factor in (getattr(holder, "lora_A", None), getattr(holder, "lora_B", None)):
                     if factor is not None:  # a stacked LoRA adapter follows its expert weights
                         factor.weight.set_data(ms.Tensor(factor.weight.asnumpy()[order]))
