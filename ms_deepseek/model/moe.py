@@ -166,6 +166,32 @@ class DeepseekV2MoE(nn.Cell):
         filled = first < 2.0 * S
         return ops.stop_gradient(ops.select(filled, token, ops.full_like(token, N)))  # [G, E, C]
 
+    def dispatch(self, tokens):
+        """Steps 1-3 on G token groups: tokens [G, N, H] -> (buffer [G, E, C, H], route), route =
+        (scores [G*N, E], topk_idx [G*N, k], topk_weight [G*N, k], buffer_row, position, keep [G, N, k]).
+        Everything here is local to a group (what one data-parallel rank runs on its own tokens)."""
+        G, N, H = tokens.shape
+        k = self.top_k
+        C = self.capacity(N)
+        scores, topk_idx, topk_weight = self.gate(tokens.reshape(G * N, H))  # [G*N, E], [G*N, k], [G*N, k]
+        ids = topk_idx.reshape(G, N, k)  # [G*N, k] -> [G, N, k]
+        _, buffer_row, position, keep = self.lookup(ids, self.expert_placement, C)  # [G, N, k] each
+        # A local gather per group from its tokens plus a zero row (index N).
+        padded = self.pad_tokens((tokens, ops.zeros((G, 1, H), tokens.dtype)))  # [G, N + 1, H]
+        buffer = self.dispatch_gather(padded, self.dispatch_index(buffer_row, keep, C), 1)  # [G, E, C, H]
+        return buffer, (scores, topk_idx, topk_weight, buffer_row, position, keep)
+
+    def combine(self, back, route):
+        """Step 6 on G token groups: expert output back [G, E*C, H] -> routed [G, N, H] float32 (local)."""
+        _, _, topk_weight, buffer_row, position, keep = route
+        G, N, k = buffer_row.shape
+        C = back.shape[1] // self.num_experts
+        # Dropped choices read slot 0 and get weight 0.
+        combine_index = ops.select(keep > 0, buffer_row * C + position, ops.zeros_like(position))  # [G, N, k]
+        picked = self.combine_gather(back, ops.stop_gradient(combine_index), 1)  # [G, N, k, H]
+        weight = topk_weight.reshape(G, N, k) * keep  # [G, N, k]
+        return (picked.astype(ms.float32) * weight.reshape(G, N, k, 1)).sum(2)  # [G, N, H]
+
     def construct(self, x):
         """x [B, T, H] -> (y [B, T, H], aux_loss scalar, stats [E + 4], scores [B*T, E], topk_idx [B*T, k],
         topk_weight [B*T, k])."""
@@ -179,15 +205,7 @@ class DeepseekV2MoE(nn.Cell):
         C = self.capacity(N)
         if 3 * k * N >= 2 ** 24:
             raise ValueError(f"MoE: {N} tokens per group x top-{k} exceed the float32 sort keys of the dispatch")
-        flat = x.reshape(G * N, H)  # [B, T, H] -> [G*N, H], rank-major
-        scores, topk_idx, topk_weight = self.gate(flat)  # [G*N, E], [G*N, k], [G*N, k]
-        ids = topk_idx.reshape(G, N, k)  # [G*N, k] -> [G, N, k]
-        _, buffer_row, position, keep = self.lookup(ids, self.expert_placement, C)  # [G, N, k] each
-
-        # Dispatch: a local gather per group from its tokens plus a zero row (index N).
-        tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]
-        padded = self.pad_tokens((tokens, ops.zeros((G, 1, H), x.dtype)))  # [G, N + 1, H]
-        buffer = self.dispatch_gather(padded, self.dispatch_index(buffer_row, keep, C), 1)  # [G, E, C, H]
+        buffer, route = self.dispatch(x.reshape(G, N, H))  # [B, T, H] -> [G, N, H] (rank-major rows)
 
         # dp -> ep exchange (one AllToAll per ep group when G and E are split), experts, and back.
         inner = G // ep
@@ -197,15 +215,10 @@ class DeepseekV2MoE(nn.Cell):
         out = out.reshape(E, inner, ep, C, H)  # [E, G*C, H] -> [E, G/ep, ep, C, H]
         back = self.from_experts(out, (2, 1, 0, 3, 4)).reshape(G, E * C, H)  # -> [ep, G/ep, E, C, H] -> [G, E*C, H]
 
-        # Combine: a local gather per group; dropped choices read slot 0 and get weight 0.
-        kept = keep > 0
-        combine_index = ops.select(kept, buffer_row * C + position, ops.zeros_like(position))  # [G, N, k]
-        picked = self.combine_gather(back, ops.stop_gradient(combine_index), 1)  # [G, N, k, H]
-        weight = topk_weight.reshape(G, N, k) * keep  # [G, N, k]
-        routed = (picked.astype(ms.float32) * weight.reshape(G, N, k, 1)).sum(2)  # [G, N, H]
-        y = routed.astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
+        y = self.combine(back, route).astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
+        scores, topk_idx, topk_weight, _, _, keep = route
         l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
         aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
         dropped = 1.0 - keep.mean()
