@@ -1,0 +1,204 @@
+"""LoRA training: only adapters train and are saved, the base stays bit-identical, resume after a
+kill is exact, the tiny LoRA recipe lowers the loss, and the export reproduces the committed
+adapter that PEFT was checked against (tests/fixtures/lora, see test_lora.py)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from ms_deepseek.cli import main
+
+FIX = Path(__file__).parent / "fixtures" / "lora"
+REPO = Path(__file__).parent.parent
+SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
+               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+               "max_position_embeddings": 64, "capacity_factor": None}
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_lora_reference", FIX.parent / "make_lora_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_execution_mode():
+    import mindspore as ms
+
+    mode = ms.get_context("mode")
+    yield
+    ms.set_context(mode=mode)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from ms_deepseek.data.prepare import prepare_embedded_default
+
+    out = tmp_path_factory.mktemp("data") / "corpus"
+    # as make_lora_reference.py's `ours` step
+    prepare_embedded_default(out, seq_len=_maker().SEQ, vocab_size=512, max_bytes=60_000, progress=False)
+    return out
+
+
+def _fixture_recipe(data_dir, **changes):
+    recipe = json.loads(json.dumps(_maker().OURS_RECIPE))
+    recipe["model"] = {"source": str(FIX / "base"), "overrides": {"capacity_factor": None}}
+    recipe["data"] = {"path": str(data_dir), "num_workers": 1}
+    for key, value in changes.items():
+        recipe.setdefault(key, {}).update(value)
+    return recipe
+
+
+def _run(recipe_dict, run_dir: Path):
+    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.train.trainer import Trainer
+
+    trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, None, False, False, None)
+    return trainer, trainer.run()
+
+
+def _base_params(model):
+    from ms_deepseek.convert import names
+
+    E = model.config.n_routed_experts
+    out = {}
+    for name, p in model.parameters_and_names():
+        if ".lora_" in name or name.endswith("expert_placement"):
+            continue
+        for hf, arr in names.unstack(name, p.asnumpy(), E):
+            out[hf] = arr
+    return out
+
+
+@pytest.fixture(scope="module")
+def fixture_run(tmp_path_factory, data_dir):
+    root = tmp_path_factory.mktemp("lora_run")
+    trainer, result = _run(_fixture_recipe(data_dir, checkpoint={"save_interval": 1, "keep_last": 3}), root / "run")
+    return trainer, result
+
+
+def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_run):
+    trainer, result = fixture_run
+    assert result.steps == 3
+    ckpt = load_file(str(result.checkpoint / "model.safetensors"))
+    assert ckpt and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in ckpt)
+    assert "model.layers.1.mlp.experts.gate_proj.lora_A.weight" in ckpt  # stacked [E, r, H]
+    assert ckpt["model.layers.1.mlp.experts.gate_proj.lora_A.weight"].shape == (4, 4, 32)
+    assert any(np.abs(v).max() > 0 for n, v in ckpt.items() if "lora_B" in n)  # B left zero init
+    opt = load_file(str(result.checkpoint / "optimizer.safetensors"))
+    moments = [n for n in opt if n.startswith(("adam_m.", "adam_v.", "moment1.", "moment2."))]
+    assert moments and all(".lora_" in n for n in moments), sorted(opt)[:6]
+    # every base weight in memory after training equals the base file, bit for bit (bfloat16 widened)
+    from ms_deepseek.model.loading import read_tensor
+    from ms_deepseek.convert.source import open_checkpoint
+
+    base = open_checkpoint(FIX / "base")
+    got = _base_params(trainer.model)
+    assert got.keys() == base.tensors.keys()
+    for name, info in base.tensors.items():
+        np.testing.assert_array_equal(got[name], read_tensor(info), err_msg=name)
+    assert not any(p.requires_grad for n, p in trainer.model.parameters_and_names() if ".lora_" not in n)
+
+
+def test_export_reproduces_the_adapter_peft_was_checked_against(fixture_run, tmp_path):
+    """The fixture's ours_adapter came from this same run: PEFT on transformers reproduced our logits
+    with it (test_lora.py), so a fresh run exported here must give the same tensors."""
+    _trainer, result = fixture_run
+    out = tmp_path / "adapter"
+    assert main(["export-lora", str(result.run_dir), str(out), "--base", "tests/fixtures/lora/base"]) == 0
+    got, want = load_file(str(out / "adapter_model.safetensors")), load_file(str(FIX / "ours_adapter" /
+                                                                                "adapter_model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)  # CPU float reductions
+    assert json.loads((out / "adapter_config.json").read_text()) == \
+        json.loads((FIX / "ours_adapter" / "adapter_config.json").read_text())
+    # and this run's export gives the logits PEFT computed on transformers with the committed one
+    import mindspore as ms
+
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+
+    ref = load_file(str(FIX / "reference.safetensors"))
+    model = DeepseekV2ForCausalLM.from_pretrained(str(FIX / "base"), adapter=str(out), show_progress=False)
+    model.set_train(False)
+    got_logits = model(ms.Tensor(ref["input_ids"])).logits.asnumpy()
+    np.testing.assert_allclose(got_logits, ref["logits_ours_adapter"], atol=1e-4)
+
+
+def test_resume_after_a_kill_is_exact(fixture_run, data_dir, tmp_path, monkeypatch):
+    from ms_deepseek.checkpoint import training as ckpt_mod
+
+    _trainer, ref = fixture_run
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_fixture_recipe(data_dir, checkpoint={"save_interval": 1, "keep_last": 3})))
+    run_dir = tmp_path / "run"
+    real_save = ckpt_mod.save_tensors
+
+    def crashing_save(named, path):
+        if "step_00000003" in str(path.parent) and path.name == "optimizer.safetensors":
+            path.write_bytes(b"\x00" * 64)
+            raise KeyboardInterrupt("simulated kill during save")
+        return real_save(named, path)
+
+    monkeypatch.setattr(ckpt_mod, "save_tensors", crashing_save)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
+    monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(run_dir) == losses(ref.run_dir)
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(run_dir / "checkpoints" / "step_00000003" / file))
+        want = load_file(str(ref.run_dir / "checkpoints" / "step_00000003" / file))
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{file}: {name}")
+
+
+def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
+    """recipes/tiny-lora-cpu.yaml (random base, saved to RUN_DIR/base), shrunk to a few graph-mode steps."""
+    import mindspore as ms
+
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.train.recipe import load_recipe
+
+    sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
+            "optim.warmup_steps=2", "optim.lr=0.02",
+            "model.overrides.initializer_range=0.2",  # logits of a 0.02-init random base barely move "checkpoint.save_interval=0", "logging.log_interval=1",
+            "logging.tensorboard=false", "lora.dropout=0.0"]
+    sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
+    recipe = load_recipe(REPO / "recipes" / "tiny-lora-cpu.yaml", sets)
+    from ms_deepseek.train.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(recipe, run_dir, None, False, False, None)
+    result = trainer.run()
+    first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
+    assert last < first - 0.1, result.losses
+    assert (run_dir / "base" / "model.safetensors").is_file()
+    base = load_file(str(run_dir / "base" / "model.safetensors"))
+    got = _base_params(trainer.model)
+    assert got.keys() == base.keys()
+    for name in base:
+        np.testing.assert_array_equal(got[name], base[name], err_msg=name)
+    # export, reload as base + adapter: the trained model's logits
+    assert main(["export-lora", str(run_dir), str(tmp_path / "adapter")]) == 0
+    ids = np.arange(24, dtype=np.int32).reshape(2, 12) % 512
+    trainer.model.set_train(False)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    want = trainer.model(ms.Tensor(ids)).logits.asnumpy()
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(run_dir / "base")
+    reloaded = DeepseekV2ForCausalLM.from_pretrained(str(run_dir / "base"), adapter=str(tmp_path / "adapter"),
+                                                     show_progress=False)
+    reloaded.set_train(False)
+    np.testing.assert_allclose(reloaded(ms.Tensor(ids)).logits.asnumpy(), want, atol=1e-5)
