@@ -53,13 +53,18 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         others = [a for a in args if a is not type(None)]
         if len(others) == 1 and dataclasses.is_dataclass(others[0]) and isinstance(value, Mapping):
             return coerce(value, others[0], where)  # an optional section: keep its own error message
+        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, where)
-            except UserError:
-                pass
+            except UserError as exc:
+                errors.append((arg, exc))
+        # a list given for a Union with one list alternative: that alternative's error names the item
+        lists = [exc for arg, exc in errors if get_origin(arg) in (list, tuple)]
+        if isinstance(value, (list, tuple)) and len(lists) == 1:
+            raise lists[0]
         raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value not in get_args(tp):

@@ -14,16 +14,62 @@ Example recipe section::
 With ``path`` left out and ``embedded_default: true`` (the default), training
 uses the embedded default corpus (Python standard library sources, tokenized
 with a small sentencepiece model trained on them), built once and cached.
+
+A weighted mixture lists several prepared folders (same tokenizer and sequence
+length); samples are drawn in the weights' proportions (see data/mixture.py)::
+
+    data:
+      path:
+        - {path: data/web, weight: 0.7}
+        - {path: data/code, weight: 0.3}
+
+Validation: a prepared folder, or a fraction of the training data held out (the
+tail of each folder's samples; training never sees them)::
+
+    data:
+      validation: {fraction: 0.02}      # or {path: data/my_val}
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
 from ms_deepseek.errors import UserError
 
 DEFAULT_EMBEDDED_SEQ_LEN = 256
+
+
+@dataclass
+class DataSource:
+    """One folder of a weighted mixture (``data.path`` as a list)."""
+
+    path: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.path.strip():
+            raise UserError("data.path[].path: empty string")
+        if not self.weight > 0:
+            raise UserError(f"data.path[].weight: must be > 0, got {self.weight} ({self.path})")
+
+
+@dataclass
+class ValidationConfig:
+    """Where the validation samples come from: ``path`` (a prepared folder) or ``fraction``
+    (held out of the training data: the last ``ceil(fraction * N)`` samples of each folder)."""
+
+    path: Optional[str] = None
+    fraction: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.fraction is None):
+            raise UserError("data.validation: set exactly one of path (a prepared folder) or fraction "
+                            "(held out of the training data)")
+        if self.path is not None and not self.path.strip():
+            raise UserError("data.validation.path: empty string")
+        if self.fraction is not None and not 0 < self.fraction < 0.5:
+            raise UserError(f"data.validation.fraction: must be in (0, 0.5), got {self.fraction}")
 
 
 @dataclass
@@ -49,7 +95,7 @@ class DataConfig:
         tokenizer and of its text.
     """
 
-    path: Optional[str] = None
+    path: Union[str, List[DataSource], None] = None
     format: Literal["pretrain", "sft"] = "pretrain"
     seq_len: Optional[int] = None
     tokenizer: Optional[str] = None
@@ -60,8 +106,22 @@ class DataConfig:
     embedded_default: bool = True
     embedded_vocab_size: int = 8192
     embedded_max_bytes: int = 12_000_000
+    validation: Optional[ValidationConfig] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.path, list):
+            if not self.path:
+                raise UserError("data.path: empty list (one folder, or a list of {path, weight})")
+            if len(self.path) == 1:  # a one-folder list is that folder (its weight is moot)
+                self.path = self.path[0].path
+            elif self.format == "sft":
+                raise UserError("data.path: weighted mixtures are built for pretraining folders; an SFT mix "
+                                "is prepared as one folder (prepare-data reads several inputs)")
+            else:
+                names = [s.path for s in self.path]
+                dup = next((n for n in names if names.count(n) > 1), None)
+                if dup is not None:
+                    raise UserError(f"data.path: {dup} is listed twice (give it one weight)")
         if self.seq_len is not None and self.seq_len < 2:
             raise UserError(f"data.seq_len: must be at least 2 (one input and one target token), got {self.seq_len}")
         if self.seed < 0:
@@ -92,8 +152,22 @@ class DataConfig:
             if not self.embedded_default:
                 raise UserError("data.path: not set and data.embedded_default is false; "
                                 "prepare a folder with `ms-deepseek prepare-data` and set data.path")
-        elif not self.path.strip():
+        elif isinstance(self.path, str) and not self.path.strip():
             raise UserError("data.path: empty string (leave it out to use the embedded default)")
+
+    @property
+    def sources(self) -> List[DataSource]:
+        """The prepared folders as a list (one folder: weight 1); empty for the embedded default."""
+        if self.path is None:
+            return []
+        if isinstance(self.path, str):
+            return [DataSource(self.path, 1.0)]
+        return list(self.path)
+
+    @property
+    def primary_path(self) -> Optional[str]:
+        """The (first) prepared folder: its tokenizer and seq_len are the mixture's (all must agree)."""
+        return self.sources[0].path if self.path is not None else None
 
     @property
     def embedded_seq_len(self) -> int:

@@ -33,9 +33,10 @@ How the order is made (the same on every run and every rank):
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -126,7 +127,8 @@ class TrainDataset:
 
     def __init__(self, data_dir: Path, meta: Dict, *, batch_size: int, rank: int, world_size: int, seed: int,
                  shuffle: bool = True, buckets: Optional[List[int]] = None, num_workers: int = 2,
-                 state: Optional[Dict] = None):
+                 state: Optional[Dict] = None, holdout_fraction: Optional[float] = None,
+                 order_key: Sequence[int] = ()):
         self.data_dir, self.meta = data_dir, meta
         self.format, self.seq_len = meta["format"], int(meta["seq_len"])
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -134,6 +136,9 @@ class TrainDataset:
         self.pad_id = int(meta["tokenizer"]["pad_id"])
         self.files = shard_paths(data_dir, meta)
         self.lengths = np.load(data_dir / meta.get("lengths_file", "lengths.npy"))
+        # data.validation.fraction: this folder's last samples are held out and never trained on
+        self.holdout, self.order_key = holdout_count(int(self.lengths.size), holdout_fraction), tuple(order_key)
+        self.lengths = self.lengths[:self.lengths.size - self.holdout]
         self.num_samples = int(self.lengths.size)
         if self.num_samples == 0:
             raise UserError(f"data.path: {data_dir} holds no samples")
@@ -160,12 +165,16 @@ class TrainDataset:
         return {"steps": self.steps, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "batches_in_epoch": self.batches_in_epoch, "seed": self.seed, "shuffle": self.shuffle,
                 "num_samples": self.num_samples, "format": self.format, "batch_size": self.batch_size,
-                "world_size": self.world_size, "buckets": self.buckets}
+                "world_size": self.world_size, "buckets": self.buckets, "holdout": self.holdout}
 
     def _restore(self, state: Dict) -> None:
         missing = [k for k in ("steps", "epoch", "samples_in_epoch", "batches_in_epoch") if k not in state]
         if missing:
             raise UserError(f"resume: the saved data position has no {', '.join(missing)}")
+        if state.get("holdout", 0) != self.holdout:
+            raise UserError(f"resume: the run held out {state.get('holdout', 0)} validation samples of "
+                            f"{self.data_dir}, now {self.holdout} (data.validation changed); the same split is "
+                            "needed to continue exactly")
         for key in ("seed", "shuffle", "num_samples", "format"):
             if state.get(key) != getattr(self, key):
                 raise UserError(f"resume: the data position was saved with {key}={state.get(key)!r}, "
@@ -196,7 +205,8 @@ class TrainDataset:
         """Global sample order of ``epoch`` (indices into the stored samples)."""
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        # order_key: a mixture's source index, so each source has its own seeded stream
+        return np.random.default_rng([self.seed, *self.order_key, epoch]).permutation(self.num_samples)
 
     def _bucket_of(self, lengths: np.ndarray) -> np.ndarray:
         return np.searchsorted(np.asarray(self.buckets), lengths, side="left")  # first bucket >= length
@@ -285,28 +295,16 @@ class TrainDataset:
             self.batches_in_epoch = 0
 
 
-def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1, *,
-                        state: Optional[Dict] = None, max_positions: Optional[int] = None,
-                        vocab_size: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
-                        seed: Optional[int] = None, progress: bool = True) -> TrainDataset:
-    """The training batches for one data-parallel rank.
+def holdout_count(num_samples: int, fraction: Optional[float]) -> int:
+    """Samples held out for validation at the tail of a folder of ``num_samples``."""
+    return 0 if not fraction else min(num_samples - 1, max(1, math.ceil(fraction * num_samples)))
 
-    data_cfg: the recipe's ``data:`` section; with ``path`` unset the embedded
-        default corpus is built under ``cache_dir`` (default
-        :func:`default_cache_dir`) the first time.
-    batch_size: per-rank micro batch; rank / world_size: data-parallel coordinates.
-    state: a previous ``TrainDataset.state_dict()`` to continue exactly.
-    max_positions: the model's ``max_position_embeddings``; longer data fails.
-    vocab_size: the model's vocabulary size; token ids at or above it fail.
-    seed: overrides ``data_cfg.seed`` (e.g. the recipe's global seed).
-    """
-    if batch_size < 1:
-        raise UserError(f"batch size: must be >= 1, got {batch_size}")
-    if not 0 <= rank < world_size:
-        raise UserError(f"rank {rank} is outside the data-parallel world of size {world_size}")
-    data_dir = resolve_data_dir(data_cfg, cache_dir, progress)
-    meta = load_meta(data_dir)
-    where = f"data.path: {data_dir}"
+
+def checked_meta(data_dir: Path, data_cfg: DataConfig, key: str, *, max_positions: Optional[int] = None,
+                 vocab_size: Optional[int] = None) -> Dict:
+    """A prepared folder's meta.json, checked against the recipe and the model (errors name ``key``)."""
+    meta = load_meta(data_dir, key)
+    where = f"{key}: {data_dir}"
     if meta["format"] != data_cfg.format:
         raise UserError(f"data.format: '{data_cfg.format}' but {data_dir} was prepared as '{meta['format']}'")
     seq_len = int(meta["seq_len"])
@@ -326,7 +324,73 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
         if load_tokenizer(data_cfg.tokenizer).sha256() != meta["tokenizer"]["sha256"]:
             raise UserError(f"data.tokenizer: {data_cfg.tokenizer} is not the tokenizer {data_dir} was prepared with "
                             f"({meta['tokenizer']['source']})")
-    buckets = bucket_lengths(seq_len, data_cfg.bucket_boundaries) if meta["format"] == "sft" else None
-    return TrainDataset(data_dir, meta, batch_size=batch_size, rank=rank, world_size=world_size,
-                        seed=data_cfg.seed if seed is None else seed, shuffle=data_cfg.shuffle, buckets=buckets,
-                        num_workers=data_cfg.num_workers, state=state)
+    return meta
+
+
+def check_same_preparation(first: Tuple[str, Path, Dict], other: Tuple[str, Path, Dict]) -> None:
+    """Two folders read into one model must share tokenizer, sequence length and format."""
+    (key0, dir0, meta0), (key, folder, meta) = first, other
+    if int(meta["seq_len"]) != int(meta0["seq_len"]):
+        raise UserError(f"{key}: {folder} was prepared with seq_len {meta['seq_len']}, {key0} {dir0} with "
+                        f"{meta0['seq_len']}; all folders must share one sequence length")
+    if meta["tokenizer"]["sha256"] != meta0["tokenizer"]["sha256"]:
+        raise UserError(f"{key}: {folder} was prepared with tokenizer {meta['tokenizer']['source']} "
+                        f"({meta['tokenizer']['vocab_size']} tokens), {key0} {dir0} with "
+                        f"{meta0['tokenizer']['source']} ({meta0['tokenizer']['vocab_size']} tokens); "
+                        "all folders must share one tokenizer")
+
+
+def source_folders(data_cfg: DataConfig, cache_dir=None, progress: bool = True) -> List[Tuple[str, Path, float]]:
+    """(recipe key, folder, weight) of every training source (the embedded default when none is set)."""
+    if data_cfg.path is None:
+        return [("data.path", resolve_data_dir(data_cfg, cache_dir, progress), 1.0)]
+    if isinstance(data_cfg.path, str):
+        return [("data.path", Path(data_cfg.path).expanduser(), 1.0)]
+    return [(f"data.path[{i}]", Path(s.path).expanduser(), s.weight) for i, s in enumerate(data_cfg.path)]
+
+
+def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1, *,
+                        state: Optional[Dict] = None, max_positions: Optional[int] = None,
+                        vocab_size: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
+                        seed: Optional[int] = None, progress: bool = True):
+    """The training batches for one data-parallel rank: a :class:`TrainDataset`, or for a weighted
+    mixture (``data.path`` a list) a :class:`ms_deepseek.data.mixture.MixtureDataset`.
+
+    data_cfg: the recipe's ``data:`` section; with ``path`` unset the embedded
+        default corpus is built under ``cache_dir`` (default
+        :func:`default_cache_dir`) the first time. A ``validation.fraction``
+        holds the tail of every folder out of training.
+    batch_size: per-rank micro batch; rank / world_size: data-parallel coordinates.
+    state: a previous ``state_dict()`` to continue exactly.
+    max_positions: the model's ``max_position_embeddings``; longer data fails.
+    vocab_size: the model's vocabulary size; token ids at or above it fail.
+    seed: overrides ``data_cfg.seed`` (e.g. the recipe's global seed).
+    """
+    if batch_size < 1:
+        raise UserError(f"batch size: must be >= 1, got {batch_size}")
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is outside the data-parallel world of size {world_size}")
+    seed = data_cfg.seed if seed is None else seed
+    fraction = data_cfg.validation.fraction if data_cfg.validation is not None else None
+    folders = source_folders(data_cfg, cache_dir, progress)
+    metas = [checked_meta(folder, data_cfg, key, max_positions=max_positions, vocab_size=vocab_size)
+             for key, folder, _ in folders]
+    for (key, folder, _), meta in zip(folders[1:], metas[1:]):
+        check_same_preparation((folders[0][0], folders[0][1], metas[0]), (key, folder, meta))
+    seq_len = int(metas[0]["seq_len"])
+    buckets = bucket_lengths(seq_len, data_cfg.bucket_boundaries) if metas[0]["format"] == "sft" else None
+
+    def part(i, b, r, w, part_state=None):
+        return TrainDataset(folders[i][1], metas[i], batch_size=b, rank=r, world_size=w, seed=seed,
+                            shuffle=data_cfg.shuffle, buckets=buckets, num_workers=data_cfg.num_workers,
+                            state=part_state, holdout_fraction=fraction,
+                            order_key=(i,) if len(folders) > 1 else ())
+
+    if len(folders) == 1:
+        return part(0, batch_size, rank, world_size, state)
+    from ms_deepseek.data.mixture import MixtureDataset
+
+    # each source is read sample by sample in its own seeded order; the mixture batches them
+    parts = [part(i, 1, 0, 1) for i in range(len(folders))]
+    return MixtureDataset(parts, [str(f) for _, f, _ in folders], [w for _, _, w in folders],
+                          batch_size=batch_size, rank=rank, world_size=world_size, seed=seed, state=state)

@@ -108,6 +108,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"train/{key}", float(value), step)
+            for name, count in record.get("samples_by_source", {}).items():
+                self._tb.add_scalar(f"data/samples/{Path(name).name}", float(count), step)
             for layer, frac in record.get("dropped_fraction", {}).items():
                 self._tb.add_scalar(f"moe/dropped_fraction/layer_{layer}", float(frac), step)
             for layer, load in record.get("expert_load", {}).items():
@@ -130,8 +132,10 @@ def console_line(record: Dict[str, Any], total_steps: int) -> str:
     tps = record.get("tokens_per_s", 0.0)
     tps_text = f"{tps / 1000:.1f}k" if tps >= 1000 else f"{tps:.0f}"
     extra = ""
+    if "val_loss" in record:
+        extra += f" | val {record['val_loss']:.4f}"
     if "loss_scale" in record:
-        extra = f" | scale {record['loss_scale']:.0f}"
+        extra += f" | scale {record['loss_scale']:.0f}"
     return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {tps_text} tok/s | drop {100 * drop:.1f}% | "
             f"{record['elapsed_s']:.0f}s{extra}")

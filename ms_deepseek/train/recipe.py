@@ -68,6 +68,10 @@ class TrainSection:
     seed: int = 1234
     clip_grad_norm: Optional[float] = 1.0  # global-norm clipping; null = off
     mode: Literal["graph", "pynative"] = "graph"
+    # Validation (needs data.validation): every eval_interval optimizer steps (0: only at the end of
+    # the run) each worker evaluates eval_batches micro-batches of its share of the validation set.
+    eval_interval: int = 0
+    eval_batches: int = 8
     # Dynamic loss scale (used only when the model computes in float16).
     loss_scale_init: float = 65536.0
     loss_scale_factor: float = 2.0
@@ -79,6 +83,10 @@ class TrainSection:
                 raise UserError(f"train.{key}: must be >= 1, got {getattr(self, key)}")
         if self.seed < 0:
             raise UserError(f"train.seed: must be >= 0, got {self.seed}")
+        if self.eval_interval < 0:
+            raise UserError(f"train.eval_interval: must be >= 0 (0 = only at the end), got {self.eval_interval}")
+        if self.eval_batches < 1:
+            raise UserError(f"train.eval_batches: must be >= 1, got {self.eval_batches}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UserError(f"train.clip_grad_norm: must be > 0 or null (off), got {self.clip_grad_norm}")
         if self.loss_scale_init < 1:
@@ -246,7 +254,7 @@ def effective_seq_len(data: DataConfig) -> int:
         return data.seq_len
     if data.path is None:
         return data.embedded_seq_len
-    meta = Path(data.path).expanduser() / "meta.json"
+    meta = Path(data.primary_path).expanduser() / "meta.json"  # a mixture's sources must agree (checked at build)
     try:
         value = json.loads(meta.read_text(encoding="utf-8")).get("seq_len")
     except (OSError, ValueError, AttributeError):
@@ -304,7 +312,7 @@ def _tokenizer_vocab(data: DataConfig) -> Optional[tuple]:
         except UserError as exc:
             raise UserError(f"data.tokenizer: {exc}") from None
     if data.path is not None:
-        folder = Path(data.path).expanduser()
+        folder = Path(data.primary_path).expanduser()  # a mixture's sources share it (checked at build)
         if not folder.is_dir():
             raise UserError(f"data.path: {folder} is not a folder (prepare one with `ms-deepseek prepare-data`)")
         try:
@@ -329,7 +337,10 @@ def validate(recipe: Recipe, planning: bool = False) -> None:
                         f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
                         f"{recipe.parallel.micro_batches} are the accumulation")
     data = recipe.data
-    if planning and data.path is not None and not Path(data.path).expanduser().is_dir():
+    if recipe.train.eval_interval and data.validation is None:
+        raise UserError("train.eval_interval: validation needs data.validation (a prepared folder, or a "
+                        "fraction of the training data held out: data.validation.fraction=0.02)")
+    if planning and data.path is not None and not Path(data.primary_path).expanduser().is_dir():
         return
     key, vocab = _tokenizer_vocab(data)
     if vocab > cfg.vocab_size:

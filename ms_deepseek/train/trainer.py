@@ -135,8 +135,9 @@ class Trainer:
                 t0 = time.time()
                 out = self._run_step()
                 self._account(step, out, t0)
-                if step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
-                    self._log(step, out)
+                val = self._maybe_evaluate(step)  # a validation step is always logged
+                if val or step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
+                    self._log(step, out, val)
                 self._maybe_save(step)
         finally:
             self.bar.close()
@@ -151,6 +152,10 @@ class Trainer:
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
                             "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`")
+        if self.sharded and self.recipe.data.validation is not None:
+            # the eval Cell would need its own AutoParallel wrapping and strategy: not built yet
+            raise UserError(f"data.validation: validation during training runs with data-parallel layouts only, "
+                            f"not {par.describe()}; remove data.validation for this layout")
         if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
@@ -199,6 +204,11 @@ class Trainer:
                                            vocab_size=cfg.vocab_size, progress=self.progress and self.is_main)
         self.seq_len = self.dataset.seq_len
         self.batches = first_batch_checked(self.dataset)
+        from ms_deepseek.data.validation import build_validation
+
+        # read once now (a bad validation set fails before compiling); the same batches every time
+        self.validation = build_validation(recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
+                                           max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
 
     def _build_model(self) -> None:
         """Random init (or the weights folder's weights), then the plan: strategies (inert in data
@@ -360,6 +370,7 @@ class Trainer:
         self.last_ckpt: Optional[Path] = None
         self.interval_tokens, self.interval_start = 0, time.time()
         self.steady_tokens, self.steady_time = 0, 0.0  # steps after the first (compile) step
+        self.evaluator = None  # built (and its graph compiled) at the first validation
 
         self.bar = tqdm(total=self.stop_at, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.progress and is_main and recipe.logging.progress_bar), leave=False)
@@ -369,6 +380,10 @@ class Trainer:
             self._print(f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                         f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
                         f"({world} worker{'s' if world > 1 else ''}); output {run_dir}")
+            if self.validation is not None:
+                every = recipe.train.eval_interval
+                self._print(f"validation: {self.validation.description}, "
+                            + (f"every {every} steps and at the end" if every else "at the end"))
 
     # ---- the loop's pieces
 
@@ -400,7 +415,20 @@ class Trainer:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{out.loss:.3f}", refresh=False)
 
-    def _log(self, step: int, out: _StepOut) -> None:
+    def _maybe_evaluate(self, step: int) -> Optional[Dict[str, float]]:
+        """val_loss / val_ppl every ``train.eval_interval`` steps and at the end (needs data.validation)."""
+        if self.validation is None:
+            return None
+        every = self.recipe.train.eval_interval
+        if not ((every and step % every == 0) or step == self.stop_at):
+            return None
+        if self.evaluator is None:
+            from ms_deepseek.train.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.model, self.validation.batches, self.world)
+        return self.evaluator()
+
+    def _log(self, step: int, out: _StepOut, val: Optional[Dict[str, float]] = None) -> None:
         """One metrics record (every rank computes it; the main rank writes, prints, raises alerts)."""
         now = time.time()
         record = {"step": step, "loss": out.loss, "total_loss": out.loss + out.aux, "lr": float(out.lr.asnumpy()),
@@ -408,6 +436,10 @@ class Trainer:
                   "tokens_per_s": self.interval_tokens / max(now - self.interval_start, 1e-9),
                   "elapsed_s": self.elapsed_before + now - self.started}
         record.update(metrics_mod.moe_fields(out.stats, self.moe_layers, self.E))
+        if val:
+            record.update(val)
+        if hasattr(self.dataset, "source_counts"):  # a weighted mixture: samples drawn per source so far
+            record["samples_by_source"] = self.dataset.source_counts
         if self.dynamic:
             record["loss_scale"] = float(out.loss_scale.asnumpy())
             record["overflow"] = bool(out.overflow.asnumpy())

@@ -1,0 +1,111 @@
+"""The validation set: a prepared folder, or the tail of the training folders held out.
+
+``build_validation(data_cfg, batch_size, rank, world_size, eval_batches, ...)`` returns
+this rank's validation batches, read once and kept in memory (numpy dicts, every batch
+[B, seq_len]: SFT samples padded to seq_len, so evaluation compiles one graph):
+
+* ``data.validation.path``: every sample of that folder (checked like a training folder:
+  same format, tokenizer and seq_len as the training data);
+* ``data.validation.fraction``: the last ``ceil(fraction * N)`` samples of each training
+  folder (the same samples :class:`~ms_deepseek.data.dataset.TrainDataset` leaves out).
+  The tail, not a random pick: packed windows of one document sit next to each other,
+  so a contiguous hold-out keeps a document's text from straddling the split.
+
+The samples are put in one seeded order (``default_rng([seed, 0x76616C])``, the same on
+every run, resume included), the first ``eval_batches x B x W`` are kept (fewer when the
+set is smaller: whole batches for every rank), and rank ``r`` takes positions
+``r, r+W, ...``. Every validation uses exactly these batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ms_deepseek.data.chat import IGNORE_INDEX
+from ms_deepseek.data.config import DataConfig
+from ms_deepseek.data.dataset import (check_same_preparation, checked_meta, holdout_count, source_folders)
+from ms_deepseek.data.storage import shard_paths
+from ms_deepseek.errors import UserError
+
+
+@dataclass
+class ValidationSet:
+    batches: List[Dict[str, np.ndarray]]  # this rank's, [B, T] each
+    total_samples: int                     # samples in the validation set
+    used_samples: int                      # samples evaluated per validation (all ranks)
+    description: str                       # for the start line
+
+
+def _lengths(folder: Path, meta: Dict) -> np.ndarray:
+    return np.load(folder / meta.get("lengths_file", "lengths.npy"))
+
+
+def _read(folder: Path, meta: Dict, indices: np.ndarray, seq_len: int, pad_id: int):
+    """Rows ``indices`` of a folder, padded to seq_len: ([n, T] ids, [n, T] labels)."""
+    import mindspore.dataset as ds
+
+    ids = np.full((indices.size, seq_len), pad_id, np.int32)          # [n, T]
+    labels = np.full((indices.size, seq_len), IGNORE_INDEX, np.int32)  # [n, T]
+    if indices.size == 0:
+        return ids, labels
+    pipe = ds.MindDataset(shard_paths(folder, meta), columns_list=["input_ids", "labels"],
+                          sampler=ds.SubsetSampler(indices.tolist()), num_parallel_workers=1)
+    it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
+    try:
+        for row, sample in enumerate(it):
+            n = sample["input_ids"].shape[0]
+            ids[row, :n], labels[row, :n] = sample["input_ids"], sample["labels"]
+    finally:
+        it.stop()
+    return ids, labels
+
+
+def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_size: int, eval_batches: int, *,
+                     max_positions: Optional[int] = None, vocab_size: Optional[int] = None,
+                     seed: Optional[int] = None, cache_dir=None) -> Optional[ValidationSet]:
+    """This rank's validation batches (see module doc), or None without ``data.validation``."""
+    val = data_cfg.validation
+    if val is None:
+        return None
+    seed = data_cfg.seed if seed is None else seed
+    train = source_folders(data_cfg, cache_dir, progress=False)
+    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions,
+                              vocab_size=vocab_size)
+    seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
+    pieces = []  # (folder, meta, storage indices)
+    if val.path is not None:
+        folder = Path(val.path).expanduser()
+        meta = checked_meta(folder, data_cfg, "data.validation.path", max_positions=max_positions,
+                            vocab_size=vocab_size)
+        check_same_preparation((train[0][0], train[0][1], train_meta), ("data.validation.path", folder, meta))
+        pieces.append((folder, meta, np.arange(_lengths(folder, meta).size)))
+        what = f"{folder}"
+    else:
+        for key, folder, _ in train:
+            meta = checked_meta(folder, data_cfg, key)
+            n = _lengths(folder, meta).size
+            pieces.append((folder, meta, np.arange(n - holdout_count(n, val.fraction), n)))
+        what = f"{val.fraction:g} of the training data held out"
+    # one list of (piece, storage index), then the seeded order
+    where = np.concatenate([np.full(p[2].size, i) for i, p in enumerate(pieces)])
+    index = np.concatenate([p[2] for p in pieces])
+    total = int(index.size)
+    per_step = batch_size * world_size
+    if total < per_step:
+        raise UserError(f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
+                        f"({batch_size} x {world_size} workers); hold out more or use a larger folder")
+    order = np.random.default_rng([seed, 0x76616C]).permutation(total)
+    used = min(eval_batches, total // per_step) * per_step
+    mine = order[:used][rank::world_size]  # rank r: positions r, r+W, ...
+    ids = np.empty((mine.size, seq_len), np.int32)     # [rows, T]
+    labels = np.empty((mine.size, seq_len), np.int32)  # [rows, T]
+    for i, (folder, meta, _) in enumerate(pieces):
+        rows = np.nonzero(where[mine] == i)[0]
+        ids[rows], labels[rows] = _read(folder, meta, index[mine][rows], seq_len, pad_id)
+    batches = [{"input_ids": ids[j:j + batch_size], "labels": labels[j:j + batch_size]}
+               for j in range(0, mine.size, batch_size)]
+    return ValidationSet(batches, total, used, f"{what}: {used} of {total} samples per validation")
