@@ -121,3 +121,12 @@ def test_recipe_without_checkpoint_reads_config_beside_it(tmp_path):
     shutil.copy(ROOT / "recipes" / "v2-lite-sft-8npu.config.json", tmp_path / "job.config.json")
     out = _plan(tmp_path, "--recipe", str(recipe))
     assert out.returncode in (0, 1) and "layout: dp8" in out.stdout, out.stderr
+
+
+def test_moe_sharding_mistake_fails_the_moe_check():
+    table = dict(DEEPSEEK_V2_PLAN)
+    table["model.layers.*.mlp.to_experts"] = "moe_slot_sort"  # the exchange view split (dp, 1, 1): not (ep, dp/ep)
+    par = ParallelConfig(dp=4, tp=2, pp=2, ep=2, micro_batches=2)
+    by_name = {r.name: r for r in S.simulate(TINY, par, 64, plan=Plan(table), names=["moe", "lint"])}
+    assert by_name["moe"].status == "fail" and "to_experts" in by_name["moe"].detail
+    assert by_name["lint"].status == "fail" and "to_experts" in by_name["lint"].detail

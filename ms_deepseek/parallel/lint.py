@@ -401,7 +401,12 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
         if path not in strategies:
             continue
         in_s = strategies[path][0]
-        for index, axis in _unsplittable(kind, prim, in_s):
+        try:
+            forbidden = _unsplittable(kind, prim, in_s)
+        except (IndexError, ValueError, TypeError):
+            report.problems.append(f"{path} ({kind}): strategy {in_s} does not have the op's inputs and axes")
+            continue
+        for index, axis in forbidden:
             if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
                 rule, source = UNSPLITTABLE[kind]
                 report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split {in_s[index][axis]} "
@@ -428,10 +433,16 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
             return  # reported by the coverage rule
         try:
             got = TRANSFORMS[transform](out_layout(src, out), mesh)
+            want = tuple(int(k) for k in strategies[dst][0][inp])
         except _NotExpressible as exc:
             report.problems.append(f"{src} output {out} -> {dst} input {inp}: {exc}")
             return
-        want = tuple(int(k) for k in strategies[dst][0][inp])
+        except (ValueError, IndexError, TypeError):
+            # e.g. a 3-axis strategy on a 5-D tensor: the strategy does not fit the edge's tensor
+            report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
+                                   f"{strategies[src][0]} / {strategies[dst][0]} do not fit this edge's tensor "
+                                   f"(wrong number of axes or inputs)")
+            return
         report.edges += 1
         if tuple(got) == want:
             return

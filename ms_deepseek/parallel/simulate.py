@@ -239,16 +239,35 @@ def check_moe(ctx: SimContext) -> CheckResult:
     layers = [(i, layer) for i, layer in enumerate(ctx.model.model.layers) if layer.is_moe]
     if not layers:
         return _result("moe", 0.0, "the model has no MoE layer")
+    # The sharded semantics of a layer are a function of its strategies and shapes: layers whose
+    # applied strategies are identical (the plan's layer-generic patterns) run the same per-rank
+    # program, so one of each kind is simulated (every layer when a plan names layers one by one).
+    kinds: Dict[tuple, List[int]] = {}
+    for i, _ in layers:
+        prefix = f"model.layers.{i}.mlp."
+        signature = tuple(sorted((path[len(prefix):], repr(strategy)) for path, strategy in
+                                 ctx.applied.strategies.items() if path.startswith(prefix)))
+        kinds.setdefault(signature, []).append(i)
     rng = np.random.default_rng(ctx.seed)
     batch = ctx.parallel.dp * ctx.micro_batch_size  # one micro-batch over the dp replicas
     worst, where = 0.0, ""
-    for i, layer in layers:
+    for members in kinds.values():
+        i = members[0]
         x = ms.Tensor(rng.standard_normal((batch, ctx.seq_len, ctx.cfg.hidden_size)).astype(np.float32))
-        report = simulate_moe_layer(layer.mlp, x, ctx.mesh)
+        try:
+            report = simulate_moe_layer(ctx.model.model.layers[i].mlp, x, ctx.mesh)
+        except Exception as exc:  # a strategy the simulator cannot even read: a failed check, never a pass
+            return CheckResult("moe", "fail", float("inf"),
+                               f"layer {i}: the simulation could not run this plan ({type(exc).__name__}: {exc})")
+        if report.get("problem"):
+            return CheckResult("moe", "fail", float("inf"), f"layer {i}: {report['problem']}")
         fwd, bwd = float(report["forward_max_err"]), float(report["backward_max_err"])
         if max(fwd, bwd) >= worst:
             worst, where = max(fwd, bwd), f"worst layer {i}: forward {fwd:.3g}, backward {bwd:.3g}"
-    return _result("moe", worst, f"{len(layers)} MoE layers, {batch}x{ctx.seq_len} tokens; {where}")
+    simulated = ", ".join(f"layer {m[0]}" + (f" (for {len(m)} layers with its strategies)" if len(m) > 1 else "")
+                          for m in kinds.values())
+    return _result("moe", worst, f"{batch}x{ctx.seq_len} tokens, {ctx.parallel.dp} dp ranks; simulated {simulated}; "
+                                 f"{where}")
 
 
 def _data_coordinates():
