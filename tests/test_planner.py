@@ -405,3 +405,22 @@ def test_cli_lora(capsys):
     assert code == 2 and "--lora-targets: unknown target module 'lm_head'" in out.err
     code, out = _cli(capsys, *args, "--compute-efficiency", "0.2,1.5")
     assert code == 2 and "--compute-efficiency: must be in (0, 1], got 1.5" in out.err
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipe_comments_state_the_planners_figures(path, capsys):
+    """A recipe's "Planner (`ms-deepseek plan --recipe ...`)" comment gives the figures the planner
+    prints for it now: peak GB per NPU and the tokens/s range."""
+    comment = " ".join(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    if "Planner (`ms-deepseek plan --recipe" not in comment:
+        pytest.skip("no planner figures in this recipe's comment")
+    stated = comment.split("Planner (`ms-deepseek plan --recipe", 1)[1]
+    import re
+
+    gb = float(re.search(r"FITS at ([\d.]+) GB per NPU", stated).group(1))
+    lo, hi = (int(x) for x in re.search(r"(\d+)-(\d+) tokens/s per NPU", stated).groups())
+    code, out = _cli(capsys, "--recipe", str(path), "--json")
+    data = json.loads(out.out)
+    assert code == 0 and data["fits"]
+    assert gb == round(data["memory_gb"]["total"], 1)
+    assert (lo, hi) == tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
