@@ -182,3 +182,34 @@ def test_recipe_lora_section_refusals(lora_section, key):
     with pytest.raises(UserError) as info:
         load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": lora_section})
     assert str(info.value).startswith(key), str(info.value)
+
+
+def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
+    """A base converted to our layout (experts stacked) merges into the same HF tensors as the HF base."""
+    assert main(["convert", "hf-to-ms", str(FIX / "base"), str(tmp_path / "ms")]) == 0
+    assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "a"), "--merge", str(FIX / "base")]) == 0
+    assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "b"), "--merge", str(tmp_path / "ms")]) == 0
+    from ms_deepseek.convert.source import open_checkpoint
+
+    def tensors(folder):  # name -> raw bytes (the output mirrors the base's files: one file, or shards + index)
+        ckpt = open_checkpoint(folder)
+        out = {}
+        for name, info in ckpt.tensors.items():
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                out[name] = (info.dtype, info.shape, f.read(info.nbytes))
+        return out
+
+    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    assert a.keys() == b.keys() and a == b
+
+
+def test_export_notes_what_peft_on_transformers_5_ignores(tmp_path, capsys):
+    """PEFT 0.21.2 on transformers 5.24 applies gate/up/down_proj only to the fused routed experts
+    (checked in the reference env): the export says so for dense-MLP / shared-expert adapters."""
+    from ms_deepseek.train.lora_run import compatibility_notes
+
+    names = load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")).keys()
+    assert compatibility_notes(names) == []
+    notes = compatibility_notes(list(names) + ["base_model.model.model.layers.1.mlp.shared_experts.up_proj.lora_A.weight"])
+    assert len(notes) == 1 and "model.layers.*.mlp.shared_experts.up_proj" in notes[0]

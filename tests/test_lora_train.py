@@ -165,7 +165,8 @@ def test_resume_after_a_kill_is_exact(fixture_run, data_dir, tmp_path, monkeypat
 
 
 def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
-    """recipes/tiny-lora-cpu.yaml (random base, saved to RUN_DIR/base), shrunk to a few graph-mode steps."""
+    """recipes/tiny-lora-cpu.yaml (random base, saved to RUN_DIR/base), shrunk to a few graph-mode steps,
+    with lora.train_router."""
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
@@ -174,7 +175,7 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
             "optim.warmup_steps=2", "optim.lr=0.02",
             "model.overrides.initializer_range=0.2",  # logits of a 0.02-init random base barely move "checkpoint.save_interval=0", "logging.log_interval=1",
-            "logging.tensorboard=false", "lora.dropout=0.0"]
+            "logging.tensorboard=false", "lora.dropout=0.0", "lora.train_router=true"]
     sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
     recipe = load_recipe(REPO / "recipes" / "tiny-lora-cpu.yaml", sets)
     from ms_deepseek.train.trainer import Trainer
@@ -188,8 +189,13 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     base = load_file(str(run_dir / "base" / "model.safetensors"))
     got = _base_params(trainer.model)
     assert got.keys() == base.keys()
+    routers = [n for n in base if n.endswith(".mlp.gate.weight")]
+    assert routers
     for name in base:
-        np.testing.assert_array_equal(got[name], base[name], err_msg=name)
+        if name in routers:  # lora.train_router: the routers train (and are exported) with the adapters
+            assert not np.array_equal(got[name], base[name]), name
+        else:
+            np.testing.assert_array_equal(got[name], base[name], err_msg=name)
     # export, reload as base + adapter: the trained model's logits
     assert main(["export-lora", str(run_dir), str(tmp_path / "adapter")]) == 0
     ids = np.arange(24, dtype=np.int32).reshape(2, 12) % 512
@@ -198,6 +204,10 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     want = trainer.model(ms.Tensor(ids)).logits.asnumpy()
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(run_dir / "base")
+    assert cfg["modules_to_save"] == ["gate"]  # PEFT's own format for a trained router (checked with PEFT 0.21.2)
+    exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    for name in routers:
+        np.testing.assert_array_equal(exported["base_model.model." + name], got[name])
     reloaded = DeepseekV2ForCausalLM.from_pretrained(str(run_dir / "base"), adapter=str(tmp_path / "adapter"),
                                                      show_progress=False)
     reloaded.set_train(False)

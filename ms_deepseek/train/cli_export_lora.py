@@ -37,6 +37,11 @@ def run(args) -> int:
             raise UserError(f"{src}: already a PEFT adapter folder; pass --merge BASE to fold it into a base")
         out = lora_run.export_adapter(src, args.out, base=args.base, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out}")
+        from ms_deepseek.convert.safetensors_io import read_header
+        from ms_deepseek.model.lora_peft import WEIGHTS_NAME
+
+        for note in lora_run.compatibility_notes(read_header(out / WEIGHTS_NAME).tensors):
+            print(note)
         return 0
     if (src / CONFIG_NAME).is_file():
         out = lora_run.merge(src, Path(args.merge), Path(args.out), overwrite=args.overwrite)

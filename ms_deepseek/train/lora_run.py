@@ -185,6 +185,27 @@ def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], D
     return tensors, config
 
 
+def compatibility_notes(tensor_names) -> List[str]:
+    """What PEFT 0.21 on transformers >= 5 will not apply (measured with the fixtures' reference env):
+    it maps gate/up/down_proj targets to the fused routed experts only, so adapters on the dense MLP
+    and the shared experts are ignored there (the tensors still carry the module names of the released
+    checkpoints; a ``--merge`` folder holds them in any case); and it needs gate_proj and up_proj together."""
+    import re
+
+    notes = []
+    dense = sorted({re.sub(r"\.layers\.\d+\.", ".layers.*.", n.split(".lora_")[0]).replace("base_model.model.", "")
+                    for n in tensor_names
+                    if re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.lora_", n)})
+    if dense:
+        notes.append(f"note: transformers >= 5 + PEFT 0.21 ignore the adapters on {', '.join(dense)} "
+                     "(they are written for the module names of the released checkpoints; --merge folds them in)")
+    routed = {m.group(1) for n in tensor_names for m in [re.search(r"\.experts\.\d+\.(gate|up)_proj\.", n)] if m}
+    if len(routed) == 1:
+        notes.append(f"note: transformers >= 5 + PEFT 0.21 refuse a routed-expert adapter on {routed.pop()}_proj "
+                     "without one on the other half of gate_up_proj")
+    return notes
+
+
 def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = False) -> Path:
     """``export-lora RUN_OR_CHECKPOINT OUT``: the PEFT folder of a LoRA run's checkpoint."""
     from ms_deepseek.model.lora_peft import write_adapter
