@@ -130,3 +130,13 @@ def test_moe_sharding_mistake_fails_the_moe_check():
     by_name = {r.name: r for r in S.simulate(TINY, par, 64, plan=Plan(table), names=["moe", "lint"])}
     assert by_name["moe"].status == "fail" and "to_experts" in by_name["moe"].detail
     assert by_name["lint"].status == "fail" and "to_experts" in by_name["lint"].detail
+
+
+def test_simulate_json_is_one_object(tmp_path, monkeypatch, capsys):
+    import json
+
+    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / "tiny-cpu.yaml"),
+                                "--simulate", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["simulation_passed"] is True and "fits" in data
+    assert [c["check"] for c in data["simulation"]] == list(S.CHECKS)

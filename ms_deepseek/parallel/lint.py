@@ -206,11 +206,9 @@ class Edge:
 def _attention_edges() -> List[Edge]:
     a = "self_attn."
     edges = []
-    for q in ("q_proj.matmul", "q_b_proj.matmul"):
-        req = a + q
-        edges += [Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=a + "qk_bmm"),
-                  Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=a + "flash_attention")]
-        edges = [replace_requires(e, req) if e.producer == a + q else e for e in edges]
+    for q in ("q_proj.matmul", "q_b_proj.matmul"):  # without / with the q low-rank compression
+        edges += [Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=f"{a}{q}&{a}qk_bmm"),
+                  Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=f"{a}{q}&{a}flash_attention")]
     edges += [
         Edge(a + "q_a_proj.matmul", 0, a + "q_b_proj.matmul", 0, requires=a + "q_a_proj.matmul"),
         Edge(a + "kv_a_proj_with_mqa.matmul", 0, a + "kv_b_proj.matmul", 0, requires=a + "kv_b_proj.matmul"),
@@ -226,13 +224,6 @@ def _attention_edges() -> List[Edge]:
         Edge(a + "flash_attention", 3, a + "o_proj.matmul", 0, "heads_to_rows", requires=a + "flash_attention"),
     ]
     return edges
-
-
-def replace_requires(edge: Edge, requires: str) -> Edge:
-    """The edge applies only where both its own variant and ``requires`` exist."""
-    return Edge(edge.producer, edge.out, edge.consumer, edge.inp, edge.transform,
-                requires=(edge.requires + "&" + requires) if edge.requires else requires,
-                scope=edge.scope, group=edge.group)
 
 
 def _mlp_edges() -> List[Edge]:

@@ -34,7 +34,7 @@ Nothing here reads the recipe's checkpoint or data: the config comes from the re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -87,7 +87,7 @@ class SimContext:
     applied: object = None
     apply_error: Optional[str] = None
     seed: int = 0
-    notes: List[str] = field(default_factory=list)
+    full_seq_len: Optional[int] = None  # the recipe's sequence length (the layout rules that read it)
 
 
 # --------------------------------------------------------------------------- registry
@@ -156,7 +156,7 @@ def build_context(cfg, parallel: ParallelConfig, seq_len: int, micro_batch_size:
     plan = plan or Plan()
     ctx = SimContext(full_cfg=cfg, full_parallel=parallel, cfg=small, parallel=small_par, seq_len=seq,
                      micro_batch_size=micro_batch_size, plan=plan, mesh=mesh or Mesh.from_parallel(small_par),
-                     seed=seed)
+                     seed=seed, full_seq_len=seq_len)
     ms.set_seed(seed)
     ctx.model = DeepseekV2ForCausalLM(small)
     ctx.model.set_train(True)
@@ -216,7 +216,7 @@ def check_layout(ctx: SimContext) -> CheckResult:
     """The validator's rules on the full-size config (the reduced model inherits the layout)."""
     from ms_deepseek.parallel.validate import layout_problems
 
-    problems = layout_problems(ctx.full_parallel, ctx.full_cfg, seq_len=None)
+    problems = layout_problems(ctx.full_parallel, ctx.full_cfg, seq_len=ctx.full_seq_len)
     problems += [f"reduced model: {p}" for p in layout_problems(ctx.parallel, ctx.cfg, seq_len=ctx.seq_len)]
     return _result("layout", len(problems), problems[0] if problems else
                    f"dp{ctx.parallel.dp} tp{ctx.parallel.tp} ep{ctx.parallel.ep} pp{ctx.parallel.pp}, "
