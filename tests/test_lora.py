@@ -213,3 +213,16 @@ def test_export_notes_what_peft_on_transformers_5_ignores(tmp_path, capsys):
     assert compatibility_notes(names) == []
     notes = compatibility_notes(list(names) + ["base_model.model.model.layers.1.mlp.shared_experts.up_proj.lora_A.weight"])
     assert len(notes) == 1 and "model.layers.*.mlp.shared_experts.up_proj" in notes[0]
+
+
+def test_export_of_a_full_training_run_or_a_missing_folder_is_one_line(tmp_path, capsys):
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    (step / "model.safetensors").write_bytes(b"")
+    (step / "recipe.yaml").write_text("model: {source: tiny}\n")
+    for src, needle in ((step, "not a LoRA run"), (tmp_path / "nowhere", "no such run")):
+        code = main(["export-lora", str(src), str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()

@@ -107,13 +107,16 @@ def resolve_checkpoint(spec) -> Path:
     p = Path(spec)
     if not p.is_dir():
         raise UserError(f"{p}: no such run or checkpoint folder")
-    if (p / "state.json").is_file() and (p / "model.safetensors").is_file():
-        return p
-    latest = ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None
-    if latest is None:
+    found = p if (p / "state.json").is_file() else (
+        ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None)
+    if found is not None and ckpt_mod.is_sharded(found):
+        # a tp / pp / ep run's per-rank slices: not merged here (no CPU run can write them to test with)
+        raise UserError(f"{found}: a sharded (rank_*/) LoRA checkpoint; export-lora reads whole checkpoints "
+                        "(data-parallel runs) only")
+    if found is None or not (found / "model.safetensors").is_file():
         raise UserError(f"{p}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
                         "complete checkpoints")
-    return latest
+    return found
 
 
 def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
