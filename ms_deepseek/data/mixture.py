@@ -151,13 +151,19 @@ class MixtureDataset:
         labels = np.empty((src.size, self.seq_len), np.int32)   # [rows, T]
         for s in np.unique(src):
             rows = np.nonzero(src == s)[0]
-            pipe = self.parts[s]._mind_dataset(idx[rows], ["input_ids", "labels"])
+            # MindRecord's sampler takes each index at most once (and no more than the folder holds):
+            # read the distinct samples, then place them (a small source may repeat within a window)
+            uniq, where = np.unique(idx[rows], return_inverse=True)
+            got_ids = np.empty((uniq.size, self.seq_len), np.int32)     # [distinct, T]
+            got_labels = np.empty((uniq.size, self.seq_len), np.int32)  # [distinct, T]
+            pipe = self.parts[s]._mind_dataset(uniq, ["input_ids", "labels"])
             it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
             try:
-                for row, sample in zip(rows, it):
-                    ids[row], labels[row] = sample["input_ids"], sample["labels"]
+                for j, sample in enumerate(it):
+                    got_ids[j], got_labels[j] = sample["input_ids"], sample["labels"]
             finally:
                 it.stop()
+            ids[rows], labels[rows] = got_ids[where], got_labels[where]
         return {"input_ids": ids, "labels": labels}
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
