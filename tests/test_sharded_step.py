@@ -301,3 +301,67 @@ def test_without_pipeline_the_step_has_no_accu_grads(tiny_model):
     step, update = build_step(model, _optimizer(model), 2, len(cfg.moe_layer_indices), cfg.n_routed_experts, 1.0, False)
     assert step.pipeline is None and not update.pre_unscaled
     assert not [p.name for p in step.get_parameters() if p.name.startswith("accu_grads")]
+
+
+def test_pipeline_step_applies_what_the_pass_accumulated():
+    """A CPU stand-in for MindSpore's pipeline pass: fill accu_grads with the micro-batches' summed
+    gradient of one batch (what the pass accumulates on Ascend); one pipeline step (graph mode) fed
+    a *different* batch then makes exactly the update of that gradient (same norm, same clipping,
+    same weights): the update reads the accumulated buffers, not the step's own backward on CPU;
+    and the buffers are left at zero."""
+    from mindspore import Parameter, Tensor, nn
+    from mindspore.parallel.nn import Pipeline
+
+    from ms_deepseek.config import get_preset
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.train.step import StepOutputs, Update, build_step, output_width
+
+    cfg = get_preset("tiny", vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                     num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                     q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+                     topk_method="greedy")
+    k, L, E = 2, len(cfg.moe_layer_indices), cfg.n_routed_experts
+    rng = np.random.default_rng(5)
+    ids = Tensor(rng.integers(3, cfg.vocab_size, (2 * k, 16)).astype(np.int32))
+    other = Tensor(rng.integers(3, cfg.vocab_size, (2 * k, 16)).astype(np.int32))  # what the step is fed
+    saved = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ms.set_seed(0)
+        model_a = DeepseekV2ForCausalLM(cfg)
+        ms.set_seed(0)
+        model_b = DeepseekV2ForCausalLM(cfg)
+
+        class Grads(nn.Cell):  # the micro-batches' summed gradient, as GradAccumulation takes it
+            def __init__(self, net, weights):
+                super().__init__(auto_prefix=False)
+                self.net, self.weights = net, weights
+                self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+                onehot = np.zeros(output_width(L, E), np.float32)
+                onehot[0] = 1.0
+                self.sens = Tensor(onehot)
+
+            def construct(self, x, y):
+                return self.grad(self.net, self.weights)(x, y, self.sens)
+
+        from mindspore.parallel.nn import GradAccumulation
+
+        opt_a = _optimizer(model_a)
+        grads = Grads(GradAccumulation(StepOutputs(model_a, k, L), k), opt_a.parameters)(ids, ids)
+        scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
+        norm_a, *_ = Update(opt_a, scale, 0.5, False, dot_norm=False)(grads)
+
+        opt_b = _optimizer(model_b)
+        step_b, _ = build_step(model_b, opt_b, k, L, E, 0.5, False, wrap_net=lambda net: Pipeline(net, k),
+                               pipeline=True, optimizer_shard=False)
+        step_b.update.dot_norm = False
+        for accu, g in zip(step_b.pipeline.accu_grads, grads):
+            accu.set_data(Tensor(g.asnumpy()))
+        _, norm_b, *_ = step_b(other, other)
+    finally:
+        ms.set_context(mode=saved)
+    assert float(norm_a.asnumpy()) > 0.5  # clipping was active
+    np.testing.assert_allclose(float(norm_b.asnumpy()), float(norm_a.asnumpy()), rtol=1e-6)
+    for pa, pb in zip(model_a.trainable_params(), model_b.trainable_params()):
+        np.testing.assert_allclose(pb.asnumpy(), pa.asnumpy(), rtol=1e-6, atol=1e-7, err_msg=pa.name)
+    assert all(not np.any(a.asnumpy()) for a in step_b.pipeline.accu_grads)
