@@ -180,3 +180,18 @@ def test_schedule_cells_match_the_python_math(schedule):
     for global_step in (0, 1, 3, 4, 9, 10, 11, 14, 15, 16, 19, 25):
         got = float(cell(ms.Tensor([global_step], ms.int32)).asnumpy().reshape(-1)[0])
         assert got == pytest.approx(expected(global_step + 1), rel=2e-6, abs=1e-12), (schedule, global_step)
+
+
+def test_global_batch_is_one_definition_for_train_and_plan():
+    """pp = 1 with micro_batches > 1: micro_batches means nothing without a pipeline, so `plan --recipe`
+    sizes the same global batch `train` runs (it used to multiply micro_batches in)."""
+    from ms_deepseek.parallel.planner import recipe_workload
+    from ms_deepseek.parallel.validate import layout_problems
+
+    flat = load_recipe_dict(base(train={"micro_batch_size": 8, "grad_accum_steps": 2},
+                                 parallel={"dp": 1, "micro_batches": 4}))
+    assert flat.global_batch_size == 16 == recipe_workload(flat).global_batch_size
+    assert layout_problems(flat.parallel, flat.model_config, global_batch_size=16, micro_batch_size=8) == []
+    piped = load_recipe_dict(base(train={"micro_batch_size": 2}, parallel={"dp": 2, "pp": 2, "micro_batches": 4}),
+                             planning=True)
+    assert piped.global_batch_size == 16 == recipe_workload(piped).global_batch_size

@@ -84,6 +84,14 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def global_batch(self, micro_batch_size: int, grad_accum_steps: int = 1) -> int:
+        """Sequences per optimizer step over all data-parallel replicas: dp x micro_batch_size x the
+        micro-steps per step, which are the pipeline's micro_batches when pp > 1 (the recipe keeps
+        grad_accum_steps at 1 then) and grad_accum_steps otherwise. The one definition used by
+        ``train`` (``Recipe.global_batch_size``) and ``plan --recipe`` (``planner.recipe_workload``)."""
+        per_replica = self.micro_batches if self.pp > 1 else grad_accum_steps
+        return self.dp * int(micro_batch_size) * int(per_replica)
+
     @property
     def uses_semi_auto(self) -> bool:
         """Anything beyond plain data parallel needs MindSpore's SEMI_AUTO_PARALLEL mode."""

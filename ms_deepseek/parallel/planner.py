@@ -363,8 +363,8 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
 def recipe_workload(recipe) -> Workload:
     """Sequence length and batch of a recipe (a loaded ``Recipe`` or any object with the same fields).
 
-    The global batch is dp * micro_batch_size * micro_batches * grad_accum_steps for a ``Recipe``
-    (pipeline micro-batches are part of each step), else ``train.global_batch_size``.
+    The global batch is ``ParallelConfig.global_batch`` for a ``Recipe`` (the definition ``train``
+    uses), else ``train.global_batch_size``.
     """
     parallel, train = recipe.parallel, recipe.train
     seq_len = getattr(recipe.data, "seq_len", None)
@@ -374,7 +374,7 @@ def recipe_workload(recipe) -> Workload:
         raise UserError("data.seq_len: required to size activations for the parallel plan")
     mbs = int(getattr(train, "micro_batch_size", 1) or 1)
     if hasattr(train, "grad_accum_steps"):
-        global_batch = parallel.dp * mbs * parallel.micro_batches * int(train.grad_accum_steps)
+        global_batch = parallel.global_batch(mbs, int(train.grad_accum_steps))
     else:
         global_batch = int(train.global_batch_size)
     # Eager attention keeps [T, T] scores; the fused Ascend path (model use_flash_attention) does not.

@@ -69,9 +69,6 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
     if p.stage_layers is not None and sum(p.stage_layers) != L:
         out.append(f"parallel.stage_layers: {p.stage_layers} sums to {sum(p.stage_layers)}, "
                    f"expected num_hidden_layers={L}")
-    if pp > 1 and p.micro_batches < pp:
-        out.append(f"parallel.micro_batches: {p.micro_batches} is fewer than pp={pp} "
-                   f"(1F1B needs at least one micro-batch per stage)")
 
     # --- sequence parallel
     if p.sequence_parallel and seq_len is not None and seq_len % tp:
@@ -79,10 +76,11 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
 
     # --- batch
     if global_batch_size is not None:
-        unit = dp * micro_batch_size * p.micro_batches
+        unit = p.global_batch(micro_batch_size)  # one micro-step's worth (pipeline micro-batches only when pp > 1)
         if global_batch_size % unit:
-            out.append(f"train.global_batch_size: {global_batch_size} is not divisible by "
-                       f"dp*micro_batch_size*micro_batches = {dp}*{micro_batch_size}*{p.micro_batches} = {unit}")
+            what = "dp*micro_batch_size*micro_batches" if pp > 1 else "dp*micro_batch_size"
+            parts = f"{dp}*{micro_batch_size}*{p.micro_batches}" if pp > 1 else f"{dp}*{micro_batch_size}"
+            out.append(f"train.global_batch_size: {global_batch_size} is not divisible by {what} = {parts} = {unit}")
     return out
 
 

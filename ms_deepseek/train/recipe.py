@@ -219,8 +219,7 @@ class Recipe:
     def global_batch_size(self) -> int:
         """Sequences per optimizer step over all data-parallel replicas (with pipeline parallelism the
         pipeline's micro-batches are the accumulation: dp x micro_batch_size x micro_batches)."""
-        per_replica = self.parallel.micro_batches if self.parallel.pp > 1 else self.train.grad_accum_steps
-        return self.train.micro_batch_size * per_replica * self.parallel.dp
+        return self.parallel.global_batch(self.train.micro_batch_size, self.train.grad_accum_steps)
 
     @property
     def seq_len(self) -> int:
@@ -241,7 +240,8 @@ class Recipe:
         for f in dataclasses.fields(self):
             if f.init:
                 value = getattr(self, f.name)
-                out[f.name] = None if value is None else to_dict(value)
+                if value is not None:  # an absent lora section stays absent ("lora:" alone means defaults)
+                    out[f.name] = to_dict(value)
         return out
 
     def to_yaml(self) -> str:
