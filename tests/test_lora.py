@@ -226,3 +226,15 @@ def test_export_of_a_full_training_run_or_a_missing_folder_is_one_line(tmp_path,
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_saved_recipe_round_trips_with_and_without_lora():
+    import yaml
+
+    from ms_deepseek.train.recipe import load_recipe_dict
+
+    full = load_recipe_dict({"data": {"embedded_vocab_size": 4096}})
+    assert "lora" not in full.to_dict() and load_recipe_dict(yaml.safe_load(full.to_yaml())).lora is None
+    with_lora = load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": {"r": 4}})
+    assert load_recipe_dict(yaml.safe_load(with_lora.to_yaml())).lora == with_lora.lora
+    assert load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": None}).lora.r == 8  # "lora:" = defaults
