@@ -267,18 +267,34 @@ def test_memory_metrics():
 
 
 @pytest.mark.ascend
-def test_reserve_device_memory_on_ascend():
-    import mindspore as ms
+def test_reserve_device_memory_on_ascend(tmp_path):
+    """On an NPU, in a process of its own (set_device is allowed once per process and the other
+    test modules set CPU first): the pool is reserved up to what the device has, and used."""
+    import subprocess
+    import sys
 
-    from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
-
-    ms.set_context(device_target="Ascend")
-    sizes = reserve_device_memory(_mindformers_result(), headroom_gb=2.0)
-    assert sizes["applied"] is True
-    x = ms.ops.ones((1024, 1024, 64), ms.float32)
-    m = memory_metrics()
+    script = """
+import json, sys
+import mindspore as ms
+ms.set_device("Ascend")
+from ms_deepseek.config import get_preset
+from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.parallel.costs import Workload
+from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
+from ms_deepseek.parallel.planner import estimate
+cfg = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
+layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
+r = estimate(cfg, layout, Workload(seq_len=4096, global_batch_size=80), world_size=64)
+sizes = reserve_device_memory(r, headroom_gb=2.0)
+x = ms.ops.ones((1024, 1024, 64), ms.float32)
+print(json.dumps({"sizes": sizes, "metrics": memory_metrics()}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sizes"]["applied"] is True and not out["sizes"]["over"]
+    m = out["metrics"]
     assert m["memory_reserved_gb"] >= m["memory_allocated_gb"] > 0
-    del x
 
 
 # --------------------------------------------------------------------- placement
