@@ -25,7 +25,7 @@ from ms_deepseek.schema import from_dict
 # Keys of HF config files that carry no information for this port (or are derived).
 _IGNORED_HF_KEYS = {
     "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "pretraining_tp", "use_cache", "attention_dropout", "initializer_range", "hidden_act",
+    "pretraining_tp", "use_cache", "attention_dropout",
     "mlp_bias", "head_dim", "output_router_logits", "qk_head_dim", "_name_or_path",
     "rope_interleave", "quantization_config", "num_nextn_predict_layers", "output_attentions",
     "output_hidden_states", "return_dict", "use_return_dict", "chunk_size_feed_forward",

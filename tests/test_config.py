@@ -99,3 +99,18 @@ def test_load_model_config_accepts_preset_file_and_folder(tmp_path):
         load_model_config("deepseek-v9")
     with pytest.raises(UserError, match="no config.json"):
         load_model_config(tmp_path / "..")
+
+
+def test_written_keys_survive_a_load(tmp_path):
+    """initializer_range and hidden_act are written to config.json, so loading must keep them
+    (they used to be dropped: a 0.006 init came back as 0.02, a gelu config loaded as silu)."""
+    cfg = get_preset("tiny").replace(initializer_range=0.006)
+    path = tmp_path / "config.json"
+    cfg.save(path)
+    assert json.loads(path.read_text())["initializer_range"] == 0.006
+    assert load_model_config(path).initializer_range == 0.006
+    data = json.loads(path.read_text())
+    data["hidden_act"] = "gelu"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="hidden_act"):
+        load_model_config(path)
