@@ -20,12 +20,13 @@
 # Levels (MindSpore 2.9 docs, debug/dryrun): 0 compile only; 1 + operator input/output
 # memory; 2 + operator workspaces; 3 + runs the compute kernels (needs devices).
 # Other --set overrides pass through to both the planner and the workers, e.g.
-# --set model.source=deepseek-v2 when the recipe's checkpoint is not on this host.
+# --set model.source=deepseek-v2 when the recipe's checkpoint is not on this host, and
+# --set data.path=null --set data.format=pretrain (the embedded corpus) when its data is not.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "ascend_dryrun.sh: $*" >&2; exit 2; }
 
 RECIPE=""
