@@ -4,7 +4,8 @@ One JSON object per logged step (keys in :data:`RECORD_KEYS`); non-finite number
 written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` so every line stays
 valid JSON. The file is appended to and flushed after each record, so a crashed run
 keeps every record it logged; on resume, records past the checkpoint's step are dropped
-first (see :func:`truncate_after`).
+first (see :func:`truncate_after`). Reading the file back (live or crashed runs too) is
+:func:`ms_deepseek.diagnostics.metrics_io.read_metrics`.
 """
 
 from __future__ import annotations
@@ -37,17 +38,6 @@ def json_number(value: Any) -> Any:
     if isinstance(value, np.integer):
         return int(value)
     return value
-
-
-def read_metrics(path) -> List[Dict[str, Any]]:
-    """Records of a metrics.jsonl (non-finite strings turned back into floats)."""
-    special = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            out.append({k: special.get(v, v) if isinstance(v, str) else v for k, v in rec.items()})
-    return out
 
 
 def truncate_after(path: Path, step: int) -> None:
