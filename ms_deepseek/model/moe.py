@@ -160,7 +160,9 @@ class DeepseekV2MoE(nn.Cell):
         # Keys: kept slots of row e keep their stream index, the rest move past 2*k*N; sorting each row
         # puts row e's slots first in k-major order, i.e. by position. Exact in float32 while 3*k*N < 2**24.
         keys = ops.select(mine, ops.broadcast_to(stream, mine.shape), ops.broadcast_to(stream + 2.0 * S, mine.shape))
-        ordered, _ = self.slot_sort(keys)  # [G, E, k*N]
+        # Outputs are indexed, not unpacked into unused names: an unused element of an unpacked tuple
+        # is what graph mode reports as "Some side effect nodes were eliminated by mistake".
+        ordered = self.slot_sort(keys)[0]  # [G, E, k*N] (the sort's indices are not needed)
         first = ordered[:, :, :C]  # [G, E, C]
         token = ops.floor_mod(first.astype(ms.int32), N)  # k-major s -> token i = s mod N
         filled = first < 2.0 * S
@@ -175,7 +177,8 @@ class DeepseekV2MoE(nn.Cell):
         C = self.capacity(N)
         scores, topk_idx, topk_weight = self.gate(tokens.reshape(G * N, H))  # [G*N, E], [G*N, k], [G*N, k]
         ids = topk_idx.reshape(G, N, k)  # [G*N, k] -> [G, N, k]
-        _, buffer_row, position, keep = self.lookup(ids, self.expert_placement, C)  # [G, N, k] each
+        looked = self.lookup(ids, self.expert_placement, C)  # (dest_rank, buffer_row, position, keep) [G, N, k]
+        buffer_row, position, keep = looked[1], looked[2], looked[3]
         # A local gather per group from its tokens plus a zero row (index N).
         padded = self.pad_tokens((tokens, ops.zeros((G, 1, H), tokens.dtype)))  # [G, N + 1, H]
         buffer = self.dispatch_gather(padded, self.dispatch_index(buffer_row, keep, C), 1)  # [G, E, C, H]
@@ -183,7 +186,7 @@ class DeepseekV2MoE(nn.Cell):
 
     def combine(self, back, route):
         """Step 6 on G token groups: expert output back [G, E*C, H] -> routed [G, N, H] float32 (local)."""
-        _, _, topk_weight, buffer_row, position, keep = route
+        topk_weight, buffer_row, position, keep = route[2], route[3], route[4], route[5]
         G, N, k = buffer_row.shape
         C = back.shape[1] // self.num_experts
         # Dropped choices read slot 0 and get weight 0.
@@ -218,7 +221,7 @@ class DeepseekV2MoE(nn.Cell):
         y = self.combine(back, route).astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        scores, topk_idx, topk_weight, _, _, keep = route
+        scores, topk_idx, topk_weight, keep = route[0], route[1], route[2], route[5]
         l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
         aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
         dropped = 1.0 - keep.mean()
