@@ -16,6 +16,16 @@ largest layer, checks the round trip is byte-exact, and deletes everything it wr
     MS_DEEPSEEK_NO_COPY_FILE_RANGE=1 python tools/bench_convert.py   # the buffered fallback path
 
 Targets (issue 3): at least half the copy rate; peak memory under three times the largest layer.
+
+``--mode layouts`` benchmarks the per-rank paths instead (issue 11) on the same checkpoint:
+
+* per-rank loading: one rank of ``--layout`` (default dp2 tp2 pp2 ep2) reads its slices straight from
+  the HF files in a child process; peak RSS against the rank's slices + the largest tensor;
+* pre-sharded conversion (``hf-to-ms --dp/--tp/--pp/--ep``) and the merge back (``ms-to-hf`` of the
+  rank folders): time against a copy of the same bytes, peak RSS against the largest tensor;
+* the merged folder holds the source's tensors byte for byte.
+
+    python tools/bench_convert.py --mode layouts --size-gb 4
 """
 
 from __future__ import annotations
@@ -44,6 +54,93 @@ from ms_deepseek.convert.synthetic import write_random_checkpoint  # noqa: E402
 _CONVERT = ("import sys; from ms_deepseek.convert import {fn}; "
             "{fn}(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), shard_size=sys.argv[4], progress=False); "
             "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+
+
+_LOAD_RANK = ("import sys, resource; from pathlib import Path; "
+              "from ms_deepseek.checkpoint.sharded import load_rank, target_layout; "
+              "from ms_deepseek.checkpoint.sources import WholeSource; "
+              "from ms_deepseek.convert.source import open_checkpoint; "
+              "from ms_deepseek.parallel.config import ParallelConfig; "
+              "dp, tp, pp, ep, rank = map(int, sys.argv[2:7]); "
+              "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
+              "base = int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:'))); "
+              "src = WholeSource(open_checkpoint(Path(sys.argv[1]))); "
+              "lay = target_layout(src.cfg, par, src); "
+              "mine = load_rank(src, lay, lay.world_size - 1 - rank); "
+              "print('SLICES', sum(v.nbytes for v in mine.values()), 'BASE', base); "
+              "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+_SHARDED = ("import sys; from ms_deepseek.checkpoint.sharded import write_sharded, merge_to_hf; "
+            "from ms_deepseek.parallel.config import ParallelConfig; "
+            "dp, tp, pp, ep = map(int, sys.argv[3:7]); "
+            "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
+            "(write_sharded(sys.argv[1], sys.argv[2], par) if sys.argv[7] == 'split' else "
+            "merge_to_hf(sys.argv[1], sys.argv[2], shard_size=sys.argv[8], progress=False)); "
+            "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+
+
+def _child(code: str, *argv):
+    """(seconds, peak RSS bytes, stdout) of ``python -c code argv...``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, argv)], env=env, stdout=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"child failed with exit code {proc.returncode}")
+    kib = int(proc.stdout.split("VmHWM")[-1].split()[0])
+    return seconds, kib * 1024, proc.stdout
+
+
+def largest_tensor_bytes(cfg) -> int:
+    from ms_deepseek.model.inventory import expected_ms_shapes
+
+    return max(2 * _numel(s) for s in expected_ms_shapes(cfg).values())
+
+
+def all_files(folder: Path):
+    return sorted(p for p in folder.rglob("*.safetensors"))
+
+
+def bench_layouts(args, cfg, work: Path) -> int:
+    """Per-rank loading, pre-sharded conversion and the merge on the checkpoint in ``work / 'hf'``."""
+    dp, tp, pp, ep = (int(x) for x in args.layout.split(","))
+    total, largest = nbytes(cfg), largest_tensor_bytes(cfg)
+    print(f"layout dp{dp} tp{tp} pp{pp} ep{ep}; largest tensor {largest / 1e6:.0f} MB")
+    ok = True
+    for rank in (0, dp * tp * pp - 1):  # the first and the last stage
+        evict(work / "hf")
+        secs, rss, out = _child(_LOAD_RANK, work / "hf", dp, tp, pp, ep, rank)
+        slices = int(out.split("SLICES")[1].split()[0])
+        base = int(out.split("BASE")[1].split()[0]) * 1024
+        bound = slices + largest + base
+        ok &= rss <= bound
+        print(f"per-rank load (rank {dp * tp * pp - 1 - rank}): {secs:.1f} s, {slices / 1e6:.0f} MB of slices; "
+              f"peak RSS {rss / 1e6:.0f} MB = slices + {(rss - slices) / 1e6:.0f} MB "
+              f"(bound slices + largest tensor + interpreter {base / 1e6:.0f} MB = {bound / 1e6:.0f} MB: "
+              f"{'ok' if rss <= bound else 'OVER'})")
+    copy_s = min(timed_copy(work / "hf", work / f"copy{k}") for k in range(args.repeat))
+    for k in range(args.repeat):
+        shutil.rmtree(work / f"copy{k}")
+    rows = []
+    for what, src, dst in (("split", work / "hf", work / "sharded"), ("merge", work / "sharded", work / "merged")):
+        best = None
+        for rep in range(args.repeat):
+            if dst.exists():
+                shutil.rmtree(dst)
+            evict(src) if what == "split" else [evict(d) for d in src.iterdir() if d.is_dir()]
+            run = _child(_SHARDED, src, dst, dp, tp, pp, ep, what, args.shard_size)
+            best = run if best is None or run[0] < best[0] else best
+        secs, rss, _ = best
+        ok &= rss <= largest * 2 + 200e6
+        rows.append(what)
+        written = sum(f.stat().st_size for f in all_files(dst))  # rank folders repeat replicated slices
+        print(f"{'hf-to-ms --dp/--tp/--pp/--ep' if what == 'split' else 'ms-to-hf (merge)'}: {secs:.1f} s, "
+              f"{total / 1e9:.2f} GB of model, {written / 1e9:.2f} GB written ({written / secs / 1e9:.2f} GB/s "
+              f"written) = {copy_s / secs:.2f}x the time-rate of copying the model once "
+              f"({total / copy_s / 1e9:.2f} GB/s); peak RSS {rss / 1e6:.0f} MB = {rss / largest:.2f}x the largest "
+              "tensor")
+    same = tensor_digests(work / "hf") == tensor_digests(work / "merged")
+    print(f"merged folder byte-identical to the source tensors: {same}")
+    return 0 if ok and same else 1
 
 
 def bench_config(size_gb: float):
@@ -138,6 +235,10 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="where to write (default: a temporary folder in /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact round-trip check")
+    parser.add_argument("--mode", choices=("convert", "layouts"), default="convert",
+                        help="convert: hf-to-ms / ms-to-hf vs copy (default); layouts: per-rank loading, "
+                             "pre-sharded conversion and the merge")
+    parser.add_argument("--layout", default="2,2,2,2", help="dp,tp,pp,ep for --mode layouts (default 2,2,2,2)")
     args = parser.parse_args(argv)
 
     cfg = bench_config(args.size_gb)
@@ -152,6 +253,8 @@ def main(argv=None) -> int:
         write_random_checkpoint(work / "hf", cfg, dtype="bfloat16", num_shards=args.src_shards, seed=0,
                                 progress=True)
         print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s")
+        if args.mode == "layouts":
+            return bench_layouts(args, cfg, work)
         rows = []
         for fn, src, dst in (("hf_to_ms", work / "hf", work / "ms"), ("ms_to_hf", work / "ms", work / "hf2")):
             copies, runs = [], []

@@ -17,6 +17,7 @@ memory is its own slices plus, for slices across the inner axis, one tensor's pa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -49,6 +50,28 @@ def memmap(info: TensorInfo) -> np.ndarray:
     if 0 in info.shape or info.nbytes == 0:
         return np.zeros(info.shape, dtype=RAW_DTYPES[info.dtype])
     return np.memmap(info.file, dtype=RAW_DTYPES[info.dtype], mode="r", offset=info.offset, shape=info.shape)
+
+
+def _rows_only(sl, shape) -> bool:
+    """The request is a row range of axis 0 with every other axis whole: contiguous bytes on disk."""
+    return bool(sl) and not isinstance(sl[0], ExpertIds) and all(
+        tuple(s) == (0, d) for s, d in zip(sl[1:], shape[1:]))
+
+
+def pread_rows(info: TensorInfo, lo: int, hi: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows [lo, hi) of axis 0 read straight into ``out`` (or a new array): no second copy, no mapping."""
+    row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+    if out is None:
+        out = np.empty((hi - lo,) + tuple(info.shape[1:]), dtype=RAW_DTYPES[info.dtype])
+    buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+    done, want = 0, (hi - lo) * row
+    with open(info.file, "rb", buffering=0) as f:
+        while done < want:
+            got = os.preadv(f.fileno(), [buf[done:want]], info.offset + lo * row + done)
+            if got <= 0:
+                raise UserError(f"{info.file}: tensor {info.name} ends early (file shrank while reading?)")
+            done += got
+    return out
 
 
 def _ranges(sl) -> Tuple[slice, ...]:
@@ -91,7 +114,10 @@ class WholeSource:
             ids = sl[0] if isinstance(sl[0], ExpertIds) else range(sl[0][0], sl[0][1])
             parts = [np.array(memmap(self.tensors[hf_names[e]])[_ranges(sl[1:])]) for e in ids]
             return np.stack(parts) if parts else np.zeros(slice_shape(sl), RAW_DTYPES[self.dtype(name)])
-        view = memmap(self.tensors[name])
+        info = self.tensors[name]
+        if info.shape and _rows_only(sl, info.shape) and info.nbytes:
+            return pread_rows(info, sl[0][0], sl[0][1])
+        view = memmap(info)
         if sl and isinstance(sl[0], ExpertIds):
             return np.stack([np.array(view[e][_ranges(sl[1:])]) for e in sl[0]])
         return np.array(view[_ranges(sl)])
@@ -182,8 +208,18 @@ class ShardedSource:
                     dst_index.append(slice(lo - want[0], hi - want[0]))
             if empty:
                 continue
-            view = memmap(self.rank_tensors(rank)[name])
+            info = self.rank_tensors(rank)[name]
+            whole_rows = bool(src_index) and not isinstance(src_index[0], list) and all(
+                d.start == 0 and d.stop == n and s.start == 0 and s.stop == m
+                for d, s, n, m in zip(dst_index[1:], src_index[1:], out.shape[1:], info.shape[1:]))
+            if whole_rows and info.nbytes:  # rows of the stored slice land on rows of the request: read in place
+                target = out[dst_index[0]]
+                pread_rows(info, src_index[0].start, src_index[0].stop, target)
+                covered += target.size
+                continue
+            view = memmap(info)
             piece = _take(view, src_index)
+            del view  # unmap: the pages it touched leave this process
             _put(out, dst_index, piece)
             covered += piece.size
         if covered != out.size:
