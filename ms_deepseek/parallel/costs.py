@@ -138,7 +138,8 @@ def lora_inventory(cfg, lora: LoraWorkload, inventory: Optional[List[ParamInfo]]
         router = info.name.endswith("mlp.gate.weight")
         out.append(dataclasses.replace(info, trainable=info.trainable and router and lora.train_router))
         module, leaf = info.name.rsplit(".", 1)
-        if leaf != "weight" or module.rsplit(".", 1)[-1] not in LORA_LEAVES or not _targeted(module, lora.target_modules):
+        adaptable = leaf == "weight" and module.rsplit(".", 1)[-1] in LORA_LEAVES
+        if not adaptable or not _targeted(module, lora.target_modules):
             continue
         *lead, out_f, in_f = info.shape
         lead = tuple(lead)
