@@ -111,7 +111,11 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
 
     data = tmp_path / "corpus"
     prepare_embedded_default(data, seq_len=32, vocab_size=512, max_bytes=100_000, progress=False)
-    recipe = write(tmp_path, recipe_data(data, dp=2))
+    spec = recipe_data(data, dp=2)
+    # validation at the end: each worker evaluates its half, the logged value is the mean over both
+    spec["data"]["validation"] = {"fraction": 0.1}
+    spec["train"]["eval_batches"] = 2
+    recipe = write(tmp_path, spec)
     dp_dir, single_dir = tmp_path / "dp2", tmp_path / "single"
 
     code, out, err = run_cli(["launch", str(recipe), "--output", str(dp_dir), "--master-port", str(free_port()),
@@ -128,6 +132,11 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     np.testing.assert_allclose(losses(dp_dir), losses(single_dir), rtol=1e-5)
+
+    def val_loss(run):
+        return json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+
+    np.testing.assert_allclose(val_loss(dp_dir), val_loss(single_dir), rtol=1e-5)
     ckpt = "checkpoints/step_00000003"
     state = json.loads((dp_dir / ckpt / "state.json").read_text())
     assert state["world_size"] == 2
