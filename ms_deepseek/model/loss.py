@@ -64,7 +64,8 @@ class VocabParallelCrossEntropy(nn.Cell):
         # through the max (whose gradient cancels)
         row_max = ops.stop_gradient(self.row_max(flat, -1))  # [N, 1]
         lse = self.log(self.sum_exp(self.exp(self.sub(flat, row_max)), -1)) + row_max.reshape(-1)  # [N]
-        target = self.onehot(safe, self.vocab_size, self.on_value, self.off_value)  # [N, V]
+        # constant targets: no backward pass computing a gradient for the one-hot
+        target = ops.stop_gradient(self.onehot(safe, self.vocab_size, self.on_value, self.off_value))  # [N, V]
         picked = self.pick(self.mul(flat, target), -1)  # [N]: the target logit
         validf = valid.astype(ms.float32)
         return ((lse - picked) * validf).sum() / ops.maximum(validf.sum(), 1.0)
