@@ -174,8 +174,11 @@ def sample_text(path, prompt: str = "def ", max_new_tokens: int = 40) -> str:
 def run(args) -> int:
     import mindspore as ms
 
+    from ms_deepseek.runtime import use_device
+
+    device = use_device()  # the device train would use (MS_DEEPSEEK_DEVICE, else Ascend when present)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
-    if args.mode == "pynative" and ms.get_context("device_target") == "CPU":
+    if args.mode == "pynative" and device == "CPU":
         ms.runtime.launch_blocking()  # synchronous launch: several times faster op by op on a CPU host
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     result = generate_from_checkpoint(
