@@ -61,6 +61,13 @@ def test_split_topk_last_axis_fails_naming_primitive_and_axis(moe_ctx):
     assert hits and "axis 1" in hits[0] and "topk_info.cc" in hits[0], problems
 
 
+def test_split_concat_axis_fails(moe_ctx):
+    path = "model.layers.1.mlp.pad_tokens"  # Concat on axis 1 of [G, N, H]
+    broken = _with_strategy(moe_ctx.applied, path, (((4, 2, 1), (4, 2, 1)), None))
+    problems = lint_model(moe_ctx.model, broken, moe_ctx.mesh).problems
+    assert any(p.startswith(path) and "axis 1" in p and "concat_info.cc" in p for p in problems), problems
+
+
 def test_split_softmax_axis_of_custom_op_fails(dense_ctx):
     path = "model.layers.0.self_attn.softmax.impl.op"
     broken = _with_strategy(dense_ctx.applied, path, (((2, 1, 1, 2),), None))

@@ -46,10 +46,10 @@ def test_atlas_recipe_simulation_passes(tmp_path, monkeypatch, capsys, name):
         assert f"  {check} " in out
 
 
-def test_all_four_degrees_above_one(tmp_path, monkeypatch, capsys):
-    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe",
-                                str(ROOT / "recipes" / "v2-lite-sft-8npu.yaml"), "--simulate",
-                                "--dp", "4", "--tp", "2", "--ep", "2", "--pp", "2")
+@pytest.mark.parametrize("name", ["v2-lite-sft-8npu", "v2-sft-64npu"])  # greedy and group-limited routing
+def test_all_four_degrees_above_one(tmp_path, monkeypatch, capsys, name):
+    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
+                                "--simulate", "--dp", "4", "--tp", "2", "--ep", "2", "--pp", "2")
     assert code == 0, out + err
     assert "dp4 tp2 ep2 pp2" in out and "SIMULATION PASSED" in out
 
