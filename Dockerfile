@@ -30,9 +30,18 @@ WORKDIR /opt/ms-deepseek
 # The pins: requirements.txt is the one source of truth (setup.py reads the same file).
 COPY requirements.txt requirements-test.txt setup.py README.md ./
 RUN python3 -m pip install --no-cache-dir -r requirements.txt
+# ms_deepseek/ops_src is a symlink to ../ops (the kernel sources): both must be in the image,
+# or the installed package carries a dangling link and no kernel sources.
 COPY ms_deepseek ./ms_deepseek
+COPY ops ./ops
 COPY recipes ./recipes
+COPY tools/ascend_dryrun.sh ./tools/ascend_dryrun.sh
+# BUILD_KERNELS=1 compiles the Ascend C operators with the image's CANN (no NPU needed) and
+# installs them under /opt/ms-deepseek/opp; 0 skips it (then run ops/build_ascend.sh at run time).
+ARG BUILD_KERNELS=1
+ENV ASCEND_CUSTOM_OPP_PATH=/opt/ms-deepseek/opp/vendors/ms_deepseek
 RUN python3 -m pip install --no-cache-dir --no-deps . \
+ && if [ "${BUILD_KERNELS}" = 1 ]; then bash ops/build_ascend.sh --install-path /opt/ms-deepseek/opp; fi \
  && if ! command -v python >/dev/null; then ln -s "$(command -v python3)" /usr/local/bin/python; fi \
  && (getent group "${ASCEND_GID}" >/dev/null || groupadd --gid "${ASCEND_GID}" HwHiAiUser) \
  && useradd --create-home --uid "${USER_UID}" --gid "${ASCEND_GID}" --shell /bin/bash msd \

@@ -115,20 +115,58 @@ def test_non_root_user_and_entrypoint(name):
         assert (REPO / "recipes" / "tiny-cpu.yaml").is_file()
 
 
+def _ignored(path: str, patterns) -> bool:
+    """Docker's rule: the last pattern that matches decides; ``!pattern`` re-includes."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        bare = pattern[1:] if negate else pattern
+        if fnmatch.fnmatch(path, bare) or path.startswith(bare.rstrip("/") + "/"):
+            ignored = not negate
+    return ignored
+
+
+def _dockerignore():
+    return [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
+
+
+def _copied_sources(name):
+    for word, args in instructions(name):
+        if word == "COPY":
+            yield from [a for a in args.split() if not a.startswith("--")][:-1]
+
+
 def test_dockerignore_keeps_what_the_images_copy():
-    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
+    patterns = _dockerignore()
     for must in (".git", "tests", "runs", ".venv"):
         assert must in patterns
+    assert _ignored("tools/bench_step.py", patterns) and not _ignored("tools/ascend_dryrun.sh", patterns)
     for name in DOCKERFILES:
-        for word, args in instructions(name):
-            if word != "COPY":
-                continue
-            sources = [a for a in args.split() if not a.startswith("--")][:-1]
-            for src in sources:
-                assert not any(fnmatch.fnmatch(src, p) or src.startswith(p.rstrip("/") + "/") for p in patterns), \
-                    (name, src)
-                assert (REPO / src).exists(), (name, src)
+        for src in _copied_sources(name):
+            assert not _ignored(src, patterns), (name, src)
+            assert (REPO / src).exists(), (name, src)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_no_symlink_in_the_image_points_outside_what_it_copies(name):
+    """ms_deepseek/ops_src -> ../ops: an image that copies ms_deepseek/ without ops/ installs a
+    package whose kernel sources are a dangling link."""
+    copied = list(_copied_sources(name))
+    patterns = _dockerignore()
+    for src in copied:
+        root = REPO / src
+        links = [root] if root.is_symlink() else [p for p in root.rglob("*") if p.is_symlink()] if root.is_dir() else []
+        for link in links:
+            target = link.resolve().relative_to(REPO).as_posix()
+            assert any(target == c or target.startswith(c.rstrip("/") + "/") for c in copied), (name, link, target)
+            assert not _ignored(target, patterns), (name, link, target)
+
+
+def test_ascend_image_builds_and_registers_the_kernels():
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    assert "bash ops/build_ascend.sh --install-path /opt/ms-deepseek/opp" in text
+    assert "ASCEND_CUSTOM_OPP_PATH=/opt/ms-deepseek/opp/vendors/ms_deepseek" in text
 
 
 def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
