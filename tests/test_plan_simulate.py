@@ -140,3 +140,22 @@ def test_simulate_json_is_one_object(tmp_path, monkeypatch, capsys):
     data = json.loads(out)
     assert code == 0 and data["simulation_passed"] is True and "fits" in data
     assert [c["check"] for c in data["simulation"]] == list(S.CHECKS)
+
+
+def test_rows_read_is_the_loaders_rule(tmp_path):
+    """The data check's model of the loader (rows_read) against the real dataset: rank r of W reads
+    positions r, r + W, ... of the block a single reader takes for the same step."""
+    import numpy as np
+
+    from ms_deepseek.data.config import DataConfig
+    from ms_deepseek.data.dataset import build_train_dataset
+    from ms_deepseek.data.prepare import prepare_embedded_default
+
+    corpus = tmp_path / "corpus"
+    prepare_embedded_default(corpus, seq_len=16, vocab_size=512, max_bytes=60_000, progress=False)
+    cfg = DataConfig(path=str(corpus), num_workers=1)
+    world, rows = 3, 2
+    whole = np.asarray(next(iter(build_train_dataset(cfg, world * rows, 0, 1, progress=False)))["input_ids"])
+    for rank in range(world):
+        mine = np.asarray(next(iter(build_train_dataset(cfg, rows, rank, world, progress=False)))["input_ids"])
+        np.testing.assert_array_equal(mine, whole[S.rows_read(rank, world, rows)])
