@@ -135,7 +135,7 @@ def small_config(cfg, parallel: ParallelConfig, seq_len: int) -> Tuple[object, P
         changes["moe_intermediate_size"] = 4 * tp
     small = cfg.replace(**changes)
     # stage_layers describes the full depth; the reduced model takes an even cut (one layer or so per stage)
-    small_parallel = replace(parallel, stage_layers=None, expert_placement=parallel.expert_placement)
+    small_parallel = replace(parallel, stage_layers=None)
     return small, small_parallel, seq
 
 
