@@ -324,3 +324,16 @@ def test_layout_that_does_not_fit_the_model(pristine, tmp_path, capsys):
         from types import SimpleNamespace
 
         layout_from_args(SimpleNamespace(dp=None, tp=None, pp=None, ep=None, recipe=None, overrides=["a.b=1"]))
+
+
+def test_from_pretrained_reads_a_sharded_checkpoint(pristine):
+    """from_pretrained on rank folders gives the same parameters as on the HF folder they came from."""
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+
+    a = {p.name: p.asnumpy() for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "sharded",
+                                                                            show_progress=False).get_parameters()}
+    b = {p.name: p.asnumpy() for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "hf",
+                                                                            show_progress=False).get_parameters()}
+    assert a.keys() == b.keys()
+    for name in b:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -30,21 +30,34 @@ _NOT_IN_CHECKPOINTS = ("expert_placement",)  # derived from the parallel plan, n
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
-    """The tensor's values as numpy (bfloat16 widened exactly to float32)."""
+    """The tensor's values as numpy (bfloat16 widened exactly to float32), through the checkpoint reader."""
+    from ms_deepseek.checkpoint.sources import pread_rows, to_float32
+
     if info.dtype not in _NP_DTYPES:
         raise UserError(f"{info.file}: tensor {info.name} has dtype {info.dtype}; expected F32, F16 or BF16")
+    if not info.shape or not info.nbytes:  # a scalar or an empty tensor: read as one row
+        raw = np.frombuffer(_read_bytes(info), dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+    else:
+        raw = pread_rows(info, 0, info.shape[0])
+    return to_float32(raw, info.dtype) if info.dtype == "BF16" else raw
+
+
+def _read_bytes(info: TensorInfo) -> bytes:
     with open(info.file, "rb") as f:
         f.seek(info.offset)
         raw = f.read(info.nbytes)
     if len(raw) != info.nbytes:
         raise UserError(f"{info.file}: truncated while reading tensor {info.name}")
-    array = np.frombuffer(raw, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
-    if info.dtype == "BF16":  # bfloat16 is the top half of a float32
-        array = (array.astype(np.uint32) << 16).view(np.float32)
-    return array
+    return raw
 
 
 def load_pretrained(cls, path, show_progress: bool = True, **config_overrides):
+    from pathlib import Path
+
+    from ms_deepseek.checkpoint.layout import LAYOUT_FILE
+
+    if (Path(path) / LAYOUT_FILE).is_file():  # a sharded checkpoint: each tensor put together from its slices
+        return _load_sharded(cls, Path(path), config_overrides)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config.replace(**config_overrides) if config_overrides else ckpt.config
     model = cls(cfg)
@@ -112,3 +125,17 @@ def load_weights(model, ckpt, show_progress: bool = True) -> None:
 def _assign(param, array: np.ndarray) -> None:
     np_dtype = _NP_OF_PARAM.get(param.dtype, np.float32)
     param.set_data(Tensor(np.ascontiguousarray(array, dtype=np_dtype), dtype=param.dtype))
+
+
+def _load_sharded(cls, folder, config_overrides):
+    """The whole model from a ``rank_RRRRR/`` checkpoint (e.g. to evaluate or generate from a sharded run)."""
+    from ms_deepseek.checkpoint.sharded import open_any
+    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+
+    src, _, cfg, _ = open_any(folder)
+    cfg = cfg.replace(**config_overrides) if config_overrides else cfg
+    model = cls(cfg)
+    params = {p.name: p for p in model.get_parameters()}
+    for name, t in src.layout.tensors.items():
+        _assign(params[name], to_float32(src.read(name, full_slice(t.shape)), t.dtype))
+    return model
