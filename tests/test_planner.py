@@ -208,7 +208,8 @@ def test_cli_text_search_and_errors(capsys):
     assert code == 0 and out.out.startswith("layout: ") and "FITS" in out.out and "other layouts:" in out.out
     code, out = _cli(capsys, "--model", "deepseek-v2", "--npus", "64", "--seq-len", "4096", "--global-batch", "80",
                      "--dp", "8", "--tp", "3", "--pp", "1")
-    assert code == 1 and "parallel.tp: num_attention_heads=128 is not divisible by tp=3" in out.out
+    assert code == 2 and out.out == "" and out.err.startswith("ms-deepseek plan: error: invalid layout ")
+    assert "parallel.tp: num_attention_heads=128 is not divisible by tp=3" in out.err
     code, out = _cli(capsys, "--model", "deepseek-v2", "--npus", "64")
     assert code == 2 and out.err.strip() == "ms-deepseek plan: error: --seq-len: required (or pass --recipe)"
 

@@ -17,6 +17,7 @@ import time
 from typing import List, Optional, Tuple
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import host, non_negative_int, port, positive_float, positive_int
 from ms_deepseek.diagnostics import doctor_host, doctor_node  # noqa: F401  (register the checks)
 from ms_deepseek.diagnostics.doctor_core import (FAIL, LEVELS, PASS, REGISTRY, SKIP, WARN, Check, CheckResult,
                                            DoctorContext, checks_for_level, run_check)
@@ -31,16 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(run the same command on every node)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--checkpoint-dir", default="runs", help="where checkpoints will be written (free disk check)")
-    parser.add_argument("--need-gb", type=float, default=None, help="checkpoint space the run needs, GiB")
+    parser.add_argument("--need-gb", type=positive_float, default=None, help="checkpoint space the run needs, GiB")
     parser.add_argument("--requirements", default=None, help="pins file (default: the package's requirements.txt)")
-    parser.add_argument("--master-addr", default=None, help="level 16/64: IP or host name of node 0")
-    parser.add_argument("--master-port", type=int, default=8118, help="level 16/64: msrun scheduler port")
-    parser.add_argument("--node-rank", type=int, default=None, help="level 16/64: this node's rank")
+    parser.add_argument("--master-addr", type=host, default=None, help="level 16/64: IP or host name of node 0")
+    parser.add_argument("--master-port", type=port, default=8118, help="level 16/64: msrun scheduler port")
+    parser.add_argument("--node-rank", type=non_negative_int, default=None, help="level 16/64: this node's rank")
     parser.add_argument("--no-smoke", action="store_true", help="skip the 10-step tiny training run")
-    parser.add_argument("--bench-mb", type=float, default=64.0, help="all-reduce payload in MB (CPU: at most 8)")
-    parser.add_argument("--bench-workers", type=int, default=None,
+    parser.add_argument("--bench-mb", type=positive_float, default=64.0, help="all-reduce payload in MB (CPU: at most 8)")
+    parser.add_argument("--bench-workers", type=positive_int, default=None,
                         help="msrun workers per node for the bandwidth test (default: the NPUs, 2 on CPU)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the smoke run / msrun job")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds allowed for the smoke run / msrun job")
     parser.add_argument("--only", default=None, help="comma-separated check ids to run (see --list)")
     parser.add_argument("--list", action="store_true", help="list the check ids and exit")
 

@@ -32,6 +32,7 @@ import json
 from typing import List, Optional
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
-    parser.add_argument("--npus", type=int, help="number of NPUs (world size)")
-    parser.add_argument("--seq-len", type=int, help="training sequence length")
-    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
+    parser.add_argument("--seq-len", type=positive_int, help="training sequence length")
+    parser.add_argument("--global-batch", type=positive_int, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
     g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
-    g.add_argument("--dp", type=int)
-    g.add_argument("--tp", type=int)
-    g.add_argument("--pp", type=int)
-    g.add_argument("--ep", type=int)
-    g.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: all of a dp rank's)")
+    g.add_argument("--dp", type=positive_int)
+    g.add_argument("--tp", type=positive_int)
+    g.add_argument("--pp", type=positive_int)
+    g.add_argument("--ep", type=positive_int)
+    g.add_argument("--micro-batches", type=positive_int, help="pipeline micro-batches (default: all of a dp rank's)")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -61,11 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     m.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"),
                    help="parameter dtype (default: the model config's)")
-    m.add_argument("--capacity-factor", type=float,
+    m.add_argument("--capacity-factor", type=positive_float,
                    help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)")
-    m.add_argument("--grad-bytes", type=int, help="bytes per gradient element (default: the parameter's)")
-    m.add_argument("--optimizer-bytes", type=int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
-    m.add_argument("--master-bytes", type=int, default=0, help="extra master-weight bytes per element (default 0)")
+    m.add_argument("--grad-bytes", type=positive_int, help="bytes per gradient element (default: the parameter's)")
+    m.add_argument("--optimizer-bytes", type=positive_int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
+    m.add_argument("--master-bytes", type=non_negative_int, default=0, help="extra master-weight bytes per element (default 0)")
     m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1")
     m.add_argument("--lora-r", type=int, help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
                    "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r")
@@ -75,22 +76,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--flash-attention", action="store_true",
                    help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
-    h.add_argument("--hbm-gb", type=float, default=64.0)
-    h.add_argument("--peak-tflops", type=float, default=313.0)
+    h.add_argument("--hbm-gb", type=positive_float, default=64.0)
+    h.add_argument("--peak-tflops", type=positive_float, default=313.0)
     e = parser.add_argument_group("efficiencies: LOW,HIGH ends of the tokens/s range (docs/planner.md)")
     e.add_argument("--compute-efficiency", metavar="LOW[,HIGH]",
                    help="fraction of the peak achieved on executed FLOPs (default: calibrated, "
                         "costs.LOW / costs.HIGH)")
     e.add_argument("--comm-efficiency", metavar="LOW[,HIGH]", help="fraction of nominal link bandwidth achieved")
     e.add_argument("--overlap", metavar="LOW[,HIGH]", help="fraction of tp/ep communication hidden under compute")
-    h.add_argument("--hbm-tbps", type=float, default=1.6)
-    h.add_argument("--hccs-gbps", type=float, default=56.0, help="per peer inside a node")
-    h.add_argument("--roce-gbps", type=float, default=25.0, help="per NPU across nodes")
-    h.add_argument("--npus-per-node", type=int, default=8)
-    h.add_argument("--runtime-reserved-gb", type=float, default=3.0)
-    h.add_argument("--hccl-buffer-mb", type=float, default=200.0)
-    h.add_argument("--workspace-gb", type=float, default=1.0)
-    parser.add_argument("--top", type=int, default=5, help="layouts to list when searching")
+    h.add_argument("--hbm-tbps", type=positive_float, default=1.6)
+    h.add_argument("--hccs-gbps", type=positive_float, default=56.0, help="per peer inside a node")
+    h.add_argument("--roce-gbps", type=positive_float, default=25.0, help="per NPU across nodes")
+    h.add_argument("--npus-per-node", type=positive_int, default=8)
+    h.add_argument("--runtime-reserved-gb", type=positive_float, default=3.0)
+    h.add_argument("--hccl-buffer-mb", type=non_negative_float, default=200.0)
+    h.add_argument("--workspace-gb", type=positive_float, default=1.0)
+    parser.add_argument("--top", type=positive_int, default=5, help="layouts to list when searching")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -186,6 +187,12 @@ def _positive(args, *keys):
             raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
 
 
+def _refuse_invalid(result) -> None:
+    """An invalid layout is bad input (exit 2, on stderr), not an answer that does not fit."""
+    if result.problems:
+        raise UserError(f"invalid layout {result.layout.describe()}: " + "; ".join(result.problems))
+
+
 def run(args: argparse.Namespace) -> int:
     from ms_deepseek.parallel.costs import Workload
     from ms_deepseek.parallel.planner import estimate, search
@@ -195,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
     if args.recipe:
         result, recipe = _check_recipe(args, hw)
+        _refuse_invalid(result)
         if args.simulate:
             return _simulate(args, recipe, result)
         _emit(args, result, None)
@@ -210,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
         layout = _layout(args, args.npus, args.global_batch)
         result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
+        _refuse_invalid(result)
         _emit(args, result, None)
         return 0 if result.fits else 1
     ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top), progress=True)

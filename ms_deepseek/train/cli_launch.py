@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import check_output_dir, created_parents, host, positive_int, remove_empty_dirs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,21 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a recipe field (passed on to every worker; repeatable)")
     parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (msrun scheduler)")
+    parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
     parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
     parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
-    parser.add_argument("--cluster-time-out", type=int, default=600,
+    parser.add_argument("--cluster-time-out", type=positive_int, default=600,
                         help="seconds msrun waits for all workers to join (default 600)")
-    parser.add_argument("--hccl-connect-timeout", type=int, default=600,
+    parser.add_argument("--hccl-connect-timeout", type=positive_int, default=600,
                         help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default 600)")
-    parser.add_argument("--hccl-exec-timeout", type=int, default=1800,
+    parser.add_argument("--hccl-exec-timeout", type=positive_int, default=1800,
                         help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default 1800)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                         help="workers continue from the newest checkpoint, or from PATH")
     parser.add_argument("--force", action="store_true", help="run even if the planner says it does not fit")
-    parser.add_argument("--max-steps", type=int, default=None, help="passed on to train")
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
 
@@ -109,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_command(env, cmd), flush=True)
     if args.dry_run:
         return 0
+    _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
+    check_output_dir(run_dir, "run folder")
+    new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
     full_env = dict(os.environ, **env)
     full_env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full_env.get("PATH", "")
     # Workers must import this very package, installed or not.
@@ -123,5 +127,17 @@ def run(args: argparse.Namespace) -> int:
     if failure is not None:
         print(f"ms-deepseek launch: {failure}", file=sys.stderr)
     elif code != 0:
-        print(f"ms-deepseek launch: msrun exited with {code}; worker logs in {log_dir}", file=sys.stderr)
+        where = f"worker logs in {log_dir}" if log_dir.is_dir() else "msrun wrote no worker logs"
+        print(f"ms-deepseek launch: msrun exited with {code}; {where}", file=sys.stderr)
+    if code != 0:
+        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
     return code
+
+
+def _resolve_master(addr: str) -> None:
+    import socket
+
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as exc:
+        raise UserError(f"--master-addr: cannot resolve {addr!r} ({getattr(exc, 'strerror', None) or exc})") from None
