@@ -53,6 +53,19 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _close_progress_bars() -> None:
+    """Clear any live tqdm bar so the error line does not start with a bar fragment."""
+    tqdm_module = sys.modules.get("tqdm")
+    if tqdm_module is None:
+        return
+    for bar in list(getattr(tqdm_module.tqdm, "_instances", ())):
+        try:
+            bar.leave = False  # close() then erases the bar's line instead of keeping it
+            bar.close()
+        except Exception:  # noqa: BLE001  (a half-built bar must not hide the user's error)
+            pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
@@ -76,7 +89,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UserError as exc:
+        _close_progress_bars()
         print(f"ms-deepseek {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except RecursionError:  # a parser not routed through safe_io met a runaway-nested input
+        _close_progress_bars()
+        print(f"ms-deepseek {name}: error: an input file is nested too deeply to parse", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"ms-deepseek {name}: interrupted", file=sys.stderr)

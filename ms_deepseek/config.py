@@ -239,6 +239,10 @@ class DeepseekV2Config:
         return dataclasses.replace(self, **changes)
 
 
+_YARN_KEY_TYPES = {"factor": float, "original_max_position_embeddings": int, "beta_fast": float, "beta_slow": float,
+                   "mscale": float, "mscale_all_dim": float, "attention_factor": float, "truncate": bool}
+
+
 def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
     """Accept ``type`` or ``rope_type``; check the YaRN keys we need."""
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
@@ -250,6 +254,19 @@ def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
     for key in ("factor", "original_max_position_embeddings"):
         if key not in scaling:
             raise UserError(f"config rope_scaling.{key}: required for yarn")
+    # the inner keys are read as numbers inside RoPE: check them here, naming the key
+    for key, kind in _YARN_KEY_TYPES.items():
+        value = scaling.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if kind is bool else (
+            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        if not ok:
+            expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+            raise UserError(f"config rope_scaling.{key}: expected {expected}, got {value!r}")
+    if scaling["original_max_position_embeddings"] <= 0:
+        raise UserError("config rope_scaling.original_max_position_embeddings: must be > 0, got "
+                        f"{scaling['original_max_position_embeddings']}")
     if scaling["factor"] <= 0:
         raise UserError(f"config rope_scaling.factor: must be > 0, got {scaling['factor']}")
     out = {"type": "yarn"}

@@ -53,6 +53,10 @@ def context_from_args(args: argparse.Namespace, probe: Optional[SystemProbe] = N
         raise UserError(f"--bench-workers: must be >= 1, got {args.bench_workers}")
     if args.bench_mb <= 0:
         raise UserError(f"--bench-mb: must be > 0, got {args.bench_mb}")
+    if args.requirements:  # bad input, not a failed check: one line and exit 2 before any check runs
+        from ms_deepseek.diagnostics.pins import read_pins
+
+        read_pins(args.requirements)
     return DoctorContext(probe=probe or SystemProbe(), level=args.level, checkpoint_dir=args.checkpoint_dir,
                          need_gb=args.need_gb, requirements=args.requirements, master_addr=args.master_addr,
                          master_port=args.master_port, node_rank=args.node_rank, smoke=not args.no_smoke,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import regular_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DIST_NAME = "ms-deepseek"
@@ -65,9 +66,17 @@ def read_pins(path: Optional[str] = None) -> Tuple[str, Dict[str, Pin]]:
     """(where the pins came from, pins). Raises UserError when no source is found."""
     if path:
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise UserError(f"{path}: requirements file not found")
-        return str(p), parse_requirement_lines(p.read_text().splitlines())
+        regular_file(p, "requirements file")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"--requirements {path}: not a text requirements file (byte {exc.start} is not "
+                            "UTF-8)") from None
+        except OSError as exc:
+            raise UserError(f"--requirements {path}: cannot read ({exc.strerror or exc})") from None
+        return str(p), parse_requirement_lines(text.splitlines())
     local = REPO_ROOT / "requirements.txt"
     if local.is_file() and (REPO_ROOT / "setup.py").is_file():
         return str(local), parse_requirement_lines(local.read_text().splitlines())
