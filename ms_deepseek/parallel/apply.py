@@ -280,7 +280,9 @@ def pipeline_stage_config(applied: AppliedPlan, prefix: str = "") -> Dict[str, i
 def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan, model_prefix: str = ""):
     """``mindspore.parallel.nn.Pipeline`` over the loss network when pp > 1 (micro-batches and the
     plan's stage of every cell; ``model_prefix`` is the model's attribute path inside the loss
-    network), else the network itself. Ascend only."""
+    network), else the network itself. Ascend only. The step built around it must also hold the
+    ``accu_grads.*`` buffers the pipeline pass accumulates into
+    (:class:`ms_deepseek.train.step.PipelineGrads`, ``build_step(..., pipeline=True)``)."""
     if parallel.pp == 1:
         return net_with_loss
     from mindspore.parallel.nn import Pipeline
@@ -291,7 +293,8 @@ def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan,
 def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Optional[str] = None):
     """Ascend only (needs ``communication.init``): the outermost training cell (forward, gradients and
     optimizer update) in ``AutoParallel`` with sharding propagation from the plan's strategies,
-    optimizer sharding (``hsdp``), the 1F1B pipeline and the dataset strategy."""
+    optimizer sharding (``hsdp``), the 1F1B pipeline and the dataset strategy
+    (:func:`ms_deepseek.parallel.ranks.dataset_strategy`: what each rank really reads)."""
     from mindspore.parallel.auto_parallel import AutoParallel
 
     wrapped = AutoParallel(top_cell, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
