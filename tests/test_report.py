@@ -287,3 +287,19 @@ def test_real_tiny_training_run_produces_a_report(tmp_path):
         assert f'id="{pid}"' in page, pid
     assert "plot-expert-load-layer-" in page  # the tiny model has MoE layers
     assert isinstance(info["alerts"], list) and all(isinstance(a, Alert) for a in info["alerts"])
+
+
+def test_report_plots_validation_loss_and_samples_per_source(tmp_path):
+    records = synth_records(n=40, memory=False)
+    for r in records:
+        if r["step"] % 10 == 0:
+            r["val_loss"], r["val_ppl"] = r["loss"] + 0.3, math.exp(r["loss"] + 0.3)
+        r["samples_by_source"] = {"data/web": 6 * r["step"], "data/code": 2 * r["step"]}
+    generate(write_run(tmp_path / "run", records))
+    page = (tmp_path / "run" / "report.html").read_text()
+    loss_plot = page[page.index('id="plot-loss"'):page.index('id="plot-lr"')]
+    assert "validation loss" in loss_plot
+    assert 'id="plot-samples-by-source"' in page and "data/web" in page and "data/code" in page
+    generate(write_run(tmp_path / "plain", synth_records(n=40, memory=False)))
+    plain = (tmp_path / "plain" / "report.html").read_text()
+    assert "plot-samples-by-source" not in plain

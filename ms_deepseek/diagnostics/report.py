@@ -3,9 +3,9 @@
 Reads ``RUN_DIR/metrics.jsonl`` (tolerating a run that is still writing it),
 runs the alert rules of :mod:`ms_deepseek.diagnostics.alerts` over the whole file and
 writes one HTML file with the alerts at the top and inline SVG plots: loss (with
-a smoothed line), learning rate, gradient norm with its healthy band, tokens/s,
+a smoothed line and the validation loss when logged), learning rate, gradient norm with its healthy band, tokens/s,
 per-MoE-layer expert load heatmaps, dropped-token fraction, balance losses, and
-device memory / fragmentation when logged. Nothing is fetched when it is viewed.
+device memory / fragmentation and samples per data source (mixtures) when logged. Nothing is fetched when it is viewed.
 ``--watch N`` rewrites the page every N seconds (atomically) until interrupted.
 """
 
@@ -85,6 +85,7 @@ def build_plots(records) -> List[str]:
         Series("total loss (with balance losses)", ts, total, "#ff7f0e", 1.0, dash="4 3"),
         Series("loss", steps, loss, "#9ec5e8", 1.0),
         Series("loss (smoothed)", steps, ema(loss), "#1f77b4", 2.0),
+        Series("validation loss (held-out, eval mode)", *xy(records, "val_loss"), "#d62728", 2.0),
     ])))
     parts.append(render_chart(Chart("plot-lr", "Learning rate", [Series("lr", *xy(records, "lr"))])))
     parts.append(render_chart(Chart(
@@ -126,6 +127,20 @@ def build_plots(records) -> List[str]:
         Series("device", *xy(records, "balance_device")),
         Series("communication", *xy(records, "balance_comm")),
     ])))
+    sources = sorted({name for r in records for name in (r.get("samples_by_source") or {})
+                      if isinstance(r.get("samples_by_source"), dict)})
+    if sources:  # a weighted mixture: samples drawn from each source so far
+        series = []
+        for name in sources:
+            xs, ys = [], []
+            for r in records:
+                v = (r.get("samples_by_source") or {}).get(name) if isinstance(r.get("samples_by_source"), dict) \
+                    else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    xs.append(int(r.get("step", 0)))
+                    ys.append(float(v))
+            series.append(Series(name, xs, ys))
+        parts.append(render_chart(Chart("plot-samples-by-source", "Samples drawn per data source", series)))
     if any(number(r, "memory_allocated_gb") is not None or number(r, "memory_reserved_gb") is not None
            for r in records):
         parts.append(render_chart(Chart("plot-memory", "Device memory (GB)", [
