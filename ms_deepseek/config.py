@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 from ms_deepseek.schema import from_dict
 
 # Keys of HF config files that carry no information for this port (or are derived).
@@ -208,7 +209,7 @@ class DeepseekV2Config:
     def from_json(cls, path: Union[str, Path]) -> "DeepseekV2Config":
         path = Path(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json_loads(path.read_text(encoding="utf-8"), path)
         except FileNotFoundError:
             raise UserError(f"{path}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

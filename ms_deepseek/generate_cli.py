@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import yaml_load
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -93,7 +94,7 @@ def _recipe_tokenizer(recipe_path: Path):
     from ms_deepseek.schema import from_dict
 
     try:
-        recipe = yaml.safe_load(recipe_path.read_text(encoding="utf-8")) or {}
+        recipe = yaml_load(recipe_path.read_text(encoding="utf-8"), recipe_path) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"{recipe_path}: unreadable recipe ({str(exc).splitlines()[0]})") from None
     section = recipe.get("data") if isinstance(recipe, dict) else None

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 LAYOUT_FILE = "layout.json"
 FORMAT = "ms_deepseek.sharded"
@@ -286,7 +287,7 @@ def read_layout(folder: Path) -> ShardLayout:
     """``folder/layout.json``, checked for form; UserError naming the file."""
     path = Path(folder) / LAYOUT_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_loads(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
         raise UserError(f"{path}: missing (a sharded checkpoint folder holds rank_RRRRR/ folders and "
                         f"{LAYOUT_FILE})") from None

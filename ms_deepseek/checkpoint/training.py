@@ -34,6 +34,7 @@ from ms_deepseek.checkpoint.atomic import atomic_folder, fsync_tree, install, re
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
@@ -63,7 +64,7 @@ def is_complete(folder: Path) -> bool:
     if not all((folder / f).is_file() for f in COMMON_FILES):
         return False
     try:
-        world = int(json.loads((folder / LAYOUT_FILE).read_text())["world_size"])
+        world = int(json_loads((folder / LAYOUT_FILE).read_text(), folder / LAYOUT_FILE)["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return all((rank_dir(folder, r) / f).is_file() for r in range(world) for f in RANK_FILES)
@@ -191,7 +192,7 @@ def latest_in(folder: Path) -> Optional[Path]:
 
 def read_state(folder: Path) -> Dict:
     try:
-        return json.loads((Path(folder) / "state.json").read_text(encoding="utf-8"))
+        return json_loads((Path(folder) / "state.json").read_text(encoding="utf-8"), Path(folder) / "state.json")
     except (OSError, ValueError) as exc:
         raise UserError(f"{Path(folder) / 'state.json'}: unreadable ({exc})") from None
 

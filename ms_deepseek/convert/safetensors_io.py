@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 DTYPE_SIZES: Dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -85,7 +86,7 @@ def read_header(path: Path) -> FileHeader:
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json_loads(raw.decode("utf-8"), f"{path} (safetensors header)")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
     if not isinstance(header, dict):

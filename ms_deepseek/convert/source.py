@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 from ms_deepseek.config import DeepseekV2Config
 from ms_deepseek.convert.safetensors_io import FileHeader, TensorInfo, read_header
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -58,7 +59,7 @@ def _is_local_name(rel: str) -> bool:
 def _read_index(folder: Path, index_path: Path) -> Dict[str, Path]:
     """weight_map of the index: tensor name -> shard path (checked to exist inside ``folder``)."""
     try:
-        data = json.loads(index_path.read_text(encoding="utf-8"))
+        data = json_loads(index_path.read_text(encoding="utf-8"), index_path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{index_path}: not a readable JSON index ({exc})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -130,7 +131,7 @@ def read_jsonl(path: Path, fmt: str) -> Iterator[Tuple[str, Document]]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                record = json_loads(line, where)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
             yield where, _record_to_doc(where, record, fmt)

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 META_NAME = "meta.json"
 LENGTHS_NAME = "lengths.npy"
@@ -156,7 +157,7 @@ def load_meta(folder: Union[str, Path], key: str = "data.path") -> Dict:
         raise UserError(f"{key}: {folder} has no {META_NAME}; it is not a folder written by "
                         "`ms-deepseek prepare-data`")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json_loads(path.read_text(encoding="utf-8"), path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: unreadable ({exc})") from None
     for field in ("format", "seq_len", "counts", "files", "tokenizer"):

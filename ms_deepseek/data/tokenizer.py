@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 # Special-token names tried when tokenizer_config.json does not name them.
 _BOS_NAMES = ("<｜begin▁of▁sentence｜>", "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
@@ -104,7 +105,7 @@ class HFTokenizer(Tokenizer):
         cfg_path = path.parent / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
-                config = json.loads(cfg_path.read_text(encoding="utf-8"))
+                config = json_loads(cfg_path.read_text(encoding="utf-8"), cfg_path)
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise UserError(f"{cfg_path}: not readable JSON ({exc})") from None
             if not isinstance(config, dict):

@@ -55,6 +55,7 @@ class MetricsFile:
     records: List[Dict[str, Any]] = field(default_factory=list)
     skipped_lines: List[int] = field(default_factory=list)  # 1-based numbers of unreadable lines
     truncated_tail: bool = False  # the last line was cut off (run still writing, or crashed mid-write)
+    problems: List[str] = field(default_factory=list)  # "FILE:LINE: why" of every skipped line, for warnings
 
 
 def read_metrics(path) -> MetricsFile:
@@ -77,11 +78,22 @@ def read_metrics(path) -> MetricsFile:
             record = json.loads(line)
             if not isinstance(record, dict) or "step" not in record:
                 raise ValueError("not a step record")
-        except ValueError:
+        except (ValueError, RecursionError) as exc:
             if i == last_index and not text.endswith("\n"):
                 result.truncated_tail = True
             else:
                 result.skipped_lines.append(i + 1)
+                why = "nested too deeply" if isinstance(exc, RecursionError) else \
+                    "not a step record" if str(exc) == "not a step record" else "not JSON"
+                result.problems.append(f"{path}:{i + 1}: {why}; line skipped")
             continue
+        step = record["step"]
+        # every consumer orders and plots by step: a record without a whole-number step is unusable
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+                or step < 0 or step != int(step):
+            result.skipped_lines.append(i + 1)
+            result.problems.append(f"{path}:{i + 1}: step {step!r} is not a whole number >= 0; line skipped")
+            continue
+        record["step"] = int(step)
         result.records.append(normalize_record(record))
     return result

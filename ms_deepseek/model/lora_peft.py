@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -106,7 +107,7 @@ def read_config(folder: Path) -> Dict:
     if not Path(folder).is_dir():
         raise UserError(f"{folder}: no such adapter folder")
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg = json_loads(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
         raise UserError(f"{folder}: not a PEFT adapter folder (no {CONFIG_NAME})") from None
     except (OSError, ValueError) as exc:

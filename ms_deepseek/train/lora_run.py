@@ -20,6 +20,7 @@ import numpy as np
 import yaml
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import yaml_load
 
 BASE_DIR = "base"
 _SF_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -123,7 +124,7 @@ def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
     """(lora section, model section) of the recipe a checkpoint was trained with."""
     path = ckpt / "recipe.yaml"
     try:
-        recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        recipe = yaml_load(path.read_text(encoding="utf-8"), path) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"{path}: cannot read the run's recipe ({exc})") from None
     section = recipe.get("lora")

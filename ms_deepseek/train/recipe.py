@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Union
@@ -31,6 +30,7 @@ import yaml
 from ms_deepseek.config import DeepseekV2Config, load_model_config
 from ms_deepseek.data.config import DataConfig
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import json_loads, yaml_load
 from ms_deepseek.parallel.config import ParallelConfig
 from ms_deepseek.schema import apply_overrides, from_dict, to_dict
 
@@ -256,7 +256,7 @@ def effective_seq_len(data: DataConfig) -> int:
         return data.embedded_seq_len
     meta = Path(data.primary_path).expanduser() / "meta.json"  # a mixture's sources must agree (checked at build)
     try:
-        value = json.loads(meta.read_text(encoding="utf-8")).get("seq_len")
+        value = json_loads(meta.read_text(encoding="utf-8"), meta).get("seq_len")
     except (OSError, ValueError, AttributeError):
         value = None
     if not isinstance(value, int):
@@ -342,6 +342,14 @@ def validate(recipe: Recipe, planning: bool = False) -> None:
                         "fraction of the training data held out: data.validation.fraction=0.02)")
     if planning and data.path is not None and not Path(data.primary_path).expanduser().is_dir():
         return
+    # every folder the run will read exists (launch checks this once instead of failing in N workers)
+    folders = [(f"data.path[{i}]", s.path) for i, s in enumerate(data.sources)] if isinstance(data.path, list) else []
+    if data.validation is not None and data.validation.path is not None:
+        folders.append(("data.validation.path", data.validation.path))
+    for key, folder in folders:
+        if not (Path(folder).expanduser() / "meta.json").is_file():
+            raise UserError(f"{key}: {folder} is not a prepared folder (no meta.json; prepare it with "
+                            "`ms-deepseek prepare-data`)")
     key, vocab = _tokenizer_vocab(data)
     if vocab > cfg.vocab_size:
         raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
@@ -377,7 +385,7 @@ def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (), planning:
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read recipe ({exc})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text, path)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
