@@ -238,3 +238,35 @@ def test_saved_recipe_round_trips_with_and_without_lora():
     with_lora = load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": {"r": 4}})
     assert load_recipe_dict(yaml.safe_load(with_lora.to_yaml())).lora == with_lora.lora
     assert load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": None}).lora.r == 8  # "lora:" = defaults
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(dp=4, tp=2, ep=4, optimizer_shard=True, sequence_parallel=True),
+                                    dict(dp=2, tp=2, pp=2, ep=2, micro_batches=4)])
+def test_adapters_shard_with_their_base_layers(layout):
+    """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
+    that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
+    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.model import lora
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.parallel.config import ParallelConfig
+
+    cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
+    model = DeepseekV2ForCausalLM(cfg)
+    lora.add_adapters(model, lora.AdapterSpec(r=4, alpha=8, target_modules=[
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    par = ParallelConfig(**layout)
+    applied = apply_plan(model, par, cfg)
+    tp, ep = par.tp, par.ep
+    lay = applied.param_layouts
+    assert lay["model.layers.0.self_attn.kv_b_proj.lora_A.weight"] == (1, 1)      # colwise: in whole
+    assert lay["model.layers.0.self_attn.kv_b_proj.lora_B.weight"] == (tp, 1)     # out split as the weight
+    assert lay["model.layers.0.self_attn.o_proj.lora_A.weight"] == (1, tp)        # rowwise: in split
+    assert lay["model.layers.0.self_attn.o_proj.lora_B.weight"] == (1, 1)
+    assert lay["model.layers.1.mlp.experts.gate_proj.lora_B.weight"] == (ep, tp, 1)
+    assert lay["model.layers.1.mlp.experts.down_proj.lora_A.weight"] == (ep, 1, tp)
+    adapters = [n for n in lay if ".lora_" in n]
+    assert len(adapters) == sum(".lora_" in p.name for p in model.get_parameters())
+    prims = [p for p in applied.strategies if "lora" in p]
+    assert any(p.endswith("experts.gate_lora_b_bmm") for p in prims)
+    assert any(p.endswith("o_proj.lora_a_matmul") for p in prims)
