@@ -228,7 +228,8 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         return StyleSpec(prims={"": (((dp, 1, 1),), None)}, is_primitive=True)
     if style == "dispatch_gather":
         # Gather(batch_dims=1)(padded tokens [G, N+1, H], dispatch_index [G, E, C], axis 1): local per
-        # group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy).
+        # group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy). Legal in MindSpore's
+        # gather_info.cc BatchImpl (batch_dims > 0): the gather axis unsplit, equal batch-dim splits.
         return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
     if style == "moe_exchange":
         # Transpose (2, 1, 0, 3, 4) of [ep, G/ep, E, C, H] (to_experts) or [E, G/ep, ep, C, H]
@@ -237,7 +238,8 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         inner = dp // ep if dp % ep == 0 else 1
         return StyleSpec(prims={"": (((ep, inner, 1, 1, 1),), None)}, is_primitive=True)
     if style == "combine_gather":
-        # Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1): local per group.
+        # Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1): local per group
+        # (BatchImpl as for dispatch_gather).
         return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
     if style == "placement_table":
         # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
