@@ -337,3 +337,84 @@ def test_from_pretrained_reads_a_sharded_checkpoint(pristine):
     assert a.keys() == b.keys()
     for name in b:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def write_strategy(path: Path, entries) -> None:
+    """A MindSpore strategy file (the protobuf Ascend runs write) with (name, dev_matrix, tensor_map) entries."""
+    from mindspore.train.node_strategy_pb2 import ParallelStrategyMap
+
+    m = ParallelStrategyMap()
+    m.current_stage = 0
+    for name, dev, tmap in entries:
+        item = m.parallel_layout_item.add()
+        item.param_name = name
+        lay = item.parallel_layouts
+        lay.dev_matrix.add().dim.extend(dev)
+        lay.tensor_map.add().dim.extend(tmap)
+        lay.field, lay.opt_weight_shard_step, lay.opt_weight_shard_size = 0, 0, 0
+    path.write_bytes(m.SerializeToString())
+
+
+def test_strategy_files_must_agree_with_the_layout_file(pristine, tmp_path, capsys):
+    """Rank folders carrying MindSpore strategy files merge when they agree with layout.json; a strategy that
+    splits a tensor otherwise stops the merge with one line naming the file and the tensor."""
+    src = broken_copy(pristine, tmp_path)
+    layout = read_layout(src)
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    experts = "model.layers.1.mlp.experts.down_proj.weight"
+    for rank in range(layout.world_size):
+        write_strategy(src / f"rank_{rank:05d}" / "strategy.ckpt",
+                       [(n, layout.tensors[n].dev_matrix, layout.tensors[n].tensor_map) for n in (o_proj, experts)]
+                       + [("adam_m." + o_proj, layout.tensors[o_proj].dev_matrix, layout.tensors[o_proj].tensor_map)])
+    code, out = run_cli(["convert", "ms-to-hf", str(src), str(tmp_path / "ok"), "--no-progress",
+                         "--shard-size", "30KB"], capsys)
+    assert code == 0, out.err
+    same_folders(tmp_path / "ok", pristine / "hf_whole")
+    # rank 3 was compiled with o_proj split on its rows instead of its input axis
+    write_strategy(src / "rank_00003" / "strategy.ckpt", [(o_proj, (2, 2, 1), (1, -1))])
+    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
+            r"rank_00003/strategy\.ckpt: tensor model\.layers\.0\.self_attn\.o_proj\.weight has dev_matrix "
+            r"\[2, 2, 1\] tensor_map \[1, -1\]; layout\.json says")
+
+
+def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
+    """A placement permutes the stacked experts into buffer order in the live model; what is saved is in
+    expert (HF) order, and restoring a whole checkpoint puts the buffer order back."""
+    import mindspore as ms
+
+    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.parallel.apply import apply_plan
+
+    cfg = small_config()
+    ms.set_seed(0)
+    model = DeepseekV2ForCausalLM(cfg)
+    before = {n: p.asnumpy().copy() for n, p in model_tensors(model).items()}
+    applied = apply_plan(model, ParallelConfig(dp=2, ep=2, expert_placement=[1, 0, 1, 0, 0, 1, 1, 0]), cfg)
+    name = "model.layers.1.mlp.experts.up_proj.weight"
+    live = model_tensors(model)
+    assert not np.array_equal(live[name].asnumpy(), before[name])  # buffer order in the model
+    saved = hf_ordered(live, applied)
+    for n in before:
+        np.testing.assert_array_equal(saved[n].asnumpy(), before[n], err_msg=n)
+
+    class Saved(WholeSource):  # the saved tensors as a source, without a file
+        def __init__(self):
+            self.tensors, self.folder = {}, "saved"
+
+        def has(self, n):
+            return n in saved
+
+        def dtype(self, n):
+            return "F32"
+
+        def read(self, n, sl):
+            return saved[n].asnumpy()[tuple(slice(a, b) for a, b in sl)]
+
+    for p in live.values():
+        p.set_data(ms.Tensor(np.zeros(p.shape, np.float32)))
+    restore_into(live, Saved(), "model", applied=applied)
+    np.testing.assert_array_equal(live[name].asnumpy(), hf_ordered({name: live[name]}, applied)[name].asnumpy()[
+        applied.expert_orders["model.layers.1.mlp.experts"]])
+    np.testing.assert_array_equal(hf_ordered(live, applied)[name].asnumpy(), before[name])
