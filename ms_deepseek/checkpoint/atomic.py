@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import check_output_dir, is_inside
 
 PARTIAL = ".partial-"
 OLD = ".old-"
@@ -45,9 +47,12 @@ def fsync_tree(folder: Path) -> None:
 
 
 def check_destination(src: Optional[Path], dst: Path, overwrite: bool) -> None:
-    """Refuse a destination that is the source, holds it, is a file, or is a non-empty folder without overwrite."""
+    """Refuse a destination that is the source, holds it, lies inside it, is a file, is a non-empty folder
+    without overwrite, or cannot be written."""
     if src is not None and os.path.realpath(src) == os.path.realpath(dst):
         raise UserError(f"{dst}: the destination is the source folder")
+    if src is not None and is_inside(dst, src):  # the output would pollute (and be read back as) the source
+        raise UserError(f"{dst}: the destination lies inside the source folder {src}; choose a folder outside it")
     if dst.is_symlink() or dst.exists():
         if not dst.is_dir() or dst.is_symlink():
             raise UserError(f"{dst}: destination exists and is not a folder")
@@ -57,6 +62,7 @@ def check_destination(src: Optional[Path], dst: Path, overwrite: bool) -> None:
             real_dst = os.path.realpath(dst)
             if src is not None and os.path.commonpath([real_dst, os.path.realpath(src)]) == real_dst:
                 raise UserError(f"{dst}: destination holds the source folder; refusing to overwrite it")
+    check_output_dir(dst, "destination folder")
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -100,8 +106,49 @@ def install(tmp: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _owner_tag() -> str:
+    # host and pid of the writer, so a later writer can tell a crashed one's leftovers from a live one's
+    host = socket.gethostname().split(".")[0].replace("-", "_") or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(dst: Path) -> list:
+    """Remove ``.<dst name>.partial-<host>-<pid>-<id>`` folders whose writer (on this host) is gone: what a
+    conversion or save killed with SIGKILL left behind. Live writers' and other hosts' folders are kept."""
+    dst = Path(dst)
+    removed = []
+    prefix = f".{dst.name}{PARTIAL}"
+    host = _owner_tag().rsplit("-", 1)[0]
+    try:
+        children = list(dst.parent.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if not child.name.startswith(prefix) or not child.is_dir() or child.is_symlink():
+            continue
+        parts = child.name[len(prefix):].split("-")
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        if int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1])):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
 def temporary_sibling(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}{PARTIAL}{uuid.uuid4().hex[:12]}"
+    """A fresh temporary sibling of ``dst``; stale ones of the same destination are removed first."""
+    remove_stale_partials(dst)
+    return dst.parent / f".{dst.name}{PARTIAL}{_owner_tag()}-{uuid.uuid4().hex[:12]}"
 
 
 @contextlib.contextmanager

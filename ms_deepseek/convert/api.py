@@ -30,6 +30,7 @@ from ms_deepseek.convert.plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
 from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, read_header, write_file
 from ms_deepseek.convert.source import INDEX_NAME, Checkpoint, open_checkpoint
 from ms_deepseek.errors import UserError
+from ms_deepseek.safe_io import created_parents, remove_empty_dirs
 
 # Files carried along from the source folder when present (tokenizer, generation defaults).
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -147,6 +148,7 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[Checkpoint],
     _check_workers(workers)
     plan = shard(plan_fn(ckpt), parse_size(shard_size))
     _check_destination(src, dst, overwrite)
+    new_dirs = created_parents(dst)  # removed again if the conversion fails
     dst.parent.mkdir(parents=True, exist_ok=True)
     n = len(plan.shards)
     file_names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -181,6 +183,7 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[Checkpoint],
         _install(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty_dirs(new_dirs)
         raise
     return ConvertResult(dst=dst, files=file_names, num_tensors=plan.num_tensors, total_bytes=plan.total_bytes,
                          seconds=time.perf_counter() - start)

@@ -42,7 +42,7 @@ import numpy as np
 
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.config import DataConfig
-from ms_deepseek.data.storage import DestinationRaced, find_meta, load_meta, shard_paths
+from ms_deepseek.data.storage import DestinationRaced, find_meta, load_lengths, load_meta, shard_paths
 from ms_deepseek.errors import UserError
 
 
@@ -135,7 +135,7 @@ class TrainDataset:
         self.seed, self.shuffle, self.num_workers = seed, shuffle, num_workers
         self.pad_id = int(meta["tokenizer"]["pad_id"])
         self.files = shard_paths(data_dir, meta)
-        self.lengths = np.load(data_dir / meta.get("lengths_file", "lengths.npy"))
+        self.lengths = load_lengths(data_dir, meta)
         # data.validation.fraction: this folder's last samples are held out and never trained on
         self.holdout, self.order_key = holdout_count(int(self.lengths.size), holdout_fraction), tuple(order_key)
         self.lengths = self.lengths[:self.lengths.size - self.holdout]

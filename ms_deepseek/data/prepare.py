@@ -95,6 +95,18 @@ def _summary(stats: PackStats, writer: ShardWriter, seconds: float) -> str:
             f"in {seconds:.1f} s")
 
 
+def _check_inputs_apart(inputs, output) -> None:
+    """--output must neither hold an INPUT (--overwrite would delete it) nor lie inside one (the shards
+    would be read back as input by the next run over that folder)."""
+    from ms_deepseek.safe_io import is_inside
+
+    for item in inputs:
+        if is_inside(item, output):
+            raise UserError(f"--output {output}: holds the input {item}; choose an output folder outside the inputs")
+        if Path(item).is_dir() and is_inside(output, item):
+            raise UserError(f"--output {output}: lies inside the input folder {item}; choose a folder outside it")
+
+
 def prepare_data(inputs: Sequence[Union[str, Path]], output: Union[str, Path], tokenizer: Union[str, Path],
                  seq_len: int, fmt: str = "pretrain", num_shards: int = 1, overwrite: bool = False,
                  progress: bool = True) -> Tuple[Dict, str]:
@@ -106,6 +118,7 @@ def prepare_data(inputs: Sequence[Union[str, Path]], output: Union[str, Path], t
     _check_seq_len(seq_len)
     if fmt not in ("pretrain", "sft"):
         raise UserError(f"--format: must be 'pretrain' or 'sft', got {fmt!r}")
+    _check_inputs_apart(inputs, output)
     tok = load_tokenizer(tokenizer)
     files = discover_files(inputs)
     stats = PackStats()

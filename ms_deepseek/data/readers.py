@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.safe_io import json_loads, regular_file
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -46,6 +46,8 @@ def discover_files(inputs: Sequence[Union[str, Path]]) -> List[Path]:
                     continue
                 if f.is_file():
                     files.append(f)
+        elif p.exists():
+            regular_file(p, "input file")  # a FIFO, socket or device: refused with what it is
         else:
             raise UserError(f"{p}: no such file or folder")
     if not files:
@@ -70,6 +72,11 @@ def _utf8_error(path: Path, data: bytes, exc: UnicodeDecodeError, line_offset: i
 def _text(where: str, value: Any, key: str) -> str:
     if not isinstance(value, str):
         raise UserError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+    try:  # JSON may escape a lone surrogate ("\ud800"): not text any tokenizer can take
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(f"{where}: {key!r} holds a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
+                        f"{exc.start}; not valid Unicode text") from None
     return value
 
 

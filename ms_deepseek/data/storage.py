@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.safe_io import (check_output_dir, confined, created_parents, json_loads, regular_file,
+                                 remove_empty_dirs)
 
 META_NAME = "meta.json"
 LENGTHS_NAME = "lengths.npy"
@@ -56,6 +57,7 @@ def check_destination(output: Path, overwrite: bool) -> None:
         raise UserError(f"{output}: exists and is not a folder")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise UserError(f"{output}: folder is not empty (use --overwrite to replace it)")
+    check_output_dir(output, "--output folder")
 
 
 class ShardWriter:
@@ -74,6 +76,7 @@ class ShardWriter:
             raise UserError(f"--num-shards: must be between 1 and 1000, got {num_shards}")
         check_destination(self.output, overwrite)
         self.overwrite = overwrite
+        self._new_dirs = created_parents(self.output)  # removed again unless the folder is installed
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.tmp-", dir=self.output.parent))
         self.num_shards = num_shards
@@ -98,6 +101,7 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self._installed:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_empty_dirs(self._new_dirs)
 
     def write(self, row: dict) -> None:
         shard = self._rows % self.num_shards
@@ -165,10 +169,33 @@ def load_meta(folder: Union[str, Path], key: str = "data.path") -> Dict:
             raise UserError(f"{path}: missing '{field}'")
     if meta.get("version") != META_VERSION:
         raise UserError(f"{path}: version {meta.get('version')!r} is not {META_VERSION}; re-run prepare-data")
+    if not isinstance(meta["files"], list):
+        raise UserError(f"{path}: 'files' must be a list of shard file names")
+    # the names inside meta.json stay inside the folder (no /etc/passwd, no ../other)
+    for name in meta["files"]:
+        confined(folder, name, f"{path}: files")
+    confined(folder, meta.get("lengths_file", LENGTHS_NAME), f"{path}: lengths_file")
     missing = [f for f in meta["files"] + [meta.get("lengths_file", LENGTHS_NAME)] if not (folder / f).is_file()]
     if missing or not meta["files"]:
         raise UserError(f"{path}: shard file(s) missing: {', '.join(missing) or 'none listed'}")
     return meta
+
+
+def load_lengths(folder: Union[str, Path], meta: Dict) -> np.ndarray:
+    """The per-sample token counts named by ``meta['lengths_file']``: a 1-D integer array read without
+    pickle (a pickled .npy could run code), from inside ``folder`` only."""
+    folder = Path(folder).expanduser()
+    path = regular_file(confined(folder, meta.get("lengths_file", LENGTHS_NAME),
+                                 f"{folder / META_NAME}: lengths_file"), "lengths file")
+    try:
+        lengths = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise UserError(f"{path}: not a plain .npy array of sample lengths ({str(exc).splitlines()[0][:160]})") \
+            from None
+    if not isinstance(lengths, np.ndarray) or lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+        raise UserError(f"{path}: expected a 1-D integer array of sample lengths, got "
+                        f"{getattr(lengths, 'dtype', type(lengths))} {getattr(lengths, 'shape', '')}")
+    return lengths
 
 
 def shard_paths(folder: Union[str, Path], meta: Dict) -> List[str]:

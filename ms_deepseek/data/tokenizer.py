@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.safe_io import json_loads, regular_file
 
 # Special-token names tried when tokenizer_config.json does not name them.
 _BOS_NAMES = ("<｜begin▁of▁sentence｜>", "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
@@ -205,7 +205,7 @@ def find_tokenizer_file(path: Union[str, Path]) -> Path:
         raise UserError(f"{p}: no tokenizer.json or tokenizer.model in this folder")
     if not p.exists():
         raise UserError(f"{p}: tokenizer not found (no such file or folder)")
-    return p
+    return regular_file(p, "tokenizer file")  # a FIFO would block the open below forever
 
 
 def load_tokenizer(path: Union[str, Path]) -> Tokenizer:

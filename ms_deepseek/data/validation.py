@@ -28,7 +28,7 @@ import numpy as np
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.config import DataConfig
 from ms_deepseek.data.dataset import (check_same_preparation, checked_meta, holdout_count, source_folders)
-from ms_deepseek.data.storage import shard_paths
+from ms_deepseek.data.storage import load_lengths, shard_paths
 from ms_deepseek.errors import UserError
 
 
@@ -41,7 +41,7 @@ class ValidationSet:
 
 
 def _lengths(folder: Path, meta: Dict) -> np.ndarray:
-    return np.load(folder / meta.get("lengths_file", "lengths.npy"))
+    return load_lengths(folder, meta)
 
 
 def _read(folder: Path, meta: Dict, indices: np.ndarray, seq_len: int, pad_id: int):
