@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -198,7 +199,7 @@ def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str,
     alerts = scan(metrics.records)
     out = Path(output) if output else run_dir / "report.html"
     write_atomic(out, render_page(run_dir, metrics, alerts, refresh))
-    return {"output": out, "records": len(metrics.records), "alerts": alerts}
+    return {"output": out, "records": len(metrics.records), "alerts": alerts, "problems": metrics.problems}
 
 
 def watch(run_dir, output=None, seconds: float = 30.0, iterations: Optional[int] = None, echo=print) -> int:
@@ -233,7 +234,12 @@ def run(args: argparse.Namespace) -> int:
             return watch(args.run_dir, args.output, args.watch, echo=lambda s: print(s, flush=True))
         except KeyboardInterrupt:
             return 0
+    from ms_deepseek.safe_io import check_output_file
+
+    check_output_file(args.output or Path(args.run_dir) / "report.html", "report")  # before reading anything
     info = generate(args.run_dir, args.output)
+    for problem in info.get("problems", ()):
+        print(f"warning: {problem}", file=sys.stderr)
     for alert in info["alerts"]:
         print(alert)
     print(f"wrote {info['output']}: {info['records']} records, {len(info['alerts'])} alert(s)")

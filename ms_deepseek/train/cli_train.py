@@ -37,6 +37,41 @@ def default_run_dir(recipe_path: str) -> Path:
     return Path("runs") / Path(recipe_path).stem
 
 
+def _snapshot(run_dir: Path):
+    """What exists before the run: (new parent folders, run folder existed, its top-level entries, metrics stat)."""
+    from ms_deepseek.safe_io import created_parents
+
+    metrics = run_dir / "metrics.jsonl"
+    stat = metrics.stat() if metrics.is_file() else None
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    return created_parents(run_dir / "x"), run_dir.is_dir(), entries, stat and (stat.st_size, stat.st_mtime_ns)
+
+
+def _remove_leftovers(run_dir: Path, before) -> None:
+    """A refused run (bad checkpoint, bad data, ...) leaves nothing behind: the folders it created
+    (logs/, tb/, an empty checkpoints/, the run folder itself) go, as long as it trained nothing."""
+    import shutil
+
+    from ms_deepseek.safe_io import remove_empty_dirs
+
+    new_dirs, existed, entries, metrics = before
+    now = run_dir / "metrics.jsonl"
+    stat = now.stat() if now.is_file() else None
+    if (stat and (stat.st_size, stat.st_mtime_ns)) != metrics:
+        return  # this attempt logged steps: keep what it wrote
+    ckpts = run_dir / "checkpoints"
+    if "checkpoints" not in entries and ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        return
+    if not run_dir.is_dir():
+        return
+    for child in run_dir.iterdir():
+        if child.name not in entries:
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else \
+                child.unlink(missing_ok=True)
+    if not existed:
+        remove_empty_dirs(new_dirs)
+
+
 def run(args: argparse.Namespace) -> int:
     from ms_deepseek.errors import UserError
     from ms_deepseek.train.recipe import load_recipe
@@ -45,10 +80,18 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
     run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
+    from ms_deepseek.safe_io import check_output_dir
+
+    check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
     from ms_deepseek.train.trainer import train
 
-    result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
-                   max_steps=args.max_steps)
+    before = _snapshot(run_dir)
+    try:
+        result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
+                       max_steps=args.max_steps)
+    except UserError:
+        _remove_leftovers(run_dir, before)
+        raise
     if result.complete:
         print(f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
               "nothing to do (raise train.steps with --set train.steps=N to train further)", flush=True)
