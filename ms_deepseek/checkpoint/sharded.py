@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -312,9 +311,3 @@ def _check_strategy_files(folder: Path, layout: ShardLayout) -> None:
 
 def describe_source(folder: Path) -> str:
     return "sharded" if (Path(folder) / LAYOUT_FILE).is_file() else "whole"
-
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start

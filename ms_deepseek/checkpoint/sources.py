@@ -63,6 +63,7 @@ def pread_rows(info: TensorInfo, lo: int, hi: int, out: Optional[np.ndarray] = N
     row = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
     if out is None:
         out = np.empty((hi - lo,) + tuple(info.shape[1:]), dtype=RAW_DTYPES[info.dtype])
+    # [rows, ...] -> [rows * ... * itemsize] bytes of the same buffer: preadv fills the array in place
     buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
     done, want = 0, (hi - lo) * row
     with open(info.file, "rb", buffering=0) as f:

@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.checkpoint.atomic import atomic_folder, fsync_tree, install, remove_partials, temporary_sibling
+from ms_deepseek.checkpoint.atomic import atomic_folder, fsync_tree, install, remove_partials
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
 from ms_deepseek.errors import UserError
@@ -221,7 +221,3 @@ def open_resume_sources(folder: Path, cfg):
         src.hf = False
         out.append(src)
     return tuple(out)
-
-
-__all__ = ["CheckpointManager", "is_complete", "latest_in", "read_state", "resolve_resume", "save_sharded",
-           "step_dir_name", "rank_dir", "temporary_sibling"]

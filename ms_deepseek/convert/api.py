@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Union
 
 from ms_deepseek.checkpoint.atomic import check_destination, fsync_path, install, temporary_sibling
 from ms_deepseek.convert.plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
