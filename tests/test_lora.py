@@ -270,3 +270,24 @@ def test_adapters_shard_with_their_base_layers(layout):
     prims = [p for p in applied.strategies if "lora" in p]
     assert any(p.endswith("experts.gate_lora_b_bmm") for p in prims)
     assert any(p.endswith("o_proj.lora_a_matmul") for p in prims)
+
+
+def test_a_lone_routed_gate_adapter_is_exported_with_a_zero_up_partner(tmp_path):
+    """PEFT on transformers 5 fuses gate/up_proj and refuses half a pair: the export adds B = 0 partners."""
+    import yaml
+
+    from ms_deepseek.train.lora_run import checkpoint_adapter
+
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    shutil.copy(FIX / "base" / "config.json", step / "config.json")
+    rng = np.random.default_rng(0)
+    save_file({"model.layers.1.mlp.experts.gate_proj.lora_A.weight": rng.normal(size=(4, 2, 32)).astype(np.float32),
+               "model.layers.1.mlp.experts.gate_proj.lora_B.weight": rng.normal(size=(4, 16, 2)).astype(np.float32)},
+              str(step / "model.safetensors"))
+    (step / "recipe.yaml").write_text(yaml.safe_dump({"lora": {"r": 2, "alpha": 4.0,
+                                                               "target_modules": ["experts.gate_proj"]}}))
+    tensors, config = checkpoint_adapter(step, FIX / "base")
+    assert config["target_modules"] == ["gate_proj", "up_proj"] and len(tensors) == 16
+    up_b = tensors["base_model.model.model.layers.1.mlp.experts.3.up_proj.lora_B.weight"]
+    assert up_b.shape == (16, 2) and not up_b.any()

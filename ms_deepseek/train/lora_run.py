@@ -183,17 +183,39 @@ def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], D
                             "not a LoRA checkpoint")
     if not targets:
         raise UserError(f"{ckpt / 'model.safetensors'}: holds no LoRA adapter")
+    _pair_gate_up(tensors, targets)
     # PEFT refuses lora_dropout on parameter-targeted (fused-expert) adapters; dropout only acts in training.
     dropout = 0.0 if routed else lora_cfg.dropout
     config = adapter_config(lora_cfg.r, lora_cfg.alpha, dropout, sorted(targets), str(base), has_router)
     return tensors, config
 
 
+def _pair_gate_up(tensors: Dict[str, np.ndarray], targets: set) -> None:
+    """A routed-expert adapter on gate_proj alone (or up_proj alone) gets an all-zero partner (B = 0:
+    no change to the model), because PEFT on transformers 5 fuses the two into gate_up_proj and
+    refuses half a pair."""
+    import re
+
+    have: Dict[Tuple[str, str], Dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        m = re.match(r"^(.*\.mlp\.experts\.\d+)\.(gate|up)_proj\.(lora_[AB])\.weight$", name)
+        if m:
+            have.setdefault((m.group(1), m.group(2)), {})[m.group(3)] = value
+    for (expert, proj), ab in list(have.items()):
+        other = "up" if proj == "gate" else "gate"
+        if (expert, other) not in have:
+            # gate and up have the same shapes [I, H]: A [r, H] and B [I, r] of the same sizes
+            for which in ("lora_A", "lora_B"):
+                tensors[f"{expert}.{other}_proj.{which}.weight"] = np.zeros_like(ab[which])
+            targets.add(f"{other}_proj")
+
+
 def compatibility_notes(tensor_names) -> List[str]:
     """What PEFT 0.21 on transformers >= 5 will not apply (measured with the fixtures' reference env):
     it maps gate/up/down_proj targets to the fused routed experts only, so adapters on the dense MLP
     and the shared experts are ignored there (the tensors still carry the module names of the released
-    checkpoints; a ``--merge`` folder holds them in any case); and it needs gate_proj and up_proj together."""
+    checkpoints; a ``--merge`` folder holds them in any case). (Its refusal of half a gate/up pair is
+    handled by :func:`_pair_gate_up`.)"""
     import re
 
     notes = []
@@ -203,10 +225,6 @@ def compatibility_notes(tensor_names) -> List[str]:
     if dense:
         notes.append(f"note: transformers >= 5 + PEFT 0.21 ignore the adapters on {', '.join(dense)} "
                      "(they are written for the module names of the released checkpoints; --merge folds them in)")
-    routed = {m.group(1) for n in tensor_names for m in [re.search(r"\.experts\.\d+\.(gate|up)_proj\.", n)] if m}
-    if len(routed) == 1:
-        notes.append(f"note: transformers >= 5 + PEFT 0.21 refuse a routed-expert adapter on {routed.pop()}_proj "
-                     "without one on the other half of gate_up_proj")
     return notes
 
 
