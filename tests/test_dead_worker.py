@@ -105,3 +105,41 @@ def test_a_killed_worker_stops_the_job_fast_and_resume_continues_exactly(tmp_pat
     assert sorted(resumed) == list(range(1, stop + 1))
     for step in range(saved_at + 1, stop + 1):
         assert resumed[step] == logged[step], step  # the same data, weights and RNG: bit-identical losses
+
+
+FAKE_MSRUN = r'''
+import os, signal, subprocess, sys, time
+# a stand-in for msrun: one worker (RANK_ID as msrun exports it), then msrun's failure line, then a hang
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                          env=dict(os.environ, MS_ROLE="MS_WORKER", RANK_ID=sys.argv[1]), start_new_session=True)
+time.sleep(1.0)  # the supervisor records pid -> rank
+os.kill(worker.pid, getattr(signal, sys.argv[2]))
+worker.wait()
+print(f"[ERROR] ME(1:2,MainProcess):x [_api.py:364] Worker process {worker.pid} exit with exception. "
+      f"Error code: {worker.returncode}.", file=sys.stderr, flush=True)
+time.sleep(600)  # msrun waiting for its scheduler
+'''
+
+
+@pytest.mark.parametrize("lost_elsewhere", [False, True])
+def test_supervisor_names_the_rank_and_stops_a_hanging_job(tmp_path, lost_elsewhere, capsys):
+    from ms_deepseek.train.supervise import run_supervised
+
+    script = tmp_path / "fake_msrun.py"
+    script.write_text(FAKE_MSRUN)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    if lost_elsewhere:  # node 0's scheduler saw rank 1 (another node) time out; our rank 0 got SIGTERM
+        (logs / "scheduler.log").write_text("[ERROR] ... UpdateTopoState] The node: 1 is timed out. It may exit\n")
+    t0 = time.time()
+    code, message = run_supervised([sys.executable, str(script), "0" if lost_elsewhere else "3",
+                                    "SIGTERM" if lost_elsewhere else "SIGKILL"], dict(os.environ), logs)
+    assert time.time() - t0 < 15, "the hanging stand-in for msrun was not stopped"
+    assert code == 1 and "\n" not in message
+    if lost_elsewhere:
+        assert message.startswith("worker rank 1 (on another node) stopped answering the scheduler")
+        assert "this node's worker rank 0 was killed by SIGTERM" in message
+    else:
+        assert message.startswith("worker rank 3 (pid ") and "was killed by SIGKILL" in message
+        assert f"its log: {logs / 'worker_3.log'}" in message
+    assert "Worker process" in capsys.readouterr().err  # msrun's own output is passed through
