@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn
 
 from ms_deepseek.errors import UserError
 
@@ -55,14 +54,9 @@ class AdapterSpec:
     alpha: float
     dropout: float = 0.0
     target_modules: Sequence[str] = ()
-    train_router: bool = False
     # module path -> rank, for adapters whose rank differs from r (an adapter loaded from PEFT's rank_pattern)
     ranks: Dict[str, int] = field(default_factory=dict)
     alphas: Dict[str, float] = field(default_factory=dict)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
 
 
 def target_matches(path: str, target: str) -> bool:
@@ -107,11 +101,6 @@ def resolve_targets(model, targets: Sequence[str], key: str = "lora.target_modul
     return chosen
 
 
-def _shape_of(holder, experts) -> Tuple[int, ...]:
-    """[out, in] of a Linear, [E, out, in] of a stacked expert projection."""
-    return tuple(holder.weight.shape)
-
-
 def _init_factors(shape: Tuple[int, ...], r: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
     """PEFT's default init: A ~ kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
     *lead, out_f, in_f = shape
@@ -145,7 +134,7 @@ def add_adapters(model, spec: AdapterSpec, seed: int = 0, key: str = "lora") -> 
     rng = np.random.default_rng(seed)
     for path in paths:
         holder, experts = modules[path]
-        shape = _shape_of(holder, experts)
+        shape = tuple(holder.weight.shape)  # [out, in] or [E, out, in]
         r = spec.ranks.get(path, spec.r)
         if r > min(shape[-2:]):
             raise UserError(f"{key}.r: {r} is larger than {path} ({shape[-2]} x {shape[-1]}); "

@@ -17,7 +17,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -42,25 +42,6 @@ _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 
 
 # ------------------------------------------------------------------------------- export
-def peft_state(model) -> Dict[str, np.ndarray]:
-    """PEFT-named float32 tensors of the model's adapters (experts unstacked) and trained routers."""
-    from ms_deepseek.model.lora import is_adapter_param
-
-    out: Dict[str, np.ndarray] = {}
-    for name, p in model.parameters_and_names():
-        if is_adapter_param(name):
-            value = p.asnumpy().astype(np.float32)
-            m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate|up|down)_proj)\.(lora_[AB]\.weight)$", name)
-            if m:  # stacked [E, ...] -> one tensor per expert, in expert order
-                for e in range(value.shape[0]):
-                    out[f"{PREFIX}{m.group(1)}.{e}.{m.group(2)}.{m.group(3)}"] = np.ascontiguousarray(value[e])
-            else:
-                out[PREFIX + name] = value
-        elif p.requires_grad and _ROUTER.match(name):
-            out[PREFIX + name] = p.asnumpy().astype(np.float32)
-    return out
-
-
 def adapter_config(r: int, alpha: float, dropout: float, targets: List[str], base: str,
                    router: bool) -> Dict:
     """adapter_config.json as PEFT 0.21 writes it for a plain LoRA (every option we do not use at its default)."""

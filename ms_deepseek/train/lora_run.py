@@ -43,7 +43,7 @@ def prepare(model, recipe, run_dir: Path, write_base: bool) -> List[str]:
     if write_base:
         save_base(model, Path(run_dir) / BASE_DIR)
     spec = lora.AdapterSpec(r=section.r, alpha=section.alpha, dropout=section.dropout,
-                            target_modules=section.target_modules, train_router=section.train_router)
+                            target_modules=section.target_modules)
     paths = lora.add_adapters(model, spec, seed=recipe.train.seed)
     lora.freeze_base(model, section.train_router)
     return paths
