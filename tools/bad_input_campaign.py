@@ -16,7 +16,7 @@ subprocess, the installed entry point of this venv). A case FAILS when
 * it does not finish within ``--timeout`` seconds (a hang: killed, reported).
 
 Exit status: 0 when every case passes, 1 otherwise. Issue 13 items 5-11, several cases per
-class; a developer tool (each case starts a process, some import MindSpore): ~2-4 min on 2 cores.
+class; a developer tool (each case starts a process, some import MindSpore): 89 s here on 2 shared cores.
 """
 
 from __future__ import annotations
