@@ -31,13 +31,13 @@ class DecoderLayer(nn.Cell):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
                            to_ms_dtype(cfg.compute_dtype), pdt)
 
-    def construct(self, x, cos, sin, mask, cache=None, positions=None, prefill=False):
+    def construct(self, x, cos, sin, mask, cache=None, cache_index=None, prefill=False):
         """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None).
 
-        cache / positions / prefill: this layer's latent cache buffer and the tokens' positions, or None
-        in training (see ``MLAttention.construct``).
+        cache / cache_index / prefill: this layer's latent cache buffer and where the tokens' entries
+        go, or None in training (see ``MLAttention.construct``).
         """
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, positions, prefill).astype(x.dtype)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index, prefill).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, aux, stats, scores, idx, weight = self.mlp(h)

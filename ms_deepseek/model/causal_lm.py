@@ -74,15 +74,21 @@ class DeepseekV2Model(nn.Cell):
         [B, S, kv_lora + rope], updated in place; see ``model.decode.CachedDecoder``) and the position
         of the first token, ``start_pos`` (int32 scalar Tensor): ``prefill=True`` runs the prompt from
         position 0 through the full attention and fills the caches, otherwise the tokens at
-        start_pos.. attend to everything cached so far (themselves included, causally).
+        start_pos.. attend to everything cached so far (themselves included, causally). Decoding
+        returns aux 0 and no stats (nobody reads them; skipping them saves ops in PyNative).
         """
         T = input_ids.shape[1]
         positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]
         cos, sin = self.rotary_emb(positions.astype(ms.float32))
+        cache_index = None
         if caches is None or prefill:
             mask = causal_mask(T, T)  # [T, T]
         else:
             mask = causal_mask(T, caches[0].shape[1], start_pos)  # [T, S]: rows after each query masked
+            B = input_ids.shape[0]
+            rows = ops.broadcast_to(ops.arange(0, B, dtype=ms.int32).reshape(B, 1), (B, T))  # [B, T]
+            cols = ops.broadcast_to(positions.reshape(1, T), (B, T))  # [B, T]
+            cache_index = ops.stack((rows, cols), -1)  # [B, T, 2]: where each new entry goes, all layers
         x = self.embed_tokens(input_ids).astype(self.compute_dtype)
         aux = ops.zeros((), ms.float32)
         stats = ()
@@ -90,13 +96,15 @@ class DeepseekV2Model(nn.Cell):
         i = 0
         for layer in self.layers:
             cache = None if caches is None else caches[i]
-            x, layer_aux, layer_stats, layer_routing = layer(x, cos, sin, mask, cache, positions, prefill)
+            x, layer_aux, layer_stats, layer_routing = layer(x, cos, sin, mask, cache, cache_index, prefill)
             i += 1
+            if caches is not None:  # decoding reads only the hidden states: no balance-loss bookkeeping
+                continue
             aux = aux + layer_aux
             if layer_stats is not None:
                 stats = stats + (layer_stats,)
                 routing = routing + (layer_routing,)
-        if self.num_moe_layers:
+        if self.num_moe_layers and caches is None:
             stats_t = ops.stack(stats)
         else:
             stats_t = ops.zeros((0, self.stats_width), ms.float32)

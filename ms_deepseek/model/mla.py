@@ -122,13 +122,11 @@ class MLAttention(nn.Cell):
         return ops.concat((t, ops.zeros(t.shape[:-1] + (extra,), t.dtype)), -1)  # zeros leave q.k unchanged
 
     # ------------------------------------------------------------ latent cache
-    def write_cache(self, cache, entry, positions):
-        """cache[b, positions[t]] = entry[b, t]; cache [B, S, kv_lora + rope], entry [B, T, width], positions [T]."""
-        B, T = entry.shape[0], entry.shape[1]
-        rows = ops.broadcast_to(ops.arange(0, B, dtype=ms.int32).reshape(B, 1), (B, T))  # [B, T]
-        cols = ops.broadcast_to(positions.astype(ms.int32).reshape(1, T), (B, T))  # [B, T]
-        index = ops.stack((rows, cols), -1)  # [B, T, 2]
-        return ops.scatter_nd_update(cache, index, entry.astype(cache.dtype))
+    @staticmethod
+    def write_cache(cache, entry, cache_index):
+        """cache[b, p] = entry[b, t] for cache_index[b, t] = (b, p); cache [B, S, kv_lora + rope],
+        entry [B, T, width], cache_index [B, T, 2] int32 (built once per step by the model)."""
+        return ops.scatter_nd_update(cache, cache_index, entry.astype(cache.dtype))
 
     @staticmethod
     def fill_cache(cache, entry):
@@ -167,21 +165,22 @@ class MLAttention(nn.Cell):
         return out.reshape(nh, B, T, vd).transpose(1, 2, 0, 3).reshape(B, T, nh * vd)  # [B, T, nh*v]
 
     # ----------------------------------------------------------------- forward
-    def construct(self, x, cos, sin, mask, cache=None, positions=None, prefill=False):
+    def construct(self, x, cos, sin, mask, cache=None, cache_index=None, prefill=False):
         """x [B, T, H] (normed) -> [B, T, H]; cos/sin [T, rope] of the tokens' positions; mask additive.
 
         cache None (training): full attention, mask [T, T].
-        cache [B, S, kv_lora + rope] (a Parameter, updated in place) with positions [T]:
+        cache [B, S, kv_lora + rope] (a Parameter, updated in place):
           prefill=True  (positions 0..T-1): the same full attention, mask [T, T]; the cache gets these
                         entries and zeros after them;
-          prefill=False: the tokens' entries are written at ``positions``, then the absorbed form attends
+          prefill=False: the tokens' entries are written at ``cache_index`` [B, T, 2] (batch row,
+                        position), then the absorbed form attends
                         over the whole buffer, mask [T, S] (rows past each query's position masked).
         """
         q_nope, q_pe = self.query(x, cos, sin)
         c_kv, k_pe = self.latent(x, cos, sin)
         if cache is not None and not prefill:
             entry = ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1)  # [B, T, kv_lora + rope]
-            cache = ops.depend(cache, self.write_cache(cache, entry, positions))  # read after the write
+            cache = ops.depend(cache, self.write_cache(cache, entry, cache_index))  # read after the write
             return self.o_proj(self.absorbed(q_nope, q_pe, cache, mask))
         if cache is not None:
             self.fill_cache(cache, ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1))
