@@ -116,9 +116,6 @@ def _hardware(args):
 
     from ms_deepseek.parallel.costs import HIGH, LOW, Hardware
 
-    for key in ("hbm_gb", "peak_tflops", "hbm_tbps", "hccs_gbps", "roce_gbps"):
-        if getattr(args, key) <= 0:
-            raise UserError(f"--{key.replace('_', '-')}: must be > 0, got {getattr(args, key)}")
     compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
     comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
     overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
