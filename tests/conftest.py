@@ -66,3 +66,13 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_execution_mode():
+    """Many modules switch MindSpore to graph mode; give the next module the mode it had."""
+    import mindspore as ms
+
+    mode = ms.get_context("mode")
+    yield
+    ms.set_context(mode=mode)

@@ -20,16 +20,6 @@ SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "m
                "max_position_embeddings": 64, "capacity_factor": None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    """Tests here switch MindSpore to graph mode; give the next module the mode it had."""
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 def recipe_data(data_path=None, dp=2, **parallel):
     data = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
             "data": {"seq_len": 32, "embedded_vocab_size": 512} if data_path is None

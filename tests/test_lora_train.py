@@ -28,15 +28,6 @@ def _maker():
     return module
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from ms_deepseek.data.prepare import prepare_embedded_default

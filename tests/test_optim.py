@@ -2,7 +2,6 @@
 MindFormers' ``AdamW`` as the reference: same parameters, gradients and schedule, several steps."""
 
 import numpy as np
-import pytest
 
 SHAPES = {
     "model.layers.0.self_attn.o_proj.weight": (6, 5),   # decayed
@@ -12,15 +11,6 @@ SHAPES = {
     "lm_head.bias": (7,),                               # not decayed: bias
 }
 STEPS = 5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
 
 
 def _params(prefix, dtype, seed=0):

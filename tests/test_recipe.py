@@ -12,16 +12,6 @@ from ms_deepseek.train.schedules import lr_at, milestone_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    """Tests here switch MindSpore to graph mode; give the next module the mode it had."""
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
          "num_hidden_layers": 2, "max_position_embeddings": 64}
 

@@ -10,16 +10,6 @@ import pytest
 from test_launch import free_port, recipe_data, run_cli, write
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    """Tests here switch MindSpore to graph mode; give the next module the mode it had."""
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 def losses(run):
     return {json.loads(line)["step"]: json.loads(line)["loss"]
             for line in (run / "metrics.jsonl").read_text().splitlines()}

@@ -24,16 +24,6 @@ SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "m
 STEPS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    """Tests here switch MindSpore to graph mode; give the next module the mode it had."""
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from ms_deepseek.data.prepare import prepare_embedded_default

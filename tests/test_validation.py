@@ -17,15 +17,6 @@ from ms_deepseek.errors import UserError
 from test_train import SMALL_MODEL, write_recipe  # noqa: F401  (module fixtures below reuse its helpers)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_execution_mode():
-    import mindspore as ms
-
-    mode = ms.get_context("mode")
-    yield
-    ms.set_context(mode=mode)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from ms_deepseek.data.prepare import prepare_embedded_default
