@@ -203,3 +203,153 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
                                                      show_progress=False)
     reloaded.set_train(False)
     np.testing.assert_allclose(reloaded(ms.Tensor(ids)).logits.asnumpy(), want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- sharded LoRA checkpoints
+SHARDED = ["--dp", "2", "--tp", "2", "--pp", "2", "--ep", "2"]
+
+
+def _parallel(**degrees):
+    from ms_deepseek.parallel.config import ParallelConfig
+
+    return ParallelConfig(**{"micro_batches": degrees.get("pp", 1), **degrees})
+
+
+def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(fixture_run, data_dir, tmp_path,
+                                                                                 capsys):
+    """A tp / pp / ep LoRA run's checkpoint (rank_*/ slices of the adapters, as the trainer's sharded save writes
+    them: reshard gives the same layout file) exports the same PEFT adapter and merged folder as the whole one,
+    reshards back to it, and resumes on one device with the same losses."""
+    import filecmp
+
+    from ms_deepseek.checkpoint.layout import build_layout, read_layout
+    from ms_deepseek.train.recipe import load_recipe_dict
+
+    _trainer, ref = fixture_run
+    whole = ref.run_dir / "checkpoints" / "step_00000002"
+    sharded = tmp_path / "sharded"
+    assert main(["convert", "reshard", str(whole), str(sharded), *SHARDED, "--no-progress"]) == 0
+    layout = read_layout(sharded)
+    recipe = load_recipe_dict(_fixture_recipe(data_dir))
+    par = _parallel(dp=2, tp=2, pp=2, ep=2)
+    # what the trainer's _layout writes into a sharded LoRA checkpoint
+    trainer_layout = build_layout(recipe.model_config, par, lora=recipe.lora)
+    assert layout.to_json()["tensors"] == trainer_layout.to_json()["tensors"]
+    assert layout.lora == {"r": recipe.lora.r, "target_modules": list(recipe.lora.target_modules),
+                           "train_router": False}
+    saved = load_file(str(whole / "model.safetensors"))
+    assert set(layout.tensors) == set(saved)  # adapters only: no base weight in the layout or the rank files
+    # adapters split like their base layers: column-parallel B by tp, row-parallel A by tp, experts by ep
+    assert layout.tensors["model.layers.0.self_attn.q_b_proj.lora_B.weight"].split == (2, 1)
+    assert layout.tensors["model.layers.0.self_attn.o_proj.lora_A.weight"].split == (1, 2)
+    assert layout.tensors["model.layers.1.mlp.experts.gate_proj.lora_B.weight"].split == (2, 2, 1)
+    assert layout.optimizer["adam_m.model.layers.1.mlp.experts.down_proj.lora_A.weight"].split == (2, 1, 2)
+    for rank in range(layout.world_size):
+        held = load_file(str(sharded / f"rank_{rank:05d}" / "model.safetensors"))
+        assert sorted(held) == sorted(layout.tensors_of_rank(rank))
+
+    # export: PEFT folder and merged HF folder, the same bytes from either checkpoint
+    base = str(FIX / "base")
+    for src, name in ((whole, "w"), (sharded, "s")):
+        assert main(["export-lora", str(src), str(tmp_path / f"adapter_{name}"), "--base", base]) == 0
+        assert main(["export-lora", str(src), str(tmp_path / f"merged_{name}"), "--merge", base]) == 0
+    for folder, file in (("adapter", "adapter_model.safetensors"), ("adapter", "adapter_config.json"),
+                         ("merged", "model.safetensors")):
+        assert filecmp.cmp(tmp_path / f"{folder}_w" / file, tmp_path / f"{folder}_s" / file, shallow=False), file
+
+    # back to a whole checkpoint: every tensor (model and optimizer) as saved
+    assert main(["convert", "reshard", str(sharded), str(tmp_path / "back"), "--dp", "1", "--no-progress"]) == 0
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got, want = load_file(str(tmp_path / "back" / file)), load_file(str(whole / file))
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{file}: {name}")
+
+    # resume on one device from the sharded checkpoint: step 3 as the uninterrupted run had it
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(yaml.safe_dump(_fixture_recipe(data_dir, checkpoint={"save_interval": 1, "keep_last": 3})))
+    assert main(["train", str(recipe_file), "--output", str(tmp_path / "run2"), "--quiet", "--resume",
+                 str(sharded)]) == 0
+
+    def losses(d):
+        return {json.loads(line)["step"]: json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()}
+
+    assert losses(tmp_path / "run2") == {3: losses(ref.run_dir)[3]}
+    got = load_file(str(tmp_path / "run2" / "checkpoints" / "step_00000003" / "model.safetensors"))
+    want = load_file(str(ref.run_dir / "checkpoints" / "step_00000003" / "model.safetensors"))
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+    # a LoRA checkpoint has no HF form of its own: convert says what to run instead
+    capsys.readouterr()
+    assert main(["convert", "ms-to-hf", str(sharded), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a LoRA checkpoint holds adapters" in err[0] and "export-lora" in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+    # a damaged sharded LoRA checkpoint: one line naming what is wrong, nothing written
+    import shutil
+
+    for damage, pattern in (("rank", "rank_00003: missing rank folder"), ("lora", "malformed layout file")):
+        broken = tmp_path / f"broken_{damage}"
+        shutil.copytree(sharded, broken)
+        if damage == "rank":
+            shutil.rmtree(broken / "rank_00003")
+        else:
+            data = json.loads((broken / "layout.json").read_text())
+            data["lora"] = {"r": "four"}
+            (broken / "layout.json").write_text(json.dumps(data))
+        assert main(["export-lora", str(broken), str(tmp_path / f"out_{damage}"), "--base", base]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and pattern in err[0] and "Traceback" not in err[0], err
+        assert not (tmp_path / f"out_{damage}").exists()
+
+
+def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_dir):
+    """The trainer's sharded LoRA build, short of the compile: the base built without data, adapters attached
+    with theirs; what the checkpoint saves (adapters, routers with train_router) is exactly what the layout
+    lists, at full shape; a rank then takes its slices of the frozen base from model.source."""
+    from mindspore.nn.utils import no_init_parameters
+
+    from ms_deepseek.checkpoint.layout import build_layout, slice_array
+    from ms_deepseek.checkpoint.sharded import open_any
+    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.train import lora_run
+    from ms_deepseek.train.recipe import load_recipe_dict
+
+    recipe = load_recipe_dict(_fixture_recipe(data_dir, lora={"train_router": True}))
+    cfg, par = recipe.model_config, _parallel(dp=2, tp=2, pp=2, ep=2)
+    with no_init_parameters():
+        model = DeepseekV2ForCausalLM(cfg)
+    lora_run.prepare(model, recipe, Path("unused"), write_base=False)
+    saved = lora_run.checkpoint_tensors(model)
+    adapters = {n: p for n, p in saved.items() if ".lora_" in n}
+    assert adapters and all(not p.has_init for p in adapters.values()), "adapters without data"
+    layout = build_layout(cfg, par, lora=recipe.lora)
+    assert {n: tuple(p.shape) for n, p in saved.items()} == {n: t.shape for n, t in layout.tensors.items()}
+    assert any(n.endswith("mlp.gate.weight") for n in layout.tensors)  # train_router
+    base_layout = build_layout(cfg, par)
+    base_params = {n: p for n, p in model_tensors(model).items() if n in base_layout.tensors}
+    # the routers (trained here) are base weights too: they come from model.source like the rest
+    assert all(p.has_init for p in base_params.values()), "the lazy build allocated the base"
+    rank = 5
+    mine = {n: base_params[n] for n in base_layout.tensors_of_rank(rank)}
+    src, _, _, _ = open_any(FIX / "base")
+    restore_into(mine, src, "model", layout=base_layout, rank=rank)
+    for name, param in mine.items():
+        t = base_layout.tensors[name]
+        full = src.read(name, full_slice(t.shape, t.experts is not None))
+        expect = to_float32(slice_array(full, base_layout.slice_of(name, rank)), src.dtype(name))
+        np.testing.assert_array_equal(param.asnumpy(), expect, err_msg=name)
+
+
+def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys):
+    capsys.readouterr()
+    code = main(["train", str(REPO / "recipes" / "tiny-lora-cpu.yaml"), "--output", str(tmp_path / "run"), "--quiet",
+                 "--set", "parallel.dp=2", "--set", "parallel.tp=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("ms-deepseek train: error: lora: a sharded LoRA run (dp2 tp2") and "model.source" in err[0]
+    assert not (tmp_path / "run").exists()

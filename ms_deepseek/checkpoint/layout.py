@@ -30,6 +30,11 @@ part of the optimizer state inside the compiled step. A layout with optimizer sh
 recorded (``parallel.optimizer_shard``) so a checkpoint is never resumed under another one
 without resharding.
 
+A LoRA run's checkpoint holds only what trains (adapters, and the routers under
+``lora.train_router``): its layout lists those tensors (each adapter split like its base
+layer, by the plan's adapter rules) and records the adapters in ``lora`` (``r``,
+``target_modules``, ``train_router``), so the file names what the rank folders hold.
+
 Pure Python (no MindSpore): ``plan --simulate``, the converter and the tests use it.
 """
 
@@ -128,6 +133,8 @@ class ShardLayout:
     tensors: Dict[str, TensorLayout]
     # the optimizer file's tensors (adam_m/adam_v like their parameter, scalars on every rank: stage -1)
     optimizer: Optional[Dict[str, TensorLayout]] = None
+    # a LoRA checkpoint: {"r", "target_modules", "train_router"}; its tensors are what trains
+    lora: Optional[Dict] = None
 
     @property
     def stage_devices(self) -> int:
@@ -146,7 +153,8 @@ class ShardLayout:
 
     def for_optimizer(self) -> "ShardLayout":
         """The layout of the optimizer file (same degrees)."""
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, dict(self.optimizer or {}))
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, dict(self.optimizer or {}),
+                           lora=self.lora)
 
     def with_optimizer(self, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> "ShardLayout":
         """This layout plus the optimizer file's (name -> (shape, dtype)): ``adam_m.X`` / ``adam_v.X`` are
@@ -160,7 +168,7 @@ class ShardLayout:
             else:
                 opt[name] = TensorLayout(name, tuple(shape), dtype, -1, (self.stage_devices,),
                                          tuple(-1 for _ in shape))
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt)
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt, self.lora)
 
     def ranks_holding(self, name: str) -> List[int]:
         t = self.tensors[name]
@@ -189,7 +197,8 @@ class ShardLayout:
                 "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
                              "optimizer_shard": self.optimizer_shard},
                 "tensors": {n: t.to_json() for n, t in self.tensors.items()},
-                **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {})}
+                **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {}),
+                **({"lora": self.lora} if self.lora else {})}
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
@@ -235,14 +244,39 @@ def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) ->
     return dev, tmap
 
 
-def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None) -> ShardLayout:
+def lora_settings(lora) -> Optional[Dict]:
+    """The ``lora`` entry of a layout from a recipe's LoRA section (or a LoraWorkload, or that entry)."""
+    if lora is None:
+        return None
+    get = lora.get if isinstance(lora, dict) else (lambda key, default=None: getattr(lora, key, default))
+    return {"r": int(get("r")), "target_modules": [str(t) for t in get("target_modules")],
+            "train_router": bool(get("train_router", False))}
+
+
+def checkpoint_inventory(cfg, lora=None):
+    """The tensors a checkpoint of this model holds (ParamInfo rows): every weight, or under LoRA
+    (``lora``: a recipe's section, a LoraWorkload or a layout's ``lora`` entry) what trains:
+    the adapters (named as model/lora.py names them) and the routers with ``train_router``."""
+    from ms_deepseek.model.inventory import parameter_inventory
+
+    rows = [info for info in parameter_inventory(cfg) if not info.is_buffer]
+    settings = lora_settings(lora)
+    if settings is None:
+        return rows
+    from ms_deepseek.parallel.costs import LoraWorkload, lora_inventory
+
+    workload = LoraWorkload(settings["r"], tuple(settings["target_modules"]), settings["train_router"])
+    return [info for info in lora_inventory(cfg, workload, rows) if info.trainable]
+
+
+def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None) -> ShardLayout:
     """Every weight's layout for ``parallel`` (a ParallelConfig), from the plan and the model's name table.
 
     ``dtypes``: tensor name -> safetensors dtype (default: the config's parameter dtype, routers F32).
+    ``lora``: the layout of a LoRA checkpoint (see :func:`checkpoint_inventory`).
     """
     import re
 
-    from ms_deepseek.model.inventory import parameter_inventory
     from ms_deepseek.parallel.placement import placement_table
     from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
 
@@ -257,9 +291,7 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
                         for r in range(parallel.ep))
     sf = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
     out: Dict[str, TensorLayout] = {}
-    for info in parameter_inventory(cfg):
-        if info.is_buffer:
-            continue
+    for info in checkpoint_inventory(cfg, lora):
         pattern, layout = plan.param_layout(info.name, mesh)
         style = plan.table[pattern]
         spec = style_spec(style, mesh)
@@ -279,7 +311,8 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
             raise UserError(f"checkpoint layout: {info.name} splits experts {t.split[0]} ways, parallel.ep is "
                             f"{parallel.ep}")
         out[info.name] = t
-    return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out)
+    return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out,
+                       lora=lora_settings(lora))
 
 
 # ---------------------------------------------------------------------------- layout file
@@ -303,7 +336,8 @@ def read_layout(folder: Path) -> ShardLayout:
             raise ValueError(f"world_size {data['world_size']} is not dp*tp*pp = {dp * tp * pp}")
         tensors = _read_tensors(data["tensors"], dp, tp, pp)
         optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
-        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer)
+        lora = lora_settings(data["lora"]) if data.get("lora") is not None else None
+        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{path}: malformed layout file ({exc})") from None
 

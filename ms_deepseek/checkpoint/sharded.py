@@ -13,6 +13,9 @@ All four are one operation, "read the slice a target wants from whatever the sou
 * :func:`write_whole` -- a sharded training checkpoint back to a whole one (``reshard`` to a
   data-parallel layout).
 
+A LoRA run's checkpoint (adapters and trained routers only, ``lora`` in its layout file or
+its recipe.yaml) reshards the same way; it has no HF form of its own (``export-lora``).
+
 Destinations are written with :func:`ms_deepseek.checkpoint.atomic.atomic_folder`: nothing
 is left at the destination on failure.
 """
@@ -27,7 +30,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ms_deepseek.checkpoint.atomic import atomic_folder, check_destination
-from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout, rank_dir_name
+from ms_deepseek.checkpoint.layout import (LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory,
+                                           lora_settings, rank_dir_name)
 from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource, full_slice
 from ms_deepseek.convert import names
 from ms_deepseek.convert.safetensors_io import OutTensor, order_for_alignment, read_header, write_file
@@ -38,7 +42,9 @@ TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 
 # ----------------------------------------------------------------------------- sources
 def open_any(folder: Path):
-    """(model source, optimizer source or None, config, config path) of any checkpoint folder."""
+    """(model source, optimizer source or None, config, config path) of any checkpoint folder.
+
+    The model source's ``lora`` is the LoRA settings of a LoRA checkpoint (None otherwise)."""
     from ms_deepseek.config import DeepseekV2Config
     from ms_deepseek.convert.source import open_checkpoint
 
@@ -51,13 +57,21 @@ def open_any(folder: Path):
             raise UserError(f"{folder}: sharded checkpoint without config.json")
         cfg = DeepseekV2Config.from_json(folder / "config.json")
         _check_layout_matches_config(model.layout, cfg, folder)
+        model.lora = model.layout.lora
         opt = None
         if model.layout.optimizer:
             opt = ShardedSource(folder, "optimizer.safetensors", layout=model.layout.for_optimizer())
         return model, opt, cfg, folder / "config.json"
     ckpt = open_checkpoint(folder)
     model = WholeSource(ckpt)
-    _check_whole(model, ckpt)
+    model.lora = _lora_of(folder)
+    if model.lora is not None:  # adapters (+ routers): read by our names
+        from ms_deepseek.convert.plan import check_tensors
+
+        model.hf = False
+        check_tensors(ckpt, {i.name: i.shape for i in checkpoint_inventory(ckpt.config, model.lora)}, "LoRA")
+    else:
+        _check_whole(model, ckpt)
     opt = None
     if (folder / "optimizer.safetensors").is_file():
         header = read_header(folder / "optimizer.safetensors")
@@ -65,6 +79,27 @@ def open_any(folder: Path):
         opt.tensors = dict(header.tensors)
         opt.hf = False
     return model, opt, ckpt.config, ckpt.config_path
+
+
+def _lora_of(folder: Path) -> Optional[Dict]:
+    """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
+    path = folder / "recipe.yaml"
+    if not ((folder / "state.json").is_file() and path.is_file()):
+        return None
+    import yaml
+
+    from ms_deepseek.safe_io import yaml_load
+    from ms_deepseek.schema import from_dict
+    from ms_deepseek.train.recipe import LoraSection
+
+    try:
+        recipe = yaml_load(path.read_text(encoding="utf-8"), path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read the checkpoint's recipe ({exc})") from None
+    section = recipe.get("lora") if isinstance(recipe, dict) else None
+    if section is None:
+        return None
+    return lora_settings(from_dict(LoraSection, section, f"{path}: lora"))
 
 
 def _check_whole(src: WholeSource, ckpt) -> None:
@@ -82,9 +117,7 @@ def _check_whole(src: WholeSource, ckpt) -> None:
 
 
 def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path) -> None:
-    from ms_deepseek.model.inventory import expected_ms_shapes
-
-    expected = expected_ms_shapes(cfg)
+    expected = {info.name: info.shape for info in checkpoint_inventory(cfg, layout.lora)}
     for name, shape in expected.items():
         t = layout.tensors.get(name)
         if t is None:
@@ -99,12 +132,14 @@ def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path) -> None
 
 
 def target_layout(cfg, parallel, src) -> ShardLayout:
-    """The layout for ``parallel``, with each tensor's dtype as the source stores it."""
-    from ms_deepseek.model.inventory import expected_ms_shapes
+    """The layout for ``parallel``, with each tensor's dtype as the source stores it (a LoRA source:
+    the layout of its adapters)."""
     from ms_deepseek.parallel.validate import validate_layout
 
     validate_layout(parallel, cfg)
-    return build_layout(cfg, parallel, dtypes={n: src.dtype(n) for n in expected_ms_shapes(cfg)})
+    lora = getattr(src, "lora", None)
+    return build_layout(cfg, parallel, dtypes={i.name: src.dtype(i.name) for i in checkpoint_inventory(cfg, lora)},
+                        lora=lora)
 
 
 # ----------------------------------------------------------------------------- per-rank loading
@@ -230,13 +265,9 @@ def write_whole(src_folder, dst, *, overwrite: bool = False, fsync: bool = True)
     src_folder, dst = Path(src_folder), Path(dst)
     model, opt, cfg, cfg_path = open_any(src_folder)
     check_destination(src_folder, dst, overwrite)
-    from ms_deepseek.model.inventory import expected_ms_shapes
-
     layout = target_layout(cfg, _whole_parallel(), model)
     with atomic_folder(dst, fsync=fsync) as tmp:
-        write_file(tmp / "model.safetensors", _whole_entries(model, {n: layout.tensors[n] for n in
-                                                                      expected_ms_shapes(cfg)}),
-                   {"format": "ms"}, fsync=False)
+        write_file(tmp / "model.safetensors", _whole_entries(model, layout.tensors), {"format": "ms"}, fsync=False)
         if opt is not None:
             write_file(tmp / "optimizer.safetensors", _whole_entries(opt, _optimizer_layout(layout, opt).optimizer),
                        {"format": "ms"}, fsync=False)
@@ -273,6 +304,9 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
 
     src_folder = Path(src_folder)
     model, _, cfg, cfg_path = open_any(src_folder)
+    if model.lora is not None:
+        raise UserError(f"{src_folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
+                        f"merged HF folder with `ms-deepseek export-lora {src_folder} OUT [--merge BASE]`")
     _check_strategy_files(src_folder, model.layout)
 
     def plan_fn(_):

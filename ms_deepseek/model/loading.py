@@ -133,6 +133,9 @@ def _load_sharded(cls, folder, config_overrides):
     from ms_deepseek.checkpoint.sources import full_slice, to_float32
 
     src, _, cfg, _ = open_any(folder)
+    if src.lora is not None:
+        raise UserError(f"{folder}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
+                        f"`ms-deepseek export-lora {folder} OUT`")
     cfg = cfg.replace(**config_overrides) if config_overrides else cfg
     model = cls(cfg)
     params = {p.name: p for p in model.get_parameters()}

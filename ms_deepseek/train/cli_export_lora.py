@@ -5,7 +5,8 @@ with PEFT's names for the HF DeepseekV2 model, per-expert tensors in expert orde
 transformers + PEFT, vLLM's LoRA serving and ``DeepseekV2ForCausalLM.from_pretrained(base, adapter=OUT)``.
 With ``--merge BASE``: OUT is a full HF checkpoint folder, BASE's weights with the adapters folded in
 (streamed one tensor at a time, each tensor keeps its dtype; untouched tensors are copied as bytes).
-RUN_OR_CHECKPOINT may also be a PEFT adapter folder (to merge an adapter trained elsewhere).
+RUN_OR_CHECKPOINT may be whole or sharded (a tp / pp / ep run's rank_*/ slices, put together here),
+or a PEFT adapter folder (to merge an adapter trained elsewhere).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                        help="a LoRA run folder (its newest checkpoint), a checkpoint folder, or a PEFT adapter folder")
+                        help="a LoRA run folder (its newest checkpoint), a checkpoint folder (whole or sharded), "
+                        "or a PEFT adapter folder")
     parser.add_argument("out", metavar="OUT", help="the folder to write")
     parser.add_argument("--merge", metavar="BASE", default=None,
                         help="write a full HF folder: BASE (an HF checkpoint folder) with the adapters folded in")

@@ -111,9 +111,7 @@ def resolve_checkpoint(spec) -> Path:
     found = p if (p / "state.json").is_file() else (
         ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None)
     if found is not None and ckpt_mod.is_sharded(found):
-        # a tp / pp / ep run's per-rank slices: not merged here (no CPU run can write them to test with)
-        raise UserError(f"{found}: a sharded (rank_*/) LoRA checkpoint; export-lora reads whole checkpoints "
-                        "(data-parallel runs) only")
+        return found  # a tp / pp / ep run's rank_*/ slices, put together by checkpoint_arrays
     if found is None or not (found / "model.safetensors").is_file():
         raise UserError(f"{p}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
                         "complete checkpoints")
@@ -146,26 +144,48 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
                     f"{str(source)!r}); pass --base FOLDER")
 
 
+def checkpoint_arrays(ckpt: Path):
+    """(name, float32 array) of every tensor of a LoRA checkpoint, whole or sharded (the slices of a
+    tp / pp / ep run put together, experts in expert order), one tensor at a time; and the file to
+    name in errors."""
+    from ms_deepseek.checkpoint import training as ckpt_mod
+
+    if ckpt_mod.is_sharded(ckpt):
+        from ms_deepseek.checkpoint.sharded import open_any
+        from ms_deepseek.checkpoint.sources import full_slice, to_float32
+
+        src, _, _, _ = open_any(ckpt)
+        if src.lora is None:
+            raise UserError(f"{ckpt}: a sharded checkpoint of a full model (its layout.json lists no LoRA "
+                            "adapters); export it with `ms-deepseek convert ms-to-hf`")
+        items = ((name, to_float32(src.read(name, full_slice(t.shape, t.experts is not None)), t.dtype))
+                 for name, t in src.layout.tensors.items())
+        return items, ckpt / "layout.json"
+    from ms_deepseek.convert.safetensors_io import read_header
+    from ms_deepseek.model.loading import read_tensor
+
+    header = read_header(ckpt / "model.safetensors")
+    return ((name, read_tensor(info).astype(np.float32)) for name, info in header.tensors.items()), \
+        ckpt / "model.safetensors"
+
+
 def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], Dict]:
     """(PEFT-named tensors, adapter_config) of a LoRA training checkpoint."""
     from ms_deepseek.config import DeepseekV2Config
     from ms_deepseek.model.lora_peft import PREFIX, adapter_config
     from ms_deepseek.train.recipe import LoraSection
     from ms_deepseek.schema import from_dict
-    from ms_deepseek.model.loading import read_tensor
-    from ms_deepseek.convert.safetensors_io import read_header
     import re
 
     section, _model = run_lora_settings(ckpt)
     lora_cfg = from_dict(LoraSection, section, "lora")
     cfg = DeepseekV2Config.from_json(ckpt / "config.json")
     E = cfg.n_routed_experts or 0
-    header = read_header(ckpt / "model.safetensors")
+    arrays, where = checkpoint_arrays(ckpt)
     tensors: Dict[str, np.ndarray] = {}
     targets, routed = set(), False
     has_router = False
-    for name, info in header.tensors.items():
-        value = read_tensor(info).astype(np.float32)
+    for name, value in arrays:
         m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate|up|down)_proj)\.(lora_[AB]\.weight)$", name)
         if m:  # stacked [E, ...] -> per expert, in expert order
             routed = True
@@ -179,10 +199,9 @@ def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], D
             has_router = True
             tensors[PREFIX + name] = value
         else:
-            raise UserError(f"{ckpt / 'model.safetensors'}: tensor {name} is neither an adapter nor a router; "
-                            "not a LoRA checkpoint")
+            raise UserError(f"{where}: tensor {name} is neither an adapter nor a router; not a LoRA checkpoint")
     if not targets:
-        raise UserError(f"{ckpt / 'model.safetensors'}: holds no LoRA adapter")
+        raise UserError(f"{where}: holds no LoRA adapter")
     _pair_gate_up(tensors, targets)
     # PEFT refuses lora_dropout on parameter-targeted (fused-expert) adapters; dropout only acts in training.
     dropout = 0.0 if routed else lora_cfg.dropout

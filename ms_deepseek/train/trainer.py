@@ -148,6 +148,12 @@ class Trainer:
 
     def _check_layout(self) -> None:
         par = self.par
+        if self.sharded and self.recipe.lora is not None and self.recipe.weights_folder is None:
+            # every rank reads only its slices of the frozen base; a random base (written whole to
+            # RUN_DIR/base by one process) is for single-device and data-parallel runs
+            raise UserError(f"lora: a sharded LoRA run ({par.describe()}) adapts the weights of model.source, "
+                            f"and {self.recipe.model.source!r} is not a checkpoint folder on this machine; set model.source to "
+                            "the base checkpoint (a random base is for single-device and data-parallel runs)")
         if self.sharded and detect_device() == "CPU":
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
@@ -230,9 +236,10 @@ class Trainer:
             from ms_deepseek.train import lora_run
 
             weights_folder = lora_run.base_folder(self.recipe, self.run_dir)
-        if self.sharded and lora is None:
+        if self.sharded:
             # Sharded layouts build without allocating (no_init_parameters); after the step compiles
-            # each rank reads only its slices of the weights folder or checkpoint (_restore).
+            # each rank reads only its slices of the weights folder (a LoRA run: of its frozen base)
+            # or checkpoint (_restore). LoRA adapters are attached after this, with their data.
             from mindspore.nn.utils import no_init_parameters
 
             with no_init_parameters():
@@ -308,17 +315,24 @@ class Trainer:
         run, this rank's slice of it) is read from whatever the checkpoint holds. A sharded run
         compiles first (its parameters are slices then) and, without a checkpoint, reads its slices
         of the weights folder (it was built without allocating)."""
-        if self.resume_dir is None and not (self.sharded and self.recipe.lora is None):
+        if self.resume_dir is None and not self.sharded:
             return
         layout = None
         if self.sharded:
             from mindspore import Tensor
 
+            from ms_deepseek.checkpoint.layout import build_layout
+
             shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
             self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
             layout = self._layout()
+            if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
+                base = build_layout(self.cfg, self.par)
+                self._load_weights_slices(base, {n: p for n, p in model_tensors(self.model).items()
+                                                 if n in base.tensors})
+            elif self.resume_dir is None:
+                self._load_weights_slices(layout, self.model_tensors)
         if self.resume_dir is None:
-            self._load_weights_slices(layout)
             return
         model_src, opt_src = ckpt_mod.open_resume_sources(self.resume_dir, self.cfg)
         restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied)
@@ -327,16 +341,17 @@ class Trainer:
         restore_rng(self.state.get("rng", {}))
 
     def _layout(self):
-        """Which slice of every model and optimizer tensor this run's ranks hold (checkpoint.layout)."""
+        """Which slice of every checkpointed model tensor (a LoRA run: adapters and trained routers) and
+        optimizer tensor this run's ranks hold (checkpoint.layout)."""
         from ms_deepseek.checkpoint.layout import build_layout
 
-        layout = build_layout(self.cfg, self.par)
+        layout = build_layout(self.cfg, self.par, lora=self.recipe.lora)
         full = {n: t.shape for n, t in layout.tensors.items()}
         return layout.with_optimizer({n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32")
                                       for n, p in self.opt_tensors.items()})
 
-    def _load_weights_slices(self, layout) -> None:
-        """Sharded run without a checkpoint: this rank's slices of the weights folder, or a seeded random init."""
+    def _load_weights_slices(self, layout, params) -> None:
+        """Sharded run: this rank's slices of ``params`` from the weights folder, or a seeded random init."""
         weights = self.recipe.weights_folder
         if weights is None:
             for param in self.model.get_parameters():  # nothing to read: materialise the seeded init
@@ -346,7 +361,7 @@ class Trainer:
         from ms_deepseek.checkpoint.sharded import open_any
 
         src, _, _, _ = open_any(weights)
-        restore_into(self.model_tensors, src, "model", layout=layout, rank=self.rank)
+        restore_into(params, src, "model", layout=layout, rank=self.rank)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
