@@ -253,12 +253,13 @@ def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
     if rope_type != "yarn":
         raise UserError(f"config rope_scaling.type: only 'yarn' is supported, got {rope_type!r}")
     for key in ("factor", "original_max_position_embeddings"):
-        if key not in scaling:
+        if scaling.get(key) is None:
             raise UserError(f"config rope_scaling.{key}: required for yarn")
     # the inner keys are read as numbers inside RoPE: check them here, naming the key
     for key, kind in _YARN_KEY_TYPES.items():
         value = scaling.get(key)
         if value is None:
+            scaling.pop(key, None)  # null = absent: RoPE takes the key's default
             continue
         ok = isinstance(value, bool) if kind is bool else (
             not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))

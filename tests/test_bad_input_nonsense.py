@@ -60,3 +60,20 @@ def test_rope_scaling_inner_keys(capsys, tmp_path, scaling, key):
     code, _, err = run_cli(capsys, ["convert", "hf-to-ms", hf, tmp_path / "out", "--no-progress"])
     assert_refused(code, err, f"rope_scaling.{key}: expected")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["factor", "original_max_position_embeddings"])
+def test_rope_scaling_required_key_null(capsys, tmp_path, key):
+    scaling = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, key: None}
+    hf = edit_config(hf_copy(tmp_path), rope_scaling=scaling)
+    code, _, err = run_cli(capsys, ["convert", "hf-to-ms", hf, tmp_path / "out", "--no-progress"])
+    assert_refused(code, err, f"rope_scaling.{key}: required for yarn")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rope_scaling_optional_key_null_means_its_default():
+    from ms_deepseek.config import DeepseekV2Config
+
+    base = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}
+    with_null = DeepseekV2Config(rope_scaling={**base, "mscale": None, "beta_fast": None})
+    assert with_null.rope_scaling == DeepseekV2Config(rope_scaling=base).rope_scaling

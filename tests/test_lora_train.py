@@ -345,11 +345,17 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
         np.testing.assert_array_equal(param.asnumpy(), expect, err_msg=name)
 
 
-def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys, command):
+    """Every rank of a sharded LoRA run reads its slices of model.source: a random base is refused up front
+    (launch: before any worker starts), and planning such a layout still works."""
+    recipe = str(REPO / "recipes" / "tiny-lora-cpu.yaml")
+    sets = ["--set", "parallel.dp=2", "--set", "parallel.tp=2"]
     capsys.readouterr()
-    code = main(["train", str(REPO / "recipes" / "tiny-lora-cpu.yaml"), "--output", str(tmp_path / "run"), "--quiet",
-                 "--set", "parallel.dp=2", "--set", "parallel.tp=2"])
+    code = main([command, recipe, "--output", str(tmp_path / "run"), *sets] + (["--quiet"] if command == "train" else []))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith("ms-deepseek train: error: lora: a sharded LoRA run (dp2 tp2") and "model.source" in err[0]
+    assert err[0].startswith(f"ms-deepseek {command}: error: {recipe}: lora: a sharded LoRA run (dp2 tp2"), err[0]
+    assert "model.source" in err[0]
     assert not (tmp_path / "run").exists()
+    assert main(["plan", "--recipe", recipe, *sets]) == 0

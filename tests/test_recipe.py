@@ -103,6 +103,20 @@ def test_bad_values_fail_at_load_naming_the_key(tmp_path, sections, key):
     assert str(path) in message
 
 
+def test_micro_batch_beyond_the_dispatch_sort_keys_is_refused_at_load():
+    """3 x top-k x tokens per data-parallel rank must stay below 2**24 (the MoE dispatch's float32 keys)."""
+    from ms_deepseek.model.dispatch_shapes import max_tokens_per_group
+
+    k = load_recipe_dict(base()).model_config.num_experts_per_tok
+    fits = max_tokens_per_group(k) // 32  # micro-batch rows of 32 tokens
+    assert 3 * k * fits * 32 < 2 ** 24 <= 3 * k * (fits + 1) * 32
+    load_recipe_dict(base(train={"micro_batch_size": fits}))
+    with pytest.raises(UserError) as err:
+        load_recipe_dict(base(train={"micro_batch_size": fits + 1}))
+    assert str(err.value).startswith(f"train.micro_batch_size: {fits + 1} x 32 = {(fits + 1) * 32} tokens per "
+                                     "data-parallel rank exceed"), err.value
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
     from ms_deepseek.data.tokenizer import train_sentencepiece
 

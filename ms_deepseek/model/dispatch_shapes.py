@@ -30,6 +30,15 @@ import math
 from typing import Dict, Optional, Tuple
 
 
+# The dispatch sorts float32 keys up to 3*k*N - 1 (see DeepseekV2MoE.dispatch_index): exact below 2**24.
+SORT_KEY_LIMIT = 2 ** 24
+
+
+def max_tokens_per_group(k: int) -> int:
+    """The most tokens one data-parallel group may route through one MoE layer call (3*k*N < 2**24)."""
+    return (SORT_KEY_LIMIT - 1) // (3 * k)
+
+
 def capacity(tokens_per_group: int, k: int, num_experts: int, factor: Optional[float],
              multiple: int = 1) -> int:
     """Per-expert buffer rows of one group.

@@ -206,7 +206,7 @@ class DeepseekV2MoE(nn.Cell):
             raise ValueError(f"MoE: {B}x{T} tokens do not split into {G} data-parallel groups of ep {ep}")
         N = B * T // G
         C = self.capacity(N)
-        if 3 * k * N >= 2 ** 24:
+        if N > dispatch_shapes.max_tokens_per_group(k):
             raise ValueError(f"MoE: {N} tokens per group x top-{k} exceed the float32 sort keys of the dispatch")
         buffer, route = self.dispatch(x.reshape(G, N, H))  # [B, T, H] -> [G, N, H] (rank-major rows)
 

@@ -332,10 +332,25 @@ def validate(recipe: Recipe, planning: bool = False) -> None:
     if seq_len > cfg.max_position_embeddings:
         raise UserError(f"data.seq_len: {seq_len} is longer than the model's max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
+    if cfg.n_routed_experts:
+        from ms_deepseek.model.dispatch_shapes import max_tokens_per_group
+
+        # each data-parallel rank routes its micro-batch's tokens in one call of every MoE layer
+        tokens, limit = recipe.train.micro_batch_size * seq_len, max_tokens_per_group(cfg.num_experts_per_tok)
+        if tokens > limit:
+            raise UserError(f"train.micro_batch_size: {recipe.train.micro_batch_size} x {seq_len} = {tokens} tokens "
+                            f"per data-parallel rank exceed the {limit} the MoE dispatch orders exactly with top-"
+                            f"{cfg.num_experts_per_tok} routing (float32 sort keys); use a smaller micro-batch")
     if recipe.parallel.pp > 1 and recipe.train.grad_accum_steps != 1:
         raise UserError(f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
                         f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
                         f"{recipe.parallel.micro_batches} are the accumulation")
+    if not planning and recipe.lora is not None and recipe.parallel.uses_semi_auto and recipe.weights_folder is None:
+        # every rank reads only its slices of the frozen base; a random base (written whole to
+        # RUN_DIR/base by one process) is for single-device and data-parallel runs
+        raise UserError(f"lora: a sharded LoRA run ({recipe.parallel.describe()}) adapts the weights of model.source, "
+                        f"and {recipe.model.source!r} is not a checkpoint folder on this machine; set model.source "
+                        "to the base checkpoint (a random base is for single-device and data-parallel runs)")
     data = recipe.data
     if recipe.train.eval_interval and data.validation is None:
         raise UserError("train.eval_interval: validation needs data.validation (a prepared folder, or a "

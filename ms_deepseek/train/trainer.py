@@ -148,12 +148,6 @@ class Trainer:
 
     def _check_layout(self) -> None:
         par = self.par
-        if self.sharded and self.recipe.lora is not None and self.recipe.weights_folder is None:
-            # every rank reads only its slices of the frozen base; a random base (written whole to
-            # RUN_DIR/base by one process) is for single-device and data-parallel runs
-            raise UserError(f"lora: a sharded LoRA run ({par.describe()}) adapts the weights of model.source, "
-                            f"and {self.recipe.model.source!r} is not a checkpoint folder on this machine; set model.source to "
-                            "the base checkpoint (a random base is for single-device and data-parallel runs)")
         if self.sharded and detect_device() == "CPU":
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
