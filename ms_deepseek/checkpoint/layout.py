@@ -24,11 +24,13 @@ compares them with this layout and names the first tensor that differs.
 Global ranks: world = pp x dp x tp, tp fastest; rank r is device ``r % (dp * tp)`` of stage
 ``r // (dp * tp)``; a tensor lives only on the ranks of its stage.
 
-Optimizer sharding (``parallel.optimizer_shard``) is not a further cut here: every rank
-holds (and loads) its model-parallel slice; MindSpore's parallel optimizer keeps its own
-part of the optimizer state inside the compiled step. A layout with optimizer sharding is
-recorded (``parallel.optimizer_shard``) so a checkpoint is never resumed under another one
-without resharding.
+Optimizer sharding (``parallel.optimizer_shard``) is not a further cut in the files: every
+rank's file holds its model-parallel slice. On the device MindSpore's parallel optimizer keeps
+only a part of it (axis 0 split over the parameter's optimizer-shard group, weights and
+optimizer states alike); :mod:`ms_deepseek.checkpoint.opt_shard` gathers the parts before a
+save and cuts them again on load. A layout with optimizer sharding is recorded
+(``parallel.optimizer_shard``) so a checkpoint is never resumed under another one without
+resharding.
 
 A LoRA run's checkpoint holds only what trains (adapters, and the routers under
 ``lora.train_router``): its layout lists those tensors (each adapter split like its base

@@ -75,11 +75,13 @@ def to_buffer_order(name: str, array: np.ndarray, applied) -> np.ndarray:
     return array if order is None else array[order]
 
 
-def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None) -> None:
+def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None,
+                 part=None) -> None:
     """Copy tensors of ``src`` (a :mod:`.sources` source) into ``params``: all must be present, shapes equal.
 
     With ``layout`` each parameter receives this rank's slice (the parameters of a compiled sharded
-    step are slices); without, the whole tensor."""
+    step are slices); without, the whole tensor. ``part(name, slice)``: what of its slice the rank
+    keeps (optimizer sharding: :meth:`ms_deepseek.checkpoint.opt_shard.OptimizerShards.part`)."""
     from mindspore import Tensor
 
     from ms_deepseek.checkpoint.sources import full_slice, to_float32
@@ -99,6 +101,8 @@ def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: i
         value = to_float32(raw, src.dtype(name)) if src.dtype(name) in ("BF16", "F16", "F32") else raw
         if layout is None:
             value = to_buffer_order(name, value, applied)
+        elif part is not None:
+            value = part(name, value)
         # a lazily built, not yet compiled parameter still has the full shape: it takes the slice as its data
         as_slice = layout is not None and name in layout.tensors and tuple(param.shape) == layout.tensors[name].shape
         if tuple(value.shape) != tuple(param.shape) and not as_slice:

@@ -289,6 +289,7 @@ class Trainer:
                                             tc.loss_scale_factor, tc.loss_scale_window, reducer, wrap_net=wrap,
                                             # pp > 1: the accu_grads.* the pipeline pass accumulates into
                                             pipeline=par.pp > 1, optimizer_shard=par.optimizer_shard)
+        self.opt_shards = None  # sharded + parallel.optimizer_shard: set after the compile (_restore)
         self.strategy_file = self.run_dir / "strategy" / f"rank_{self.rank:05d}.ckpt"
         if self.sharded:  # Ascend only (refused on CPU in _check_layout)
             self.strategy_file.parent.mkdir(parents=True, exist_ok=True)
@@ -319,6 +320,10 @@ class Trainer:
 
             shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
             self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+            if self.par.optimizer_shard:  # the parallel optimizer's cut of each parameter, as compiled
+                from ms_deepseek.checkpoint.opt_shard import OptimizerShards
+
+                self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
             layout = self._layout()
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
                 base = build_layout(self.cfg, self.par)
@@ -328,10 +333,12 @@ class Trainer:
                 self._load_weights_slices(layout, self.model_tensors)
         if self.resume_dir is None:
             return
+        part = self.opt_shards.part if self.opt_shards is not None else None
         model_src, opt_src = ckpt_mod.open_resume_sources(self.resume_dir, self.cfg)
-        restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied)
+        restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied,
+                     part=part)
         restore_into(self.opt_tensors, opt_src, "optimizer", layout=layout and layout.for_optimizer(),
-                     rank=self.rank, applied=self.applied)
+                     rank=self.rank, applied=self.applied, part=part)
         restore_rng(self.state.get("rng", {}))
 
     def _layout(self):
@@ -355,7 +362,8 @@ class Trainer:
         from ms_deepseek.checkpoint.sharded import open_any
 
         src, _, _, _ = open_any(weights)
-        restore_into(params, src, "model", layout=layout, rank=self.rank)
+        restore_into(params, src, "model", layout=layout, rank=self.rank,
+                     part=self.opt_shards.part if self.opt_shards is not None else None)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
@@ -471,9 +479,11 @@ class Trainer:
             "world_size": self.world, "global_batch_size": self.recipe.global_batch_size, "seq_len": self.seq_len,
         }
         if self.sharded:  # every rank writes its slices (experts in HF order by construction), rank 0 completes
-            self.last_ckpt = ckpt_mod.save_sharded(self.manager, step, self.rank, self._layout(), self.model_tensors,
-                                                   self.opt_tensors, self.cfg, state, self.recipe.to_yaml(),
-                                                   self.strategy_file)
+            model, opt = self.model_tensors, self.opt_tensors
+            if self.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
+                model, opt = self.opt_shards.gathered(model), self.opt_shards.gathered(opt)
+            self.last_ckpt = ckpt_mod.save_sharded(self.manager, step, self.rank, self._layout(), model, opt,
+                                                   self.cfg, state, self.recipe.to_yaml(), self.strategy_file)
             return
         if self.world > 1:  # every rank takes part: the replicas must hold the same weights
             state["replica_sha1"] = replica_digests(self.model_tensors, self.world)
