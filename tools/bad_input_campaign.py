@@ -156,11 +156,14 @@ def cases() -> List[Case]:
     add = out.append
 
     # 5. deeply nested JSON / YAML
-    def deep_config(d):
-        hf = _hf_copy(d)
-        (hf / "config.json").write_text(_deep_json())
-        return ["convert", "hf-to-ms", str(hf), str(d / "out"), "--no-progress"]
-    add(Case("5 nesting", "config.json", deep_config, "config.json: nested too deeply"))
+    def deep_file(file_name):
+        """A checkpoint whose file_name is a deeply nested JSON document, converted."""
+        def setup(d):
+            hf = _hf_copy(d)
+            (hf / file_name).write_text(_deep_json())
+            return ["convert", "hf-to-ms", str(hf), str(d / "out"), "--no-progress"]
+        return setup
+    add(Case("5 nesting", "config.json", deep_file("config.json"), "config.json: nested too deeply"))
 
     def deep_header(d):
         hf = _hf_copy(d)
@@ -169,11 +172,8 @@ def cases() -> List[Case]:
         return ["convert", "hf-to-ms", str(hf), str(d / "out"), "--no-progress"]
     add(Case("5 nesting", "safetensors header", deep_header, "model.safetensors (safetensors header): nested"))
 
-    def deep_index(d):
-        hf = _hf_copy(d)
-        (hf / "model.safetensors.index.json").write_text(_deep_json())
-        return ["convert", "hf-to-ms", str(hf), str(d / "out"), "--no-progress"]
-    add(Case("5 nesting", "index", deep_index, "model.safetensors.index.json: nested too deeply"))
+    add(Case("5 nesting", "index", deep_file("model.safetensors.index.json"),
+             "model.safetensors.index.json: nested too deeply"))
 
     def deep_jsonl(d):
         tok = _byte_tokenizer(d)

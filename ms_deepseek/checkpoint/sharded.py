@@ -83,23 +83,16 @@ def open_any(folder: Path):
 
 def _lora_of(folder: Path) -> Optional[Dict]:
     """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
-    path = folder / "recipe.yaml"
-    if not ((folder / "state.json").is_file() and path.is_file()):
+    if not (folder / "state.json").is_file():
         return None
-    import yaml
-
-    from ms_deepseek.safe_io import yaml_load
+    from ms_deepseek.checkpoint.training import read_recipe
     from ms_deepseek.schema import from_dict
     from ms_deepseek.train.recipe import LoraSection
 
-    try:
-        recipe = yaml_load(path.read_text(encoding="utf-8"), path)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: cannot read the checkpoint's recipe ({exc})") from None
-    section = recipe.get("lora") if isinstance(recipe, dict) else None
+    section = read_recipe(folder, missing_ok=True).get("lora")
     if section is None:
         return None
-    return lora_settings(from_dict(LoraSection, section, f"{path}: lora"))
+    return lora_settings(from_dict(LoraSection, section, f"{folder / 'recipe.yaml'}: lora"))
 
 
 def _check_whole(src: WholeSource, ckpt) -> None:

@@ -197,6 +197,25 @@ def read_state(folder: Path) -> Dict:
         raise UserError(f"{Path(folder) / 'state.json'}: unreadable ({exc})") from None
 
 
+def read_recipe(folder: Path, missing_ok: bool = False) -> Dict:
+    """The recipe a checkpoint was trained with (``folder/recipe.yaml``, a mapping; with ``missing_ok``
+    {} when there is none)."""
+    import yaml
+
+    from ms_deepseek.safe_io import yaml_load
+
+    path = Path(folder) / "recipe.yaml"
+    if missing_ok and not path.exists():
+        return {}
+    try:
+        recipe = yaml_load(path.read_text(encoding="utf-8"), path) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read the checkpoint's recipe ({exc})") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{path}: not a recipe (expected a YAML mapping of sections)")
+    return recipe
+
+
 def open_resume_sources(folder: Path, cfg):
     """(model source, optimizer source) of a checkpoint to resume from, whole or sharded.
 

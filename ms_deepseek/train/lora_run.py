@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import yaml
 
 from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import yaml_load
 
 BASE_DIR = "base"
 _SF_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -120,11 +118,9 @@ def resolve_checkpoint(spec) -> Path:
 
 def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
     """(lora section, model section) of the recipe a checkpoint was trained with."""
-    path = ckpt / "recipe.yaml"
-    try:
-        recipe = yaml_load(path.read_text(encoding="utf-8"), path) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"{path}: cannot read the run's recipe ({exc})") from None
+    from ms_deepseek.checkpoint.training import read_recipe
+
+    recipe = read_recipe(ckpt)
     section = recipe.get("lora")
     if not section:
         raise UserError(f"{ckpt}: not a LoRA run (its recipe.yaml has no lora section); export full "

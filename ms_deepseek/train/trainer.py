@@ -333,13 +333,17 @@ class Trainer:
                 self._load_weights_slices(layout, self.model_tensors)
         if self.resume_dir is None:
             return
-        part = self.opt_shards.part if self.opt_shards is not None else None
         model_src, opt_src = ckpt_mod.open_resume_sources(self.resume_dir, self.cfg)
         restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied,
-                     part=part)
+                     part=self._opt_part)
         restore_into(self.opt_tensors, opt_src, "optimizer", layout=layout and layout.for_optimizer(),
-                     rank=self.rank, applied=self.applied, part=part)
+                     rank=self.rank, applied=self.applied, part=self._opt_part)
         restore_rng(self.state.get("rng", {}))
+
+    @property
+    def _opt_part(self):
+        """restore_into's ``part`` hook: the parallel optimizer's cut (None without optimizer sharding)."""
+        return self.opt_shards.part if self.opt_shards is not None else None
 
     def _layout(self):
         """Which slice of every checkpointed model tensor (a LoRA run: adapters and trained routers) and
@@ -362,8 +366,7 @@ class Trainer:
         from ms_deepseek.checkpoint.sharded import open_any
 
         src, _, _, _ = open_any(weights)
-        restore_into(params, src, "model", layout=layout, rank=self.rank,
-                     part=self.opt_shards.part if self.opt_shards is not None else None)
+        restore_into(params, src, "model", layout=layout, rank=self.rank, part=self._opt_part)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
