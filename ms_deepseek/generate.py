@@ -30,7 +30,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 @dataclass
@@ -347,7 +347,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperatu
     (1 = off), reproducible with ``seed``. ``repetition_penalty`` (> 0; 1 = off) follows
     HuggingFace. ``eos_ids``: stop ids (default: the config's ``eos_token_id``; ``()`` never stops
     early). ``use_cache=False`` recomputes the full forward for every token (the reference path).
-    Bad input raises :class:`~ms_deepseek.errors.UserError` before any compute.
+    Bad input raises :class:`~ms_deepseek.core.errors.UserError` before any compute.
     """
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) and \
             not isinstance(prompt_ids, np.ndarray):

@@ -37,7 +37,7 @@ def pytest_configure(config):
 
 
 def ascend_available() -> bool:
-    from ms_deepseek.runtime import detect_device
+    from ms_deepseek.core.runtime import detect_device
 
     return detect_device() == "Ascend"
 

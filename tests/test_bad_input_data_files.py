@@ -10,7 +10,7 @@ import pytest
 from bad_input_helpers import assert_refused, listing, run_cli
 from data_helpers import make_byte_tokenizer, write_jsonl
 from ms_deepseek.data.storage import load_lengths, load_meta
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import yaml
 
 from bad_input_helpers import assert_refused, edit_config, hf_copy, listing, run_cli
 from data_helpers import make_byte_tokenizer, write_jsonl
-from ms_deepseek.checkpoint.atomic import remove_stale_partials
+from ms_deepseek.core.atomic import remove_stale_partials
 
 HOST = socket.gethostname().split(".")[0].replace("-", "_")
 
@@ -39,7 +39,7 @@ def test_stale_partials_of_dead_writers_only(tmp_path):
 def test_sigkilled_conversion_is_cleaned_by_the_next_run(capsys, tmp_path):
     hf = hf_copy(tmp_path)
     code = ("import os, time\n"
-            "import ms_deepseek.convert.api as api\n"
+            "import ms_deepseek.checkpoint.convert as api\n"
             "def stuck(*a, **k):\n"
             "    open(os.environ['READY'], 'w').close(); time.sleep(120)\n"
             "api._write_shards = stuck\n"

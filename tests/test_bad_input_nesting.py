@@ -65,7 +65,7 @@ def test_metrics_line_is_a_warning(capsys, tmp_path):
 
 def test_jsonl_line_names_file_and_line(tmp_path):
     from ms_deepseek.data.readers import read_jsonl
-    from ms_deepseek.errors import UserError
+    from ms_deepseek.core.errors import UserError
 
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": ' + deep() + "}\n")

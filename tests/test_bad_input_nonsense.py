@@ -1,11 +1,11 @@
-"""Issue 13 item 7: nonsense values are refused by name (argparse validators in ms_deepseek/safe_io.py)."""
+"""Issue 13 item 7: nonsense values are refused by name (argparse validators in ms_deepseek/cli/args.py)."""
 
 import argparse
 
 import pytest
 
 from bad_input_helpers import assert_refused, edit_config, hf_copy, run_cli
-from ms_deepseek import safe_io
+from ms_deepseek.cli import args as cli_args
 
 PLAN = ["plan", "--model", "tiny", "--npus", "2", "--seq-len", "64", "--global-batch", "4"]
 
@@ -35,14 +35,14 @@ def test_launch_master_addr(capsys, tmp_path, addr):
 
 @pytest.mark.parametrize("good", ["127.0.0.1", "::1", "node-0", "node0.cluster.local", "10.1.2.3"])
 def test_host_accepts_real_addresses(good):
-    assert safe_io.host(good) == good
+    assert cli_args.host(good) == good
 
 
 def test_validators_bounds():
-    assert safe_io.port("1") == 1 and safe_io.port("65535") == 65535
-    assert safe_io.positive_float("0.5") == 0.5 and safe_io.non_negative_int("0") == 0
-    for fn, text in ((safe_io.port, "65536"), (safe_io.positive_float, "0"), (safe_io.positive_int, "1.5"),
-                     (safe_io.non_negative_float, "-0.1"), (safe_io.positive_float, "inf")):
+    assert cli_args.port("1") == 1 and cli_args.port("65535") == 65535
+    assert cli_args.positive_float("0.5") == 0.5 and cli_args.non_negative_int("0") == 0
+    for fn, text in ((cli_args.port, "65536"), (cli_args.positive_float, "0"), (cli_args.positive_int, "1.5"),
+                     (cli_args.non_negative_float, "-0.1"), (cli_args.positive_float, "inf")):
         with pytest.raises(argparse.ArgumentTypeError):
             fn(text)
 
@@ -72,7 +72,7 @@ def test_rope_scaling_required_key_null(capsys, tmp_path, key):
 
 
 def test_rope_scaling_optional_key_null_means_its_default():
-    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.spec.config import DeepseekV2Config
 
     base = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}
     with_null = DeepseekV2Config(rope_scaling={**base, "mscale": None, "beta_fast": None})

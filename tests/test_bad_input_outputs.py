@@ -5,8 +5,8 @@ import json
 import pytest
 
 from bad_input_helpers import assert_refused, hf_copy, listing, run_cli
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import check_output_dir, check_output_file
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import check_output_dir, check_output_file
 
 
 @pytest.mark.parametrize("dst", ["/proc/ms-deepseek-out", "/sys/ms-deepseek-out", "/proc/self/x/y"])

@@ -16,14 +16,15 @@ from safetensors.numpy import load_file
 from ms_deepseek import cli
 from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
 from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
-from ms_deepseek.checkpoint.sources import WholeSource, open_source
-from ms_deepseek.config import DeepseekV2Config
-from ms_deepseek.convert import hf_to_ms, ms_to_hf
-from ms_deepseek.convert.source import open_checkpoint
-from ms_deepseek.convert.synthetic import write_random_checkpoint
-from ms_deepseek.errors import UserError
-from ms_deepseek.model.inventory import expected_ms_shapes
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sources import WholeSource
+from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.source import read_weight_files
+from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.inventory import expected_ms_shapes
+from ms_deepseek.spec.parallel import ParallelConfig
 
 # dp, tp, ep, pp all above 1, and a placement that is not contiguous blocks
 LAYOUT = ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2, expert_placement=[1, 0, 1, 0, 0, 1, 1, 0])
@@ -52,7 +53,7 @@ def pristine(tmp_path_factory):
 
 
 def full_tensors(folder: Path) -> dict:
-    src = WholeSource(open_checkpoint(folder))
+    src = WholeSource.of(read_weight_files(folder))
     return {n: src.read(n, tuple((0, d) for d in s)) for n, s in expected_ms_shapes(src.cfg).items()}
 
 
@@ -75,7 +76,7 @@ def test_every_rank_slices_put_together_are_the_full_tensors(pristine):
     holds only its stage's tensors; experts follow the placement."""
     want = full_tensors(pristine / "ms")
     for folder in ("hf", "ms"):
-        src = WholeSource(open_checkpoint(pristine / folder))
+        src = WholeSource.of(read_weight_files(pristine / folder))
         layout = build_layout(src.cfg, LAYOUT, dtypes={n: src.dtype(n) for n in want})
         rebuilt = {n: np.zeros_like(v) for n, v in want.items()}
         hits = {n: np.zeros(v.shape, np.int64) for n, v in want.items()}
@@ -141,7 +142,7 @@ def test_lazy_build_allocates_nothing_then_takes_a_ranks_slices(pristine):
     from ms_deepseek.checkpoint.tensors import restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
-    src = open_source(pristine / "sharded")
+    src = open_checkpoint(pristine / "sharded").model
     cfg = small_config()
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(cfg)
@@ -320,7 +321,7 @@ def test_layout_that_does_not_fit_the_model(pristine, tmp_path, capsys):
     refuses(capsys, tmp_path, ["convert", "hf-to-ms", str(pristine / "hf"), "--tp", "3"],
             r"parallel\.tp|not divisible")
     with pytest.raises(UserError, match="--set: needs --recipe"):
-        from ms_deepseek.convert.cli import layout_from_args
+        from ms_deepseek.cli.convert import layout_from_args
         from types import SimpleNamespace
 
         layout_from_args(SimpleNamespace(dp=None, tp=None, pp=None, ep=None, recipe=None, overrides=["a.b=1"]))
@@ -385,7 +386,7 @@ def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
     from ms_deepseek.checkpoint.sources import WholeSource
     from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.sharding.apply import apply_plan
 
     cfg = small_config()
     ms.set_seed(0)

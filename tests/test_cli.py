@@ -51,7 +51,7 @@ def test_every_command_module_follows_the_convention():
 
 def test_verbose_is_every_command_flag_and_default_is_quiet(monkeypatch):
     """Default: GLOG_v=3 (MindSpore errors only) unless the user set it; --verbose leaves it alone."""
-    from ms_deepseek import runtime
+    from ms_deepseek.core import runtime
 
     monkeypatch.delenv("GLOG_v", raising=False)
     monkeypatch.delenv(runtime.VERBOSE_ENV, raising=False)

@@ -14,11 +14,12 @@ import pytest
 import safetensors
 
 from ms_deepseek import cli
-from ms_deepseek.config import DeepseekV2Config, count_parameters, get_preset
-from ms_deepseek.convert import hf_to_ms, ms_to_hf, parse_size
-from ms_deepseek.convert.layout import expected_hf_shapes, expected_ms_shapes, zero_width_shapes
-from ms_deepseek.convert.synthetic import write_random_checkpoint
-from ms_deepseek.errors import UserError
+from ms_deepseek.spec.config import DeepseekV2Config, get_preset
+from ms_deepseek.spec.inventory import count_parameters
+from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf, parse_size
+from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, zero_width_shapes
+from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.core.errors import UserError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VARIANTS = ("lite", "v2", "lite_yarn", "v2_yarn", "yarn_mscale")
@@ -337,6 +338,6 @@ def test_layout_module_imports_without_mindspore():
     import subprocess
     import sys
 
-    code = ("import sys, ms_deepseek.convert.layout, ms_deepseek.convert; "
+    code = ("import sys, ms_deepseek.spec.inventory, ms_deepseek.spec.names, ms_deepseek.checkpoint.convert; "
             "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

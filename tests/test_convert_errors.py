@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek import cli
-from ms_deepseek.config import DeepseekV2Config
-from ms_deepseek.convert import api, hf_to_ms, ms_to_hf
-from ms_deepseek.convert.synthetic import write_random_checkpoint
-from ms_deepseek.errors import UserError
+from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint import convert as api
+from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.core.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 
@@ -296,7 +297,7 @@ def test_failure_while_writing_leaves_nothing(pristine, tmp_path, monkeypatch):
 def test_source_shrinking_during_copy_is_reported(pristine, tmp_path, monkeypatch):
     src = tmp_path / "src"
     shutil.copytree(pristine / "single", src)
-    real = api.open_checkpoint
+    real = api.read_weight_files
 
     def then_truncate(folder):
         ckpt = real(folder)  # headers checked while the file was whole ...
@@ -304,5 +305,5 @@ def test_source_shrinking_during_copy_is_reported(pristine, tmp_path, monkeypatc
         path.write_bytes(path.read_bytes()[:-4096])  # ... then it loses its tail
         return ckpt
 
-    monkeypatch.setattr(api, "open_checkpoint", then_truncate)
+    monkeypatch.setattr(api, "read_weight_files", then_truncate)
     fails(src, tmp_path / "dst", r"model\.safetensors: tensor .* ends early")

@@ -10,7 +10,7 @@ from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.prepare import prepare_data, prepare_embedded_default, stdlib_files
 from ms_deepseek.data.storage import load_meta
 from ms_deepseek.data.tokenizer import load_tokenizer
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.diagnostics import doctor, pins  # noqa: F401  (doctor registers the checks)
+from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the checks)
+
+from ms_deepseek.cli import doctor
 from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
 from ms_deepseek.diagnostics.probe import RecordedProbe
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.diagnostics import npu_parse, pins
-from ms_deepseek.diagnostics.doctor import exit_code, format_line, run_doctor, select_checks, to_json
+from ms_deepseek.cli.doctor import exit_code, format_line, run_doctor, select_checks, to_json
 from ms_deepseek.diagnostics.doctor_core import (FAIL, PASS, REGISTRY, SKIP, WARN, CheckResult, DoctorContext,
                                            checks_for_level, run_check)
 from ms_deepseek.diagnostics.doctor_host import parse_smoke_output, smoke_verdict
@@ -89,7 +89,7 @@ def test_version_specs_without_packaging(monkeypatch):
 
 
 def test_requirements_override_and_bad_lines(tmp_path):
-    from ms_deepseek.errors import UserError
+    from ms_deepseek.core.errors import UserError
 
     req = tmp_path / "req.txt"
     req.write_text("numpy==0.0.1\n")

@@ -20,7 +20,7 @@ from load_reference import FIXTURES_DIR  # noqa: E402
 from ms_deepseek import DeepseekV2ForCausalLM, cli  # noqa: E402
 from ms_deepseek.data.tokenizer import load_tokenizer  # noqa: E402
 from ms_deepseek.generate import generate  # noqa: E402
-from ms_deepseek.generate_cli import find_tokenizer, resolve_checkpoint, sample_text  # noqa: E402
+from ms_deepseek.cli.generate import find_tokenizer, resolve_checkpoint, sample_text  # noqa: E402
 from ms_deepseek.checkpoint.training import CheckpointManager  # noqa: E402
 
 LITE = FIXTURES_DIR / "lite"

@@ -17,7 +17,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ms_deepseek.cli import main
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.lora import LoraSpec
 
 FIX = Path(__file__).parent / "fixtures" / "lora"
 ATOL = 1e-4
@@ -88,7 +89,7 @@ def test_merge_streams_an_hf_folder_that_transformers_reads_the_same(ref, tmp_pa
     out = tmp_path / "merged"
     assert main(["export-lora", str(FIX / "ours_adapter"), str(out), "--merge", str(FIX / "base")]) == 0
     np.testing.assert_allclose(_logits(_load(out), ref["input_ids"]), ref["logits_merged"], atol=ATOL)
-    from ms_deepseek.convert.safetensors_io import read_header
+    from ms_deepseek.checkpoint.safetensors_io import read_header
 
     merged, base = read_header(out / "model.safetensors").tensors, read_header(FIX / "base" / "model.safetensors").tensors
     assert merged.keys() == base.keys()
@@ -135,8 +136,8 @@ def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, e
 
 
 def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
-    from ms_deepseek.config import DeepseekV2Config
-    from ms_deepseek.convert.synthetic import write_random_checkpoint
+    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)
     other = write_random_checkpoint(tmp_path / "other", cfg, dtype="float32")
@@ -159,16 +160,16 @@ def test_adapter_with_a_missing_expert_names_it(tmp_path):
 
 
 def test_targets_and_ranks_are_checked_against_the_model():
-    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config.from_json(FIX / "base" / "config.json"))
     with pytest.raises(UserError, match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
                                         r"\(12 x 32\)"):
-        lora.add_adapters(model, lora.AdapterSpec(r=13, alpha=8, target_modules=["q_a_proj"]))
+        lora.add_adapters(model, LoraSpec(r=13, alpha=8, target_modules=["q_a_proj"]))
     with pytest.raises(UserError, match=r"lora\.target_modules\[1\]: 'shared_experts\.o_proj' matches no module"):
-        lora.add_adapters(model, lora.AdapterSpec(r=2, alpha=8, target_modules=["o_proj", "shared_experts.o_proj"]))
+        lora.add_adapters(model, LoraSpec(r=2, alpha=8, target_modules=["o_proj", "shared_experts.o_proj"]))
     assert not lora.has_adapters(model)  # refused before anything was attached
 
 
@@ -177,7 +178,7 @@ def test_targets_and_ranks_are_checked_against_the_model():
                                                ({"use_dora": True}, "lora.use_dora"),
                                                ({"dropout": 1.0}, "lora.dropout")])
 def test_recipe_lora_section_refusals(lora_section, key):
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
 
     with pytest.raises(UserError) as info:
         load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": lora_section})
@@ -189,10 +190,10 @@ def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
     assert main(["convert", "hf-to-ms", str(FIX / "base"), str(tmp_path / "ms")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "a"), "--merge", str(FIX / "base")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "b"), "--merge", str(tmp_path / "ms")]) == 0
-    from ms_deepseek.convert.source import open_checkpoint
+    from ms_deepseek.checkpoint.source import read_weight_files
 
     def tensors(folder):  # name -> raw bytes (the output mirrors the base's files: one file, or shards + index)
-        ckpt = open_checkpoint(folder)
+        ckpt = read_weight_files(folder)
         out = {}
         for name, info in ckpt.tensors.items():
             with open(info.file, "rb") as f:
@@ -231,7 +232,7 @@ def test_export_of_a_full_training_run_or_a_missing_folder_is_one_line(tmp_path,
 def test_saved_recipe_round_trips_with_and_without_lora():
     import yaml
 
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
 
     full = load_recipe_dict({"data": {"embedded_vocab_size": 4096}})
     assert "lora" not in full.to_dict() and load_recipe_dict(yaml.safe_load(full.to_yaml())).lora is None
@@ -245,15 +246,15 @@ def test_saved_recipe_round_trips_with_and_without_lora():
 def test_adapters_shard_with_their_base_layers(layout):
     """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
     that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
-    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan
-    from ms_deepseek.parallel.config import ParallelConfig
+    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.spec.parallel import ParallelConfig
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
     model = DeepseekV2ForCausalLM(cfg)
-    lora.add_adapters(model, lora.AdapterSpec(r=4, alpha=8, target_modules=[
+    lora.add_adapters(model, LoraSpec(r=4, alpha=8, target_modules=[
         "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     par = ParallelConfig(**layout)
     applied = apply_plan(model, par, cfg)

@@ -48,7 +48,7 @@ def _fixture_recipe(data_dir, **changes):
 
 
 def _run(recipe_dict, run_dir: Path):
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import Trainer
 
     trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, None, False, False, None)
@@ -56,7 +56,7 @@ def _run(recipe_dict, run_dir: Path):
 
 
 def _base_params(model):
-    from ms_deepseek.convert import names
+    from ms_deepseek.spec import names
 
     E = model.config.n_routed_experts
     out = {}
@@ -88,9 +88,9 @@ def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_r
     assert moments and all(".lora_" in n for n in moments), sorted(opt)[:6]
     # every base weight in memory after training equals the base file, bit for bit (bfloat16 widened)
     from ms_deepseek.model.loading import read_tensor
-    from ms_deepseek.convert.source import open_checkpoint
+    from ms_deepseek.checkpoint.source import read_weight_files
 
-    base = open_checkpoint(FIX / "base")
+    base = read_weight_files(FIX / "base")
     got = _base_params(trainer.model)
     assert got.keys() == base.tensors.keys()
     for name, info in base.tensors.items():
@@ -161,7 +161,7 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.train.recipe import load_recipe
+    from ms_deepseek.spec.recipe import load_recipe
 
     sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
             "optim.warmup_steps=2", "optim.lr=0.02",
@@ -210,7 +210,7 @@ SHARDED = ["--dp", "2", "--tp", "2", "--pp", "2", "--ep", "2"]
 
 
 def _parallel(**degrees):
-    from ms_deepseek.parallel.config import ParallelConfig
+    from ms_deepseek.spec.parallel import ParallelConfig
 
     return ParallelConfig(**{"micro_batches": degrees.get("pp", 1), **degrees})
 
@@ -223,7 +223,7 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     import filecmp
 
     from ms_deepseek.checkpoint.layout import build_layout, read_layout
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
 
     _trainer, ref = fixture_run
     whole = ref.run_dir / "checkpoints" / "step_00000002"
@@ -312,12 +312,12 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
     from mindspore.nn.utils import no_init_parameters
 
     from ms_deepseek.checkpoint.layout import build_layout, slice_array
-    from ms_deepseek.checkpoint.sharded import open_any
+    from ms_deepseek.checkpoint.opener import open_checkpoint
     from ms_deepseek.checkpoint.sources import full_slice, to_float32
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.train import lora_run
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
 
     recipe = load_recipe_dict(_fixture_recipe(data_dir, lora={"train_router": True}))
     cfg, par = recipe.model_config, _parallel(dp=2, tp=2, pp=2, ep=2)
@@ -336,7 +336,7 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
     assert all(p.has_init for p in base_params.values()), "the lazy build allocated the base"
     rank = 5
     mine = {n: base_params[n] for n in base_layout.tensors_of_rank(rank)}
-    src, _, _, _ = open_any(FIX / "base")
+    src = open_checkpoint(FIX / "base").model
     restore_into(mine, src, "model", layout=base_layout, rank=rank)
     for name, param in mine.items():
         t = base_layout.tensors[name]

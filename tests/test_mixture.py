@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from data_helpers import make_byte_tokenizer, make_sentencepiece, write_jsonl
-from ms_deepseek.data.config import DataConfig, DataSource
+from ms_deepseek.spec.data import DataConfig, DataSource
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.mixture import CHUNK, MixtureDataset, chunk_counts
 from ms_deepseek.data.prepare import prepare_data
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_sources_that_disagree_are_named(folders):
         build_train_dataset(paths("a", "b_sp"), batch_size=2)
     with pytest.raises(UserError, match=r"^data.path\[2\]: .*missing does not exist"):
         build_train_dataset(paths("a", "b", "missing"), batch_size=2)
-    from ms_deepseek.schema import from_dict
+    from ms_deepseek.core.schema import from_dict
 
     with pytest.raises(UserError, match=r"weight: must be > 0"):
         from_dict(DataConfig, {"path": [{"path": "x", "weight": 0}, {"path": "y"}]}, "data")

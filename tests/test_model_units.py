@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402
-from ms_deepseek.config import get_preset  # noqa: E402
-from ms_deepseek.errors import UserError  # noqa: E402
+from ms_deepseek.spec.config import get_preset  # noqa: E402
+from ms_deepseek.core.errors import UserError  # noqa: E402
 from ms_deepseek.model.moe import DeepseekV2MoE  # noqa: E402
 
 
@@ -183,7 +183,7 @@ def test_from_pretrained_unexpected_tensor_and_bad_config(broken_copy):
 
 def test_from_pretrained_reads_bfloat16(tmp_path):
     """A bf16 checkpoint loads (values widened exactly) and runs."""
-    from ms_deepseek.convert.safetensors_io import read_header
+    from ms_deepseek.checkpoint.safetensors_io import read_header
     src = FIXTURES_DIR / "lite"
     dst = tmp_path / "bf16"
     dst.mkdir()
@@ -225,7 +225,7 @@ def test_from_pretrained_skips_zero_width_tensors(broken_copy):
 
 
 def test_capacity_rule_is_dispatch_shapes():
-    from ms_deepseek.model import dispatch_shapes
+    from ms_deepseek.spec import dispatch_shapes
 
     moe = DeepseekV2MoE(small_cfg(capacity_factor=1.5))
     moe.set_train(True)

@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 from mindspore.common import dtype as mstype
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.ops import ExpertLookup, FP32Softmax, RepetitionPenalty, backend, build
 
 ms.set_device("CPU")

@@ -13,13 +13,13 @@ import pytest
 
 from ms_deepseek.checkpoint.layout import build_layout, slice_array
 from ms_deepseek.checkpoint.opt_shard import OptimizerShards, join_parts, own_part
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 from test_checkpoint_layouts import small_config
 
 
 def _parallel():
-    from ms_deepseek.parallel.config import ParallelConfig
+    from ms_deepseek.spec.parallel import ParallelConfig
 
     return ParallelConfig(dp=4, tp=2, ep=2, optimizer_shard=True)
 
@@ -90,8 +90,8 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
 
     from ms_deepseek.checkpoint.sources import WholeSource
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
-    from ms_deepseek.convert.source import open_checkpoint
-    from ms_deepseek.convert.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     import tempfile
     from pathlib import Path
@@ -103,7 +103,7 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
     shards = _shards_of(rank, groups, {})
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(Path(tmp) / "hf", cfg, dtype="float32", layout="hf", seed=4)
-        src = WholeSource(open_checkpoint(Path(tmp) / "hf"))
+        src = WholeSource.of(read_weight_files(Path(tmp) / "hf"))
         with no_init_parameters():
             model = DeepseekV2ForCausalLM(cfg)
         params = {n: p for n, p in model_tensors(model).items() if n in layout.tensors}

@@ -25,10 +25,10 @@ WORKER = textwrap.dedent('''
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="Ascend")
     init()
-    from ms_deepseek.config import get_preset
+    from ms_deepseek.spec.config import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan, auto_parallel_wrap
-    from ms_deepseek.parallel.config import ParallelConfig
+    from ms_deepseek.sharding.apply import apply_plan, auto_parallel_wrap
+    from ms_deepseek.spec.parallel import ParallelConfig
     from ms_deepseek.parallel.costs import Workload
     from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
     from ms_deepseek.parallel.planner import estimate
@@ -111,10 +111,10 @@ def test_sharded_checkpoint_with_optimizer_sharding_resumes_exactly_on_4_npus(tm
     proc = launch()
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = losses()
-    from ms_deepseek.checkpoint.sharded import open_any
+    from ms_deepseek.checkpoint.opener import open_checkpoint
 
     step2 = run_dir / "checkpoints" / "step_00000002"
-    open_any(step2)  # every rank file against layout.json: model-parallel slice shapes
+    open_checkpoint(step2)  # every rank file against layout.json: model-parallel slice shapes
     proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf",
                            str(run_dir / "checkpoints" / "step_00000004"), str(tmp_path / "hf")],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 
-from ms_deepseek.config import get_preset
-from ms_deepseek.parallel import simulate as S
-from ms_deepseek.parallel.config import ParallelConfig
-from ms_deepseek.parallel.lint import lint_model
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.diagnostics import simulate as S
+from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.sharding.lint import lint_model
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
 
 TINY = get_preset("tiny")
@@ -98,7 +98,7 @@ def test_wrong_style_is_an_unlisted_redistribution():
 
 
 def test_stale_edge_table_fails(dense_ctx):
-    from ms_deepseek.parallel.lint import EDGES, Edge
+    from ms_deepseek.sharding.lint import EDGES, Edge
 
     edges = list(EDGES) + [Edge("self_attn.qk_bmm", 0, "self_attn.renamed_softmax", 0, requires="self_attn.qk_bmm")]
     problems = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh, edges=edges).problems

@@ -9,9 +9,9 @@ compile nothing (one PyNative forward checks that a custom expert placement keep
 import numpy as np
 import pytest
 
-from ms_deepseek.config import get_preset
-from ms_deepseek.errors import UserError
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import Precision, param_bytes
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
 
@@ -120,7 +120,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: p.describe().replace(" ", "-"))
 def test_applied_strategies_and_planner_bytes(model, parallel):
-    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.sharding.apply import apply_plan
 
     applied = apply_plan(model, parallel, CFG)
     dp, tp, ep = parallel.dp, parallel.tp, parallel.ep
@@ -188,7 +188,7 @@ def test_inventory_matches_model(model):
         assert inventory[name].shape == tuple(param.shape), name
         assert inventory[name].trainable == param.requires_grad, name
     total = sum(int(np.prod(p.shape)) for p in model.trainable_params())
-    from ms_deepseek.config import count_parameters
+    from ms_deepseek.spec.inventory import count_parameters
 
     assert total == count_parameters(CFG).total
 
@@ -207,7 +207,7 @@ def test_plan_table_rules():
 
 
 def test_missing_rule_is_reported(model):
-    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.sharding.apply import apply_plan
 
     table = {k: v for k, v in DEEPSEEK_V2_PLAN.items() if k != "model.layers.*.self_attn.pv_bmm"}
     with pytest.raises(UserError, match=r"primitive model\.layers\.0\.self_attn\.pv_bmm \(BatchMatMul\) matches no rule"):
@@ -219,7 +219,7 @@ def test_custom_placement_keeps_the_math_and_recompute():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan, restore_expert_order
+    from ms_deepseek.sharding.apply import apply_plan, restore_expert_order
     from ms_deepseek.parallel.placement import placement_table
 
     cfg = CFG.replace(num_hidden_layers=2)
@@ -251,7 +251,7 @@ def test_selective_recompute_and_stage_config():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan, pipeline_stage_config
+    from ms_deepseek.sharding.apply import apply_plan, pipeline_stage_config
 
     cfg = CFG.replace(num_hidden_layers=2)
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -271,7 +271,7 @@ def test_flash_attention_primitive_gets_heads_by_tp():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.apply import apply_plan
+    from ms_deepseek.sharding.apply import apply_plan
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = CFG.replace(use_flash_attention=True)

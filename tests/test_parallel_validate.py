@@ -2,11 +2,11 @@
 
 import pytest
 
-from ms_deepseek.config import get_preset
-from ms_deepseek.errors import UserError
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.validate import layout_problems, validate_layout
-from ms_deepseek.schema import from_dict
+from ms_deepseek.core.schema import from_dict
 
 V2 = get_preset("deepseek-v2")
 LITE = get_preset("deepseek-v2-lite")
@@ -98,7 +98,7 @@ def test_micro_batches_at_least_pp():
     assert str(err.value) == ("parallel.micro_batches: 2 is fewer than pp=4 (1F1B needs at least one "
                               "micro-batch per stage)")
     # --set overrides are applied to the YAML before the config is built, so they meet the same check
-    from ms_deepseek.schema import apply_overrides
+    from ms_deepseek.core.schema import apply_overrides
 
     with pytest.raises(UserError, match="parallel.micro_batches: 2 is fewer than pp=4"):
         from_dict(ParallelConfig, apply_overrides({"pp": 4, "micro_batches": 4}, ["micro_batches=2"]), "parallel")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.config import get_preset
-from ms_deepseek.parallel import simulate as S
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.diagnostics import simulate as S
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_stage_check_catches_a_misplaced_layer():
 
 
 def test_missing_check_is_not_a_pass(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ms_deepseek.parallel.simulate_moe", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "ms_deepseek.diagnostics.simulate_moe", None)  # import -> ImportError
     ctx = S.build_context(TINY, ParallelConfig(dp=2, ep=2), 64)
     result = S.check_moe(ctx)
     assert result.status == "unavailable" and not result.passed
@@ -147,7 +147,7 @@ def test_rows_read_is_the_loaders_rule(tmp_path):
     positions r, r + W, ... of the block a single reader takes for the same step."""
     import numpy as np
 
-    from ms_deepseek.data.config import DataConfig
+    from ms_deepseek.spec.data import DataConfig
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.prepare import prepare_embedded_default
 

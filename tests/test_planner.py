@@ -6,9 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ms_deepseek.config import count_parameters, get_preset
-from ms_deepseek.errors import UserError
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.spec.inventory import count_parameters
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
@@ -61,7 +62,7 @@ def test_efficiencies_are_the_calibrated_ones(end):
 
 def test_moe_buffers_come_from_the_dispatch_as_built():
     """The planner's MoE memory and AllToAll bytes are dispatch_shapes' per-device shapes."""
-    from ms_deepseek.model.dispatch_shapes import dispatch_buffers
+    from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
     from ms_deepseek.parallel.costs import layer_ep_bytes, moe_buffers
 
     cfg = V2.replace(capacity_factor=2.0)
@@ -132,7 +133,7 @@ def test_search_ranks_fitting_layouts_by_speed():
 
 
 def _load(name, overrides=()):
-    from ms_deepseek.train.recipe import load_recipe
+    from ms_deepseek.spec.recipe import load_recipe
 
     # The planner needs the architecture, not the weights or the data: point the recipe at the
     # preset and at the embedded corpus (format pretrain) so it loads without prepared folders.
@@ -278,8 +279,8 @@ def test_reserve_device_memory_on_ascend(tmp_path):
 import json, sys
 import mindspore as ms
 ms.set_device("Ascend")
-from ms_deepseek.config import get_preset
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import Workload
 from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
 from ms_deepseek.parallel.planner import estimate
@@ -322,7 +323,7 @@ def test_placement_tables():
 
 
 def test_context_kwargs():
-    from ms_deepseek.parallel.apply import context_kwargs
+    from ms_deepseek.sharding.apply import context_kwargs
 
     kw = context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, optimizer_shard=True))
     assert kw["parallel_mode"] == "auto_parallel" and kw["search_mode"] == "sharding_propagation"
@@ -338,11 +339,11 @@ LORA_ALL = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
 
 
 def test_lora_inventory_freezes_the_base_and_adds_adapters():
-    from ms_deepseek.parallel.costs import LoraWorkload, lora_inventory
+    from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 
     cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16")
     base = parameter_inventory(cfg)
-    inv = lora_inventory(cfg, LoraWorkload(r=8, target_modules=("kv_b_proj", "experts.down_proj")))
+    inv = lora_inventory(cfg, LoraSpec(r=8, target_modules=("kv_b_proj", "experts.down_proj")))
     trainable = [i for i in inv if i.trainable]
     assert all(".lora_" in i.name for i in trainable) and len(inv) == len(base) + len(trainable)
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -361,25 +362,25 @@ def test_lora_inventory_freezes_the_base_and_adds_adapters():
     # frozen weights: no gradient, no optimizer state; float32 adapters: 4 + 8 bytes per element
     held = param_bytes(cfg, ParallelConfig(), Precision(master_bytes=4), inv)[0]
     assert held["gradients"] == 4 * adapters and held["optimizer"] == (8 + 4) * adapters
-    router = lora_inventory(cfg, LoraWorkload(r=8, target_modules=("o_proj",), train_router=True))
+    router = lora_inventory(cfg, LoraSpec(r=8, target_modules=("o_proj",), train_router=True))
     assert {i.name for i in router if i.trainable and ".lora_" not in i.name} == {
         f"model.layers.{k}.mlp.gate.weight" for k in moe_layers}
     with pytest.raises(UserError, match="lora.target_modules: no module of this model is targeted"):
-        lora_inventory(cfg, LoraWorkload(r=8, target_modules=("q_a_proj",)))   # V2-Lite has q_proj only
+        lora_inventory(cfg, LoraSpec(r=8, target_modules=("q_a_proj",)))   # V2-Lite has q_proj only
     dense = get_preset("tiny", compute_dtype="float32").replace(n_routed_experts=None)
     with pytest.raises(UserError, match=r"lora.target_modules\[1\]: 'experts.up_proj' matches no module"):
-        lora_inventory(dense, LoraWorkload(r=8, target_modules=("o_proj", "experts.up_proj")))
-    assert lora_inventory(cfg, LoraWorkload(r=8, target_modules=("q_proj", "q_a_proj", "q_b_proj")))
+        lora_inventory(dense, LoraSpec(r=8, target_modules=("o_proj", "experts.up_proj")))
+    assert lora_inventory(cfg, LoraSpec(r=8, target_modules=("q_proj", "q_a_proj", "q_b_proj")))
 
 
 def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
     import dataclasses
 
-    from ms_deepseek.parallel.costs import LoraWorkload
+    from ms_deepseek.spec.lora import LoraSpec
 
     cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,
-                 lora=LoraWorkload(r=16, target_modules=LORA_ALL))
+                 lora=LoraSpec(r=16, target_modules=LORA_ALL))
     best = search(cfg, 8, w, top=1, recompute=("none",), sequence_parallel=(False,))[0]
     assert best.fits and best.layout.world_size == 8
     full = estimate(cfg, best.layout, dataclasses.replace(w, lora=None), world_size=8)
@@ -391,11 +392,11 @@ def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
 
 
 def test_lora_v2_needs_two_nodes():
-    from ms_deepseek.parallel.costs import LoraWorkload
+    from ms_deepseek.spec.lora import LoraSpec
 
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,
-                 lora=LoraWorkload(r=16, target_modules=LORA_ALL[:6]))
+                 lora=LoraSpec(r=16, target_modules=LORA_ALL[:6]))
     choices = dict(top=1, recompute=("full",), optimizer_shard=(True,))
     assert not search(cfg, 8, w, **choices)[0].fits        # 236B bf16 weights alone are ~59 GB per NPU on 8
     two = search(cfg, 16, w, **choices)[0]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.diagnostics.alerts import RULES, Alert, AlertConfig, AlertMonitor, scan
-from ms_deepseek.diagnostics.metrics_io import read_metrics
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.train.alerts import RULES, Alert, AlertConfig, AlertMonitor, scan
+from ms_deepseek.train.metrics_io import read_metrics
 from ms_deepseek.diagnostics.report import CORE_PLOTS, MEMORY_PLOTS, generate, watch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.runtime import DEVICE_ENV, detect_device
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.runtime import DEVICE_ENV, detect_device
 
 
 def _fake_npu_smi(tmp_path, monkeypatch):

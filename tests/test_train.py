@@ -15,7 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from ms_deepseek.cli import main
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
@@ -119,7 +119,7 @@ def test_checkpoint_holds_the_models_own_names_and_optimizer_state(reference):
 def test_metrics_records(reference):
     from ms_deepseek.train.metrics import RECORD_KEYS
     from ms_deepseek.train.optim import lr_fn
-    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.spec.recipe import OptimSection
 
     run_dir, _ = reference
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +139,7 @@ def test_metrics_records(reference):
 
 
 def test_non_finite_numbers_are_written_as_strings(tmp_path):
-    from ms_deepseek.diagnostics.metrics_io import read_metrics
+    from ms_deepseek.train.metrics_io import read_metrics
     from ms_deepseek.train.metrics import MetricsWriter, json_number
 
     assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == \
@@ -196,7 +196,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
     """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update).
 
     Run with selective recompute, which must not change the math either."""
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -216,7 +216,7 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     from mindspore import Parameter, Tensor, nn
 
     from ms_deepseek.train import optim
-    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.step import Update
 
     ms.set_seed(0)
@@ -369,15 +369,15 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto"]) == 0
     assert capsys.readouterr().out.startswith("run complete:")
     with pytest.raises(UserError, match="checkpoint.resume: must be 'auto' or null"):
-        from ms_deepseek.train.recipe import load_recipe_dict
+        from ms_deepseek.spec.recipe import load_recipe_dict
 
         load_recipe_dict(recipe_dict(data_dir, checkpoint={"resume": "latest"}))
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
-    from ms_deepseek.diagnostics.alerts import AlertConfig, AlertMonitor
+    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train import trainer
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -395,7 +395,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
 
 def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
     """model.source = a checkpoint folder: its weights are loaded (not a random init), overrides still apply."""
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -432,7 +432,7 @@ def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
 
 
 def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
-    from ms_deepseek.train.recipe import load_recipe_dict
+    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -448,7 +448,7 @@ def test_weight_decay_skips_norms_biases_and_routers():
     from mindspore import Parameter, Tensor
 
     from ms_deepseek.train import optim
-    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.step import Update
 
     names = ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",

@@ -5,8 +5,8 @@ issue's list has a section with symptom, detector and fix."""
 import re
 from pathlib import Path
 
-from ms_deepseek.diagnostics import doctor  # noqa: F401  (registers every check)
-from ms_deepseek.diagnostics.alerts import RULES
+from ms_deepseek.cli import doctor  # noqa: F401  (registers every check)
+from ms_deepseek.train.alerts import RULES
 from ms_deepseek.diagnostics.doctor_core import REGISTRY
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"

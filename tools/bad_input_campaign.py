@@ -317,7 +317,7 @@ def cases() -> List[Case]:
         hf = _hf_copy(d)
         # a real SIGKILL mid-write: a child converting with a sleep in its shard writer is killed by the parent
         code = ("import os, signal, sys, time\n"
-                "import ms_deepseek.convert.api as api\n"
+                "import ms_deepseek.checkpoint.convert as api\n"
                 "orig = api._write_shards\n"
                 "def slow(*a, **k):\n"
                 "    open(os.environ['READY'], 'w').close(); time.sleep(60)\n"

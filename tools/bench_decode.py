@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     import mindspore as ms
 
     from ms_deepseek import DeepseekV2ForCausalLM
-    from ms_deepseek.config import get_preset
+    from ms_deepseek.spec.config import get_preset
     from ms_deepseek.model.decode import cache_figures
 
     ms.set_seed(args.seed)

@@ -92,10 +92,11 @@ def _ms_worker(case: str, args) -> None:
     import mindspore as ms
     from mindspore import Tensor
 
-    from ms_deepseek.config import DeepseekV2Config, count_parameters
+    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.spec.inventory import count_parameters
     from ms_deepseek.train import optim
     from ms_deepseek.train.mf_adapter import mindformers_classes
-    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.spec.recipe import OptimSection
 
     ms.set_device("CPU")
     if args.threads:
@@ -350,7 +351,8 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c in wanted] + [c for c in wanted if c not in cases]
 
     sys.path.insert(0, str(ROOT))
-    from ms_deepseek.config import DeepseekV2Config, count_parameters  # no mindspore import
+    from ms_deepseek.spec.config import DeepseekV2Config  # no mindspore import
+    from ms_deepseek.spec.inventory import count_parameters
 
     cfg = DeepseekV2Config(**BENCH_CONFIG)
     count = count_parameters(cfg)

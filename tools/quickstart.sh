@@ -36,12 +36,12 @@ MSD=.venv/bin/ms-deepseek
 echo "== preparing the embedded default corpus"
 .venv/bin/python - "$RECIPE" <<'PYEOF'
 import sys
-from ms_deepseek.runtime import quiet_defaults
+from ms_deepseek.core.runtime import quiet_defaults
 quiet_defaults()
 from ms_deepseek.data.dataset import ensure_embedded_default
-from ms_deepseek.train.recipe import load_recipe
+from ms_deepseek.train.preflight import load_checked_recipe
 
-folder = ensure_embedded_default(load_recipe(sys.argv[1]).data)
+folder = ensure_embedded_default(load_checked_recipe(sys.argv[1]).data)
 print(f"corpus: {folder}")
 PYEOF
 

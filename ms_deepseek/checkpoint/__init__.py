@@ -9,7 +9,7 @@
 * :mod:`.sharded`   per-rank loading straight from HF / ms_deepseek safetensors, pre-sharded
                     conversion, merge back to HF, resharding.
 
-The model's name/shape table is :mod:`ms_deepseek.model.inventory`.
+The model's name/shape table is :mod:`ms_deepseek.spec.inventory`.
 """
 
 

@@ -47,10 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import json_loads
+from ms_deepseek.spec.inventory import parameter_inventory
+from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 
 LAYOUT_FILE = "layout.json"
+RANK_DIR_GLOB = "rank_[0-9][0-9][0-9][0-9][0-9]"
 FORMAT = "ms_deepseek.sharded"
 VERSION = 1
 
@@ -59,6 +62,12 @@ Slice = Tuple[object, ...]  # per axis: (start, stop) or a tuple of expert ids (
 
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank:05d}"
+
+
+def is_sharded(folder) -> bool:
+    """A sharded checkpoint: ``layout.json`` or ``rank_RRRRR/`` folders (the one test of it)."""
+    folder = Path(folder)
+    return (folder / LAYOUT_FILE).is_file() or any(folder.glob(RANK_DIR_GLOB))
 
 
 @dataclass(frozen=True)
@@ -135,8 +144,8 @@ class ShardLayout:
     tensors: Dict[str, TensorLayout]
     # the optimizer file's tensors (adam_m/adam_v like their parameter, scalars on every rank: stage -1)
     optimizer: Optional[Dict[str, TensorLayout]] = None
-    # a LoRA checkpoint: {"r", "target_modules", "train_router"}; its tensors are what trains
-    lora: Optional[Dict] = None
+    # a LoRA checkpoint (layout.json: {"r", "target_modules", "train_router"}); its tensors are what trains
+    lora: Optional[LoraSpec] = None
 
     @property
     def stage_devices(self) -> int:
@@ -200,7 +209,7 @@ class ShardLayout:
                              "optimizer_shard": self.optimizer_shard},
                 "tensors": {n: t.to_json() for n, t in self.tensors.items()},
                 **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {}),
-                **({"lora": self.lora} if self.lora else {})}
+                **({"lora": self.lora.settings()} if self.lora else {})}
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
@@ -246,29 +255,13 @@ def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) ->
     return dev, tmap
 
 
-def lora_settings(lora) -> Optional[Dict]:
-    """The ``lora`` entry of a layout from a recipe's LoRA section (or a LoraWorkload, or that entry)."""
-    if lora is None:
-        return None
-    get = lora.get if isinstance(lora, dict) else (lambda key, default=None: getattr(lora, key, default))
-    return {"r": int(get("r")), "target_modules": [str(t) for t in get("target_modules")],
-            "train_router": bool(get("train_router", False))}
-
-
-def checkpoint_inventory(cfg, lora=None):
+def checkpoint_inventory(cfg, lora: Optional[LoraSpec] = None):
     """The tensors a checkpoint of this model holds (ParamInfo rows): every weight, or under LoRA
-    (``lora``: a recipe's section, a LoraWorkload or a layout's ``lora`` entry) what trains:
-    the adapters (named as model/lora.py names them) and the routers with ``train_router``."""
-    from ms_deepseek.model.inventory import parameter_inventory
-
+    what trains: the adapters (named as model/lora.py names them) and the routers with ``train_router``."""
     rows = [info for info in parameter_inventory(cfg) if not info.is_buffer]
-    settings = lora_settings(lora)
-    if settings is None:
+    if lora is None:
         return rows
-    from ms_deepseek.parallel.costs import LoraWorkload, lora_inventory
-
-    workload = LoraWorkload(settings["r"], tuple(settings["target_modules"]), settings["train_router"])
-    return [info for info in lora_inventory(cfg, workload, rows) if info.trainable]
+    return [info for info in lora_inventory(cfg, lora, rows) if info.trainable]
 
 
 def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None) -> ShardLayout:
@@ -314,7 +307,7 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
                             f"{parallel.ep}")
         out[info.name] = t
     return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out,
-                       lora=lora_settings(lora))
+                       lora=lora)
 
 
 # ---------------------------------------------------------------------------- layout file
@@ -338,10 +331,17 @@ def read_layout(folder: Path) -> ShardLayout:
             raise ValueError(f"world_size {data['world_size']} is not dp*tp*pp = {dp * tp * pp}")
         tensors = _read_tensors(data["tensors"], dp, tp, pp)
         optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
-        lora = lora_settings(data["lora"]) if data.get("lora") is not None else None
+        lora = _lora_entry(data.get("lora"))
         return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UserError(f"{path}: malformed layout file ({exc})") from None
+
+
+def _lora_entry(entry) -> Optional[LoraSpec]:
+    try:
+        return LoraSpec.from_settings(entry, "lora")
+    except UserError as exc:  # read_layout names the file
+        raise ValueError(str(exc)) from None
 
 
 def _read_tensors(entries: Dict, dp: int, tp: int, pp: int) -> Dict[str, TensorLayout]:

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 LAYOUT_GROUP = 5  # index of the optimizer-shard group in a parameter_layout_dict entry
 

@@ -16,7 +16,7 @@ All four are one operation, "read the slice a target wants from whatever the sou
 A LoRA run's checkpoint (adapters and trained routers only, ``lora`` in its layout file or
 its recipe.yaml) reshards the same way; it has no HF form of its own (``export-lora``).
 
-Destinations are written with :func:`ms_deepseek.checkpoint.atomic.atomic_folder`: nothing
+Destinations are written with :func:`ms_deepseek.core.atomic.atomic_folder`: nothing
 is left at the destination on failure.
 """
 
@@ -29,108 +29,26 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.checkpoint.atomic import atomic_folder, check_destination
+from ms_deepseek.core.atomic import atomic_folder, check_destination
 from ms_deepseek.checkpoint.layout import (LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory,
-                                           lora_settings, rank_dir_name)
-from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource, full_slice
-from ms_deepseek.convert import names
-from ms_deepseek.convert.safetensors_io import OutTensor, order_for_alignment, read_header, write_file
-from ms_deepseek.errors import UserError
+                                           rank_dir_name)
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
+from ms_deepseek.parallel.validate import validate_layout
+from ms_deepseek.spec.lora import LoraSpec
+from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.spec import names
+from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
+from ms_deepseek.core.errors import UserError
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 
 
-# ----------------------------------------------------------------------------- sources
-def open_any(folder: Path):
-    """(model source, optimizer source or None, config, config path) of any checkpoint folder.
-
-    The model source's ``lora`` is the LoRA settings of a LoRA checkpoint (None otherwise)."""
-    from ms_deepseek.config import DeepseekV2Config
-    from ms_deepseek.convert.source import open_checkpoint
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"{folder}: no such checkpoint folder")
-    if (folder / LAYOUT_FILE).is_file() or any(folder.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
-        model = ShardedSource(folder, "model.safetensors")
-        if not (folder / "config.json").is_file():
-            raise UserError(f"{folder}: sharded checkpoint without config.json")
-        cfg = DeepseekV2Config.from_json(folder / "config.json")
-        _check_layout_matches_config(model.layout, cfg, folder)
-        model.lora = model.layout.lora
-        opt = None
-        if model.layout.optimizer:
-            opt = ShardedSource(folder, "optimizer.safetensors", layout=model.layout.for_optimizer())
-        return model, opt, cfg, folder / "config.json"
-    ckpt = open_checkpoint(folder)
-    model = WholeSource(ckpt)
-    model.lora = _lora_of(folder)
-    if model.lora is not None:  # adapters (+ routers): read by our names
-        from ms_deepseek.convert.plan import check_tensors
-
-        model.hf = False
-        check_tensors(ckpt, {i.name: i.shape for i in checkpoint_inventory(ckpt.config, model.lora)}, "LoRA")
-    else:
-        _check_whole(model, ckpt)
-    opt = None
-    if (folder / "optimizer.safetensors").is_file():
-        header = read_header(folder / "optimizer.safetensors")
-        opt = WholeSource(ckpt, extra=header.tensors)
-        opt.tensors = dict(header.tensors)
-        opt.hf = False
-    return model, opt, ckpt.config, ckpt.config_path
-
-
-def _lora_of(folder: Path) -> Optional[Dict]:
-    """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
-    if not (folder / "state.json").is_file():
-        return None
-    from ms_deepseek.checkpoint.training import read_recipe
-    from ms_deepseek.schema import from_dict
-    from ms_deepseek.train.recipe import LoraSection
-
-    section = read_recipe(folder, missing_ok=True).get("lora")
-    if section is None:
-        return None
-    return lora_settings(from_dict(LoraSection, section, f"{folder / 'recipe.yaml'}: lora"))
-
-
-def _check_whole(src: WholeSource, ckpt) -> None:
-    """Names, shapes and dtypes of a whole source against its config (the converter's checks)."""
-    from ms_deepseek.convert.plan import check_tensors
-    from ms_deepseek.model.inventory import (expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes,
-                                             zero_width_shapes)
-
-    cfg = ckpt.config
-    if src.hf:
-        check_tensors(ckpt, expected_hf_shapes(cfg), "HuggingFace", optional=zero_width_shapes(cfg))
-    else:
-        check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek",
-                      optional={**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)})
-
-
-def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path) -> None:
-    expected = {info.name: info.shape for info in checkpoint_inventory(cfg, layout.lora)}
-    for name, shape in expected.items():
-        t = layout.tensors.get(name)
-        if t is None:
-            raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} is missing (config.json requires it)")
-        if t.shape != tuple(shape):
-            raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} has shape {list(t.shape)}, config.json implies "
-                            f"{list(shape)}")
-    extra = [n for n in layout.tensors if n not in expected]
-    if extra:
-        raise UserError(f"{folder / LAYOUT_FILE}: unexpected tensor {extra[0]} (not in the model config.json "
-                        "describes)")
-
-
-def target_layout(cfg, parallel, src) -> ShardLayout:
-    """The layout for ``parallel``, with each tensor's dtype as the source stores it (a LoRA source:
-    the layout of its adapters)."""
-    from ms_deepseek.parallel.validate import validate_layout
-
+# ----------------------------------------------------------------------------- layouts
+def target_layout(cfg, parallel, src, lora: Optional[LoraSpec] = None) -> ShardLayout:
+    """The layout for ``parallel``, with each tensor's dtype as the source stores it (a LoRA
+    checkpoint's, ``lora``: the layout of its adapters)."""
     validate_layout(parallel, cfg)
-    lora = getattr(src, "lora", None)
     return build_layout(cfg, parallel, dtypes={i.name: src.dtype(i.name) for i in checkpoint_inventory(cfg, lora)},
                         lora=lora)
 
@@ -153,12 +71,11 @@ def check_loader_slices(cfg, parallel, seed: int = 0) -> float:
     """
     import tempfile
 
-    from ms_deepseek.convert.source import open_checkpoint
-    from ms_deepseek.convert.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="ms_deepseek_loader_") as tmp:
         write_random_checkpoint(Path(tmp) / "hf", cfg, dtype="float32", layout="hf", seed=seed)
-        src = WholeSource(open_checkpoint(Path(tmp) / "hf"))
+        src = open_checkpoint(Path(tmp) / "hf").model
         layout = target_layout(cfg, parallel, src)
         rebuilt = {n: np.full(t.shape, np.nan, np.float32) for n, t in layout.tensors.items()}
         for rank in range(layout.world_size):
@@ -205,7 +122,7 @@ def _whole_entries(src, layout_tensors) -> List[OutTensor]:
 
 
 def _carry(src_folder: Path, tmp: Path, cfg_path: Path, extra=()) -> None:
-    from ms_deepseek.convert.api import CARRIED_FILES
+    from ms_deepseek.checkpoint.convert import CARRIED_FILES
 
     shutil.copyfile(cfg_path, tmp / "config.json")
     for name in tuple(CARRIED_FILES) + tuple(extra):
@@ -231,8 +148,9 @@ def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: 
     A training checkpoint's optimizer state is sliced the same way and its state.json /
     recipe.yaml are carried along (``state.json``'s ``world_size`` becomes the new one)."""
     src_folder, dst = Path(src_folder), Path(dst)
-    model, opt, cfg, cfg_path = open_any(src_folder)
-    layout = target_layout(cfg, parallel, model)
+    opened = open_checkpoint(src_folder)
+    model, opt, cfg_path = opened.model, opened.optimizer, opened.config_path
+    layout = target_layout(opened.config, parallel, model, opened.lora)
     if opt is not None:
         layout = _optimizer_layout(layout, opt)
     check_destination(src_folder, dst, overwrite)
@@ -256,9 +174,10 @@ def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: 
 def write_whole(src_folder, dst, *, overwrite: bool = False, fsync: bool = True) -> None:
     """A sharded (or whole) checkpoint as one whole ms_deepseek checkpoint (model + optimizer files)."""
     src_folder, dst = Path(src_folder), Path(dst)
-    model, opt, cfg, cfg_path = open_any(src_folder)
+    opened = open_checkpoint(src_folder)
+    model, opt, cfg_path = opened.model, opened.optimizer, opened.config_path
     check_destination(src_folder, dst, overwrite)
-    layout = target_layout(cfg, _whole_parallel(), model)
+    layout = target_layout(opened.config, ParallelConfig(), model, opened.lora)
     with atomic_folder(dst, fsync=fsync) as tmp:
         write_file(tmp / "model.safetensors", _whole_entries(model, layout.tensors), {"format": "ms"}, fsync=False)
         if opt is not None:
@@ -266,12 +185,6 @@ def write_whole(src_folder, dst, *, overwrite: bool = False, fsync: bool = True)
                        {"format": "ms"}, fsync=False)
         _carry(src_folder, tmp, cfg_path, extra=TRAINING_FILES if opt is not None else ())
         _update_state(tmp, None)
-
-
-def _whole_parallel():
-    from ms_deepseek.parallel.config import ParallelConfig
-
-    return ParallelConfig()
 
 
 def _update_state(tmp: Path, world: Optional[int]) -> None:
@@ -291,19 +204,18 @@ def _update_state(tmp: Path, world: Optional[int]) -> None:
 def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrite: bool = False,
                 progress: bool = True, fsync: bool = True):
     """A sharded checkpoint -> one HF folder, tensor by tensor (see module doc); returns a ConvertResult."""
-    from types import SimpleNamespace
-
-    from ms_deepseek.convert import api
+    from ms_deepseek.checkpoint import convert as api
 
     src_folder = Path(src_folder)
-    model, _, cfg, cfg_path = open_any(src_folder)
-    if model.lora is not None:
+    opened = open_checkpoint(src_folder)
+    model, cfg = opened.model, opened.config
+    if opened.lora is not None:
         raise UserError(f"{src_folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
                         f"merged HF folder with `ms-deepseek export-lora {src_folder} OUT [--merge BASE]`")
     _check_strategy_files(src_folder, model.layout)
 
     def plan_fn(_):
-        from ms_deepseek.model.inventory import expected_ms_shapes
+        from ms_deepseek.spec.inventory import expected_ms_shapes
 
         out: List[OutTensor] = []
         for name in expected_ms_shapes(cfg):
@@ -321,8 +233,7 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
                                      produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl)[0])))
         return out
 
-    ckpt = SimpleNamespace(folder=src_folder, config=cfg, config_path=cfg_path)
-    return api.convert_with(ckpt, src_folder, dst, "ms-to-hf", plan_fn, shard_size, workers, overwrite, progress,
+    return api.convert_with(opened, src_folder, dst, "ms-to-hf", plan_fn, shard_size, workers, overwrite, progress,
                             fsync)
 
 
@@ -335,6 +246,3 @@ def _check_strategy_files(folder: Path, layout: ShardLayout) -> None:
         if path.is_file():
             check_strategy_file(layout, path, rank)
 
-
-def describe_source(folder: Path) -> str:
-    return "sharded" if (Path(folder) / LAYOUT_FILE).is_file() else "whole"

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, read_layout, rank_dir_name
-from ms_deepseek.convert import names
-from ms_deepseek.convert.safetensors_io import TensorInfo, read_header
-from ms_deepseek.errors import UserError
+from ms_deepseek.spec import names
+from ms_deepseek.checkpoint.safetensors_io import TensorInfo, read_header
+from ms_deepseek.core.errors import UserError
 
 RAW_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I32": "<i4", "I64": "<i8", "I16": "<i2",
               "U8": "u1", "I8": "i1", "BOOL": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
@@ -87,15 +87,20 @@ def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class WholeSource:
-    """An HF / ms_deepseek folder or a whole training checkpoint (``convert.source.open_checkpoint``)."""
+    """The tensors of a whole checkpoint: an HF / ms_deepseek folder, a training checkpoint's
+    model or optimizer file. ``hf``: routed experts are stored per expert (HF names) and are
+    stacked on read; default: detected from the names."""
 
-    def __init__(self, ckpt, extra: Optional[Dict[str, TensorInfo]] = None):
-        self.ckpt = ckpt
-        self.cfg = ckpt.config
-        self.hf = any(names.hf_to_ms(n)[1] is not None for n in ckpt.tensors)
-        self.tensors: Dict[str, TensorInfo] = dict(ckpt.tensors)
-        self.tensors.update(extra or {})
-        self.folder = ckpt.folder
+    def __init__(self, tensors: Dict[str, TensorInfo], cfg, folder: Path, hf: Optional[bool] = None):
+        self.cfg = cfg
+        self.tensors: Dict[str, TensorInfo] = dict(tensors)
+        self.folder = Path(folder)
+        self.hf = any(names.hf_to_ms(n)[1] is not None for n in tensors) if hf is None else hf
+
+    @classmethod
+    def of(cls, weights, hf: Optional[bool] = None) -> "WholeSource":
+        """The source of a folder's weight files (:func:`~ms_deepseek.checkpoint.source.read_weight_files`)."""
+        return cls(weights.tensors, weights.config, weights.folder, hf)
 
     def has(self, name: str) -> bool:
         if name in self.tensors:
@@ -242,14 +247,3 @@ def _put(out: np.ndarray, index: List[object], piece: np.ndarray) -> None:
             out[j][tuple(index[1:])] = piece[k]
     else:
         out[tuple(index)] = piece
-
-
-def open_source(folder: Path, file_name: str = "model.safetensors"):
-    """A :class:`ShardedSource` when ``folder`` holds ``layout.json``, else a :class:`WholeSource`."""
-    from ms_deepseek.checkpoint.layout import LAYOUT_FILE
-    from ms_deepseek.convert.source import open_checkpoint
-
-    folder = Path(folder)
-    if (folder / LAYOUT_FILE).is_file() or any(folder.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
-        return ShardedSource(folder, file_name)
-    return WholeSource(open_checkpoint(folder))

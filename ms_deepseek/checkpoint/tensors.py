@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 def save_tensors(named: Dict[str, object], path: Path) -> None:

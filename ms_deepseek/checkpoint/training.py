@@ -17,7 +17,7 @@ MindSpore's ``strategy.ckpt``), and ``layout.json`` (:mod:`.layout`) saying whic
 each rank holds; ``convert ms-to-hf`` merges it, ``convert reshard`` turns it into another
 layout, ``train --resume`` reads whatever slices the new layout needs.
 
-Every folder is written with :func:`ms_deepseek.checkpoint.atomic.atomic_folder`: a crash
+Every folder is written with :func:`ms_deepseek.core.atomic.atomic_folder`: a crash
 mid-save leaves the previous checkpoints intact and no ``step_*`` folder that is
 incomplete; leftover temporary folders are removed when the next run starts.
 """
@@ -30,11 +30,11 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.checkpoint.atomic import atomic_folder, fsync_tree, install, remove_partials
-from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, rank_dir_name, read_layout
+from ms_deepseek.core.atomic import atomic_folder, fsync_tree, install, remove_partials
+from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import json_loads
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
@@ -48,10 +48,6 @@ def step_dir_name(step: int) -> str:
 
 def rank_dir(step_dir: Path, rank: int) -> Path:
     return Path(step_dir) / rank_dir_name(rank)
-
-
-def is_sharded(folder: Path) -> bool:
-    return (Path(folder) / LAYOUT_FILE).is_file()
 
 
 def is_complete(folder: Path) -> bool:
@@ -202,7 +198,7 @@ def read_recipe(folder: Path, missing_ok: bool = False) -> Dict:
     {} when there is none)."""
     import yaml
 
-    from ms_deepseek.safe_io import yaml_load
+    from ms_deepseek.core.safe_io import yaml_load
 
     path = Path(folder) / "recipe.yaml"
     if missing_ok and not path.exists():
@@ -214,29 +210,3 @@ def read_recipe(folder: Path, missing_ok: bool = False) -> Dict:
     if not isinstance(recipe, dict):
         raise UserError(f"{path}: not a recipe (expected a YAML mapping of sections)")
     return recipe
-
-
-def open_resume_sources(folder: Path, cfg):
-    """(model source, optimizer source) of a checkpoint to resume from, whole or sharded.
-
-    A whole checkpoint is read by name only (a LoRA run's holds its adapters, not the model);
-    a sharded one is checked against its layout file and config."""
-    from types import SimpleNamespace
-
-    from ms_deepseek.checkpoint.sharded import open_any
-    from ms_deepseek.checkpoint.sources import WholeSource
-    from ms_deepseek.convert.safetensors_io import read_header
-
-    folder = Path(folder)
-    if is_sharded(folder):
-        model, opt, _, _ = open_any(folder)
-        if opt is None:
-            raise UserError(f"{folder / LAYOUT_FILE}: no optimizer tensors listed (not a training checkpoint)")
-        return model, opt
-    out = []
-    for name in RANK_FILES:
-        tensors = read_header(folder / name).tensors
-        src = WholeSource(SimpleNamespace(config=cfg, tensors=tensors, folder=folder / name))
-        src.hf = False
-        out.append(src)
-    return tuple(out)

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 
 def stack_micro_batches(parts: List[Dict[str, np.ndarray]], pad_id: int):

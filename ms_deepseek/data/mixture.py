@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 CHUNK = 4096   # stream positions per exact-proportion chunk
 WINDOW = 16    # steps read per batch of MindDataset readers

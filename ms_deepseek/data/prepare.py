@@ -24,7 +24,7 @@ from ms_deepseek.data.packing import Packer, PackStats, sft_row
 from ms_deepseek.data.readers import discover_files, iter_documents
 from ms_deepseek.data.storage import ShardWriter
 from ms_deepseek.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 _ENCODE_BATCH = 256  # documents tokenized per call (the libraries parallelise inside a call)
 
@@ -98,7 +98,7 @@ def _summary(stats: PackStats, writer: ShardWriter, seconds: float) -> str:
 def _check_inputs_apart(inputs, output) -> None:
     """--output must neither hold an INPUT (--overwrite would delete it) nor lie inside one (the shards
     would be read back as input by the next run over that folder)."""
-    from ms_deepseek.safe_io import is_inside
+    from ms_deepseek.core.safe_io import is_inside
 
     for item in inputs:
         if is_inside(item, output):

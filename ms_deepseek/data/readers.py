@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads, regular_file
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import json_loads, regular_file
 
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)

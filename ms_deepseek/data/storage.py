@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import (check_output_dir, confined, created_parents, json_loads, regular_file,
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import (check_output_dir, confined, created_parents, json_loads, regular_file,
                                  remove_empty_dirs)
 
 META_NAME = "meta.json"

@@ -20,8 +20,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads, regular_file
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import json_loads, regular_file
 
 # Special-token names tried when tokenizer_config.json does not name them.
 _BOS_NAMES = ("<｜begin▁of▁sentence｜>", "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")

@@ -126,7 +126,7 @@ def checks_for_level(level: int) -> List[Check]:
 
 def run_check(chk: Check, ctx: DoctorContext) -> CheckResult:
     """Run one check; a crash inside a check is reported as its failure, not a traceback."""
-    from ms_deepseek.errors import UserError
+    from ms_deepseek.core.errors import UserError
 
     try:
         result = chk.func(ctx)

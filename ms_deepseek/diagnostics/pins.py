@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import regular_file
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import regular_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DIST_NAME = "ms-deepseek"

@@ -1,27 +1,26 @@
 """``ms-deepseek report RUN_DIR``: a self-contained HTML health page of a training run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (tolerating a run that is still writing it),
-runs the alert rules of :mod:`ms_deepseek.diagnostics.alerts` over the whole file and
+runs the alert rules of :mod:`ms_deepseek.train.alerts` over the whole file and
 writes one HTML file with the alerts at the top and inline SVG plots: loss (with
 a smoothed line and the validation loss when logged), learning rate, gradient norm with its healthy band, tokens/s,
 per-MoE-layer expert load heatmaps, dropped-token fraction, balance losses, and
 device memory / fragmentation and samples per data source (mixtures) when logged. Nothing is fetched when it is viewed.
-``--watch N`` rewrites the page every N seconds (atomically) until interrupted.
+:func:`watch` rewrites the page every N seconds (atomically) until interrupted. The command line is
+:mod:`ms_deepseek.cli.report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.diagnostics.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
-from ms_deepseek.diagnostics.metrics_io import MetricsFile, number, read_metrics
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.train.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
+from ms_deepseek.train.metrics_io import MetricsFile, number, read_metrics
 from ms_deepseek.diagnostics.report_svg import (Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy)
 
 CORE_PLOTS = ("plot-loss", "plot-lr", "plot-grad-norm", "plot-tokens-per-s", "plot-expert-load",
@@ -46,13 +45,6 @@ svg .nonfinite{stroke:#d62728;stroke-width:2}
 .legend{font-size:12px;color:#444} .key{margin-right:12px;white-space:nowrap}
 .key i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px;border-radius:2px}
 """
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
-    parser.add_argument("-o", "--output", default=None, help="HTML file to write (default: RUN_DIR/report.html)")
-    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
-                        help="rewrite the page every SECONDS until interrupted (the page reloads itself)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,26 +213,4 @@ def watch(run_dir, output=None, seconds: float = 30.0, iterations: Optional[int]
                 shown.add(key)
                 echo(str(alert))
         done += 1
-    return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.watch is not None and args.watch <= 0:
-        raise UserError(f"--watch: must be a positive number of seconds, got {args.watch}")
-    if args.watch:
-        out = args.output or str(Path(args.run_dir) / "report.html")
-        print(f"writing {out} every {args.watch:g} s (Ctrl-C to stop)", flush=True)
-        try:
-            return watch(args.run_dir, args.output, args.watch, echo=lambda s: print(s, flush=True))
-        except KeyboardInterrupt:
-            return 0
-    from ms_deepseek.safe_io import check_output_file
-
-    check_output_file(args.output or Path(args.run_dir) / "report.html", "report")  # before reading anything
-    info = generate(args.run_dir, args.output)
-    for problem in info.get("problems", ()):
-        print(f"warning: {problem}", file=sys.stderr)
-    for alert in info["alerts"]:
-        print(alert)
-    print(f"wrote {info['output']}: {info['records']} records, {len(info['alerts'])} alert(s)")
     return 0

@@ -309,7 +309,7 @@ def ema(values: Sequence[Optional[float]], smoothing: float = 0.9) -> List[Optio
 
 def xy(records, key: str) -> Tuple[List[int], List[Optional[float]]]:
     """(steps, values) of ``key`` over the records that logged it."""
-    from ms_deepseek.diagnostics.metrics_io import number
+    from ms_deepseek.train.metrics_io import number
 
     xs, ys = [], []
     for r in records:

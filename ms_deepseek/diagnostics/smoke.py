@@ -19,7 +19,7 @@ import time
 
 def smoke_config():
     """The ``tiny`` preset made smaller still: two layers (one dense, one MoE with 4 experts)."""
-    from ms_deepseek.config import get_preset
+    from ms_deepseek.spec.config import get_preset
 
     cfg = get_preset("tiny")
     return dataclasses.replace(
@@ -33,7 +33,7 @@ def smoke_config():
 def pick_device(requested: str) -> str:
     if requested != "auto":
         return requested
-    from ms_deepseek.runtime import detect_device
+    from ms_deepseek.core.runtime import detect_device
 
     return detect_device()
 
@@ -44,9 +44,9 @@ def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int =
     import mindspore as ms
 
     from ms_deepseek import DeepseekV2ForCausalLM
-    from ms_deepseek.runtime import use_device
+    from ms_deepseek.core.runtime import use_device
     from ms_deepseek.train.optim import build_optimizer
-    from ms_deepseek.train.recipe import OptimSection
+    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.step import build_step
 
     device = use_device(pick_device(device))
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if args.steps < 2:
         print(json.dumps({"error": f"--steps must be >= 2, got {args.steps}"}))
         return 2
-    from ms_deepseek.runtime import quiet_defaults
+    from ms_deepseek.core.runtime import quiet_defaults
 
     quiet_defaults()
     try:

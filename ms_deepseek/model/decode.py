@@ -30,7 +30,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
-from ms_deepseek.config import DeepseekV2Config
+from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.model.layers import to_ms_dtype
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

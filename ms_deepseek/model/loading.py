@@ -18,11 +18,12 @@ import mindspore as ms
 from mindspore import Tensor
 from tqdm import tqdm
 
-from ms_deepseek.convert import names
-from ms_deepseek.convert.layout import expected_ms_shapes
-from ms_deepseek.convert.safetensors_io import TensorInfo
-from ms_deepseek.convert.source import open_checkpoint
-from ms_deepseek.errors import UserError
+from ms_deepseek.spec import names
+from ms_deepseek.spec.inventory import expected_ms_shapes
+from ms_deepseek.checkpoint.safetensors_io import TensorInfo
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sources import full_slice, pread_rows, to_float32
+from ms_deepseek.core.errors import UserError
 
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 _NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}
@@ -31,8 +32,6 @@ _NOT_IN_CHECKPOINTS = ("expert_placement",)  # derived from the parallel plan, n
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor's values as numpy (bfloat16 widened exactly to float32), through the checkpoint reader."""
-    from ms_deepseek.checkpoint.sources import pread_rows, to_float32
-
     if info.dtype not in _NP_DTYPES:
         raise UserError(f"{info.file}: tensor {info.name} has dtype {info.dtype}; expected F32, F16 or BF16")
     if not info.shape or not info.nbytes:  # a scalar or an empty tensor: read as one row
@@ -52,16 +51,15 @@ def _read_bytes(info: TensorInfo) -> bytes:
 
 
 def load_pretrained(cls, path, show_progress: bool = True, **config_overrides):
-    from pathlib import Path
-
-    from ms_deepseek.checkpoint.layout import LAYOUT_FILE
-
-    if (Path(path) / LAYOUT_FILE).is_file():  # a sharded checkpoint: each tensor put together from its slices
-        return _load_sharded(cls, Path(path), config_overrides)
-    ckpt = open_checkpoint(path)
-    cfg = ckpt.config.replace(**config_overrides) if config_overrides else ckpt.config
+    opened = open_checkpoint(path)
+    if opened.lora is not None:
+        raise UserError(f"{path}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
+                        f"`ms-deepseek export-lora {path} OUT` (or merge it: `export-lora {path} OUT --merge BASE`)")
+    if opened.sharded:  # each tensor put together from its slices
+        return _load_sharded(cls, opened, config_overrides)
+    cfg = opened.config.replace(**config_overrides) if config_overrides else opened.config
     model = cls(cfg)
-    load_weights(model, ckpt, show_progress=show_progress)
+    load_weights(model, opened.weights, show_progress=show_progress)
     return model
 
 
@@ -127,15 +125,9 @@ def _assign(param, array: np.ndarray) -> None:
     param.set_data(Tensor(np.ascontiguousarray(array, dtype=np_dtype), dtype=param.dtype))
 
 
-def _load_sharded(cls, folder, config_overrides):
+def _load_sharded(cls, opened, config_overrides):
     """The whole model from a ``rank_RRRRR/`` checkpoint (e.g. to evaluate or generate from a sharded run)."""
-    from ms_deepseek.checkpoint.sharded import open_any
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
-
-    src, _, cfg, _ = open_any(folder)
-    if src.lora is not None:
-        raise UserError(f"{folder}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
-                        f"`ms-deepseek export-lora {folder} OUT`")
+    src, cfg = opened.model, opened.config
     cfg = cfg.replace(**config_overrides) if config_overrides else cfg
     model = cls(cfg)
     params = {p.name: p for p in model.get_parameters()}

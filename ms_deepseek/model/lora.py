@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.lora import LORA_TARGETS, Q_VARIANTS, LoraSpec, target_matches
 
-PEFT_PREFIX = "base_model.model."
-_Q_VARIANTS = ("q_proj", "q_a_proj", "q_b_proj")  # a model has either q_proj or q_a_proj + q_b_proj
 _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -46,24 +44,6 @@ class LoraWeight(nn.Cell):
         self.weight = Parameter(Tensor(array.astype(np.float32)), name="weight")
 
 
-@dataclass
-class AdapterSpec:
-    """What to attach: rank, alpha, dropout and the target names (a recipe's ``lora`` section fits)."""
-
-    r: int
-    alpha: float
-    dropout: float = 0.0
-    target_modules: Sequence[str] = ()
-    # module path -> rank, for adapters whose rank differs from r (an adapter loaded from PEFT's rank_pattern)
-    ranks: Dict[str, int] = field(default_factory=dict)
-    alphas: Dict[str, float] = field(default_factory=dict)
-
-
-def target_matches(path: str, target: str) -> bool:
-    """PEFT's rule for a target name: the module path equals it or ends with ``"." + target``."""
-    return path == target or path.endswith("." + target)
-
-
 def adaptable_modules(model) -> Dict[str, Tuple[object, Optional[object]]]:
     """Module path -> (cell holding the adapter, owning RoutedExperts or None) for every module LoRA can target.
 
@@ -74,8 +54,7 @@ def adaptable_modules(model) -> Dict[str, Tuple[object, Optional[object]]]:
 
     out = {}
     for path, cell in model.cells_and_names():
-        if isinstance(cell, Linear) and path.rsplit(".", 1)[-1] in (
-                "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + _EXPERT_PROJS:
+        if isinstance(cell, Linear) and path.rsplit(".", 1)[-1] in LORA_TARGETS:
             out[path] = (cell, None)
         elif isinstance(cell, RoutedExperts):
             for proj in _EXPERT_PROJS:
@@ -90,8 +69,8 @@ def resolve_targets(model, targets: Sequence[str], key: str = "lora.target_modul
     for i, target in enumerate(targets):
         hits = [p for p in modules if target_matches(p, target)]
         if not hits:
-            other_q = [t for t in _Q_VARIANTS if t != target and any(target_matches(p, t) for p in modules)]
-            if target in _Q_VARIANTS and other_q:
+            other_q = [t for t in Q_VARIANTS if t != target and any(target_matches(p, t) for p in modules)]
+            if target in Q_VARIANTS and other_q:
                 continue  # q_proj vs q_a_proj/q_b_proj: the default list names both variants
             raise UserError(f"{key}[{i}]: {target!r} matches no module of this model "
                             f"(adaptable: {', '.join(sorted({p.split('.')[-1] for p in modules}))})")
@@ -122,7 +101,7 @@ def attach(holder, experts, r: int, scaling: float, dropout: float, a: np.ndarra
     holder.lora_dropout = nn.Dropout(p=dropout) if dropout > 0 else None
 
 
-def add_adapters(model, spec: AdapterSpec, seed: int = 0, key: str = "lora") -> List[str]:
+def add_adapters(model, spec: LoraSpec, seed: int = 0, key: str = "lora") -> List[str]:
     """Attach adapters to the modules ``spec.target_modules`` selects; returns their paths.
 
     Refuses (UserError naming the key) a target that matches nothing, a rank larger than a
@@ -135,13 +114,12 @@ def add_adapters(model, spec: AdapterSpec, seed: int = 0, key: str = "lora") -> 
     for path in paths:
         holder, experts = modules[path]
         shape = tuple(holder.weight.shape)  # [out, in] or [E, out, in]
-        r = spec.ranks.get(path, spec.r)
+        r = spec.r
         if r > min(shape[-2:]):
             raise UserError(f"{key}.r: {r} is larger than {path} ({shape[-2]} x {shape[-1]}); "
                             f"the rank must be <= {min(shape[-2:])}")
-        alpha = spec.alphas.get(path, spec.alpha)
         a, b = _init_factors(shape, r, rng)
-        attach(holder, experts, r, alpha / r, spec.dropout, a, b, path)
+        attach(holder, experts, r, spec.alpha / r, spec.dropout, a, b, path)
     return paths
 
 

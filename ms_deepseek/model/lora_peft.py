@@ -21,12 +21,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.safe_io import json_loads
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.lora import PEFT_PREFIX
+from ms_deepseek.core.safe_io import json_loads
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-PREFIX = "base_model.model."
+PREFIX = PEFT_PREFIX  # PEFT names the HF model's modules under it
 
 # adapter_config.json keys and the only values we implement (anything else is refused naming the key)
 _MUST_BE = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
@@ -115,7 +116,7 @@ def read_config(folder: Path) -> Dict:
 
 def _read_tensors(folder: Path) -> Dict[str, np.ndarray]:
     from ms_deepseek.model.loading import read_tensor
-    from ms_deepseek.convert.safetensors_io import read_header
+    from ms_deepseek.checkpoint.safetensors_io import read_header
 
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():

@@ -23,7 +23,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ms_deepseek.config import DeepseekV2Config
+from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
 from ms_deepseek.model.rope import apply_rotary, softmax_scale
 from ms_deepseek.ops import FP32Softmax

@@ -10,9 +10,9 @@ lowers to an AllToAll under ``enable_alltoall``. We chose it over the newer Mind
 (graph mode, CPU and Ascend run the same math), needs no Ascend-only kernels and keeps the
 model single-device math with the split left to the plan (``parallel/plan.py``).
 
-Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.parallel.apply.apply_plan`
+Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.sharding.apply.apply_plan`
 sets it; N = B*T/G local tokens; batch rows are rank-major because the batch axis is split
-by dp; C = :func:`ms_deepseek.model.dispatch_shapes.capacity` per group):
+by dp; C = :func:`ms_deepseek.spec.dispatch_shapes.capacity` per group):
 
 1. router on the local tokens ``[G*N, H]`` -> ``topk_idx`` ``[G, N, k]`` and weights;
 2. ``ExpertLookup`` per group: buffer row (placement table ``expert_placement`` [E, 2] =
@@ -46,8 +46,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_deepseek.config import DeepseekV2Config
-from ms_deepseek.model import dispatch_shapes
+from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.spec import dispatch_shapes
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
@@ -142,7 +142,7 @@ class DeepseekV2MoE(nn.Cell):
 
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert buffer rows of one group: the factor's in training, else dropless (the rule is
-        :func:`ms_deepseek.model.dispatch_shapes.capacity`)."""
+        :func:`ms_deepseek.spec.dispatch_shapes.capacity`)."""
         factor = self.capacity_factor if self.training else None
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
                                         self.capacity_multiple)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mindspore import nn
 from mindspore.common import dtype as mstype
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.ops import backend, reference
 
 
@@ -87,7 +87,7 @@ class RepetitionPenalty(nn.Cell):
 
     Every id present in ``token_ids[b]`` ([B, L] int32, L may be 0, duplicates allowed)
     has ``logits[b, id]`` divided by ``penalty_value`` if positive, multiplied if not.
-    ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.errors.UserError`.
+    ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.core.errors.UserError`.
     """
 
     def __init__(self):

@@ -38,7 +38,7 @@ def warn_once(op_name: str, message: str) -> None:
 def forced_reference() -> bool:
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value not in _CHOICES:
-        from ms_deepseek.errors import UserError
+        from ms_deepseek.core.errors import UserError
 
         raise UserError(f"{ENV_VAR}={os.environ[ENV_VAR]!r}: expected 'reference' or 'kernel'")
     return value == "reference"
@@ -95,7 +95,7 @@ def _ascend(op_name: str, **kwargs):
 
 def make(op_name: str, **kwargs):
     """Build the implementation Cell for ``op_name`` on the current backend."""
-    from ms_deepseek.errors import UserError
+    from ms_deepseek.core.errors import UserError
 
     kind = choose(op_name)
     if kind != "reference":

@@ -42,7 +42,7 @@ class ExpertLookupCpu(nn.Cell):
     """CPU kernel of :class:`ms_deepseek.ops.ExpertLookup` (per-group k-major streams [G, k*T] in, four outputs).
 
     ``strategy_tail``: the strategies of the op's inputs after the data inputs (the config
-    tensor, replicated), which :func:`ms_deepseek.parallel.apply.apply_plan` appends to the
+    tensor, replicated), which :func:`ms_deepseek.sharding.apply.apply_plan` appends to the
     plan's strategy for this custom op.
     """
 

@@ -12,7 +12,7 @@ import numpy as np
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 _FLOAT_DTYPES = (mstype.float32, mstype.float16, mstype.bfloat16)
 

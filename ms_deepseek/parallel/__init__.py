@@ -5,7 +5,7 @@ placement tables and device-memory reservation.
 Importing this package does not import MindSpore; :mod:`apply` and :mod:`memory` do so lazily.
 """
 
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.parallel import ParallelConfig
 
 
 def memory_metrics():

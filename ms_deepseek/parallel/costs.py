@@ -6,7 +6,7 @@ the name says otherwise. ``n`` = tokens of one micro-batch on one data-parallel
 rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
 
 The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
-read from :func:`ms_deepseek.model.dispatch_shapes.dispatch_buffers`, the shapes the MoE
+read from :func:`ms_deepseek.spec.dispatch_shapes.dispatch_buffers`, the shapes the MoE
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
 [E, G*C, H] expert input split (ep, dp/ep, 1)).
 """
@@ -17,9 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.model.dispatch_shapes import dispatch_buffers
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
+from ms_deepseek.spec.lora import LoraSpec
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
                                        parameter_inventory, shard_numel, stage_of_param)
 
@@ -86,66 +87,13 @@ class Precision:
                                       # level2/level3 also gradients
 
 
-LORA_LEAVES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-               "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class LoraWorkload:
-    """LoRA fine-tuning (the recipe's ``lora:`` section): base weights frozen (no gradient, no
-    optimizer state, no master copy), float32 adapters A [r, in] / B [out, r] on the targeted
-    Linears (stacked [E, r, in] / [E, out, r] on routed experts), trained with AdamW."""
-    r: int
-    target_modules: Tuple[str, ...]
-    train_router: bool = False
-
-
 @dataclass
 class Workload:
     seq_len: int
     global_batch_size: int
     micro_batch_size: int = 1
     flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
-    lora: Optional[LoraWorkload] = None  # None: full fine-tuning / pretraining
-
-
-def _targeted(module_path: str, targets) -> bool:
-    """PEFT's matching rule (model/lora.py): the path equals a target or ends with "." + target."""
-    return any(module_path == t or module_path.endswith("." + t) for t in targets)
-
-
-def lora_inventory(cfg, lora: LoraWorkload, inventory: Optional[List[ParamInfo]] = None) -> List[ParamInfo]:
-    """The model's parameters under LoRA: every base weight frozen (the router trainable only with
-    ``train_router``), plus the float32 adapters of each targeted module, named as model/lora.py
-    names them (``<module>.lora_A.weight`` / ``.lora_B.weight``)."""
-    import dataclasses
-
-    inventory = inventory if inventory is not None else parameter_inventory(cfg)
-    modules = [i.name[:-len(".weight")] for i in inventory
-               if i.name.endswith(".weight") and i.name.rsplit(".", 2)[-2] in LORA_LEAVES]
-    q_variants = ("q_proj", "q_a_proj", "q_b_proj")
-    for k, target in enumerate(lora.target_modules):
-        if not any(_targeted(m, (target,)) for m in modules):
-            # a model has q_proj or q_a_proj + q_b_proj; naming the other variant is not an error
-            # (model/lora.py's rule)
-            if target in q_variants and any(_targeted(m, (q,)) for m in modules for q in q_variants if q != target):
-                continue
-            raise UserError(f"lora.target_modules[{k}]: {target!r} matches no module of this model")
-    if not any(_targeted(m, lora.target_modules) for m in modules):
-        raise UserError("lora.target_modules: no module of this model is targeted")
-    out: List[ParamInfo] = []
-    for info in inventory:
-        router = info.name.endswith("mlp.gate.weight")
-        out.append(dataclasses.replace(info, trainable=info.trainable and router and lora.train_router))
-        module, leaf = info.name.rsplit(".", 1)
-        adaptable = leaf == "weight" and module.rsplit(".", 1)[-1] in LORA_LEAVES
-        if not adaptable or not _targeted(module, lora.target_modules):
-            continue
-        *lead, out_f, in_f = info.shape
-        lead = tuple(lead)
-        out.append(ParamInfo(module + ".lora_A.weight", lead + (lora.r, in_f), "float32", True, info.layer, info.kind))
-        out.append(ParamInfo(module + ".lora_B.weight", lead + (out_f, lora.r), "float32", True, info.layer, info.kind))
-    return out
+    lora: Optional[LoraSpec] = None   # None: full fine-tuning / pretraining
 
 
 def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:

@@ -34,7 +34,7 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
                       hbm_gb: Optional[float] = None, runtime_reserved_gb: float = 3.0) -> Dict[str, object]:
     """The pool sizes for one rank (its pipeline ``stage``; None = the fullest stage)."""
     if headroom_gb < 0:
-        from ms_deepseek.errors import UserError
+        from ms_deepseek.core.errors import UserError
 
         raise UserError(f"parallel.memory_headroom_gb: must be >= 0, got {headroom_gb}")
     stages = plan_result.stages

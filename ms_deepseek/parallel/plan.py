@@ -7,13 +7,13 @@ attention batch matmuls, the MoE dispatch gathers). A style turns the parallel
 degrees into
 
 * ``prims``: primitive attribute -> (in_strategy, out_strategy or None), given to
-  ``Primitive.shard`` by :func:`ms_deepseek.parallel.apply.apply_plan`;
+  ``Primitive.shard`` by :func:`ms_deepseek.sharding.apply.apply_plan`;
 * ``params``: parameter suffix -> tensor layout (how many ways each axis is split),
   which must equal the strategy of the primitive input that consumes the parameter.
 
 This module is pure Python (no MindSpore import): the planner reads the same table
 to size every parameter's per-NPU shard from the model's name/shape table
-(:func:`ms_deepseek.model.inventory.parameter_inventory`, re-exported here).
+(:func:`ms_deepseek.spec.inventory.parameter_inventory`, re-exported here).
 
 Strategy conventions (MindSpore: one integer per tensor axis, the number of slices):
 
@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 
 Strategy = Tuple[Tuple[int, ...], ...]
 
@@ -299,8 +299,8 @@ class Plan:
 
 
 # ------------------------------------------------------------------- parameter inventory
-# The model's name/shape table lives in ms_deepseek.model.inventory (shared with the converter and loaders).
-from ms_deepseek.model.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
+# The model's name/shape table lives in ms_deepseek.spec.inventory (shared with the converter and loaders).
+from ms_deepseek.spec.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------ pipeline stages
@@ -363,7 +363,7 @@ def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage
 
 # ------------------------------------------------------------- listed redistributions
 def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
-    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.parallel.lint``).
+    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.sharding.lint``).
 
     Key: ``"<primitive path pattern>:<input index>"`` (a consumer whose input strategy differs from
     its producer's layout) or ``"<primitive path pattern>:out"`` (a residual-stream producer whose

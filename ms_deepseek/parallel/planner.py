@@ -20,9 +20,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel import costs
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.lora import lora_inventory
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
 from ms_deepseek.parallel.plan import (Mesh, Plan, layer_stages, parameter_inventory, shard_numel,
                                        stage_of_param)
@@ -109,7 +110,7 @@ def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optio
         return result
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     if w.lora is not None and not any(".lora_A." in i.name for i in inventory):
-        inventory = costs.lora_inventory(cfg, w.lora, inventory)
+        inventory = lora_inventory(cfg, w.lora, inventory)
     plan = plan or DEFAULT_PLAN
     held = costs.param_bytes(cfg, parallel, precision, inventory, plan)
     result.stages = costs.stage_memory(cfg, parallel, w, precision, hw, held)
@@ -119,7 +120,7 @@ def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optio
 
 
 def _model_summary(cfg) -> Dict[str, Any]:
-    from ms_deepseek.config import count_parameters
+    from ms_deepseek.spec.inventory import count_parameters
 
     count = count_parameters(cfg)
     return {"total_params_b": round(count.total / 1e9, 3), "activated_params_b": round(count.activated / 1e9, 3),
@@ -255,7 +256,7 @@ PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0
 
 def calibration_anchors() -> Dict[str, Dict[str, Any]]:
     """The two published runs the efficiency ends are fitted on (docs/planner.md, "Efficiencies")."""
-    from ms_deepseek.config import get_preset
+    from ms_deepseek.spec.config import get_preset
 
     v2 = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16")
     return {
@@ -341,7 +342,7 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
     hardware = hardware or Hardware()
     inventory = parameter_inventory(cfg)
     if workload.lora is not None:
-        inventory = costs.lora_inventory(cfg, workload.lora, inventory)
+        inventory = lora_inventory(cfg, workload.lora, inventory)
     results = []
     candidates = list(candidate_layouts(cfg, npus, workload, hardware, **choices))
     if progress:
@@ -379,11 +380,7 @@ def recipe_workload(recipe) -> Workload:
         global_batch = int(train.global_batch_size)
     # Eager attention keeps [T, T] scores; the fused Ascend path (model use_flash_attention) does not.
     model_cfg = getattr(recipe, "model_config", None)
-    section = getattr(recipe, "lora", None)
-    lora = None
-    if section is not None:
-        lora = costs.LoraWorkload(r=int(section.r), target_modules=tuple(section.target_modules),
-                                  train_router=bool(section.train_router))
+    lora = getattr(recipe, "lora", None)
     return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
                     flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora)
 

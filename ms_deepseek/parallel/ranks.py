@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import List, Tuple, Union
 
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.spec.parallel import ParallelConfig
 
 # The step's dataset inputs: input_ids [k * b, T] and labels [k * b, T].
 STEP_INPUTS = 2

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.parallel.config import ParallelConfig
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.placement import placement_table
 
 

@@ -18,7 +18,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
+from ms_deepseek.checkpoint.layout import is_sharded
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sources import full_slice, to_float32
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.model.loading import read_tensor
+from ms_deepseek.spec.lora import LoraSpec
 
 BASE_DIR = "base"
 _SF_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -40,9 +45,7 @@ def prepare(model, recipe, run_dir: Path, write_base: bool) -> List[str]:
     section = recipe.lora
     if write_base:
         save_base(model, Path(run_dir) / BASE_DIR)
-    spec = lora.AdapterSpec(r=section.r, alpha=section.alpha, dropout=section.dropout,
-                            target_modules=section.target_modules)
-    paths = lora.add_adapters(model, spec, seed=recipe.train.seed)
+    paths = lora.add_adapters(model, section, seed=recipe.train.seed)
     lora.freeze_base(model, section.train_router)
     return paths
 
@@ -56,7 +59,7 @@ def checkpoint_tensors(model) -> Dict[str, object]:
 
 def save_base(model, folder: Path) -> None:
     """The model's weights as an HF folder (per-expert names, the parameters' dtype), written atomically."""
-    from ms_deepseek.convert import names
+    from ms_deepseek.spec import names
 
     cfg = model.config
     E = cfg.n_routed_experts or 0
@@ -84,8 +87,8 @@ def _host(p) -> np.ndarray:
 
 def write_arrays(path: Path, tensors: Dict[str, Tuple[np.ndarray, str]]) -> None:
     """A safetensors file from host arrays, each encoded to its dtype name (bfloat16 rounded to nearest even)."""
-    from ms_deepseek.convert.safetensors_io import OutTensor, build_header, order_for_alignment
-    from ms_deepseek.convert.synthetic import _encode
+    from ms_deepseek.checkpoint.safetensors_io import OutTensor, build_header, order_for_alignment
+    from ms_deepseek.checkpoint.synthetic import _encode
 
     planned = [OutTensor(n, _SF_OF[d], tuple(a.shape), ((path, 0, a.size * (4 if d == "float32" else 2)),))
                for n, (a, d) in tensors.items()]
@@ -108,7 +111,7 @@ def resolve_checkpoint(spec) -> Path:
         raise UserError(f"{p}: no such run or checkpoint folder")
     found = p if (p / "state.json").is_file() else (
         ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None)
-    if found is not None and ckpt_mod.is_sharded(found):
+    if found is not None and is_sharded(found):
         return found  # a tp / pp / ep run's rank_*/ slices, put together by checkpoint_arrays
     if found is None or not (found / "model.safetensors").is_file():
         raise UserError(f"{p}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
@@ -144,37 +147,28 @@ def checkpoint_arrays(ckpt: Path):
     """(name, float32 array) of every tensor of a LoRA checkpoint, whole or sharded (the slices of a
     tp / pp / ep run put together, experts in expert order), one tensor at a time; and the file to
     name in errors."""
-    from ms_deepseek.checkpoint import training as ckpt_mod
-
-    if ckpt_mod.is_sharded(ckpt):
-        from ms_deepseek.checkpoint.sharded import open_any
-        from ms_deepseek.checkpoint.sources import full_slice, to_float32
-
-        src, _, _, _ = open_any(ckpt)
-        if src.lora is None:
-            raise UserError(f"{ckpt}: a sharded checkpoint of a full model (its layout.json lists no LoRA "
-                            "adapters); export it with `ms-deepseek convert ms-to-hf`")
+    opened = open_checkpoint(ckpt)
+    if opened.lora is None:
+        raise UserError(f"{ckpt}: a checkpoint of a full model (it lists no LoRA adapters); export it with "
+                        "`ms-deepseek convert ms-to-hf`")
+    if opened.sharded:
+        src = opened.model
         items = ((name, to_float32(src.read(name, full_slice(t.shape, t.experts is not None)), t.dtype))
                  for name, t in src.layout.tensors.items())
         return items, ckpt / "layout.json"
-    from ms_deepseek.convert.safetensors_io import read_header
-    from ms_deepseek.model.loading import read_tensor
-
-    header = read_header(ckpt / "model.safetensors")
-    return ((name, read_tensor(info).astype(np.float32)) for name, info in header.tensors.items()), \
+    tensors = opened.model.tensors
+    return ((name, read_tensor(info).astype(np.float32)) for name, info in tensors.items()), \
         ckpt / "model.safetensors"
 
 
 def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], Dict]:
     """(PEFT-named tensors, adapter_config) of a LoRA training checkpoint."""
-    from ms_deepseek.config import DeepseekV2Config
+    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model.lora_peft import PREFIX, adapter_config
-    from ms_deepseek.train.recipe import LoraSection
-    from ms_deepseek.schema import from_dict
     import re
 
     section, _model = run_lora_settings(ckpt)
-    lora_cfg = from_dict(LoraSection, section, "lora")
+    lora_cfg = LoraSpec.from_settings(section, "lora")
     cfg = DeepseekV2Config.from_json(ckpt / "config.json")
     E = cfg.n_routed_experts or 0
     arrays, where = checkpoint_arrays(ckpt)
@@ -261,15 +255,15 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     Tensors the adapter does not touch are copied as bytes (the converter's writer); each touched
     one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
     own dtype into a scratch file and copied from there. Output shards mirror the base's."""
-    from ms_deepseek.convert import api as convert_api
-    from ms_deepseek.convert import names
-    from ms_deepseek.convert.safetensors_io import DTYPE_NAMES, OutTensor, order_for_alignment, write_file
-    from ms_deepseek.convert.source import open_checkpoint
+    from ms_deepseek.checkpoint import convert as convert_api
+    from ms_deepseek.spec import names
+    from ms_deepseek.checkpoint.safetensors_io import DTYPE_NAMES, OutTensor, order_for_alignment, write_file
+    from ms_deepseek.checkpoint.source import read_weight_files
     from ms_deepseek.model.loading import read_tensor
     from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
 
     base, out = Path(base), Path(out)
-    ckpt = open_checkpoint(base)
+    ckpt = read_weight_files(base)
     E = ckpt.config.n_routed_experts or 0
     cfg = read_config(adapter_folder)
     factors, routers = group_adapter(_read_tensors(adapter_folder), cfg, E, Path(adapter_folder))
@@ -313,7 +307,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
                         pieces = []
                         outs = names.unstack(name, w, E) if name in stacked_deltas else [(name, w)]
                         for out_name, arr in outs:
-                            from ms_deepseek.convert.synthetic import _encode
+                            from ms_deepseek.checkpoint.synthetic import _encode
 
                             raw = _encode(np.ascontiguousarray(arr), info.dtype)
                             off = sf.tell()

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ms_deepseek.runtime import is_verbose
+from ms_deepseek.core.runtime import is_verbose
 
 _CLASSES = None
 _LOG_FILE = None  # kept open: MindFormers' stream handlers keep writing to it

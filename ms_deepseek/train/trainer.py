@@ -27,13 +27,14 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.errors import UserError
-from ms_deepseek.runtime import detect_device, use_device
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.runtime import detect_device, use_device
 from ms_deepseek.checkpoint import training as ckpt_mod
+from ms_deepseek.checkpoint.opener import open_checkpoint, open_for_resume
 from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into, restore_rng, rng_state
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
-from ms_deepseek.train.recipe import Recipe
+from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train.distributed import RankMean, replica_digests
 
 
@@ -247,7 +248,7 @@ class Trainer:
         if lora is not None:  # adapters + frozen base; a random base is saved once to RUN_DIR/base
             lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main)
         model.set_train(True)
-        from ms_deepseek.parallel.apply import apply_plan
+        from ms_deepseek.sharding.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
         from ms_deepseek.parallel.ranks import stage_of_rank
 
@@ -263,7 +264,7 @@ class Trainer:
         import mindspore as ms
         from mindspore import nn
 
-        from ms_deepseek.parallel.apply import auto_parallel_wrap, pipeline_wrap
+        from ms_deepseek.sharding.apply import auto_parallel_wrap, pipeline_wrap
         from ms_deepseek.train import optim
 
         recipe, cfg, par, world = self.recipe, self.cfg, self.par, self.world
@@ -333,7 +334,8 @@ class Trainer:
                 self._load_weights_slices(layout, self.model_tensors)
         if self.resume_dir is None:
             return
-        model_src, opt_src = ckpt_mod.open_resume_sources(self.resume_dir, self.cfg)
+        resumed = open_for_resume(self.resume_dir)
+        model_src, opt_src = resumed.model, resumed.optimizer
         restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied,
                      part=self._opt_part)
         restore_into(self.opt_tensors, opt_src, "optimizer", layout=layout and layout.for_optimizer(),
@@ -363,10 +365,7 @@ class Trainer:
                 if param.has_init:
                     param.init_data()
             return
-        from ms_deepseek.checkpoint.sharded import open_any
-
-        src, _, _, _ = open_any(weights)
-        restore_into(params, src, "model", layout=layout, rank=self.rank, part=self._opt_part)
+        restore_into(params, open_checkpoint(weights).model, "model", layout=layout, rank=self.rank, part=self._opt_part)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
@@ -522,7 +521,7 @@ def lora_checkpoint_tensors(model) -> Dict[str, object]:
 
 def _config_changes(recipe: Recipe, folder=None) -> Dict:
     """Fields of the resolved config that differ from the folder's config.json (overrides, alphas)."""
-    from ms_deepseek.config import load_model_config
+    from ms_deepseek.spec.config import load_model_config
 
     base = load_model_config(str(folder) if folder is not None else recipe.model.source)
     cfg = recipe.model_config
@@ -559,7 +558,7 @@ def fit_plan(recipe: Recipe, force: bool = False):
 
 
 def _alert_monitor():
-    from ms_deepseek.diagnostics.alerts import AlertMonitor
+    from ms_deepseek.train.alerts import AlertMonitor
 
     return AlertMonitor()
 

@@ -1,0 +1,137 @@
+"""The one checkpoint opener: any folder ms_deepseek reads, and what it holds.
+
+:func:`open_checkpoint` knows every kind and checks it against its config before anything reads
+a tensor:
+
+* ``hf``: a HuggingFace folder (per-expert tensors, index + shards or one file);
+* ``ms``: a converted ms_deepseek folder (routed experts stacked [E, out, in]);
+* ``training``: a whole training checkpoint (``step_N/``: model + optimizer + state + recipe);
+* ``sharded``: ``rank_RRRRR/`` slices described by ``layout.json`` (training or pre-sharded).
+
+A LoRA run's checkpoint (whole or sharded) holds adapters and trained routers, not a model:
+:attr:`Opened.lora` is then its :class:`~ms_deepseek.spec.lora.LoraSpec`, and its tensors are
+checked against the adapter inventory.
+
+Everything that reads checkpoints goes through here: ``from_pretrained``, resume, per-rank
+loading, resharding, merge to HF and LoRA export. The converter's byte copies read the weight
+files (:mod:`.source`) this opener is built on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ms_deepseek.checkpoint.convert_plan import check_tensors
+from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
+from ms_deepseek.checkpoint.safetensors_io import read_header
+from ms_deepseek.checkpoint.source import WeightFiles, read_weight_files
+from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource
+from ms_deepseek.checkpoint.training import read_recipe
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
+from ms_deepseek.spec.lora import LoraSpec
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What a checkpoint folder holds, checked against its config."""
+
+    folder: Path
+    kind: str                            # "hf" | "ms" | "training" | "sharded"
+    config: DeepseekV2Config
+    config_path: Path
+    model: object                        # WholeSource | ShardedSource: the model tensors (or adapters)
+    optimizer: Optional[object] = None   # the optimizer state of a training checkpoint
+    lora: Optional[LoraSpec] = None      # a LoRA run's checkpoint: its adapters' settings
+    weights: Optional[WeightFiles] = None  # a whole folder's weight files (the converter's view)
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "sharded"
+
+    @property
+    def layout(self) -> Optional[ShardLayout]:
+        return self.model.layout if self.sharded else None
+
+
+def open_checkpoint(folder) -> Opened:
+    """Open and check any checkpoint folder; UserError naming the file and tensor at fault."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such checkpoint folder")
+    if is_sharded(folder):
+        return _open_sharded(folder)
+    weights = read_weight_files(folder)
+    lora = _lora_of(folder)
+    if lora is not None:  # adapters (+ routers), by our names
+        model = WholeSource.of(weights, hf=False)
+        check_tensors(weights, {i.name: i.shape for i in checkpoint_inventory(weights.config, lora)}, "LoRA")
+    else:
+        model = WholeSource.of(weights)
+        _check_whole(model, weights)
+    optimizer = None
+    if (folder / OPTIMIZER_FILE).is_file():
+        optimizer = WholeSource(read_header(folder / OPTIMIZER_FILE).tensors, weights.config, folder, hf=False)
+    kind = "training" if (folder / "state.json").is_file() else ("hf" if model.hf else "ms")
+    return Opened(folder, kind, weights.config, weights.config_path, model, optimizer, lora, weights)
+
+
+def open_for_resume(folder) -> Opened:
+    """:func:`open_checkpoint` of a training checkpoint, which must hold optimizer state."""
+    opened = open_checkpoint(folder)
+    if opened.optimizer is None:
+        where = Path(folder) / (LAYOUT_FILE if opened.sharded else OPTIMIZER_FILE)
+        raise UserError(f"{where}: no optimizer tensors (not a training checkpoint)")
+    return opened
+
+
+def _open_sharded(folder: Path) -> Opened:
+    model = ShardedSource(folder, "model.safetensors")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{folder}: sharded checkpoint without config.json")
+    cfg = DeepseekV2Config.from_json(config_path)
+    lora = LoraSpec.from_settings(model.layout.lora, f"{folder / LAYOUT_FILE}: lora")
+    _check_layout_matches_config(model.layout, cfg, folder, lora)
+    optimizer = None
+    if model.layout.optimizer:
+        optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
+    return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora)
+
+
+def _lora_of(folder: Path) -> Optional[LoraSpec]:
+    """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
+    if not (folder / "state.json").is_file():
+        return None
+    section = read_recipe(folder, missing_ok=True).get("lora")
+    return LoraSpec.from_settings(section, f"{folder / 'recipe.yaml'}: lora")
+
+
+def _check_whole(src: WholeSource, weights: WeightFiles) -> None:
+    """Names, shapes and dtypes of a whole source against its config (the converter's checks)."""
+    cfg = weights.config
+    if src.hf:
+        check_tensors(weights, expected_hf_shapes(cfg), "HuggingFace", optional=zero_width_shapes(cfg))
+    else:
+        check_tensors(weights, expected_ms_shapes(cfg), "ms_deepseek",
+                      optional={**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)})
+
+
+def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path, lora: Optional[LoraSpec]) -> None:
+    expected = {info.name: info.shape for info in checkpoint_inventory(cfg, lora)}
+    for name, shape in expected.items():
+        t = layout.tensors.get(name)
+        if t is None:
+            raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} is missing (config.json requires it)")
+        if t.shape != tuple(shape):
+            raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} has shape {list(t.shape)}, config.json implies "
+                            f"{list(shape)}")
+    extra = [n for n in layout.tensors if n not in expected]
+    if extra:
+        raise UserError(f"{folder / LAYOUT_FILE}: unexpected tensor {extra[0]} (not in the model config.json "
+                        "describes)")

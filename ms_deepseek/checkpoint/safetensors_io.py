@@ -1,0 +1,262 @@
+"""The safetensors file format at the byte level: parse and validate headers, write headers, copy byte ranges.
+
+A safetensors file is::
+
+    [8 bytes: header length N, little-endian u64]
+    [N bytes: JSON header, padded with spaces]   {"__metadata__": {str: str},
+                                                  name: {"dtype": "BF16", "shape": [..], "data_offsets": [s, e]}, ...}
+    [data: tensor bytes, offsets relative to the start of this section]
+
+Conversion never needs tensor values, only where their bytes are, so nothing here
+imports numpy or MindSpore: bfloat16 is copied as bytes. Headers are checked as
+strictly as the reference Rust implementation (offsets contiguous from 0, sizes
+matching dtype x shape, data ending exactly at the end of the file), so a file we
+accept loads in ``safetensors`` and in MindSpore.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import json_loads
+
+DTYPE_SIZES: Dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+MAX_HEADER_BYTES = 100 * 1000 * 1000  # the reference implementation's limit
+_COPY_CHUNK = 64 * 1024 * 1024         # bytes per copy call (progress granularity, bounded buffer)
+_FALLBACK_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: ``file`` from absolute byte ``offset``, ``nbytes`` long."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    file: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class FileHeader:
+    path: Path
+    size: int
+    data_start: int                      # 8 + header length
+    metadata: Optional[Dict[str, str]]
+    tensors: Dict[str, TensorInfo]       # in data-offset order
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_header(path: Path) -> FileHeader:
+    """Parse and validate ``path``'s header against the file size; UserError naming file and tensor."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise UserError(f"{path}: truncated or not a safetensors file ({size} bytes; "
+                                "a safetensors file starts with an 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise UserError(f"{path}: corrupt safetensors header (header length {n} bytes is implausible)")
+            if 8 + n > size:
+                raise UserError(f"{path}: truncated safetensors file (header of {n} bytes, file holds {size} bytes)")
+            raw = f.read(n)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json_loads(raw.decode("utf-8"), f"{path} (safetensors header)")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: corrupt safetensors header (not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: corrupt safetensors header (expected a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and (not isinstance(metadata, dict)
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise UserError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
+    data_start = 8 + n
+    data_len = size - data_start
+    entries = []
+    for name, info in header.items():
+        entries.append(_check_entry(path, name, info))
+    entries.sort(key=lambda e: (e[3], e[4]))
+    expected_start = 0
+    tensors: Dict[str, TensorInfo] = {}
+    for name, dtype, shape, start, end in entries:
+        if start != expected_start:
+            what = "overlaps the previous tensor" if start < expected_start else "leaves a gap before it"
+            raise UserError(f"{path}: corrupt safetensors header: tensor {name} data_offsets [{start}, {end}] {what}")
+        if end > data_len:
+            raise UserError(f"{path}: truncated safetensors file: tensor {name} needs bytes up to {data_start + end}, "
+                            f"the file holds {size}")
+        expected_start = end
+        tensors[name] = TensorInfo(name, dtype, shape, path, data_start + start, end - start)
+    if expected_start != data_len:
+        raise UserError(f"{path}: corrupt safetensors file: {data_len - expected_start} bytes after the last tensor")
+    return FileHeader(path=path, size=size, data_start=data_start, metadata=metadata, tensors=tensors)
+
+
+def _check_entry(path: Path, name: str, info) -> Tuple[str, str, Tuple[int, ...], int, int]:
+    bad = f"{path}: corrupt safetensors header: tensor {name}"
+    if not isinstance(info, dict):
+        raise UserError(f"{bad}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise UserError(f"{bad}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise UserError(f"{bad}: bad shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[1] < offsets[0]):
+        raise UserError(f"{bad}: bad data_offsets {offsets!r}")
+    start, end = offsets
+    want = numel(shape) * DTYPE_SIZES[dtype]
+    if end - start != want:
+        raise UserError(f"{bad}: {end - start} bytes in data_offsets, dtype {dtype} x shape {shape} needs {want}")
+    return name, dtype, tuple(shape), start, end
+
+
+# --------------------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of an output file: its bytes are the concatenation of ``pieces`` (file, offset, nbytes),
+    or, when ``produce`` is given, what it returns (an array or bytes, e.g. slices put together)."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    pieces: Tuple[Tuple[Path, int, int], ...] = ()
+    produce: Optional[Callable[[], object]] = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.produce is not None:
+            return numel(self.shape) * DTYPE_SIZES[self.dtype]
+        return sum(p[2] for p in self.pieces)
+
+
+def order_for_alignment(tensors: Sequence[OutTensor]) -> List[OutTensor]:
+    """Wider dtypes first (stable): with an 8-byte aligned header every tensor then starts aligned to its dtype."""
+    return sorted(tensors, key=lambda t: -DTYPE_SIZES[t.dtype])
+
+
+def build_header(tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, str]]) -> bytes:
+    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8.
+
+    Entries are written in data-offset order: MindSpore's reader requires it.
+    """
+    header: Dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for t in tensors:
+        want = numel(t.shape) * DTYPE_SIZES[t.dtype]
+        if want != t.nbytes:  # a planning bug, not user input
+            raise AssertionError(f"{t.name}: {t.nbytes} bytes planned, shape {t.shape} {t.dtype} needs {want}")
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def kernel_copy_enabled() -> bool:
+    """``os.copy_file_range`` unless ``MS_DEEPSEEK_NO_COPY_FILE_RANGE=1`` (for filesystems that mishandle it)."""
+    return hasattr(os, "copy_file_range") and os.environ.get("MS_DEEPSEEK_NO_COPY_FILE_RANGE", "") != "1"
+
+
+def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int,
+               on_bytes: Callable[[int], None], state: Dict[str, object]) -> int:
+    """Copy ``count`` bytes; returns how many were copied (fewer only if the source ended early).
+
+    Uses ``os.copy_file_range`` (in-kernel, no user-space buffer) and falls back to a
+    pread/pwrite loop through one reused 64 MB buffer where the kernel or filesystem
+    refuses it, so memory stays bounded either way.
+    """
+    done = 0
+    while done < count:
+        step = min(_COPY_CHUNK, count - done)
+        got = -1
+        if state.setdefault("kernel_copy", kernel_copy_enabled()):
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, step, src_off + done, dst_off + done)
+            except OSError as exc:
+                if exc.errno not in _FALLBACK_ERRNOS:
+                    raise
+                state["kernel_copy"] = False
+        if got < 0:
+            buf = state.get("buffer")
+            if buf is None or len(buf) < step:  # grows to the largest step seen, at most _COPY_CHUNK
+                buf = state["buffer"] = memoryview(bytearray(step))
+            got = os.preadv(src_fd, [buf[:step]], src_off + done)
+            written = 0
+            while written < got:
+                written += os.pwrite(dst_fd, buf[written:got], dst_off + done + written)
+        if got == 0:
+            return done
+        done += got
+        on_bytes(got)
+    return done
+
+
+def write_file(path: Path, tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, str]],
+               on_bytes: Callable[[int], None] = lambda n: None, fsync: bool = True) -> int:
+    """Write one safetensors file from byte ranges of other files; returns the file size."""
+    header = build_header(tensors, metadata)
+    state: Dict[str, object] = {}
+    fds: Dict[Path, int] = {}
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(out, header)
+        pos = len(header)
+        for t in tensors:
+            if t.produce is not None:
+                data = memoryview(t.produce()).cast("B")  # bytes of an array, in C order
+                if len(data) != t.nbytes:
+                    raise AssertionError(f"{t.name}: produced {len(data)} bytes, expected {t.nbytes}")
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(out, data[written:], pos + written)
+                on_bytes(len(data))
+                pos += len(data)
+                continue
+            for src, src_off, nbytes in t.pieces:
+                if src not in fds:
+                    try:
+                        fds[src] = os.open(src, os.O_RDONLY)
+                    except OSError as exc:
+                        raise UserError(f"{src}: cannot open ({exc.strerror or exc})") from None
+                got = copy_range(fds[src], out, src_off, pos, nbytes, on_bytes, state)
+                if got != nbytes:
+                    raise UserError(f"{src}: tensor {t.name} ends early (file shrank while converting?)")
+                pos += nbytes
+        os.ftruncate(out, pos)
+        if fsync:
+            os.fsync(out)
+        return pos
+    finally:
+        os.close(out)
+        for fd in fds.values():
+            os.close(fd)

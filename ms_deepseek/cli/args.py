@@ -1,0 +1,71 @@
+"""The command line's shared pieces: argparse ``type=`` validators (finite numbers, ranges, ports,
+host names) and :func:`resolve_layout`, the one reading of ``--recipe`` / ``--dp --tp --ep --pp``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+
+def _number(kind, text: str):
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _number(int, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number > 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _number(int, text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {text}")
+    return value
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+def host(text: str) -> str:
+    """An IPv4/IPv6 address or a syntactically valid host name (not resolved here)."""
+    value = text.strip()
+    if not value:
+        raise argparse.ArgumentTypeError("empty address")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, value)
+            return value
+        except OSError:
+            pass
+    if re.fullmatch(r"[0-9.]+", value) or not _HOSTNAME.match(value):
+        raise argparse.ArgumentTypeError(f"not an IP address or host name: {text!r}")
+    return value

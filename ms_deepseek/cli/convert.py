@@ -1,0 +1,136 @@
+"""``ms-deepseek convert {hf-to-ms,ms-to-hf,reshard} SRC DST``.
+
+* ``hf-to-ms SRC DST``: HF folder -> ms_deepseek folder; with ``--recipe RECIPE`` (or
+  ``--dp/--tp/--pp/--ep``) a pre-sharded checkpoint instead: ``DST/rank_RRRRR/`` with each
+  rank's slices plus ``layout.json``;
+* ``ms-to-hf SRC DST``: ms_deepseek folder, training checkpoint (whole or sharded: a
+  ``step_N`` folder with ``rank_RRRRR/`` folders, or a run folder: its newest checkpoint)
+  -> one HF folder;
+* ``reshard SRC DST --recipe RECIPE`` (or the layout flags): a checkpoint of one layout
+  (whole or sharded, model and optimizer) into another; a data-parallel target (tp = pp =
+  ep = 1, no optimizer sharding) is written whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
+from ms_deepseek.core.errors import UserError
+
+_HELP = {
+    "hf-to-ms": "HuggingFace folder (index + shards, or model.safetensors) -> ms_deepseek layout (routed experts "
+                "stacked per layer); with --recipe or --dp/--tp/--pp/--ep: one rank_RRRRR/ folder of slices per rank",
+    "ms-to-hf": "ms_deepseek folder or training checkpoint (step_XXXXXXXX/, whole or rank_RRRRR/ slices, or a run "
+                "folder) -> HuggingFace layout (per-expert tensors, release config.json); optimizer state is dropped",
+    "reshard": "checkpoint of one layout (whole or sharded, model and optimizer) -> another layout (--recipe or "
+               "--dp/--tp/--pp/--ep); data-parallel targets are written whole",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Convert checkpoints between the HuggingFace and ms_deepseek layouts, and between "
+                          "parallel layouts. Streams tensor by tensor (memory stays bounded), keeps the dtype, "
+                          "writes into a temporary sibling of DST and renames it into place at the end.")
+    sub = parser.add_subparsers(dest="direction", metavar="{hf-to-ms,ms-to-hf,reshard}", required=True)
+    for name, help_ in _HELP.items():
+        p = sub.add_parser(name, help=help_, description=help_ + ".")
+        p.add_argument("src", metavar="SRC", help="source checkpoint folder (holds config.json)")
+        p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, "
+                                                  "unless --overwrite)")
+        if name != "reshard":
+            p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                           help=f"output shards written in parallel (default {DEFAULT_WORKERS})")
+            p.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
+                           help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
+                                f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own")
+        if name != "ms-to-hf":
+            g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name == "hf-to-ms" else ""))
+            g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
+            g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="recipe override (with --recipe)")
+            for flag in ("dp", "tp", "pp", "ep"):
+                g.add_argument(f"--{flag}", type=int, help=f"parallel.{flag} (overrides the recipe's)")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST (only once the new "
+                                                                "folder is complete)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("--no-fsync", action="store_true",
+                       help="skip flushing output files to disk before the final rename (faster, less safe)")
+
+
+def layout_from_args(args):
+    """The target ParallelConfig from --recipe and/or --dp/--tp/--pp/--ep; None when none is given."""
+    from dataclasses import replace
+
+    from ms_deepseek.spec.parallel import ParallelConfig
+
+    flags = {k: getattr(args, k, None) for k in ("dp", "tp", "pp", "ep")}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if getattr(args, "recipe", None):
+        from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+
+        par = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe)).parallel  # no data needed
+    elif flags or getattr(args, "overrides", None):
+        if getattr(args, "overrides", None):
+            raise UserError("--set: needs --recipe")
+        par = ParallelConfig()
+    else:
+        return None
+    if flags:
+        pp = flags.get("pp", par.pp)
+        par = replace(par, **flags, micro_batches=max(par.micro_batches, pp),
+                      stage_layers=par.stage_layers if pp == par.pp else None,
+                      expert_placement=par.expert_placement if flags.get("ep", par.ep) == par.ep else None)
+    return par
+
+
+def _resolve_source(src: str) -> Path:
+    """A run folder (``RUN/checkpoints/step_N``) stands for its newest complete checkpoint."""
+    from ms_deepseek.checkpoint.training import latest_in
+
+    path = Path(src)
+    if path.is_dir() and not (path / "config.json").exists():
+        found = latest_in(path)
+        if found is not None:
+            return found
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.checkpoint import sharded
+
+    fsync, progress = not args.no_fsync, not args.no_progress
+    if args.direction == "reshard":
+        par = layout_from_args(args)
+        if par is None:
+            raise UserError("reshard: give the target layout with --recipe RECIPE or --dp/--tp/--pp/--ep")
+        src = _resolve_source(args.src)
+        if par.uses_semi_auto:
+            layout = sharded.write_sharded(src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+            print(f"reshard: wrote {layout.world_size} rank folders ({layout.describe()}) to {args.dst}")
+        else:
+            sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
+            print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
+        return 0
+    if args.direction == "hf-to-ms":
+        par = layout_from_args(args)
+        if par is not None:
+            layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+            print(f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
+                  f"{len(layout.tensors)} tensors) to {args.dst}")
+            return 0
+        result = hf_to_ms(args.src, args.dst, shard_size=args.shard_size, workers=args.workers,
+                          overwrite=args.overwrite, progress=progress, fsync=fsync)
+    else:
+        src = _resolve_source(args.src)
+        if sharded.describe_source(src) == "sharded" or any(src.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
+            result = sharded.merge_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
+                                         overwrite=args.overwrite, progress=progress, fsync=fsync)
+        else:
+            result = ms_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
+                              overwrite=args.overwrite, progress=progress, fsync=fsync)
+    rate = result.total_bytes / max(result.seconds, 1e-9) / 1e9
+    print(f"{args.direction}: wrote {result.num_tensors} tensors, {result.total_bytes / 1e9:.3f} GB in "
+          f"{len(result.files)} file(s) to {result.dst} in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+    return 0

@@ -1,0 +1,55 @@
+"""``ms-deepseek export-lora RUN_OR_CHECKPOINT OUT [--merge BASE]``: a LoRA run -> PEFT / merged HF folder.
+
+Without ``--merge``: OUT is a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
+with PEFT's names for the HF DeepseekV2 model, per-expert tensors in expert order), loadable by
+transformers + PEFT, vLLM's LoRA serving and ``DeepseekV2ForCausalLM.from_pretrained(base, adapter=OUT)``.
+With ``--merge BASE``: OUT is a full HF checkpoint folder, BASE's weights with the adapters folded in
+(streamed one tensor at a time, each tensor keeps its dtype; untouched tensors are copied as bytes).
+RUN_OR_CHECKPOINT may be whole or sharded (a tp / pp / ep run's rank_*/ slices, put together here),
+or a PEFT adapter folder (to merge an adapter trained elsewhere).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                        help="a LoRA run folder (its newest checkpoint), a checkpoint folder (whole or sharded), "
+                        "or a PEFT adapter folder")
+    parser.add_argument("out", metavar="OUT", help="the folder to write")
+    parser.add_argument("--merge", metavar="BASE", default=None,
+                        help="write a full HF folder: BASE (an HF checkpoint folder) with the adapters folded in")
+    parser.add_argument("--base", metavar="FOLDER", default=None,
+                        help="base_model_name_or_path to record (default: the run's base folder)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+
+def run(args) -> int:
+    from ms_deepseek.model.lora_peft import CONFIG_NAME
+    from ms_deepseek.train import lora_run
+
+    src = Path(args.source)
+    if args.merge is None:
+        if (src / CONFIG_NAME).is_file():
+            from ms_deepseek.core.errors import UserError
+
+            raise UserError(f"{src}: already a PEFT adapter folder; pass --merge BASE to fold it into a base")
+        out = lora_run.export_adapter(src, args.out, base=args.base, overwrite=args.overwrite)
+        print(f"wrote PEFT adapter {out}")
+        from ms_deepseek.checkpoint.safetensors_io import read_header
+        from ms_deepseek.model.lora_peft import WEIGHTS_NAME
+
+        for note in lora_run.compatibility_notes(read_header(out / WEIGHTS_NAME).tensors):
+            print(note)
+        return 0
+    if (src / CONFIG_NAME).is_file():
+        out = lora_run.merge(src, Path(args.merge), Path(args.out), overwrite=args.overwrite)
+    else:
+        with tempfile.TemporaryDirectory(prefix="ms_deepseek_lora_") as tmp:
+            adapter = lora_run.export_adapter(src, Path(tmp) / "adapter", base=args.base or args.merge)
+            out = lora_run.merge(adapter, Path(args.merge), Path(args.out), overwrite=args.overwrite)
+    print(f"wrote merged HF checkpoint {out}")
+    return 0

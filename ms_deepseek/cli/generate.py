@@ -1,0 +1,201 @@
+"""``ms-deepseek generate PATH``: generate from a checkpoint with the latent KV cache.
+
+PATH is a HuggingFace folder, a converted ms_deepseek folder, a training checkpoint
+(``RUN_DIR/checkpoints/step_N/``) or a run folder (its newest complete checkpoint).
+The prompt is text (``--prompt``, through the checkpoint's tokenizer, bos first when the
+tokenizer has one, as in training) or ids (``--prompt-ids 1,2,3``).
+
+The tokenizer is ``--tokenizer``, else ``tokenizer.json`` / ``tokenizer.model`` in the
+checkpoint folder or the two folders above it (a run folder), else the tokenizer of the
+data named by the checkpoint's ``recipe.yaml`` (``data.tokenizer``, ``data.path``, or the
+embedded default corpus, which is rebuilt in the cache if it was deleted since training).
+
+``--mode pynative`` (default) starts at once; ``--mode graph`` first compiles the prefill
+and the decode step (seconds on CPU) and then decodes several times faster per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import yaml_load
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="checkpoint folder (HuggingFace, ms_deepseek, training step_N) or a run folder")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
+    parser.add_argument("--tokenizer", help="tokenizer file or folder (default: found next to the checkpoint)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HuggingFace rule; 1 = off")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute the full forward for every token (reference path, slow)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos ids")
+    parser.add_argument("--no-bos", action="store_true", help="do not put the tokenizer's bos id before --prompt")
+    parser.add_argument("--mode", choices=("pynative", "graph"), default="pynative",
+                        help="MindSpore execution mode (graph compiles two graphs first, then decodes "
+                             "faster; pynative starts at once; default pynative)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (ids, text, cache figures)")
+
+
+# ------------------------------------------------------------------ locating things
+def resolve_checkpoint(path) -> Path:
+    """A folder with config.json, or a run / checkpoints folder -> its newest complete checkpoint."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"{p}: no such checkpoint folder")
+    if not p.is_dir():
+        raise UserError(f"{p}: not a folder (expected a checkpoint folder holding config.json, or a run folder)")
+    if (p / "config.json").is_file():
+        return p
+    from ms_deepseek.checkpoint.training import latest_in
+
+    found = latest_in(p)
+    if found is not None:
+        return found
+    raise UserError(f"{p}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint inside")
+
+
+def find_tokenizer(checkpoint: Path, explicit: Optional[str] = None):
+    """The tokenizer for ``checkpoint`` (see the module docstring for the search order), or None."""
+    from ms_deepseek.data.tokenizer import load_tokenizer
+
+    if explicit:
+        return load_tokenizer(explicit)
+    folders = [checkpoint, *list(checkpoint.resolve().parents)[:2]]
+    for folder in folders:
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                return load_tokenizer(folder / name)
+    for folder in folders:
+        if (folder / "recipe.yaml").is_file():
+            return _recipe_tokenizer(folder / "recipe.yaml")
+    return None
+
+
+def _recipe_tokenizer(recipe_path: Path):
+    """The tokenizer of the data a training run used, from its recipe.yaml."""
+    import yaml
+
+    from ms_deepseek.spec.data import DataConfig
+    from ms_deepseek.data.tokenizer import load_tokenizer
+    from ms_deepseek.core.schema import from_dict
+
+    try:
+        recipe = yaml_load(recipe_path.read_text(encoding="utf-8"), recipe_path) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{recipe_path}: unreadable recipe ({str(exc).splitlines()[0]})") from None
+    section = recipe.get("data") if isinstance(recipe, dict) else None
+    try:
+        data = from_dict(DataConfig, section or {}, "data")
+    except UserError as exc:
+        raise UserError(f"{recipe_path}: {exc}") from None
+    if data.tokenizer:
+        return load_tokenizer(data.tokenizer)
+    if data.path:
+        folder = Path(data.primary_path).expanduser()
+        if not folder.is_dir():
+            return None
+        return load_tokenizer(folder)
+    if data.embedded_default:
+        from ms_deepseek.data.dataset import resolve_data_dir
+
+        return load_tokenizer(resolve_data_dir(data, progress=False))  # built once, cached
+    return None
+
+
+def parse_prompt_ids(text: str) -> List[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+# ------------------------------------------------------------------ entry points
+def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Optional[List[int]] = None, *,
+                             tokenizer: Optional[str] = None, max_new_tokens: int = 64, add_bos: bool = True,
+                             ignore_eos: bool = False, **kwargs):
+    """Load a checkpoint (or a run's newest) and generate; returns a GenerationResult with ``text`` filled
+    when a tokenizer was found. ``kwargs`` go to :func:`ms_deepseek.generate.generate`."""
+    from ms_deepseek.generate import check_length, check_prompts, check_sampling, generate
+
+    if (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of a text prompt or prompt ids")
+    check_sampling(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0),
+                   kwargs.get("repetition_penalty", 1.0))  # fail before loading anything
+    folder = resolve_checkpoint(path)
+    from ms_deepseek.spec.config import DeepseekV2Config
+
+    cfg = DeepseekV2Config.from_json(folder / "config.json")
+    tok = find_tokenizer(folder, tokenizer)
+    if prompt is not None:
+        if tok is None:
+            raise UserError(f"{folder}: no tokenizer found for a text prompt (no tokenizer.json / tokenizer.model "
+                            f"here or in the folders above, no recipe.yaml naming one); pass --tokenizer PATH "
+                            f"or use --prompt-ids")
+        if tok.vocab_size > cfg.vocab_size:
+            raise UserError(f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
+                            f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)")
+        prompt_ids = tok.encode(prompt, add_bos=add_bos)
+        if not prompt_ids:
+            raise UserError("--prompt: the text encodes to no tokens")
+    from ms_deepseek import DeepseekV2ForCausalLM
+
+    check_prompts([prompt_ids], cfg.vocab_size)  # everything the call can check, before the weights are read
+    check_length(len(prompt_ids), max_new_tokens, cfg)
+    model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=kwargs.get("progress", False))
+    result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
+    if tok is not None:
+        result.text = tok.decode(result.ids)
+        result.completion = tok.decode(result.new_ids)
+    return result
+
+
+def sample_text(path, prompt: str = "def ", max_new_tokens: int = 40) -> str:
+    """A short greedy sample from a checkpoint or run folder (the quickstart's last line)."""
+    result = generate_from_checkpoint(path, prompt, max_new_tokens=max_new_tokens)
+    return result.text
+
+
+def run(args) -> int:
+    import mindspore as ms
+
+    from ms_deepseek.core.runtime import use_device
+
+    device = use_device()  # the device train would use (MS_DEEPSEEK_DEVICE, else Ascend when present)
+    ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    if args.mode == "pynative" and device == "CPU":
+        ms.runtime.launch_blocking()  # synchronous launch: several times faster op by op on a CPU host
+    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    result = generate_from_checkpoint(
+        args.path, args.prompt, prompt_ids, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
+        add_bos=not args.no_bos, ignore_eos=args.ignore_eos, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+        use_cache=not args.no_cache, progress=not args.json)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    print(result.text if result.text is not None else ",".join(map(str, result.ids)))
+    t = result.timings
+    tps = t.get("steady_tokens_per_s") or t.get("decode_tokens_per_s")
+    speed = f", {tps:.1f} tokens/s" if tps else ""
+    print(f"[{len(result.new_ids)} new tokens ({result.finish_reason}), {result.mode}, "
+          f"{'latent cache' if result.use_cache else 'no cache'}{speed}]", file=sys.stderr)
+    if result.cache:
+        print(f"[{result.cache['summary']}]", file=sys.stderr)
+    return 0

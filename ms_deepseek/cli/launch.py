@@ -1,0 +1,145 @@
+"""``ms-deepseek launch RECIPE``: build, print and run the msrun command for a recipe's layout.
+
+    ms-deepseek launch recipes/v2-lite-8npu.yaml --dry-run
+    ms-deepseek launch recipes/v2-64npu.yaml --nnodes 8 --node-rank 0 --master-addr 10.0.0.1
+
+Run the same command on every node with its own ``--node-rank``. The world size is the
+recipe's ``parallel`` layout (dp x tp x pp); each node starts ``world / nnodes`` workers.
+Every worker runs ``ms-deepseek train`` with the same recipe and ``--set`` overrides;
+msrun writes one log per worker into ``--log-dir`` (default ``RUN_DIR/msrun_logs``).
+On CPU a data-parallel recipe runs for real (collectives through mccl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
+from ms_deepseek.cli.args import host, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe field (passed on to every worker; repeatable)")
+    parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
+    parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
+    parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
+    parser.add_argument("--cluster-time-out", type=positive_int, default=600,
+                        help="seconds msrun waits for all workers to join (default 600)")
+    parser.add_argument("--hccl-connect-timeout", type=positive_int, default=600,
+                        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default 600)")
+    parser.add_argument("--hccl-exec-timeout", type=positive_int, default=1800,
+                        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default 1800)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                        help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
+                             "the run folder holds a complete checkpoint, else start fresh")
+    parser.add_argument("--force", action="store_true", help="run even if the planner says it does not fit")
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+
+
+def msrun_executable() -> List[str]:
+    """``msrun`` next to this Python (the venv's), else on PATH, else the module form."""
+    local = Path(sys.executable).parent / "msrun"
+    if local.is_file():
+        return [str(local)]
+    found = shutil.which("msrun")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "mindspore.parallel.cluster.run"]
+
+
+def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> Tuple[Dict[str, str], List[str]]:
+    """(environment additions, argv) of the msrun command for this node."""
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes: must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank: must be in [0, {args.nnodes - 1}], got {args.node_rank}")
+    if world_size % args.nnodes:
+        raise UserError(f"--nnodes: {args.nnodes} does not divide the recipe's world size {world_size} "
+                        "(parallel.dp x tp x pp)")
+    if not 1024 <= args.master_port <= 65535:
+        raise UserError(f"--master-port: must be in 1024..65535, got {args.master_port}")
+    for key in ("cluster_time_out", "hccl_connect_timeout", "hccl_exec_timeout"):
+        if getattr(args, key) < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
+    local = world_size // args.nnodes
+    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
+    env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout), "HCCL_EXEC_TIMEOUT": str(args.hccl_exec_timeout)}
+    cmd = msrun_executable() + [
+        f"--worker_num={world_size}", f"--local_worker_num={local}", f"--master_addr={args.master_addr}",
+        f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", f"--log_dir={log_dir}",
+        "--join=True", f"--cluster_time_out={args.cluster_time_out}",
+        # msrun runs "python ..." from PATH; run() puts this interpreter's folder first
+        "python", "-m", "ms_deepseek.cli", "train", str(args.recipe), "--output", str(run_dir), "--quiet",
+    ]
+    for text in args.overrides:
+        cmd += ["--set", text]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    if args.force:
+        cmd.append("--force")
+    if args.max_steps is not None:
+        cmd += ["--max-steps", str(args.max_steps)]
+    return env, cmd
+
+
+def format_command(env: Dict[str, str], cmd: List[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.cli.train import default_run_dir
+    from ms_deepseek.train.preflight import load_checked_recipe
+
+    recipe = load_checked_recipe(args.recipe, args.overrides)  # fail here, not in N workers
+    from ms_deepseek.train.trainer import fit_plan
+
+    fit_plan(recipe, args.force)
+    run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
+    env, cmd = build_command(args, recipe.parallel.world_size, run_dir)
+    print(format_command(env, cmd), flush=True)
+    if args.dry_run:
+        return 0
+    _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
+    check_output_dir(run_dir, "run folder")
+    new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
+    full_env = dict(os.environ, **env)
+    full_env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full_env.get("PATH", "")
+    # Workers must import this very package, installed or not.
+    package_root = str(Path(__file__).resolve().parents[2])
+    full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from ms_deepseek.train.supervise import run_supervised
+
+    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
+    # a dead worker stops the whole job within seconds, with one line naming it (see train/supervise.py)
+    code, failure = run_supervised(cmd, full_env, log_dir)
+    if failure is not None:
+        print(f"ms-deepseek launch: {failure}", file=sys.stderr)
+    elif code != 0:
+        where = f"worker logs in {log_dir}" if log_dir.is_dir() else "msrun wrote no worker logs"
+        print(f"ms-deepseek launch: msrun exited with {code}; {where}", file=sys.stderr)
+    if code != 0:
+        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
+    return code
+
+
+def _resolve_master(addr: str) -> None:
+    import socket
+
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as exc:
+        raise UserError(f"--master-addr: cannot resolve {addr!r} ({getattr(exc, 'strerror', None) or exc})") from None

@@ -1,0 +1,351 @@
+"""``ms-deepseek plan``: size a parallel layout for N NPUs (memory, traffic, tokens/s per NPU).
+
+Search (rank the layouts that fit)::
+
+    ms-deepseek plan --model deepseek-v2 --npus 256 --seq-len 4096 --global-batch 1152
+
+Check one layout (any of --dp/--tp/--pp/--ep given; the rest default to 1, dp to the
+remaining devices)::
+
+    ms-deepseek plan --model deepseek-v2 --npus 64 --seq-len 4096 --global-batch 80 \\
+        --dp 4 --tp 8 --pp 2 --ep 4 --micro-batches 20 --recompute full --optimizer-shard
+
+Check a recipe: ``ms-deepseek plan --recipe recipes/v2-sft-64npu.yaml`` (any of --dp/--tp/--pp/--ep
+override the recipe's layout). Neither the recipe's checkpoint nor its data need be on this
+machine: the architecture comes from a preset, or from ``<recipe>.config.json`` / ``config.json``
+beside the recipe, and the data's shape from ``data.seq_len``.
+
+Simulate a recipe's layout on CPU: ``ms-deepseek plan --recipe R --simulate [--dp 4 --tp 2 --ep 2 --pp 2]``
+builds the model at reduced depth and width with the same parallel structure and prints one
+line per check (MoE dispatch forward/backward per virtual rank, the rows each rank reads,
+pipeline stage contents, loader slices, the parallel-rules lint) with its max error; exit 0 when
+every check passes (max error <= 1e-5), 1 when one fails or is not available, 2 on bad input.
+
+``--json`` prints one JSON object (``fits``, ``memory_gb``, ``tokens_per_s_per_npu``, ...).
+Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import List, Optional
+
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="preset name, config.json or checkpoint folder (e.g. deepseek-v2)")
+    parser.add_argument("--recipe", help="check a training recipe's layout instead of --model/--npus")
+    parser.add_argument("--simulate", action="store_true",
+                        help="with --recipe: run the CPU simulation of the sharded layout (reduced model, same "
+                             "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="recipe override (with --recipe)")
+    parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
+    parser.add_argument("--seq-len", type=positive_int, help="training sequence length")
+    parser.add_argument("--global-batch", type=positive_int, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
+    g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
+    g.add_argument("--dp", type=positive_int)
+    g.add_argument("--tp", type=positive_int)
+    g.add_argument("--pp", type=positive_int)
+    g.add_argument("--ep", type=positive_int)
+    g.add_argument("--micro-batches", type=positive_int, help="pipeline micro-batches (default: all of a dp rank's)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
+    g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-vocab-parallel", action="store_true", help="replicate the embedding and lm_head")
+    g.add_argument("--stage-layers", help="layers per pipeline stage, comma-separated")
+    m = parser.add_argument_group("model and precision")
+    m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    m.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"),
+                   help="parameter dtype (default: the model config's)")
+    m.add_argument("--capacity-factor", type=positive_float,
+                   help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)")
+    m.add_argument("--grad-bytes", type=positive_int, help="bytes per gradient element (default: the parameter's)")
+    m.add_argument("--optimizer-bytes", type=positive_int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
+    m.add_argument("--master-bytes", type=non_negative_int, default=0, help="extra master-weight bytes per element (default 0)")
+    m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1")
+    m.add_argument("--lora-r", type=int, help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
+                   "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r")
+    m.add_argument("--lora-targets", help="comma-separated PEFT target modules (default with --lora-r: the "
+                   "recipe's, else q_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj)")
+    m.add_argument("--train-router", action="store_true", help="LoRA: the router weights are trained too")
+    m.add_argument("--flash-attention", action="store_true",
+                   help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
+    h = parser.add_argument_group("hardware (Ascend 910B defaults)")
+    h.add_argument("--hbm-gb", type=positive_float, default=64.0)
+    h.add_argument("--peak-tflops", type=positive_float, default=313.0)
+    e = parser.add_argument_group("efficiencies: LOW,HIGH ends of the tokens/s range (docs/planner.md)")
+    e.add_argument("--compute-efficiency", metavar="LOW[,HIGH]",
+                   help="fraction of the peak achieved on executed FLOPs (default: calibrated, "
+                        "costs.LOW / costs.HIGH)")
+    e.add_argument("--comm-efficiency", metavar="LOW[,HIGH]", help="fraction of nominal link bandwidth achieved")
+    e.add_argument("--overlap", metavar="LOW[,HIGH]", help="fraction of tp/ep communication hidden under compute")
+    h.add_argument("--hbm-tbps", type=positive_float, default=1.6)
+    h.add_argument("--hccs-gbps", type=positive_float, default=56.0, help="per peer inside a node")
+    h.add_argument("--roce-gbps", type=positive_float, default=25.0, help="per NPU across nodes")
+    h.add_argument("--npus-per-node", type=positive_int, default=8)
+    h.add_argument("--runtime-reserved-gb", type=positive_float, default=3.0)
+    h.add_argument("--hccl-buffer-mb", type=non_negative_float, default=200.0)
+    h.add_argument("--workspace-gb", type=positive_float, default=1.0)
+    parser.add_argument("--top", type=positive_int, default=5, help="layouts to list when searching")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool):
+    """"a" or "a,b" -> (low, high); each in (0, 1] ([0, 1) for the overlap)."""
+    if text is None:
+        return low, high
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected LOW or LOW,HIGH numbers, got {text!r}") from None
+    if len(values) not in (1, 2):
+        raise UserError(f"{flag}: expected LOW or LOW,HIGH, got {text!r}")
+    for v in values:
+        if not ((0 <= v < 1) if zero_ok else (0 < v <= 1)):
+            raise UserError(f"{flag}: must be in {'[0, 1)' if zero_ok else '(0, 1]'}, got {v}")
+    return values[0], values[-1]
+
+
+def _hardware(args):
+    import dataclasses
+
+    from ms_deepseek.parallel.costs import HIGH, LOW, Hardware
+
+    compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
+    comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
+    overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
+    low = dataclasses.replace(LOW, compute=compute[0], comm=comm[0], overlap=overlap[0])
+    high = dataclasses.replace(HIGH, compute=compute[1], comm=comm[1], overlap=overlap[1])
+    return Hardware(hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps,
+                    hccs_gbps=args.hccs_gbps, roce_gbps=args.roce_gbps, npus_per_node=args.npus_per_node,
+                    runtime_reserved_gb=args.runtime_reserved_gb, hccl_buffer_mb=args.hccl_buffer_mb,
+                    workspace_gb=args.workspace_gb, low=low, high=high)
+
+
+def _precision(args, cfg):
+    from ms_deepseek.parallel.costs import ITEMSIZE, Precision
+
+    return Precision(compute_bytes=ITEMSIZE[cfg.compute_dtype], grad_bytes=args.grad_bytes,
+                     optimizer_bytes=args.optimizer_bytes, master_bytes=args.master_bytes,
+                     optimizer_level=args.optimizer_level)
+
+
+def _model(args):
+    from ms_deepseek.spec.config import load_model_config
+
+    cfg = load_model_config(args.model)
+    changes = {"compute_dtype": args.compute_dtype}
+    if args.param_dtype:
+        changes["param_dtype"] = args.param_dtype
+    if args.capacity_factor is not None:
+        changes["capacity_factor"] = args.capacity_factor
+    elif cfg.has_moe and cfg.capacity_factor is None:
+        changes["capacity_factor"] = 1.0
+    return cfg.replace(**changes)
+
+
+def _layout(args, npus: int, global_batch: int):
+    from ms_deepseek.spec.parallel import ParallelConfig
+
+    tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
+    if args.dp is None:
+        if npus % (tp * pp):
+            raise UserError(f"--npus {npus} is not divisible by tp*pp = {tp * pp}")
+        dp = npus // (tp * pp)
+    else:
+        dp = args.dp
+    micro = args.micro_batches
+    if micro is None:
+        per_rank = global_batch // max(1, dp * args.micro_batch_size)
+        micro = per_rank if pp > 1 else 1
+    stage_layers = None
+    if args.stage_layers:
+        try:
+            stage_layers = [int(x) for x in args.stage_layers.split(",")]
+        except ValueError:
+            raise UserError(f"--stage-layers: expected comma-separated integers, got {args.stage_layers!r}") from None
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, micro),
+                          recompute=args.recompute or "none", optimizer_shard=args.optimizer_shard,
+                          sequence_parallel=args.sequence_parallel, vocab_parallel=not args.no_vocab_parallel,
+                          stage_layers=stage_layers, hbm_gb=args.hbm_gb)
+
+
+def _positive(args, *keys):
+    for key in keys:
+        value = getattr(args, key)
+        if value is None:
+            raise UserError(f"--{key.replace('_', '-')}: required (or pass --recipe)")
+        if value < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+
+
+def _refuse_invalid(result) -> None:
+    """An invalid layout is bad input (exit 2, on stderr), not an answer that does not fit."""
+    if result.problems:
+        raise UserError(f"invalid layout {result.layout.describe()}: " + "; ".join(result.problems))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.parallel.costs import Workload
+    from ms_deepseek.parallel.planner import estimate, search
+
+    hw = _hardware(args)
+    if args.simulate and not args.recipe:
+        raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
+    if args.recipe:
+        result, recipe = _check_recipe(args, hw)
+        _refuse_invalid(result)
+        if args.simulate:
+            return _simulate(args, recipe, result)
+        _emit(args, result, None)
+        return 0 if result.fits else 1
+    if not args.model:
+        raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
+    _positive(args, "npus", "seq_len", "global_batch", "micro_batch_size")
+    cfg = _model(args)
+    precision = _precision(args, cfg)
+    workload = Workload(seq_len=args.seq_len, global_batch_size=args.global_batch,
+                        micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention,
+                        lora=_lora(args, None))
+    if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
+        layout = _layout(args, args.npus, args.global_batch)
+        result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
+        _refuse_invalid(result)
+        _emit(args, result, None)
+        return 0 if result.fits else 1
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top), progress=True)
+    _emit(args, ranked[0], ranked)
+    return 0 if ranked[0].fits else 1
+
+
+def _lora(args, section):
+    """The LoRA workload from --lora-r / --lora-targets / --train-router over the recipe's section."""
+    from ms_deepseek.spec.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
+
+    if args.lora_r is None and args.lora_targets is None and section is None:
+        if args.train_router:
+            raise UserError("--train-router: only with LoRA (--lora-r or a recipe lora: section)")
+        return None
+    r = args.lora_r if args.lora_r is not None else (section.r if section is not None else None)
+    if r is None:
+        raise UserError("--lora-targets: needs --lora-r (the adapter rank)")
+    if r < 1:
+        raise UserError(f"--lora-r: must be >= 1, got {r}")
+    if args.lora_targets is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        for t in targets:
+            if t.rsplit(".", 1)[-1] not in LORA_TARGETS:
+                raise UserError(f"--lora-targets: unknown target module {t!r}; known: {', '.join(LORA_TARGETS)}")
+        if not targets:
+            raise UserError("--lora-targets: empty")
+    else:
+        targets = tuple(section.target_modules) if section is not None else DEFAULT_TARGETS
+    train_router = args.train_router or bool(section is not None and section.train_router)
+    return LoraSpec(r=int(r), target_modules=list(targets), train_router=train_router)
+
+
+def _check_recipe(args, hw):
+    from ms_deepseek.parallel.planner import check_recipe_fits
+    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+
+    recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
+    recipe.parallel = _recipe_layout(args, recipe)
+    hw.hbm_gb = recipe.parallel.hbm_gb
+    import dataclasses
+
+    from ms_deepseek.parallel.planner import recipe_workload
+
+    workload = recipe_workload(recipe)
+    workload = dataclasses.replace(workload, lora=_lora(args, getattr(recipe, "lora", None)))
+    return check_recipe_fits(recipe, hardware=hw, workload=workload), recipe
+
+
+def _recipe_layout(args, recipe):
+    """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
+    import dataclasses
+
+    from ms_deepseek.parallel.validate import validate_layout
+
+    changes = {k: getattr(args, k) for k in ("dp", "tp", "pp", "ep") if getattr(args, k) is not None}
+    if args.micro_batches is not None:
+        changes["micro_batches"] = args.micro_batches
+    if not changes:
+        return recipe.parallel
+    for key, value in changes.items():
+        if value < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+    par = recipe.parallel
+    pp = changes.get("pp", par.pp)
+    if "micro_batches" not in changes and pp > 1 and par.micro_batches < pp:
+        changes["micro_batches"] = pp  # 1F1B needs one micro-batch per stage at least
+    if "pp" in changes and changes["pp"] != par.pp:
+        changes["stage_layers"] = None  # the recipe's cut was for its own pp
+    par = dataclasses.replace(par, **changes)
+    validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
+    return par
+
+
+def _simulate(args, recipe, result) -> int:
+    """The planner's verdict, then the simulation's lines; the exit status is the simulation's."""
+    from ms_deepseek.diagnostics.simulate import all_passed, format_results, simulate
+
+    if not args.json:
+        _emit(args, result, None)
+    results = simulate(recipe.model_config, recipe.parallel, recipe.seq_len, recipe.train.micro_batch_size)
+    if args.json:
+        out = result.to_dict()
+        out["simulation"] = [{"check": r.name, "status": r.status, "max_err": r.max_err, "detail": r.detail}
+                             for r in results]
+        out["simulation_passed"] = all_passed(results)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_results(results))
+    return 0 if all_passed(results) else 1
+
+
+def _emit(args, result, ranked: Optional[List]) -> None:
+    if args.json:
+        out = result.to_dict()
+        if ranked is not None:
+            out["ranked"] = [r.to_dict() for r in ranked]
+        print(json.dumps(out, indent=2))
+        return
+    print(format_result(result))
+    if ranked is not None and len(ranked) > 1:
+        print("\nother layouts:")
+        for r in ranked[1:]:
+            verdict = "fits" if r.fits else "does not fit"
+            lo, hi = r.tokens_per_s_range
+            print(f"  {r.layout.describe():<58} {r.peak_gb:6.1f} GB  {lo:7.0f}-{hi:.0f} tokens/s/NPU  {verdict}")
+
+
+def format_result(result) -> str:
+    lines = [f"layout: {result.layout.describe()}  (world {result.layout.world_size}, "
+             f"grad accumulation {result.grad_accumulation})"]
+    if result.problems:
+        lines.append("INVALID:")
+        lines += [f"  {p}" for p in result.problems]
+        return "\n".join(lines)
+    verdict = "FITS" if result.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: {result.peak_gb:.1f} GB per NPU (stage {result.worst.stage}) of "
+                 f"{result.usable_gb:.1f} GB usable")
+    mem = result.memory_gb
+    for key in ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
+                "comm_buffers", "hccl_buffers", "workspace"):
+        lines.append(f"  {key:<14}{mem[key]:9.2f} GB")
+    comm = result.comm_gb
+    lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
+    t = result.time_s
+    lo, hi = result.tokens_per_s_range
+    sec = lambda x: f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # noqa: E731
+    lines.append(f"step {sec(t['step_high'])}-{sec(t['step'])} s (bubble {result.bubble_fraction:.1%}; at the low "
+                 f"end: pipeline {sec(t['pipeline'])} s, dp sync {sec(t['dp_sync'])} s)")
+    lines.append(f"throughput {lo:.0f}-{hi:.0f} tokens/s per NPU (MFU {result.mfu_range[0]:.1%}-"
+                 f"{result.mfu_range[1]:.1%}; low = MindFormers-calibrated efficiency, high = the DeepSeek "
+                 f"paper's, docs/planner.md)")
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""``ms-deepseek train RECIPE``: train a recipe in this process (one worker, or one msrun worker).
+
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny
+    ms-deepseek train recipes/tiny-cpu.yaml --set train.steps=50 --set optim.lr=1e-3
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume          # newest checkpoint
+    ms-deepseek train recipes/tiny-cpu.yaml --resume runs/tiny/checkpoints/step_00000100
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume auto     # resume if possible, else fresh
+
+A run that has already reached ``train.steps`` exits 0 with one line saying so, so a restart
+loop can re-run the same command after any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (see recipes/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
+    parser.add_argument("--output", "-o", default=None,
+                        help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                        help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
+                             "when --output holds a complete checkpoint, else start fresh (recipe: "
+                             "checkpoint.resume: auto)")
+    parser.add_argument("--force", action="store_true",
+                        help="run even if the memory planner says the layout does not fit")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many steps in total (the LR schedule still spans train.steps)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def default_run_dir(recipe_path: str) -> Path:
+    return Path("runs") / Path(recipe_path).stem
+
+
+def _snapshot(run_dir: Path):
+    """What exists before the run: (new parent folders, run folder existed, its top-level entries, metrics stat)."""
+    from ms_deepseek.core.safe_io import created_parents
+
+    metrics = run_dir / "metrics.jsonl"
+    stat = metrics.stat() if metrics.is_file() else None
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    return created_parents(run_dir / "x"), run_dir.is_dir(), entries, stat and (stat.st_size, stat.st_mtime_ns)
+
+
+def _remove_leftovers(run_dir: Path, before) -> None:
+    """A refused run (bad checkpoint, bad data, ...) leaves nothing behind: the folders it created
+    (logs/, tb/, an empty checkpoints/, the run folder itself) go, as long as it trained nothing."""
+    import shutil
+
+    from ms_deepseek.core.safe_io import remove_empty_dirs
+
+    new_dirs, existed, entries, metrics = before
+    now = run_dir / "metrics.jsonl"
+    stat = now.stat() if now.is_file() else None
+    if (stat and (stat.st_size, stat.st_mtime_ns)) != metrics:
+        return  # this attempt logged steps: keep what it wrote
+    ckpts = run_dir / "checkpoints"
+    if "checkpoints" not in entries and ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
+        return
+    if not run_dir.is_dir():
+        return
+    for child in run_dir.iterdir():
+        if child.name not in entries:
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else \
+                child.unlink(missing_ok=True)
+    if not existed:
+        remove_empty_dirs(new_dirs)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ms_deepseek.core.errors import UserError
+    from ms_deepseek.train.preflight import load_checked_recipe
+
+    recipe = load_checked_recipe(args.recipe, args.overrides)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
+    run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
+    from ms_deepseek.core.safe_io import check_output_dir
+
+    check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
+    from ms_deepseek.train.trainer import train
+
+    before = _snapshot(run_dir)
+    try:
+        result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
+                       max_steps=args.max_steps)
+    except UserError:
+        _remove_leftovers(run_dir, before)
+        raise
+    if result.complete:
+        print(f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
+              "nothing to do (raise train.steps with --set train.steps=N to train further)", flush=True)
+        return 0
+    if result.metrics_path is not None:  # the main worker (rank 0) reports
+        first = f" (first {result.losses[0]:.4f})" if result.losses else ""
+        print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
+              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s")
+        if result.checkpoint is not None:
+            print(f"checkpoint: {result.checkpoint}")
+        print(f"metrics:    {result.metrics_path}")
+        if recipe.logging.tensorboard:
+            print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
+    return 0

@@ -1,0 +1,62 @@
+"""Process set-up shared by every command: which device to run on, and how much the
+libraries underneath may print.
+
+* :func:`detect_device` is the one place that decides CPU or Ascend (the trainer, the
+  doctor's smoke run and the benchmarks ask it); :func:`use_device` applies it with
+  ``mindspore.set_device`` (``set_context(device_target=...)`` is deprecated in 2.9).
+* :func:`quiet_defaults` makes MindSpore print errors only (``GLOG_v=3``) unless the user
+  set ``GLOG_v`` or asked for ``--verbose``; it must run before ``import mindspore``,
+  which reads the variable once (its Python logger and the C++ glog alike).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+DEVICE_ENV = "MS_DEEPSEEK_DEVICE"
+DEVICES = ("CPU", "Ascend")
+VERBOSE_ENV = "MS_DEEPSEEK_VERBOSE"  # set by --verbose; msrun workers inherit it
+
+
+def detect_device() -> str:
+    """``MS_DEEPSEEK_DEVICE`` if set, else Ascend on a host with NPUs (``npu-smi``) and CANN's
+    environment (``ASCEND_HOME_PATH``), else CPU."""
+    from ms_deepseek.core.errors import UserError
+
+    forced = os.environ.get(DEVICE_ENV)
+    if forced:
+        if forced not in DEVICES:
+            raise UserError(f"{DEVICE_ENV}={forced!r}: expected one of {', '.join(DEVICES)}")
+        return forced
+    if shutil.which("npu-smi") and os.environ.get("ASCEND_HOME_PATH"):
+        return "Ascend"
+    return "CPU"
+
+
+def use_device(target: Optional[str] = None) -> str:
+    """Run MindSpore on ``target`` (default: :func:`detect_device`); returns it."""
+    import mindspore as ms
+
+    target = target or detect_device()
+    try:
+        ms.set_device(target)
+    except RuntimeError:
+        # kernels already ran in this process (e.g. a test session that built a model first): the
+        # runtime is up and can no longer be set; fine when it runs on the device asked for
+        if ms.get_context("device_target") != target:
+            raise
+    return target
+
+
+def is_verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_defaults(verbose: bool = False) -> None:
+    """Errors only from MindSpore unless ``verbose`` or the user's own ``GLOG_v``."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    if not (verbose or is_verbose()):
+        os.environ.setdefault("GLOG_v", "3")

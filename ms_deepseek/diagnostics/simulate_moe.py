@@ -1,0 +1,227 @@
+"""CPU simulation of one sharded MoE layer: every virtual rank runs its share, the AllToAll is emulated.
+
+:func:`simulate_moe_layer` takes an MoE layer that :func:`ms_deepseek.sharding.apply.apply_plan`
+has prepared (token groups G = dp, exchange view ep, placement, strategies on the primitives)
+and runs, in PyNative on this CPU, what each device of one pipeline stage would run under
+SEMI_AUTO_PARALLEL (``ms_deepseek/model/moe.py`` says which pattern and why):
+
+1. data-parallel rank d (the token groups the ``dispatch_gather`` strategy gives it):
+   routing, ExpertLookup and the dispatch gather on its own tokens (``layer.dispatch``);
+2. the dp -> ep AllToAll, emulated from the ``to_experts`` strategy: the buffer view
+   [ep, G/ep, E, C, H] is split (ep, G/ep) over the dp ranks, so rank d = i*(G/ep) + j sends
+   its expert block i' to the device that holds experts block i' and token chunk j;
+3. each expert device: the slice the ``experts.*_bmm`` strategies give it (E by the first
+   axis, G*C by the second, the expert intermediate size by tp); it must be exactly what the
+   exchange delivered (else the plan is reported broken); the down projection's partial sums
+   over the tp slices are added (the all-reduce);
+4. the AllToAll back (``from_experts``) and the combine gather on each rank's tokens.
+
+The whole per-rank program is one differentiable function of the tokens and the stacked
+expert weights, so ``ms.value_and_grad`` gives the backward of every per-rank piece (the
+gradient of an emulated AllToAll is the reverse exchange). It is compared with the
+unsharded layer (the same G groups, so the same per-rank capacity), forward and backward.
+
+Not simulated here (not ours, or handled by MindSpore's own rules): the balance losses'
+reductions, the shared experts' tensor parallelism (run whole per rank), LoRA adapters.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+SIM_ERROR = float("inf")
+
+
+class PlanMismatch(ValueError):
+    """The plan's strategies do not describe a sharding the layer can run (reported, not raised)."""
+
+
+def _strategy(prim, fallback):
+    got = prim.attrs.get("in_strategy") if hasattr(prim, "attrs") else None
+    return tuple(tuple(int(k) for k in s) for s in got) if got else fallback
+
+
+def _layout(layer, mesh) -> Dict[str, object]:
+    """The split of every stage of the dispatch, read from the layer's primitives (apply_plan's
+    strategies) or, for a layer the plan was never applied to, nothing split."""
+    E, G = layer.num_experts, layer.groups
+    disp = _strategy(layer.dispatch_gather, ((1, 1, 1), (1, 1, 1)))
+    exch = _strategy(layer.to_experts, ((1, 1, 1, 1, 1),))[0]
+    back = _strategy(layer.from_experts, ((1, 1, 1, 1, 1),))[0]
+    comb = _strategy(layer.combine_gather, ((1, 1, 1), (1, 1, 1)))
+    gate = _strategy(layer.experts.gate_bmm, ((1, 1, 1), (1, 1, 1)))
+    up = _strategy(layer.experts.up_bmm, ((1, 1, 1), (1, 1, 1)))
+    down = _strategy(layer.experts.down_bmm, ((1, 1, 1), (1, 1, 1)))
+    ranks = disp[0][0]
+    problems: List[str] = []
+    if disp[1][0] != ranks or comb[0][0] != ranks or comb[1][0] != ranks:
+        problems.append(f"dispatch/combine gathers split the groups differently: {disp}, {comb}")
+    if any(k != 1 for s in disp + comb for k in s[1:]):
+        problems.append(f"dispatch/combine gathers split a non-batch axis: {disp}, {comb}")
+    if G % ranks or ranks != mesh.dp:
+        problems.append(f"dispatch_gather splits the {G} token groups {ranks} ways, not one group per each of "
+                        f"the {mesh.dp} data-parallel ranks")
+    ep_x, inner_x = exch[0], exch[1]
+    if exch != back or any(k != 1 for k in exch[2:]) or ep_x * inner_x != ranks:
+        problems.append(f"to_experts/from_experts {exch}/{back} do not view the {ranks} dp ranks as "
+                        f"(ep, dp/ep) = ({layer.ep}, {ranks // max(layer.ep, 1)})")
+    if ep_x != layer.ep:
+        problems.append(f"to_experts splits the exchange view {ep_x} ways but the layer's ep is {layer.ep}")
+    (ep_b, inner_b, _), (ep_w, tp_w, _) = gate
+    if up != gate:
+        problems.append(f"up_bmm {up} differs from gate_bmm {gate}")
+    if down[0][:2] != (ep_b, inner_b) or down[1][0] != ep_w or down[0][2] != tp_w or down[1][2] != tp_w:
+        problems.append(f"down_bmm {down} does not match gate_bmm {gate} (experts and tp split alike)")
+    if ep_b != ep_w:
+        problems.append(f"the expert matmuls split the tokens' experts {ep_b} ways but the weights {ep_w} ways")
+    if E % max(ep_b, 1) or E % max(ep_x, 1):
+        problems.append(f"{E} experts do not split {ep_b} / {ep_x} ways")
+    if ep_b * inner_b != ranks:
+        problems.append(f"the expert matmuls' device grid ({ep_b} x {inner_b}) is not the {ranks} dp ranks")
+    return {"ranks": ranks, "ep_x": ep_x, "inner_x": inner_x, "ep_b": ep_b, "inner_b": inner_b, "tp": tp_w,
+            "problems": problems}
+
+
+def _slices(n: int, parts: int, index: int) -> slice:
+    size = n // parts
+    return slice(index * size, (index + 1) * size)
+
+
+def _sharded_forward(layer, lay, x, wg, wu, wd):
+    """The per-rank program: x [B, T, H] and the stacked expert weights -> y [B, T, H] (routed + shared)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    B, T, H = x.shape
+    E, G = layer.num_experts, layer.groups
+    N = B * T // G
+    C = layer.capacity(N)
+    R, ep_x, inner_x = lay["ranks"], lay["ep_x"], lay["inner_x"]
+    ep_b, inner_b, tp = lay["ep_b"], lay["inner_b"], lay["tp"]
+    g_local = G // R
+    tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]: rank-major rows
+    cdt = layer.experts.compute_dtype
+    bmm = ops.BatchMatMul(transpose_b=True)
+
+    # 1. each data-parallel rank: routing, lookup and dispatch on its own groups
+    buffers, routes = [], []
+    for d in range(R):
+        buf, route = layer.dispatch(tokens[d * g_local:(d + 1) * g_local])  # [G/R, E, C, H]
+        buffers.append(buf)
+        routes.append(route)
+
+    # 2. emulated dp -> ep AllToAll: rank d = i*inner + j holds view block [i, j] of [ep, inner, E, C, H];
+    #    the expert device (a, j) receives experts block a from the ranks (i', j), i' in ep, in i' order.
+    Ex = E // ep_x
+    received = {}
+    for a in range(ep_x):
+        for j in range(inner_x):
+            parts = [buffers[i * inner_x + j][:, a * Ex:(a + 1) * Ex] for i in range(ep_x)]  # [G/R, Ex, C, H]
+            # [ep, G/R, Ex, C, H] -> [Ex, ep, G/R, C, H] -> [Ex, ep*G/R*C, H]: the chunk j of [E, G*C, H]
+            recv = ops.stack(parts, 0).transpose(2, 0, 1, 3, 4).reshape(Ex, ep_x * g_local * C, H)
+            received[a * inner_x + j] = recv
+
+    # 3. each expert device: the slice its matmul strategy says, which must be what it received
+    Eb, rows = E // ep_b, G * C // inner_b
+    if (G * C) % inner_b:
+        raise PlanMismatch(f"the expert input's {G}*{C} token rows do not split {inner_b} ways (capacity {C})")
+    outputs = {}
+    I = wg.shape[1]
+    if I % tp:
+        raise PlanMismatch(f"the expert intermediate size {I} does not split {tp} ways")
+    for dev in range(R):
+        a, j = dev // inner_b, dev % inner_b
+        got = received[dev]
+        if tuple(got.shape) != (Eb, rows, H):
+            raise PlanMismatch(f"device {dev}: the AllToAll delivers {tuple(got.shape)} but the expert matmul "
+                               f"strategy expects [{Eb}, {rows}, {H}]")
+        e_sl = _slices(E, ep_b, a)
+        h = got.astype(cdt)
+        partial = None
+        for t in range(tp):  # the tp slices of the expert intermediate size; down's partial sums all-reduced
+            i_sl = _slices(I, tp, t)
+            gate = bmm(h, wg[e_sl, i_sl].astype(cdt))  # [Eb, rows, I/tp]
+            upv = bmm(h, wu[e_sl, i_sl].astype(cdt))  # [Eb, rows, I/tp]
+            o = bmm(ops.silu(gate) * upv, wd[e_sl, :, i_sl].astype(cdt))  # [Eb, rows, H]
+            partial = o if partial is None else partial + o
+        outputs[dev] = partial.astype(x.dtype)
+
+    # 4. emulated ep -> dp AllToAll back and the combine on each rank's tokens
+    ys = []
+    for d in range(R):
+        i, j = d // inner_x, d % inner_x
+        blocks = []
+        for a in range(ep_x):  # experts block a of rank d's groups, from the device (a, j)
+            out = outputs[a * inner_x + j].reshape(Ex, ep_x, g_local, C, H)  # [Ex, ep*G/R*C, H] -> 5-D
+            blocks.append(out[:, i].transpose(1, 0, 2, 3))  # [G/R, Ex, C, H]
+        back = ops.concat(blocks, 1).reshape(g_local, E * C, H)  # [G/R, E, C, H] -> [G/R, E*C, H]
+        ys.append(layer.combine(back, routes[d]))  # [G/R, N, H] float32
+    y = ops.concat(ys, 0).astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
+    if layer.shared_experts is not None:
+        y = y + layer.shared_experts(x)
+    return y
+
+
+def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
+    """Run one MoE layer as its sharded ranks would, on this CPU, and compare with the unsharded layer.
+
+    ``layer``: a ``DeepseekV2MoE`` the plan was applied to (``apply_plan``: groups, ep, placement and the
+    primitives' strategies); ``x``: float32 ``[B, T, H]`` with ``B * T`` divisible by ``layer.groups``;
+    ``mesh``: the plan's ``Mesh`` (``dp``, ``tp``, ``ep``). The layer runs in training mode (the capacity
+    factor applies, per data-parallel group) in PyNative; the previous mode is restored.
+
+    Returns a dict: ``forward_max_err`` (max |y_sharded - y_unsharded|), ``backward_max_err`` (max abs
+    difference of the gradients of x and of the stacked expert weights, for a fixed random cotangent),
+    ``ranks``, ``capacity``, ``dropped`` and ``problem`` (None, or why the plan's strategies cannot run:
+    then both errors are ``inf``).
+    """
+    import mindspore as ms
+    from mindspore import Tensor
+
+    report: Dict[str, object] = {"forward_max_err": SIM_ERROR, "backward_max_err": SIM_ERROR, "problem": None}
+    lay = _layout(layer, mesh)
+    B, T, H = x.shape
+    G = layer.groups
+    report["ranks"] = lay["ranks"]
+    if (B * T) % G:
+        lay["problems"].append(f"{B}x{T} tokens do not split into {G} groups")
+    if lay["problems"]:
+        report["problem"] = "; ".join(lay["problems"])
+        return report
+
+    old_mode, was_training = ms.get_context("mode"), layer.training
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    layer.set_train(True)
+    try:
+        experts = layer.experts
+        weights = [experts.gate_proj.weight, experts.up_proj.weight, experts.down_proj.weight]
+        rng = np.random.default_rng(0)
+        cot = Tensor(rng.standard_normal(tuple(x.shape)).astype(np.float32))
+        report["capacity"] = layer.capacity(B * T // G)
+
+        def unsharded(xx):
+            return (layer(xx)[0].astype(ms.float32) * cot).sum()
+
+        loss_ref, (gx_ref, gw_ref) = ms.value_and_grad(unsharded, 0, weights)(x)
+        y_ref = layer(x)[0]
+
+        w_values = [Tensor(w.asnumpy()) for w in weights]
+
+        def sharded(xx, wg, wu, wd):
+            return (_sharded_forward(layer, lay, xx, wg, wu, wd).astype(ms.float32) * cot).sum()
+
+        y_sim = _sharded_forward(layer, lay, x, *w_values)
+        _, grads = ms.value_and_grad(sharded, (0, 1, 2, 3))(x, *w_values)
+        report["forward_max_err"] = float(np.abs(y_sim.asnumpy() - y_ref.asnumpy()).max())
+        pairs = [(grads[0], gx_ref)] + list(zip(grads[1:], gw_ref))
+        report["backward_max_err"] = float(max(np.abs(a.asnumpy() - b.asnumpy()).max() for a, b in pairs))
+        keep = layer.dispatch(x.reshape(G, B * T // G, H))[1][5].asnumpy()
+        report["dropped"] = float(1.0 - keep.mean())
+    except PlanMismatch as exc:
+        report["problem"] = str(exc)
+    finally:
+        layer.set_train(was_training)
+        ms.set_context(mode=old_mode)
+    return report

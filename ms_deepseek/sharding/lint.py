@@ -1,0 +1,529 @@
+"""Parallel-rules lint over a BUILT network with its applied plan (no compile, runs on CPU).
+
+``lint_model(model, applied, mesh) -> LintReport`` checks three rules and names the
+primitive (and axis) of every violation:
+
+1. **Coverage**: every primitive a model Cell holds as an attribute has a strategy. The
+   model keeps in attributes exactly the primitives that move sharded data (matmuls, the
+   gathers, top-k, fused attention) and our custom operators (``ops.Custom`` inside the op
+   Cells of ``ms_deepseek.ops``, reached as ``<op cell>.impl.op``); MindSpore treats a
+   Custom op without a strategy as batch-parallel on its first input only, with full-size
+   other outputs (design.md section 7), so a custom op must be covered like any other.
+2. **Unsplittable axes**: no strategy splits an axis MindSpore (or our kernel) cannot split
+   for that op. The table ``UNSPLITTABLE`` cites the MindSpore source of each rule
+   (``mindspore/ccsrc/frontend/parallel/ops_info/``).
+3. **Producer -> consumer layouts**: each declared edge of the model's dataflow compares the
+   producer's output layout (inferred from its strategy, e.g. MatMul(transpose_b) gives
+   rows of x and rows of the weight) with the consumer's input strategy, through the
+   reshape/transpose between them; a mismatch is a redistribution MindSpore would insert
+   silently, allowed only when :func:`ms_deepseek.parallel.plan.deliberate_redistributions`
+   lists it (e.g. the MoE dp -> ep exchange, which is the AllToAll).
+
+How the edges are found, and the limits: the graph cannot be compiled here, so the edges
+are a declared table (``EDGES``), one per data path in ``construct`` of the attention, MLP,
+router, MoE and the residual stream, written from the model code. An edge applies in a
+layer when its ``requires`` primitive exists there (attention variants, dense vs MoE), and
+then both of its ends must exist, so a renamed primitive fails the lint instead of being
+skipped; an MoE layer that matches none of the MoE edge groups fails too. Functional
+operators inside ``construct`` (reshape, elementwise, ``ops.concat`` ...) are not
+attributes: the lint does not see them, and they get their layouts from MindSpore's
+sharding propagation between the strategies checked here. Shapes are not traced: the
+validator (:mod:`ms_deepseek.parallel.validate`) and ``apply_plan`` check divisibility.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ms_deepseek.parallel.plan import Mesh
+
+Layout = Tuple[int, ...]
+
+# --------------------------------------------------------------- unsplittable axes
+# Primitive type (or our op Cell type for a Custom op) -> (rule text, source). The function
+# in _AXIS_RULES returns the (input index, axis) pairs that must not be split.
+UNSPLITTABLE: Dict[str, Tuple[str, str]] = {
+    "Concat": ("the concat axis of every input", "concat_info.cc ConcatInfo::CheckStrategy: 'The axis can not be split'"),
+    "GatherD": ("the gather dim of input and index", "gatherd_info.cc GatherDInfo::CheckStrategy: "
+                "'The dimension of dim can not be split'"),
+    "CumSum": ("the cumulated axis", "activation_info.cc CumOpBase::CheckStrategy: 'CumSum does not support the "
+               "sharding strategies which splits axis'"),
+    "TopK": ("the last axis", "topk_info.cc TopKInfo::CheckStrategy: 'can not support to split last dimension'"),
+    "Softmax": ("the softmax axis", "activation_info.cc Softmax::CheckStrategy: 'The strategy corresponding to axis "
+                "dimension is not 1'"),
+    "LogSoftmax": ("the softmax axis", "activation_info.cc (LogSoftmax shares Softmax::CheckStrategy)"),
+    "Gather": ("the gather axis of a parameter with more than 2 dims", "gather_info.cc GatherInfo::CheckStrategy: "
+               "a split gather axis is supported only for 1-D and 2-D parameters"),
+    "FlashAttentionScore": ("the head dim of q/k/v and the key sequence of k/v",
+                            "flash_attention_score_info.cc: D is contracted; the KV sequence splits only under "
+                            "context-parallel sparse modes this plan does not use"),
+    # our custom operators (the op Cell type owning the ops.Custom)
+    "FP32Softmax": ("the last axis", "ms_deepseek.ops.FP32Softmax normalises over the last axis: a split would "
+                    "normalise each slice on its own"),
+    "ExpertLookup": ("every axis of the k-major ids [G, k*N] but the group axis, and the placement table",
+                     "ms_deepseek.ops.ExpertLookup counts capacity positions over all tokens of a group"),
+    "Sort": ("the sorted axis", "a sort along a split axis would order each slice on its own (no SortInfo rule "
+             "was found in MindSpore's ops_info; the plan keeps the axis whole)"),
+}
+
+# Gather, GatherD and CumSum take their axis as a call argument: every such call in the model
+# uses the axis below (Embedding: gather(weight, ids, 0); MoE gathers: axis 0 / batch dims).
+_CALL_AXIS = {"Gather": 0, "GatherD": 1, "CumSum": 1}
+
+
+def _axis(prim, name: str, default: int, ndim: int) -> int:
+    value = prim.attrs.get(name, default) if hasattr(prim, "attrs") else default
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else default
+    value = int(value)
+    return value + ndim if value < 0 else value
+
+
+def _unsplittable(kind: str, prim, in_strategy) -> List[Tuple[int, int]]:
+    """(input index, axis) pairs of ``in_strategy`` that the rule for ``kind`` forbids splitting."""
+    s0 = tuple(in_strategy[0]) if in_strategy else ()
+    n0 = len(s0)
+    if kind == "Concat":
+        axis = _axis(prim, "axis", 0, n0)
+        return [(i, axis) for i in range(len(in_strategy))]
+    if kind == "GatherD":
+        axis = _CALL_AXIS["GatherD"]
+        return [(0, axis), (1, axis)] if len(in_strategy) > 1 else [(0, axis)]
+    if kind == "CumSum":
+        return [(0, _CALL_AXIS["CumSum"])]
+    if kind in ("TopK", "FP32Softmax"):
+        return [(0, n0 - 1)]
+    if kind in ("Softmax", "LogSoftmax"):
+        return [(0, _axis(prim, "axis", -1, n0))]
+    if kind == "Gather":
+        batch_dims = int(prim.attrs.get("batch_dims", 0) or 0)
+        if batch_dims:  # our batched gathers take axis = batch_dims: a per-group local gather
+            return [(0, batch_dims)] + [(1, a) for a in range(batch_dims, len(in_strategy[1]))]
+        return [(0, _CALL_AXIS["Gather"])] if n0 > 2 else []
+    if kind == "Sort":
+        return [(0, _axis(prim, "axis", -1, n0))]
+    if kind == "FlashAttentionScore":
+        pairs = [(i, 3) for i in range(min(3, len(in_strategy)))]   # BNSD head dim
+        return pairs + [(1, 2), (2, 2)]                              # key / value sequence
+    if kind == "ExpertLookup":
+        pairs = [(0, a) for a in range(1, n0)]   # only the group axis G may split
+        if len(in_strategy) > 1:
+            pairs += [(1, a) for a in range(len(in_strategy[1]))]
+        return pairs
+    return []
+
+
+# ------------------------------------------------------------ output layouts
+def output_layouts(kind: str, prim, in_strategy, out_strategy=None) -> List[Layout]:
+    """The layout of each output of a primitive from its strategy (MindSpore's tensor maps)."""
+    s = [tuple(int(k) for k in x) for x in in_strategy]
+    if out_strategy is not None:
+        return [tuple(int(k) for k in x) for x in out_strategy]
+    attrs = getattr(prim, "attrs", {}) or {}
+    if kind == "MatMul":
+        x, w = s[0], s[1]
+        rows = x[1] if attrs.get("transpose_a") else x[0]
+        cols = w[0] if attrs.get("transpose_b") else w[1]
+        return [(rows, cols)]          # a split contraction axis is all-reduced: no split in the output
+    if kind == "BatchMatMul":
+        x, w = s[0], s[1]
+        rows = x[-1] if attrs.get("transpose_a") else x[-2]
+        cols = w[-2] if attrs.get("transpose_b") else w[-1]
+        return [tuple(x[:-2]) + (rows, cols)]
+    if kind == "Gather":
+        b = int(attrs.get("batch_dims", 0) or 0)
+        axis = b if b else _CALL_AXIS["Gather"]
+        return [s[0][:axis] + s[1][b:] + s[0][axis + 1:]]   # params[:axis] + indices[batch_dims:] + params[axis+1:]
+    if kind == "TopK":
+        return [s[0], s[0]]
+    if kind == "FlashAttentionScore":
+        return [s[0], s[0], s[0], s[0]]   # softmax max / sum / (unused) / attention_out, BNSD like q
+    if kind == "Add":
+        a, b = s[0], s[1] if len(s) > 1 else ()
+        n = max(len(a), len(b))
+        a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+        return [tuple(max(p, q) for p, q in zip(a, b))]
+    return [s[0]] * 4                 # elementwise / custom ops: like the first input
+
+
+# ------------------------------------------------------------ layout transforms
+def _same(layout: Layout, mesh: Mesh) -> Layout:
+    return layout
+
+
+def _rows_to_heads(layout: Layout, mesh: Mesh) -> Layout:
+    # [N, nh*d] -> reshape [B, T, nh, d] -> transpose(0, 2, 1, 3) [B, nh, T, d]; N is rank-major over B
+    return (layout[0], layout[1], 1, 1)
+
+
+def _heads_to_rows(layout: Layout, mesh: Mesh) -> Layout:
+    # [B, nh, T, d] -> transpose(0, 2, 1, 3) [B, T, nh, d] -> reshape [B*T, nh*d]
+    b, h, t, d = layout
+    if t != 1 or d != 1:
+        raise _NotExpressible(f"a split of T ({t}) or d ({d}) does not survive the merge into rows")
+    return (b, h)
+
+
+def _tokens_to_rows(layout: Layout, mesh: Mesh) -> Layout:
+    # [B, T, H] -> reshape [B*T, H]
+    b, t, h = layout
+    if t != 1:
+        raise _NotExpressible(f"a split of T ({t}) does not survive the merge into rows")
+    return (b, h)
+
+
+class _NotExpressible(Exception):
+    pass
+
+
+TRANSFORMS: Dict[str, Callable[[Layout, Mesh], Layout]] = {
+    "same": _same, "rows_to_heads": _rows_to_heads, "heads_to_rows": _heads_to_rows,
+    "tokens_to_rows": _tokens_to_rows,
+}
+
+
+# ------------------------------------------------------------------ the edges
+@dataclass(frozen=True)
+class Edge:
+    """``producer`` output ``out`` feeds ``consumer`` input ``inp`` through ``transform``.
+
+    Paths are relative to ``scope`` (a cell path pattern, ``*`` = the layer index); the edge
+    applies where the ``requires`` primitive exists (a variant of the model); ``group``
+    names the variant for the MoE coverage rule.
+    """
+    producer: str
+    out: int
+    consumer: str
+    inp: int
+    transform: str = "same"
+    requires: str = ""
+    scope: str = "model.layers.*"
+    group: str = ""
+
+
+def _attention_edges() -> List[Edge]:
+    a = "self_attn."
+    edges = []
+    for q in ("q_proj.matmul", "q_b_proj.matmul"):  # without / with the q low-rank compression
+        edges += [Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=f"{a}{q}&{a}qk_bmm"),
+                  Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=f"{a}{q}&{a}flash_attention")]
+    edges += [
+        Edge(a + "q_a_proj.matmul", 0, a + "q_b_proj.matmul", 0, requires=a + "q_a_proj.matmul"),
+        Edge(a + "kv_a_proj_with_mqa.matmul", 0, a + "kv_b_proj.matmul", 0, requires=a + "kv_b_proj.matmul"),
+        # eager attention: scores -> fp32 softmax (custom op) -> probabilities @ v -> o_proj
+        Edge(a + "kv_b_proj.matmul", 0, a + "qk_bmm", 1, "rows_to_heads", requires=a + "qk_bmm"),
+        Edge(a + "kv_b_proj.matmul", 0, a + "pv_bmm", 1, "rows_to_heads", requires=a + "pv_bmm"),
+        Edge(a + "qk_bmm", 0, a + "softmax.impl.op", 0, requires=a + "qk_bmm"),
+        Edge(a + "softmax.impl.op", 0, a + "pv_bmm", 0, requires=a + "qk_bmm"),
+        Edge(a + "pv_bmm", 0, a + "o_proj.matmul", 0, "heads_to_rows", requires=a + "pv_bmm"),
+        # fused attention (Ascend)
+        Edge(a + "kv_b_proj.matmul", 0, a + "flash_attention", 1, "rows_to_heads", requires=a + "flash_attention"),
+        Edge(a + "kv_b_proj.matmul", 0, a + "flash_attention", 2, "rows_to_heads", requires=a + "flash_attention"),
+        Edge(a + "flash_attention", 3, a + "o_proj.matmul", 0, "heads_to_rows", requires=a + "flash_attention"),
+    ]
+    return edges
+
+
+def _mlp_edges() -> List[Edge]:
+    m = "mlp."
+    dense = [Edge(m + "gate_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "gate_proj.matmul"),
+             Edge(m + "up_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "up_proj.matmul")]
+    shared = [Edge(m + "shared_experts.gate_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
+                   requires=m + "shared_experts.gate_proj.matmul"),
+              Edge(m + "shared_experts.up_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
+                   requires=m + "shared_experts.up_proj.matmul")]
+    router = [Edge(m + "gate.matmul", 0, m + "gate.softmax.impl.op", 0, requires=m + "gate.matmul"),
+              Edge(m + "gate.softmax.impl.op", 0, m + "gate.topk", 0, requires=m + "gate.matmul"),
+              Edge(m + "gate.softmax.impl.op", 0, m + "gate.group_topk", 0, requires=m + "gate.group_topk")]
+    return dense + shared + router
+
+
+def _moe_edges() -> List[Edge]:
+    """The MoE dataflow as built (one group per dispatch design; an MoE layer must match one)."""
+    m = "mlp."
+    edges: List[Edge] = []
+    # Per-group dispatch (MindFormers MoE v1, ms_deepseek/spec/dispatch_shapes.py): tokens [G, N, H],
+    # buffer [G, E, C, H] viewed [ep, G/ep, E, C, H], transposed (2, 1, 0, 3, 4) to [E, G/ep, ep, C, H]
+    # and read as the expert input [E, G*C, H]; the same way back before the combine gather.
+    grouped = "per-group"
+    req = m + "to_experts"
+    edges += [
+        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "rows_to_kmajor", requires=req, group=grouped),
+        Edge(m + "pad_tokens", 0, m + "dispatch_gather", 0, requires=req, group=grouped),
+        Edge(m + "dispatch_gather", 0, m + "to_experts", 0, "groups_to_view", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.gate_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.up_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "experts.gate_bmm", 0, m + "experts.down_bmm", 0, requires=req, group=grouped),
+        Edge(m + "experts.down_bmm", 0, m + "from_experts", 0, "experts_to_view", requires=req, group=grouped),
+        Edge(m + "from_experts", 0, m + "combine_gather", 0, "view_to_groups", requires=req, group=grouped),
+    ]
+    return edges
+
+
+def _rows_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # [G*N, X] -> reshape [G, N, X]: a row split by dp lands on G (rank-major rows)
+    return (layout[0], 1, layout[1])
+
+
+def _rows_to_kmajor(layout: Layout, mesh: Mesh) -> Layout:
+    # topk ids [G*N, k] -> [G, N, k] -> transpose [G, k, N] -> reshape [G, k*N] (the lookup's k-major input)
+    if layout[1] != 1:
+        raise _NotExpressible(f"a split of k ({layout[1]}) does not survive the k-major merge")
+    return (layout[0], 1)
+
+
+def _groups_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [G, E, C, H] -> reshape [ep, G/ep, E, C, H]: a G split g (g = dp) lands on (ep, g/ep)
+    g = layout[0]
+    ep = mesh.ep if g % mesh.ep == 0 else 1
+    return (ep, g // ep) + tuple(layout[1:])
+
+
+def _merge(splits: Sequence[int]) -> int:
+    out = 1
+    for k in splits:
+        out *= k
+    return out
+
+
+def _view_to_experts(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (2, 1, 0, 3, 4): [ep, G/ep, E, C, H] -> [E, G/ep, ep, C, H]; reshape -> [E, G*C, H]
+    a, b, e, c, h = layout
+    return (e, _merge((b, a, c)), h)
+
+
+def _experts_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [E, G*C, H] -> reshape [E, G/ep, ep, C, H]: a split s of G*C lands on (G/ep, ep) major-first
+    e, gc, h = layout
+    groups = max(1, mesh.dp // mesh.ep)          # size of the leading G/ep axis
+    first = gc if groups % gc == 0 else groups  # the merged axis's split lands on its major part first
+    if gc % first:
+        raise _NotExpressible(f"a split {gc} of G*C does not map onto [G/ep, ep, C]")
+    return (e, first, gc // first, 1, h)
+
+
+def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (2, 1, 0, 3, 4): [E, G/ep, ep, C, H] -> [ep, G/ep, E, C, H]; reshape -> [G, E*C, H]
+    e, b, a, c, h = layout
+    return (a * b, e * c, h)
+
+
+TRANSFORMS.update({"rows_to_groups": _rows_to_groups, "rows_to_kmajor": _rows_to_kmajor,
+                   "groups_to_view": _groups_to_view, "view_to_experts": _view_to_experts,
+                   "experts_to_view": _experts_to_view, "view_to_groups": _view_to_groups})
+
+
+# The residual stream [B*T, H]: every producer's output and every consumer's input share one layout.
+RESIDUAL_PRODUCERS = ("model.embed_tokens.gather:0>tokens_to_rows", "model.layers.*.self_attn.o_proj.matmul:0",
+                      "model.layers.*.mlp.down_proj.matmul:0", "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
+                      )
+RESIDUAL_CONSUMERS = ("model.layers.*.self_attn.q_proj.matmul:0", "model.layers.*.self_attn.q_a_proj.matmul:0",
+                      "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0", "model.layers.*.mlp.gate_proj.matmul:0",
+                      "model.layers.*.mlp.up_proj.matmul:0", "model.layers.*.mlp.gate.matmul:0",
+                      "model.layers.*.mlp.shared_experts.gate_proj.matmul:0",
+                      "model.layers.*.mlp.shared_experts.up_proj.matmul:0",
+                      "model.layers.*.mlp.pad_tokens:0>rows_to_groups", "lm_head.matmul:0")
+
+EDGES: List[Edge] = _attention_edges() + _mlp_edges() + _moe_edges()
+
+
+# ------------------------------------------------------------------- the lint
+@dataclass
+class LintReport:
+    problems: List[str] = field(default_factory=list)
+    primitives: int = 0      # primitives with a strategy
+    edges: int = 0           # producer -> consumer pairs compared
+    allowed: int = 0         # mismatches accepted as listed redistributions
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _primitive_table(model) -> Dict[str, Tuple[str, object]]:
+    """primitive path -> (kind, primitive); kind is the op Cell type for a Custom inside our op Cells."""
+    from ms_deepseek.sharding.apply import _join, _primitives_of
+
+    cells = dict(model.cells_and_names())
+    out = {}
+    for path, cell in cells.items():
+        for attr, prim in _primitives_of(cell):
+            ppath = _join(path, attr)
+            kind = type(prim).__name__
+            if kind == "Custom":
+                owner = cells.get(ppath.rsplit(".impl.op", 1)[0]) if ppath.endswith(".impl.op") else None
+                kind = type(owner).__name__ if owner is not None else "Custom"
+            out[ppath] = (kind, prim)
+    return out
+
+
+def _fmt(layout) -> str:
+    return "(" + ", ".join(str(int(k)) for k in layout) + ("," if len(layout) == 1 else "") + ")"
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+
+
+def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = None,
+               allowed: Optional[Dict[str, str]] = None) -> LintReport:
+    """Run the three rules (module doc) on ``model`` with ``applied`` (``apply_plan``'s result)."""
+    from ms_deepseek.parallel.plan import deliberate_redistributions
+
+    edges = EDGES if edges is None else list(edges)
+    allow = deliberate_redistributions(mesh) if allowed is None else allowed
+    allow_rx = [(re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in k.split(":")[0].split(".")) +
+                            ":" + re.escape(k.split(":")[1])), why) for k, why in allow.items()]
+    report = LintReport()
+    table = _primitive_table(model)
+    strategies = applied.strategies
+
+    # 1. coverage
+    for path, (kind, _) in sorted(table.items()):
+        if path not in strategies:
+            report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds carries "
+                                   f"sharded data; add a rule to the plan)")
+    report.primitives = sum(1 for p in table if p in strategies)
+
+    # 2. unsplittable axes
+    for path, (kind, prim) in sorted(table.items()):
+        if path not in strategies:
+            continue
+        in_s = strategies[path][0]
+        try:
+            forbidden = _unsplittable(kind, prim, in_s)
+        except (IndexError, ValueError, TypeError):
+            report.problems.append(f"{path} ({kind}): strategy {in_s} does not have the op's inputs and axes")
+            continue
+        for index, axis in forbidden:
+            if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
+                rule, source = UNSPLITTABLE[kind]
+                report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split {in_s[index][axis]} "
+                                       f"ways in {_fmt(in_s[index])}; MindSpore cannot split {rule} ({source})")
+        # matmul contraction axes must be split alike (matmul_info.cc CheckStrategy)
+        if kind in ("MatMul", "BatchMatMul") and len(in_s) == 2:
+            attrs = prim.attrs
+            x, w = tuple(in_s[0]), tuple(in_s[1])
+            kx = x[-2] if attrs.get("transpose_a") else x[-1]
+            kw = w[-1] if attrs.get("transpose_b") else w[-2]
+            if kx != kw:
+                report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but {kw} "
+                                       f"in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split alike)")
+            if kind == "BatchMatMul" and len(x) == len(w) and x[:-2] != w[:-2]:
+                report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[:-2])} vs {_fmt(w[:-2])}")
+
+    def out_layout(path: str, index: int) -> Layout:
+        kind, prim = table[path]
+        in_s, out_s = strategies[path]
+        return output_layouts(kind, prim, in_s, out_s)[index]
+
+    def compare(src: str, out: int, dst: str, inp: int, transform: str) -> None:
+        if src not in strategies or dst not in strategies:
+            return  # reported by the coverage rule
+        try:
+            got = TRANSFORMS[transform](out_layout(src, out), mesh)
+            want = tuple(int(k) for k in strategies[dst][0][inp])
+        except _NotExpressible as exc:
+            report.problems.append(f"{src} output {out} -> {dst} input {inp}: {exc}")
+            return
+        except (ValueError, IndexError, TypeError):
+            # e.g. a 3-axis strategy on a 5-D tensor: the strategy does not fit the edge's tensor
+            report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
+                                   f"{strategies[src][0]} / {strategies[dst][0]} do not fit this edge's tensor "
+                                   f"(wrong number of axes or inputs)")
+            return
+        report.edges += 1
+        if tuple(got) == want:
+            return
+        key = f"{dst}:{inp}"
+        why = next((w for rx, w in allow_rx if rx.fullmatch(key)), None)
+        if why is not None:
+            report.allowed += 1
+            return
+        report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output {out} "
+                               f"gives {_fmt(got)}: MindSpore would redistribute here and the plan does not list it "
+                               f"(plan.deliberate_redistributions)")
+
+    # 3a. declared edges, per layer
+    layers = sorted({m.group(0) for p in table for m in [re.match(r"model\.layers\.\d+", p)] if m})
+    for layer in layers:
+        def exists(rel: str) -> bool:
+            return all(f"{layer}.{r}" in table for r in rel.split("&") if r)
+        is_moe = f"{layer}.mlp.gate.matmul" in table
+        groups_seen = set()
+        for e in edges:
+            if e.scope != "model.layers.*" or not exists(e.requires):
+                continue
+            src, dst = f"{layer}.{e.producer}", f"{layer}.{e.consumer}"
+            missing = [p for p in (src, dst) if p not in table]
+            if missing:
+                report.problems.append(f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in the model "
+                                       f"(the lint's edge table is stale)")
+                continue
+            if e.group:
+                groups_seen.add(e.group)
+            compare(src, e.out, dst, e.inp, e.transform)
+        if is_moe and not groups_seen:
+            report.problems.append(f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
+                                   f"(the lint's MoE edges are stale)")
+
+    # 3b. the residual stream: all producers and consumers agree with the embedding's output layout
+    def expand(spec: str):
+        ref, _, transform = spec.partition(">")
+        pattern, port = ref.split(":")
+        rx = _compile(pattern)
+        return [(p, int(port), transform or "same") for p in table if rx.fullmatch(p)]
+
+    def compare_stream(head, dst: str, inp: int, transform: str) -> None:
+        # stream layout (rows [B*T, H]) -> the consumer's view of it
+        if head[0] not in strategies or dst not in strategies:
+            return
+        try:
+            rows = TRANSFORMS[head[2]](out_layout(head[0], head[1]), mesh)
+        except _NotExpressible as exc:
+            report.problems.append(f"{head[0]}: {exc}")
+            return
+        _compare_layout(f"{head[0]} (residual stream)", head[1], dst, inp, TRANSFORMS[transform](rows, mesh))
+
+    def _compare_layout(src: str, out: int, dst: str, inp: int, got: Layout) -> None:
+        want = tuple(int(k) for k in strategies[dst][0][inp])
+        report.edges += 1
+        if tuple(got) == want:
+            return
+        key = f"{dst}:{inp}"
+        if next((w for rx, w in allow_rx if rx.fullmatch(key)), None) is not None:
+            report.allowed += 1
+            return
+        report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output {out} "
+                               f"gives {_fmt(got)}: MindSpore would redistribute here and the plan does not list it "
+                               f"(plan.deliberate_redistributions)")
+
+    producers = [x for s in RESIDUAL_PRODUCERS for x in expand(s)]
+    consumers = [x for s in RESIDUAL_CONSUMERS for x in expand(s)]
+    if producers:
+        head = producers[0]
+        for src, out, transform in producers + consumers:
+            if (src, out, transform) in producers and src != head[0]:
+                # a producer: its output must equal the stream's layout (checked as stream -> producer)
+                if src in strategies and head[0] in strategies:
+                    try:
+                        base = TRANSFORMS[head[2]](out_layout(head[0], head[1]), mesh)
+                    except _NotExpressible as exc:
+                        report.problems.append(f"{head[0]}: {exc}")
+                        continue
+                    got = out_layout(src, out)
+                    report.edges += 1
+                    if tuple(got) != tuple(base):
+                        key = f"{src}:out"
+                        why = next((w for rx, w in allow_rx if rx.fullmatch(key)), None)
+                        if why is None:
+                            report.problems.append(f"{src} output {out} gives {_fmt(got)} to the residual stream, "
+                                                   f"which is {_fmt(base)} ({head[0]}): not listed in "
+                                                   f"plan.deliberate_redistributions")
+                        else:
+                            report.allowed += 1
+            elif (src, out, transform) not in producers:
+                compare_stream(head, src, out, transform)
+    return report
