@@ -35,6 +35,7 @@ from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.core.schema import apply_overrides, from_dict, to_dict
 from ms_deepseek.spec.dispatch_shapes import max_tokens_per_group
 from ms_deepseek.spec.lora import LoraSpec
+from ms_deepseek.spec.quant import QuantSpec
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -176,6 +177,7 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     lora: Optional[LoraSpec] = None       # LoRA fine-tuning (ms_deepseek.spec.lora); null = full fine-tuning
+    quant: Optional[QuantSpec] = None     # a quantized frozen base under LoRA (ms_deepseek.spec.quant)
     # filled by load_recipe (not YAML keys)
     source_path: Optional[str] = field(default=None, init=False, repr=False)
     model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)
@@ -291,6 +293,9 @@ def validate(recipe: Recipe) -> None:
         raise UserError(f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
                         f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
                         f"{recipe.parallel.micro_batches} are the accumulation")
+    if recipe.quant is not None and recipe.lora is None:
+        raise UserError("quant: a quantized base is frozen, so it needs a lora: section (LoRA fine-tuning); "
+                        "remove quant: for full fine-tuning")
     if recipe.train.eval_interval and recipe.data.validation is None:
         raise UserError("train.eval_interval: validation needs data.validation (a prepared folder, or a "
                         "fraction of the training data held out: data.validation.fraction=0.02)")

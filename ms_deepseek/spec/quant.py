@@ -1,0 +1,32 @@
+"""A quantized frozen base under LoRA (QLoRA): the recipe's ``quant:`` section.
+
+``bits: 8``: symmetric int8, one scale per output channel; ``bits: 4``: symmetric int4, two values
+per byte, one scale per ``group_size`` input columns (``group_size: null`` = per output channel).
+Only the frozen base is quantized, so the section is valid only beside a ``lora:`` section
+(checked by :func:`ms_deepseek.spec.recipe.validate`). The checkpoint format and the layers are
+documented in ``docs/lora.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ms_deepseek.core.errors import UserError
+
+QUANT_BITS = (4, 8)
+
+
+@dataclass
+class QuantSpec:
+    bits: int = 4                     # 8: int8 per output channel; 4: int4, packed two per byte
+    group_size: Optional[int] = None  # input columns per scale; null: one scale per output channel
+
+    def __post_init__(self):
+        if self.bits not in QUANT_BITS:
+            raise UserError(f"quant.bits: must be 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise UserError(f"quant.group_size: must be a whole number >= 1 (or null), got {self.group_size}")
+        if self.group_size is not None and self.bits == 4 and self.group_size % 2:
+            raise UserError(f"quant.group_size: int4 packs two values per byte, so the group size must be even, "
+                            f"got {self.group_size}")
