@@ -236,6 +236,7 @@ def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
     assert len(ranks) == 8
     for stage, line in enumerate(ranks):
         assert f"RANK_SIZE=64 RANK_ID={8 * stage} " in line and "MS_SIMULATION_LEVEL=1 " in line
+        assert "env MS_DEEPSEEK_DEVICE=Ascend " in line
         assert " train " in line and "--max-steps 1" in line and "num_hidden_layers=16" in line
         assert f"> {tmp_path}/dr/rank_{8 * stage}/dryrun.log" in line
     assert not (tmp_path / "dr").exists()                    # print-only writes nothing
@@ -272,3 +273,65 @@ def test_dryrun_bad_arguments(args, message):
 def test_dryrun_help():
     proc = dryrun("--help")
     assert proc.returncode == 0 and "MS_SIMULATION_LEVEL" in proc.stdout and "--print-only" in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert "0 compiles only and 1 adds each operator's input/output memory: both use CPU only" in text
+    assert "2 adds operator workspaces and 3 runs the compute kernels: both also need the compute resources" in text
+
+
+# A stand-in for the `ms-deepseek` the dry run starts: `plan` runs as is; `train` runs the real
+# command up to the two calls where MindSpore takes over (set_device, then the dry run's
+# simulated init()), records what the worker got there, and stops.
+STUB_CLI = r'''#!@PYTHON@
+import json, os, sys
+args = sys.argv[1:]
+if args[0] == "train":
+    import mindspore as ms
+    import mindspore.communication as comm
+    keys = ("MS_DEEPSEEK_DEVICE", "MS_SIMULATION_LEVEL", "RANK_SIZE", "RANK_ID", "ASCEND_HOME_PATH")
+    record = {"env": {k: os.environ.get(k) for k in keys}, "argv": args}
+
+    def set_device(target, *a, **k):
+        record["set_device"] = target
+
+    def init(*a, **k):
+        record["init"] = True
+        with open(os.path.join(os.environ["RECORD_DIR"], f"rank_{os.environ['RANK_ID']}.json"), "w") as f:
+            json.dump(record, f)
+        os._exit(0)
+
+    ms.set_device, comm.init = set_device, init
+from ms_deepseek.cli import main
+sys.exit(main(args))
+'''
+
+
+def test_dryrun_workers_select_ascend_on_a_host_without_npus(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9")
+    cli = tmp_path / "ms-deepseek"
+    cli.write_text(STUB_CLI.replace("@PYTHON@", sys.executable))
+    cli.chmod(0o755)
+    records = tmp_path / "records"
+    records.mkdir()
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--layers", "2",
+                  "--out", str(tmp_path / "dr"), "--set", "model.source=deepseek-v2-lite",
+                  "--set", "data.path=null", "--set", "data.format=pretrain",
+                  env={"MS_DEEPSEEK_CLI": str(cli), "RECORD_DIR": str(records), "STUB_LOG": str(tmp_path / "log"),
+                       "PYTHONPATH": str(REPO), "PATH": path, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "".join(
+        p.read_text() for p in (tmp_path / "dr").glob("rank_*/dryrun.log"))
+    got = json.loads((records / "rank_0.json").read_text())   # one stage: rank 0
+    assert got["set_device"] == "Ascend" and got["init"]
+    assert got["env"] == {"MS_DEEPSEEK_DEVICE": "Ascend", "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": "8",
+                          "RANK_ID": "0", "ASCEND_HOME_PATH": str(cann)}
+    assert "model.overrides.num_hidden_layers=2" in got["argv"]
+    assert (tmp_path / "dr" / "summary.json").is_file()
+
+
+def test_dryrun_refuses_levels_that_need_npus_without_npu_smi(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9")
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--level", "2",
+                  "--out", str(tmp_path / "dr"), env={"PATH": path, "STUB_LOG": str(tmp_path / "log")})
+    assert proc.returncode == 2
+    assert "--level 2: levels 2 and 3 need the simulated cards' compute resources (NPUs)" in proc.stderr
