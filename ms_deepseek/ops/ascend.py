@@ -7,8 +7,9 @@ type name through ``ops.Custom("<OpType>", ..., func_type="aot")``, generating t
 registration from the installed op info; attributes follow the tensor inputs.
 
 Not exercised on this CPU-only machine (no CANN): the tests for this module are
-marked ``ascend``. If the package is not installed, :func:`make` raises and the
-backend switch falls back to the reference with one warning.
+marked ``ascend``. If the package is not installed for the running SoC (MindSpore's rule,
+:func:`installed_op_types`), :func:`make` raises and the backend switch falls back to the
+reference with one warning, or stops with one line under ``MS_DEEPSEEK_OPS=kernel``.
 """
 
 from __future__ import annotations
