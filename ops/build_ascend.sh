@@ -50,14 +50,18 @@ case "$SOC" in
   *) die "--soc: unsupported SoC '$SOC' (ascend910b for Atlas 800T A2)" ;;
 esac
 [[ -d "$CANN" ]] || die "CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH)"
-CANN="$(cd "$CANN" && pwd -P)"
+CANN_REAL="$(cd "$CANN" && pwd -P)"
 
 # --- CANN environment -------------------------------------------------------------------
-# CANN 8.x's setenv.bash / set_env.sh read "$1" and "$LD_LIBRARY_PATH" unguarded: sourced
-# under `set -u` they kill this shell (silently, when the output is discarded). Source with
-# nounset off, no positional arguments, output kept, and check that it worked.
+# CANN's env scripts (8.x bin/setenv.bash, 9.0 set_env.sh) read "$1" and "$LD_LIBRARY_PATH"
+# unguarded: sourced under `set -u` they kill this shell (silently, when the output is
+# discarded), and their last line can be a probe (`[ -d ... ] && ...`) that returns non-zero
+# on a tree without that component. Source with errexit/nounset off and no positional
+# arguments, keep the output, and judge by the result: ASCEND_OPP_PATH must name a folder.
+# Looked up before and after resolving links (ascend-toolkit/latest -> ../cann-9.0.0).
 ENV_SCRIPT=""
-for candidate in "$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$CANN/../set_env.sh"; do
+for candidate in "$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$CANN/../set_env.sh" \
+                 "$CANN_REAL/bin/setenv.bash" "$CANN_REAL/set_env.sh"; do
   if [[ -f "$candidate" ]]; then ENV_SCRIPT="$candidate"; break; fi
 done
 [[ -n "$ENV_SCRIPT" ]] || die "no bin/setenv.bash or set_env.sh under $CANN (is this a CANN toolkit?)"
@@ -68,7 +72,11 @@ set +eu
 source "$ENV_SCRIPT"
 env_status=$?
 set -eu
-[[ $env_status -eq 0 ]] || die "sourcing $ENV_SCRIPT failed with status $env_status"
+if [[ ! -d "${ASCEND_OPP_PATH:-}" ]]; then
+  die "sourcing $ENV_SCRIPT (status $env_status) set no ASCEND_OPP_PATH folder: not a usable CANN environment"
+fi
+[[ $env_status -eq 0 ]] || echo "build_ascend.sh: note: $ENV_SCRIPT returned $env_status (one of its own probes); the CANN environment is set, continuing" >&2
+CANN="$CANN_REAL"
 export ASCEND_HOME_PATH="${ASCEND_HOME_PATH:-$CANN}"
 
 # --- project from CANN's template -------------------------------------------------------
@@ -81,18 +89,32 @@ else
   trap 'rm -rf "$STAGE"' EXIT
 fi
 PROJECT="$STAGE/project"
+# Links resolved (cp -L), as MindSpore's setup.py gets them (shutil.copytree follows links):
+# in CANN 9.0.0 customize/cmake/util/{preset_parse.py, ascendc_bin_param_build.py, ...} are
+# relative links to ../../../common/util/..., which would dangle in the staging folder, and
+# common/ holds only util/; in 8.x common/ holds the helper files themselves. Both end up
+# as regular files in the project's cmake/util/.
 if [[ -d "$TEMPLATES/customize" && -d "$TEMPLATES/common" ]]; then
-  cp -r "$TEMPLATES/customize" "$PROJECT"
+  cp -rL "$TEMPLATES/customize" "$PROJECT" 2>"$STAGE/stage.err" \
+    || die "cannot copy the template $TEMPLATES/customize: $(head -n 1 "$STAGE/stage.err")"
   mkdir -p "$PROJECT/cmake/util"
-  find "$TEMPLATES/common" -maxdepth 1 -type f -exec cp {} "$PROJECT/cmake/util/" \;
+  for item in "$TEMPLATES/common"/*; do
+    if [[ -d "$item" && "${item##*/}" == util ]]; then src="$item/."; else src="$item"; fi
+    cp -rL "$src" "$PROJECT/cmake/util/" 2>"$STAGE/stage.err" \
+      || die "cannot copy $item from the template: $(head -n 1 "$STAGE/stage.err")"
+  done
 elif [[ -d "$SAMPLE" ]]; then
-  cp -r "$SAMPLE" "$PROJECT"
+  cp -rL "$SAMPLE" "$PROJECT" 2>"$STAGE/stage.err" \
+    || die "cannot copy the sample project $SAMPLE: $(head -n 1 "$STAGE/stage.err")"
 else
   die "no Ascend C project template in $CANN ($TEMPLATES/customize or $SAMPLE)"
 fi
 chmod -R u+rwX "$PROJECT"
 [[ -f "$PROJECT/CMakePresets.json" && -f "$PROJECT/build.sh" ]] \
   || die "the project template in $CANN has no CMakePresets.json / build.sh"
+# build.sh runs cmake/util/preset_parse.py first and func.cmake the other helpers there.
+[[ -f "$PROJECT/cmake/util/preset_parse.py" ]] \
+  || die "the staged project has no cmake/util/preset_parse.py (the template's build.sh needs it; template: $TEMPLATES)"
 mkdir -p "$PROJECT/op_host" "$PROJECT/op_kernel"
 # The template's demo operator must not be built with ours.
 find "$PROJECT/op_host" "$PROJECT/op_kernel" -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' \) -delete

@@ -1,13 +1,15 @@
-"""ops/build_ascend.sh against a stub CANN tree that behaves like CANN 8.x's.
+"""ops/build_ascend.sh against stub CANN trees with the real trees' shape (tests/cann_stub.py).
 
-No CANN here, so the stub reproduces what broke the script on real hosts (design.md
-section 7): ``bin/setenv.bash`` reads ``$1`` and ``$LD_LIBRARY_PATH`` unguarded (sourcing
-it under ``set -u`` kills the caller), and the package installer prompts with ``read``
-when the vendor folder exists unless ``--quiet``. The stub's project template has a
-``build.sh`` (the "compiler") that checks the staged sources and the CANN environment
-and writes a ``.run`` installer; every call is recorded in a log the tests read.
-The build script runs with stdin held open (as in a terminal), so a prompt shows up as
-a timeout, not as a silent EOF.
+No CANN here, so the stubs reproduce what broke the script on real hosts (design.md section 7):
+the env script reads ``$1`` and ``$LD_LIBRARY_PATH`` unguarded (sourcing it under ``set -u``
+kills the caller) and ends on a probe that returns non-zero; CANN 9.0.0's template holds its
+cmake helpers as relative symlinks into ``common/util`` (a plain ``cp -r`` leaves them dangling
+and the template's ``build.sh`` produces no package); the package installer prompts with
+``read`` when the vendor folder exists unless ``--quiet``. The stub "compiler" writes what
+MindSpore's custom-op loader reads, so build -> install -> ``installed_op_types()`` ->
+MindSpore's own registration info (``CustomInfoGenerator``) runs end to end here.
+The build script runs with stdin held open (as in a terminal), so a prompt shows up as a
+timeout, not as a silent EOF.
 """
 
 import json
@@ -19,66 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from cann_stub import LAYOUTS, make_stub_cann
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ops" / "build_ascend.sh"
-
-SETENV = r'''# stub of CANN 8.x bin/setenv.bash: $1 and $LD_LIBRARY_PATH are read without defaults
-if [ "$1" = "--force" ]; then :; fi
-export LD_LIBRARY_PATH=@CANN@/lib64:$LD_LIBRARY_PATH
-export ASCEND_HOME_PATH=@CANN@
-export ASCEND_OPP_PATH=@CANN@/opp
-echo "setenv" >> "$STUB_LOG"
-@EXTRA@
-'''
-
-BUILD_SH = r'''#!/bin/bash
-# stub compiler: needs the CANN environment and our sources, writes the .run installer
-set -e
-echo "build.sh ASCEND_HOME_PATH=${ASCEND_HOME_PATH:-unset} CUSTOM_OPP=${ASCEND_CUSTOM_OPP_PATH:-unset}" >> "$STUB_LOG"
-[ -n "${ASCEND_HOME_PATH:-}" ] || { echo "error: CANN environment not set"; exit 1; }
-ls op_host > "$STUB_DIR/op_host.txt"
-ls op_kernel > "$STUB_DIR/op_kernel.txt"
-cp CMakePresets.json "$STUB_DIR/presets.json"
-@FAIL@
-mkdir -p build_out
-cat > build_out/custom_opp_ubuntu_x86_64.run <<'RUN'
-#!/bin/bash
-# stub of the generated installer: prompts before replacing an existing vendor folder
-quiet=n; path="${ASCEND_OPP_PATH:-}"
-for a in "$@"; do
-  case "$a" in --quiet) quiet=y ;; --install-path=*) path="${a#*=}" ;; esac
-done
-echo "install $*" >> "$STUB_LOG"
-vendor="$path/vendors/ms_deepseek"
-if [ -d "$vendor" ] && [ "$quiet" != y ]; then
-  echo "[ops_custom] $vendor exists. Do you want to replace it? [y/n]"
-  read -r answer
-  [ "$answer" = y ] || exit 1
-fi
-mkdir -p "$vendor/op_impl/ai_core/tbe" "$vendor/op_api/lib"
-echo ms_deepseek > "$vendor/version.info"
-RUN
-'''
-
-PRESETS = {"version": 1, "configurePresets": [{"name": "default", "cacheVariables": {
-    "ASCEND_CANN_PACKAGE_PATH": {"type": "PATH", "value": "/usr/local/Ascend/latest"},
-    "ASCEND_COMPUTE_UNIT": {"type": "STRING", "value": "ascend310b"},
-    "vendor_name": {"type": "STRING", "value": "customize"}}}]}
-
-
-def make_stub_cann(root: Path, setenv_extra: str = "", build_fail: str = "") -> Path:
-    cann = root / "cann"
-    (cann / "bin").mkdir(parents=True)
-    (cann / "lib64").mkdir()
-    (cann / "opp").mkdir()
-    (cann / "bin" / "setenv.bash").write_text(SETENV.replace("@CANN@", str(cann)).replace("@EXTRA@", setenv_extra))
-    sample = cann / "tools/msopgen/template/operator_demo_projects/ascendc_operator_sample"
-    for sub in ("op_host", "op_kernel"):
-        (sample / sub).mkdir(parents=True)
-        (sample / sub / "add_custom.cpp").write_text("// template demo operator\n")
-    (sample / "CMakePresets.json").write_text(json.dumps(PRESETS))
-    (sample / "build.sh").write_text(BUILD_SH.replace("@FAIL@", build_fail))
-    return cann
+OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 
 
 def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeout: float = 60):
@@ -109,16 +56,28 @@ def calls(tmp: Path):
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_build_and_reinstall_against_cann8_stub(tmp_path):
-    cann = make_stub_cann(tmp_path)
+def installed_vendor(install: Path) -> Path:
+    return install / "vendors" / "ms_deepseek"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_build_and_reinstall(tmp_path, layout):
+    cann = make_stub_cann(tmp_path, layout)
     install = tmp_path / "opp"
     rc, out = run_build(tmp_path, cann, install)
     assert rc == 0, f"build script failed ({rc}):\n{out}\ncalls: {calls(tmp_path)}"
     log = calls(tmp_path)
     assert log[0] == "setenv"
     assert log[1] == f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"
-    assert log[2].startswith("install ") and "--quiet" in log[2] and f"--install-path={install}" in log[2]
-    assert (install / "vendors" / "ms_deepseek" / "version.info").is_file()
+    assert log[2] == "compiled ExpertLookup,Fp32Softmax,RepetitionPenalty for ascend910b"
+    assert log[3].startswith("install ") and "--quiet" in log[3] and f"--install-path={install}" in log[3]
+    # the env script's last probe returned 1: noted, not fatal
+    assert "returned 1 (one of its own probes)" in out
+    vendor = installed_vendor(install)
+    assert (vendor / "version.info").read_text() == "ms_deepseek\n"
+    info = json.loads((vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").read_text())
+    assert set(info) == OP_TYPES
+    assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
     for op in ("expert_lookup", "fp32_softmax", "repetition_penalty"):
@@ -138,21 +97,108 @@ def test_build_and_reinstall_against_cann8_stub(tmp_path):
     assert sum(line.startswith("install ") for line in calls(tmp_path)) == 2
 
 
-def test_failing_setenv_is_reported(tmp_path):
-    cann = make_stub_cann(tmp_path, setenv_extra="return 3")
+def test_cann9_template_links_are_staged_as_files(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9")
+    link = cann / "tools/op_project_templates/ascendc/customize/cmake/util/preset_parse.py"
+    assert link.is_symlink() and os.readlink(link) == "../../../common/util/preset_parse.py"
+    proc = subprocess.run(["bash", str(SCRIPT), "--cann", str(cann), "--install-path", str(tmp_path / "opp"),
+                           "--keep"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "STUB_LOG": str(tmp_path / "calls.log"), "STUB_DIR": str(tmp_path),
+                               "TMPDIR": str(tmp_path), "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    util = next(tmp_path.glob("ms_deepseek_ascend_build.*")) / "project" / "cmake" / "util"
+    for name in ("preset_parse.py", "ascendc_bin_param_build.py", "const_var.py", "opdesc_parser.py"):
+        assert (util / name).is_file() and not (util / name).is_symlink(), name
+
+
+def test_template_build_sh_fails_without_its_helpers(tmp_path):
+    """The stub's build.sh fails as CANN's does when the staged helpers dangle: python's
+    "can't open file", no package (what `cp -r` of the 9.0 template gave)."""
+    cann = make_stub_cann(tmp_path, "cann9")
+    project = tmp_path / "copied"
+    subprocess.run(["cp", "-r", str(cann / "tools/op_project_templates/ascendc/customize"), str(project)], check=True)
+    assert (project / "cmake/util/preset_parse.py").is_symlink() and not (project / "cmake/util/preset_parse.py").exists()
+    env = {**os.environ, "STUB_LOG": str(tmp_path / "calls.log"), "STUB_DIR": str(tmp_path), "ASCEND_HOME_PATH": str(cann)}
+    proc = subprocess.run(["bash", "build.sh"], cwd=project, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode != 0
+    assert "can't open file" in proc.stderr and "preset_parse.py" in proc.stderr
+    assert not list((project / "build_out").glob("*.run"))
+
+
+def test_dangling_link_in_the_cann_tree_is_reported(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", break_link="preset_parse.py")
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1
-    assert f"build_ascend.sh: sourcing {cann}/bin/setenv.bash failed with status 3" in out
+    assert "build_ascend.sh: cannot copy the template" in out and "preset_parse.py" in out
+    assert not (tmp_path / "opp" / "vendors").exists()
+
+
+def test_env_script_that_sets_nothing_is_reported(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", setenv_extra="return 3")
+    (cann / "set_env.sh").write_text("echo setenv >> \"$STUB_LOG\"\nreturn 3\n")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp")
+    assert rc == 1
+    assert f"build_ascend.sh: sourcing {cann}/set_env.sh (status 3) set no ASCEND_OPP_PATH folder" in out
     assert calls(tmp_path) == ["setenv"]                    # nothing built after the failure
 
 
 def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
-    cann = make_stub_cann(tmp_path, build_fail='echo "error: op_kernel/expert_lookup.cpp:67 boom"; exit 2')
+    cann = make_stub_cann(tmp_path, "cann9",
+                          build_fail='echo "error: op_kernel/expert_lookup.cpp:67 boom"; exit 2')
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1
     assert "error: op_kernel/expert_lookup.cpp:67 boom" in out   # the compiler's own lines are shown
     assert "build_ascend.sh: build failed" in out
     assert not (tmp_path / "opp" / "vendors").exists()
+
+
+class _FakeContext:
+    """Stands in for MSContext.get_instance() on Ascend: only the SoC name is read."""
+
+    def __init__(self, soc):
+        self.soc = soc
+
+    def get_instance(self):
+        return self
+
+    def get_ascend_soc_version(self):
+        return self.soc
+
+
+def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
+    """build -> install -> installed_op_types() -> MindSpore's CustomInfoGenerator (the code
+    ops.Custom(func_type="aot") runs on Ascend to register an installed op) on the same files."""
+    import mindspore.ops.operations._custom_ops_utils as custom_utils
+
+    from ms_deepseek.ops import ascend
+
+    cann = make_stub_cann(tmp_path, "cann9")
+    install = tmp_path / "opp"
+    rc, out = run_build(tmp_path, cann, install)
+    assert rc == 0, out
+    monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(installed_vendor(install)))
+    monkeypatch.setenv("ASCEND_OPP_PATH", str(cann / "opp"))
+    monkeypatch.setattr(custom_utils, "MSContext", _FakeContext("ascend910b"))
+    monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910b")
+    assert ascend.installed_op_types() == OP_TYPES
+    for op_type in sorted(OP_TYPES):
+        gen = custom_utils.CustomInfoGenerator(op_type)
+        reg = gen.generate_custom_reg_op()
+        assert reg["op_name"] == op_type
+        types = custom_utils.CustomInfoGenerator(op_type).get_aclnn_api_types()
+        assert types[-2:] == ["uint64_t*", "aclOpExecutor**"], types
+    reg = custom_utils.CustomInfoGenerator("RepetitionPenalty").generate_custom_reg_op()
+    assert [i["name"] for i in reg["inputs"]] == ["logits", "ids"] and [o["name"] for o in reg["outputs"]] == ["y"]
+    assert [(a["name"], a["type"]) for a in reg["attr"]] == [("penalty", "float")]
+    assert custom_utils.CustomInfoGenerator("RepetitionPenalty").get_aclnn_api_types() == \
+        ["aclTensor*", "aclTensor*", "double", "aclTensor*", "uint64_t*", "aclOpExecutor**"]
+
+    # Another SoC: MindSpore reads only the running SoC's folder, and so do we.
+    monkeypatch.setattr(custom_utils, "MSContext", _FakeContext("ascend910_93"))
+    monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910_93")
+    assert ascend.installed_op_types() == set()
+    with pytest.raises(RuntimeError, match=r"Cannot find operator \[RepetitionPenalty\]"):
+        custom_utils.CustomInfoGenerator("RepetitionPenalty").generate_custom_reg_op()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -190,6 +236,7 @@ def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
     assert len(ranks) == 8
     for stage, line in enumerate(ranks):
         assert f"RANK_SIZE=64 RANK_ID={8 * stage} " in line and "MS_SIMULATION_LEVEL=1 " in line
+        assert "env MS_DEEPSEEK_DEVICE=Ascend " in line
         assert " train " in line and "--max-steps 1" in line and "num_hidden_layers=16" in line
         assert f"> {tmp_path}/dr/rank_{8 * stage}/dryrun.log" in line
     assert not (tmp_path / "dr").exists()                    # print-only writes nothing
@@ -226,3 +273,65 @@ def test_dryrun_bad_arguments(args, message):
 def test_dryrun_help():
     proc = dryrun("--help")
     assert proc.returncode == 0 and "MS_SIMULATION_LEVEL" in proc.stdout and "--print-only" in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert "0 compiles only and 1 adds each operator's input/output memory: both use CPU only" in text
+    assert "2 adds operator workspaces and 3 runs the compute kernels: both also need the compute resources" in text
+
+
+# A stand-in for the `ms-deepseek` the dry run starts: `plan` runs as is; `train` runs the real
+# command up to the two calls where MindSpore takes over (set_device, then the dry run's
+# simulated init()), records what the worker got there, and stops.
+STUB_CLI = r'''#!@PYTHON@
+import json, os, sys
+args = sys.argv[1:]
+if args[0] == "train":
+    import mindspore as ms
+    import mindspore.communication as comm
+    keys = ("MS_DEEPSEEK_DEVICE", "MS_SIMULATION_LEVEL", "RANK_SIZE", "RANK_ID", "ASCEND_HOME_PATH")
+    record = {"env": {k: os.environ.get(k) for k in keys}, "argv": args}
+
+    def set_device(target, *a, **k):
+        record["set_device"] = target
+
+    def init(*a, **k):
+        record["init"] = True
+        with open(os.path.join(os.environ["RECORD_DIR"], f"rank_{os.environ['RANK_ID']}.json"), "w") as f:
+            json.dump(record, f)
+        os._exit(0)
+
+    ms.set_device, comm.init = set_device, init
+from ms_deepseek.cli import main
+sys.exit(main(args))
+'''
+
+
+def test_dryrun_workers_select_ascend_on_a_host_without_npus(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9")
+    cli = tmp_path / "ms-deepseek"
+    cli.write_text(STUB_CLI.replace("@PYTHON@", sys.executable))
+    cli.chmod(0o755)
+    records = tmp_path / "records"
+    records.mkdir()
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--layers", "2",
+                  "--out", str(tmp_path / "dr"), "--set", "model.source=deepseek-v2-lite",
+                  "--set", "data.path=null", "--set", "data.format=pretrain",
+                  env={"MS_DEEPSEEK_CLI": str(cli), "RECORD_DIR": str(records), "STUB_LOG": str(tmp_path / "log"),
+                       "PYTHONPATH": str(REPO), "PATH": path, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr + "".join(
+        p.read_text() for p in (tmp_path / "dr").glob("rank_*/dryrun.log"))
+    got = json.loads((records / "rank_0.json").read_text())   # one stage: rank 0
+    assert got["set_device"] == "Ascend" and got["init"]
+    assert got["env"] == {"MS_DEEPSEEK_DEVICE": "Ascend", "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": "8",
+                          "RANK_ID": "0", "ASCEND_HOME_PATH": str(cann)}
+    assert "model.overrides.num_hidden_layers=2" in got["argv"]
+    assert (tmp_path / "dr" / "summary.json").is_file()
+
+
+def test_dryrun_refuses_levels_that_need_npus_without_npu_smi(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9")
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--level", "2",
+                  "--out", str(tmp_path / "dr"), env={"PATH": path, "STUB_LOG": str(tmp_path / "log")})
+    assert proc.returncode == 2
+    assert "--level 2: levels 2 and 3 need the simulated cards' compute resources (NPUs)" in proc.stderr

@@ -171,30 +171,89 @@ def test_ascend_image_builds_and_registers_the_kernels():
     assert "ASCEND_CUSTOM_OPP_PATH=/opt/ms-deepseek/opp/vendors/ms_deepseek" in text
 
 
+def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, monkeypatch):
+    """The Dockerfile's kernel step, run as written with its default build arguments, against a
+    stub of the CANN 9.0.0 base image (template with symlinked helpers, ASCEND_HOME_PATH set
+    by the image's ENV): the package lands where ASCEND_CUSTOM_OPP_PATH points and MindSpore's
+    rule finds the three operators for the 910B."""
+    from cann_stub import make_stub_cann
+
+    from ms_deepseek.ops import ascend
+
+    steps = instructions("Dockerfile")
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
+    assert args["BUILD_KERNELS"] == "1"
+    env = {}
+    for word, a in steps:
+        if word == "ENV":
+            env.update(dict(re.findall(r"(\w+)=(\S+)", a)))
+    run = next(a for w, a in steps if w == "RUN" and "build_ascend.sh" in a)
+    kernel_step = re.search(r'if \[ "\$\{BUILD_KERNELS\}" = 1 \]; then .*?; fi', run).group(0)
+    opt = tmp_path / "opt"
+    workdir = opt / "ms-deepseek"
+    workdir.mkdir(parents=True)
+    (workdir / "ops").symlink_to(REPO / "ops")   # COPY ops ./ops
+    cann = make_stub_cann(tmp_path, "cann9")
+    image_env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")}
+    image_env.update(ASCEND_HOME_PATH=str(cann), ASCEND_OPP_PATH=str(cann / "opp"),  # the base image's ENV
+                     BUILD_KERNELS=args["BUILD_KERNELS"], HOME=str(tmp_path), TMPDIR=str(tmp_path),
+                     STUB_LOG=str(tmp_path / "calls.log"), STUB_DIR=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["sh", "-c", kernel_step.replace("/opt/", f"{opt}/")], cwd=workdir, env=image_env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    vendor = Path(env["ASCEND_CUSTOM_OPP_PATH"].replace("/opt/", f"{opt}/"))
+    assert (vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").is_file()
+    monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(vendor))
+    monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910b")
+    assert ascend.installed_op_types() == {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
+
+
+# As CANN's set_env.sh: reads $1 (refuses an argument it does not know), reads variables that
+# may be unset, and its last line is a probe that returns 1 on a tree without that component.
+STUB_SET_ENV = r"""case "$1" in
+  ""|--force) ;;
+  *) echo "set_env.sh: unknown option $1" >&2; return 2 ;;
+esac
+export LD_LIBRARY_PATH=@CANN@/lib64:$LD_LIBRARY_PATH
+export ASCEND_HOME_PATH=@CANN@
+[ -d "@CANN@/tools/aoe" ] && export AOE_HOME=@CANN@/tools/aoe
+"""
+
+
 def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
     assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
     assert os.access(ENTRYPOINT, os.X_OK)
-    # a fake CANN set_env.sh and a fake ms-deepseek on PATH show what the entrypoint does
-    setenv = tmp_path / "set_env.sh"
-    setenv.write_text(f"export ASCEND_HOME_PATH={tmp_path}/cann\n")
+    # stub CANN env scripts and a fake ms-deepseek on PATH show what the entrypoint does
+    cann = tmp_path / "cann"
+    bisheng = cann / "share" / "info" / "ascendnpu-ir" / "bin"
+    bisheng.mkdir(parents=True)
+    setenv = cann / "set_env.sh"
+    setenv.write_text(STUB_SET_ENV.replace("@CANN@", str(cann)))
+    (bisheng / "set_env.sh").write_text('[ -z "$1" ] || return 2\nexport BISHENG_ENV=1\nfalse\n')
+    nnal = tmp_path / "nnal_set_env.sh"
+    nnal.write_text('export ATB_ARGS="$*"\n[ -d /nonexistent ] && echo never\n')
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fake = bindir / "ms-deepseek"
-    fake.write_text('#!/bin/sh\necho "ms-deepseek[$ASCEND_HOME_PATH] $*"\n')
+    fake.write_text('#!/bin/sh\necho "ms-deepseek[$ASCEND_HOME_PATH|$BISHENG_ENV|$ATB_ARGS] $*"\n')
     fake.chmod(0o755)
     (bindir / "python3").symlink_to(sys.executable)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "CANN_SET_ENV": str(setenv), "PYTHONPATH": str(REPO)}
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "CANN_SET_ENV": str(setenv), "CANN_NNAL_SET_ENV": str(nnal),
+           "PYTHONPATH": str(REPO)}
 
     def run(*args):
         proc = subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=60)
         assert proc.returncode == 0, proc.stderr
+        assert "unknown option" not in proc.stderr  # the container's arguments never reach set_env.sh
         return proc.stdout.strip()
 
-    assert run("doctor", "--level", "8") == f"ms-deepseek[{tmp_path}/cann] doctor --level 8"
-    assert run("--version") == f"ms-deepseek[{tmp_path}/cann] --version"
-    assert run() == f"ms-deepseek[{tmp_path}/cann]"
+    seen = f"ms-deepseek[{cann}|1|--cxx_abi=0]"
+    assert run("doctor", "--level", "8") == f"{seen} doctor --level 8"
+    assert run("--version") == f"{seen} --version"
+    assert run() == seen
     assert run("echo", "plain command") == "plain command"  # bash, msrun, python ... run as given
     env.pop("CANN_SET_ENV")
+    env["CANN_NNAL_SET_ENV"] = str(tmp_path / "none.sh")
     proc = subprocess.run(["bash", str(ENTRYPOINT), "report", "x"], capture_output=True, text=True, env=env)
     if not Path("/usr/local/Ascend").exists():
-        assert "no CANN set_env.sh found" in proc.stderr and proc.stdout.strip() == "ms-deepseek[] report x"
+        assert "no CANN set_env.sh found" in proc.stderr and proc.stdout.strip() == "ms-deepseek[||] report x"

@@ -60,9 +60,10 @@ def softmax64(x):
 
 
 def penalty_numpy(logits, ids, penalty):
+    """Ids outside [0, V) change nothing."""
     out = logits.copy()
     for b in range(ids.shape[0]):
-        for i in set(ids[b].tolist()):
+        for i in set(ids[b].tolist()) & set(range(logits.shape[1])):
             v = logits[b, i]
             out[b, i] = v * np.float32(penalty) if v < 0 else v / np.float32(penalty)
     return out
@@ -302,6 +303,47 @@ def test_repetition_penalty_public_api_empty_prefix_and_int64_ids():
     np.testing.assert_array_equal(out.asnumpy(), logits.asnumpy())
     out = RepetitionPenalty()(logits, Tensor(np.array([[0, 0], [3, 1]], np.int64)), 2)
     np.testing.assert_array_equal(out.asnumpy(), [[-6, -2, -1, 0], [1, 1, 3, 2]])
+
+
+class _PenaltyInGraph(nn.Cell):
+    """The public Cell inside another Cell's construct: no host-side id check runs."""
+
+    def __init__(self, penalty):
+        super().__init__()
+        self.op = RepetitionPenalty()
+        self.penalty = penalty
+
+    def construct(self, logits, ids):
+        return self.op(logits, ids, self.penalty)
+
+
+# V = 37. In the flat [B * V] logits, row 0's id V + 2 is row 1's element 2, row 1's -1 is row 0's
+# last element, row 1's 2 * V + 1 lies in row 3 (past the tensor); none may change anything.
+OUT_OF_RANGE_IDS = [[37 + 2, 5, -1, 5], [2 * 37 + 1, -37, 0, 36], [-1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("mode", [ms.PYNATIVE_MODE, ms.GRAPH_MODE])
+def test_repetition_penalty_ignores_out_of_range_ids(libs, mode):
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((3, 37)) * 4).astype(np.float32)
+    ids = np.array(OUT_OF_RANGE_IDS, np.int32)
+    want = penalty_numpy(logits, ids, 1.5)
+    changed = np.argwhere(want != logits).tolist()
+    assert changed == [[0, 5], [1, 0], [1, 36]], changed   # only the in-range ids of each row
+    impls = [cpu.RepetitionPenaltyCpu(libs["repetition_penalty"], core_num=c, ub_bytes=u) for c, u in SCHEDULES]
+    impls.append(reference.RepetitionPenaltyReference())
+    old = ms.get_context("mode")
+    ms.set_context(mode=mode)
+    try:
+        for impl in impls:
+            got = impl(Tensor(logits), Tensor(ids), 1.5).asnumpy()
+            np.testing.assert_array_equal(got, want, err_msg=impl.kind)
+        net = _PenaltyInGraph(1.5)
+        assert net.op.impl.kind == "cpu"
+        got = (ms.jit(net.construct) if mode == ms.PYNATIVE_MODE else net)(Tensor(logits), Tensor(ids))
+        np.testing.assert_array_equal(got.asnumpy(), want)
+    finally:
+        ms.set_context(mode=old)
 
 
 # --------------------------------------------------------------------------- graph mode

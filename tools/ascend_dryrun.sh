@@ -8,7 +8,9 @@
 # For every pipeline stage of the recipe's layout it runs one worker of `ms-deepseek train`
 # with MindSpore's simulator (MS_SIMULATION_LEVEL, default 1: compile + per-op memory
 # statistics, CPU only), RANK_SIZE = the recipe's world size and RANK_ID = the stage's first
-# rank, on the model at full width and reduced depth (--layers, default 2 per stage: every
+# rank, MS_DEEPSEEK_DEVICE=Ascend (a host without NPUs has no npu-smi, so ms-deepseek would
+# pick CPU, where MindSpore refuses a distributed dry run), on the model at full width and
+# reduced depth (--layers, default 2 per stage: every
 # stage holds a dense and/or MoE layer at the real width and the real parallel degrees).
 # Each rank's log, strategy file (the trainer's strategy/rank_NNNNN.ckpt) and peak memory
 # ("Used peak memory usage" / "Actual peak memory usage" in the INFO log, GLOG_v=1) land in
@@ -17,8 +19,10 @@
 #
 # --print-only: print the layout, the planner's figures and the exact commands and
 # environment each rank would run, then exit (works without CANN; tested on CPU).
-# Levels (MindSpore 2.9 docs, debug/dryrun): 0 compile only; 1 + operator input/output
-# memory; 2 + operator workspaces; 3 + runs the compute kernels (needs devices).
+# Levels (MindSpore 2.9 tutorial debug/dryrun, "DryRun"): 0 compiles only and 1 adds each
+# operator's input/output memory: both use CPU only, so they run on any CANN host. 2 adds
+# operator workspaces and 3 runs the compute kernels: both also need the compute resources
+# of the simulated cards (NPUs), so this script refuses them on a host without npu-smi.
 # Other --set overrides pass through to both the planner and the workers, e.g.
 # --set model.source=deepseek-v2 when the recipe's checkpoint is not on this host, and
 # --set data.path=null --set data.format=pretrain (the embedded corpus) when its data is not.
@@ -128,7 +132,7 @@ rank_command() {  # $1 = rank id -> the worker's argv, one word per line
 if [[ $PRINT_ONLY -eq 1 ]]; then
   for rank in "${RANKS[@]}"; do
     mapfile -t cmd < <(rank_command "$rank")
-    echo "stage $((rank / (DP * TP))): env MS_SIMULATION_LEVEL=$LEVEL RANK_SIZE=$WORLD RANK_ID=$rank GLOG_v=1" \
+    echo "stage $((rank / (DP * TP))): env MS_DEEPSEEK_DEVICE=Ascend MS_SIMULATION_LEVEL=$LEVEL RANK_SIZE=$WORLD RANK_ID=$rank GLOG_v=1" \
       "MS_ALLOC_CONF=memory_tracker:True $(printf '%q ' "${cmd[@]}")> $OUT/rank_$rank/dryrun.log 2>&1"
   done
   exit 0
@@ -136,12 +140,16 @@ fi
 
 # --- a real dry run: needs CANN (MindSpore's simulator loads libge_runner.so) -------------
 [[ -d "$CANN" ]] || die "CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH; --print-only needs none)"
+if (( LEVEL >= 2 )) && ! command -v npu-smi >/dev/null; then
+  die "--level $LEVEL: levels 2 and 3 need the simulated cards' compute resources (NPUs) and this host has no npu-smi; use --level 0 or 1"
+fi
 ENV_SCRIPT=""
 for candidate in "$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$CANN/../set_env.sh"; do
   if [[ -f "$candidate" ]]; then ENV_SCRIPT="$candidate"; break; fi
 done
 [[ -n "$ENV_SCRIPT" ]] || die "no bin/setenv.bash or set_env.sh under $CANN"
-# CANN's env scripts read $1 and $LD_LIBRARY_PATH unguarded (see ops/build_ascend.sh).
+# As ops/build_ascend.sh: CANN's env scripts read $1 and $LD_LIBRARY_PATH unguarded and may end
+# on a probe that returns non-zero; judge by ASCEND_OPP_PATH, not by the status.
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 saved_args=("$@")
 set --
@@ -151,7 +159,8 @@ source "$ENV_SCRIPT"
 env_status=$?
 set -eu
 set -- ${saved_args[@]+"${saved_args[@]}"}
-[[ $env_status -eq 0 ]] || die "sourcing $ENV_SCRIPT failed with status $env_status"
+[[ -d "${ASCEND_OPP_PATH:-}" ]] \
+  || die "sourcing $ENV_SCRIPT (status $env_status) set no ASCEND_OPP_PATH folder: not a usable CANN environment"
 
 mkdir -p "$OUT"
 failed=0
@@ -159,7 +168,7 @@ for rank in "${RANKS[@]}"; do
   mkdir -p "$OUT/rank_$rank"
   mapfile -t cmd < <(rank_command "$rank")
   echo "stage $((rank / (DP * TP))): RANK_ID=$rank ..."
-  if ! env MS_SIMULATION_LEVEL="$LEVEL" RANK_SIZE="$WORLD" RANK_ID="$rank" GLOG_v=1 \
+  if ! env MS_DEEPSEEK_DEVICE=Ascend MS_SIMULATION_LEVEL="$LEVEL" RANK_SIZE="$WORLD" RANK_ID="$rank" GLOG_v=1 \
       MS_ALLOC_CONF=memory_tracker:True "${cmd[@]}" >"$OUT/rank_$rank/dryrun.log" 2>&1 </dev/null; then
     echo "  rank $rank failed: last lines of $OUT/rank_$rank/dryrun.log:" >&2
     tail -n 15 "$OUT/rank_$rank/dryrun.log" >&2

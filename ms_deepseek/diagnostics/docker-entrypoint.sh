@@ -7,22 +7,42 @@
 # (-v /usr/local/Ascend/driver:/usr/local/Ascend/driver) and added when present.
 set -eo pipefail
 
+# CANN's env scripts read "$1" (a sourced script sees the caller's arguments: here, the
+# container's command), read unset variables, and end on probes such as `[ -d ... ] && ...`
+# that return non-zero on a tree without that component: source them with no arguments of
+# ours, errexit and nounset off, and ignore their status (ops/build_ascend.sh does the same).
+source_env() {  # $1 = script, then the arguments it should see (none by default)
+  local script="$1"
+  shift
+  set +eu
+  # shellcheck disable=SC1090
+  source "$script" "$@"
+  set -e
+  return 0
+}
+
+# The CANN 9.0.0 base image's own ENTRYPOINT sources, in this order:
+# ascend-toolkit/set_env.sh, $ASCEND_HOME_PATH/share/info/ascendnpu-ir/bin/set_env.sh (the
+# BiSheng compiler) and nnal/atb/set_env.sh; ours replaces it, so it sources the same.
+toolkit=""
 for setenv in "${CANN_SET_ENV:-}" \
-              /usr/local/Ascend/cann/set_env.sh \
               /usr/local/Ascend/ascend-toolkit/set_env.sh \
+              /usr/local/Ascend/cann/set_env.sh \
               /usr/local/Ascend/cann-*/set_env.sh; do
-  if [ -n "$setenv" ] && [ -f "$setenv" ]; then
-    # shellcheck disable=SC1090
-    source "$setenv"
-    break
-  fi
+  if [ -n "$setenv" ] && [ -f "$setenv" ]; then toolkit="$setenv"; break; fi
 done
-if [ -z "${ASCEND_HOME_PATH:-}" ]; then
+if [ -n "$toolkit" ]; then
+  source_env "$toolkit"
+else
   echo "ms-deepseek entrypoint: warning: no CANN set_env.sh found; Ascend devices will not work" >&2
 fi
-if [ -f /usr/local/Ascend/nnal/atb/set_env.sh ]; then
-  # shellcheck disable=SC1091
-  source /usr/local/Ascend/nnal/atb/set_env.sh --cxx_abi=0 || true
+bisheng="${ASCEND_HOME_PATH:-/nonexistent}/share/info/ascendnpu-ir/bin/set_env.sh"
+if [ -f "$bisheng" ]; then
+  source_env "$bisheng"
+fi
+nnal="${CANN_NNAL_SET_ENV:-/usr/local/Ascend/nnal/atb/set_env.sh}"
+if [ -f "$nnal" ]; then
+  source_env "$nnal" --cxx_abi=0
 fi
 for lib in /usr/local/Ascend/driver/lib64/driver /usr/local/Ascend/driver/lib64/common /usr/local/Ascend/driver/lib64; do
   if [ -d "$lib" ] && [[ ":${LD_LIBRARY_PATH:-}:" != *":$lib:"* ]]; then

@@ -87,7 +87,10 @@ class RepetitionPenalty(nn.Cell):
 
     Every id present in ``token_ids[b]`` ([B, L] int32, L may be 0, duplicates allowed)
     has ``logits[b, id]`` divided by ``penalty_value`` if positive, multiplied if not.
-    ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.core.errors.UserError`.
+    ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.core.errors.UserError`
+    when called from Python (PyNative: the ids are read on the host). Inside a compiled graph,
+    where no host check runs, ids outside [0, V) are ignored (no logit changes for them) by the
+    reference, the CPU and the Ascend kernels alike.
     """
 
     def __init__(self):

@@ -7,16 +7,16 @@ type name through ``ops.Custom("<OpType>", ..., func_type="aot")``, generating t
 registration from the installed op info; attributes follow the tensor inputs.
 
 Not exercised on this CPU-only machine (no CANN): the tests for this module are
-marked ``ascend``. If the package is not installed, :func:`make` raises and the
-backend switch falls back to the reference with one warning.
+marked ``ascend``. If the package is not installed for the running SoC (MindSpore's rule,
+:func:`installed_op_types`), :func:`make` raises and the backend switch falls back to the
+reference with one warning, or stops with one line under ``MS_DEEPSEEK_OPS=kernel``.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-from typing import Set
+from typing import Optional, Set
 
 from mindspore import nn, ops
 from mindspore.common import dtype as mstype
@@ -27,29 +27,58 @@ VENDOR = "ms_deepseek"
 OP_TYPES = {"expert_lookup": "ExpertLookup", "fp32_softmax": "Fp32Softmax", "repetition_penalty": "RepetitionPenalty"}
 
 
-def installed_op_types() -> Set[str]:
-    """Operator types found in the custom / vendor op-info JSON files of this CANN environment."""
+def soc_version() -> str:
+    """The running SoC as MindSpore names it ('ascend910b' on Atlas 800T A2; '' off Ascend)."""
+    from mindspore._c_expression import MSContext
+
+    return MSContext.get_instance().get_ascend_soc_version()
+
+
+def _vendor_roots():
+    """Where MindSpore looks for a custom op, in its order: every ASCEND_CUSTOM_OPP_PATH entry, then
+    the vendors that ASCEND_OPP_PATH/vendors/config.ini lists under load_priority (only those)."""
     roots = [p for p in os.environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(":") if p]
     opp = os.environ.get("ASCEND_OPP_PATH")
-    if opp:
-        roots += glob.glob(os.path.join(opp, "vendors", "*"))
+    config = os.path.join(opp, "vendors", "config.ini") if opp else ""
+    if config and os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.strip().partition("=")
+                if key.strip().lower() == "load_priority":
+                    roots += [os.path.join(opp, "vendors", v.strip()) for v in value.split(",") if v.strip()]
+                    break
+    return roots
+
+
+def installed_op_types(soc: Optional[str] = None) -> Set[str]:
+    """Operator types MindSpore can register on ``soc`` (default: the running SoC).
+
+    MindSpore's rule (``mindspore/ops/operations/_custom_ops_utils.py``,
+    ``CustomInfoGenerator._get_op_json``): only
+    ``<root>/op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`` of the running SoC counts,
+    for the roots of :func:`_vendor_roots`; a package built for another SoC is not seen.
+    """
+    soc = soc_version() if soc is None else soc
+    if not soc:
+        return set()
     found: Set[str] = set()
-    for root in roots:
-        for path in glob.glob(os.path.join(root, "op_impl", "ai_core", "tbe", "config", "*", "aic-*-ops-info.json")):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    found.update(json.load(f).keys())
-            except (OSError, ValueError):
-                continue
+    for root in _vendor_roots():
+        path = os.path.join(root, "op_impl", "ai_core", "tbe", "config", soc, f"aic-{soc}-ops-info.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                found.update(json.load(f).keys())
+        except (OSError, ValueError):
+            continue
     return found
 
 
 def _require(op_name: str) -> str:
     op_type = OP_TYPES[op_name]
-    if op_type not in installed_op_types():
+    soc = soc_version()
+    if op_type not in installed_op_types(soc):
         raise RuntimeError(
-            f"Ascend custom operator {op_type} is not installed; run ops/build_ascend.sh and export "
-            f"ASCEND_CUSTOM_OPP_PATH as it prints"
+            f"Ascend custom operator {op_type} is not installed for this SoC ({soc or 'unknown'}); run "
+            f"ops/build_ascend.sh --soc {soc or '<soc>'} and export ASCEND_CUSTOM_OPP_PATH as it prints"
         )
     return op_type
 

@@ -9,7 +9,9 @@ Order of preference:
 * device_target ``CPU``: the C++ kernel, compiled with g++ on first use
   (:mod:`ms_deepseek.ops.build`);
 * anything that cannot be built or loaded falls back to the reference, with one
-  ``logging.warning`` per operator and process.
+  ``logging.warning`` per operator and process, except when the kernels were asked for:
+  ``MS_DEEPSEEK_OPS=kernel`` on Ascend with a kernel not installed for the running SoC is a
+  :class:`~ms_deepseek.core.errors.UserError` (one line), not a fallback.
 
 The choice is made when the operator Cell is constructed; ``impl.kind`` on the
 Cell says which one it got (``"reference"``, ``"cpu"`` or ``"ascend"``).
@@ -35,13 +37,22 @@ def warn_once(op_name: str, message: str) -> None:
         LOG.warning("%s: %s", op_name, message)
 
 
-def forced_reference() -> bool:
+def _choice() -> str:
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value not in _CHOICES:
         from ms_deepseek.core.errors import UserError
 
         raise UserError(f"{ENV_VAR}={os.environ[ENV_VAR]!r}: expected 'reference' or 'kernel'")
-    return value == "reference"
+    return value
+
+
+def forced_reference() -> bool:
+    return _choice() == "reference"
+
+
+def kernels_required() -> bool:
+    """``MS_DEEPSEEK_OPS=kernel``: a kernel that cannot be loaded is an error, not a fallback."""
+    return _choice() == "kernel"
 
 
 def device_target() -> str:
@@ -105,5 +116,7 @@ def make(op_name: str, **kwargs):
             raise
         except Exception as exc:  # noqa: BLE001 - any failure to build/load means: use the reference
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if kind == "ascend" and kernels_required():
+                raise UserError(f"{ENV_VAR}=kernel: {op_name}: {first_line}") from None
             warn_once(op_name, f"{kind} kernel unavailable ({first_line}); using the reference implementation")
     return _reference(op_name, **kwargs)

@@ -145,8 +145,8 @@ class FP32SoftmaxReference(nn.Cell):
 class RepetitionPenaltyReference(nn.Cell):
     """HuggingFace repetition penalty: gather the seen logits, rescale, scatter back.
 
-    ``penalty`` is a python float > 0; the public Cell validates the inputs on the
-    host before calling this.
+    ``penalty`` is a python float > 0. Ids outside [0, V) are ignored (like the kernels):
+    they are sent to a spare column V that is cut off again, so they change nothing.
     """
 
     kind = "reference"
@@ -155,10 +155,14 @@ class RepetitionPenaltyReference(nn.Cell):
         b, length = token_ids.shape
         if length == 0:
             return logits
+        vocab = logits.shape[1]
         ids = token_ids.astype(mstype.int32)
-        seen = ops.gather_elements(logits, 1, ids)  # [B, L]
+        valid = ops.logical_and(ids >= 0, ids < vocab)  # [B, L]
+        ids = ops.select(valid, ids, ops.full_like(ids, vocab))  # [B, L], out-of-range -> spare column V
+        padded = ops.concat([logits, ops.zeros((b, 1), logits.dtype)], axis=1)  # [B, V + 1]
+        seen = ops.gather_elements(padded, 1, ids)  # [B, L]
         scaled = ops.where(seen < 0, seen * penalty, seen / penalty)  # [B, L], HF rule
         rows = ops.broadcast_to(ops.arange(b, dtype=mstype.int32).reshape(b, 1), (b, length))  # [B, L]
         index = ops.stack([rows, ids], axis=-1)  # [B, L, 2] = (row, token id)
         # Duplicated ids write the same value (gathered before any update), so order does not matter.
-        return ops.tensor_scatter_update(logits, index, scaled)
+        return ops.tensor_scatter_update(padded, index, scaled)[:, :vocab]  # [B, V]

@@ -8,7 +8,8 @@
 // of the rows the tile overlaps (in UB loads of `id_tile` ids) and, for every id
 // whose element lies in the tile, overwrites it with the penalised value of the
 // ORIGINAL logit (read from the input, never from the tile), so duplicated ids
-// apply the penalty once and the order of the scan does not matter. Each element
+// apply the penalty once and the order of the scan does not matter. Ids outside
+// [0, V) are skipped (IdInVocab). Each element
 // is written by exactly one core: no cross-core synchronisation is needed.
 #ifndef MSDS_REPETITION_PENALTY_TILING_LOGIC_H
 #define MSDS_REPETITION_PENALTY_TILING_LOGIC_H
@@ -78,6 +79,11 @@ MSDS_INLINE void TileRows(const PenaltyTiling& t, int64_t start, int64_t len, in
 MSDS_INLINE int64_t IdTiles(const PenaltyTiling& t) { return CeilDiv(t.length, t.id_tile); }
 
 MSDS_INLINE int64_t IdTileLen(const PenaltyTiling& t, int64_t tile) { return Min64(t.id_tile, t.length - tile * t.id_tile); }
+
+// Ids outside [0, V) are ignored by every kernel: b * V + id would otherwise land on a
+// neighbouring row's logit (or outside the tensor). The ids are read on the device, so this
+// is checked there, per id, like ExpertLookup's ids outside [0, E).
+MSDS_INLINE bool IdInVocab(const PenaltyTiling& t, int64_t id) { return id >= 0 && id < t.vocab; }
 
 // HuggingFace RepetitionPenaltyLogitsProcessor: negative logits are multiplied,
 // the others divided (float32 arithmetic, as torch does on float32 logits).

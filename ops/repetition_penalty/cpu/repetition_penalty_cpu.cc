@@ -5,7 +5,8 @@
 //                      output:  out float32 [B, V]
 // Walks the schedule of repetition_penalty_tiling_logic.h: each core copies its
 // range of logits tile by tile and patches the elements named by the ids of the
-// rows the tile overlaps, always from the original logits.
+// rows the tile overlaps, always from the original logits. Ids outside [0, V) are
+// ignored (IdInVocab), as on the NPU kernel and the reference.
 #include "msds_aot_cpu.h"
 #include "repetition_penalty_tiling_logic.h"
 
@@ -31,6 +32,7 @@ void PenaliseCore(const PenaltyTiling& t, int64_t core, const float* logits, con
       for (int64_t k = 0; k < rp::IdTiles(t); ++k) {
         const int32_t* id_tile = ids + b * t.length + k * t.id_tile;  // the UB id load
         for (int64_t j = 0; j < rp::IdTileLen(t, k); ++j) {
+          if (!rp::IdInVocab(t, id_tile[j])) continue;  // ignored: never another row's logit
           int64_t flat = b * t.vocab + id_tile[j];
           if (flat >= t0 && flat < t0 + n) tile[flat - t0] = rp::Penalise(logits[flat], penalty);
         }
@@ -59,13 +61,6 @@ extern "C" int RepetitionPenaltyCpu(int nparam, void** params, int* ndims, int64
   const int64_t* cfg = static_cast<const int64_t*>(params[3]);
   float* out = static_cast<float*>(params[4]);
   int64_t batch = shapes[0][0], vocab = shapes[0][1], length = shapes[1][1];
-  for (int64_t i = 0; i < batch * length; ++i) {
-    if (ids[i] < 0 || ids[i] >= vocab) {
-      return MsdsFail("RepetitionPenalty: token id " + std::to_string(ids[i]) + " at [" + std::to_string(i / length) +
-                      ", " + std::to_string(i % length) + "] is outside the vocabulary [0, " + std::to_string(vocab) +
-                      ")");
-    }
-  }
   if (!(penalty > 0.0f)) return MsdsFail("RepetitionPenalty: penalty must be > 0");
   PenaltyTiling t;
   int status = msds::repetition_penalty::ComputeTiling(batch, vocab, length, cfg[0], cfg[1], &t);

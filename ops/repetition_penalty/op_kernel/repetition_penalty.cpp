@@ -6,6 +6,7 @@
 // the tile elements they name with Penalise(original logit) read from the
 // input in GM, copy the tile out. No element is written by two cores and the
 // original logits are never modified, so duplicates and ordering are harmless.
+// Ids outside [0, V) are skipped on the device (rp::IdInVocab).
 #include "kernel_operator.h"
 #include "repetition_penalty_tiling_logic.h"
 #include "msds_ascendc_sync.h"
@@ -48,7 +49,9 @@ class RepetitionPenaltyKernel {
           DataCopyPad(ids, idsGm_[b * t_.length + k * t_.id_tile], ip, ipad);
           msds::Sync<HardEvent::MTE2_S>();
           for (int64_t j = 0; j < m; ++j) {
-            int64_t flat = b * t_.vocab + ids.GetValue(j);
+            int32_t id = ids.GetValue(j);
+            if (!rp::IdInVocab(t_, id)) continue;  // ignored: never another row's logit
+            int64_t flat = b * t_.vocab + id;
             if (flat >= t0 && flat < t0 + n) {
               tile.SetValue(flat - t0, rp::Penalise(logitsGm_.GetValue(flat), penalty_));
             }
