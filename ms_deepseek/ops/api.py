@@ -88,6 +88,8 @@ class RepetitionPenalty(nn.Cell):
     Every id present in ``token_ids[b]`` ([B, L] int32, L may be 0, duplicates allowed)
     has ``logits[b, id]`` divided by ``penalty_value`` if positive, multiplied if not.
     ``penalty_value <= 0`` or ids outside [0, V) raise :class:`~ms_deepseek.errors.UserError`.
+    Never part of a sharded training graph, so it carries no parallel attributes
+    (:mod:`ms_deepseek.parallel.custom_shard`).
     """
 
     def __init__(self):
