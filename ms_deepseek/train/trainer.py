@@ -325,6 +325,11 @@ class Trainer:
 
                 self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
             layout = self._layout()
+            # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line
+            from ms_deepseek.parallel import compiled_check as cc
+
+            cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
+            cc.check_primitives(cc.primitive_attrs(self.model, self.applied.strategies), self.applied.strategies)
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
                 base = build_layout(self.cfg, self.par)
                 self._load_weights_slices(base, {n: p for n, p in model_tensors(self.model).items()
