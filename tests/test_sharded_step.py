@@ -15,6 +15,7 @@ import pytest
 from mindspore import ops
 
 from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
 from ms_deepseek.parallel.ranks import (data_coordinates, data_slice, dataset_strategy, rows_of_rank,
                                         stage_of_rank)
 
@@ -49,15 +50,29 @@ def test_every_rank_reads_its_slice_and_the_stage_covers_the_batch_once(par):
         if par.dataset_strategy == "full_batch":
             assert strategy == "full_batch" and list(slices) == [0]
             continue
-        # what MindSpore is told: the batch axis of both inputs split dp ways, the tp peers repeated
+        # what MindSpore is told: the batch axis of both inputs split dp ways, each slice repeated tp times
         assert strategy == ((par.dp, 1), (par.dp, 1))
         for r in ranks:
-            p = r % stage_devices
-            # MindSpore's device matrix for a (dp, 1) strategy on dp * tp devices: the repeated
-            # tp devices are rightmost, so device p holds slice p // tp
-            assert data_slice(r, par) == np.unravel_index(p, (par.dp, par.tp))[0]
-            peers = [q for q in ranks if (q % stage_devices) // par.tp == p // par.tp]
-            assert len(peers) == par.tp and all(rows_of_rank(q, par, b) == rows_of_rank(r, par, b) for q in peers)
+            # MindSpore's own rule (_utils._to_full_tensor): where it places rank r's batch in the global one
+            start = batch_row_of_rank(r, par.world_size, par.pp, strategy, b)
+            assert rows_of_rank(r, par, b) == list(range(start, start + b)), (r, start)
+
+
+def test_planted_wrong_repeat_direction_disagrees_with_mindspore(monkeypatch):
+    """The old rule (tp peers, adjacent ranks, share a slice: repeat on the right) against MindSpore's."""
+    import ms_deepseek.parallel.ranks as R
+
+    par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2)
+    monkeypatch.setattr(R, "data_slice", lambda rank, p: (rank % (p.dp * p.tp)) // p.tp)
+    wrong = [r for r in range(par.world_size)
+             if R.rows_of_rank(r, par, 3)[0] != batch_row_of_rank(r, par.world_size, par.pp, dataset_strategy(par), 3)]
+    assert wrong == [1, 2, 5, 6]
+    from ms_deepseek.diagnostics import simulate as S
+
+    ctx = S.SimContext(full_cfg=None, full_parallel=par, cfg=None, parallel=par, seq_len=8, micro_batch_size=3,
+                       plan=None, mesh=None)
+    result = S.check_data(ctx)
+    assert result.status == "fail" and "read different rows" in result.detail, result
 
 
 def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
@@ -108,10 +123,14 @@ def test_ranks_read_disjoint_rows_of_the_real_dataset(tmp_path):
         got = {}
         for r in range(par.world_size):
             got[r] = first_batch(*data_coordinates(r, par, b))
-        for r in range(par.world_size):
-            peer = r - r % par.tp
+        strategy = dataset_strategy(par)
+        slice_of = {r: slice_of_rank(r, par.world_size, par.pp, strategy,
+                                   data_coordinates(r, par, b)[2])[0]
+                    for r in range(par.world_size)}
+        for r in range(par.world_size):  # the ranks MindSpore takes for one slice read identical rows
+            peer = min(q for q in range(par.world_size) if slice_of[q] == slice_of[r])
             np.testing.assert_array_equal(got[r], got[peer])
-        stage0 = [got[r] for r in range(0, par.dp * par.tp, par.tp)]
+        stage0 = [got[min(q for q in range(par.dp * par.tp) if slice_of[q] == k)] for k in sorted(set(slice_of.values()))]
         rows = np.concatenate(stage0) if par.dataset_strategy != "full_batch" else stage0[0]
         assert sorted(map(tuple, rows)) == sorted(map(tuple, whole))
 

@@ -318,10 +318,13 @@ def check_data(ctx: SimContext) -> CheckResult:
     """Rows per rank vs the slices MindSpore assumes: the distinct (dp replica) row blocks cover the
     global batch exactly once, and ranks MindSpore treats as distinct data slices read distinct rows.
 
-    MindSpore cuts the batch into ``s`` slices over a stage's D devices and, by default, puts the
-    repeat count on the right of the device matrix (operator_info.cc
-    ``repeated_num_in_dev_matrix_right_``), so rank r of a stage holds slice ``(r % D) // (D / s)``.
+    Which slice MindSpore takes each rank's batch for comes from MindSpore itself
+    (:func:`ms_deepseek.parallel.ms_oracle.slice_of_rank`: ``mindspore/parallel/_utils.py``
+    ``_to_full_tensor``, the dataset's repeat on the left of its device matrix as in
+    ``ops_info/virtual_dataset_info.cc``), not from the project's rank rule.
     """
+    from ms_deepseek.parallel.ms_oracle import slice_of_rank
+
     par, mbs = ctx.full_parallel, ctx.micro_batch_size
     coords = _data_coordinates()
     D, world = par.dp * par.tp, par.world_size
@@ -340,7 +343,7 @@ def check_data(ctx: SimContext) -> CheckResult:
                 errors += 1
                 first = first or (f"rank {r} reads {rows} rows but MindSpore takes its batch for 1/{slices} of "
                                   f"{global_rows} (dataset_strategy {strategy!r})")
-            k = (r % D) // (D // slices)
+            k, _ = slice_of_rank(r, world, par.pp, strategy, rows)
             if k in by_slice and not np.array_equal(by_slice[k], mine):
                 errors += 1
                 first = first or f"ranks of slice {k} read different rows (rank {r}: {mine.tolist()})"

@@ -86,6 +86,7 @@ def _require(op_name: str) -> str:
 class ExpertLookupAscend(nn.Cell):
     kind = "ascend"
     strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
+    num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
 
     def __init__(self, num_experts: int, experts_per_rank: int):
         super().__init__()
@@ -112,6 +113,7 @@ class ExpertLookupAscend(nn.Cell):
 
 class FP32SoftmaxAscend(nn.Cell):
     strategy_tail = ()
+    num_outputs = 1
     """Forward on the Ascend C kernel; backward y * (dy - sum(dy * y)) in float32 with built-in ops."""
 
     kind = "ascend"

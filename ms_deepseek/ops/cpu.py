@@ -48,6 +48,7 @@ class ExpertLookupCpu(nn.Cell):
 
     kind = "cpu"
     strategy_tail = ((1,),)
+    num_outputs = 4  # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
 
     def __init__(self, lib: Path, num_experts: int, experts_per_rank: int, core_num: int = DEFAULT_CORE_NUM,
                  ub_bytes: int = DEFAULT_UB_BYTES):
@@ -84,6 +85,7 @@ class FP32SoftmaxCpu(nn.Cell):
 
     kind = "cpu"
     strategy_tail = ((1,),)  # the config tensor
+    num_outputs = 1
 
     def __init__(self, lib: Path, out_dtype=mstype.float32, core_num: int = DEFAULT_CORE_NUM,
                  ub_bytes: int = DEFAULT_UB_BYTES):

@@ -7,14 +7,22 @@ what MindSpore is told each rank holds (:func:`dataset_strategy`, given to
 * world = pp stages x (dp x tp) devices per stage, tp fastest: rank ``r`` is in stage
   ``r // (dp * tp)`` at position ``p = r % (dp * tp)`` of it.
 * ``dataset_strategy: data_parallel``: the global micro-batch [dp * b, T] is split on the
-  batch axis dp ways; position ``p`` holds slice ``p // tp`` (rows ``[s * b, (s + 1) * b)``),
-  so the tp ranks of one data-parallel replica hold the *same* rows. MindSpore is told
-  exactly that with the per-input strategy ``((dp, 1), (dp, 1))`` (input_ids, labels): a
-  strategy that uses dp of the stage's dp * tp devices repeats each slice on tp devices,
-  and MindSpore puts the repeated devices rightmost (fastest) in the device matrix, which
-  is ``p // tp``. Left as MindSpore's own ``"data_parallel"``, it would assume the dp * tp
-  devices hold dp * tp *different* slices (each sequence trained on tp times, the batch
-  misread as tp times larger).
+  batch axis dp ways; position ``p`` holds slice ``p % dp`` (rows ``[s * b, (s + 1) * b)``).
+  MindSpore is told that with the per-input strategy ``((dp, 1), (dp, 1))`` (input_ids,
+  labels): a strategy that uses dp of the stage's dp * tp devices repeats each slice on tp
+  devices, and the dataset's repeat is on the **left** (slowest) of its device matrix
+  ``{repeat, dp}``, so slice ``p % dp``: ``ops_info/virtual_dataset_info.cc``
+  (``VirtualDatasetInfo::InferDevMatrixShape``: the repeat goes right only when the
+  virtual-dataset primitive has ``repeat_dim_direct="right"``, which MindFormers sets only
+  for ``dataset_broadcast_opt_level > 0``; we leave MindSpore's default), and the same rule
+  in Python, ``mindspore/parallel/_utils.py`` ``_to_full_tensor`` (stage rank r's batch at
+  ``(r % dataset_strategy[i][0]) * b``), which the tests and ``plan --simulate`` use as the
+  oracle (:mod:`ms_deepseek.parallel.ms_oracle`). The tp peers of a replica (adjacent ranks,
+  the tp axis is the fastest of the model's device matrices) therefore read *different*
+  slices; MindSpore redistributes the token ids from the dataset's layout to the
+  embedding's (a small int32 tensor). Left as MindSpore's own ``"data_parallel"``, it would
+  assume the dp * tp devices hold dp * tp *different* slices (each sequence trained on tp
+  times, the batch misread as tp times larger).
 * ``dataset_strategy: full_batch``: every rank reads the whole global micro-batch
   [dp * b, T]; MindSpore's ``full_batch`` slices it itself.
 
@@ -42,10 +50,11 @@ def batch_slices(par: ParallelConfig) -> int:
 
 
 def data_slice(rank: int, par: ParallelConfig) -> int:
-    """Index of the batch slice a rank holds: tp peers share one (repeated devices rightmost)."""
+    """Index of the batch slice a rank holds: stage position ``p`` holds ``p % dp`` (the dataset's repeat
+    on the left of its device matrix: virtual_dataset_info.cc, _utils.py ``_to_full_tensor``)."""
     if par.dataset_strategy == "full_batch":
         return 0
-    return (rank % (par.dp * par.tp)) // par.tp
+    return (rank % (par.dp * par.tp)) % par.dp
 
 
 def data_coordinates(rank: int, par: ParallelConfig, micro_batch_size: int) -> Tuple[int, int, int]:

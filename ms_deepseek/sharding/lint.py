@@ -6,9 +6,11 @@ primitive (and axis) of every violation:
 1. **Coverage**: every primitive a model Cell holds as an attribute has a strategy. The
    model keeps in attributes exactly the primitives that move sharded data (matmuls, the
    gathers, top-k, fused attention) and our custom operators (``ops.Custom`` inside the op
-   Cells of ``ms_deepseek.ops``, reached as ``<op cell>.impl.op``); MindSpore treats a
-   Custom op without a strategy as batch-parallel on its first input only, with full-size
-   other outputs (design.md section 7), so a custom op must be covered like any other.
+   Cells of ``ms_deepseek.ops``, reached as ``<op cell>.impl.op``); a strategy is not
+   enough for a Custom op: MindSpore ignores ``shard()`` on it and makes it BatchParallel or
+   StandAlone unless it carries CustomInfo's four attributes or ``self_define_shard``
+   (``step_parallel_utils.cc`` ``OperatorInstance``); the lint checks those attributes are
+   there and split each input as its strategy says (:mod:`ms_deepseek.parallel.custom_shard`).
 2. **Unsplittable axes**: no strategy splits an axis MindSpore (or our kernel) cannot split
    for that op. The table ``UNSPLITTABLE`` cites the MindSpore source of each rule
    (``mindspore/ccsrc/frontend/parallel/ops_info/``).
@@ -37,6 +39,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ms_deepseek.parallel.custom_shard import check_custom_attrs
 from ms_deepseek.parallel.plan import Mesh
 
 Layout = Tuple[int, ...]
@@ -386,6 +389,15 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
             report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds carries "
                                    f"sharded data; add a rule to the plan)")
     report.primitives = sum(1 for p in table if p in strategies)
+
+    # 1b. a Custom op is sharded only in a form MindSpore reads (custom_shard: step_parallel_utils.cc
+    # OperatorInstance / OperatorInstanceByName, ops_info/custom_info.cc, self_define_shard_info.cc)
+    for path, (kind, prim) in sorted(table.items()):
+        if type(prim).__name__ == "Custom" and path in strategies:
+            why = check_custom_attrs(path, getattr(prim, "attrs", {}) or {}, strategies[path][0],
+                                     mesh.stage_devices)
+            if why:
+                report.problems.append(why)
 
     # 2. unsplittable axes
     for path, (kind, prim) in sorted(table.items()):

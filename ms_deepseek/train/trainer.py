@@ -326,6 +326,11 @@ class Trainer:
 
                 self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
             layout = self._layout()
+            # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line
+            from ms_deepseek.parallel import compiled_check as cc
+
+            cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
+            cc.check_primitives(cc.primitive_attrs(self.model, self.applied.strategies), self.applied.strategies)
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
                 base = build_layout(self.cfg, self.par)
                 self._load_weights_slices(base, {n: p for n, p in model_tensors(self.model).items()
@@ -336,11 +341,22 @@ class Trainer:
             return
         resumed = open_for_resume(self.resume_dir)
         model_src, opt_src = resumed.model, resumed.optimizer
-        restore_into(self.model_tensors, model_src, "model", layout=layout, rank=self.rank, applied=self.applied,
-                     part=self._opt_part)
-        restore_into(self.opt_tensors, opt_src, "optimizer", layout=layout and layout.for_optimizer(),
+        opt_layout = layout and layout.for_optimizer()
+        restore_into(self._this_stage(self.model_tensors, layout), model_src, "model", layout=layout, rank=self.rank,
+                     applied=self.applied, part=self._opt_part)
+        restore_into(self._this_stage(self.opt_tensors, opt_layout), opt_src, "optimizer", layout=opt_layout,
                      rank=self.rank, applied=self.applied, part=self._opt_part)
         restore_rng(self.state.get("rng", {}))
+
+    def _this_stage(self, tensors: Dict[str, object], layout) -> Dict[str, object]:
+        """The tensors this rank's pipeline stage holds (and those on every rank), as MindSpore's
+        ``Cell.init_parameters_data`` (``mindspore/nn/cell.py``) initialises only the compiled stage's
+        ``parallel_parameter_name_list``: the other stages' parameters are neither read, initialised
+        nor saved here (``ShardLayout.tensors_of_rank``)."""
+        if layout is None or self.par.pp == 1:
+            return tensors
+        mine = set(layout.tensors_of_rank(self.rank))
+        return {n: t for n, t in tensors.items() if n in mine or n not in layout.tensors}
 
     @property
     def _opt_part(self):
@@ -361,11 +377,13 @@ class Trainer:
         """Sharded run: this rank's slices of ``params`` from the weights folder, or a seeded random init."""
         weights = self.recipe.weights_folder
         if weights is None:
-            for param in self.model.get_parameters():  # nothing to read: materialise the seeded init
+            mine = self._this_stage({p.name: p for p in self.model.get_parameters()}, layout)
+            for param in mine.values():  # nothing to read: materialise the seeded init (this stage only)
                 if param.has_init:
                     param.init_data()
             return
-        restore_into(params, open_checkpoint(weights).model, "model", layout=layout, rank=self.rank, part=self._opt_part)
+        restore_into(self._this_stage(params, layout), open_checkpoint(weights).model, "model", layout=layout,
+                     rank=self.rank, part=self._opt_part)
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
@@ -481,10 +499,12 @@ class Trainer:
             "world_size": self.world, "global_batch_size": self.recipe.global_batch_size, "seq_len": self.seq_len,
         }
         if self.sharded:  # every rank writes its slices (experts in HF order by construction), rank 0 completes
-            model, opt = self.model_tensors, self.opt_tensors
+            layout = self._layout()  # a rank file holds only its stage's tensors (layout.json: which stage)
+            model = self._this_stage(self.model_tensors, layout)
+            opt = self._this_stage(self.opt_tensors, layout.for_optimizer())
             if self.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
                 model, opt = self.opt_shards.gathered(model), self.opt_shards.gathered(opt)
-            self.last_ckpt = ckpt_mod.save_sharded(self.manager, step, self.rank, self._layout(), model, opt,
+            self.last_ckpt = ckpt_mod.save_sharded(self.manager, step, self.rank, layout, model, opt,
                                                    self.cfg, state, self.recipe.to_yaml(), self.strategy_file)
             return
         if self.world > 1:  # every rank takes part: the replicas must hold the same weights
