@@ -327,7 +327,7 @@ class Trainer:
                 self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
             layout = self._layout()
             # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line
-            from ms_deepseek.parallel import compiled_check as cc
+            from ms_deepseek.sharding import compiled_check as cc
 
             cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
             cc.check_primitives(cc.primitive_attrs(self.model, self.applied.strategies), self.applied.strategies)
