@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Sequence, Set
 
 import pytest
 
@@ -152,3 +152,64 @@ def test_a_planted_cycle_is_found(tmp_path):
     (copy / "core" / "a.py").write_text("def f():\n    from ms_deepseek.core import b\n")
     (copy / "core" / "b.py").write_text("from ms_deepseek.core.a import f\n")
     assert find_cycle(copy) == ["ms_deepseek.core.a", "ms_deepseek.core.b", "ms_deepseek.core.a"]
+
+
+def top_level_names(path: Path) -> Set[str]:
+    """Names a module defines at its top level (defs, classes, assignments, imports), and '*' when it
+    has a module ``__getattr__`` (then any name may exist)."""
+    names: Set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add("*" if node.name == "__getattr__" else node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            names |= {(a.asname or a.name).split(".")[0] for n in ast.walk(node)
+                      if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    return names
+
+
+def broken_imports(package: Path = PACKAGE, others: Sequence[Path] = ()) -> List[str]:
+    """ms_deepseek imports (function-local ones too, which only run on some paths) naming a module
+    or a name that does not exist: what a move leaves behind. ``others``: more files to read
+    (tools, tests), named by path."""
+    modules = all_modules(package)
+    defined = {name: top_level_names(path) for name, path in modules.items()}
+    bad = []
+    for name, path in list(modules.items()) + [(str(p), p) for p in others]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                bad += [f"{name}:{node.lineno}: no module {a.name}" for a in node.names
+                        if a.name.startswith("ms_deepseek.") and a.name not in modules]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ms_deepseek":
+                if node.module not in modules:
+                    bad.append(f"{name}:{node.lineno}: no module {node.module}")
+                    continue
+                for a in node.names:
+                    if f"{node.module}.{a.name}" not in modules and a.name not in defined[node.module] \
+                            and "*" not in defined[node.module]:
+                        bad.append(f"{name}:{node.lineno}: {node.module} has no {a.name}")
+    return bad
+
+
+def test_every_import_names_something_that_exists():
+    repo = PACKAGE.parent
+    scripts = [p for d in ("tools", "tests") for p in sorted((repo / d).rglob("*.py"))]
+    bad = broken_imports(others=scripts)
+    assert not bad, "imports of what does not exist:\n" + "\n".join(bad)
+
+
+def test_a_planted_broken_import_is_found(tmp_path):
+    copy = tmp_path / "ms_deepseek"
+    (copy / "core").mkdir(parents=True)
+    (copy / "__init__.py").write_text("")
+    (copy / "core" / "__init__.py").write_text("")
+    (copy / "core" / "a.py").write_text("X = 1\n")
+    (copy / "core" / "b.py").write_text("def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n")
+    assert broken_imports(copy) == ["ms_deepseek.core.b:2: ms_deepseek.core has no gone",
+                                    "ms_deepseek.core.b:3: ms_deepseek.core.a has no Y"]
