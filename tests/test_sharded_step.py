@@ -15,6 +15,7 @@ import pytest
 from mindspore import ops
 
 from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.spec.recipe import TrainSection
 from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
 from ms_deepseek.parallel.ranks import (data_coordinates, data_slice, dataset_strategy, rows_of_rank,
                                         stage_of_rank)
@@ -263,9 +264,8 @@ def test_pipeline_step_has_accu_grads_for_every_optimizer_parameter(tiny_model, 
     par = ParallelConfig(dp=1, tp=1, pp=2, micro_batches=4, optimizer_shard=optimizer_shard)
     applied = apply_plan(model, par, cfg)
     optimizer = _optimizer(model)
-    step, update = build_step(model, optimizer, par.micro_batches, len(cfg.moe_layer_indices), cfg.n_routed_experts,
-                              1.0, False, wrap_net=lambda net: pipeline_wrap(net, par, applied, model_prefix="model"),
-                              pipeline=True, optimizer_shard=par.optimizer_shard)
+    step, update = build_step(model, optimizer, TrainSection(clip_grad_norm=1.0), par,
+                              wrap_net=lambda net: pipeline_wrap(net, par, applied, model_prefix="model"))
     assert isinstance(step.net, Pipeline) and step.net.micro_size == 4
     assert isinstance(step.pipeline, PipelineGrads) and step.pipeline.opt_shard is optimizer_shard
     assert update.pre_unscaled  # the accumulated gradients are unscaled once, by PipelineGrads
@@ -317,7 +317,8 @@ def test_without_pipeline_the_step_has_no_accu_grads(tiny_model):
     from ms_deepseek.train.step import build_step
 
     cfg, model = tiny_model
-    step, update = build_step(model, _optimizer(model), 2, len(cfg.moe_layer_indices), cfg.n_routed_experts, 1.0, False)
+    step, update = build_step(model, _optimizer(model), TrainSection(grad_accum_steps=2, clip_grad_norm=1.0),
+                              ParallelConfig())
     assert step.pipeline is None and not update.pre_unscaled
     assert not [p.name for p in step.get_parameters() if p.name.startswith("accu_grads")]
 
@@ -371,8 +372,8 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
         norm_a, *_ = Update(opt_a, scale, 0.5, False, dot_norm=False)(grads)
 
         opt_b = _optimizer(model_b)
-        step_b, _ = build_step(model_b, opt_b, k, L, E, 0.5, False, wrap_net=lambda net: Pipeline(net, k),
-                               pipeline=True, optimizer_shard=False)
+        step_b, _ = build_step(model_b, opt_b, TrainSection(clip_grad_norm=0.5), ParallelConfig(pp=2, micro_batches=k),
+                               wrap_net=lambda net: Pipeline(net, k))
         step_b.update.dot_norm = False
         for accu, g in zip(step_b.pipeline.accu_grads, grads):
             accu.set_data(Tensor(g.asnumpy()))

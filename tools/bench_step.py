@@ -96,7 +96,8 @@ def _ms_worker(case: str, args) -> None:
     from ms_deepseek.spec.inventory import count_parameters
     from ms_deepseek.train import optim
     from ms_deepseek.train.mf_adapter import mindformers_classes
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.spec.recipe import OptimSection, TrainSection
 
     ms.set_device("CPU")
     if args.threads:
@@ -126,7 +127,7 @@ def _ms_worker(case: str, args) -> None:
         ms.runtime.launch_blocking()
     moe_layers = cfg.moe_layer_indices
     E = cfg.n_routed_experts if moe_layers else 0
-    step_cell, update = build_step(model, optimizer, 1, len(moe_layers), E, 1.0, False)
+    step_cell, update = build_step(model, optimizer, TrainSection(clip_grad_norm=1.0), ParallelConfig())
     ids, labels = _batch(cfg.vocab_size)
     ids_t, labels_t = Tensor(ids), Tensor(labels)
     last = {}

@@ -46,7 +46,8 @@ def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int =
     from ms_deepseek import DeepseekV2ForCausalLM
     from ms_deepseek.core.runtime import use_device
     from ms_deepseek.train.optim import build_optimizer
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.spec.recipe import OptimSection, TrainSection
     from ms_deepseek.train.step import build_step
 
     device = use_device(pick_device(device))
@@ -57,8 +58,7 @@ def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int =
     model.set_train(True)
     params = model.trainable_params()
     optimizer = build_optimizer(params, OptimSection(lr=lr, schedule="constant", weight_decay=0.0), steps)
-    step, _ = build_step(model, optimizer, 1, len(cfg.moe_layer_indices), cfg.n_routed_experts or 0,
-                         clip_norm=1.0, dynamic_loss_scale=False)
+    step, _ = build_step(model, optimizer, TrainSection(clip_grad_norm=1.0), ParallelConfig())
     rng = np.random.default_rng(seed)
     ids = ms.Tensor(rng.integers(3, cfg.vocab_size, size=(batch, seq_len)), ms.int32)  # [B, T]
 

@@ -42,6 +42,9 @@ from mindspore.common import dtype as mstype
 from mindspore.ops import composite as C
 from mindspore.ops import operations as P
 
+from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.spec.recipe import TrainSection
+
 
 class StepOutputs(nn.Cell):
     """One micro-batch -> ``[total, loss, aux_loss, stats...] / k`` (float32 vector of ``width``)."""
@@ -256,14 +259,18 @@ def output_width(num_moe_layers: int, num_experts: int) -> int:
     return 3 + num_moe_layers * (num_experts + 4) if num_moe_layers else 3
 
 
-def build_step(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, num_moe_layers: int, num_experts: int,
-               clip_norm: Optional[float], dynamic_loss_scale: bool, loss_scale_init: float = 65536.0,
-               scale_factor: float = 2.0, scale_window: int = 1000, grad_reducer: Optional[nn.Cell] = None,
-               wrap_net=None, pipeline: bool = False, optimizer_shard: bool = False):
-    """The step Cell and its :class:`Update`. ``wrap_net`` replaces the accumulation wrapper
-    (the trainer passes the pipeline wrapper for pp > 1); ``pipeline`` adds the
-    :class:`PipelineGrads` (``accu_grads.*``) the pipeline pass needs, with ``optimizer_shard``
-    the recipe's ``parallel.optimizer_shard``."""
+def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel: ParallelConfig, *,
+               dynamic_loss_scale: bool = False, grad_reducer: Optional[nn.Cell] = None, wrap_net=None):
+    """The step Cell and its :class:`Update`, from the recipe's ``train`` (clipping, accumulation,
+    loss scale) and ``parallel`` sections. Micro-batches per step: ``parallel.micro_batches`` with
+    pipeline parallelism (pp > 1), else ``train.grad_accum_steps``. ``wrap_net`` replaces the
+    accumulation wrapper (the trainer passes the pipeline wrapper for pp > 1); pp > 1 adds the
+    :class:`PipelineGrads` (``accu_grads.*``) the pipeline pass needs. ``dynamic_loss_scale``:
+    float16 compute."""
+    cfg = model.config
+    num_moe_layers, num_experts = len(cfg.moe_layer_indices), cfg.n_routed_experts or 0
+    pipeline = parallel.pp > 1
+    accum_steps = parallel.micro_batches if pipeline else train.grad_accum_steps
     net = StepOutputs(model, accum_steps, num_moe_layers)
     if wrap_net is not None:
         net = wrap_net(net)
@@ -271,10 +278,10 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, accum_steps: int, num_moe_lay
         from mindspore.parallel.nn import GradAccumulation
 
         net = GradAccumulation(net, accum_steps)
-    scale = Parameter(Tensor(loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
+    scale = Parameter(Tensor(train.loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
                       name="loss_scale", requires_grad=False)
-    update = Update(optimizer, scale, clip_norm, dynamic_loss_scale, scale_factor, scale_window, grad_reducer,
-                    pre_unscaled=pipeline)
-    grads = PipelineGrads(optimizer.parameters, optimizer_shard) if pipeline else None
+    update = Update(optimizer, scale, train.clip_grad_norm, dynamic_loss_scale, train.loss_scale_factor,
+                    train.loss_scale_window, grad_reducer, pre_unscaled=pipeline)
+    grads = PipelineGrads(optimizer.parameters, parallel.optimizer_shard) if pipeline else None
     step = TrainStep(net, optimizer.parameters, update, output_width(num_moe_layers, num_experts), pipeline=grads)
     return step, update

@@ -285,11 +285,8 @@ class Trainer:
         self.E = cfg.n_routed_experts or 0
         self.k = par.micro_batches if par.pp > 1 else tc.grad_accum_steps  # micro-batches per step
         wrap = (lambda net: pipeline_wrap(net, par, self.applied, model_prefix="model")) if par.pp > 1 else None
-        self.step_cell, update = build_step(self.model, optimizer, self.k, len(self.moe_layers), self.E,
-                                            tc.clip_grad_norm, self.dynamic, tc.loss_scale_init,
-                                            tc.loss_scale_factor, tc.loss_scale_window, reducer, wrap_net=wrap,
-                                            # pp > 1: the accu_grads.* the pipeline pass accumulates into
-                                            pipeline=par.pp > 1, optimizer_shard=par.optimizer_shard)
+        self.step_cell, update = build_step(self.model, optimizer, tc, par, dynamic_loss_scale=self.dynamic,
+                                            grad_reducer=reducer, wrap_net=wrap)
         self.opt_shards = None  # sharded + parallel.optimizer_shard: set after the compile (_restore)
         self.strategy_file = self.run_dir / "strategy" / f"rank_{self.rank:05d}.ckpt"
         if self.sharded:  # Ascend only (refused on CPU in _check_layout)
