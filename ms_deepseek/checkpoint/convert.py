@@ -126,13 +126,22 @@ def _write_json(path: Path, data, fsync: bool = True) -> None:
             os.fsync(f.fileno())
 
 
-def _convert(src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], shard_size, workers: int,
-             overwrite: bool, progress: bool, fsync: bool) -> ConvertResult:
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a converted folder is written (the converter's command-line options)."""
+
+    shard_size: Union[int, str] = DEFAULT_SHARD_SIZE  # bytes per output file, or "5GB"
+    workers: int = DEFAULT_WORKERS                    # files written in parallel
+    overwrite: bool = False                           # replace a non-empty destination
+    progress: bool = True                             # a progress bar (on a terminal)
+    fsync: bool = True                                # fsync every file and folder before the rename
+
+
+def _convert(src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], options: WriteOptions) -> ConvertResult:
     src = Path(src)
-    size = parse_size(shard_size)
-    _check_workers(workers)
-    return convert_with(read_weight_files(src), src, dst, direction, plan_fn, size, workers, overwrite, progress,
-                        fsync)
+    parse_size(options.shard_size)
+    _check_workers(options.workers)
+    return convert_with(read_weight_files(src), src, dst, direction, plan_fn, options)
 
 
 def _check_workers(workers) -> None:
@@ -140,9 +149,11 @@ def _check_workers(workers) -> None:
         raise UserError(f"--workers {workers!r}: must be an integer >= 1")
 
 
-def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], shard_size, workers: int,
-                 overwrite: bool, progress: bool, fsync: bool) -> ConvertResult:
+def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles], list],
+                 options: WriteOptions) -> ConvertResult:
     """Write the planned HF / ms folder for an opened source (``ckpt``: folder, config, config_path)."""
+    workers, overwrite, progress, fsync = options.workers, options.overwrite, options.progress, options.fsync
+    shard_size = options.shard_size
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     _check_workers(workers)
@@ -192,10 +203,10 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles]
 def hf_to_ms(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
              overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
     """HuggingFace folder -> ms_deepseek folder (routed experts stacked per layer, dtype and bytes unchanged)."""
-    return _convert(src, dst, "hf-to-ms", plan_hf_to_ms, shard_size, workers, overwrite, progress, fsync)
+    return _convert(src, dst, "hf-to-ms", plan_hf_to_ms, WriteOptions(shard_size, workers, overwrite, progress, fsync))
 
 
 def ms_to_hf(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
              overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
     """ms_deepseek folder or training checkpoint -> HuggingFace folder (per-expert tensors, release config)."""
-    return _convert(src, dst, "ms-to-hf", plan_ms_to_hf, shard_size, workers, overwrite, progress, fsync)
+    return _convert(src, dst, "ms-to-hf", plan_ms_to_hf, WriteOptions(shard_size, workers, overwrite, progress, fsync))

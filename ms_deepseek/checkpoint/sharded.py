@@ -233,8 +233,8 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
                                      produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl)[0])))
         return out
 
-    return api.convert_with(opened, src_folder, dst, "ms-to-hf", plan_fn, shard_size, workers, overwrite, progress,
-                            fsync)
+    return api.convert_with(opened, src_folder, dst, "ms-to-hf", plan_fn,
+                            api.WriteOptions(shard_size, workers, overwrite, progress, fsync))
 
 
 def _check_strategy_files(folder: Path, layout: ShardLayout) -> None:

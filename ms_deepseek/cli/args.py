@@ -7,6 +7,8 @@ import argparse
 import re
 import socket
 
+from ms_deepseek.core.errors import UserError
+
 def _number(kind, text: str):
     try:
         value = kind(text)
@@ -69,3 +71,34 @@ def host(text: str) -> str:
     if re.fullmatch(r"[0-9.]+", value) or not _HOSTNAME.match(value):
         raise argparse.ArgumentTypeError(f"not an IP address or host name: {text!r}")
     return value
+
+
+LAYOUT_FLAGS = ("dp", "tp", "pp", "ep")
+
+
+def resolve_layout(args: argparse.Namespace, base):
+    """``base`` (a ParallelConfig: a recipe's ``parallel`` section, or the default) with the command
+    line's ``--dp/--tp/--pp/--ep`` (and ``--micro-batches`` where the command has it) applied: the one
+    reading of those flags, for ``convert`` and ``plan``.
+
+    A changed ``pp`` drops the recipe's ``stage_layers`` (cut for its own pp) and raises
+    ``micro_batches`` to at least one per stage (1F1B); a changed ``ep`` drops its
+    ``expert_placement`` (a table for its own ep)."""
+    import dataclasses
+
+    changes = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k, None) is not None}
+    if getattr(args, "micro_batches", None) is not None:
+        changes["micro_batches"] = args.micro_batches
+    if not changes:
+        return base
+    for key, value in changes.items():
+        if value < 1:
+            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+    pp, ep = changes.get("pp", base.pp), changes.get("ep", base.ep)
+    if "micro_batches" not in changes and pp > 1 and base.micro_batches < pp:
+        changes["micro_batches"] = pp
+    if pp != base.pp:
+        changes["stage_layers"] = None
+    if ep != base.ep:
+        changes["expert_placement"] = None
+    return dataclasses.replace(base, **changes)

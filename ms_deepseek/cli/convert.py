@@ -17,6 +17,8 @@ import argparse
 from pathlib import Path
 
 from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.layout import is_sharded
+from ms_deepseek.cli.args import LAYOUT_FLAGS, positive_int, resolve_layout
 from ms_deepseek.core.errors import UserError
 
 _HELP = {
@@ -51,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                            help="recipe override (with --recipe)")
             for flag in ("dp", "tp", "pp", "ep"):
-                g.add_argument(f"--{flag}", type=int, help=f"parallel.{flag} (overrides the recipe's)")
+                g.add_argument(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST (only once the new "
                                                                 "folder is complete)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -61,28 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def layout_from_args(args):
     """The target ParallelConfig from --recipe and/or --dp/--tp/--pp/--ep; None when none is given."""
-    from dataclasses import replace
-
     from ms_deepseek.spec.parallel import ParallelConfig
 
-    flags = {k: getattr(args, k, None) for k in ("dp", "tp", "pp", "ep")}
-    flags = {k: v for k, v in flags.items() if v is not None}
+    flags = [k for k in LAYOUT_FLAGS if getattr(args, k, None) is not None]
     if getattr(args, "recipe", None):
         from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
-        par = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe)).parallel  # no data needed
+        base = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe)).parallel  # no data needed
     elif flags or getattr(args, "overrides", None):
         if getattr(args, "overrides", None):
             raise UserError("--set: needs --recipe")
-        par = ParallelConfig()
+        base = ParallelConfig()
     else:
         return None
-    if flags:
-        pp = flags.get("pp", par.pp)
-        par = replace(par, **flags, micro_batches=max(par.micro_batches, pp),
-                      stage_layers=par.stage_layers if pp == par.pp else None,
-                      expert_placement=par.expert_placement if flags.get("ep", par.ep) == par.ep else None)
-    return par
+    return resolve_layout(args, base)
 
 
 def _resolve_source(src: str) -> Path:
@@ -124,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                           overwrite=args.overwrite, progress=progress, fsync=fsync)
     else:
         src = _resolve_source(args.src)
-        if sharded.describe_source(src) == "sharded" or any(src.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
+        if is_sharded(src):
             result = sharded.merge_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
                                          overwrite=args.overwrite, progress=progress, fsync=fsync)
         else:

@@ -32,7 +32,7 @@ import json
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from ms_deepseek.cli.args import non_negative_float, non_negative_int, positive_float, positive_int, resolve_layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,26 +267,11 @@ def _check_recipe(args, hw):
 
 def _recipe_layout(args, recipe):
     """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
-    import dataclasses
-
     from ms_deepseek.parallel.validate import validate_layout
 
-    changes = {k: getattr(args, k) for k in ("dp", "tp", "pp", "ep") if getattr(args, k) is not None}
-    if args.micro_batches is not None:
-        changes["micro_batches"] = args.micro_batches
-    if not changes:
-        return recipe.parallel
-    for key, value in changes.items():
-        if value < 1:
-            raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
-    par = recipe.parallel
-    pp = changes.get("pp", par.pp)
-    if "micro_batches" not in changes and pp > 1 and par.micro_batches < pp:
-        changes["micro_batches"] = pp  # 1F1B needs one micro-batch per stage at least
-    if "pp" in changes and changes["pp"] != par.pp:
-        changes["stage_layers"] = None  # the recipe's cut was for its own pp
-    par = dataclasses.replace(par, **changes)
-    validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
+    par = resolve_layout(args, recipe.parallel)
+    if par is not recipe.parallel:
+        validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
     return par
 
 

@@ -72,12 +72,15 @@ class PlanResult:
         if self.worst is not None:
             memory["stage"] = self.worst.stage
         memory["usable"] = round(self.usable_gb, 3)
+        workload = dataclasses.asdict(self.workload)
+        if self.workload.lora is not None:  # what sizes the adapters (alpha and dropout do not)
+            workload["lora"] = self.workload.lora.settings()
         return {
             "fits": self.fits,
             "problems": self.problems,
             "layout": layout,
             "grad_accumulation": self.grad_accumulation,
-            "workload": dataclasses.asdict(self.workload),
+            "workload": workload,
             "memory_gb": memory,
             "stage_memory_gb": [dict(s.gb(), stage=s.stage, layers=s.layers) for s in self.stages],
             "communication_gb_per_step": {k: round(v, 3) for k, v in self.comm_gb.items()},
