@@ -288,6 +288,7 @@ def test_a_lone_routed_gate_adapter_is_exported_with_a_zero_up_partner(tmp_path)
               str(step / "model.safetensors"))
     (step / "recipe.yaml").write_text(yaml.safe_dump({"lora": {"r": 2, "alpha": 4.0,
                                                                "target_modules": ["experts.gate_proj"]}}))
+    (step / "state.json").write_text("{}")  # a training checkpoint: what makes recipe.yaml's lora count
     tensors, config = checkpoint_adapter(step, FIX / "base")
     assert config["target_modules"] == ["gate_proj", "up_proj"] and len(tensors) == 16
     up_b = tensors["base_model.model.model.layers.1.mlp.experts.3.up_proj.lora_B.weight"]

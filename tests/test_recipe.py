@@ -8,6 +8,7 @@ import yaml
 
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.recipe import load_recipe, load_recipe_dict
+from ms_deepseek.train.preflight import check_recipe, load_checked_recipe
 from ms_deepseek.train.schedules import lr_at, milestone_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,9 +95,10 @@ def test_model_source_can_be_a_config_json(tmp_path):
     ({"logging": {"log_interval": 0}}, "logging.log_interval"),
 ])
 def test_bad_values_fail_at_load_naming_the_key(tmp_path, sections, key):
+    """Schema errors (spec.recipe) and what the run would not find on this machine (train.preflight)."""
     path = write(tmp_path, base(**sections))
     with pytest.raises(UserError) as err:
-        load_recipe(path)
+        load_checked_recipe(path)
     message = str(err.value)
     assert key in message, message
     assert "\n" not in message
@@ -126,12 +128,12 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
     text = [Path(m.__file__).read_text(encoding="utf-8") for m in (argparse, dataclasses, os)]
     train_sentencepiece(text, 600, tmp_path / "tokenizer.model")
-    ok = load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")},
-                               model={"overrides": dict(SMALL, vocab_size=1024)}))
+    ok = check_recipe(load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")},
+                                            model={"overrides": dict(SMALL, vocab_size=1024)})))
     assert ok.model_config.vocab_size == 1024
     with pytest.raises(UserError, match=r"data.tokenizer: the tokenizer has \d+ tokens but the model's vocab_size "
                                         r"is 512"):
-        load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")}))
+        check_recipe(load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")})))
 
 
 def test_bad_yaml_and_missing_file(tmp_path):
@@ -196,6 +198,5 @@ def test_global_batch_is_one_definition_for_train_and_plan():
                                  parallel={"dp": 1, "micro_batches": 4}))
     assert flat.global_batch_size == 16 == recipe_workload(flat).global_batch_size
     assert layout_problems(flat.parallel, flat.model_config, global_batch_size=16, micro_batch_size=8) == []
-    piped = load_recipe_dict(base(train={"micro_batch_size": 2}, parallel={"dp": 2, "pp": 2, "micro_batches": 4}),
-                             planning=True)
+    piped = load_recipe_dict(base(train={"micro_batch_size": 2}, parallel={"dp": 2, "pp": 2, "micro_batches": 4}))
     assert piped.global_batch_size == 16 == recipe_workload(piped).global_batch_size
