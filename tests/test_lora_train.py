@@ -235,8 +235,8 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     # what the trainer's _layout writes into a sharded LoRA checkpoint
     trainer_layout = build_layout(recipe.model_config, par, lora=recipe.lora)
     assert layout.to_json()["tensors"] == trainer_layout.to_json()["tensors"]
-    assert layout.lora == {"r": recipe.lora.r, "target_modules": list(recipe.lora.target_modules),
-                           "train_router": False}
+    assert layout.lora.settings() == {"r": recipe.lora.r, "target_modules": list(recipe.lora.target_modules),
+                                     "train_router": False}
     saved = load_file(str(whole / "model.safetensors"))
     assert set(layout.tensors) == set(saved)  # adapters only: no base weight in the layout or the rank files
     # adapters split like their base layers: column-parallel B by tp, row-parallel A by tp, experts by ep
