@@ -51,10 +51,10 @@ def test_int8_per_channel_bytes_by_hand():
     held = _held(QuantSpec(bits=8, group_size=None))
     base = sum(_numel(s) for s in QUANTIZED)                      # one byte per element
     assert held["weights"] == base + 2 * KEPT_BF16 + 4 * ROUTER_F32 + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32
-    # one bf16 scale per output channel (and per expert): [.., out]
-    assert held["scales"] == 2 * sum(_numel(s[:-1]) for s in QUANTIZED)
-    # the largest weight dequantised to bf16: the stacked routed gate_proj [8, 128, 192]
-    assert held["dequant"] == 2 * 8 * 128 * 192
+    # one float32 scale and one float32 offset per output channel (and per expert): [.., out]
+    assert held["scales"] == (4 + 4) * sum(_numel(s[:-1]) for s in QUANTIZED)
+    # the largest weight dequantised to float32: the stacked routed gate_proj [8, 128, 192]
+    assert held["dequant"] == 4 * 8 * 128 * 192
     # the quantized weights keep no cast copy; the fp32 adapters keep their bf16 casts
     assert held["copies"] == 2 * ADAPTERS_F32
 
@@ -63,9 +63,9 @@ def test_int4_group_bytes_by_hand():
     held = _held(QuantSpec(bits=4, group_size=32))
     base = sum(_numel(s) for s in QUANTIZED) // 2                 # two values per byte
     assert held["weights"] == base + 2 * KEPT_BF16 + 4 * ROUTER_F32 + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32
-    # one bf16 scale per 32 input columns: [.., in / 32, out]
-    assert held["scales"] == 2 * sum(_numel(s) // 32 for s in QUANTIZED)
-    assert held["dequant"] == 2 * 8 * 128 * 192
+    # one float32 scale and offset per 32 input columns: [.., in / 32, out]
+    assert held["scales"] == (4 + 4) * sum(_numel(s) // 32 for s in QUANTIZED)
+    assert held["dequant"] == 4 * 8 * 128 * 192
     # against the bf16 base: the same inventory without quant
     bf16 = _held(None)
     assert bf16["weights"] - held["weights"] == 2 * sum(_numel(s) for s in QUANTIZED) - base
@@ -77,9 +77,9 @@ def test_expert_parallel_splits_quantized_experts_and_their_scales():
     quantized = ATTENTION + DENSE + ATTENTION + per_rank_experts + SHARED
     assert held["weights"] == (sum(_numel(s) for s in quantized) + 2 * KEPT_BF16 + 4 * ROUTER_F32
                                + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32)
-    assert held["scales"] == 2 * sum(_numel(s[:-1]) for s in quantized)
+    assert held["scales"] == (4 + 4) * sum(_numel(s[:-1]) for s in quantized)
     # the largest dequantised weight is now a dense one: [512, 192] = [4, 128, 192] elements
-    assert held["dequant"] == 2 * 512 * 192
+    assert held["dequant"] == 4 * 512 * 192
 
 
 def test_estimate_totals_include_scales_and_workspace():
@@ -87,7 +87,7 @@ def test_estimate_totals_include_scales_and_workspace():
     quant = estimate(CFG, ParallelConfig(), w, world_size=1)
     plain = estimate(CFG, ParallelConfig(), Workload(seq_len=64, global_batch_size=1, lora=LORA), world_size=1)
     q, p = quant.worst, plain.worst
-    assert q.scales == 2 * sum(_numel(s) // 32 for s in QUANTIZED) and q.dequant_workspace == 2 * 8 * 128 * 192
+    assert q.scales == 8 * sum(_numel(s) // 32 for s in QUANTIZED) and q.dequant_workspace == 4 * 8 * 128 * 192
     assert p.scales == p.dequant_workspace == 0
     assert q.total - p.total == pytest.approx((q.weights - p.weights) + q.scales + q.dequant_workspace
                                               + (q.weight_copies - p.weight_copies))

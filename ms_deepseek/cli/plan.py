@@ -367,8 +367,8 @@ def format_result(result) -> str:
             "comm_buffers", "hccl_buffers", "workspace")
     if quant is not None:
         group = "one scale per output channel" if quant.group_size is None else f"one scale per {quant.group_size} inputs"
-        lines.append(f"quantized base: int{quant.bits}, {group} (weights below hold the quantized base; scales "
-                     "and the dequantisation workspace in the compute dtype)")
+        lines.append(f"quantized base: int{quant.bits}, {group} (weights below hold the quantized base; float32 "
+                     "scales and offsets, one weight dequantised to float32 at a time)")
         keys += ("scales", "dequant_workspace")
     for key in keys:
         lines.append(f"  {key:<18}{mem[key]:9.2f} GB")

@@ -126,7 +126,7 @@ class StageMemory:
     comm_buffers: float = 0.0        # MoE all-to-all send / receive buffers (in MindSpore's pool)
     hccl_buffers: float = 0.0        # HCCL's own buffers, one per communication group (outside the pool)
     workspace: float = 0.0
-    scales: float = 0.0               # quantized base: the dequantisation scales (compute dtype)
+    scales: float = 0.0               # quantized base: the float32 scales and offsets
     dequant_workspace: float = 0.0    # quantized base: the largest weight dequantised at once
     params: int = 0                   # elements held (before optimizer sharding of weights)
 
@@ -156,8 +156,8 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices.
 
     With ``quant`` the base weights :func:`ms_deepseek.spec.quant.is_quantized` names count
-    ``bits / 8`` bytes per element plus their scales in the compute dtype, and keep no cast copy;
-    ``dequant`` is the largest of them dequantised to the compute dtype (docs/planner.md, "Quantized base").
+    ``bits / 8`` bytes per element plus their float32 scales and offsets, and keep no cast copy;
+    ``dequant`` is the largest of them dequantised to float32 (docs/planner.md, "Quantized base").
     """
     plan = plan or Plan()
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
@@ -178,7 +178,7 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
         slot = out[stage_of_param(info, parallel.pp, stages)]
         slot["params"] += local
         if quant is not None and not info.trainable and is_quantized(info):
-            _quantized_bytes(slot, info, layout, local, quant, precision.compute_bytes)
+            _quantized_bytes(slot, info, layout, local, quant)
             continue
         slot["weights"] += local * size / group
         if not info.trainable:
@@ -198,16 +198,22 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     return out
 
 
-def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec, c: int) -> None:
+# What the quantized layers hold per scale element (model/quant.py, QuantLinear / QuantStackedWeight):
+# a float32 weight_scale and a float32 weight_offset (zeros; msModelSlim's W8A16 / W4A16 names), and
+# the bytes per element of the weight they dequantise to (float32, the CPU reference path's arithmetic).
+SCALE_BYTES = 4 + 4
+DEQUANT_BYTES = 4
+
+
+def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec) -> None:
     """One NPU's slice of a quantized weight [.., out, in]: int8 1 byte / int4 half a byte per element;
-    scales [.., out] per output channel or [.., in / g, out] per group, split like the weight, in the
-    compute dtype (WeightQuantBatchMatmul's antiquant_scale has the activations' dtype); the whole slice
-    dequantised once, in the compute dtype, is the workspace."""
+    scales and offsets [.., out] per output channel or [.., in / g, out] per group, split like the
+    weight; the whole slice dequantised once is the workspace (docs/planner.md, "Quantized base")."""
     local_in = info.shape[-1] // layout[-1]   # quant_layout_problems has checked the group divides it
     scales = local // (local_in if quant.group_size is None else quant.group_size)
     slot["weights"] += local * quant.bits / 8
-    slot["scales"] += scales * c
-    slot["dequant"] = max(slot["dequant"], local * c)
+    slot["scales"] += scales * SCALE_BYTES
+    slot["dequant"] = max(slot["dequant"], local * DEQUANT_BYTES)
 
 
 def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, quant: QuantSpec) -> List[str]:
