@@ -161,3 +161,30 @@ def test_cli_quant_without_lora_is_refused(capsys):
     code, out = _cli(capsys, *ARGS[:-4], "--quant-bits", "8")
     assert code == 2 and out.err.strip() == ("ms-deepseek plan: error: --quant-bits: only with LoRA (--lora-r or a "
                                              "recipe lora: section): a quantized base is frozen")
+
+
+# ------------------------------------------------------------------------------ the recipes
+ONE_NODE = {"v2-qlora-8npu": {"bits": 4, "group_size": 128}, "v2-lite-lora-1npu": None,
+            "v2-lite-qlora-1npu": {"bits": 4, "group_size": 64}}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_NODE))
+def test_one_node_recipes_fit_with_4_gb_to_spare(capsys, name):
+    from pathlib import Path
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    code, out = _cli(capsys, "plan", "--recipe", recipe, "--json")
+    data = json.loads(out.out)
+    assert code == 0 and data["fits"] and data["workload"]["quant"] == ONE_NODE[name]
+    assert data["memory_gb"]["usable"] - data["memory_gb"]["total"] >= 4.0
+    if name == "v2-lite-qlora-1npu":   # at 16K tokens the int4 base is what fits: the bf16 base does not
+        assert data["workload"]["seq_len"] >= 16384
+        bf16 = recipe.replace("v2-lite-qlora-1npu", "v2-lite-lora-1npu")   # the same job on the bf16 base
+        code, out = _cli(capsys, "plan", "--recipe", bf16, "--set", f"data.seq_len={data['workload']['seq_len']}",
+                         "--json")
+        assert code == 1 and not json.loads(out.out)["fits"]
+    if name == "v2-qlora-8npu":        # 236B on 8 NPUs: the int8 base leaves less than the 4 GB margin
+        code, out = _cli(capsys, "plan", "--recipe", recipe, "--quant-bits", "8", "--set", "quant.group_size=null",
+                         "--json")
+        bf = json.loads(out.out)["memory_gb"]
+        assert bf["usable"] - bf["total"] < 4.0
