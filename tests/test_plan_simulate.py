@@ -16,7 +16,7 @@ from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-ATLAS = ["v2-lite-sft-8npu", "v2-lite-pretrain-16npu", "v2-sft-64npu", "v2-pretrain-256npu"]
+ATLAS = ["v2-lite-sft-8npu", "v2-lite-pretrain-16npu", "v2-sft-64npu", "v2-pretrain-256npu", "v2-qlora-8npu"]
 TINY = get_preset("tiny")
 
 

@@ -21,6 +21,9 @@ RECIPES = {
     "v2-lite-pretrain-16npu": "deepseek-v2-lite",
     "v2-sft-64npu": "deepseek-v2",
     "v2-pretrain-256npu": "deepseek-v2",
+    "v2-qlora-8npu": "deepseek-v2",            # int4 base, one node
+    "v2-lite-lora-1npu": "deepseek-v2-lite",
+    "v2-lite-qlora-1npu": "deepseek-v2-lite",  # int4 base, 16K tokens
 }
 
 

@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-targets", help="comma-separated PEFT target modules (default with --lora-r: the "
                    "recipe's, else q_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj)")
     m.add_argument("--train-router", action="store_true", help="LoRA: the router weights are trained too")
+    m.add_argument("--quant-bits", type=int, choices=(4, 8), help="plan QLoRA: the frozen base stored as int8 (8) "
+                   "or int4 (4) with scales (needs LoRA); with --recipe, replaces the recipe's quant.bits")
+    m.add_argument("--quant-group-size", type=positive_int, metavar="G",
+                   help="with --quant-bits: one scale per G input columns (default: the recipe's quant.group_size, "
+                        "else one scale per output channel)")
     m.add_argument("--flash-attention", action="store_true",
                    help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
@@ -209,9 +214,10 @@ def run(args: argparse.Namespace) -> int:
     _positive(args, "npus", "seq_len", "global_batch", "micro_batch_size")
     cfg = _model(args)
     precision = _precision(args, cfg)
+    lora = _lora(args, None)
     workload = Workload(seq_len=args.seq_len, global_batch_size=args.global_batch,
                         micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention,
-                        lora=_lora(args, None))
+                        lora=lora, quant=_quant(args, None, lora))
     if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
         layout = _layout(args, args.npus, args.global_batch)
         result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
@@ -249,6 +255,26 @@ def _lora(args, section):
     return LoraSpec(r=int(r), target_modules=list(targets), train_router=train_router)
 
 
+def _quant(args, section, lora):
+    """The quantized base from --quant-bits / --quant-group-size over the recipe's ``quant:`` section."""
+    from ms_deepseek.spec.quant import QuantSpec
+
+    if args.quant_bits is None and args.quant_group_size is None:
+        return section
+    bits = args.quant_bits if args.quant_bits is not None else (section.bits if section is not None else None)
+    if bits is None:
+        raise UserError("--quant-group-size: needs --quant-bits (4 or 8)")
+    if lora is None:
+        raise UserError("--quant-bits: only with LoRA (--lora-r or a recipe lora: section): a quantized base is frozen")
+    group = args.quant_group_size
+    if group is None and section is not None:
+        group = section.group_size
+    try:
+        return QuantSpec(bits=bits, group_size=group)
+    except UserError as exc:
+        raise UserError(str(exc).replace("quant.group_size:", "--quant-group-size:", 1)) from None
+
+
 def _check_recipe(args, hw):
     from ms_deepseek.parallel.planner import check_recipe_fits
     from ms_deepseek.spec.recipe import load_recipe, planning_config_path
@@ -261,7 +287,8 @@ def _check_recipe(args, hw):
     from ms_deepseek.parallel.planner import recipe_workload
 
     workload = recipe_workload(recipe)
-    workload = dataclasses.replace(workload, lora=_lora(args, getattr(recipe, "lora", None)))
+    lora = _lora(args, getattr(recipe, "lora", None))
+    workload = dataclasses.replace(workload, lora=lora, quant=_quant(args, getattr(recipe, "quant", None), lora))
     return check_recipe_fits(recipe, hardware=hw, workload=workload), recipe
 
 
@@ -320,9 +347,16 @@ def format_result(result) -> str:
     lines.append(f"{verdict}: {result.peak_gb:.1f} GB per NPU (stage {result.worst.stage}) of "
                  f"{result.usable_gb:.1f} GB usable")
     mem = result.memory_gb
-    for key in ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
-                "comm_buffers", "hccl_buffers", "workspace"):
-        lines.append(f"  {key:<14}{mem[key]:9.2f} GB")
+    quant = result.workload.quant
+    keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
+            "comm_buffers", "hccl_buffers", "workspace")
+    if quant is not None:
+        group = "one scale per output channel" if quant.group_size is None else f"one scale per {quant.group_size} inputs"
+        lines.append(f"quantized base: int{quant.bits}, {group} (weights below hold the quantized base; float32 "
+                     "scales and offsets, one weight dequantised to float32 at a time)")
+        keys += ("scales", "dequant_workspace")
+    for key in keys:
+        lines.append(f"  {key:<18}{mem[key]:9.2f} GB")
     comm = result.comm_gb
     lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
     t = result.time_s

@@ -21,6 +21,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.spec.quant import QuantSpec, is_quantized
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
                                        parameter_inventory, shard_numel, stage_of_param)
 
@@ -94,6 +95,7 @@ class Workload:
     micro_batch_size: int = 1
     flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
     lora: Optional[LoraSpec] = None   # None: full fine-tuning / pretraining
+    quant: Optional[QuantSpec] = None # a quantized frozen base under LoRA (None: the base in param_dtype)
 
 
 def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
@@ -124,12 +126,15 @@ class StageMemory:
     comm_buffers: float = 0.0        # MoE all-to-all send / receive buffers (in MindSpore's pool)
     hccl_buffers: float = 0.0        # HCCL's own buffers, one per communication group (outside the pool)
     workspace: float = 0.0
+    scales: float = 0.0               # quantized base: the float32 scales and offsets
+    dequant_workspace: float = 0.0    # quantized base: the largest weight dequantised at once
     params: int = 0                   # elements held (before optimizer sharding of weights)
 
     @property
     def total(self) -> float:
         return (self.weights + self.weight_copies + self.gradients + self.optimizer + self.activations
-                + self.working_set + self.comm_buffers + self.hccl_buffers + self.workspace)
+                + self.working_set + self.comm_buffers + self.hccl_buffers + self.workspace + self.scales
+                + self.dequant_workspace)
 
     @property
     def pool(self) -> float:
@@ -138,7 +143,7 @@ class StageMemory:
 
     def gb(self) -> Dict[str, float]:
         keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
-                "comm_buffers", "hccl_buffers", "workspace")
+                "comm_buffers", "hccl_buffers", "workspace", "scales", "dequant_workspace")
         out = {k: round(getattr(self, k) / GB, 3) for k in keys}
         out["total"] = round(self.total / GB, 3)
         return out
@@ -147,14 +152,19 @@ class StageMemory:
 # ----------------------------------------------------------------------------- bytes held
 def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
                 inventory: Optional[List[ParamInfo]] = None, plan: Optional[Plan] = None,
-                threshold_kb: int = 64) -> List[Dict[str, float]]:
-    """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices."""
+                threshold_kb: int = 64, quant: Optional[QuantSpec] = None) -> List[Dict[str, float]]:
+    """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices.
+
+    With ``quant`` the base weights :func:`ms_deepseek.spec.quant.is_quantized` names count
+    ``bits / 8`` bytes per element plus their float32 scales and offsets, and keep no cast copy;
+    ``dequant`` is the largest of them dequantised to float32 (docs/planner.md, "Quantized base").
+    """
     plan = plan or Plan()
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     mesh = Mesh.from_parallel(parallel)
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0, largest_grad=0)
-           for _ in range(parallel.pp)]
+    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0, largest_grad=0, scales=0.0,
+                dequant=0.0) for _ in range(parallel.pp)]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
         layout = param_layout(plan, info.name, mesh)
@@ -167,6 +177,9 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
             group = optimizer_shard_group(info.shape, layout, mesh.stage_devices, size, threshold_kb)
         slot = out[stage_of_param(info, parallel.pp, stages)]
         slot["params"] += local
+        if quant is not None and not info.trainable and is_quantized(info):
+            _quantized_bytes(slot, info, layout, local, quant)
+            continue
         slot["weights"] += local * size / group
         if not info.trainable:
             # A frozen weight wider than the compute dtype is still cast for the matmul, and the
@@ -183,6 +196,39 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
         if (size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight")) or group > 1:
             slot["copies"] += local * precision.compute_bytes
     return out
+
+
+# What the quantized layers hold per scale element (model/quant.py, QuantLinear / QuantStackedWeight):
+# a float32 weight_scale and a float32 weight_offset (zeros; msModelSlim's W8A16 / W4A16 names), and
+# the bytes per element of the weight they dequantise to (float32, the CPU reference path's arithmetic).
+SCALE_BYTES = 4 + 4
+DEQUANT_BYTES = 4
+
+
+def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec) -> None:
+    """One NPU's slice of a quantized weight [.., out, in]: int8 1 byte / int4 half a byte per element;
+    scales and offsets [.., out] per output channel or [.., in / g, out] per group, split like the
+    weight; the whole slice dequantised once is the workspace (docs/planner.md, "Quantized base")."""
+    local_in = info.shape[-1] // layout[-1]   # quant_layout_problems has checked the group divides it
+    scales = local // (local_in if quant.group_size is None else quant.group_size)
+    slot["weights"] += local * quant.bits / 8
+    slot["scales"] += scales * SCALE_BYTES
+    slot["dequant"] = max(slot["dequant"], local * DEQUANT_BYTES)
+
+
+def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, quant: QuantSpec) -> List[str]:
+    """A layout that splits a quantized weight's input columns into slices the group size does not
+    divide cannot hold its group scales (one line, the first such weight)."""
+    if quant.group_size is None:
+        return []
+    for info in inventory:
+        if info.trainable or not is_quantized(info):
+            continue
+        split = param_layout(plan, info.name, mesh)[-1]
+        if (info.shape[-1] // split) % quant.group_size:
+            return [f"quant.group_size: {quant.group_size} does not divide the {info.shape[-1] // split} input "
+                    f"columns of {info.name} on one NPU (input width {info.shape[-1]} split {split} ways)"]
+    return []
 
 
 def moe_buffers(cfg, parallel: ParallelConfig, n: int) -> Dict[str, float]:
@@ -320,7 +366,8 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
             gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
             activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm, hccl_buffers=hccl,
-            workspace=hw.workspace_gb * GB, params=int(held[s]["params"])))
+            workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
+            dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"])))
     return result
 
 

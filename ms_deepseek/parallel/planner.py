@@ -24,6 +24,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel import costs
 from ms_deepseek.spec.lora import lora_inventory
 from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.spec.quant import group_size_problem
 from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
 from ms_deepseek.parallel.plan import (Mesh, Plan, layer_stages, parameter_inventory, shard_numel,
                                        stage_of_param)
@@ -114,8 +115,18 @@ def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optio
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     if w.lora is not None and not any(".lora_A." in i.name for i in inventory):
         inventory = lora_inventory(cfg, w.lora, inventory)
+    if w.quant is not None:
+        if w.lora is None:
+            raise UserError("quant: a quantized base is frozen, so it needs LoRA (a lora: section or --lora-r)")
+        problem = group_size_problem(w.quant, inventory)
+        if problem:
+            raise UserError(problem)
     plan = plan or DEFAULT_PLAN
-    held = costs.param_bytes(cfg, parallel, precision, inventory, plan)
+    if w.quant is not None:
+        result.problems = costs.quant_layout_problems(inventory, plan, Mesh.from_parallel(parallel), w.quant)
+        if result.problems:
+            return result
+    held = costs.param_bytes(cfg, parallel, precision, inventory, plan, quant=w.quant)
     result.stages = costs.stage_memory(cfg, parallel, w, precision, hw, held)
     result.fits = result.peak_gb <= result.usable_gb
     _speed(cfg, parallel, w, precision, hw, held, result, plan, inventory)
@@ -385,7 +396,8 @@ def recipe_workload(recipe) -> Workload:
     model_cfg = getattr(recipe, "model_config", None)
     lora = getattr(recipe, "lora", None)
     return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
-                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora)
+                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora,
+                    quant=getattr(recipe, "quant", None))
 
 
 def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,

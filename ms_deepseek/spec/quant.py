@@ -30,3 +30,27 @@ class QuantSpec:
         if self.group_size is not None and self.bits == 4 and self.group_size % 2:
             raise UserError(f"quant.group_size: int4 packs two values per byte, so the group size must be even, "
                             f"got {self.group_size}")
+
+
+# The frozen base weights the converter quantizes: the Linear weights of attention, the dense MLP
+# and the shared experts, and the stacked routed experts. Embeddings, norms (also q_a_layernorm /
+# kv_a_layernorm, kind "attention" but one-dimensional), biases, the router (mlp.gate) and lm_head
+# keep their dtype.
+QUANTIZED_KINDS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
+
+
+def is_quantized(info) -> bool:
+    """Whether a :class:`ms_deepseek.spec.inventory.ParamInfo` of the base is stored quantized."""
+    return (info.kind in QUANTIZED_KINDS and info.name.endswith(".weight") and len(info.shape) >= 2
+            and ".lora_" not in info.name)
+
+
+def group_size_problem(spec: QuantSpec, inventory) -> Optional[str]:
+    """One line naming the first quantized weight whose input width the group size does not divide."""
+    if spec.group_size is None:
+        return None
+    for info in inventory:
+        if is_quantized(info) and info.shape[-1] % spec.group_size:
+            return (f"quant.group_size: {spec.group_size} does not divide the input width {info.shape[-1]} of "
+                    f"{info.name}")
+    return None
