@@ -183,3 +183,21 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
         (rank_dir(step, r) / "optimizer.safetensors").write_bytes(b"x")
     assert is_complete(step)
     assert CheckpointManager(tmp_path / "checkpoints").latest() == step
+
+
+ATLAS = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu"))
+
+
+@pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)
+def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
+    """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
+    each machine check it could not make; a real launch still refuses the missing inputs."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["launch", str(recipe), "--dry-run", "--nnodes", "2", "--master-addr", "10.0.0.1"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "msrun" in lines[0] and "--node_rank=0" in lines[0]
+    skipped = [line for line in lines if line.startswith("# not checked on this machine")]
+    assert skipped and any("data.path" in line or "lora:" in line for line in skipped)
+    code, out, err = run_cli(["launch", str(recipe), "--nnodes", "2", "--master-addr", "10.0.0.1"])
+    assert code == 2 and out == "" and ("model.source" in err or "data.path" in err)

@@ -135,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.cli.train import default_run_dir
     from ms_deepseek.train.preflight import load_checked_recipe
 
-    recipe = load_checked_recipe(args.recipe, args.overrides)  # fail here, not in N workers
+    not_checked: List[str] = []
+    if args.dry_run:  # a login node: the checkpoint and the data may be on the cluster only
+        recipe = _recipe_for_dry_run(args, not_checked)
+    else:
+        recipe = load_checked_recipe(args.recipe, args.overrides)  # fail here, not in N workers
     from ms_deepseek.train.trainer import fit_plan
 
     fit_plan(recipe, args.force)
@@ -144,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_command(env, cmd), flush=True)
     if args.dry_run:
         print(f"# python of the workers: {worker_python()}")
+        for line in not_checked:
+            print(f"# not checked on this machine (train checks it on every node before it starts): {line}")
         return 0
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
@@ -167,6 +173,28 @@ def run(args: argparse.Namespace) -> int:
     if code != 0:
         remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
     return code
+
+
+def _recipe_for_dry_run(args: argparse.Namespace, not_checked: List[str]):
+    """The recipe as ``plan --recipe`` reads it (schema only; the architecture from a preset or a
+    config.json beside the recipe when model.source is not here), then train's machine checks,
+    whose failures are reported in ``not_checked`` instead of stopping the dry run."""
+    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.train.preflight import check_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except UserError as exc:
+        if ": model.source: " not in str(exc):
+            raise
+        recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
+        beside = next(p for p in planning_config_path(args.recipe) if p.is_file())
+        not_checked.append(f"model.source: {recipe.model.source} is not here (architecture read from {beside})")
+    try:
+        check_recipe(recipe)
+    except UserError as exc:
+        not_checked.append(f"{exc}; the checks after this one did not run either")
+    return recipe
 
 
 def _resolve_master(addr: str) -> None:
