@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
                           overwrite=args.overwrite, progress=progress, fsync=fsync)
     else:
         src = _resolve_source(args.src)
-        if sharded.describe_source(src) == "sharded" or any(src.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
+        from ms_deepseek.checkpoint.layout import is_sharded
+
+        if is_sharded(src) or any(src.glob("rank_[0-9][0-9][0-9][0-9][0-9]")):
             result = sharded.merge_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
                                          overwrite=args.overwrite, progress=progress, fsync=fsync)
         else:

@@ -237,6 +237,20 @@ def compatibility_notes(tensor_names) -> List[str]:
     return notes
 
 
+def model_with_adapters(ckpt: Path, show_progress: bool = False):
+    """The base a LoRA run's checkpoint was trained on, with the checkpoint's adapters (and trained
+    routers) attached as export-lora would write them: what ``generate`` samples from."""
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.model.lora_peft import attach_adapter
+
+    _section, model_section = run_lora_settings(ckpt)
+    base = run_base(ckpt, model_section)
+    tensors, config = checkpoint_adapter(ckpt, base)
+    model = DeepseekV2ForCausalLM.from_pretrained(base, show_progress=show_progress)
+    attach_adapter(model, tensors, config, ckpt)
+    return model
+
+
 def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = False) -> Path:
     """``export-lora RUN_OR_CHECKPOINT OUT``: the PEFT folder of a LoRA run's checkpoint."""
     from ms_deepseek.model.lora_peft import write_adapter
