@@ -135,7 +135,7 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
     """The base a LoRA checkpoint was trained on: RUN_DIR/base (random base) or model.source."""
     run_dir = ckpt.parent.parent
     if (run_dir / BASE_DIR / "model.safetensors").is_file():
-        return run_dir / BASE_DIR
+        return (run_dir / BASE_DIR).resolve()  # absolute, as for model.source: the adapter is read from elsewhere
     source = Path(str(model_section.get("source", ""))).expanduser()
     if source.is_dir() and (source / "config.json").is_file():
         return source.resolve()
