@@ -187,3 +187,23 @@ def test_embedded_default_small(tmp_path):
     assert meta["counts"]["max_token_id"] < 512
     with pytest.raises(UserError, match=r"--vocab-size: must be between 512 and 65536"):
         prepare_embedded_default(tmp_path / "e2", vocab_size=100, progress=False)
+
+
+def test_a_tokenizer_under_another_name_is_saved_as_the_folder_reads_it(tmp_path, tok_dir):
+    """prepare-data --tokenizer tok.model (or my.json): the data folder holds it under the name
+    train and generate look for, and its hash is of the bytes, not of the file name."""
+    from ms_deepseek.data.tokenizer import train_sentencepiece
+
+    text = "def f(x):\n    return x + 1\n" * 200 + "".join(chr(c) for c in range(32, 127)) * 20
+    sp_file = tmp_path / "tok.model"
+    train_sentencepiece([text], 400, sp_file)
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"text": text[:400]}])
+    hf_file = tmp_path / "hf" / "my.json"
+    hf_file.parent.mkdir()
+    hf_file.write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    for src, name in ((sp_file, "tokenizer.model"), (hf_file, "tokenizer.json")):
+        out = tmp_path / f"prepared-{name}"
+        meta, _ = prepare_data([tmp_path / "in"], out, src, seq_len=16, progress=False)
+        assert (out / name).is_file() and meta["tokenizer"]["files"] == [name]
+        tok = load_tokenizer(out)          # what train does with the data folder
+        assert tok.sha256() == load_tokenizer(src).sha256() == meta["tokenizer"]["sha256"]

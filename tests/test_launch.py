@@ -59,15 +59,33 @@ def test_dry_run_prints_the_msrun_command(tmp_path):
                             "--hccl-connect-timeout", "1200", "--hccl-exec-timeout", "3600"])
     assert code == 0
     words = shlex.split(out.strip())
-    assert words[:2] == ["HCCL_CONNECT_TIMEOUT=1200", "HCCL_EXEC_TIMEOUT=3600"]
-    assert Path(words[2]).name == "msrun" or words[2] == sys.executable
+    assert words[:3] == ["HCCL_CONNECT_TIMEOUT=1200", "HCCL_EXEC_TIMEOUT=3600",
+                         f"PATH={Path(sys.executable).parent}:$PATH"]
+    assert Path(words[3]).name == "msrun" or words[3] == sys.executable
     for flag in ("--worker_num=16", "--local_worker_num=8", "--master_addr=10.1.2.3", "--master_port=29600",
                  "--node_rank=1", "--log_dir=runs/x/msrun_logs", "--join=True", "--cluster_time_out=900"):
         assert flag in words, flag
-    tail = words[words.index("python"):]
+    tail = words[words.index("python"):words.index("#")]
     assert tail == ["python", "-m", "ms_deepseek.cli", "train", str(recipe), "--output", "runs/x", "--quiet",
                     "--set", "train.steps=7"]
     assert not Path("runs").exists(), "--dry-run starts nothing"
+
+
+def test_dry_run_keeps_exported_hccl_timeouts_and_names_the_interpreter(tmp_path, monkeypatch):
+    """HCCL_EXEC_TIMEOUT / HCCL_CONNECT_TIMEOUT exported (as doctor advises) are kept; the flags still
+    win; the defaults apply only when neither is set. The line says which python the workers run."""
+    recipe = write(tmp_path, recipe_data(dp=2))
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1800")
+    code, out, _ = run_cli(["launch", str(recipe), "--dry-run"])
+    assert code == 0 and shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=3600"]
+    assert f"# python of the workers: " in out and f"{Path(sys.executable).parent}" in out.splitlines()[1]
+    code, out, _ = run_cli(["launch", str(recipe), "--dry-run", "--hccl-exec-timeout", "900"])
+    assert shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=900"]
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT")
+    code, out, _ = run_cli(["launch", str(recipe), "--dry-run"])
+    assert shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=600", "HCCL_EXEC_TIMEOUT=1800"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -165,3 +183,21 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
         (rank_dir(step, r) / "optimizer.safetensors").write_bytes(b"x")
     assert is_complete(step)
     assert CheckpointManager(tmp_path / "checkpoints").latest() == step
+
+
+ATLAS = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu"))
+
+
+@pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)
+def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
+    """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
+    each machine check it could not make; a real launch still refuses the missing inputs."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["launch", str(recipe), "--dry-run", "--nnodes", "2", "--master-addr", "10.0.0.1"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "msrun" in lines[0] and "--node_rank=0" in lines[0]
+    skipped = [line for line in lines if line.startswith("# not checked on this machine")]
+    assert skipped and any("data.path" in line or "lora:" in line for line in skipped)
+    code, out, err = run_cli(["launch", str(recipe), "--nnodes", "2", "--master-addr", "10.0.0.1"])
+    assert code == 2 and out == "" and ("model.source" in err or "data.path" in err)

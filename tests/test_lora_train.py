@@ -359,3 +359,32 @@ def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys, command):
     assert "model.source" in err[0]
     assert not (tmp_path / "run").exists()
     assert main(["plan", "--recipe", recipe, *sets]) == 0
+
+
+def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_name_export_lora(
+        fixture_run, tmp_path, capsys):
+    """generate RUN_DIR of a LoRA run samples from its base with the checkpoint's adapters applied (the
+    logits PEFT computed with this run's adapter); convert ms-to-hf and from_pretrained say, in one
+    line, to use export-lora (or --merge)."""
+    import mindspore as ms
+
+    from ms_deepseek.core.errors import UserError
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.train.lora_run import model_with_adapters
+
+    _trainer, result = fixture_run
+    ref = load_file(str(FIX / "reference.safetensors"))
+    model = model_with_adapters(result.checkpoint)
+    model.set_train(False)
+    np.testing.assert_allclose(model(ms.Tensor(ref["input_ids"])).logits.asnumpy(), ref["logits_ours_adapter"],
+                               atol=1e-4)
+    capsys.readouterr()
+    assert main(["generate", str(result.run_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"][:3] == [5, 6, 7] and len(out["ids"]) == 6
+    code = main(["convert", "ms-to-hf", str(result.checkpoint), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "export-lora" in err and "--merge" in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(UserError, match="export-lora .*--merge"):
+        DeepseekV2ForCausalLM.from_pretrained(str(result.checkpoint), show_progress=False)

@@ -67,7 +67,7 @@ def open_checkpoint(folder) -> Opened:
     if is_sharded(folder):
         return _open_sharded(folder)
     weights = read_weight_files(folder)
-    lora = _lora_of(folder)
+    lora = lora_of(folder)
     if lora is not None:  # adapters (+ routers), by our names
         model = WholeSource.of(weights, hf=False)
         check_tensors(weights, {i.name: i.shape for i in checkpoint_inventory(weights.config, lora)}, "LoRA")
@@ -104,7 +104,7 @@ def _open_sharded(folder: Path) -> Opened:
     return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora)
 
 
-def _lora_of(folder: Path) -> Optional[LoraSpec]:
+def lora_of(folder: Path) -> Optional[LoraSpec]:
     """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
     if not (folder / "state.json").is_file():
         return None

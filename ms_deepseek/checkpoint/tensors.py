@@ -109,7 +109,9 @@ def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: i
             raise UserError(f"{getattr(src, 'folder', '')}: {what} tensor {name} has shape {list(value.shape)}, "
                             f"the model has {list(param.shape)}")
         np_dtype = {"Int32": np.int32, "Int64": np.int64}.get(str(param.dtype), np.float32)
-        param.set_data(Tensor(np.ascontiguousarray(value, dtype=np_dtype), dtype=param.dtype),
+        # np.ascontiguousarray returns at least 1-D: keep a scalar (loss_scale, global_step) a scalar
+        value = np.ascontiguousarray(value, dtype=np_dtype).reshape(value.shape)
+        param.set_data(Tensor(value, dtype=param.dtype),
                        slice_shape=tuple(value.shape) != tuple(param.shape))
 
 

@@ -158,7 +158,14 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
 
     check_prompts([prompt_ids], cfg.vocab_size)  # everything the call can check, before the weights are read
     check_length(len(prompt_ids), max_new_tokens, cfg)
-    model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=kwargs.get("progress", False))
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+
+    if open_checkpoint(folder).lora is not None:  # a LoRA run: its base with the checkpoint's adapters
+        from ms_deepseek.train.lora_run import model_with_adapters
+
+        model = model_with_adapters(folder, show_progress=kwargs.get("progress", False))
+    else:
+        model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=kwargs.get("progress", False))
     result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
     if tok is not None:
         result.text = tok.decode(result.ids)

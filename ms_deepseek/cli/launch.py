@@ -37,10 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
     parser.add_argument("--cluster-time-out", type=positive_int, default=600,
                         help="seconds msrun waits for all workers to join (default 600)")
-    parser.add_argument("--hccl-connect-timeout", type=positive_int, default=600,
-                        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default 600)")
-    parser.add_argument("--hccl-exec-timeout", type=positive_int, default=1800,
-                        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default 1800)")
+    parser.add_argument("--hccl-connect-timeout", type=positive_int, default=None,
+                        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default: the environment's "
+                             "HCCL_CONNECT_TIMEOUT, else 600)")
+    parser.add_argument("--hccl-exec-timeout", type=positive_int, default=None,
+                        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default: the environment's "
+                             "HCCL_EXEC_TIMEOUT, else 1800)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                         help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
                              "the run folder holds a complete checkpoint, else start fresh")
@@ -72,11 +74,11 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
     if not 1024 <= args.master_port <= 65535:
         raise UserError(f"--master-port: must be in 1024..65535, got {args.master_port}")
     for key in ("cluster_time_out", "hccl_connect_timeout", "hccl_exec_timeout"):
-        if getattr(args, key) < 1:
+        if getattr(args, key) is not None and getattr(args, key) < 1:
             raise UserError(f"--{key.replace('_', '-')}: must be >= 1, got {getattr(args, key)}")
     local = world_size // args.nnodes
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
-    env = {"HCCL_CONNECT_TIMEOUT": str(args.hccl_connect_timeout), "HCCL_EXEC_TIMEOUT": str(args.hccl_exec_timeout)}
+    env = hccl_env(args, os.environ)
     cmd = msrun_executable() + [
         f"--worker_num={world_size}", f"--local_worker_num={local}", f"--master_addr={args.master_addr}",
         f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", f"--log_dir={log_dir}",
@@ -95,15 +97,49 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
     return env, cmd
 
 
+# HCCL timeouts launch sets when neither its flag nor the environment gives one
+HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": 600, "HCCL_EXEC_TIMEOUT": 1800}
+
+
+def hccl_env(args: argparse.Namespace, environ) -> Dict[str, str]:
+    """HCCL timeouts for the workers: the flag, else the value already exported (what doctor and
+    docs/troubleshooting.md advise raising), else launch's default."""
+    flags = {"HCCL_CONNECT_TIMEOUT": args.hccl_connect_timeout, "HCCL_EXEC_TIMEOUT": args.hccl_exec_timeout}
+    return {key: str(flag) if flag is not None else environ.get(key) or str(HCCL_DEFAULTS[key])
+            for key, flag in flags.items()}
+
+
+def interpreter_dir() -> str:
+    """msrun starts its workers as ``python ...`` from PATH (MindSpore's _generate_cmd_args_list in
+    mindspore/parallel/cluster/process_entity/_utils.py accepts only a bare python/python3 name), so
+    launch puts this interpreter's folder first on PATH."""
+    return str(Path(sys.executable).parent)
+
+
+def worker_python() -> str:
+    """The interpreter msrun's ``python`` resolves to with interpreter_dir() first on PATH."""
+    found = shutil.which("python", path=interpreter_dir() + os.pathsep + os.environ.get("PATH", ""))
+    if found and Path(found).resolve() == Path(sys.executable).resolve():
+        return f"{found} (this interpreter)"
+    return (f"{found or 'none found'}, not this interpreter {sys.executable}: put a `python` next to it "
+            "(msrun starts workers as `python`)")
+
+
 def format_command(env: Dict[str, str], cmd: List[str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
+    """The command as a shell line that runs what launch runs: this interpreter's folder first on PATH."""
+    path = f"PATH={shlex.quote(interpreter_dir())}:$PATH"
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [path] + [shlex.quote(c) for c in cmd])
 
 
 def run(args: argparse.Namespace) -> int:
     from ms_deepseek.cli.train import default_run_dir
     from ms_deepseek.train.preflight import load_checked_recipe
 
-    recipe = load_checked_recipe(args.recipe, args.overrides)  # fail here, not in N workers
+    not_checked: List[str] = []
+    if args.dry_run:  # a login node: the checkpoint and the data may be on the cluster only
+        recipe = _recipe_for_dry_run(args, not_checked)
+    else:
+        recipe = load_checked_recipe(args.recipe, args.overrides)  # fail here, not in N workers
     from ms_deepseek.train.trainer import fit_plan
 
     fit_plan(recipe, args.force)
@@ -111,12 +147,15 @@ def run(args: argparse.Namespace) -> int:
     env, cmd = build_command(args, recipe.parallel.world_size, run_dir)
     print(format_command(env, cmd), flush=True)
     if args.dry_run:
+        print(f"# python of the workers: {worker_python()}")
+        for line in not_checked:
+            print(f"# not checked on this machine (train checks it on every node before it starts): {line}")
         return 0
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
     full_env = dict(os.environ, **env)
-    full_env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + full_env.get("PATH", "")
+    full_env["PATH"] = interpreter_dir() + os.pathsep + full_env.get("PATH", "")
     # Workers must import this very package, installed or not.
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
@@ -134,6 +173,28 @@ def run(args: argparse.Namespace) -> int:
     if code != 0:
         remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
     return code
+
+
+def _recipe_for_dry_run(args: argparse.Namespace, not_checked: List[str]):
+    """The recipe as ``plan --recipe`` reads it (schema only; the architecture from a preset or a
+    config.json beside the recipe when model.source is not here), then train's machine checks,
+    whose failures are reported in ``not_checked`` instead of stopping the dry run."""
+    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.train.preflight import check_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except UserError as exc:
+        if ": model.source: " not in str(exc):
+            raise
+        recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
+        beside = next(p for p in planning_config_path(args.recipe) if p.is_file())
+        not_checked.append(f"model.source: {recipe.model.source} is not here (architecture read from {beside})")
+    try:
+        check_recipe(recipe)
+    except UserError as exc:
+        not_checked.append(f"{exc}; the checks after this one did not run either")
+    return recipe
 
 
 def _resolve_master(addr: str) -> None:

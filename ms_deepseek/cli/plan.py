@@ -28,7 +28,9 @@ Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
     parser.add_argument("--seq-len", type=positive_int, help="training sequence length")
     parser.add_argument("--global-batch", type=positive_int, help="sequences per optimizer step")
-    parser.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch (default 1)")
     g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
     g.add_argument("--dp", type=positive_int)
     g.add_argument("--tp", type=positive_int)
@@ -59,15 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-vocab-parallel", action="store_true", help="replicate the embedding and lm_head")
     g.add_argument("--stage-layers", help="layers per pipeline stage, comma-separated")
     m = parser.add_argument_group("model and precision")
-    m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"),
+                   help="activation / matmul dtype (default bfloat16; with --recipe: the recipe's)")
     m.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"),
                    help="parameter dtype (default: the model config's)")
     m.add_argument("--capacity-factor", type=positive_float,
                    help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)")
     m.add_argument("--grad-bytes", type=positive_int, help="bytes per gradient element (default: the parameter's)")
-    m.add_argument("--optimizer-bytes", type=positive_int, default=8, help="optimizer state bytes per element (AdamW fp32: 8)")
-    m.add_argument("--master-bytes", type=non_negative_int, default=0, help="extra master-weight bytes per element (default 0)")
-    m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), default="level1")
+    m.add_argument("--optimizer-bytes", type=positive_int, help="optimizer state bytes per element (AdamW fp32: 8)")
+    m.add_argument("--master-bytes", type=non_negative_int, help="extra master-weight bytes per element (default 0)")
+    m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), help="default level1")
     m.add_argument("--lora-r", type=int, help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
                    "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r")
     m.add_argument("--lora-targets", help="comma-separated PEFT target modules (default with --lora-r: the "
@@ -81,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--flash-attention", action="store_true",
                    help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
-    h.add_argument("--hbm-gb", type=positive_float, default=64.0)
+    h.add_argument("--hbm-gb", type=positive_float, help="HBM per NPU (default 64; with --recipe: parallel.hbm_gb)")
     h.add_argument("--peak-tflops", type=positive_float, default=313.0)
     e = parser.add_argument_group("efficiencies: LOW,HIGH ends of the tokens/s range (docs/planner.md)")
     e.add_argument("--compute-efficiency", metavar="LOW[,HIGH]",
@@ -96,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--runtime-reserved-gb", type=positive_float, default=3.0)
     h.add_argument("--hccl-buffer-mb", type=non_negative_float, default=200.0)
     h.add_argument("--workspace-gb", type=positive_float, default=1.0)
-    parser.add_argument("--top", type=positive_int, default=5, help="layouts to list when searching")
+    parser.add_argument("--top", type=positive_int, help="layouts to list when searching (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -126,7 +129,7 @@ def _hardware(args):
     overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
     low = dataclasses.replace(LOW, compute=compute[0], comm=comm[0], overlap=overlap[0])
     high = dataclasses.replace(HIGH, compute=compute[1], comm=comm[1], overlap=overlap[1])
-    return Hardware(hbm_gb=args.hbm_gb, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps,
+    return Hardware(hbm_gb=args.hbm_gb or 64.0, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps,
                     hccs_gbps=args.hccs_gbps, roce_gbps=args.roce_gbps, npus_per_node=args.npus_per_node,
                     runtime_reserved_gb=args.runtime_reserved_gb, hccl_buffer_mb=args.hccl_buffer_mb,
                     workspace_gb=args.workspace_gb, low=low, high=high)
@@ -136,15 +139,15 @@ def _precision(args, cfg):
     from ms_deepseek.parallel.costs import ITEMSIZE, Precision
 
     return Precision(compute_bytes=ITEMSIZE[cfg.compute_dtype], grad_bytes=args.grad_bytes,
-                     optimizer_bytes=args.optimizer_bytes, master_bytes=args.master_bytes,
-                     optimizer_level=args.optimizer_level)
+                     optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
+                     master_bytes=args.master_bytes or 0, optimizer_level=args.optimizer_level or "level1")
 
 
 def _model(args):
     from ms_deepseek.spec.config import load_model_config
 
     cfg = load_model_config(args.model)
-    changes = {"compute_dtype": args.compute_dtype}
+    changes = {"compute_dtype": args.compute_dtype or "bfloat16"}
     if args.param_dtype:
         changes["param_dtype"] = args.param_dtype
     if args.capacity_factor is not None:
@@ -166,18 +169,20 @@ def _layout(args, npus: int, global_batch: int):
         dp = args.dp
     micro = args.micro_batches
     if micro is None:
-        per_rank = global_batch // max(1, dp * args.micro_batch_size)
+        per_rank = global_batch // max(1, dp * (args.micro_batch_size or 1))
         micro = per_rank if pp > 1 else 1
-    stage_layers = None
-    if args.stage_layers:
-        try:
-            stage_layers = [int(x) for x in args.stage_layers.split(",")]
-        except ValueError:
-            raise UserError(f"--stage-layers: expected comma-separated integers, got {args.stage_layers!r}") from None
+    stage_layers = _stage_layers(args.stage_layers) if args.stage_layers else None
     return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, micro),
                           recompute=args.recompute or "none", optimizer_shard=args.optimizer_shard,
                           sequence_parallel=args.sequence_parallel, vocab_parallel=not args.no_vocab_parallel,
-                          stage_layers=stage_layers, hbm_gb=args.hbm_gb)
+                          stage_layers=stage_layers, hbm_gb=args.hbm_gb or 64.0)
+
+
+def _stage_layers(text: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--stage-layers: expected comma-separated integers, got {text!r}") from None
 
 
 def _positive(args, *keys):
@@ -203,14 +208,17 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate and not args.recipe:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
     if args.recipe:
-        result, recipe = _check_recipe(args, hw)
+        result, recipe, note = _check_recipe(args, hw)
         _refuse_invalid(result)
         if args.simulate:
             return _simulate(args, recipe, result)
         _emit(args, result, None)
+        if note and not args.json:
+            print(note)
         return 0 if result.fits else 1
     if not args.model:
         raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
+    args.micro_batch_size = args.micro_batch_size or 1
     _positive(args, "npus", "seq_len", "global_batch", "micro_batch_size")
     cfg = _model(args)
     precision = _precision(args, cfg)
@@ -224,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         _refuse_invalid(result)
         _emit(args, result, None)
         return 0 if result.fits else 1
-    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top), progress=True)
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=sys.stderr.isatty())
     _emit(args, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 
@@ -279,17 +287,75 @@ def _check_recipe(args, hw):
     from ms_deepseek.parallel.planner import check_recipe_fits
     from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
-    recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
-    recipe.parallel = _recipe_layout(args, recipe)
-    hw.hbm_gb = recipe.parallel.hbm_gb
+
+# plan flags that stand for a recipe key: with --recipe they are applied as that --set
+_AS_SET = {
+    "recompute": lambda v: f"parallel.recompute={v}",
+    "optimizer_shard": lambda v: "parallel.optimizer_shard=true",
+    "sequence_parallel": lambda v: "parallel.sequence_parallel=true",
+    "no_vocab_parallel": lambda v: "parallel.vocab_parallel=false",
+    "hbm_gb": lambda v: f"parallel.hbm_gb={v}",
+    "compute_dtype": lambda v: f"model.overrides.compute_dtype={v}",
+    "param_dtype": lambda v: f"model.overrides.param_dtype={v}",
+    "capacity_factor": lambda v: f"model.overrides.capacity_factor={v}",
+    "flash_attention": lambda v: "model.overrides.use_flash_attention=true",
+}
+# plan flags a recipe already answers: refused with the --set that changes the recipe instead
+_REFUSED_WITH_RECIPE = {
+    "model": "the recipe's model.source is used (--set model.source=...)",
+    "npus": "the world size is the recipe's dp x tp x pp (--dp/--tp/--pp, or --set parallel.dp=...)",
+    "seq_len": "the recipe's data.seq_len is used (--set data.seq_len=N)",
+    "global_batch": "the global batch is train.micro_batch_size x grad_accum_steps (or micro_batches) x dp "
+                    "(--set train.grad_accum_steps=N)",
+    "micro_batch_size": "the recipe's train.micro_batch_size is used (--set train.micro_batch_size=N)",
+    "top": "only when searching layouts (--model/--npus without --dp/--tp/--pp/--ep)",
+}
+
+
+def _recipe_overrides(args) -> List[str]:
+    """The --set strings the plan flags given with --recipe stand for (refusing those it answers)."""
+    for key, why in _REFUSED_WITH_RECIPE.items():
+        if getattr(args, key) is not None:
+            raise UserError(f"--{key.replace('_', '-')}: not with --recipe; {why}")
+    sets = []
+    for key, to_set in _AS_SET.items():
+        value = getattr(args, key)
+        if value is not None and value is not False:
+            sets.append(to_set(value))
+    return sets
+
+
+def _check_recipe(args, hw):
     import dataclasses
 
-    from ms_deepseek.parallel.planner import recipe_workload
+    from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
+    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
+    flag_sets = _recipe_overrides(args)
+    as_written = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
+    recipe = load_recipe(args.recipe, list(args.overrides) + flag_sets, planning_config_path(args.recipe))
+    recipe.parallel = _recipe_layout(args, recipe)
+    hw.hbm_gb = recipe.parallel.hbm_gb
     workload = recipe_workload(recipe)
     lora = _lora(args, getattr(recipe, "lora", None))
     workload = dataclasses.replace(workload, lora=lora, quant=_quant(args, getattr(recipe, "quant", None), lora))
-    return check_recipe_fits(recipe, hardware=hw, workload=workload), recipe
+    note = None
+    before = recipe_workload(as_written).global_batch_size
+    if before != workload.global_batch_size:
+        changed = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("dp", "pp", "micro_batches")
+                   if getattr(args, k) is not None]
+        par, mbs = recipe.parallel, workload.micro_batch_size
+        per_replica, rest = divmod(before, par.dp * mbs)
+        keep = ("" if rest else f"; {before} needs --micro-batches {per_replica}" if par.pp > 1
+                else f"; {before} needs --set train.grad_accum_steps={per_replica}")
+        note = (f"note: {' '.join(changed) or 'the overrides'} change{'s' if len(changed) == 1 else ''} the "
+                f"recipe's global batch from {before} to {workload.global_batch_size} sequences per step "
+                f"(dp x train.micro_batch_size x {'parallel.micro_batches' if par.pp > 1 else 'train.grad_accum_steps'})"
+                f"{keep}")
+    # The precision flags are planner assumptions (no recipe key holds them); the dtypes come from the recipe.
+    result = check_recipe_fits(recipe, hardware=hw, precision=_precision(args, recipe.model_config),
+                               workload=workload)
+    return result, recipe, note
 
 
 def _recipe_layout(args, recipe):
@@ -297,6 +363,8 @@ def _recipe_layout(args, recipe):
     from ms_deepseek.parallel.validate import validate_layout
 
     par = resolve_layout(args, recipe.parallel)
+    if args.stage_layers:  # after --pp (a --set would be checked against the recipe's pp)
+        par = dataclasses.replace(par, stage_layers=_stage_layers(args.stage_layers))
     if par is not recipe.parallel:
         validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
     return par
@@ -338,6 +406,7 @@ def _emit(args, result, ranked: Optional[List]) -> None:
 
 def format_result(result) -> str:
     lines = [f"layout: {result.layout.describe()}  (world {result.layout.world_size}, "
+             f"global batch {result.workload.global_batch_size} sequences, "
              f"grad accumulation {result.grad_accumulation})"]
     if result.problems:
         lines.append("INVALID:")

@@ -65,9 +65,11 @@ def _pack_pretrain(docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, writ
 
 
 def _write_tokenizer_files(tokenizer: Tokenizer, folder: Path) -> None:
-    for f in tokenizer.files:
-        if f.parent.resolve() != folder.resolve():
-            shutil.copyfile(f, folder / f.name)
+    """Copy the tokenizer in under the names a folder is read by (``--tokenizer tok.model`` is
+    saved as ``tokenizer.model``, which ``train`` and ``generate`` look for)."""
+    for f, name in zip(tokenizer.files, tokenizer.saved_names()):
+        if f.resolve() != (folder / name).resolve():
+            shutil.copyfile(f, folder / name)
 
 
 def _meta(fmt: str, seq_len: int, tokenizer: Tokenizer, source: str, stats: PackStats, sources) -> Dict:

@@ -39,6 +39,7 @@ class Tokenizer(ABC):
     """
 
     kind: str
+    canonical_name: str  # the name a folder holds it under (what find_tokenizer_file looks for)
     files: List[Path]
     vocab_size: int
     bos_id: Optional[int]
@@ -70,14 +71,20 @@ class Tokenizer(ABC):
         return {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
 
     def sha256(self) -> str:
-        """Hash of the defining files (names and bytes): identifies the tokenizer."""
+        """Hash of the defining files' bytes (not their names: ``tok.model`` and ``tokenizer.model``
+        holding the same bytes are one tokenizer), the main file first, each prefixed by its length."""
         h = hashlib.sha256()
-        for f in sorted(self.files, key=lambda p: p.name):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        for f in self.files:
+            data = f.read_bytes()
+            h.update(len(data).to_bytes(8, "little") + data)
         return h.hexdigest()
 
+    def saved_names(self) -> List[str]:
+        """File names in a folder that holds this tokenizer: the main file under ``canonical_name``."""
+        return [self.canonical_name] + [f.name for f in self.files[1:]]
+
     def describe(self) -> Dict[str, object]:
-        return {"kind": self.kind, "files": [f.name for f in self.files], "vocab_size": self.vocab_size,
+        return {"kind": self.kind, "files": self.saved_names(), "vocab_size": self.vocab_size,
                 "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
 
 
@@ -92,6 +99,7 @@ def _token_name(value) -> Optional[str]:
 
 class HFTokenizer(Tokenizer):
     kind = "hf"
+    canonical_name = "tokenizer.json"
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as _RustTokenizer
@@ -151,6 +159,7 @@ class HFTokenizer(Tokenizer):
 
 class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
+    canonical_name = "tokenizer.model"
 
     def __init__(self, path: Path):
         import sentencepiece as spm

@@ -305,6 +305,8 @@ def check_swappiness(ctx: DoctorContext) -> CheckResult:
     for line in (ctx.probe.read_file("/proc/meminfo") or "").splitlines():
         if line.startswith("SwapTotal:"):
             swap_kb = int(line.split()[1])
+    if swap_kb == 0:  # nothing to page out to: the setting has no effect
+        return passed(f"no swap configured (vm.swappiness {value} has no effect)")
     swap = "" if swap_kb is None else f" (swap configured: {swap_kb / 1024 ** 2:.1f} GiB)"
     if value > 10:
         return warned(f"vm.swappiness is {value}{swap}: the kernel pages out host memory of a training process "

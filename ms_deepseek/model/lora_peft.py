@@ -235,15 +235,22 @@ def _split_fused(stack, parts, E, alphas, alpha0, ranks, r0, where):
 def load_adapter(model, folder, dropout: float = 0.0) -> Dict[str, Tuple[int, float]]:
     """Attach the PEFT adapter in ``folder`` to ``model`` (built, base weights loaded, never called yet
     in graph mode). Returns {module path: (rank, scaling)}. Shape mismatches name the tensor."""
-    from mindspore import Tensor
-
-    from ms_deepseek.model import lora
-
     folder = Path(folder)
     cfg = read_config(folder)
     tensors = _read_tensors(folder)
     if not tensors:
         raise UserError(f"{folder / WEIGHTS_NAME}: holds no tensors")
+    return attach_adapter(model, tensors, cfg, folder, dropout)
+
+
+def attach_adapter(model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Path,
+                   dropout: float = 0.0) -> Dict[str, Tuple[int, float]]:
+    """:func:`load_adapter` of PEFT-named ``tensors`` and their adapter_config ``cfg`` held in memory
+    (``generate`` of a LoRA run's checkpoint); ``folder`` is named in errors."""
+    from mindspore import Tensor
+
+    from ms_deepseek.model import lora
+
     E = model.config.n_routed_experts or 0
     factors, routers = group_adapter(tensors, cfg, E, folder / WEIGHTS_NAME)
     if lora.has_adapters(model):

@@ -135,7 +135,7 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
     """The base a LoRA checkpoint was trained on: RUN_DIR/base (random base) or model.source."""
     run_dir = ckpt.parent.parent
     if (run_dir / BASE_DIR / "model.safetensors").is_file():
-        return run_dir / BASE_DIR
+        return (run_dir / BASE_DIR).resolve()  # absolute, as for model.source: the adapter is read from elsewhere
     source = Path(str(model_section.get("source", ""))).expanduser()
     if source.is_dir() and (source / "config.json").is_file():
         return source.resolve()
@@ -235,6 +235,20 @@ def compatibility_notes(tensor_names) -> List[str]:
         notes.append(f"note: transformers >= 5 + PEFT 0.21 ignore the adapters on {', '.join(dense)} "
                      "(they are written for the module names of the released checkpoints; --merge folds them in)")
     return notes
+
+
+def model_with_adapters(ckpt: Path, show_progress: bool = False):
+    """The base a LoRA run's checkpoint was trained on, with the checkpoint's adapters (and trained
+    routers) attached as export-lora would write them: what ``generate`` samples from."""
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.model.lora_peft import attach_adapter
+
+    _section, model_section = run_lora_settings(ckpt)
+    base = run_base(ckpt, model_section)
+    tensors, config = checkpoint_adapter(ckpt, base)
+    model = DeepseekV2ForCausalLM.from_pretrained(base, show_progress=show_progress)
+    attach_adapter(model, tensors, config, ckpt)
+    return model
 
 
 def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = False) -> Path:

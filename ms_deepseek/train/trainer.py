@@ -561,7 +561,7 @@ def fit_plan(recipe: Recipe, force: bool = False):
     from ms_deepseek.parallel.planner import check_recipe_fits
 
     view = SimpleNamespace(  # the fields the planner reads, with the sequence length resolved
-        parallel=recipe.parallel, model_config=recipe.model_config,
+        parallel=recipe.parallel, model_config=recipe.model_config, lora=recipe.lora,
         data=SimpleNamespace(seq_len=recipe.seq_len),
         train=SimpleNamespace(global_batch_size=recipe.global_batch_size,
                               micro_batch_size=recipe.train.micro_batch_size))
