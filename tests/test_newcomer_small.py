@@ -9,6 +9,7 @@ import pytest
 
 
 def test_swappiness_is_not_a_warning_without_swap():
+    from ms_deepseek.diagnostics import doctor_host  # noqa: F401  (registers the host checks)
     from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, WARN, DoctorContext, run_check
     from ms_deepseek.diagnostics.probe import RecordedProbe
 

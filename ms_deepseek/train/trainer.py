@@ -556,16 +556,9 @@ def fit_plan(recipe: Recipe, force: bool = False):
 
     UserError when it does not fit, unless ``force`` / ``parallel.force``; the result also
     sizes the device memory pool reserved before compile."""
-    from types import SimpleNamespace
-
     from ms_deepseek.parallel.planner import check_recipe_fits
 
-    view = SimpleNamespace(  # the fields the planner reads, with the sequence length resolved
-        parallel=recipe.parallel, model_config=recipe.model_config, lora=recipe.lora,
-        data=SimpleNamespace(seq_len=recipe.seq_len),
-        train=SimpleNamespace(global_batch_size=recipe.global_batch_size,
-                              micro_batch_size=recipe.train.micro_batch_size))
-    result = check_recipe_fits(view)
+    result = check_recipe_fits(recipe)  # its sequence length, batch, LoRA and quantized base
     if not result.fits and not (force or recipe.parallel.force):
         why = "; ".join(result.problems) if result.problems else \
             f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
