@@ -267,3 +267,20 @@ def test_planner_counts_the_eval_graph_and_a_stated_capacity(tmp_path):
     assert not res.fits and res.worst.eval_peak > stated.worst.eval_peak
     assert res.worst.total == pytest.approx(stated.worst.total)  # the training step is the same
     assert "eval_capacity_factor" in res.eval_note and res.peak_gb == pytest.approx(res.worst.eval_peak / GB)
+
+
+def test_moe_layer_evaluates_at_the_stated_capacity():
+    from ms_deepseek.model.moe import DeepseekV2MoE
+    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.spec.dispatch_shapes import capacity, dispatch_buffers
+
+    cfg = get_preset("tiny").replace(capacity_factor=1.0, eval_capacity_factor=2.0)
+    moe = DeepseekV2MoE(cfg)
+    E, k, n = cfg.n_routed_experts, cfg.num_experts_per_tok, 64
+    assert capacity(n, k, E, 1.0) < capacity(n, k, E, 2.0) < n  # three different buffers
+    moe.set_train(True)
+    assert moe.capacity(n) == capacity(n, k, E, 1.0)
+    moe.set_train(False)
+    assert moe.capacity(n) == capacity(n, k, E, 2.0) == dispatch_buffers(cfg, 1, 1, 1, n, training=False)["capacity"]
+    moe.eval_capacity_factor = None  # the default: dropless
+    assert moe.capacity(n) == n == dispatch_buffers(cfg.replace(eval_capacity_factor=None), 1, 1, 1, n, False)["capacity"]
