@@ -140,7 +140,9 @@ def _plan_figures(args):
     code, out, err = _run(["plan", *args, "--json"])
     assert code in (0, 1), f"plan {shlex.join(args)}: {err}"
     data = json.loads(out)
-    return round(data["memory_gb"]["total"], 1), tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
+    memory = data["memory_gb"]  # the headline "FITS: X GB per NPU": the training step or, when higher, validation
+    peak = max(memory["total"], memory.get("eval_total", 0.0))
+    return round(peak, 1), tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
 
 
 def quoted_figures():

@@ -103,8 +103,10 @@ def test_sources_that_disagree_are_named(folders):
         from_dict(DataConfig, {"path": [{"path": "x", "weight": 0}, {"path": "y"}]}, "data")
     with pytest.raises(UserError, match="listed twice"):
         from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "x"}]}, "data")
-    with pytest.raises(UserError, match="weighted mixtures are built for pretraining"):
-        from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft"}, "data")
+    # an SFT mixture is allowed (tests/test_sharded_validation.py); length buckets are not
+    with pytest.raises(UserError, match="a weighted mixture pads every sample to seq_len"):
+        from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft",
+                               "bucket_boundaries": [8]}, "data")
 
 
 def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):

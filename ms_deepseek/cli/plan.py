@@ -426,6 +426,11 @@ def format_result(result) -> str:
         keys += ("scales", "dequant_workspace")
     for key in keys:
         lines.append(f"  {key:<18}{mem[key]:9.2f} GB")
+    if "eval_total" in mem:
+        lines.append(f"  {'validation':<18}{mem['eval_total']:9.2f} GB at the eval graph's peak "
+                     f"(the training step: {mem['total']:.2f} GB)")
+    if result.eval_note:
+        lines.append(f"  ({result.eval_note})")
     comm = result.comm_gb
     lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
     t = result.time_s

@@ -352,7 +352,7 @@ def source_folders(data_cfg: DataConfig, cache_dir=None, progress: bool = True) 
 def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1, *,
                         state: Optional[Dict] = None, max_positions: Optional[int] = None,
                         vocab_size: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
-                        seed: Optional[int] = None, progress: bool = True):
+                        seed: Optional[int] = None, progress: bool = True, static_shapes: bool = False):
     """The training batches for one data-parallel rank: a :class:`TrainDataset`, or for a weighted
     mixture (``data.path`` a list) a :class:`ms_deepseek.data.mixture.MixtureDataset`.
 
@@ -365,6 +365,9 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
     max_positions: the model's ``max_position_embeddings``; longer data fails.
     vocab_size: the model's vocabulary size; token ids at or above it fail.
     seed: overrides ``data_cfg.seed`` (e.g. the recipe's global seed).
+    static_shapes: every batch [B, seq_len] (a sharded run: under SEMI_AUTO_PARALLEL all ranks
+        run one graph of one shape, while each data-parallel rank's SFT length buckets differ
+        from batch to batch): SFT gets the single bucket seq_len. A mixture is always static.
     """
     if batch_size < 1:
         raise UserError(f"batch size: must be >= 1, got {batch_size}")
@@ -378,7 +381,9 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
     for (key, folder, _), meta in zip(folders[1:], metas[1:]):
         check_same_preparation((folders[0][0], folders[0][1], metas[0]), (key, folder, meta))
     seq_len = int(metas[0]["seq_len"])
-    buckets = bucket_lengths(seq_len, data_cfg.bucket_boundaries) if metas[0]["format"] == "sft" else None
+    buckets = None
+    if metas[0]["format"] == "sft":
+        buckets = [seq_len] if static_shapes else bucket_lengths(seq_len, data_cfg.bucket_boundaries)
 
     def part(i, b, r, w, part_state=None):
         return TrainDataset(folders[i][1], metas[i], batch_size=b, rank=r, world_size=w, seed=seed,

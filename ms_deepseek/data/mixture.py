@@ -1,4 +1,4 @@
-"""Weighted mixtures of prepared pretraining folders: exact proportions, seeded, resumable.
+"""Weighted mixtures of prepared folders (pretraining or SFT): exact proportions, seeded, resumable.
 
 ``data.path: [{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]`` makes
 :func:`ms_deepseek.data.dataset.build_train_dataset` return a :class:`MixtureDataset`.
@@ -18,7 +18,10 @@ How the global sample stream is made (the same on every run and every rank):
   (``source_counts``) are global too and go into ``state.json`` and the metrics.
 
 Samples are read with MindSpore's ``MindDataset`` + ``SubsetSampler``, one reader per
-source for a window of :data:`WINDOW` steps, and interleaved on the host.
+source for a window of :data:`WINDOW` steps, and interleaved on the host. Every batch is
+[B, seq_len]: SFT conversations (shorter than seq_len) are padded to it (pad id / -100, as
+the validation set is), so a mixture has one static shape, which a sharded graph
+(SEMI_AUTO_PARALLEL: every rank compiles the same shape) needs; there are no length buckets.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.chat import IGNORE_INDEX
 
 CHUNK = 4096   # stream positions per exact-proportion chunk
 WINDOW = 16    # steps read per batch of MindDataset readers
@@ -45,19 +49,18 @@ def chunk_counts(weights: List[float], chunk: int = CHUNK) -> np.ndarray:
 
 
 class MixtureDataset:
-    """Endless batches of a weighted mixture of prepared pretraining folders (see module doc).
+    """Endless batches of a weighted mixture of prepared folders of one format (see module doc).
 
     parts: one single-folder ``TrainDataset`` per source (batch 1, world 1): its files, its
         validation hold-out and its seeded epoch order; names / weights: per source.
     """
-
-    format = "pretrain"
 
     def __init__(self, parts, names: List[str], weights: List[float], *, batch_size: int, rank: int,
                  world_size: int, seed: int, state: Optional[Dict] = None):
         self.parts, self.names, self.weights = parts, list(names), [float(w) for w in weights]
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.data_dir = parts[0].data_dir
+        self.format = parts[0].format  # the sources share it (check_same_preparation)
         self.seq_len, self.pad_id = parts[0].seq_len, parts[0].pad_id
         self.num_samples = [p.num_samples for p in parts]
         self.steps_per_epoch = None  # sources cycle at their own pace
@@ -154,13 +157,15 @@ class MixtureDataset:
             # MindRecord's sampler takes each index at most once (and no more than the folder holds):
             # read the distinct samples, then place them (a small source may repeat within a window)
             uniq, where = np.unique(idx[rows], return_inverse=True)
-            got_ids = np.empty((uniq.size, self.seq_len), np.int32)     # [distinct, T]
-            got_labels = np.empty((uniq.size, self.seq_len), np.int32)  # [distinct, T]
+            # SFT samples are shorter than seq_len: padded (pretraining windows fill the row)
+            got_ids = np.full((uniq.size, self.seq_len), self.pad_id, np.int32)          # [distinct, T]
+            got_labels = np.full((uniq.size, self.seq_len), IGNORE_INDEX, np.int32)      # [distinct, T]
             pipe = self.parts[s]._mind_dataset(uniq, ["input_ids", "labels"])
             it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
             try:
                 for j, sample in enumerate(it):
-                    got_ids[j], got_labels[j] = sample["input_ids"], sample["labels"]
+                    n = sample["input_ids"].shape[0]
+                    got_ids[j, :n], got_labels[j, :n] = sample["input_ids"], sample["labels"]
             finally:
                 it.stop()
             ids[rows], labels[rows] = got_ids[where], got_labels[where]

@@ -118,6 +118,7 @@ class DeepseekV2MoE(nn.Cell):
         E = cfg.n_routed_experts
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
         self.capacity_factor = cfg.capacity_factor
+        self.eval_capacity_factor = cfg.eval_capacity_factor  # None: dropless evaluation
         self.capacity_multiple = 1  # rounds C up; the per-group layout needs none (G*C splits by G/ep)
         # The parallel degrees come from the plan (apply_plan), never from the config's ep_size.
         self.groups = 1  # G: token groups = the plan's dp
@@ -141,9 +142,9 @@ class DeepseekV2MoE(nn.Cell):
         self.combine_gather = ops.Gather(batch_dims=1)
 
     def capacity(self, tokens_per_group: int) -> int:
-        """Per-expert buffer rows of one group: the factor's in training, else dropless (the rule is
-        :func:`ms_deepseek.spec.dispatch_shapes.capacity`)."""
-        factor = self.capacity_factor if self.training else None
+        """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
+        (None: dropless); the rule is :func:`ms_deepseek.spec.dispatch_shapes.capacity`."""
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
                                         self.capacity_multiple)
 

@@ -96,6 +96,7 @@ class Workload:
     flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
     lora: Optional[LoraSpec] = None   # None: full fine-tuning / pretraining
     quant: Optional[QuantSpec] = None # a quantized frozen base under LoRA (None: the base in param_dtype)
+    validation: bool = False          # data.validation: the eval graph's peak counts too (eval_peak)
 
 
 def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
@@ -129,23 +130,32 @@ class StageMemory:
     scales: float = 0.0               # quantized base: the float32 scales and offsets
     dequant_workspace: float = 0.0    # quantized base: the largest weight dequantised at once
     params: int = 0                   # elements held (before optimizer sharding of weights)
+    eval_peak: float = 0.0            # the whole device at the validation graph's peak (0: no validation)
 
     @property
     def total(self) -> float:
+        """The training step's peak."""
         return (self.weights + self.weight_copies + self.gradients + self.optimizer + self.activations
                 + self.working_set + self.comm_buffers + self.hccl_buffers + self.workspace + self.scales
                 + self.dequant_workspace)
 
     @property
+    def peak(self) -> float:
+        """The device's peak over both graphs (training step, and validation when there is one)."""
+        return max(self.total, self.eval_peak)
+
+    @property
     def pool(self) -> float:
         """What MindSpore's device memory pool must hold (everything but HCCL's buffers)."""
-        return self.total - self.hccl_buffers
+        return self.peak - self.hccl_buffers
 
     def gb(self) -> Dict[str, float]:
         keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
                 "comm_buffers", "hccl_buffers", "workspace", "scales", "dequant_workspace")
         out = {k: round(getattr(self, k) / GB, 3) for k in keys}
         out["total"] = round(self.total / GB, 3)
+        if self.eval_peak:
+            out["eval_total"] = round(self.eval_peak / GB, 3)
         return out
 
 
@@ -231,10 +241,11 @@ def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, qu
     return []
 
 
-def moe_buffers(cfg, parallel: ParallelConfig, n: int) -> Dict[str, float]:
+def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) -> Dict[str, float]:
     """Elements one NPU holds in one MoE layer's forward for one micro-batch, from the dispatch as
-    built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements."""
-    built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=True)
+    built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements.
+    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n)."""
+    built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
     out = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
     out["alltoall"] = float(built["alltoall_elements_per_device"])
     out["capacity"] = float(built["capacity"])
@@ -261,8 +272,9 @@ def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
 
 
 def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int,
-                           policy: str) -> float:
-    """Bytes one decoder layer keeps for backward, for one micro-batch on one NPU."""
+                           policy: str, training: bool = True) -> float:
+    """Bytes one decoder layer keeps for backward, for one micro-batch on one NPU (``training``
+    False: the same tensors at the evaluation capacity, see :func:`eval_layer_bytes`)."""
     n = w.micro_batch_size * w.seq_len
     t = parallel.tp
     sp = t if parallel.sequence_parallel else 1
@@ -286,7 +298,7 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
     if cfg.is_moe_layer(i):
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         a += n * (4 * H + 8 * E)                   # float32 router input, scores / softmax
-        b = moe_buffers(cfg, parallel, n)          # the dispatch as built, per device
+        b = moe_buffers(cfg, parallel, n, training)  # the dispatch as built, per device
         a += b["expert_input"] * c                 # expert inputs (after the AllToAll), for the weight grads
         a += 4 * b["expert_hidden"] * c            # gate, up, silu(gate), product
         a += b["combined"] * 4                     # float32 combined outputs, for the routing-weight grad
@@ -295,6 +307,21 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
             a += 4 * n * c * I * cfg.n_shared_experts / t
     else:
         a += 4 * n * c * cfg.intermediate_size / t
+    return a
+
+
+def eval_layer_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    """Peak bytes of one decoder layer's forward in the validation graph (nothing is kept for a
+    backward, so only the layer being run is live): every tensor the layer creates, as
+    :func:`layer_activation_bytes` counts them without recompute, at the evaluation capacity, plus
+    for an MoE layer the dispatch and combine buffers [G, E, C, H], the expert output and the
+    float32 sort keys (three copies). Dropless evaluation (C = n) makes these E*n*H per device,
+    the term that can exceed the training step."""
+    a = layer_activation_bytes(cfg, i, parallel, w, c, "none", training=False)
+    if cfg.is_moe_layer(i):
+        n = w.micro_batch_size * w.seq_len
+        b = moe_buffers(cfg, parallel, n, training=False)
+        a += (b["dispatch_buffer"] + b["expert_output"] + b["combine_buffer"]) * c + 3 * b["slot_keys"] * 4
     return a
 
 
@@ -362,13 +389,34 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         comm = 0.0
         if cfg.has_moe and parallel.ep > 1 and moe_layers:
             comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
-        result.append(StageMemory(
+        mem = StageMemory(
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
             gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
             activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm, hccl_buffers=hccl,
             workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
-            dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"])))
+            dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"]))
+        if w.validation:
+            mem.eval_peak = _eval_peak(cfg, parallel, w, c, layers, s, mem, held[s])
+        result.append(mem)
     return result
+
+
+def _eval_peak(cfg, parallel: ParallelConfig, w: Workload, c: int, layers: List[int], s: int,
+               mem: StageMemory, held: Dict[str, float]) -> float:
+    """The device at the validation graph's peak: what stays allocated between the graphs (weights,
+    their all-gathered / cast copies, gradients, optimizer states, HCCL, workspace) plus one
+    micro-batch's forward, one layer at a time (:func:`eval_layer_bytes`), the head's [n, V/tp]
+    float32 logits and their exp on the last stage, and the eval AllToAll's send / receive buffers."""
+    n = w.micro_batch_size * w.seq_len
+    live = max([eval_layer_bytes(cfg, i, parallel, w, c) for i in layers] or [0.0])
+    if s == parallel.pp - 1:
+        V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
+        live = max(live, n * V * 8 + n * cfg.hidden_size * (4 + c))
+    comm = 0.0
+    if cfg.has_moe and parallel.ep > 1 and any(cfg.is_moe_layer(i) for i in layers):
+        comm = 2 * moe_buffers(cfg, parallel, n, training=False)["expert_input"] * c
+    static = mem.weights + held["copies"] + mem.gradients + mem.optimizer + mem.hccl_buffers + mem.workspace
+    return static + live + comm
 
 
 # ------------------------------------------------------------------------ FLOPs and traffic

@@ -53,7 +53,7 @@ class PlanResult:
 
     @property
     def worst(self) -> Optional[StageMemory]:
-        return max(self.stages, key=lambda s: s.total) if self.stages else None
+        return max(self.stages, key=lambda s: s.peak) if self.stages else None
 
     @property
     def memory_gb(self) -> Dict[str, float]:
@@ -61,9 +61,19 @@ class PlanResult:
         return worst.gb() if worst is not None else {}
 
     @property
+    def eval_note(self) -> Optional[str]:
+        """When the validation graph, not the training step, sets the peak: what it needs and the way out."""
+        worst = self.worst
+        if worst is None or worst.eval_peak <= worst.total:
+            return None
+        return (f"the validation graph sets the peak: {worst.eval_peak / GB:.1f} GB per NPU (stage {worst.stage}; "
+                f"the training step {worst.total / GB:.1f} GB), MoE buffers at the eval capacity (dropless "
+                "unless model.overrides.eval_capacity_factor)")
+
+    @property
     def peak_gb(self) -> float:
         worst = self.worst
-        return worst.total / GB if worst is not None else float("inf")
+        return worst.peak / GB if worst is not None else float("inf")
 
     def to_dict(self) -> Dict[str, Any]:
         layout = dataclasses.asdict(self.layout)
@@ -397,7 +407,8 @@ def recipe_workload(recipe) -> Workload:
     lora = getattr(recipe, "lora", None)
     return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
                     flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora,
-                    quant=getattr(recipe, "quant", None))
+                    quant=getattr(recipe, "quant", None),
+                    validation=getattr(recipe.data, "validation", None) is not None)
 
 
 def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,

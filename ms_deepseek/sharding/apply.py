@@ -313,3 +313,31 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     if strategy_file:
         wrapped.save_param_strategy_file(strategy_file)
     return wrapped
+
+
+def eval_parallel_wrap(eval_cell, parallel: ParallelConfig):
+    """Ascend only: the validation Cell (model + loss, no gradients) under ``AutoParallel`` with the
+    training plan. The strategies need no second table: :func:`apply_plan` set them on the model's
+    own primitives, which the eval graph shares with the training step; what is repeated here is
+    the wrapper's context: sharding propagation, the dataset strategy (each rank feeds the same
+    rows as in training, ``ranks.dataset_strategy``) and the pipeline stages.
+
+    MindFormers' pattern for evaluation inside training (``mindformers/trainer/base_trainer.py``:
+    ``wrap_eval_network_with_tool_cells`` wraps the bare network, no ``PipelineCell``, in the same
+    parallel context as the train network; ``create_eval_dataset`` divides the eval batch by
+    ``micro_batch_num`` under pp > 1): one micro-batch [rows, T] per call, the Cells' pipeline
+    stages as in training, the last stage computing the loss (broadcast to the others). No micro-batch Pipeline wrapper:
+    there is no backward to overlap. Optimizer-sharded parameters are gathered by the graph as
+    in the training forward. Never compiled on CPU (SEMI/AUTO parallel needs Ascend)."""
+    from mindspore.parallel.auto_parallel import AutoParallel
+
+    wrapped = AutoParallel(eval_cell, parallel_mode="sharding_propagation")
+    wrapped.dataset_strategy(dataset_strategy(parallel))  # the training rule: (input_ids, labels)
+    if parallel.optimizer_shard:
+        wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")  # the layouts training compiled
+    if parallel.pp > 1:
+        # pipeline inference: the last stage computes the loss; output_broadcast sends it to the other
+        # stages (mindspore/parallel/auto_parallel.py AutoParallel.pipeline, "pipeline_result_broadcast"),
+        # so every rank returns the same value
+        wrapped.pipeline(stages=parallel.pp, output_broadcast=True)
+    return wrapped

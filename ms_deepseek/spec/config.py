@@ -82,6 +82,7 @@ class DeepseekV2Config:
     device_aux_loss_alpha: float = 0.0             # device-level balance (paper's alpha2)
     comm_aux_loss_alpha: float = 0.0               # communication balance (paper's alpha3)
     capacity_factor: Optional[float] = None        # per-expert capacity in training; None = dropless
+    eval_capacity_factor: Optional[float] = None   # in evaluation (set_train(False)); None = dropless
     compute_dtype: str = "float32"                 # float32 on CPU, bfloat16 on Ascend
     param_dtype: str = "float32"                   # master weights
     use_flash_attention: bool = False              # Ascend FlashAttentionScore instead of the composite
@@ -153,8 +154,9 @@ class DeepseekV2Config:
         for key in ("compute_dtype", "param_dtype"):
             if getattr(self, key) not in _DTYPES:
                 fail(key, f"must be one of {', '.join(_DTYPES)}, got {getattr(self, key)!r}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            fail("capacity_factor", f"must be > 0 or null (dropless), got {self.capacity_factor}")
+        for key in ("capacity_factor", "eval_capacity_factor"):
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
+                fail(key, f"must be > 0 or null (dropless), got {getattr(self, key)}")
         for key in ("aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha"):
             if getattr(self, key) < 0:
                 fail(key, f"must be >= 0, got {getattr(self, key)}")
@@ -221,7 +223,7 @@ class DeepseekV2Config:
     def to_hf_dict(self, dtype: str = "bfloat16") -> Dict[str, Any]:
         """The release-format ``config.json`` contents."""
         ours = {"expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha",
-                "capacity_factor", "compute_dtype", "param_dtype", "use_flash_attention"}
+                "capacity_factor", "eval_capacity_factor", "compute_dtype", "param_dtype", "use_flash_attention"}
         out: Dict[str, Any] = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
         for f in dataclasses.fields(self):
             if f.name not in ours:

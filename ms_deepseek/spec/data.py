@@ -114,9 +114,6 @@ class DataConfig:
                 raise UserError("data.path: empty list (one folder, or a list of {path, weight})")
             if len(self.path) == 1:  # a one-folder list is that folder (its weight is moot)
                 self.path = self.path[0].path
-            elif self.format == "sft":
-                raise UserError("data.path: weighted mixtures are built for pretraining folders; an SFT mix "
-                                "is prepared as one folder (prepare-data reads several inputs)")
             else:
                 names = [s.path for s in self.path]
                 dup = next((n for n in names if names.count(n) > 1), None)
@@ -141,6 +138,9 @@ class DataConfig:
             if self.format != "sft":
                 raise UserError("data.bucket_boundaries: only used with data.format 'sft' "
                                 "(pretraining windows all have length seq_len)")
+            if isinstance(self.path, list):
+                raise UserError("data.bucket_boundaries: a weighted mixture pads every sample to seq_len "
+                                "(no length buckets); leave it out")
         if not 512 <= self.embedded_vocab_size <= 65536:
             raise UserError(f"data.embedded_vocab_size: must be between 512 and 65536, got {self.embedded_vocab_size}")
         if self.embedded_max_bytes < 10_000:

@@ -72,7 +72,8 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     ``cfg``: a DeepseekV2Config (``n_routed_experts``, ``num_experts_per_tok``, ``hidden_size``,
     ``moe_intermediate_size``, ``capacity_factor``). ``tokens_per_group``: tokens per
     data-parallel rank per micro-batch (micro-batch rows per dp rank x sequence length).
-    ``training`` False means dropless (C = tokens_per_group), as the layer does in eval.
+    ``training`` False: the evaluation capacity, ``cfg.eval_capacity_factor`` (None: dropless,
+    C = tokens_per_group), as the layer does in eval.
 
     Returns ``{"capacity": C, "buffers": {name: {"global", "strategy", "per_device",
     "elements_per_device"}}, "alltoall_elements_per_device": n}`` where n is the number of
@@ -84,7 +85,7 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     I = cfg.moe_intermediate_size
     N, G = int(tokens_per_group), int(dp)
     inner = dp // ep if ep and dp % ep == 0 else 1
-    C = capacity(N, k, E, cfg.capacity_factor if training else None)
+    C = capacity(N, k, E, cfg.capacity_factor if training else getattr(cfg, "eval_capacity_factor", None))
     table = {
         "tokens": ((G, N, H), (dp, 1, 1)),
         "topk_ids": ((G, N, k), (dp, 1, 1)),

@@ -10,12 +10,23 @@ over all of them (the same number a single worker gets on the same samples).
 The eval Cell is compiled once (graph mode caches it by its phase and input shapes: every
 validation batch has the same [B, seq_len] shape); the training step keeps its own graph, and
 the model is put back in training mode afterwards.
+
+Sharded layouts (tp / pp / ep, Ascend only): each rank reads its rows of every validation batch
+by the training rule (:func:`ms_deepseek.parallel.ranks.data_coordinates`: one micro-batch
+[rows, T]), and the eval Cell is compiled under ``AutoParallel`` with the training plan's
+strategies (the same primitives carry them) and dataset strategy
+(:func:`ms_deepseek.sharding.apply.eval_parallel_wrap`, MindFormers' pattern). MindSpore's loss
+is then already the mean over the whole global batch (its reductions over the dp-split batch
+axis get their AllReduce inserted), so the reduction differs from data parallelism
+(:func:`reduce_validation`): batch j weighs by its global token count, the sum of every rank's
+count over the ranks holding each slice. With pp > 1 the last stage computes the loss and
+MindSpore broadcasts it to the other stages (``pipeline(output_broadcast=True)``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -49,10 +60,36 @@ def scored_tokens(labels: np.ndarray) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def reduce_validation(losses: Sequence[float], counts: Sequence[int],
+                      sum_over_ranks: Callable[[np.ndarray], np.ndarray], replicas: Optional[int] = None) -> float:
+    """The token-weighted validation loss of all ranks (pure; ``sum_over_ranks`` is the AllReduce).
+
+    ``losses[j]`` / ``counts[j]``: the eval Cell's loss and this rank's scored tokens of batch j.
+    Data parallel (``replicas`` None): ``losses[j]`` is the mean over this rank's rows, so
+    ``[sum_j losses[j] * counts[j], sum_j counts[j]]`` is summed over the ranks. Sharded
+    (``replicas`` = ranks holding the same rows, world / batch slices): ``losses[j]`` is MindSpore's
+    mean over the global batch j, whose token count is the sum of the ranks' counts / replicas."""
+    losses = np.asarray(losses, np.float64)
+    counts = np.asarray(counts, np.float64)
+    if replicas is None:
+        totals = sum_over_ranks(np.asarray([float((losses * counts).sum()), float(counts.sum())]))
+        return float(totals[0] / max(totals[1], 1.0))
+    tokens = sum_over_ranks(counts) / replicas  # [batches]: global tokens of each batch
+    return float((losses * tokens).sum() / max(float(tokens.sum()), 1.0))
+
+
 class Evaluator:
-    def __init__(self, model, batches: List[Dict[str, np.ndarray]], world: int):
+    def __init__(self, model, batches: List[Dict[str, np.ndarray]], world: int, parallel=None):
+        """``parallel``: a sharded run's ParallelConfig (None: single worker or data parallel)."""
         self.model, self.batches, self.world = model, batches, world
         self.cell = _eval_cell(model)
+        self.replicas = None
+        if parallel is not None:
+            from ms_deepseek.parallel.ranks import batch_slices
+            from ms_deepseek.sharding.apply import eval_parallel_wrap
+
+            self.cell = eval_parallel_wrap(self.cell, parallel)
+            self.replicas = world // batch_slices(parallel)
         self.counts = [scored_tokens(b["labels"]) for b in batches]
         self.all_reduce = None
         if world > 1:
@@ -60,19 +97,22 @@ class Evaluator:
 
             self.all_reduce = ops.AllReduce()
 
+    def _sum_over_ranks(self, values: np.ndarray) -> np.ndarray:
+        if self.all_reduce is None:
+            return values
+        import mindspore as ms
+
+        # float32 on the wire: counts exact up to 2**24 tokens per validation
+        return self.all_reduce(ms.Tensor(values.astype(np.float32))).asnumpy().astype(np.float64)
+
     def __call__(self) -> Dict[str, float]:
         import mindspore as ms
 
-        self.cell.set_train(False)  # the model too: dropless MoE, no capacity buffer limit
+        self.cell.set_train(False)  # the model too: eval capacity (dropless by default)
         try:
-            nll = 0.0
-            for batch, n in zip(self.batches, self.counts):
-                loss = self.cell(ms.Tensor(batch["input_ids"]), ms.Tensor(batch["labels"]))
-                nll += float(loss.asnumpy()) * n  # mean over the batch's tokens -> their sum
+            losses = [float(self.cell(ms.Tensor(b["input_ids"]), ms.Tensor(b["labels"])).asnumpy())
+                      for b in self.batches]
         finally:
             self.model.set_train(True)
-        totals = np.asarray([nll, float(sum(self.counts))], np.float64)
-        if self.all_reduce is not None:  # float32 on the wire: counts exact up to 2**24 tokens per validation
-            totals = self.all_reduce(ms.Tensor(totals.astype(np.float32))).asnumpy().astype(np.float64)
-        val_loss = totals[0] / max(totals[1], 1.0)
+        val_loss = reduce_validation(losses, self.counts, self._sum_over_ranks, self.replicas)
         return {"val_loss": float(val_loss), "val_ppl": float(math.exp(val_loss)) if val_loss < 700 else float("inf")}

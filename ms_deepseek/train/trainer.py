@@ -153,10 +153,9 @@ class Trainer:
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
                             "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`")
-        if self.sharded and self.recipe.data.validation is not None:
-            # the eval Cell would need its own AutoParallel wrapping and strategy: not built yet
-            raise UserError(f"data.validation: validation during training runs with data-parallel layouts only, "
-                            f"not {par.describe()}; remove data.validation for this layout")
+        if self.sharded and self.recipe.data.bucket_boundaries is not None:
+            raise UserError(f"data.bucket_boundaries: {par.describe()} compiles one graph shape on every rank, so "
+                            "SFT batches are padded to seq_len (no length buckets); leave it out for this layout")
         if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
@@ -202,12 +201,14 @@ class Trainer:
             else (self.rank, self.world, recipe.train.micro_batch_size))
         self.dataset = build_train_dataset(recipe.data, self.rows, data_rank, data_world,
                                            state=self.state.get("data"), max_positions=cfg.max_position_embeddings,
-                                           vocab_size=cfg.vocab_size, progress=self.progress and self.is_main)
+                                           vocab_size=cfg.vocab_size, progress=self.progress and self.is_main,
+                                           static_shapes=self.sharded)
         self.seq_len = self.dataset.seq_len
         self.batches = first_batch_checked(self.dataset)
         from ms_deepseek.data.validation import build_validation
 
-        # read once now (a bad validation set fails before compiling); the same batches every time
+        # read once now (a bad validation set fails before compiling); the same batches every time. A
+        # sharded rank reads its rows by the training rule (data_coordinates): one micro-batch [rows, T] each
         self.validation = build_validation(recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
                                            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
 
@@ -459,7 +460,8 @@ class Trainer:
         if self.evaluator is None:
             from ms_deepseek.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.model, self.validation.batches, self.world)
+            self.evaluator = Evaluator(self.model, self.validation.batches, self.world,
+                                       parallel=self.par if self.sharded else None)
         return self.evaluator()
 
     def _log(self, step: int, out: _StepOut, val: Optional[Dict[str, float]] = None) -> None:
@@ -562,6 +564,8 @@ def fit_plan(recipe: Recipe, force: bool = False):
     if not result.fits and not (force or recipe.parallel.force):
         why = "; ".join(result.problems) if result.problems else \
             f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
+        if not result.problems and result.eval_note:  # validation sets the peak: say how to lower it
+            why += f"; {result.eval_note}: set it, or remove data.validation"
         raise UserError(f"parallel: {recipe.parallel.describe()} does not fit ({why}); see `ms-deepseek plan`, "
                         "or pass --force (parallel.force: true) to run anyway")
     return result
