@@ -46,6 +46,20 @@ def fsync_tree(folder: Path) -> None:
         fsync_path(Path(root))
 
 
+def check_apart(dst: Path, inputs, what: str = "destination") -> None:
+    """Refuse a ``dst`` that is, holds or lies inside any of ``inputs`` (None entries are skipped): replacing it
+    would delete (or write into) what the command reads."""
+    for src in inputs:
+        if src is None or not os.path.lexists(src):
+            continue
+        if os.path.realpath(src) == os.path.realpath(dst):
+            raise UserError(f"{dst}: the {what} is the input folder {src}; choose another folder")
+        if is_inside(dst, src):
+            raise UserError(f"{dst}: the {what} lies inside the input folder {src}; choose a folder outside it")
+        if is_inside(src, dst):
+            raise UserError(f"{dst}: the {what} holds the input folder {src}; choose a folder outside it")
+
+
 def check_destination(src: Optional[Path], dst: Path, overwrite: bool) -> None:
     """Refuse a destination that is the source, holds it, lies inside it, is a file, is a non-empty folder
     without overwrite, or cannot be written."""
