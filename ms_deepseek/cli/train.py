@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when --output holds a complete checkpoint, else start fresh (recipe: "
                              "checkpoint.resume: auto)")
     parser.add_argument("--force", action="store_true",
-                        help="run even if the memory planner says the layout does not fit")
+                        help="run even if the memory planner says the layout does not fit; with --resume of an older "
+                             "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many steps in total (the LR schedule still spans train.steps)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

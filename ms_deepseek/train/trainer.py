@@ -187,10 +187,30 @@ class Trainer:
                             "--resume to continue that run, or choose another --output")
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
+        if self.resume_dir is not None:
+            self._set_aside_newer()
         self.total = self.recipe.train.steps
         self.stop_at = min(self.total, self.max_steps) if self.max_steps is not None else self.total
         # A finished run re-run by a restart loop is a success, not an error (exit 0, nothing written).
         self.complete = self.start_step >= self.total
+
+    def _set_aside_newer(self) -> None:
+        """Resuming from an older checkpoint than the run's newest: the newer ones would win a later
+        ``--resume auto`` (and fill keep_last), so they are renamed ``step_N.abandoned-<time>`` (with
+        --force) or the run is refused."""
+        manager = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints")
+        newer = manager.newer_than(self.start_step, self.resume_dir)
+        if not newer:
+            return
+        names = ", ".join(p.name for p in newer)
+        if not self.force:
+            raise UserError(f"--resume {self.resume_dir}: {self.run_dir / 'checkpoints'} holds newer checkpoints "
+                            f"({names}) that a later --resume auto would pick; pass --force to continue from step "
+                            f"{self.start_step} and keep them aside as step_N{ckpt_mod.ABANDONED}<time>")
+        if self.rank == 0:
+            moved = manager.set_aside(newer)
+            print(f"set aside {len(moved)} newer checkpoint(s) as abandoned: "
+                  + ", ".join(p.name for p in moved), flush=True)
 
     def _build_data(self) -> None:
         from ms_deepseek.data.dataset import build_train_dataset
@@ -372,7 +392,8 @@ class Trainer:
         from tqdm import tqdm
 
         recipe, run_dir, is_main = self.recipe, self.run_dir, self.is_main
-        self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last)
+        self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last,
+                                                  protected=self.resume_dir)  # never pruned
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.manager.remove_partial()
