@@ -1,0 +1,44 @@
+"""Preemption: a scheduler's SIGTERM (with its grace period) becomes a checkpoint at the next step boundary.
+
+The worker does not die on SIGTERM: :class:`StopRequest` only records it. After every step the
+trainer asks whether any rank got one (one number in the per-step AllReduce of the logged values,
+so every rank stops after the same step), saves a complete checkpoint there on every rank and exits
+with 128 + 15 and one line saying so; ``--resume auto`` then continues exactly. ``launch`` forwards
+its own SIGTERM / SIGHUP / SIGINT to the workers as SIGTERM (train/supervise.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Optional
+
+
+class StopRequest:
+    """Records SIGTERM instead of dying of it (installed only in the main thread)."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous = None
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    @property
+    def flag(self) -> float:
+        """1.0 once a stop signal arrived (what this rank adds to the per-step AllReduce)."""
+        return 1.0 if self.signum is not None else 0.0
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
