@@ -197,6 +197,16 @@ def resolve_resume(spec: str, run_dir: Path) -> Path:
     return found
 
 
+def resume_parent(spec: str, run_dir: Path) -> Path:
+    """The folder a ``--resume`` spec looks for step_N checkpoints in (without resolving which one)."""
+    if spec in ("latest", "auto"):
+        return Path(run_dir) / "checkpoints"
+    path = Path(spec).expanduser()
+    if STEP_DIR.match(path.name) or (path / "state.json").exists():
+        return path.parent
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
 def latest_in(folder: Path) -> Optional[Path]:
     """The newest complete checkpoint of a run folder (``folder/checkpoints``) or a checkpoints folder."""
     for candidate in (Path(folder) / "checkpoints", Path(folder)):

@@ -48,6 +48,15 @@ class RankMean:
         return float(out[0]), float(out[1]), out[3:].reshape(stats.shape), bool(out[2] > 0)
 
 
+def gather_ints(values: List[int]) -> np.ndarray:
+    """Every rank's ``values`` (same length on all ranks), all-gathered: [world, len(values)] int32."""
+    import mindspore as ms
+    from mindspore import ops
+
+    mine = np.asarray(values, dtype=np.int32).reshape(1, -1)
+    return ops.AllGather()(ms.Tensor(mine)).asnumpy().reshape(-1, mine.shape[1])
+
+
 def any_rank(flag: float) -> bool:
     """True when ``flag`` > 0 on any rank (one AllReduce of one number)."""
     import mindspore as ms

@@ -37,6 +37,7 @@ from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train.distributed import RankMean, any_rank, replica_digests
 from ms_deepseek.train.preempt import StopRequest
+from ms_deepseek.train.resume import agree_on_resume, set_aside_newer
 
 
 @dataclass
@@ -188,7 +189,9 @@ class Trainer:
 
         existing = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints").latest()
         resume = self.resume or self.recipe.checkpoint.resume  # the command line wins over the recipe
-        if resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
+        if self.world > 1 and resume:
+            self.resume_dir = agree_on_resume(resume, existing, self.run_dir, self.rank)
+        elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
             self.resume_dir = existing
         else:
             self.resume_dir = ckpt_mod.resolve_resume(resume, self.run_dir) if resume else None
@@ -198,29 +201,11 @@ class Trainer:
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
         if self.resume_dir is not None:
-            self._set_aside_newer()
+            set_aside_newer(self.run_dir, self.start_step, self.resume_dir, self.force, self.rank)
         self.total = self.recipe.train.steps
         self.stop_at = min(self.total, self.max_steps) if self.max_steps is not None else self.total
         # A finished run re-run by a restart loop is a success, not an error (exit 0, nothing written).
         self.complete = self.start_step >= self.total
-
-    def _set_aside_newer(self) -> None:
-        """Resuming from an older checkpoint than the run's newest: the newer ones would win a later
-        ``--resume auto`` (and fill keep_last), so they are renamed ``step_N.abandoned-<time>`` (with
-        --force) or the run is refused."""
-        manager = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints")
-        newer = manager.newer_than(self.start_step, self.resume_dir)
-        if not newer:
-            return
-        names = ", ".join(p.name for p in newer)
-        if not self.force:
-            raise UserError(f"--resume {self.resume_dir}: {self.run_dir / 'checkpoints'} holds newer checkpoints "
-                            f"({names}) that a later --resume auto would pick; pass --force to continue from step "
-                            f"{self.start_step} and keep them aside as step_N{ckpt_mod.ABANDONED}<time>")
-        if self.rank == 0:
-            moved = manager.set_aside(newer)
-            print(f"set aside {len(moved)} newer checkpoint(s) as abandoned: "
-                  + ", ".join(p.name for p in moved), flush=True)
 
     def _build_data(self) -> None:
         from ms_deepseek.data.dataset import build_train_dataset
