@@ -42,3 +42,36 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum or signal.SIGTERM).name
+
+
+# ---------------------------------------------------------------------------------- progress heartbeat
+HEARTBEAT_DIR = ".heartbeat"  # RUN_DIR/.heartbeat/rank_N: "<steps started> <steps finished>", read by launch
+
+
+class Heartbeat:
+    """This rank's progress for launch's watchdog (train/supervise.py), and its Python stacks on SIGUSR1."""
+
+    def __init__(self, run_dir, rank: int):
+        import faulthandler
+        import os
+        import sys
+        from pathlib import Path
+
+        self.path = Path(run_dir) / HEARTBEAT_DIR / f"rank_{rank}"
+        self._os = os
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            self.path = None
+        if threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the worker's log
+
+    def beat(self, started: int, finished: int) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(f"{started} {finished}\n")
+            self._os.replace(tmp, self.path)
+        except OSError:
+            pass

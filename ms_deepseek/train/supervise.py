@@ -159,8 +159,56 @@ def _kill_job(sessions, timeout_s: float = 5.0) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
+def _read_beats(folder: Path) -> Dict[int, Tuple[int, int]]:
+    """rank -> (steps started, steps finished) from the workers' heartbeat files (train/preempt.py)."""
+    out = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return out
+    for path in entries:
+        if path.name.startswith("rank_") and path.name[5:].isdigit():
+            try:
+                started, finished = (int(v) for v in path.read_text().split())
+            except (OSError, ValueError):
+                continue
+            out[int(path.name[5:])] = (started, finished)
+    return out
+
+
+class Watchdog:
+    """No step finished within ``factor`` x the median step time (at least ``min_s``), once a step after the
+    first (the compile) has finished: the job is hung."""
+
+    def __init__(self, folder: Optional[Path], factor: float, min_s: float):
+        self.folder, self.factor, self.min_s = folder, factor, min_s
+        self.top, self.since, self.per_step = None, time.time(), []  # per_step: s per step, each poll
+
+    def limit(self) -> float:
+        ordered = sorted(self.per_step)
+        return max(self.factor * ordered[len(ordered) // 2], self.min_s)
+
+    def check(self) -> Optional[Tuple[float, Dict[int, Tuple[int, int]]]]:
+        """(seconds without progress, heartbeats) when the job is hung, else None."""
+        if self.folder is None or self.factor <= 0:
+            return None
+        beats, now = _read_beats(self.folder), time.time()
+        if not beats:
+            return None
+        top = max(f for _s, f in beats.values())
+        if self.top is None or top > self.top:
+            if self.top is not None and self.top >= 1:  # not the first step: it includes the compile
+                self.per_step.append((now - self.since) / (top - self.top))
+            self.top, self.since = top, now
+            return None
+        if self.per_step and now - self.since > self.limit():
+            return now - self.since, beats
+        return None
+
+
 def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: float = 0.2,
-                   stop_grace_s: float = 30.0) -> Tuple[int, Optional[str]]:
+                   stop_grace_s: float = 30.0, heartbeat_dir: Optional[Path] = None, watchdog_factor: float = 10.0,
+                   watchdog_min_s: float = 120.0) -> Tuple[int, Optional[str]]:
     """Run msrun; return (exit code, one-line failure message or None).
 
     The message names the rank that died first, how it ended, and its msrun log file. SIGTERM, SIGHUP or
@@ -196,6 +244,7 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     ranks: Dict[int, int] = {}  # worker pid -> rank
     sessions = {proc.pid}
     forwarded, workers_exited = False, False
+    watchdog, hung = Watchdog(heartbeat_dir, watchdog_factor, watchdog_min_s), None
     try:
         while proc.poll() is None:
             for pid in descendants(proc.pid):
@@ -219,8 +268,18 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                     break
             elif failed:
                 break
+            else:
+                hung = watchdog.check()
+                if hung is not None:
+                    for pid in ranks:  # faulthandler.register(SIGUSR1) in every worker: stacks into its log
+                        try:
+                            os.kill(pid, signal.SIGUSR1)
+                        except OSError:
+                            pass
+                    time.sleep(2.0)
+                    break
             time.sleep(poll_s)
-        if (failed or stops) and proc.poll() is None:
+        if (failed or stops or hung) and proc.poll() is None:
             _kill_job(sessions)  # the scheduler would otherwise wait out its heartbeat timeout
     except BaseException:  # our own death: never leave workers behind
         _kill_job(sessions)
@@ -240,6 +299,15 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                f"boundary); " if ranks else "")
         return 128 + signum, (f"received {name}: {how}every process of the job stopped "
                               f"{time.time() - when:.1f} s after the signal (grace {stop_grace_s:g} s; {saved})")
+    if hung is not None:
+        stalled, beats = hung
+        reached = max(st for st, _f in beats.values())
+        behind = sorted(r for r in set(ranks.values()) | set(beats) if beats.get(r, (-1, -1))[0] < reached)
+        who = (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach step {reached}"
+               if behind else f"every rank is inside step {reached}")
+        return 1, (f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
+                   f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
+                   f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job")
     if not failed:
         return code, None
     pid, worker_code, when = failed[0]

@@ -36,7 +36,7 @@ from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train.distributed import RankMean, any_rank, replica_digests
-from ms_deepseek.train.preempt import StopRequest
+from ms_deepseek.train.preempt import Heartbeat, StopRequest
 from ms_deepseek.train.resume import agree_on_resume, set_aside_newer
 
 
@@ -139,12 +139,14 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, self.stop_at + 1):
                 t0 = time.time()
+                self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
                 out = self._run_step()
                 self._account(step, out, t0)
                 val = self._maybe_evaluate(step)  # a validation step is always logged
                 if val or step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
                     self._log(step, out, val)
                 self._maybe_save(step)
+                self.heartbeat.beat(step, step)
                 if out.stop:  # some rank got SIGTERM: every rank saves this step and stops (train/preempt.py)
                     if self.saved_step != step:
                         self._save(step)
@@ -408,6 +410,7 @@ class Trainer:
         self.evaluator = None  # built (and its graph compiled) at the first validation
         self.saved_step: Optional[int] = None
         self.stop = StopRequest().install()  # SIGTERM: save at the next step boundary, then stop
+        self.heartbeat = Heartbeat(run_dir, self.rank)
 
         self.bar = tqdm(total=self.stop_at, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.progress and is_main and recipe.logging.progress_bar), leave=False)
