@@ -388,3 +388,21 @@ def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_
     assert not (tmp_path / "hf").exists()
     with pytest.raises(UserError, match="export-lora .*--merge"):
         DeepseekV2ForCausalLM.from_pretrained(str(result.checkpoint), show_progress=False)
+
+
+@pytest.mark.parametrize("where", ["run", "inside_run", "holds_run", "run_base"])
+def test_export_refuses_an_output_that_is_holds_or_lies_inside_the_run(fixture_run, tmp_path, where, capsys):
+    """`export-lora RUN RUN --overwrite` once replaced the run folder (checkpoints, base, metrics) with the
+    adapter (issue 21, defect 7): every overlap of OUT with an input is refused, nothing is touched."""
+    import shutil
+
+    _trainer, result = fixture_run
+    run, base = tmp_path / "runs" / "run", tmp_path / "base"
+    shutil.copytree(result.run_dir, run)
+    shutil.copytree(FIX / "base", base)  # never the committed fixture: the old code replaced it
+    out = {"run": run, "inside_run": run / "adapter", "holds_run": run.parent, "run_base": base}[where]
+    before = sorted(str(p) for p in [*run.rglob("*"), *base.rglob("*")])
+    code = main(["export-lora", str(run), str(out), "--overwrite", "--base", str(base)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "input folder" in err[0], err
+    assert sorted(str(p) for p in [*run.rglob("*"), *base.rglob("*")]) == before

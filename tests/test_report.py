@@ -303,3 +303,18 @@ def test_report_plots_validation_loss_and_samples_per_source(tmp_path):
     generate(write_run(tmp_path / "plain", synth_records(n=40, memory=False)))
     plain = (tmp_path / "plain" / "report.html").read_text()
     assert "plot-samples-by-source" not in plain
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "not json\n{\"loss\": 1}\n", "{\"step\": -1}\n", "{\"step\": 1"])
+def test_report_with_no_valid_record_says_so_and_fails(tmp_path, capsys, content):
+    """An empty page with "No alerts." once passed for a report (issue 21, defect 10): like a missing file,
+    a metrics file without one valid step record is one line and a non-zero exit, and no page is written."""
+    from ms_deepseek.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(content)
+    code = main(["report", str(run)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("warning:")]
+    assert code == 2 and len(err) == 1 and "no valid step record" in err[0], err
+    assert not (run / "report.html").exists()

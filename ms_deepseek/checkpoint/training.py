@@ -37,6 +37,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+ABANDONED = ".abandoned-"  # step_N.abandoned-<UTC time>: a newer checkpoint set aside by a resume from an older one
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
 RANK_FILES = ("model.safetensors", "optimizer.safetensors")
 COMMON_FILES = ("config.json", "state.json", "recipe.yaml")
@@ -69,9 +70,10 @@ def is_complete(folder: Path) -> bool:
 class CheckpointManager:
     """Saves, lists, prunes and finds the training checkpoints of one run."""
 
-    def __init__(self, folder: Path, keep_last: int = 3):
+    def __init__(self, folder: Path, keep_last: int = 3, protected: Optional[Path] = None):
         self.folder = Path(folder)
         self.keep_last = keep_last
+        self.protected = protected  # the checkpoint this run resumed from: never pruned
 
     def complete(self) -> List[Tuple[int, Path]]:
         """(step, folder) of every complete checkpoint, oldest first."""
@@ -104,9 +106,27 @@ class CheckpointManager:
         return final
 
     def prune(self) -> None:
-        done = self.complete()
+        keep = self.protected and Path(self.protected).resolve()
+        done = [(s, f) for s, f in self.complete() if f.resolve() != keep]
         for _, folder in done[:-self.keep_last]:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def newer_than(self, step: int, resumed: Optional[Path] = None) -> List[Path]:
+        """Complete checkpoints past ``step`` (a resume from an older one would leave them to win later)."""
+        skip = resumed and Path(resumed).resolve()
+        return [f for s, f in self.complete() if s > step and f.resolve() != skip]
+
+    def set_aside(self, folders: List[Path]) -> List[Path]:
+        """Rename ``folders`` to ``step_N.abandoned-<UTC time>``: kept, but no longer a checkpoint to resume."""
+        import time
+
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        out = []
+        for folder in folders:
+            target = folder.with_name(f"{folder.name}{ABANDONED}{stamp}")
+            folder.rename(target)
+            out.append(target)
+        return out
 
 
 def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str) -> None:
@@ -175,6 +195,16 @@ def resolve_resume(spec: str, run_dir: Path) -> Path:
     if found is None:
         raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
     return found
+
+
+def resume_parent(spec: str, run_dir: Path) -> Path:
+    """The folder a ``--resume`` spec looks for step_N checkpoints in (without resolving which one)."""
+    if spec in ("latest", "auto"):
+        return Path(run_dir) / "checkpoints"
+    path = Path(spec).expanduser()
+    if STEP_DIR.match(path.name) or (path / "state.json").exists():
+        return path.parent
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
 def latest_in(folder: Path) -> Optional[Path]:

@@ -32,6 +32,11 @@ def run(args) -> int:
     from ms_deepseek.train import lora_run
 
     src = Path(args.source)
+    from ms_deepseek.core.atomic import check_apart
+
+    # OUT replaced with --overwrite must never be (or hold, or lie in) what this command reads
+    check_apart(Path(args.out), [src, args.merge and Path(args.merge), args.base and Path(args.base)],
+                "output folder")
     if args.merge is None:
         if (src / CONFIG_NAME).is_file():
             from ms_deepseek.core.errors import UserError

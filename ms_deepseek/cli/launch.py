@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
     parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
     parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
+    parser.add_argument("--stop-grace", type=positive_int, default=30, metavar="SECONDS",
+                        help="on SIGTERM / SIGHUP / SIGINT: seconds the workers get to save a checkpoint at their "
+                             "next step and exit before every process of the job is killed (default 30)")
+    parser.add_argument("--watchdog-factor", type=float, default=10.0, metavar="F",
+                        help="stop the job (with every worker's Python stacks) when no step finished within F x "
+                             "the median step time, after the first step; 0: off (default 10)")
+    parser.add_argument("--watchdog-min", type=positive_int, default=120, metavar="SECONDS",
+                        help="the watchdog never fires sooner than this after the last step (default 120)")
     parser.add_argument("--cluster-time-out", type=positive_int, default=600,
                         help="seconds msrun waits for all workers to join (default 600)")
     parser.add_argument("--hccl-connect-timeout", type=positive_int, default=None,
@@ -164,9 +172,18 @@ def run(args: argparse.Namespace) -> int:
 
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
     # a dead worker stops the whole job within seconds, with one line naming it (see train/supervise.py)
-    code, failure = run_supervised(cmd, full_env, log_dir)
+    # SIGTERM / SIGHUP / SIGINT: the workers save and stop, then nothing of the job is left (supervise.py)
+    # a hung worker (no step within the watchdog time) stops the job with stacks and the ranks behind
+    from ms_deepseek.train.preempt import HEARTBEAT_DIR
+
+    if args.watchdog_factor < 0:
+        raise UserError(f"--watchdog-factor: must be >= 0 (0: off), got {args.watchdog_factor:g}")
+    shutil.rmtree(run_dir / HEARTBEAT_DIR, ignore_errors=True)  # a previous job's progress is not this one's
+    code, failure = run_supervised(cmd, full_env, log_dir, stop_grace_s=args.stop_grace,
+                                   heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=args.watchdog_factor,
+                                   watchdog_min_s=args.watchdog_min)
     if failure is not None:
-        print(f"ms-deepseek launch: {failure}", file=sys.stderr)
+        print(f"ms-deepseek launch: {failure}", file=sys.stderr, flush=True)
     elif code != 0:
         where = f"worker logs in {log_dir}" if log_dir.is_dir() else "msrun wrote no worker logs"
         print(f"ms-deepseek launch: msrun exited with {code}; {where}", file=sys.stderr)

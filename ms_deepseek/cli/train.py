@@ -13,6 +13,7 @@ loop can re-run the same command after any failure.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when --output holds a complete checkpoint, else start fresh (recipe: "
                              "checkpoint.resume: auto)")
     parser.add_argument("--force", action="store_true",
-                        help="run even if the memory planner says the layout does not fit")
+                        help="run even if the memory planner says the layout does not fit; with --resume of an older "
+                             "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many steps in total (the LR schedule still spans train.steps)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -96,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
               "nothing to do (raise train.steps with --set train.steps=N to train further)", flush=True)
         return 0
+    if result.preempted:  # SIGTERM: a checkpoint of the last finished step on every rank, then a non-zero exit
+        import signal
+
+        if result.metrics_path is not None:
+            print(f"ms-deepseek train: stopped by {result.preempted} after step {result.steps}: saved checkpoint "
+                  f"{result.checkpoint} (every rank); continue with --resume auto", file=sys.stderr, flush=True)
+        return 128 + int(signal.Signals[result.preempted])
     if result.metrics_path is not None:  # the main worker (rank 0) reports
         first = f" (first {result.losses[0]:.4f})" if result.losses else ""
         print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "

@@ -1,10 +1,15 @@
 """The one atomic writer for checkpoint folders (training saves, conversions, resharding).
 
 A folder is written into a temporary sibling (``.<name>.partial-<id>``), every file in it
-and the folder itself are fsynced, and it is swapped in: an existing destination is first
-renamed aside, then the new folder renamed into place, then the old one removed. At no
-moment is there no complete folder at the destination's name or aside; on any error (or
-Ctrl-C) the temporary folder is removed and the destination is untouched.
+and the folder itself are fsynced, and it is swapped in: in one step where the kernel can
+(``RENAME_EXCHANGE``); elsewhere (NFS) an existing destination is first renamed aside to
+``.<name>.old-<id>`` (the same ``<id>`` as the temporary folder's), then the new folder renamed
+into place, then the old one removed. At no moment is there no complete folder at the
+destination's name or aside; on any error (or Ctrl-C) the temporary folder is removed and the
+destination is untouched. A writer killed between the two renames leaves ``.old-<id>`` and
+``.partial-<id>`` and no destination: :func:`restore_interrupted` (run by every cleanup) puts the
+new, complete folder in place (an ``.old-<id>`` exists only once the writer called :func:`install`,
+which it does only with a finished, fsynced folder).
 """
 
 from __future__ import annotations
@@ -44,6 +49,20 @@ def fsync_tree(folder: Path) -> None:
         for f in files:
             fsync_path(Path(root) / f)
         fsync_path(Path(root))
+
+
+def check_apart(dst: Path, inputs, what: str = "destination") -> None:
+    """Refuse a ``dst`` that is, holds or lies inside any of ``inputs`` (None entries are skipped): replacing it
+    would delete (or write into) what the command reads."""
+    for src in inputs:
+        if src is None or not os.path.lexists(src):
+            continue
+        if os.path.realpath(src) == os.path.realpath(dst):
+            raise UserError(f"{dst}: the {what} is the input folder {src}; choose another folder")
+        if is_inside(dst, src):
+            raise UserError(f"{dst}: the {what} lies inside the input folder {src}; choose a folder outside it")
+        if is_inside(src, dst):
+            raise UserError(f"{dst}: the {what} holds the input folder {src}; choose a folder outside it")
 
 
 def check_destination(src: Optional[Path], dst: Path, overwrite: bool) -> None:
@@ -91,8 +110,12 @@ def install(tmp: Path, dst: Path) -> None:
         return
     if dst.exists():
         if dst.is_dir() and any(dst.iterdir()):
-            old = dst.parent / f".{dst.name}{OLD}{uuid.uuid4().hex[:12]}"
+            # the id of the temporary folder, so restore_interrupted can pair the two after a crash
+            prefix = f".{dst.name}{PARTIAL}"
+            tag = tmp.name[len(prefix):] if tmp.name.startswith(prefix) else uuid.uuid4().hex[:12]
+            old = dst.parent / f".{dst.name}{OLD}{tag}"
             os.rename(dst, old)
+            fsync_path(dst.parent)
         else:
             os.rmdir(dst)
     try:
@@ -122,11 +145,47 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def restore_interrupted(folder: Path, name: Optional[str] = None) -> list:
+    """Finish the swaps that a crash between :func:`install`'s two renames left undone, in ``folder`` (only
+    for destination ``name`` when given): with no destination, the new copy (``.partial-<id>``) is renamed in,
+    or the old one (``.old-<id>``) back when the new is gone; an ``.old-`` copy beside its destination is
+    removed. Returns the destinations restored."""
+    restored = []
+    try:
+        children = sorted(Path(folder).iterdir())
+    except OSError:
+        return restored
+    for old in children:
+        if not old.name.startswith(".") or OLD not in old.name or not old.is_dir() or old.is_symlink():
+            continue
+        dst_name, tag = old.name[1:].rsplit(OLD, 1)
+        if name is not None and dst_name != name:
+            continue
+        parts = tag.split("-")
+        if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) != os.getpid() and _pid_alive(int(parts[1])) \
+                and parts[0] == _owner_tag().rsplit("-", 1)[0]:
+            continue  # its writer is still at work between the two renames
+        dst = old.parent / dst_name
+        new = old.parent / f".{dst_name}{PARTIAL}{tag}"
+        if os.path.lexists(dst):
+            shutil.rmtree(old, ignore_errors=True)  # crashed after the swap, before removing the old copy
+            continue
+        if new.is_dir() and not new.is_symlink():
+            os.rename(new, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, dst)
+        fsync_path(old.parent)
+        restored.append(dst)
+    return restored
+
+
 def remove_stale_partials(dst: Path) -> list:
     """Remove ``.<dst name>.partial-<host>-<pid>-<id>`` folders whose writer (on this host) is gone: what a
     conversion or save killed with SIGKILL left behind. Live writers' and other hosts' folders are kept."""
     dst = Path(dst)
     removed = []
+    restore_interrupted(dst.parent, dst.name)  # a complete copy of an interrupted swap is kept, not removed
     prefix = f".{dst.name}{PARTIAL}"
     host = _owner_tag().rsplit("-", 1)[0]
     try:
@@ -169,8 +228,10 @@ def atomic_folder(dst, fsync: bool = True) -> Iterator[Path]:
 
 
 def remove_partials(folder: Path) -> list:
-    """Temporary / aside folders left in ``folder`` by a writer that crashed."""
+    """Temporary / aside folders left in ``folder`` by a writer that crashed (after restoring the complete copy
+    of a swap it left half done)."""
     removed = []
+    restore_interrupted(folder)
     if Path(folder).is_dir():
         for child in Path(folder).iterdir():
             if child.is_dir() and child.name.startswith(".") and (PARTIAL in child.name or OLD in child.name

@@ -188,6 +188,11 @@ def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str,
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: not a folder (expected a run folder holding metrics.jsonl)")
     metrics = read_metrics(run_dir / "metrics.jsonl")
+    if not metrics.records:  # an empty page would read as "no alerts": say there is nothing to report
+        why = (f"{len(metrics.skipped_lines)} unreadable line(s), first at line {metrics.skipped_lines[0]}"
+               if metrics.skipped_lines else "an incomplete last line only" if metrics.truncated_tail
+               else "the file is empty")
+        raise UserError(f"{run_dir / 'metrics.jsonl'}: no valid step record ({why}); nothing to report")
     alerts = scan(metrics.records)
     out = Path(output) if output else run_dir / "report.html"
     write_atomic(out, render_page(run_dir, metrics, alerts, refresh))

@@ -12,10 +12,7 @@ PEFT's own layout on transformers 5's fused experts (``...mlp.experts.base_layer
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -60,25 +57,19 @@ def adapter_config(r: int, alpha: float, dropout: float, targets: List[str], bas
 
 
 def write_adapter(out: Path, tensors: Dict[str, np.ndarray], config: Dict, overwrite: bool = False) -> Path:
-    """Write a PEFT folder atomically (temporary folder, then rename): nothing half-written on failure."""
+    """Write a PEFT folder with the one atomic folder writer: nothing half-written on failure, and an old
+    folder at ``out`` is removed only once the new one is in place."""
     from safetensors.numpy import save_file
+
+    from ms_deepseek.core.atomic import atomic_folder
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_folder(out) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, str(tmp / WEIGHTS_NAME),
                   metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -39,9 +39,27 @@ class RankMean:
         self.world = world
         self.all_reduce = ops.AllReduce()
 
-    def __call__(self, loss: float, aux: float, stats: np.ndarray):
+    def __call__(self, loss: float, aux: float, stats: np.ndarray, stop: float = 0.0):
+        """(loss, aux, stats) averaged, and whether any rank asked to stop (``stop`` > 0 on some rank)."""
         import mindspore as ms
 
-        vec = np.concatenate([[loss, aux], stats.reshape(-1)]).astype(np.float32)
+        vec = np.concatenate([[loss, aux, stop], stats.reshape(-1)]).astype(np.float32)
         out = self.all_reduce(ms.Tensor(vec)).asnumpy() / self.world
-        return float(out[0]), float(out[1]), out[2:].reshape(stats.shape)
+        return float(out[0]), float(out[1]), out[3:].reshape(stats.shape), bool(out[2] > 0)
+
+
+def gather_ints(values: List[int]) -> np.ndarray:
+    """Every rank's ``values`` (same length on all ranks), all-gathered: [world, len(values)] int32."""
+    import mindspore as ms
+    from mindspore import ops
+
+    mine = np.asarray(values, dtype=np.int32).reshape(1, -1)
+    return ops.AllGather()(ms.Tensor(mine)).asnumpy().reshape(-1, mine.shape[1])
+
+
+def any_rank(flag: float) -> bool:
+    """True when ``flag`` > 0 on any rank (one AllReduce of one number)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    return bool(ops.AllReduce()(ms.Tensor([flag], ms.float32)).asnumpy()[0] > 0)

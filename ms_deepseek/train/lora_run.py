@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -21,6 +20,7 @@ import numpy as np
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
+from ms_deepseek.core.atomic import atomic_folder, check_apart, fsync_tree, temporary_sibling
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.loading import read_tensor
 from ms_deepseek.spec.lora import LoraSpec
@@ -70,13 +70,9 @@ def save_base(model, folder: Path) -> None:
         value = _host(p)
         for hf_name, arr in names.unstack(name, value, E):
             tensors[hf_name] = (arr, cfg.param_dtype)
-    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    write_arrays(tmp / "model.safetensors", tensors)
-    cfg.save(tmp / "config.json", dtype=cfg.param_dtype)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    with atomic_folder(folder) as tmp:  # the old folder goes only once the new one is in place
+        write_arrays(tmp / "model.safetensors", tensors)
+        cfg.save(tmp / "config.json", dtype=cfg.param_dtype)
 
 
 def _host(p) -> np.ndarray:
@@ -258,6 +254,7 @@ def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = Fals
     ckpt = resolve_checkpoint(spec)
     _section, model_section = run_lora_settings(ckpt)
     base_path = Path(base) if base else run_base(ckpt, model_section)
+    check_apart(Path(out), [Path(spec), ckpt, base_path], "output folder")
     tensors, config = checkpoint_adapter(ckpt, base_path)
     return write_adapter(Path(out), tensors, config, overwrite)
 
@@ -281,6 +278,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     E = ckpt.config.n_routed_experts or 0
     cfg = read_config(adapter_folder)
     factors, routers = group_adapter(_read_tensors(adapter_folder), cfg, E, Path(adapter_folder))
+    check_apart(out, [adapter_folder, base], "output folder")  # OUT = the adapter would delete it
     convert_api._check_destination(base, out, overwrite)
     # per HF tensor name: (A [r, in], B [out, r], scaling)
     deltas: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
@@ -292,8 +290,9 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
             deltas[f"{path}.weight"] = (a, b, s)
     stacked_deltas = {f"{p}.weight": v for p, v in factors.items() if v[0].ndim == 3}
     present = set()
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(out)  # the one atomic writer's temporary folder; installed below
+    tmp.mkdir()
     try:
         scratch = tmp / ".scratch.bin"
         weight_map: Dict[str, str] = {}
@@ -360,6 +359,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
         for extra in base.iterdir():  # config.json, tokenizer files, generation_config.json ...
             if extra.is_file() and not extra.name.endswith(".safetensors") and extra != ckpt.index_path:
                 shutil.copy2(extra, tmp / extra.name)
+        fsync_tree(tmp)
         convert_api._install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

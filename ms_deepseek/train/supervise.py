@@ -19,6 +19,15 @@ two "nodes" on this host (two ``launch --nnodes 2`` of one worker each, the node
 SIGKILLed): node 1's launch exited 1.6 s after the kill, node 0's 31.4 s after (MindSpore's
 scheduler times out the lost node's heartbeat and its survivors are stopped with SIGTERM; node
 0's line then names the lost rank from ``scheduler.log``).
+
+Stop signals: SIGTERM, SIGHUP and SIGINT to ``launch`` (``timeout``, ``kill``, a closed ssh session, a
+scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoint at the next step and
+exit, see train/preempt.py); when they are gone, after ``--stop-grace`` seconds or at a second signal,
+every process of the job is SIGKILLed by session: msrun's own and each worker's (msrun starts every
+worker with ``os.setsid``), so children a killed worker left to init go too. Measured here (2-worker
+CPU job, signal soon after the workers started, tests/test_launch_signals.py): launch exited 0.6-0.7 s
+after each signal with 128 + the signal number and no process of the job left; before, SIGTERM and
+SIGHUP left msrun, the scheduler and both workers running.
 """
 
 from __future__ import annotations
@@ -101,25 +110,119 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _kill_tree(root: int) -> None:
-    """SIGKILL everything below ``root``, then ``root`` (workers start their own process groups)."""
-    for pid in reversed(descendants(root)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+def _stat_fields(pid: int) -> Optional[List[str]]:
+    """/proc/<pid>/stat after the command name: [state, ppid, pgrp, session, ...]."""
     try:
-        os.kill(root, signal.SIGKILL)
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode(errors="replace")
     except OSError:
-        pass
+        return None
+    return stat[stat.rfind(")") + 2:].split()
 
 
-def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: float = 0.2) -> Tuple[int, Optional[str]]:
+def session_members(sessions) -> List[int]:
+    """Every live (not zombie) process whose session id is in ``sessions``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields and len(fields) > 3 and fields[0] != "Z" and int(fields[3]) in sessions:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _kill_job(sessions, timeout_s: float = 5.0) -> None:
+    """SIGKILL every process of the job's sessions until none is left.
+
+    The job is msrun's session (``launch`` starts msrun with ``start_new_session``, its scheduler stays in it)
+    and one session per worker (msrun starts each with ``preexec_fn=os.setsid``: mindspore/parallel/cluster/
+    process_entity/_api.py, _ComputeGraphNode.run). A worker's children keep its session id even when a
+    SIGKILLed worker leaves them to init, which a walk of parent pids cannot find."""
+    deadline = time.time() + timeout_s
+    while True:
+        members = session_members(sessions)
+        if not members or time.time() > deadline:
+            return
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def _read_beats(folder: Path) -> Dict[int, Tuple[int, int]]:
+    """rank -> (steps started, steps finished) from the workers' heartbeat files (train/preempt.py)."""
+    out = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return out
+    for path in entries:
+        if path.name.startswith("rank_") and path.name[5:].isdigit():
+            try:
+                started, finished = (int(v) for v in path.read_text().split())
+            except (OSError, ValueError):
+                continue
+            out[int(path.name[5:])] = (started, finished)
+    return out
+
+
+class Watchdog:
+    """No step finished within ``factor`` x the median step time (at least ``min_s``), once a step after the
+    first (the compile) has finished: the job is hung."""
+
+    def __init__(self, folder: Optional[Path], factor: float, min_s: float):
+        self.folder, self.factor, self.min_s = folder, factor, min_s
+        self.top, self.since, self.per_step = None, time.time(), []  # per_step: s per step, each poll
+
+    def limit(self) -> float:
+        ordered = sorted(self.per_step)
+        return max(self.factor * ordered[len(ordered) // 2], self.min_s)
+
+    def check(self) -> Optional[Tuple[float, Dict[int, Tuple[int, int]]]]:
+        """(seconds without progress, heartbeats) when the job is hung, else None."""
+        if self.folder is None or self.factor <= 0:
+            return None
+        beats, now = _read_beats(self.folder), time.time()
+        if not beats:
+            return None
+        top = max(f for _s, f in beats.values())
+        if self.top is None or top > self.top:
+            if self.top is not None and self.top >= 1:  # not the first step: it includes the compile
+                self.per_step.append((now - self.since) / (top - self.top))
+            self.top, self.since = top, now
+            return None
+        if self.per_step and now - self.since > self.limit():
+            return now - self.since, beats
+        return None
+
+
+def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: float = 0.2,
+                   stop_grace_s: float = 30.0, heartbeat_dir: Optional[Path] = None, watchdog_factor: float = 10.0,
+                   watchdog_min_s: float = 120.0) -> Tuple[int, Optional[str]]:
     """Run msrun; return (exit code, one-line failure message or None).
 
-    The message names the rank that died first, how it ended, and its msrun log file."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    The message names the rank that died first, how it ended, and its msrun log file. SIGTERM, SIGHUP or
+    SIGINT to this process are forwarded as SIGTERM to every worker (the trainer saves a checkpoint at the
+    next step boundary and exits, see train/preempt.py); once the workers are gone, or ``stop_grace_s``
+    after the signal, or at a second signal, every process of the job is killed and the exit code is
+    128 + the signal's number."""
     failed: List[Tuple[int, int, float]] = []  # (pid, exit code, when msrun reported it)
+    stops: List[Tuple[int, float]] = []  # (signal number, when) of the stop signals received
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # before msrun starts: no window without them
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, lambda signum, _frame: stops.append((signum, time.time())))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
     def pump(src, dst):
         for raw in iter(src.readline, b""):
@@ -139,25 +242,72 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     for t in pumps:
         t.start()
     ranks: Dict[int, int] = {}  # worker pid -> rank
+    sessions = {proc.pid}
+    forwarded, workers_exited = False, False
+    watchdog, hung = Watchdog(heartbeat_dir, watchdog_factor, watchdog_min_s), None
     try:
         while proc.poll() is None:
             for pid in descendants(proc.pid):
+                fields = _stat_fields(pid)
+                if fields and len(fields) > 3:
+                    sessions.add(int(fields[3]))
                 if pid not in ranks:
                     rank = _worker_rank(pid)
                     if rank is not None:
                         ranks[pid] = rank
-            if failed:
+            if stops:
+                if not forwarded:
+                    for pid in ranks:
+                        try:
+                            os.kill(pid, signal.SIGTERM)
+                        except OSError:
+                            pass
+                    forwarded = True
+                workers_exited = not any(_alive(pid) for pid in ranks)
+                if len(stops) > 1 or workers_exited or time.time() - stops[0][1] > stop_grace_s:
+                    break
+            elif failed:
                 break
+            else:
+                hung = watchdog.check()
+                if hung is not None:
+                    for pid in ranks:  # faulthandler.register(SIGUSR1) in every worker: stacks into its log
+                        try:
+                            os.kill(pid, signal.SIGUSR1)
+                        except OSError:
+                            pass
+                    time.sleep(2.0)
+                    break
             time.sleep(poll_s)
-        if failed and proc.poll() is None:
-            _kill_tree(proc.pid)  # the scheduler would otherwise wait out its heartbeat timeout
-    except BaseException:  # Ctrl+C or our own death: never leave workers behind
-        _kill_tree(proc.pid)
+        if (failed or stops or hung) and proc.poll() is None:
+            _kill_job(sessions)  # the scheduler would otherwise wait out its heartbeat timeout
+    except BaseException:  # our own death: never leave workers behind
+        _kill_job(sessions)
         raise
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         code = proc.wait()
+        _kill_job(sessions)  # whatever of the job outlived msrun (workers' children)
         for t in pumps:
             t.join(timeout=5)
+    if stops:
+        signum, when = stops[0]
+        name = signal.Signals(signum).name
+        saved = "the workers had exited" if workers_exited or not ranks else "the workers were killed"
+        how = (f"forwarded SIGTERM to the {len(ranks)} worker(s) (each saves a checkpoint at its next step "
+               f"boundary); " if ranks else "")
+        return 128 + signum, (f"received {name}: {how}every process of the job stopped "
+                              f"{time.time() - when:.1f} s after the signal (grace {stop_grace_s:g} s; {saved})")
+    if hung is not None:
+        stalled, beats = hung
+        reached = max(st for st, _f in beats.values())
+        behind = sorted(r for r in set(ranks.values()) | set(beats) if beats.get(r, (-1, -1))[0] < reached)
+        who = (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach step {reached}"
+               if behind else f"every rank is inside step {reached}")
+        return 1, (f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
+                   f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
+                   f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job")
     if not failed:
         return code, None
     pid, worker_code, when = failed[0]

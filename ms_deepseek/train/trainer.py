@@ -35,7 +35,9 @@ from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_in
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
-from ms_deepseek.train.distributed import RankMean, replica_digests
+from ms_deepseek.train.distributed import RankMean, any_rank, replica_digests
+from ms_deepseek.train.preempt import Heartbeat, StopRequest
+from ms_deepseek.train.resume import agree_on_resume, set_aside_newer
 
 
 @dataclass
@@ -49,6 +51,7 @@ class TrainResult:
     tokens_per_s: float = 0.0       # steady state: steps after the first (compile) step of this call
     wall_s: float = 0.0
     complete: bool = False          # the resumed checkpoint had already reached train.steps: nothing was run
+    preempted: Optional[str] = None  # the stop signal's name: stopped early, after saving a checkpoint
 
 
 def _distributed() -> bool:
@@ -98,6 +101,7 @@ class _StepOut:
     lr: object                      # Tensor
     overflow: object                # Tensor (bool)
     loss_scale: object              # Tensor
+    stop: bool = False              # some rank got SIGTERM: save this step and stop (train/preempt.py)
 
 
 class Trainer:
@@ -131,16 +135,25 @@ class Trainer:
         self._build_step()
         self._restore()
         self._open_outputs()
+        self.preempted: Optional[str] = None
         try:
             for step in range(self.start_step + 1, self.stop_at + 1):
                 t0 = time.time()
+                self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
                 out = self._run_step()
                 self._account(step, out, t0)
                 val = self._maybe_evaluate(step)  # a validation step is always logged
                 if val or step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
                     self._log(step, out, val)
                 self._maybe_save(step)
+                self.heartbeat.beat(step, step)
+                if out.stop:  # some rank got SIGTERM: every rank saves this step and stops (train/preempt.py)
+                    if self.saved_step != step:
+                        self._save(step)
+                    self.preempted = self.stop.name
+                    break
         finally:
+            self.stop.restore()
             self.bar.close()
             self.writer.close()
         return self._result()
@@ -177,7 +190,9 @@ class Trainer:
 
         existing = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints").latest()
         resume = self.resume or self.recipe.checkpoint.resume  # the command line wins over the recipe
-        if resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
+        if self.world > 1 and resume:
+            self.resume_dir = agree_on_resume(resume, existing, self.run_dir, self.rank)
+        elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
             self.resume_dir = existing
         else:
             self.resume_dir = ckpt_mod.resolve_resume(resume, self.run_dir) if resume else None
@@ -186,6 +201,8 @@ class Trainer:
                             "--resume to continue that run, or choose another --output")
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
+        if self.resume_dir is not None:
+            set_aside_newer(self.run_dir, self.start_step, self.resume_dir, self.force, self.rank)
         self.total = self.recipe.train.steps
         self.stop_at = min(self.total, self.max_steps) if self.max_steps is not None else self.total
         # A finished run re-run by a restart loop is a success, not an error (exit 0, nothing written).
@@ -388,7 +405,8 @@ class Trainer:
         from tqdm import tqdm
 
         recipe, run_dir, is_main = self.recipe, self.run_dir, self.is_main
-        self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last)
+        self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last,
+                                                  protected=self.resume_dir)  # never pruned
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.manager.remove_partial()
@@ -406,6 +424,9 @@ class Trainer:
         self.interval_tokens, self.interval_start = 0, time.time()
         self.steady_tokens, self.steady_time = 0, 0.0  # steps after the first (compile) step
         self.evaluator = None  # built (and its graph compiled) at the first validation
+        self.saved_step: Optional[int] = None
+        self.stop = StopRequest().install()  # SIGTERM: save at the next step boundary, then stop
+        self.heartbeat = Heartbeat(run_dir, self.rank)
 
         self.bar = tqdm(total=self.stop_at, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.progress and is_main and recipe.logging.progress_bar), leave=False)
@@ -435,9 +456,12 @@ class Trainer:
         n_moe = len(self.moe_layers)
         # [3 + L_moe * (E + 4)] -> [L_moe, E + 4]
         stats_v = vec[3:].reshape(n_moe, self.E + 4) if n_moe else np.zeros((0, self.E + 4), np.float32)
-        if self.stats_mean is not None:
-            loss_v, aux_v, stats_v = self.stats_mean(loss_v, aux_v, stats_v)
-        return _StepOut(loss_v, aux_v, stats_v, grad_norm, lr, overflow, cur_scale)
+        stop = self.stop.flag > 0
+        if self.stats_mean is not None:  # the stop request rides on the AllReduce of the logged values
+            loss_v, aux_v, stats_v, stop = self.stats_mean(loss_v, aux_v, stats_v, self.stop.flag)
+        elif self.world > 1:
+            stop = any_rank(self.stop.flag)
+        return _StepOut(loss_v, aux_v, stats_v, grad_norm, lr, overflow, cur_scale, stop)
 
     def _account(self, step: int, out: _StepOut, t0: float) -> None:
         """Counters (tokens, throughput) and the progress bar."""
@@ -492,6 +516,11 @@ class Trainer:
         ck = self.recipe.checkpoint
         if not ((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final)):
             return
+        self._save(step)
+
+    def _save(self, step: int) -> None:
+        """One checkpoint of this step (every rank takes part; rank 0 completes it)."""
+        self.saved_step = step
         state = {
             "step": step, "data": self.dataset.state_dict(), "rng": rng_state(),
             "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_before + time.time() - self.started,
@@ -524,12 +553,12 @@ class Trainer:
                            complete=True)
 
     def _result(self) -> TrainResult:
-        return TrainResult(run_dir=self.run_dir, steps=self.stop_at,
+        return TrainResult(run_dir=self.run_dir, steps=self.saved_step if self.preempted else self.stop_at,
                            final_loss=self.losses[-1] if self.losses else float("nan"), losses=self.losses,
-                           checkpoint=self.last_ckpt or self.manager.latest(),
+                           checkpoint=self.last_ckpt or self.manager.latest(),  # rank 0's path (shared folder)
                            metrics_path=self.writer.path if self.is_main else None,
                            tokens_per_s=self.steady_tokens / self.steady_time if self.steady_time else 0.0,
-                           wall_s=time.time() - self.started)
+                           wall_s=time.time() - self.started, preempted=self.preempted)
 
 
 def lora_checkpoint_tensors(model) -> Dict[str, object]:
