@@ -40,6 +40,7 @@ def data_dir(tmp_path_factory):
 
 def _fixture_recipe(data_dir, **changes):
     recipe = json.loads(json.dumps(_maker().OURS_RECIPE))
+    recipe["lora"]["target_modules"] = list(_maker().shipped_targets())  # as the fixture was made
     recipe["model"] = {"source": str(FIX / "base"), "overrides": {"capacity_factor": None}}
     recipe["data"] = {"path": str(data_dir), "num_workers": 1}
     for key, value in changes.items():

@@ -64,7 +64,11 @@ class Heartbeat:
         except OSError:
             self.path = None
         if threading.current_thread() is threading.main_thread():
-            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the worker's log
+            try:
+                out = sys.stderr if sys.stderr.fileno() >= 0 else sys.__stderr__
+            except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a file
+                out = sys.__stderr__  # the process's own fd 2: the worker's log under msrun
+            faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
 
     def beat(self, started: int, finished: int) -> None:
         if self.path is None:
