@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import load_file
 
 from ms_deepseek.cli import main
