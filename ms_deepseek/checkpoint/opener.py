@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_deepseek.checkpoint.convert_plan import check_tensors
+from ms_deepseek.checkpoint.quant_format import check_quantized, read_quant_config
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.source import WeightFiles, read_weight_files
@@ -33,6 +34,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
 from ms_deepseek.spec.lora import LoraSpec
+from ms_deepseek.spec.quant import QuantSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 
@@ -49,6 +51,7 @@ class Opened:
     optimizer: Optional[object] = None   # the optimizer state of a training checkpoint
     lora: Optional[LoraSpec] = None      # a LoRA run's checkpoint: its adapters' settings
     weights: Optional[WeightFiles] = None  # a whole folder's weight files (the converter's view)
+    quant: Optional[QuantSpec] = None    # a quantized base (``convert quantize``): its bits and group size
 
     @property
     def sharded(self) -> bool:
@@ -68,6 +71,13 @@ def open_checkpoint(folder) -> Opened:
         return _open_sharded(folder)
     weights = read_weight_files(folder)
     lora = lora_of(folder)
+    quant = _quant_of(folder)
+    if quant is not None:  # int8 / int4 weights with scales (checkpoint.quantize)
+        model = WholeSource.of(weights)
+        expected = expected_hf_shapes(weights.config) if model.hf else expected_ms_shapes(weights.config)
+        check_quantized(weights, expected, quant, optional=zero_width_shapes(weights.config))
+        return Opened(folder, "hf" if model.hf else "ms", weights.config, weights.config_path, model, None, None,
+                      weights, quant)
     if lora is not None:  # adapters (+ routers), by our names
         model = WholeSource.of(weights, hf=False)
         check_tensors(weights, {i.name: i.shape for i in checkpoint_inventory(weights.config, lora)}, "LoRA")
@@ -102,6 +112,11 @@ def _open_sharded(folder: Path) -> Opened:
     if model.layout.optimizer:
         optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
     return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora)
+
+
+def _quant_of(folder: Path) -> Optional[QuantSpec]:
+    found = read_quant_config(folder)
+    return None if found is None else found[0]
 
 
 def lora_of(folder: Path) -> Optional[LoraSpec]:

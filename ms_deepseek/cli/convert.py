@@ -8,7 +8,10 @@
   -> one HF folder;
 * ``reshard SRC DST --recipe RECIPE`` (or the layout flags): a checkpoint of one layout
   (whole or sharded, model and optimizer) into another; a data-parallel target (tp = pp =
-  ep = 1, no optimizer sharding) is written whole.
+  ep = 1, no optimizer sharding) is written whole;
+* ``quantize SRC DST --bits {8,4} [--group-size G]``: an HF or ms_deepseek folder -> the same layout
+  with weight-only int8 / int4 Linear and routed-expert weights plus scales (a frozen QLoRA base,
+  format in docs/lora.md); whole output only (no --recipe / layout flags yet).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ _HELP = {
                 "folder) -> HuggingFace layout (per-expert tensors, release config.json); optimizer state is dropped",
     "reshard": "checkpoint of one layout (whole or sharded, model and optimizer) -> another layout (--recipe or "
                "--dp/--tp/--pp/--ep); data-parallel targets are written whole",
+    "quantize": "HuggingFace or ms_deepseek folder -> the same layout with int8 / int4 weights and float32 scales "
+                "for the Linear layers and routed experts (embeddings, norms, routers, lm_head unchanged): a "
+                "frozen base for QLoRA",
 }
 
 
@@ -35,19 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Convert checkpoints between the HuggingFace and ms_deepseek layouts, and between "
                           "parallel layouts. Streams tensor by tensor (memory stays bounded), keeps the dtype, "
                           "writes into a temporary sibling of DST and renames it into place at the end.")
-    sub = parser.add_subparsers(dest="direction", metavar="{hf-to-ms,ms-to-hf,reshard}", required=True)
+    sub = parser.add_subparsers(dest="direction", metavar="{hf-to-ms,ms-to-hf,reshard,quantize}", required=True)
     for name, help_ in _HELP.items():
         p = sub.add_parser(name, help=help_, description=help_ + ".")
         p.add_argument("src", metavar="SRC", help="source checkpoint folder (holds config.json)")
         p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, "
                                                   "unless --overwrite)")
+        if name == "quantize":
+            p.add_argument("--bits", type=int, choices=(8, 4), required=True,
+                           help="8: int8, one scale per output channel; 4: int4, two values per byte")
+            p.add_argument("--group-size", type=positive_int, default=None, metavar="G",
+                           help="one scale per G input columns (default: one per output channel); G must divide "
+                                "every quantized layer's input width")
         if name != "reshard":
             p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                            help=f"output shards written in parallel (default {DEFAULT_WORKERS})")
             p.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
                            help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
                                 f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own")
-        if name != "ms-to-hf":
+        if name not in ("ms-to-hf", "quantize"):
             g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name == "hf-to-ms" else ""))
             g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
             g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -107,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
             sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
             print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
         return 0
-    if args.direction == "hf-to-ms":
+    if args.direction == "quantize":
+        from ms_deepseek.checkpoint.quantize import quantize_checkpoint
+
+        result = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, shard_size=args.shard_size,
+                                     overwrite=args.overwrite, progress=progress, fsync=fsync)
+    elif args.direction == "hf-to-ms":
         par = layout_from_args(args)
         if par is not None:
             layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)

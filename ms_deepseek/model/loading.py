@@ -55,6 +55,13 @@ def load_pretrained(cls, path, show_progress: bool = True, **config_overrides):
     if opened.lora is not None:
         raise UserError(f"{path}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
                         f"`ms-deepseek export-lora {path} OUT` (or merge it: `export-lora {path} OUT --merge BASE`)")
+    if opened.quant is not None:  # int8 / int4 base (convert quantize): quantized layers, then their tensors
+        from ms_deepseek.model.quant import load_quantized, quantize_model
+
+        model = cls(opened.config.replace(**config_overrides) if config_overrides else opened.config)
+        quantize_model(model, opened.quant, from_weights=False)
+        load_quantized(model, opened, show_progress=show_progress)
+        return model
     if opened.sharded:  # each tensor put together from its slices
         return _load_sharded(cls, opened, config_overrides)
     cfg = opened.config.replace(**config_overrides) if config_overrides else opened.config

@@ -113,7 +113,8 @@ def add_adapters(model, spec: LoraSpec, seed: int = 0, key: str = "lora") -> Lis
     rng = np.random.default_rng(seed)
     for path in paths:
         holder, experts = modules[path]
-        shape = tuple(holder.weight.shape)  # [out, in] or [E, out, in]
+        # [out, in] or [E, out, in]; a quantized layer (model/quant.py) stores packed weights, so ask it
+        shape = tuple(getattr(holder, "dense_shape", holder.weight.shape))
         r = spec.r
         if r > min(shape[-2:]):
             raise UserError(f"{key}.r: {r} is larger than {path} ({shape[-2]} x {shape[-1]}); "

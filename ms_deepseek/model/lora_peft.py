@@ -252,7 +252,7 @@ def attach_adapter(model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Pat
             raise UserError(f"{folder / WEIGHTS_NAME}: tensor {PREFIX}{path}.lora_A.weight targets a module this "
                             f"base does not have")
         holder, experts = modules[path]
-        shape = tuple(holder.weight.shape)  # [out, in] or [E, out, in]
+        shape = tuple(getattr(holder, "dense_shape", holder.weight.shape))  # [out, in] or [E, out, in] (quantized too)
         lead = shape[:-2]
         r = a.shape[-2]
         want_a, want_b = lead + (r, shape[-1]), lead + (shape[-2], r)

@@ -128,12 +128,23 @@ def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple
     # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
     # (a rowwise layer's partial sums are reduced after x A^T), B [out, r] splits ``out``.
     lora_a, lora_b = (1, weight[1]), (weight[0], 1)
+    # A quantized base layer (model/quant.py): scale / offset [out, in/G] split like the weight's output
+    # axis (the groups axis whole); the dequantisation Mul on [out, in/G, G] keeps the weight's split of
+    # ``in`` (per channel: on G = in; group-wise: on the groups); Ascend's WeightQuantBatchMatmul gets
+    # x, weight [out, in] (transpose_weight) and the 1-D scale / offset [out], which MindSpore's
+    # WeightQuantBatchMatmulInfo::InferTensorMap (ops_info/weight_quant_batch_matmul_info.cc) maps to
+    # the weight's output axis.
+    scale = (weight[0], 1)
     return StyleSpec(
         prims={"matmul": ((x, weight), out),
+               "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
+               "dequant_mul": (((weight[0], 1, weight[1]), (weight[0], 1, 1)), None),
+               "group_dequant_mul": (((weight[0], weight[1], 1), (weight[0], weight[1], 1)), None),
                "add_bias": (((out_rows, bias_cols), bias), None),
                "lora_a_matmul": ((x, lora_a), None),
                "lora_b_matmul": (((x[0], 1), lora_b), None)},
-        params={"weight": weight, "bias": bias, "lora_A.weight": lora_a, "lora_B.weight": lora_b},
+        params={"weight": weight, "bias": bias, "lora_A.weight": lora_a, "lora_B.weight": lora_b,
+                "weight_scale": scale, "weight_offset": scale},
         consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1),
                    "lora_A.weight": ("lora_a_matmul", 1), "lora_B.weight": ("lora_b_matmul", 1)},
     )
@@ -196,7 +207,11 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
                    "down_lora_a_bmm": (((ep, inner, tp), (ep, 1, tp)), None),
                    "down_lora_b_bmm": (((ep, inner, 1), (ep, 1, 1)), None)},
             params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
-                    "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp)},
+                    "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
+                    # a quantized base (model/quant.py): scales / offsets [E, out, in/G] like the weights'
+                    # expert and output axes
+                    **{f"{p}_proj.{s}": (ep, tp if p != "down" else 1, 1)
+                       for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
             consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
                        "down_proj.weight": ("down_bmm", 1),
                        **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)

@@ -38,16 +38,47 @@ def base_folder(recipe, run_dir: Path) -> Optional[Path]:
     return saved if (saved / "model.safetensors").is_file() else None
 
 
-def prepare(model, recipe, run_dir: Path, write_base: bool) -> List[str]:
-    """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first."""
+def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path] = None) -> List[str]:
+    """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first.
+
+    With a ``quant:`` section the base is quantized before the adapters go on: a float base (loaded,
+    or random and saved unquantized to RUN_DIR/base) in memory, deterministically, so a resumed run
+    rebuilds the same one; a quantized ``model.source`` (``convert quantize``) arrives quantized and
+    must match the section."""
     from ms_deepseek.model import lora
 
     section = recipe.lora
     if write_base:
         save_base(model, Path(run_dir) / BASE_DIR)
+    if recipe.quant is not None:
+        _quantize_base(model, recipe.quant, base)
+    elif base is not None and _quant_of(base) is not None:
+        raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
+                        "bits and group_size to train LoRA on it")
     paths = lora.add_adapters(model, section, seed=recipe.train.seed)
     lora.freeze_base(model, section.train_router)
     return paths
+
+
+def _quant_of(folder: Path):
+    from ms_deepseek.checkpoint.quant_format import read_quant_config
+
+    found = read_quant_config(folder)
+    return None if found is None else found[0]
+
+
+def _quantize_base(model, spec, base: Optional[Path]) -> None:
+    from ms_deepseek.model.quant import is_quantized, quantize_model
+
+    have = _quant_of(base) if base is not None else None
+    if have is not None:
+        if (have.bits, have.group_size) != (spec.bits, spec.group_size):
+            raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
+                            f"quantized with bits {have.bits}, group_size {have.group_size}")
+        if not is_quantized(model):
+            raise RuntimeError("internal: a quantized source loaded into float layers")
+        return
+    quantize_model(model, spec)
 
 
 def checkpoint_tensors(model) -> Dict[str, object]:
@@ -134,6 +165,14 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
         return (run_dir / BASE_DIR).resolve()  # absolute, as for model.source: the adapter is read from elsewhere
     source = Path(str(model_section.get("source", ""))).expanduser()
     if source.is_dir() and (source / "config.json").is_file():
+        if _quant_of(source) is not None:  # a QLoRA run on a `convert quantize` folder: its float original
+            from ms_deepseek.checkpoint.quantize import original_of
+
+            original = original_of(source)
+            if original is None:
+                raise UserError(f"{ckpt}: the run's base {source} is quantized and the float checkpoint it was "
+                                "made from is gone; pass --base FOLDER (the unquantized base)")
+            return original.resolve()
         return source.resolve()
     raise UserError(f"{ckpt}: cannot find the run's base model ({run_dir / BASE_DIR} or model.source "
                     f"{str(source)!r}); pass --base FOLDER")
@@ -274,6 +313,9 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
 
     base, out = Path(base), Path(out)
+    if _quant_of(base) is not None:
+        raise UserError(f"--merge {base}: a quantized checkpoint; merge into the unquantized base it was made "
+                        "from (its config.json's quantization_config.original)")
     ckpt = read_weight_files(base)
     E = ckpt.config.n_routed_experts or 0
     cfg = read_config(adapter_folder)

@@ -264,7 +264,11 @@ class Trainer:
         else:
             model = DeepseekV2ForCausalLM(self.cfg)
         if lora is not None:  # adapters + frozen base; a random base is saved once to RUN_DIR/base
-            lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main)
+            if self.recipe.quant is not None and self.sharded:
+                raise UserError("quant: a quantized base trains single-device or data-parallel for now (tp / pp / "
+                                "ep runs read the base by slices, which has no quantized layout yet)")
+            lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
+                             base=weights_folder)
         model.set_train(True)
         from ms_deepseek.sharding.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory

@@ -1,0 +1,113 @@
+"""``convert quantize``: a frozen base for QLoRA, weight-only int8 / int4 with scales.
+
+The format (names, packing, scales) is :mod:`ms_deepseek.checkpoint.quant_format`'s, documented
+in ``docs/lora.md``. The source is read one tensor at a time (each quantized weight is read twice:
+once for its scale, once for its values, since a file stores wider dtypes first), so memory stays
+at one tensor whatever the model size; the destination appears only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ms_deepseek.checkpoint.quant_format import (DESCRIPTION_FILE, QUANT_METHOD, check_groups, is_quantized_weight,
+                                                 quantized_entries, read_quant_config, stored_array)
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.spec.quant import QuantSpec
+
+
+# ------------------------------------------------------------------------------ the converter
+def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *, shard_size="5GB",
+                        overwrite: bool = False, progress: bool = True, fsync: bool = True):
+    """Quantize an HF or ms_deepseek folder into ``dst`` (same layout), one tensor in memory at a time."""
+    from tqdm import tqdm
+
+    from ms_deepseek.checkpoint.convert import CARRIED_FILES, ConvertResult, parse_size
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
+    from ms_deepseek.checkpoint.source import INDEX_NAME
+    from ms_deepseek.checkpoint.sources import to_float32, full_slice
+    from ms_deepseek.core.atomic import atomic_folder, check_destination
+
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    size = parse_size(shard_size)
+    spec = QuantSpec(bits=bits, group_size=group_size)
+    opened = open_checkpoint(src)
+    if opened.quant is not None:
+        raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
+                        "quantize the original checkpoint")
+    if opened.kind not in ("hf", "ms"):
+        raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
+                        "(convert a training checkpoint with `convert ms-to-hf` first)")
+    weights = opened.weights
+    check_groups({n: i.shape for n, i in weights.tensors.items()}, spec, "--group-size")
+    check_destination(src, dst, overwrite)
+
+    def read(info):
+        return to_float32(opened.model.read(info.name, full_slice(info.shape)), info.dtype)
+
+    planned: List[OutTensor] = []
+    kinds: Dict[str, str] = {"model_quant_type": f"W{bits}A16"}
+    for info in sorted(weights.tensors.values(), key=lambda i: (str(i.file), i.offset)):
+        if is_quantized_weight(info.name) and 0 not in info.shape:
+            entries = quantized_entries(info.name, info.shape, spec)
+            (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
+            # The weight and its scale are produced separately (the file orders wide dtypes first), each
+            # from one read of the source tensor: memory holds one tensor, not a shard.
+            planned.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
+            planned.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
+            planned.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
+            kinds.update({q_name: kinds["model_quant_type"], s_name: kinds["model_quant_type"],
+                          o_name: kinds["model_quant_type"]})
+        else:
+            planned.append(OutTensor(info.name, info.dtype, tuple(info.shape),
+                                     ((info.file, info.offset, info.nbytes),)))
+            kinds[info.name] = "FLOAT"
+    shards: List[List[OutTensor]] = [[]]
+    used = 0
+    for t in planned:
+        if shards[-1] and used + t.nbytes > size:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += t.nbytes
+    n = len(shards)
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)] if n > 1 else ["model.safetensors"]
+    total = sum(t.nbytes for t in planned)
+    with atomic_folder(dst, fsync=fsync) as tmp:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize",
+                  disable=not progress or not os.isatty(2), dynamic_ncols=True) as bar:
+            for name, shard in zip(names, shards):
+                write_file(tmp / name, order_for_alignment(shard), {"format": "pt"}, on_bytes=bar.update, fsync=fsync)
+        if n > 1:
+            weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        config = json.loads(opened.config_path.read_text(encoding="utf-8"))
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group_size,
+                                         "symmetric": True, "original": str(src.resolve())}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / DESCRIPTION_FILE).write_text(json.dumps(kinds, indent=2) + "\n")
+        for extra in CARRIED_FILES:
+            if (src / extra).is_file():
+                shutil.copyfile(src / extra, tmp / extra)
+    return ConvertResult(dst=dst, files=names, num_tensors=len(planned), total_bytes=total,
+                         seconds=time.perf_counter() - start)
+
+
+def original_of(folder: Path) -> Optional[Path]:
+    """The float checkpoint a quantized folder was made from, if it still exists."""
+    found = read_quant_config(folder)
+    if found is None:
+        return None
+    original = found[1].get("original")
+    path = Path(original) if isinstance(original, str) else None
+    return path if path is not None and (path / "config.json").is_file() else None

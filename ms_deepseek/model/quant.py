@@ -1,0 +1,256 @@
+"""A quantized frozen base under LoRA: int8 / int4 Linear layers and stacked experts.
+
+The layers hold the stored weight of :mod:`ms_deepseek.checkpoint.quant_format` (int8
+[out, in], or uint8 [out, in/2] with two int4 per byte), ``weight_scale`` [out, in/G] and
+``weight_offset`` (zeros) as frozen Parameters, and compute ``x @ dequant(W)^T`` with
+``dequant(W) = q * scale`` per group of G input columns. LoRA adapters attach to them exactly
+as to the float layers (model/lora.py); the quantized parameters never get gradients (they
+are not trainable, and the integer weight has no gradient).
+
+Backends:
+
+* CPU (the reference): dequantise in float32 (``dequant_mul``: the same product as
+  :func:`~ms_deepseek.checkpoint.quant_format.dequantize_array`), then the float layer's matmul;
+* Ascend, int8 per output channel Linear: ``ops.auto_generate.WeightQuantBatchMatmul`` (MindSpore
+  2.9 ``ops/auto_generate/gen_ops_prim.py``: ``WeightQuantBatchMatmul(transpose_x=False,
+  transpose_weight=False, antiquant_group_size=0)(x, weight, antiquant_scale, antiquant_offset=None,
+  quant_scale=None, quant_offset=None, bias=None)``; CANN's ANTIQUANT(w) = (w + offset) * scale),
+  with ``transpose_weight=True`` on our [out, in] weight and the scale / offset as 1-D [out] in the
+  activation dtype. Its parallel rule (MindSpore ``frontend/parallel/ops_info/
+  weight_quant_batch_matmul_info.cc``, ``WeightQuantBatchMatmulInfo::InferTensorMap``) maps every
+  input after the weight to the tensor map ``{0}``: a 1-D tensor split like the weight's output
+  axis. That fits a per-channel scale [out] and nothing else, so group-wise scales, int4 and the
+  stacked experts (one scale row per expert) take the dequantise-then-matmul path on Ascend too,
+  whose Mul and (Batch)MatMul shard by the plan (parallel/plan.py: scales split like the weight's
+  output axis, ``weight_scale``/``weight_offset`` layouts beside ``weight``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.model.layers import Linear
+from ms_deepseek.model.moe import RoutedExperts, StackedWeight
+from ms_deepseek.spec.quant import QuantSpec
+
+
+def _on_ascend() -> bool:
+    return ms.get_context("device_target") == "Ascend"
+
+
+class _Dequant:
+    """The shared parts: frozen quantized parameters and the dequantisation (a mixin of Cells)."""
+
+    def _init_quant(self, lead: Tuple[int, ...], out_f: int, in_f: int, spec: QuantSpec) -> None:
+        self.bits = spec.bits
+        self.group = group_of(spec, in_f)
+        self.groups = in_f // self.group
+        self.dense_shape = tuple(lead) + (out_f, in_f)  # what LoRA sees: the float weight's shape
+        q_shape = tuple(lead) + (out_f, in_f if spec.bits == 8 else in_f // 2)
+        s_shape = tuple(lead) + (out_f, self.groups)
+        q_dtype = np.int8 if spec.bits == 8 else np.uint8
+        self.weight = Parameter(Tensor(np.zeros(q_shape, q_dtype)), name="weight", requires_grad=False)
+        self.weight_scale = Parameter(Tensor(np.ones(s_shape, np.float32)), name="weight_scale", requires_grad=False)
+        self.weight_offset = Parameter(Tensor(np.zeros(s_shape, np.float32)), name="weight_offset",
+                                       requires_grad=False)
+        # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
+        # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
+        self.dequant_mul = ops.Mul()
+        self.group_dequant_mul = ops.Mul()
+
+    def _int_values(self):
+        """The weight's integers as float32 [..., out, in] (int4: nibbles sign-extended and interleaved)."""
+        w = self.weight
+        if self.bits == 8:
+            return w.astype(ms.float32)
+        u = w.astype(ms.int32)  # [..., out, in/2]
+        lo = ops.floor_mod(u, 16)
+        hi = ops.floor_div(u, 16)
+        both = ops.stack((lo, hi), -1)  # [..., out, in/2, 2]: column 2j, 2j+1
+        both = ops.select(both >= 8, both - 16, both)
+        shape = self.dense_shape
+        return both.reshape(shape).astype(ms.float32)  # [..., out, in/2, 2] -> [..., out, in]
+
+    def dequantized(self):
+        """float32 [..., out, in]: q * scale per group of ``self.group`` input columns."""
+        shape = self.dense_shape
+        q = self._int_values().reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
+        scale = self.weight_scale.reshape(shape[:-1] + (self.groups, 1))  # [..., out, in/G, 1]
+        mul = self.dequant_mul if self.groups == 1 else self.group_dequant_mul
+        return mul(q, scale).reshape(shape)  # -> [..., out, in]
+
+    def set_quantized(self, stored: np.ndarray, scale: np.ndarray) -> None:
+        self.weight.set_data(Tensor(np.ascontiguousarray(stored)))
+        self.weight_scale.set_data(Tensor(np.ascontiguousarray(scale, np.float32)))
+
+
+class QuantLinear(_Dequant, Linear):
+    """A frozen int8 / int4 ``Linear`` (no bias: DeepSeek-V2's projections have none)."""
+
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, compute_dtype=ms.float32):
+        nn.Cell.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self._init_quant((), out_features, in_features, spec)
+        self.bias = None
+        self.compute_dtype = compute_dtype
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.add_bias = ops.Add()
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_scaling = 0.0
+        self.lora_dropout = None
+        self.lora_a_matmul = ops.MatMul(transpose_b=True)
+        self.lora_b_matmul = ops.MatMul(transpose_b=True)
+        self.fused = _on_ascend() and spec.bits == 8 and self.groups == 1
+        if self.fused:
+            from mindspore.ops.auto_generate import WeightQuantBatchMatmul
+
+            self.qmatmul = WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)
+
+    def construct(self, x):
+        lead = x.shape[:-1]
+        cdt = self.compute_dtype
+        x2 = x.reshape(-1, self.in_features).astype(cdt)  # [N, in]
+        if self.fused:  # Ascend W8A16: scale / offset [out, 1] -> [out], in the activation dtype
+            y = self.qmatmul(x2, self.weight, self.weight_scale.reshape(-1).astype(cdt),
+                             self.weight_offset.reshape(-1).astype(cdt))
+        else:
+            y = self.matmul(x2, self.dequantized().astype(cdt))  # [N, out]
+        if self.lora_A is not None:
+            h = x2 if self.lora_dropout is None else self.lora_dropout(x2)
+            h = self.lora_a_matmul(h, self.lora_A.weight.astype(cdt))  # [N, r]
+            y = y + self.lora_b_matmul(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling
+        return y.reshape(lead + (self.out_features,))
+
+
+class QuantStackedWeight(_Dequant, StackedWeight):
+    """A frozen int8 / int4 stacked expert projection [E, out, in] (dequantised, then the batched matmul)."""
+
+    def __init__(self, shape, spec: QuantSpec):
+        nn.Cell.__init__(self)
+        E, out_f, in_f = shape
+        self._init_quant((E,), out_f, in_f, spec)
+        self.lora_A = None
+        self.lora_B = None
+        self.lora_scaling = 0.0
+        self.lora_dropout = None
+
+    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt):
+        """x [E, C, in] -> [E, C, out]."""
+        y = bmm(x, self.dequantized().astype(cdt))  # [E, C, out]
+        if self.lora_A is not None:
+            h = x if self.lora_dropout is None else self.lora_dropout(x)
+            h = lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
+            y = y + lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
+        return y
+
+
+# ------------------------------------------------------------------------------ building
+def _host(p) -> np.ndarray:
+    return p.astype(ms.float32).asnumpy() if p.dtype == ms.bfloat16 else p.asnumpy().astype(np.float32)
+
+
+def _name(cell, path: str) -> None:
+    for suffix in ("weight", "weight_scale", "weight_offset"):
+        getattr(cell, suffix).name = f"{path}.{suffix}"
+
+
+def quantizable_cells(model) -> List[Tuple[str, object, str, object]]:
+    """(path, parent cell, attribute, cell) of every float Linear / stacked projection the base quantizes."""
+    cells = dict(model.cells_and_names())
+    out = []
+    for path, cell in cells.items():
+        if isinstance(cell, (_Dequant,)):
+            continue
+        if isinstance(cell, Linear) and is_quantized_weight(f"{path}.weight"):
+            parent, attr = path.rsplit(".", 1)
+            out.append((path, cells[parent], attr, cell))
+        elif isinstance(cell, RoutedExperts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                sub = getattr(cell, proj)
+                if not isinstance(sub, _Dequant):
+                    out.append((f"{path}.{proj}", cell, proj, sub))
+    return out
+
+
+def is_quantized(model) -> bool:
+    return any(isinstance(c, _Dequant) for _p, c in model.cells_and_names())
+
+
+def quantize_model(model, spec: QuantSpec, from_weights: bool = True) -> int:
+    """Swap every quantizable layer for its quantized twin; returns how many.
+
+    ``from_weights``: quantize the layer's current float weight (a loaded or random base, in
+    memory, one layer at a time); otherwise leave placeholders for :func:`load_quantized`."""
+    done = 0
+    for path, parent, attr, cell in quantizable_cells(model):
+        if getattr(cell, "lora_A", None) is not None:
+            raise UserError("quant: the base must be quantized before LoRA adapters are attached")
+        shape = tuple(cell.weight.shape)
+        if spec.group_size is not None and shape[-1] % spec.group_size:
+            raise UserError(f"quant.group_size: {spec.group_size} does not divide the input width {shape[-1]} "
+                            f"of {path}")
+        if spec.bits == 4 and group_of(spec, shape[-1]) % 2:
+            raise UserError(f"quant.group_size: int4 pairs columns; {path} has an odd input width {shape[-1]}")
+        if isinstance(cell, Linear):
+            new = QuantLinear(shape[1], shape[0], spec, cell.compute_dtype)
+        else:
+            new = QuantStackedWeight(shape, spec)
+        if from_weights:
+            new.set_quantized(*stored_array(_host(cell.weight), spec))
+        setattr(parent, attr, new)
+        _name(new, path)
+        done += 1
+    return done
+
+
+def _stacked_pieces(source, name: str, E: int) -> Optional[List[str]]:
+    """HF per-expert names of a stacked ``...mlp.experts.P.<suffix>`` tensor, or None."""
+    parts = name.split(".")
+    if len(parts) == 7 and parts[3] == "mlp" and parts[4] == "experts" and not parts[5].isdigit():
+        stem, proj, suffix = ".".join(parts[:5]), parts[5], parts[6]
+        return [f"{stem}.{e}.{proj}.{suffix}" for e in range(E)]
+    return None
+
+
+def load_quantized(model, opened, show_progress: bool = False) -> None:
+    """Every parameter of a model built with quantized placeholders, from a quantized checkpoint."""
+    from ms_deepseek.checkpoint.sources import memmap, to_float32
+
+    tensors = opened.weights.tensors
+    E = opened.config.n_routed_experts or 0
+
+    def raw(info):
+        value = np.array(memmap(info)) if info.nbytes else np.zeros(info.shape)
+        return value if info.dtype in ("I8", "U8") else to_float32(value, info.dtype).astype(np.float32)
+
+    for name, param in model.parameters_and_names():
+        if name.endswith("expert_placement") or ".lora_" in name:
+            continue
+        if name in tensors:
+            value = raw(tensors[name])
+        else:
+            pieces = _stacked_pieces(opened.model, name, E)
+            if pieces is None or any(p not in tensors for p in pieces):
+                raise UserError(f"{opened.folder}: quantized checkpoint is missing tensor {name}")
+            value = np.stack([raw(tensors[p]) for p in pieces])
+        if tuple(value.shape) != tuple(param.shape):
+            raise UserError(f"{opened.folder}: tensor {name} has shape {list(value.shape)}, the model "
+                            f"expects {list(param.shape)}")
+        if param.dtype in (ms.int8, ms.uint8):
+            param.set_data(Tensor(np.ascontiguousarray(value)))
+        else:
+            np_dtype = np.float16 if param.dtype == ms.float16 else np.float32
+            param.set_data(Tensor(np.ascontiguousarray(value, np_dtype), dtype=param.dtype))
+
+
+def quantized_state(model) -> Dict[str, np.ndarray]:
+    """name -> host array of every quantized parameter (for tests and tools)."""
+    return {n: p.asnumpy() for n, p in model.parameters_and_names()
+            if n.endswith((".weight_scale", ".weight_offset")) or p.dtype in (ms.int8, ms.uint8)}
