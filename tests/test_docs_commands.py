@@ -9,7 +9,8 @@
      same recipe, model and data, run briefly; a later ``--set`` wins over the doc's);
    * placeholders: ``RUN_DIR`` is a LoRA run of ``recipes/tiny-lora-cpu.yaml`` made the same way,
      ``step_N`` its checkpoint, ``BASE`` its base, ``OUT`` a fresh folder per command, ``PEFT_FOLDER``
-     the first ``OUT`` an ``export-lora`` wrote.
+     the first ``OUT`` an ``export-lora`` wrote, ``QBASE`` one scratch folder (a quantized base) and
+     ``QLORA_RUN`` one scratch run folder (a QLoRA run).
 
 2. Every figure a doc or a recipe comment quotes from ``plan`` equals what ``plan`` prints now: a table
    row ending in ``<!-- plan ARGS -->`` quotes ``plan ARGS`` (its first ``N GB`` and ``LOW-HIGH``
@@ -103,6 +104,10 @@ class Placeholders:
             elif word == "OUT":
                 self.n += 1
                 word = str(self.root / f"out-{self.n}")
+            elif "QLORA_RUN" in word:
+                word = word.replace("QLORA_RUN", str(self.root / "runs" / "docs-qlora"))
+            elif word == "QBASE":
+                word = str(self.root / "qbase")
             elif word == "PEFT_FOLDER":
                 assert self.peft is not None, "PEFT_FOLDER before any export-lora"
                 word = self.peft
