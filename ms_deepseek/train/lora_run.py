@@ -20,7 +20,7 @@ import numpy as np
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
-from ms_deepseek.core.atomic import atomic_folder, check_apart, fsync_tree, temporary_sibling
+from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.loading import read_tensor
 from ms_deepseek.spec.lora import LoraSpec
@@ -198,14 +198,11 @@ def checkpoint_arrays(ckpt: Path):
 
 def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], Dict]:
     """(PEFT-named tensors, adapter_config) of a LoRA training checkpoint."""
-    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model.lora_peft import PREFIX, adapter_config
     import re
 
     section, _model = run_lora_settings(ckpt)
     lora_cfg = LoraSpec.from_settings(section, "lora")
-    cfg = DeepseekV2Config.from_json(ckpt / "config.json")
-    E = cfg.n_routed_experts or 0
     arrays, where = checkpoint_arrays(ckpt)
     tensors: Dict[str, np.ndarray] = {}
     targets, routed = set(), False
@@ -305,105 +302,124 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     Tensors the adapter does not touch are copied as bytes (the converter's writer); each touched
     one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
     own dtype into a scratch file and copied from there. Output shards mirror the base's."""
-    from ms_deepseek.checkpoint import convert as convert_api
-    from ms_deepseek.spec import names
-    from ms_deepseek.checkpoint.safetensors_io import DTYPE_NAMES, OutTensor, order_for_alignment, write_file
     from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.model.loading import read_tensor
     from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
 
-    base, out = Path(base), Path(out)
+    base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)
     if _quant_of(base) is not None:
         raise UserError(f"--merge {base}: a quantized checkpoint; merge into the unquantized base it was made "
                         "from (its config.json's quantization_config.original)")
     ckpt = read_weight_files(base)
     E = ckpt.config.n_routed_experts or 0
-    cfg = read_config(adapter_folder)
-    factors, routers = group_adapter(_read_tensors(adapter_folder), cfg, E, Path(adapter_folder))
+    factors, routers = group_adapter(_read_tensors(adapter_folder), read_config(adapter_folder), E, adapter_folder)
     check_apart(out, [adapter_folder, base], "output folder")  # OUT = the adapter would delete it
-    convert_api._check_destination(base, out, overwrite)
-    # per HF tensor name: (A [r, in], B [out, r], scaling)
-    deltas: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
-    for path, (a, b, s) in factors.items():
-        if a.ndim == 3:
-            for e in range(a.shape[0]):
-                deltas[names.ms_to_hf(f"{path}.weight", E)[e]] = (a[e], b[e], s)
-        else:
-            deltas[f"{path}.weight"] = (a, b, s)
-    stacked_deltas = {f"{p}.weight": v for p, v in factors.items() if v[0].ndim == 3}
-    present = set()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(out)  # the one atomic writer's temporary folder; installed below
-    tmp.mkdir()
-    try:
+    check_destination(base, out, overwrite)
+    merger = _Merger(factors, routers, E, adapter_folder)
+    with atomic_folder(out) as tmp:
         scratch = tmp / ".scratch.bin"
-        weight_map: Dict[str, str] = {}
-        files = []
-        with open(scratch, "wb") as sf:
-            for src in ckpt.files:
-                planned: List[OutTensor] = []
-                for info in sorted((i for i in ckpt.tensors.values() if i.file == src), key=lambda i: i.offset):
-                    name = info.name
-                    if name in deltas or name in routers or name in stacked_deltas:
-                        if info.dtype not in DTYPE_NAMES:
-                            raise UserError(f"{info.file}: tensor {name} has dtype {info.dtype}; cannot merge into it")
-                        w = read_tensor(info).astype(np.float32)
-                        if name in routers:
-                            w = routers[name]
-                        elif name in stacked_deltas:  # our stacked layout: all experts at once
-                            a, b, s = stacked_deltas[name]
-                            w = w + s * np.matmul(b, a)  # [E, out, r] @ [E, r, in]
-                        else:
-                            a, b, s = deltas[name]
-                            if w.shape != (b.shape[0], a.shape[1]):
-                                raise UserError(f"{adapter_folder}: adapter for {name} is {b.shape[0]} x {a.shape[1]}, "
-                                                f"the base tensor is {list(w.shape)} (an adapter for another base?)")
-                            w = w + s * (b @ a)
-                        pieces = []
-                        outs = names.unstack(name, w, E) if name in stacked_deltas else [(name, w)]
-                        for out_name, arr in outs:
-                            from ms_deepseek.checkpoint.synthetic import _encode
-
-                            raw = _encode(np.ascontiguousarray(arr), info.dtype)
-                            off = sf.tell()
-                            sf.write(raw)
-                            planned.append(OutTensor(out_name, info.dtype, tuple(arr.shape),
-                                                     ((scratch, off, len(raw)),)))
-                        present.add(name)
-                    elif names.is_stacked_expert(name):  # our layout: unstack by byte ranges
-                        per = info.nbytes // info.shape[0]
-                        for e, out_name in enumerate(names.ms_to_hf(name, E)):
-                            planned.append(OutTensor(out_name, info.dtype, tuple(info.shape[1:]),
-                                                     ((info.file, info.offset + e * per, per),)))
-                    else:
-                        planned.append(OutTensor(name, info.dtype, tuple(info.shape),
-                                                 ((info.file, info.offset, info.nbytes),)))
-                files.append((src.name, order_for_alignment(planned)))
-            sf.flush()
-        for path, (a, _b, _s) in sorted(factors.items()):
-            stack = f"{path}.weight"
-            ok = stack in present or (a.ndim == 3 and all(n in present for n in names.ms_to_hf(stack, E)))
-            if not ok:
-                raise UserError(f"{adapter_folder}: the adapter for {path} has no base tensor in {base} "
-                                "(an adapter for another base?)")
-        for name in routers:
-            if name not in present:
-                raise UserError(f"{adapter_folder}: router {name} has no base tensor in {base}")
-        for file_name, planned in files:
-            write_file(tmp / file_name, planned, {"format": "pt"})
-            for t in planned:
-                weight_map[t.name] = file_name
+        with open(scratch, "wb") as scratch_file:
+            files = [(src.name, merger.plan_file(ckpt, src, scratch, scratch_file)) for src in ckpt.files]
+        merger.check_all_applied(base)
+        _write_merged(tmp, files, ckpt, base)
         scratch.unlink()
-        if ckpt.index_path is not None:
-            total = sum((tmp / f).stat().st_size for f, _ in files)
-            (tmp / ckpt.index_path.name).write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        for extra in base.iterdir():  # config.json, tokenizer files, generation_config.json ...
-            if extra.is_file() and not extra.name.endswith(".safetensors") and extra != ckpt.index_path:
-                shutil.copy2(extra, tmp / extra.name)
-        fsync_tree(tmp)
-        convert_api._install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
+
+
+class _Merger:
+    """The adapter's deltas by base tensor name, and the output tensors of one base file."""
+
+    def __init__(self, factors, routers, num_experts: int, adapter_folder: Path):
+        from ms_deepseek.spec import names
+
+        self.routers, self.E, self.adapter_folder, self.factors = routers, num_experts, adapter_folder, factors
+        # per HF tensor name: (A [r, in], B [out, r], scaling); stacked [E, ...] factors under our stacked name
+        self.deltas: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+        for path, (a, b, s) in factors.items():
+            if a.ndim == 3:
+                for e in range(a.shape[0]):
+                    self.deltas[names.ms_to_hf(f"{path}.weight", num_experts)[e]] = (a[e], b[e], s)
+            else:
+                self.deltas[f"{path}.weight"] = (a, b, s)
+        self.stacked = {f"{p}.weight": v for p, v in factors.items() if v[0].ndim == 3}
+        self.present = set()
+
+    def touches(self, name: str) -> bool:
+        return name in self.deltas or name in self.routers or name in self.stacked
+
+    def merged(self, info) -> np.ndarray:
+        """The base tensor with its adapter folded in (float32), or the trained router."""
+        from ms_deepseek.checkpoint.safetensors_io import DTYPE_NAMES
+
+        name = info.name
+        if info.dtype not in DTYPE_NAMES:
+            raise UserError(f"{info.file}: tensor {name} has dtype {info.dtype}; cannot merge into it")
+        if name in self.routers:
+            return self.routers[name]
+        w = read_tensor(info).astype(np.float32)
+        if name in self.stacked:  # our stacked layout: all experts at once
+            a, b, s = self.stacked[name]
+            return w + s * np.matmul(b, a)  # [E, out, r] @ [E, r, in]
+        a, b, s = self.deltas[name]
+        if w.shape != (b.shape[0], a.shape[1]):
+            raise UserError(f"{self.adapter_folder}: adapter for {name} is {b.shape[0]} x {a.shape[1]}, "
+                            f"the base tensor is {list(w.shape)} (an adapter for another base?)")
+        return w + s * (b @ a)
+
+    def plan_file(self, ckpt, src: Path, scratch: Path, scratch_file) -> list:
+        """The output tensors of base file ``src``: merged ones encoded into ``scratch``, the rest byte ranges."""
+        from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment
+        from ms_deepseek.checkpoint.synthetic import _encode
+        from ms_deepseek.spec import names
+
+        planned = []
+        for info in sorted((i for i in ckpt.tensors.values() if i.file == src), key=lambda i: i.offset):
+            name = info.name
+            if self.touches(name):
+                w = self.merged(info)
+                outs = names.unstack(name, w, self.E) if name in self.stacked else [(name, w)]
+                for out_name, arr in outs:
+                    raw = _encode(np.ascontiguousarray(arr), info.dtype)
+                    offset = scratch_file.tell()
+                    scratch_file.write(raw)
+                    planned.append(OutTensor(out_name, info.dtype, tuple(arr.shape), ((scratch, offset, len(raw)),)))
+                self.present.add(name)
+            elif names.is_stacked_expert(name):  # our layout: unstack by byte ranges
+                per = info.nbytes // info.shape[0]
+                for e, out_name in enumerate(names.ms_to_hf(name, self.E)):
+                    planned.append(OutTensor(out_name, info.dtype, tuple(info.shape[1:]),
+                                             ((info.file, info.offset + e * per, per),)))
+            else:
+                planned.append(OutTensor(name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),)))
+        scratch_file.flush()
+        return order_for_alignment(planned)
+
+    def check_all_applied(self, base: Path) -> None:
+        """Every adapter and router found its base tensor (else the adapter is for another base)."""
+        from ms_deepseek.spec import names
+
+        for path, (a, _b, _s) in sorted(self.factors.items()):
+            stack = f"{path}.weight"
+            if stack not in self.present and not (a.ndim == 3 and all(
+                    n in self.present for n in names.ms_to_hf(stack, self.E))):
+                raise UserError(f"{self.adapter_folder}: the adapter for {path} has no base tensor in {base} "
+                                "(an adapter for another base?)")
+        for name in self.routers:
+            if name not in self.present:
+                raise UserError(f"{self.adapter_folder}: router {name} has no base tensor in {base}")
+
+
+def _write_merged(tmp: Path, files, ckpt, base: Path) -> None:
+    """The planned files, the index mirroring the base's, and the base's other files (config, tokenizer)."""
+    from ms_deepseek.checkpoint.safetensors_io import write_file
+
+    weight_map: Dict[str, str] = {}
+    for file_name, planned in files:
+        write_file(tmp / file_name, planned, {"format": "pt"})
+        weight_map.update({t.name: file_name for t in planned})
+    if ckpt.index_path is not None:
+        total = sum((tmp / f).stat().st_size for f, _ in files)
+        (tmp / ckpt.index_path.name).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    for extra in base.iterdir():  # config.json, tokenizer files, generation_config.json ...
+        if extra.is_file() and not extra.name.endswith(".safetensors") and extra != ckpt.index_path:
+            shutil.copy2(extra, tmp / extra.name)
