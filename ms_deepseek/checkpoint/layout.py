@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 from ms_deepseek.spec.inventory import parameter_inventory
@@ -284,7 +285,6 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
         table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
         experts = tuple(ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r)
                         for r in range(parallel.ep))
-    sf = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
     out: Dict[str, TensorLayout] = {}
     for info in checkpoint_inventory(cfg, lora):
         pattern, layout = plan.param_layout(info.name, mesh)
@@ -299,7 +299,7 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
                                 f"({parallel.describe()})")
         dev, tmap = _dev_matrix_for(spec, suffix, layout, devices)
         stacked = info.kind == "routed_experts"
-        dtype = (dtypes or {}).get(info.name, sf[info.dtype])
+        dtype = (dtypes or {}).get(info.name, safetensors_code(info.dtype))
         t = TensorLayout(info.name, info.shape, dtype, stage_of_param(info, parallel.pp, stages), dev, tmap,
                          experts if stacked and tmap[0] >= 0 else None)
         if stacked and t.split[0] != parallel.ep:

@@ -24,15 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ms_deepseek.core.dtypes import BY_SAFETENSORS, FLOAT_SAFETENSORS
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 
-DTYPE_SIZES: Dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
-FLOAT_DTYPES = ("F32", "F16", "BF16")
-DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# views of the one dtype table (core.dtypes), by safetensors code
+DTYPE_SIZES: Dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
+FLOAT_DTYPES = FLOAT_SAFETENSORS
+DTYPE_NAMES = {code: BY_SAFETENSORS[code].name for code in FLOAT_SAFETENSORS}
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000  # the reference implementation's limit
 _COPY_CHUNK = 64 * 1024 * 1024         # bytes per copy call (progress granularity, bounded buffer)

@@ -26,10 +26,10 @@ import numpy as np
 from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, read_layout, rank_dir_name
 from ms_deepseek.spec import names
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo, read_header
+from ms_deepseek.core.dtypes import BY_SAFETENSORS
 from ms_deepseek.core.errors import UserError
 
-RAW_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I32": "<i4", "I64": "<i8", "I16": "<i2",
-              "U8": "u1", "I8": "i1", "BOOL": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
+RAW_DTYPES = {code: d.raw for code, d in BY_SAFETENSORS.items()}  # the stored bits, by safetensors code
 
 
 def full_slice(shape, experts: bool = False):

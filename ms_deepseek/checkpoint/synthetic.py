@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, numel
 from ms_deepseek.checkpoint.source import INDEX_NAME, SINGLE_NAME
 
-_SF_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _CHUNK = 1 << 22  # elements encoded at a time
 _POOL = 1 << 24   # normal values drawn up front
 
@@ -50,9 +50,9 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shapes = expected_hf_shapes(cfg) if layout == "hf" else expected_ms_shapes(cfg)
-    overrides = {k: _SF_DTYPES[v] for k, v in (dtype_overrides or {}).items()}
+    overrides = {k: safetensors_code(v) for k, v in (dtype_overrides or {}).items()}
     entries: List[Tuple[str, str, Tuple[int, ...]]] = [
-        (name, overrides.get(name, _SF_DTYPES[dtype]), shape) for name, shape in shapes.items()]
+        (name, overrides.get(name, safetensors_code(dtype)), shape) for name, shape in shapes.items()]
     total = sum(numel(s) * DTYPE_SIZES[d] for _, d, s in entries)
     target = -(-total // num_shards)
     shards: List[List[Tuple[str, str, Tuple[int, ...]]]] = [[]]

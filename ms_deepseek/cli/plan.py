@@ -136,9 +136,10 @@ def _hardware(args):
 
 
 def _precision(args, cfg):
-    from ms_deepseek.parallel.costs import ITEMSIZE, Precision
+    from ms_deepseek.core.dtypes import itemsize
+    from ms_deepseek.parallel.costs import Precision
 
-    return Precision(compute_bytes=ITEMSIZE[cfg.compute_dtype], grad_bytes=args.grad_bytes,
+    return Precision(compute_bytes=itemsize(cfg.compute_dtype), grad_bytes=args.grad_bytes,
                      optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
                      master_bytes=args.master_bytes or 0, optimizer_level=args.optimizer_level or "level1")
 

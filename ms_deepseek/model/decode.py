@@ -30,10 +30,11 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
+from ms_deepseek.core.dtypes import itemsize
+
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.model.layers import to_ms_dtype
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -79,7 +80,7 @@ def cache_figures(cfg: DeepseekV2Config, dtype: str = None) -> CacheFigures:
     dtype = dtype or cfg.compute_dtype
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     full = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    L, size = cfg.num_hidden_layers, _ITEMSIZE[dtype]
+    L, size = cfg.num_hidden_layers, itemsize(dtype)
     return CacheFigures(layers=L, latent_elements_per_layer=latent, full_elements_per_layer=full, dtype=dtype,
                         latent_bytes_per_token=L * latent * size, full_bytes_per_token=L * full * size)
 

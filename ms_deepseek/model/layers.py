@@ -10,11 +10,7 @@ import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
-
-
-def to_ms_dtype(name: str):
-    return DTYPES[name]
+from ms_deepseek.core.dtypes import ms_dtype as to_ms_dtype  # noqa: E402,F401  (the one dtype table)
 
 
 class Linear(nn.Cell):

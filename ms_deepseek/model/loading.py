@@ -23,19 +23,20 @@ from ms_deepseek.spec.inventory import expected_ms_shapes
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sources import full_slice, pread_rows, to_float32
+from ms_deepseek.core.dtypes import FLOAT_SAFETENSORS, raw_numpy
 from ms_deepseek.core.errors import UserError
 
-_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
-_NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}
+_READABLE = FLOAT_SAFETENSORS + ("F64",)  # what read_tensor widens to float32
+_NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}  # set_data: numpy has no bfloat16, MindSpore casts float32
 _NOT_IN_CHECKPOINTS = ("expert_placement",)  # derived from the parallel plan, not a weight
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor's values as numpy (bfloat16 widened exactly to float32), through the checkpoint reader."""
-    if info.dtype not in _NP_DTYPES:
+    if info.dtype not in _READABLE:
         raise UserError(f"{info.file}: tensor {info.name} has dtype {info.dtype}; expected F32, F16 or BF16")
     if not info.shape or not info.nbytes:  # a scalar or an empty tensor: read as one row
-        raw = np.frombuffer(_read_bytes(info), dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+        raw = np.frombuffer(_read_bytes(info), dtype=raw_numpy(info.dtype)).reshape(info.shape)
     else:
         raw = pread_rows(info, 0, info.shape[0])
     return to_float32(raw, info.dtype) if info.dtype == "BF16" else raw

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
@@ -25,7 +26,6 @@ from ms_deepseek.spec.quant import QuantSpec, is_quantized
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
                                        parameter_inventory, shard_numel, stage_of_param)
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 GB = 1024 ** 3
 
 
@@ -179,7 +179,7 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     for info in inventory:
         layout = param_layout(plan, info.name, mesh)
         local = shard_numel(info.shape, layout)
-        size = ITEMSIZE[info.dtype]
+        size = itemsize(info.dtype)
         group = 1
         # MindSpore's parallel optimizer shards trainable parameters only: frozen (LoRA base)
         # weights stay whole on every dp replica.

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.parallel import costs
 from ms_deepseek.spec.lora import lora_inventory
 from ms_deepseek.spec.parallel import ParallelConfig
@@ -106,7 +107,7 @@ class PlanResult:
 
 def default_precision(cfg, compute_dtype: Optional[str] = None) -> Precision:
     dtype = compute_dtype or cfg.compute_dtype
-    return Precision(compute_bytes=costs.ITEMSIZE[dtype])
+    return Precision(compute_bytes=itemsize(dtype))
 
 
 def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optional[Precision] = None,
@@ -255,7 +256,7 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
         group = mesh.stage_devices // split
         if group <= 1:
             continue
-        size = shard_numel(info.shape, layout) * (precision.grad_bytes or costs.ITEMSIZE[info.dtype])
+        size = shard_numel(info.shape, layout) * (precision.grad_bytes or itemsize(info.dtype))
         sent = 2 * (group - 1) / group * size
         # Replicas of a tp-split slice sit tp apart; fully replicated ones span the whole stage.
         stride = p.tp if split > 1 or p.tp == 1 else 1

@@ -28,10 +28,10 @@ from typing import Dict, Mapping, Optional, Sequence
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.dtypes import itemsize
 
 # ops_utils.h BATCH_PARALLEL = "BatchParallel"; StandAloneInfo's name (stand_alone_info.cc)
 FALLBACK_ATTRS = ("BatchParallel", "StandAlone", "stand_alone")
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8}
 
 
 def _fmt(dev, tmap) -> str:
@@ -71,7 +71,7 @@ def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
                 raise UserError(f"compiled layout: parameter {name}: device {d} of the stage holds slice {got} "
                                 f"under {theirs}, slice {mine} under the {ours}")
         group = str(entry[5]) if len(entry) > 5 and entry[5] else ""
-        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, _ITEMSIZE.get(t.dtype, 4),
+        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype),
                                                          threshold_kb) > 1
         if bool(group) != bool(want):
             raise UserError(f"compiled layout: parameter {name}: MindSpore's optimizer-shard group is "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+from ms_deepseek.core.dtypes import FLOAT_NAMES
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 from ms_deepseek.core.schema import from_dict
@@ -34,7 +35,7 @@ _IGNORED_HF_KEYS = {
     "_attn_implementation_autoset", "layer_types",
 }
 
-_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = FLOAT_NAMES
 
 
 @dataclass

@@ -21,12 +21,12 @@ from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
 from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
+from ms_deepseek.core.dtypes import itemsize, safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.loading import read_tensor
 from ms_deepseek.spec.lora import LoraSpec
 
 BASE_DIR = "base"
-_SF_OF = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 # ------------------------------------------------------------------------------- trainer hooks
@@ -117,7 +117,7 @@ def write_arrays(path: Path, tensors: Dict[str, Tuple[np.ndarray, str]]) -> None
     from ms_deepseek.checkpoint.safetensors_io import OutTensor, build_header, order_for_alignment
     from ms_deepseek.checkpoint.synthetic import _encode
 
-    planned = [OutTensor(n, _SF_OF[d], tuple(a.shape), ((path, 0, a.size * (4 if d == "float32" else 2)),))
+    planned = [OutTensor(n, safetensors_code(d), tuple(a.shape), ((path, 0, a.size * itemsize(d)),))
                for n, (a, d) in tensors.items()]
     planned = order_for_alignment(planned)
     with open(path, "wb") as f:
