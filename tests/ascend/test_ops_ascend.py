@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_paths import REPO
 
 pytestmark = pytest.mark.ascend
 
-REPO = Path(__file__).resolve().parents[1]
 CHILD = os.environ.get("MS_DEEPSEEK_NPU_CHILD") == "1"
 in_child = pytest.mark.skipif(not CHILD, reason="runs in the subprocess started by "
                               "test_npu_kernels_in_their_own_process (set_device once per process)")

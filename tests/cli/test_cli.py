@@ -3,11 +3,10 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from ms_deepseek.cli import COMMANDS, main
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import mindspore as ms
+from repo_paths import FIXTURES
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM, cli  # noqa: E402

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from ms_deepseek.cli import main
+from repo_paths import REPO
 
 SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
@@ -164,7 +165,7 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
 
     # world 8: stage = r // 4; replica = (r % 4) % dp, MindSpore's default repeat on the left
-    # (VirtualDatasetInfo; the oracle is mindspore.parallel._utils._to_full_tensor, tests/test_sharded_step.py)
+    # (VirtualDatasetInfo; the oracle is mindspore.parallel._utils._to_full_tensor, tests/unit/train/test_sharded_step.py)
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=4)
     assert [stage_of_rank(r, par) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [data_coordinates(r, par, 3)[0] for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
@@ -187,7 +188,7 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     assert CheckpointManager(tmp_path / "checkpoints").latest() == step
 
 
-ATLAS = sorted(p for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu"))
+ATLAS = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu"))
 
 
 @pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)

@@ -2,13 +2,12 @@
 with one line naming the --set that does it; the global batch is printed, and a change to it said."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from ms_deepseek.cli import main
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LORA8 = str(REPO / "recipes" / "v2-lite-lora-8npu.yaml")
 PRETRAIN256 = str(REPO / "recipes" / "v2-pretrain-256npu.yaml")
 

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from ms_deepseek.spec.config import get_preset
 from ms_deepseek.diagnostics import simulate as S
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
+from repo_paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 ATLAS = ["v2-lite-sft-8npu", "v2-lite-pretrain-16npu", "v2-sft-64npu", "v2-pretrain-256npu", "v2-qlora-8npu"]
 TINY = get_preset("tiny")
 

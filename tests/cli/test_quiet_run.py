@@ -4,18 +4,17 @@
 runs too) and ``ms-deepseek generate`` on the result, each in a fresh process with none of
 the test session's log settings (no ``GLOG_v``): no line of their output may contain
 ``WARNING``, ``deprecated`` or ``Traceback``. MindFormers' import output lands in the run's
-``logs/`` folder instead (``--verbose``: tests/test_cli.py).
+``logs/`` folder instead (``--verbose``: tests/cli/test_cli.py).
 """
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BAD = ("warning", "deprecat", "traceback")
 SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,

@@ -1,12 +1,13 @@
-"""Shared by tests/test_bad_input_*.py: run the real CLI in-process and look at what it left."""
+"""Shared by the bad-input tests (tests/cli/test_*_bad_input.py and the unit rooms): run the real CLI in-process and look at what it left."""
 
 import json
 import shutil
 from pathlib import Path
 
 from ms_deepseek.cli import main
+from repo_paths import FIXTURES
 
-LITE = Path(__file__).resolve().parent / "fixtures" / "lite"
+LITE = FIXTURES / "lite"
 
 
 def run_cli(capsys, argv):

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from test_launch import free_port, recipe_data, write
+from repo_paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def _launch(recipe, run_dir, *extra):

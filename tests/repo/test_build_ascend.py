@@ -1,4 +1,4 @@
-"""ops/build_ascend.sh against stub CANN trees with the real trees' shape (tests/cann_stub.py).
+"""ops/build_ascend.sh against stub CANN trees with the real trees' shape (tests/helpers/cann_stub.py).
 
 No CANN here, so the stubs reproduce what broke the script on real hosts (design.md section 7):
 the env script reads ``$1`` and ``$LD_LIBRARY_PATH`` unguarded (sourcing it under ``set -u``
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from cann_stub import LAYOUTS, make_stub_cann
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ops" / "build_ascend.sh"
 OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 

@@ -19,8 +19,8 @@ from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the ch
 from ms_deepseek.cli import doctor
 from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
 from ms_deepseek.diagnostics.probe import RecordedProbe
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
 ENTRYPOINT = REPO / "ms_deepseek" / "diagnostics" / "docker-entrypoint.sh"
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.cli import main
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TRAIN_FAST = ["--set", "train.steps=2", "--set", "train.mode=pynative", "--set", "train.micro_batch_size=2",
               "--set", "logging.log_interval=1", "--set", "train.eval_batches=1"]

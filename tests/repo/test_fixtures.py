@@ -8,13 +8,13 @@ gradients. This also pins down the checkpoint layout the converters must read.
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from repo_paths import FIXTURES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR, VARIANTS, grads, load_hf_weights, load_reference  # noqa: E402
 from numpy_reference import forward, rope_settings  # noqa: E402
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Set
 
 import pytest
+from repo_paths import REPO
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ms_deepseek"
+PACKAGE = REPO / "ms_deepseek"
 
 # the layers, bottom up: a module may import its own layer and those below it
 LAYERS = [

@@ -3,13 +3,13 @@ the code's registries, every registered id must be documented, and every failure
 issue's list has a section with symptom, detector and fix."""
 
 import re
-from pathlib import Path
 
 from ms_deepseek.cli import doctor  # noqa: F401  (registers every check)
 from ms_deepseek.train.alerts import RULES
 from ms_deepseek.diagnostics.doctor_core import REGISTRY
+from repo_paths import REPO
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
+GUIDE = REPO / "docs" / "troubleshooting.md"
 
 FAILURES = ["OOM at start", "OOM after N steps", "OOM at checkpoint", "HCCL init failure", "HCCL timeouts",
             "hccn.conf mismatch", "MTU", "Loss NaN", "Loss oscillation", "Loss plateau",

@@ -20,8 +20,8 @@ from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf, parse_size
 from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, zero_width_shapes
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
+from repo_paths import FIXTURES, REPO
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VARIANTS = ("lite", "v2", "lite_yarn", "v2_yarn", "yarn_mscale")
 
 
@@ -340,4 +340,4 @@ def test_layout_module_imports_without_mindspore():
 
     code = ("import sys, ms_deepseek.spec.inventory, ms_deepseek.spec.names, ms_deepseek.checkpoint.convert; "
             "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -103,7 +103,7 @@ def test_sources_that_disagree_are_named(folders):
         from_dict(DataConfig, {"path": [{"path": "x", "weight": 0}, {"path": "y"}]}, "data")
     with pytest.raises(UserError, match="listed twice"):
         from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "x"}]}, "data")
-    # an SFT mixture is allowed (tests/test_sharded_validation.py); length buckets are not
+    # an SFT mixture is allowed (tests/unit/train/test_sharded_validation.py); length buckets are not
     with pytest.raises(UserError, match="a weighted mixture pads every sample to seq_len"):
         from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft",
                                "bucket_boundaries": [8]}, "data")

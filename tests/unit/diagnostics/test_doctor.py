@@ -14,9 +14,9 @@ from ms_deepseek.diagnostics.doctor_core import (FAIL, PASS, REGISTRY, SKIP, WAR
                                            checks_for_level, run_check)
 from ms_deepseek.diagnostics.doctor_host import parse_smoke_output, smoke_verdict
 from ms_deepseek.diagnostics.probe import CommandResult, RecordedProbe
+from repo_paths import FIXTURES, REPO
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "doctor"
-REPO = Path(__file__).resolve().parents[1]
+FIX = FIXTURES / "doctor"
 
 
 def probe(name: str) -> RecordedProbe:

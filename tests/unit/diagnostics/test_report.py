@@ -17,8 +17,8 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.train.alerts import RULES, Alert, AlertConfig, AlertMonitor, scan
 from ms_deepseek.train.metrics_io import read_metrics
 from ms_deepseek.diagnostics.report import CORE_PLOTS, MEMORY_PLOTS, generate, watch
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 
 

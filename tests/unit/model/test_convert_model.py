@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import safetensors
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 VARIANTS = ("lite", "v2", "lite_yarn", "v2_yarn", "yarn_mscale")
 
 import mindspore as ms  # noqa: E402
 
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf  # noqa: E402
 from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM  # noqa: E402
+from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import load_reference  # noqa: E402

@@ -10,7 +10,6 @@ tests/fixtures/make_lora_reference.py), the streaming merge, and the refusals of
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +18,9 @@ from safetensors.numpy import load_file, save_file
 from ms_deepseek.cli import main
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.lora import LoraSpec
+from repo_paths import FIXTURES
 
-FIX = Path(__file__).parent / "fixtures" / "lora"
+FIX = FIXTURES / "lora"
 ATOL = 1e-4
 
 

@@ -18,9 +18,9 @@ from safetensors.numpy import load_file
 
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.spec.lora import LoraSpec, lora_inventory
+from repo_paths import FIXTURES, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-FIX = REPO / "tests" / "fixtures" / "lora"
+FIX = FIXTURES / "lora"
 SHIPPED = sorted((REPO / "recipes").glob("*lora*.yaml"))
 
 

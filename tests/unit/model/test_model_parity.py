@@ -8,15 +8,15 @@ max), and the original code's aux loss, sequence-level and token-level.
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mindspore as ms
 from mindspore import Tensor
+from repo_paths import FIXTURES
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR, VARIANTS, load_reference, routing  # noqa: E402
 from parity import gradient_errors  # noqa: E402
 

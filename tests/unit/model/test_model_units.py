@@ -5,7 +5,6 @@ import json
 import math
 import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,9 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
+from repo_paths import FIXTURES
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402

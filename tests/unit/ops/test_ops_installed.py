@@ -3,7 +3,7 @@
 ``MS_DEEPSEEK_OPS=kernel`` failing loudly when the kernels are not installed for this SoC.
 
 No NPU here: the SoC and device target are patched; the files are laid out as CANN's
-installer writes them (tests/cann_stub.py builds them for real in tests/test_build_ascend.py).
+installer writes them (tests/helpers/cann_stub.py builds them for real in tests/repo/test_build_ascend.py).
 """
 
 import json

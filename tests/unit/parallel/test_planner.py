@@ -1,7 +1,6 @@
 """Planner: published layouts, recipes, CLI, memory reservation, placement tables."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,8 @@ from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 V2 = get_preset("deepseek-v2", compute_dtype="bfloat16")
 RECIPES = {
     "v2-lite-sft-8npu": "deepseek-v2-lite",

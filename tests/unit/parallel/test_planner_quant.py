@@ -14,6 +14,7 @@ from ms_deepseek.spec.config import get_preset
 from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.quant import QuantSpec
+from repo_paths import REPO
 
 # tiny, two layers: layer 0 dense, layer 1 MoE (8 routed experts, one shared); bf16 base
 CFG = get_preset("tiny", num_hidden_layers=2, param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -170,9 +171,7 @@ ONE_NODE = {"v2-qlora-8npu": {"bits": 4, "group_size": 128}, "v2-lite-lora-1npu"
 
 @pytest.mark.parametrize("name", sorted(ONE_NODE))
 def test_one_node_recipes_fit_with_4_gb_to_spare(capsys, name):
-    from pathlib import Path
-
-    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    recipe = str(REPO / "recipes" / f"{name}.yaml")
     code, out = _cli(capsys, "plan", "--recipe", recipe, "--json")
     data = json.loads(out.out)
     assert code == 0 and data["fits"] and data["workload"]["quant"] == ONE_NODE[name]

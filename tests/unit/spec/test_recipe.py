@@ -10,8 +10,8 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.recipe import load_recipe, load_recipe_dict
 from ms_deepseek.train.preflight import check_recipe, load_checked_recipe
 from ms_deepseek.train.schedules import lr_at, milestone_steps
+from repo_paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
          "num_hidden_layers": 2, "max_position_embeddings": 64}

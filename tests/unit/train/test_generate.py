@@ -11,15 +11,15 @@ PyNative runs with ``launch_blocking`` (synchronous op launch), which on a busy
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mindspore as ms
 from mindspore import Tensor
+from repo_paths import FIXTURES
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR, VARIANTS, load_reference  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402

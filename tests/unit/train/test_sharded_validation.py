@@ -28,6 +28,7 @@ from ms_deepseek.parallel.ranks import data_coordinates, dataset_strategy
 from ms_deepseek.spec.data import DataConfig, DataSource, ValidationConfig
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.train.evaluate import reduce_validation, scored_tokens
+from repo_paths import REPO
 
 SEQ = 64
 B = 2  # micro-batch rows per data-parallel replica
@@ -251,9 +252,8 @@ def test_planner_counts_the_eval_graph_and_a_stated_capacity(tmp_path):
     from ms_deepseek.parallel.costs import GB
     from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
     from ms_deepseek.spec.recipe import load_recipe, planning_config_path
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / "v2-sft-64npu.yaml"
+    path = REPO / "recipes" / "v2-sft-64npu.yaml"
     recipe = load_recipe(path, [], planning_config_path(path))
     w = recipe_workload(recipe)
     assert w.validation  # the recipe validates
