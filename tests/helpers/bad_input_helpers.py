@@ -45,3 +45,11 @@ def edit_config(hf: Path, **changes) -> Path:
     cfg.update(changes)
     (hf / "config.json").write_text(json.dumps(cfg))
     return hf
+
+
+DEEP = 100_000
+
+
+def deep() -> str:
+    """JSON nested DEEP levels: past every recursion limit."""
+    return "[" * DEEP + "]" * DEEP

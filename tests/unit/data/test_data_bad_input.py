@@ -1,16 +1,15 @@
-"""Issue 13 item 10: paths named in data folders stay inside them, non-regular files are refused, bad
-records are one line naming file:line (or, in metrics.jsonl, a warning naming it)."""
+"""Bad data folders and records: paths named in a prepared folder stay inside it, non-regular and pickled
+files are refused, runaway-nested records are one line naming file:line (issue 13 items 5, 10)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
-from bad_input_helpers import assert_refused, listing, run_cli
+from bad_input_helpers import assert_refused, deep, run_cli
 from data_helpers import make_byte_tokenizer, write_jsonl
-from ms_deepseek.data.storage import load_lengths, load_meta
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.storage import load_lengths, load_meta
 
 
 @pytest.fixture(scope="module")
@@ -85,42 +84,11 @@ def test_train_names_the_pickled_lengths_file(capsys, prepared, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("role", ["tokenizer", "input"])
-def test_fifo_refused(capsys, tmp_path, role):
-    tok = make_byte_tokenizer(tmp_path / "tok")
-    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello"}])
-    fifo = tmp_path / "pipe.json"
-    os.mkfifo(fifo)  # opening it for reading would block forever
-    argv = ["prepare-data", fifo if role == "input" else src, "--tokenizer", fifo if role == "tokenizer" else tok,
-            "--seq-len", "8", "--output", tmp_path / "o", "--no-progress"]
-    code, _, err = run_cli(capsys, argv)
-    assert_refused(code, err, "pipe.json: is a FIFO")
-    assert not (tmp_path / "o").exists()
+def test_jsonl_line_names_file_and_line(tmp_path):
+    from ms_deepseek.data.readers import read_jsonl
+    from ms_deepseek.core.errors import UserError
 
-
-@pytest.mark.parametrize("fmt, record, key", [
-    ("pretrain", '{"text": "bad \\ud800 text"}', "'text'"),
-    ("sft", '{"prompt": "hi", "response": "\\udfff"}', "'response'"),
-    ("sft", '{"messages": [{"role": "user", "content": "x\\ud83d"}]}', "'messages[0].content'"),
-])
-def test_lone_surrogate(capsys, tmp_path, fmt, record, key):
-    tok = make_byte_tokenizer(tmp_path / "tok")
-    first = {"text": "fine"} if fmt == "pretrain" else {"prompt": "a", "response": "b"}
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps(first) + "\n" + record + "\n")
-    before = listing(tmp_path)
-    code, _, err = run_cli(capsys, ["prepare-data", src, "--tokenizer", tok, "--seq-len", "8", "--format", fmt,
-                                    "--output", tmp_path / "o", "--no-progress"])
-    assert_refused(code, err, "in.jsonl:2:", key, "lone surrogate")
-    assert listing(tmp_path) == before
-
-
-@pytest.mark.parametrize("step", ['"abc"', '"NaN"', "NaN", "-1", "1.5", "true", "null"])
-def test_metrics_bad_step_is_a_warning(capsys, tmp_path, step):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": ' + step + ', "loss": 1.0}\n'
-                                       '{"step": 2, "loss": 1.5}\n')
-    code, out, err = run_cli(capsys, ["report", run])
-    assert code == 0 and "2 records" in out
-    assert "metrics.jsonl:2: " in err and err.startswith("warning: ")
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": ' + deep() + "}\n")
+    with pytest.raises(UserError, match=r"in\.jsonl:2: nested too deeply"):
+        list(read_jsonl(src, "pretrain"))
