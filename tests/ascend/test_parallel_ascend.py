@@ -89,7 +89,9 @@ def test_sharded_checkpoint_with_optimizer_sharding_resumes_exactly_on_4_npus(tm
     """The trainer on 4 NPUs (dp2 tp2 ep2, optimizer sharding): each rank's checkpoint files hold its
     model-parallel slices (the optimizer's parts gathered back), the checkpoint merges to HF, and a
     resume from the middle continues with the same losses (the parts cut again on load)."""
-    from test_launch import free_port, recipe_data, write
+    from builders import free_port
+    from builders import small_recipe as recipe_data
+    from builders import write_recipe as write
 
     spec = recipe_data(None, dp=2, tp=2, ep=2, optimizer_shard=True)
     spec["model"]["overrides"]["capacity_factor"] = 2.0

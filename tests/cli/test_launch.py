@@ -1,55 +1,17 @@
 """``ms-deepseek launch``: the msrun command text, and a real 2-worker data-parallel run on CPU."""
 
-import contextlib
-import io
 import json
 import shlex
-import socket
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from ms_deepseek.cli import main
-from repo_paths import REPO
-
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": None}
-
-
-def recipe_data(data_path=None, dp=2, **parallel):
-    data = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512} if data_path is None
-            else {"path": str(data_path), "num_workers": 1},
-            "train": {"steps": 3, "micro_batch_size": 2, "seed": 5},
-            "optim": {"lr": 2e-3, "warmup_steps": 1},
-            "parallel": dict({"dp": dp}, **parallel),
-            "checkpoint": {"save_interval": 0},
-            "logging": {"log_interval": 1, "tensorboard": False}}
-    return data
-
-
-def write(folder: Path, data) -> Path:
-    path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from builders import ATLAS_RECIPES, free_port
+from builders import main_captured as run_cli
+from builders import small_recipe as recipe_data
+from builders import write_recipe as write
 
 
 def test_dry_run_prints_the_msrun_command(tmp_path):
@@ -188,7 +150,7 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     assert CheckpointManager(tmp_path / "checkpoints").latest() == step
 
 
-ATLAS = sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu"))
+ATLAS = ATLAS_RECIPES
 
 
 @pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)

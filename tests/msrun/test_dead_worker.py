@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import free_port, recipe_data, write
+from builders import free_port
+from builders import small_recipe as recipe_data
+from builders import write_recipe as write
 from repo_paths import REPO
 
 ROOT = REPO

@@ -7,7 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from test_launch import free_port, recipe_data, run_cli, write
+from builders import free_port
+from builders import main_captured as run_cli
+from builders import small_recipe as recipe_data
+from builders import write_recipe as write
 
 
 def losses(run):

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from builders import small_config
 from ms_deepseek import cli
 from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
 from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sources import WholeSource
-from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.source import read_weight_files
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
@@ -29,16 +29,6 @@ from ms_deepseek.spec.parallel import ParallelConfig
 # dp, tp, ep, pp all above 1, and a placement that is not contiguous blocks
 LAYOUT = ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2, expert_placement=[1, 0, 1, 0, 0, 1, 1, 0])
 FLAGS = ["--dp", "2", "--tp", "2", "--pp", "2", "--ep", "2"]
-
-
-def small_config(**over) -> DeepseekV2Config:
-    values = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-                  num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                  topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
-                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
-    values.update(over)
-    return DeepseekV2Config(**values)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Bad input to the converter: one-line UserError naming the file and tensor, non-zero CLI exit, and nothing
 left behind (no destination, no temporary folder)."""
 
+import functools
 import json
 import shutil
 import struct
@@ -8,24 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from builders import small_config as builders_small_config
 from ms_deepseek import cli
-from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint import convert as api
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
 
 INDEX = "model.safetensors.index.json"
-
-
-def small_config(**over) -> DeepseekV2Config:
-    values = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-                  num_attention_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                  topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
-                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
-    values.update(over)
-    return DeepseekV2Config(**values)
+# 3 layers, 2 heads, 4 routed experts, no q compression
+small_config = functools.partial(builders_small_config, num_hidden_layers=3, num_attention_heads=2, n_routed_experts=4,
+                                 q_lora_rank=None)
 
 
 @pytest.fixture(scope="module")

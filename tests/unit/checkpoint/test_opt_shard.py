@@ -15,7 +15,7 @@ from ms_deepseek.checkpoint.layout import build_layout, slice_array
 from ms_deepseek.checkpoint.opt_shard import OptimizerShards, join_parts, own_part
 from ms_deepseek.core.errors import UserError
 
-from test_checkpoint_layouts import small_config
+from builders import small_config
 
 
 def _parallel():

@@ -115,7 +115,7 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
     import io
 
     from ms_deepseek.cli import main
-    from test_train import SMALL_MODEL, write_recipe
+    from builders import SMALL_MODEL, write_recipe
 
     spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
             "data": {"path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],

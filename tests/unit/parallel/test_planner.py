@@ -12,6 +12,7 @@ from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
+from builders import ATLAS_RECIPES
 from repo_paths import REPO
 
 V2 = get_preset("deepseek-v2", compute_dtype="bfloat16")
@@ -427,7 +428,7 @@ def test_cli_lora(capsys):
     assert code == 2 and "--compute-efficiency: must be in (0, 1], got 1.5" in out.err
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (REPO / "recipes").glob("*.yaml") if not p.stem.endswith("-cpu")),
+@pytest.mark.parametrize("path", ATLAS_RECIPES,
                          ids=lambda p: p.stem)
 def test_recipe_comments_state_the_planners_figures(path, capsys):
     """Every Atlas recipe's "Planner (`ms-deepseek plan --recipe ...`)" comment gives the figures the

@@ -11,14 +11,11 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from builders import SMALL_MODEL
 from ms_deepseek.cli import main
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "lora"
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": None}
 
 
 def _maker():

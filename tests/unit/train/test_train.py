@@ -11,16 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import load_file
 
 from ms_deepseek.cli import main
+from builders import SMALL_MODEL, write_recipe
 from ms_deepseek.core.errors import UserError
 
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": None}
 STEPS = 4
 
 
@@ -46,13 +42,6 @@ def recipe_dict(data_dir, **sections):
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     return data
-
-
-def write_recipe(folder: Path, data) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def losses_of(run_dir: Path):

@@ -14,7 +14,7 @@ from ms_deepseek.spec.data import DataConfig, ValidationConfig
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.validation import build_validation
 from ms_deepseek.core.errors import UserError
-from test_train import SMALL_MODEL, write_recipe  # noqa: F401  (module fixtures below reuse its helpers)
+from builders import SMALL_MODEL, write_recipe
 
 
 @pytest.fixture(scope="module")
