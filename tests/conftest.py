@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+from repo_paths import FIXTURES, REPO  # tests/helpers is on pytest's pythonpath (pytest.ini)
 
 os.environ.setdefault("GLOG_v", "3")
 # The embedded corpus is built once per test session in a temporary folder, never in ~/.cache.

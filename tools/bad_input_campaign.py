@@ -82,7 +82,7 @@ def _deep_json() -> str:
 
 
 def _byte_tokenizer(d: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
     from data_helpers import make_byte_tokenizer  # the tests' tiny byte-level tokenizer (no download)
 
     return make_byte_tokenizer(d / "tok")

