@@ -25,7 +25,7 @@ scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoin
 exit, see train/preempt.py); when they are gone, after ``--stop-grace`` seconds or at a second signal,
 every process of the job is SIGKILLed by session: msrun's own and each worker's (msrun starts every
 worker with ``os.setsid``), so children a killed worker left to init go too. Measured here (2-worker
-CPU job, signal soon after the workers started, tests/test_launch_signals.py): launch exited 0.6-0.7 s
+CPU job, signal soon after the workers started, tests/msrun/test_launch_signals.py): launch exited 0.6-0.7 s
 after each signal with 128 + the signal number and no process of the job left; before, SIGTERM and
 SIGHUP left msrun, the scheduler and both workers running.
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).parent.parent
+from repo_paths import REPO
 
 # a writer without RENAME_EXCHANGE that dies (os._exit: no cleanup runs) when it renames the new folder in
 _CRASHING_WRITER = """

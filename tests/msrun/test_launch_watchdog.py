@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import free_port, recipe_data, write
+from builders import free_port, small_recipe as recipe_data, write_recipe as write
 from test_launch_signals import job_processes
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO as ROOT
 
 HANG_RANK_1 = """
 import os, sys, time

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import free_port, recipe_data, write
+from builders import free_port, small_recipe as recipe_data, write_recipe as write
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO as ROOT
 
 
 def job_processes(run_dir: Path):

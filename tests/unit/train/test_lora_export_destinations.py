@@ -11,7 +11,9 @@ import pytest
 
 from ms_deepseek.cli import main
 
-FIX = Path(__file__).parent / "fixtures" / "lora"
+from repo_paths import FIXTURES
+
+FIX = FIXTURES / "lora"
 
 
 @pytest.fixture()

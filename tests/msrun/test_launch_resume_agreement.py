@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from test_launch import free_port, recipe_data, write
+from builders import free_port, small_recipe as recipe_data, write_recipe as write
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import REPO as ROOT
 
 # msrun starts the same command on every rank: this one trains into a folder of its own rank
 PER_RANK = """
