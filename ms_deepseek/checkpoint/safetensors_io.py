@@ -162,7 +162,17 @@ def order_for_alignment(tensors: Sequence[OutTensor]) -> List[OutTensor]:
 
 
 def build_header(tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, str]]) -> bytes:
-    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8.
+    """The 8-byte length plus the JSON header of ``tensors`` (in this order), see :func:`header_bytes`."""
+    for t in tensors:
+        want = numel(t.shape) * DTYPE_SIZES[t.dtype]
+        if want != t.nbytes:  # a planning bug, not user input
+            raise AssertionError(f"{t.name}: {t.nbytes} bytes planned, shape {t.shape} {t.dtype} needs {want}")
+    return header_bytes([(t.name, t.dtype, t.shape) for t in tensors], metadata)
+
+
+def header_bytes(entries: Sequence[Tuple[str, str, Sequence[int]]], metadata: Optional[Mapping[str, str]]) -> bytes:
+    """The 8-byte length plus the JSON header of (name, safetensors dtype, shape) entries stored back to
+    back in this order, padded with spaces to a multiple of 8 (the one header writer).
 
     Entries are written in data-offset order: MindSpore's reader requires it.
     """
@@ -170,15 +180,25 @@ def build_header(tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, s
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    for t in tensors:
-        want = numel(t.shape) * DTYPE_SIZES[t.dtype]
-        if want != t.nbytes:  # a planning bug, not user input
-            raise AssertionError(f"{t.name}: {t.nbytes} bytes planned, shape {t.shape} {t.dtype} needs {want}")
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
+    for name, dtype, shape in entries:
+        nbytes = numel(shape) * DTYPE_SIZES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def array_tensor(name: str, array) -> OutTensor:
+    """An in-memory numpy array as a tensor to write (float32 / float16 / integer; bfloat16 has no numpy dtype)."""
+    import numpy as np
+
+    array = np.ascontiguousarray(array)
+    code = {"<f4": "F32", "<f2": "F16", "<f8": "F64", "<i4": "I32", "<i8": "I64", "|i1": "I8", "|u1": "U8"}.get(
+        array.dtype.str)
+    if code is None:
+        raise AssertionError(f"{name}: cannot write numpy dtype {array.dtype} as a safetensors tensor")
+    return OutTensor(name, code, tuple(array.shape), produce=lambda: array)
 
 
 def kernel_copy_enabled() -> bool:

@@ -9,14 +9,13 @@ quickly and with flat memory.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes
-from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, numel
+from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, header_bytes, numel
 from ms_deepseek.checkpoint.source import INDEX_NAME, SINGLE_NAME
 
 _CHUNK = 1 << 22  # elements encoded at a time
@@ -74,16 +73,9 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
               disable=not progress) as bar:
         for file_name, tensors in zip(names, shards):
             tensors = sorted(tensors, key=lambda e: -DTYPE_SIZES[e[1]])  # keep every tensor aligned
-            header, offset = {"__metadata__": {"format": "pt" if layout == "hf" else "ms"}}, 0
-            for name, sf_dtype, shape in tensors:
-                nbytes = numel(shape) * DTYPE_SIZES[sf_dtype]
-                header[name] = {"dtype": sf_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-                weight_map[name] = file_name
-            raw = json.dumps(header).encode("utf-8")
-            raw += b" " * (-len(raw) % 8)
+            weight_map.update({name: file_name for name, _, _ in tensors})
             with open(folder / file_name, "wb") as f:
-                f.write(struct.pack("<Q", len(raw)) + raw)
+                f.write(header_bytes(tensors, {"format": "pt" if layout == "hf" else "ms"}))
                 for name, sf_dtype, shape in tensors:
                     left = numel(shape)
                     while left:

@@ -59,16 +59,15 @@ def adapter_config(r: int, alpha: float, dropout: float, targets: List[str], bas
 def write_adapter(out: Path, tensors: Dict[str, np.ndarray], config: Dict, overwrite: bool = False) -> Path:
     """Write a PEFT folder with the one atomic folder writer: nothing half-written on failure, and an old
     folder at ``out`` is removed only once the new one is in place."""
-    from safetensors.numpy import save_file
-
+    from ms_deepseek.checkpoint.safetensors_io import array_tensor, order_for_alignment, write_file
     from ms_deepseek.core.atomic import atomic_folder
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
     with atomic_folder(out) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, str(tmp / WEIGHTS_NAME),
-                  metadata={"format": "pt"})
+        entries = order_for_alignment([array_tensor(k, v) for k, v in sorted(tensors.items())])
+        write_file(tmp / WEIGHTS_NAME, entries, {"format": "pt"}, fsync=False)  # atomic_folder fsyncs the folder
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
