@@ -385,7 +385,7 @@ class Trainer:
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
-        from tqdm import tqdm
+        from ms_deepseek.core.progress import progress_bar
 
         recipe, run_dir, is_main = self.recipe, self.run_dir, self.is_main
         self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last)
@@ -407,8 +407,9 @@ class Trainer:
         self.steady_tokens, self.steady_time = 0, 0.0  # steps after the first (compile) step
         self.evaluator = None  # built (and its graph compiled) at the first validation
 
-        self.bar = tqdm(total=self.stop_at, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not (self.progress and is_main and recipe.logging.progress_bar), leave=False)
+        self.bar = progress_bar(total=self.stop_at, initial=self.start_step, desc="train", unit="step",
+                                dynamic_ncols=True, leave=False,
+                                enabled=self.progress and is_main and recipe.logging.progress_bar)
         if is_main:
             cfg, world = self.cfg, self.world
             what = f"resuming {self.resume_dir} at step {self.start_step}" if self.resume_dir else "starting"
