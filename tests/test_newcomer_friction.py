@@ -71,3 +71,52 @@ def test_an_sft_folder_needs_no_data_format(folders):
         build_train_dataset(mixed, batch_size=2)
     with pytest.raises(UserError, match=r"^data.bucket_boundaries: only used with SFT data, and .*pt was prepared"):
         build_train_dataset(DataConfig(path=str(folders / "pt"), bucket_boundaries=[8], num_workers=1), batch_size=2)
+
+
+SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
+               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+               "max_position_embeddings": 64, "capacity_factor": 2.0}
+
+
+def sft_recipe(folders, **sections):
+    """A LoRA fine-tune of a small random model on the SFT folder; no data.format (the folder has it)."""
+    import yaml
+
+    recipe = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"path": str(folders / "sft"), "num_workers": 1},
+        "train": {"steps": 3, "micro_batch_size": 4, "seed": 3},
+        "optim": {"lr": 3e-3, "warmup_steps": 20, "schedule": "cosine", "min_lr": 3e-4},
+        "checkpoint": {"save_interval": 0, "keep_last": 1},
+        "logging": {"log_interval": 2, "tensorboard": False},
+        "lora": {"r": 4, "target_modules": ["q_b_proj", "kv_b_proj", "o_proj"]},
+    }
+    for key, value in sections.items():
+        recipe[key].update(value)
+    path = folders / f"recipe-{len(list(folders.glob('recipe-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_a_too_small_hold_out_names_the_set_that_fixes_it(folders, tmp_path, capsys):
+    import re
+
+    from ms_deepseek import cli
+    from ms_deepseek.data.validation import build_validation
+    from ms_deepseek.spec.recipe import load_recipe
+
+    recipe = sft_recipe(folders, data={"validation": {"fraction": 0.01}})
+    rc = cli.main(["train", str(recipe), "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    # 120 samples, 1% held out: 2, fewer than one micro-batch of 4; 4 / 120 = 0.0333 -> 0.034
+    assert "0.01 of the training data held out holds 2 samples, fewer than one batch per worker (4 x 1" in err
+    fix = re.search(r"--set (data\.validation\.fraction=[0-9.]+)", err)
+    assert fix and fix.group(1) == "data.validation.fraction=0.034", err
+    assert "--set 'data.validation={path: DIR}'" in err
+    # what the line says works: that fraction holds one batch out, and the folder form is a valid --set
+    fixed = load_recipe(recipe, [fix.group(1)])
+    assert build_validation(fixed.data, 4, 0, 1, 8).used_samples == 4
+    assert load_recipe(recipe, [f"data.validation={{path: {folders / 'sft'}}}"]).data.validation.path == \
+        str(folders / "sft")
