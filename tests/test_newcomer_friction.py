@@ -120,3 +120,129 @@ def test_a_too_small_hold_out_names_the_set_that_fixes_it(folders, tmp_path, cap
     assert build_validation(fixed.data, 4, 0, 1, 8).used_samples == 4
     assert load_recipe(recipe, [f"data.validation={{path: {folders / 'sft'}}}"]).data.validation.path == \
         str(folders / "sft")
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning_line(folders):
+    from ms_deepseek.spec.recipe import load_recipe, recipe_warnings
+
+    recipe = sft_recipe(folders)
+    assert recipe_warnings(load_recipe(recipe)) == [
+        "optim.warmup_steps: 20 warmup steps but train.steps is 3: the learning rate never reaches optim.lr=0.003 "
+        "(lower it, e.g. --set optim.warmup_steps=0)"]
+    assert recipe_warnings(load_recipe(recipe, ["train.steps=21"])) == []
+
+
+def test_a_qlora_start_line_names_the_base_bits(folders):
+    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.train.lora_run import describe
+
+    line = describe(load_recipe(sft_recipe(folders), ["quant.bits=4", "quant.group_size=8"]))
+    assert line.startswith("LoRA r=4 alpha=16 on ") and line.endswith("frozen; int4 base, groups of 8"), line
+    assert describe(load_recipe(sft_recipe(folders), ["quant.bits=8"])).endswith("; int8 base, per channel")
+
+
+# ----------------------------------------------------------------------------- one LoRA SFT run
+@pytest.fixture(scope="module")
+def run(folders):
+    """``ms-deepseek train`` in a fresh process, output to a pipe (not a terminal), as a scheduler logs it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "MS_DEEPSEEK_QUIET"}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    run_dir = folders / "run"
+    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "train", str(sft_recipe(folders)),
+                           "--output", str(run_dir)], env=env, capture_output=True, text=True, timeout=600)
+    return run_dir, proc.returncode, proc.stdout + proc.stderr
+
+
+def _numel(path):
+    from ms_deepseek.checkpoint.safetensors_io import read_header
+
+    total = 0
+    for info in read_header(path).tensors.values():
+        n = 1
+        for d in info.shape:
+            n *= d
+        total += n
+    return total
+
+
+def test_an_sft_run_reads_its_format_and_says_it_is_lora(run):
+    import re
+
+    run_dir, rc, out = run
+    assert rc == 0, out[-3000:]  # no --set data.format=sft: the folder's meta.json says it
+    line = next((ln for ln in out.splitlines() if ln.startswith("LoRA ")), None)
+    assert line is not None, out[-3000:]
+    m = re.fullmatch(r"LoRA r=4 alpha=16 on (\d+) modules \(3 targets\): trains ([\d,]+) parameters "
+                     r"\(\d+\.\d\d%\), ([\d,]+) frozen", line)
+    assert m, line
+    modules, trained, frozen = int(m.group(1)), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", ""))
+    assert modules == 2 * 3  # 2 layers x (q_b_proj, kv_b_proj, o_proj)
+    # what the run saved: its checkpoint holds the trained tensors, RUN_DIR/base the frozen ones
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert trained == _numel(ckpt / "model.safetensors")
+    assert frozen == _numel(run_dir / "base" / "model.safetensors")
+
+
+def test_the_run_warns_about_its_warmup(run):
+    _, rc, out = run
+    assert rc == 0, out[-3000:]
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning: ")]
+    assert warnings == ["warning: optim.warmup_steps: 20 warmup steps but train.steps is 3: the learning rate "
+                        "never reaches optim.lr=0.003 (lower it, e.g. --set optim.warmup_steps=0)"]
+
+
+def test_the_run_writes_no_bar_frames_into_its_log(run):
+    _, rc, out = run
+    assert rc == 0, out[-3000:]
+    assert "\r" not in out and "train:" not in out  # the output is a pipe: no progress-bar frames
+
+
+def test_the_compile_is_out_of_tokens_per_s(run):
+    run_dir, rc, out = run
+    assert rc == 0, out[-3000:]
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3]
+    first, last = records
+    assert first["compile_s"] > 0 and "compile_s" not in last
+    # step 2's throughput alone (the compile step is excluded): faster than the compile step's own
+    tokens_per_step = 4 * 48  # micro_batch_size x the one SFT length bucket these samples fill
+    assert first["tokens_per_s"] > tokens_per_step / first["compile_s"]
+    assert "compile " in next(ln for ln in out.splitlines() if ln.startswith("step 2/3"))
+
+
+def test_generate_chat_prompts_as_prepare_data_encodes(run, folders, capsys):
+    from data_helpers import read_rows
+    from ms_deepseek import cli
+    from ms_deepseek.data.chat import IGNORE_INDEX
+
+    run_dir, rc, out = run
+    assert rc == 0, out[-3000:]
+    argv = ["generate", str(run_dir), "--max-new-tokens", "2", "--ignore-eos"]
+    assert cli.main(argv + ["--chat", "--system", "be brief", "--prompt", "q007?", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    prompt = result["prompt_ids"]
+    # the SFT row of that conversation: its untrained prefix (bos, system, user turn, "Assistant:") is the prompt
+    rows = [r for r in read_rows(folders / "sft") if r["input_ids"][:len(prompt)].tolist() == prompt]
+    assert len(rows) == 1
+    labels = rows[0]["labels"]
+    assert (labels[:len(prompt)] == IGNORE_INDEX).all() and labels[len(prompt)] != IGNORE_INDEX
+    # --system without --chat: one line
+    assert cli.main(argv + ["--system", "be brief", "--prompt", "q007?"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "ms-deepseek generate: error: --system: a system message is part of the chat template; add --chat"
+
+
+def test_generate_writes_no_bar_frames_into_a_log(run, capsys):
+    from ms_deepseek import cli
+
+    run_dir, rc, out = run
+    assert rc == 0, out[-3000:]
+    assert cli.main(["generate", str(run_dir), "--max-new-tokens", "3", "--ignore-eos", "--prompt", "q"]) == 0
+    captured = capsys.readouterr()
+    assert "new tokens" in captured.err and "\r" not in captured.err + captured.out
