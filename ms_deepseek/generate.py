@@ -290,8 +290,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         seed = _check_int("seed", seed, 0)
     rng = np.random.default_rng(seed)
 
-    from tqdm import tqdm
-
+    from ms_deepseek.core.progress import progress_bar
     from ms_deepseek.model.decode import cache_figures
 
     was_training = model.training
@@ -308,7 +307,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         token_s = []  # wall time of each new token: the forward that produced its logits + sampling
         t0 = time.perf_counter()
         logits = step(ids)  # prefill
-        bar = tqdm(total=max_new_tokens, desc="generating", unit="tok", disable=not progress, leave=False)
+        bar = progress_bar(total=max_new_tokens, enabled=progress, desc="generating", unit="tok", leave=False)
         for i in range(max_new_tokens):
             nxt = sample(penalty(logits), rng, float(temperature), int(top_k), float(top_p))
             nxt = np.where(done, pad, nxt).astype(np.int32)  # finished rows keep emitting padding

@@ -78,10 +78,10 @@ _install = install
 
 # ------------------------------------------------------------------- writing
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+    from ms_deepseek.core.progress import progress_bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
-                dynamic_ncols=True, smoothing=0.1)
+    return progress_bar(total=total, enabled=enabled, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                        dynamic_ncols=True, smoothing=0.1)
 
 
 def _write_shards(plan: Plan, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int,

@@ -44,7 +44,8 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
     another dtype (to build mixed-dtype checkpoints).
     """
     import numpy as np
-    from tqdm import tqdm
+
+    from ms_deepseek.core.progress import progress_bar
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -69,8 +70,8 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
     # benchmarks, and several GB are written in seconds instead of minutes.
     pool = rng.standard_normal(min(sum(numel(e[2]) for e in entries), _POOL), dtype=np.float32) * np.float32(std)
     weight_map = {}
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="random checkpoint",
-              disable=not progress) as bar:
+    with progress_bar(total=total, enabled=progress, unit="B", unit_scale=True, unit_divisor=1024,
+                      desc="random checkpoint") as bar:
         for file_name, tensors in zip(names, shards):
             tensors = sorted(tensors, key=lambda e: -DTYPE_SIZES[e[1]])  # keep every tensor aligned
             weight_map.update({name: file_name for name, _, _ in tensors})

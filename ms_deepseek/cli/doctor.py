@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         # progress on stderr (only on a terminal; the smoke run and msrun jobs take a while)
         from tqdm import tqdm
 
-        with tqdm(total=len(checks), unit="check", leave=False, disable=not sys.stderr.isatty()) as bar:
+        from ms_deepseek.core.progress import progress_bar
+
+        with progress_bar(total=len(checks), unit="check", leave=False) as bar:
             def before(chk):
                 bar.set_description_str(chk.id)
 

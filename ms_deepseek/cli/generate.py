@@ -3,7 +3,10 @@
 PATH is a HuggingFace folder, a converted ms_deepseek folder, a training checkpoint
 (``RUN_DIR/checkpoints/step_N/``) or a run folder (its newest complete checkpoint).
 The prompt is text (``--prompt``, through the checkpoint's tokenizer, bos first when the
-tokenizer has one, as in training) or ids (``--prompt-ids 1,2,3``).
+tokenizer has one, as in training) or ids (``--prompt-ids 1,2,3``). ``--chat`` puts the text
+in the chat template as one user turn (after ``--system TEXT``, a system message) followed by
+the assistant prefix: the ids ``prepare-data --format sft`` gives that conversation up to the
+reply (:func:`ms_deepseek.data.chat.encode_chat`), so a chat fine-tune is prompted as it was trained.
 
 The tokenizer is ``--tokenizer``, else ``tokenizer.json`` / ``tokenizer.model`` in the
 checkpoint folder or the two folders above it (a run folder), else the tokenizer of the
@@ -33,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap --prompt in the chat template (one user turn, then the assistant prefix), as "
+                             "prepare-data --format sft renders conversations")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user turn")
     parser.add_argument("--tokenizer", help="tokenizer file or folder (default: found next to the checkpoint)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -129,13 +136,19 @@ def parse_prompt_ids(text: str) -> List[int]:
 # ------------------------------------------------------------------ entry points
 def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Optional[List[int]] = None, *,
                              tokenizer: Optional[str] = None, max_new_tokens: int = 64, add_bos: bool = True,
-                             ignore_eos: bool = False, **kwargs):
+                             ignore_eos: bool = False, chat: bool = False, system: Optional[str] = None,
+                             **kwargs):
     """Load a checkpoint (or a run's newest) and generate; returns a GenerationResult with ``text`` filled
-    when a tokenizer was found. ``kwargs`` go to :func:`ms_deepseek.generate.generate`."""
+    when a tokenizer was found. ``chat``: the prompt as one user turn of the chat template (after a
+    ``system`` message when given). ``kwargs`` go to :func:`ms_deepseek.generate.generate`."""
     from ms_deepseek.generate import check_length, check_prompts, check_sampling, generate
 
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of a text prompt or prompt ids")
+    if system is not None and not chat:
+        raise UserError("--system: a system message is part of the chat template; add --chat")
+    if chat and prompt is None:
+        raise UserError("--chat: the template wraps text; give --prompt TEXT (--prompt-ids are used as given)")
     check_sampling(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0),
                    kwargs.get("repetition_penalty", 1.0))  # fail before loading anything
     folder = resolve_checkpoint(path)
@@ -151,7 +164,7 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
         if tok.vocab_size > cfg.vocab_size:
             raise UserError(f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
                             f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)")
-        prompt_ids = tok.encode(prompt, add_bos=add_bos)
+        prompt_ids = _chat_ids(tok, prompt, system, add_bos) if chat else tok.encode(prompt, add_bos=add_bos)
         if not prompt_ids:
             raise UserError("--prompt: the text encodes to no tokens")
     from ms_deepseek import DeepseekV2ForCausalLM
@@ -173,6 +186,18 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     return result
 
 
+def _chat_ids(tok, prompt: str, system: Optional[str], add_bos: bool) -> List[int]:
+    """One user turn (after a system message) and the assistant prefix, as prepare-data's SFT rows start."""
+    from ms_deepseek.data.chat import encode_chat
+
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+    ids, _ = encode_chat(tok, messages, add_generation_prompt=True)
+    if not add_bos and tok.bos_id is not None and ids[:1] == [tok.bos_id]:
+        ids = ids[1:]  # --no-bos
+    return ids
+
+
 def sample_text(path, prompt: str = "def ", max_new_tokens: int = 40) -> str:
     """A short greedy sample from a checkpoint or run folder (the quickstart's last line)."""
     result = generate_from_checkpoint(path, prompt, max_new_tokens=max_new_tokens)
@@ -191,7 +216,8 @@ def run(args) -> int:
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     result = generate_from_checkpoint(
         args.path, args.prompt, prompt_ids, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-        add_bos=not args.no_bos, ignore_eos=args.ignore_eos, temperature=args.temperature, top_k=args.top_k,
+        add_bos=not args.no_bos, ignore_eos=args.ignore_eos, chat=args.chat, system=args.system,
+        temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
         use_cache=not args.no_cache, progress=not args.json)
     if args.json:

@@ -305,8 +305,12 @@ def checked_meta(data_dir: Path, data_cfg: DataConfig, key: str, *, max_position
     """A prepared folder's meta.json, checked against the recipe and the model (errors name ``key``)."""
     meta = load_meta(data_dir, key)
     where = f"{key}: {data_dir}"
-    if meta["format"] != data_cfg.format:
-        raise UserError(f"data.format: '{data_cfg.format}' but {data_dir} was prepared as '{meta['format']}'")
+    if data_cfg.format is not None and meta["format"] != data_cfg.format:
+        raise UserError(f"data.format: '{data_cfg.format}' but {data_dir} was prepared as '{meta['format']}' "
+                        "(leave data.format out to use the folder's)")
+    if data_cfg.bucket_boundaries is not None and meta["format"] != "sft":
+        raise UserError(f"data.bucket_boundaries: only used with SFT data, and {data_dir} was prepared as "
+                        f"'{meta['format']}' (pretraining windows all have length seq_len)")
     seq_len = int(meta["seq_len"])
     if data_cfg.seq_len is not None and data_cfg.seq_len != seq_len:
         raise UserError(f"data.seq_len: {data_cfg.seq_len} but {data_dir} was prepared with seq_len {seq_len} "
@@ -330,6 +334,9 @@ def checked_meta(data_dir: Path, data_cfg: DataConfig, key: str, *, max_position
 def check_same_preparation(first: Tuple[str, Path, Dict], other: Tuple[str, Path, Dict]) -> None:
     """Two folders read into one model must share tokenizer, sequence length and format."""
     (key0, dir0, meta0), (key, folder, meta) = first, other
+    if meta["format"] != meta0["format"]:
+        raise UserError(f"{key}: {folder} was prepared as '{meta['format']}', {key0} {dir0} as "
+                        f"'{meta0['format']}'; all folders must share one format")
     if int(meta["seq_len"]) != int(meta0["seq_len"]):
         raise UserError(f"{key}: {folder} was prepared with seq_len {meta['seq_len']}, {key0} {dir0} with "
                         f"{meta0['seq_len']}; all folders must share one sequence length")

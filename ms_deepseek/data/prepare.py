@@ -35,9 +35,9 @@ def _check_seq_len(seq_len: int) -> None:
 
 
 def _progress(iterable: Iterable, enabled: bool, total: Optional[int] = None, desc: str = "tokenizing"):
-    from tqdm import tqdm
+    from ms_deepseek.core.progress import progress_bar
 
-    return tqdm(iterable, total=total, desc=desc, unit="doc", disable=not enabled, dynamic_ncols=True)
+    return progress_bar(iterable, enabled=enabled, total=total, desc=desc, unit="doc", dynamic_ncols=True)
 
 
 def _batched(items: Iterable, size: int) -> Iterator[list]:

@@ -19,6 +19,7 @@ set is smaller: whole batches for every rank), and rank ``r`` takes positions
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -64,6 +65,19 @@ def _read(folder: Path, meta: Dict, indices: np.ndarray, seq_len: int, pad_id: i
     return ids, labels
 
 
+def _enough_hint(val, pieces, per_step: int) -> str:
+    """The --set that makes the validation set hold one batch per worker: the smallest hold-out
+    (rounded up to 3 decimals) that does, while it stays under the 0.5 limit; else a folder."""
+    folder = "give a validation folder (--set 'data.validation={path: DIR}')"
+    if val.fraction is None:
+        return "use a larger validation folder, or lower train.micro_batch_size"
+    sizes = [_lengths(f, meta).size for f, meta, _ in pieces]
+    fraction = math.ceil(1000 * per_step / sum(sizes)) / 1000
+    if fraction < 0.5 and sum(holdout_count(n, fraction) for n in sizes) >= per_step:
+        return f"hold out more with --set data.validation.fraction={fraction:g}, or {folder}"
+    return f"the training data is too small to hold a batch out: {folder}, or lower train.micro_batch_size"
+
+
 def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_size: int, eval_batches: int, *,
                      max_positions: Optional[int] = None, vocab_size: Optional[int] = None,
                      seed: Optional[int] = None, cache_dir=None) -> Optional[ValidationSet]:
@@ -97,7 +111,7 @@ def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_siz
     per_step = batch_size * world_size
     if total < per_step:
         raise UserError(f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
-                        f"({batch_size} x {world_size} workers); hold out more or use a larger folder")
+                        f"({batch_size} x {world_size} workers); {_enough_hint(val, pieces, per_step)}")
     order = np.random.default_rng([seed, 0x76616C]).permutation(total)
     used = min(eval_batches, total // per_step) * per_step
     mine = order[:used][rank::world_size]  # rank r: positions r, r+W, ...

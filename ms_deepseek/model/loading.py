@@ -10,14 +10,13 @@ arrives, so the host never holds a second copy of the model, only the layers in 
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Tuple
 
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor
-from tqdm import tqdm
 
+from ms_deepseek.core.progress import progress_bar
 from ms_deepseek.spec import names
 from ms_deepseek.spec.inventory import expected_ms_shapes
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo
@@ -84,8 +83,8 @@ def load_weights(model, ckpt, show_progress: bool = True) -> None:
     loaded = set()
     folder = ckpt.folder
     infos = sorted(ckpt.tensors.values(), key=lambda i: (str(i.file), i.offset))
-    bar = tqdm(total=sum(i.nbytes for i in infos), unit="B", unit_scale=True, desc=f"loading {folder.name}",
-               disable=not show_progress or os.environ.get("MS_DEEPSEEK_QUIET") == "1", leave=False)
+    bar = progress_bar(total=sum(i.nbytes for i in infos), enabled=show_progress, unit="B", unit_scale=True,
+                       desc=f"loading {folder.name}", leave=False)
     for info in infos:
         if info.name.split(".")[-1] in _NOT_IN_CHECKPOINTS:
             bar.update(info.nbytes)

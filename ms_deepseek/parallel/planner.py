@@ -370,10 +370,10 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
         inventory = lora_inventory(cfg, workload.lora, inventory)
     results = []
     candidates = list(candidate_layouts(cfg, npus, workload, hardware, **choices))
-    if progress:
-        from tqdm import tqdm
+    if progress:  # drawn only on a terminal
+        from ms_deepseek.core.progress import progress_bar
 
-        candidates = tqdm(candidates, desc="plan", unit="layout", leave=False)
+        candidates = progress_bar(candidates, desc="plan", unit="layout", leave=False)
     for layout in candidates:
         r = estimate(cfg, layout, workload, precision, hardware, world_size=npus, inventory=inventory)
         if not r.problems:

@@ -7,7 +7,7 @@ Example recipe section::
 
     data:
       path: data/my_corpus        # a folder written by `ms-deepseek prepare-data`
-      format: pretrain            # or sft; must match the prepared folder
+      format: sft                 # optional: the folder's meta.json records it (pretrain or sft)
       shuffle: true
       seed: 1234
 
@@ -79,7 +79,8 @@ class DataConfig:
     path: folder of prepared MindRecord shards (``meta.json`` inside), or None
         for the embedded default corpus.
     format: "pretrain" (packed windows) or "sft" (one conversation per sample);
-        must match the prepared folder's ``meta.json``.
+        None (the default) takes the prepared folder's (``meta.json``), pretrain for the
+        embedded default. When set it must match the folder.
     seq_len: expected sequence length; None takes it from ``meta.json``. For the
         embedded default it is the packing length (default 256).
     tokenizer: optional tokenizer path (file or folder). When set it must be the
@@ -96,7 +97,7 @@ class DataConfig:
     """
 
     path: Union[str, List[DataSource], None] = None
-    format: Literal["pretrain", "sft"] = "pretrain"
+    format: Optional[Literal["pretrain", "sft"]] = None
     seq_len: Optional[int] = None
     tokenizer: Optional[str] = None
     shuffle: bool = True
@@ -135,7 +136,7 @@ class DataConfig:
                 raise UserError(f"data.bucket_boundaries: must be strictly increasing, got {b}")
             if self.seq_len is not None and b[-1] > self.seq_len:
                 raise UserError(f"data.bucket_boundaries: {b[-1]} is longer than data.seq_len {self.seq_len}")
-            if self.format != "sft":
+            if self.format == "pretrain":  # left out: checked against the folder's format when it is read
                 raise UserError("data.bucket_boundaries: only used with data.format 'sft' "
                                 "(pretraining windows all have length seq_len)")
             if isinstance(self.path, list):

@@ -301,6 +301,16 @@ def validate(recipe: Recipe) -> None:
                         "fraction of the training data held out: data.validation.fraction=0.02)")
 
 
+def recipe_warnings(recipe: Recipe) -> List[str]:
+    """What runs but is likely not meant (the trainer prints each in one line at the start; not refusals)."""
+    out = []
+    steps, warmup = recipe.train.steps, recipe.optim.warmup_steps
+    if warmup >= steps:
+        out.append(f"optim.warmup_steps: {warmup} warmup steps but train.steps is {steps}: the learning rate never "
+                   f"reaches optim.lr={recipe.optim.lr:g} (lower it, e.g. --set optim.warmup_steps={steps // 10})")
+    return out
+
+
 def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe",
                      config_fallbacks: Sequence[Union[str, Path]] = ()) -> Recipe:
     data = copy.deepcopy(data) if data else {}

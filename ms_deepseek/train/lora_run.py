@@ -81,6 +81,25 @@ def _quantize_base(model, spec, base: Optional[Path]) -> None:
     quantize_model(model, spec)
 
 
+def describe(recipe) -> str:
+    """The start line's LoRA part: rank, adapted modules, trained and frozen parameter counts (from the
+    spec's inventory, so a sharded or quantized run counts its logical parameters) and a quantized base."""
+    from ms_deepseek.spec.lora import lora_inventory
+
+    spec = recipe.lora
+    inventory = lora_inventory(recipe.model_config, spec)
+    trained = sum(i.numel for i in inventory if i.trainable and not i.is_buffer)
+    frozen = sum(i.numel for i in inventory if not i.trainable and not i.is_buffer)
+    modules = sum(1 for i in inventory if i.name.endswith(".lora_A.weight"))
+    quant = recipe.quant
+    base = "" if quant is None else (f"; int{quant.bits} base" + (f", groups of {quant.group_size}"
+                                                                  if quant.group_size else ", per channel"))
+    router = " and the routers" if spec.train_router else ""
+    return (f"LoRA r={spec.r} alpha={spec.alpha:g} on {modules} modules ({len(spec.target_modules)} targets"
+            f"{router}): trains {trained:,} parameters ({100 * trained / max(1, trained + frozen):.2f}%), "
+            f"{frozen:,} frozen{base}")
+
+
 def checkpoint_tensors(model) -> Dict[str, object]:
     """What a LoRA checkpoint holds: the trainable tensors (adapters, trained routers)."""
     from ms_deepseek.model.lora import trainable_tensors

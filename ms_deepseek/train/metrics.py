@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+# tokens_per_s is measured from the end of the first step of a run (or resume), whose time (graph
+# compile + one step) is the record's compile_s: a record of that step alone has no tokens_per_s.
 RECORD_KEYS = ("step", "loss", "total_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s",
                "balance_expert", "balance_device", "balance_comm", "expert_load", "dropped_fraction")
 
@@ -119,15 +121,17 @@ def console_line(record: Dict[str, Any], total_steps: int) -> str:
     """``step 40/300 | loss 5.812 | lr 2.9e-03 | gnorm 0.84 | 41.2k tok/s | drop 0.0% | 62s``."""
     dropped = record.get("dropped_fraction") or {}
     drop = max(dropped.values()) if dropped else 0.0
-    tps = record.get("tokens_per_s", 0.0)
-    tps_text = f"{tps / 1000:.1f}k" if tps >= 1000 else f"{tps:.0f}"
+    tps = record.get("tokens_per_s")
+    speed = [] if tps is None else [f"{tps / 1000:.1f}k tok/s" if tps >= 1000 else f"{tps:.0f} tok/s"]
+    if record.get("compile_s") is not None:  # the first step of a run (or of a resume): compile + one step
+        speed.append(f"compile {record['compile_s']:.1f}s")
     extra = ""
     if "val_loss" in record:
         extra += f" | val {record['val_loss']:.4f}"
     if "loss_scale" in record:
         extra += f" | scale {record['loss_scale']:.0f}"
     return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"gnorm {record['grad_norm']:.3f} | {tps_text} tok/s | drop {100 * drop:.1f}% | "
+            f"gnorm {record['grad_norm']:.3f} | {', '.join(speed)} | drop {100 * drop:.1f}% | "
             f"{record['elapsed_s']:.0f}s{extra}")
 
 

@@ -406,7 +406,7 @@ class Trainer:
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, progress bar and the start line."""
-        from tqdm import tqdm
+        from ms_deepseek.core.progress import progress_bar
 
         recipe, run_dir, is_main = self.recipe, self.run_dir, self.is_main
         self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last,
@@ -427,19 +427,29 @@ class Trainer:
         self.last_ckpt: Optional[Path] = None
         self.interval_tokens, self.interval_start = 0, time.time()
         self.steady_tokens, self.steady_time = 0, 0.0  # steps after the first (compile) step
+        self.compile_s: Optional[float] = None  # the first step's time (graph compile + one step), logged once
         self.evaluator = None  # built (and its graph compiled) at the first validation
         self.saved_step: Optional[int] = None
         self.stop = StopRequest().install()  # SIGTERM: save at the next step boundary, then stop
         self.heartbeat = Heartbeat(run_dir, self.rank)
 
-        self.bar = tqdm(total=self.stop_at, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not (self.progress and is_main and recipe.logging.progress_bar), leave=False)
+        self.bar = progress_bar(total=self.stop_at, initial=self.start_step, desc="train", unit="step",
+                                dynamic_ncols=True, leave=False,
+                                enabled=self.progress and is_main and recipe.logging.progress_bar)
         if is_main:
             cfg, world = self.cfg, self.world
             what = f"resuming {self.resume_dir} at step {self.start_step}" if self.resume_dir else "starting"
             self._print(f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                         f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
                         f"({world} worker{'s' if world > 1 else ''}); output {run_dir}")
+            if recipe.lora is not None:
+                from ms_deepseek.train.lora_run import describe
+
+                self._print(describe(recipe))
+            from ms_deepseek.spec.recipe import recipe_warnings
+
+            for warning in recipe_warnings(recipe):
+                self._print(f"warning: {warning}")
             if self.validation is not None:
                 every = recipe.train.eval_interval
                 self._print(f"validation: {self.validation.description}, "
@@ -471,8 +481,11 @@ class Trainer:
         """Counters (tokens, throughput) and the progress bar."""
         self.losses.append(out.loss)
         self.tokens_seen += self.tokens_per_step
-        self.interval_tokens += self.tokens_per_step
-        if step > self.start_step + 1:
+        if step == self.start_step + 1:  # it compiled the graph: tokens/s is measured from its end
+            self.compile_s = time.time() - t0
+            self.interval_start = time.time()
+        else:
+            self.interval_tokens += self.tokens_per_step
             self.steady_tokens += self.tokens_per_step
             self.steady_time += time.time() - t0
         self.bar.update(1)
@@ -496,9 +509,11 @@ class Trainer:
         """One metrics record (every rank computes it; the main rank writes, prints, raises alerts)."""
         now = time.time()
         record = {"step": step, "loss": out.loss, "total_loss": out.loss + out.aux, "lr": float(out.lr.asnumpy()),
-                  "grad_norm": out.grad_norm,
-                  "tokens_per_s": self.interval_tokens / max(now - self.interval_start, 1e-9),
-                  "elapsed_s": self.elapsed_before + now - self.started}
+                  "grad_norm": out.grad_norm, "elapsed_s": self.elapsed_before + now - self.started}
+        if self.interval_tokens:  # none when the interval is the compile step alone
+            record["tokens_per_s"] = self.interval_tokens / max(now - self.interval_start, 1e-9)
+        if self.compile_s is not None:
+            record["compile_s"], self.compile_s = self.compile_s, None
         record.update(metrics_mod.moe_fields(out.stats, self.moe_layers, self.E))
         if val:
             record.update(val)
