@@ -8,7 +8,8 @@ rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
 The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
 read from :func:`ms_deepseek.spec.dispatch_shapes.dispatch_buffers`, the shapes the MoE
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
-[E, G*C, H] expert input split (ep, dp/ep, 1)).
+[dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
+real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel.ranks.ep_group_of_rank`).
 """
 
 from __future__ import annotations
