@@ -113,3 +113,25 @@ def test_planner_prices_the_alltoall_on_the_real_group():
     # a group that leaves the node (the old ep-outer order: ranks 0, 4, 8, ...) is priced on RoCE
     assert costs.ranks_bandwidth(list(range(0, 4 * par.ep, 4)), hw) == hw.roce_gbps * 1e9
     assert costs.ep_alltoall_bandwidth(par, hw) == costs.ranks_bandwidth(group, hw)
+
+
+def test_lint_fails_on_the_ep_outer_order():
+    # Plant the old order: the expert matmuls' 4-D input split (ep, dp/ep, 1, 1) = (2, 4, 1, 1) (ep outer)
+    # instead of (dp/ep, ep, 1, 1) = (4, 2, 1, 1); the lint's reshape/transpose algebra must see that the
+    # exchange does not deliver it.
+    import copy
+
+    from ms_deepseek.diagnostics import simulate as S
+    from ms_deepseek.sharding.lint import lint_model
+
+    par = ParallelConfig(dp=8, tp=1, ep=2)
+    ctx = S.build_context(get_preset("tiny"), par, 16)
+    assert lint_model(ctx.model, ctx.applied, ctx.mesh).ok
+    broken = copy.copy(ctx.applied)
+    broken.strategies = dict(ctx.applied.strategies)
+    path = "model.layers.1.mlp.experts.gate_bmm"
+    (_, w), out = broken.strategies[path]
+    assert ctx.applied.strategies[path][0][0] == (4, 2, 1, 1)
+    broken.strategies[path] = (((2, 4, 1, 1), w), out)
+    problems = lint_model(ctx.model, broken, ctx.mesh).problems
+    assert any(path in p and "(2, 4, 1, 1)" in p for p in problems), problems

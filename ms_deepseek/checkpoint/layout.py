@@ -234,8 +234,9 @@ def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) ->
         dev = (x[0], x[1], layout[0])
         tmap = (0, 1)
     elif len(layout) == 3:  # BatchMatMul(transpose_b): x (..., b, n, c), w (b, o, c) -> (..., b, n, c, o)
-        # matmul_info.cc SetDevMatrixShape: x's axes then w's o; a 4-D x (the MoE's (dp/ep, ep, n, c))
-        # puts its leading axis first, over which the weight is repeated (ep inside dp)
+        # matmul_info.cc SetDevMatrixShape: x's axes then w's o ([2,4,8,16] x [4,16,32] -> [2,4,8,16,32]);
+        # a 4-D x (the MoE's (dp/ep, ep, n, c)) puts its leading axis first, and MatMulBase::InferTensorMap
+        # drops that axis from the weight's map: the weight is repeated over dp/ep (ep inside dp)
         x = strategies[0]
         dev = tuple(x) + (layout[1],)
         tmap = (3, 0, 1)

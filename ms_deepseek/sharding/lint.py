@@ -283,8 +283,12 @@ def _rows_to_kmajor(layout: Layout, mesh: Mesh) -> Layout:
 #   ReshapeInfo::InferTensorMap / tensor_layout's ExpandTensorShape; MindFormers' MoEV2 reshapes
 #   [dp, E, C, H] -> (dp_moe, ep, E, C, H) on exactly this rule);
 # * a Transpose's output layout is its input strategy permuted (transpose_info.cc
-#   TransposeInfo::InferTensorMap: outputs_tensor_map[i] = inputs_tensor_map[perm[i]]); the primitive
-#   carries the strategy of its input, so the edge transform applies the permutation.
+#   TransposeInfo::InferTensorMap / GetOutputsStrategy: output[i] = input[perm[i]]); the primitive
+#   carries the strategy of its input, so the edge transform applies the permutation;
+# * a BatchMatMul of a 4-D x on a 3-D weight keeps x's leading axis (matmul_info.cc SetDevMatrixShape,
+#   its example [2,4,8,16] x [4,16,32] -> [2,4,8,16,32]); the output is x's batch axes, rows, columns.
+# The reshape rule is read from MindFormers' use of it and MindSpore's docs (the C++ snapshot of
+# reshape_info.cc was not read here); transpose_info.cc and matmul_info.cc were read.
 
 
 def _split_major(split: int, sizes: Sequence[int], what: str) -> Tuple[int, ...]:
@@ -447,7 +451,7 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
                 report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but {kw} "
                                        f"in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split alike)")
             # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
-            # must be split alike (matmul_info.cc MatMulBase::CheckStrategy, the broadcast batch check)
+            # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
             nb = min(len(x), len(w)) - 2
             if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
                 report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
