@@ -11,7 +11,9 @@ Deriving the device matrix (the rule MindSpore's ``ops_info`` applies to the pri
 that consumes the parameter, read from the plan's ``StyleSpec.consumers``):
 
 * ``MatMul(transpose_b)``, x ``(n, c)``, weight ``(o, c)``: device matrix ``(n, c, o)``;
-* ``BatchMatMul(transpose_b)``, x ``(b, n, c)``, weight ``(b, o, c)``: ``(b, n, c, o)``;
+* ``BatchMatMul(transpose_b)``, x ``(b, n, c)``, weight ``(b, o, c)``: ``(b, n, c, o)``; the routed
+  experts' 4-D x ``(dp/ep, ep, n, c)`` against ``(ep, o, c)``: ``(dp/ep, ep, n, c, o)``, so the
+  expert block of stage device p is ``(p // tp) % ep`` (:mod:`ms_deepseek.parallel.ranks`);
 * ``Gather`` of the embedding, table ``(v, 1)``, ids ``(n, 1)``: ``(n, v)`` (vocab fastest,
   as tp is);
 * a parameter no primitive consumes (norms, tables) is whole on every rank.
@@ -232,9 +234,12 @@ def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) ->
         x = strategies[0]
         dev = (x[0], x[1], layout[0])
         tmap = (0, 1)
-    elif len(layout) == 3:  # BatchMatMul(transpose_b): x (b, n, c), w (b, o, c) -> (b, n, c, o)
+    elif len(layout) == 3:  # BatchMatMul(transpose_b): x (..., b, n, c), w (b, o, c) -> (..., b, n, c, o)
+        # matmul_info.cc SetDevMatrixShape: x's axes then w's o ([2,4,8,16] x [4,16,32] -> [2,4,8,16,32]);
+        # a 4-D x (the MoE's (dp/ep, ep, n, c)) puts its leading axis first, and MatMulBase::InferTensorMap
+        # drops that axis from the weight's map: the weight is repeated over dp/ep (ep inside dp)
         x = strategies[0]
-        dev = (x[0], x[1], x[2], layout[1])
+        dev = tuple(x) + (layout[1],)
         tmap = (3, 0, 1)
     elif len(layout) == 1:  # a bias added to the matmul output rows x cols: split like the output columns
         x = strategies[0]

@@ -8,12 +8,14 @@ SEMI_AUTO_PARALLEL (``ms_deepseek/model/moe.py`` says which pattern and why):
 1. data-parallel rank d (the token groups the ``dispatch_gather`` strategy gives it):
    routing, ExpertLookup and the dispatch gather on its own tokens (``layer.dispatch``);
 2. the dp -> ep AllToAll, emulated from the ``to_experts`` strategy: the buffer view
-   [ep, G/ep, E, C, H] is split (ep, G/ep) over the dp ranks, so rank d = i*(G/ep) + j sends
-   its expert block i' to the device that holds experts block i' and token chunk j;
-3. each expert device: the slice the ``experts.*_bmm`` strategies give it (E by the first
-   axis, G*C by the second, the expert intermediate size by tp); it must be exactly what the
-   exchange delivered (else the plan is reported broken); the down projection's partial sums
-   over the tp slices are added (the all-reduce);
+   [G/ep, ep, E, C, H] arrives split (dp/ep, ep) over the dp ranks, so rank d = u*ep + j
+   (:mod:`ms_deepseek.parallel.ranks`: ep the inner factor, block j = d % ep) holds view block
+   [u, j]; the transpose reads it split (dp/ep, 1, ep), so device u*ep + a collects experts
+   block a from the ranks u*ep + j', j' in ep: the exchange group is ep adjacent dp ranks;
+3. each expert device: the slice the ``experts.*_bmm`` strategies give it (the 4-D input
+   [G/ep, E, ep*C, H] split (dp/ep, ep, 1, 1), the expert intermediate size by tp); it must be
+   exactly what the exchange delivered (else the plan is reported broken); the down
+   projection's partial sums over the tp slices are added (the all-reduce);
 4. the AllToAll back (``from_experts``) and the combine gather on each rank's tokens.
 
 The whole per-rank program is one differentiable function of the tokens and the stacked
@@ -30,6 +32,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from ms_deepseek.parallel.ranks import expert_block_of_dp_rank
 
 SIM_ERROR = float("inf")
 
@@ -51,37 +55,44 @@ def _layout(layer, mesh) -> Dict[str, object]:
     exch = _strategy(layer.to_experts, ((1, 1, 1, 1, 1),))[0]
     back = _strategy(layer.from_experts, ((1, 1, 1, 1, 1),))[0]
     comb = _strategy(layer.combine_gather, ((1, 1, 1), (1, 1, 1)))
-    gate = _strategy(layer.experts.gate_bmm, ((1, 1, 1), (1, 1, 1)))
-    up = _strategy(layer.experts.up_bmm, ((1, 1, 1), (1, 1, 1)))
-    down = _strategy(layer.experts.down_bmm, ((1, 1, 1), (1, 1, 1)))
+    gate = _strategy(layer.experts.gate_bmm, ((1, 1, 1, 1), (1, 1, 1)))
+    up = _strategy(layer.experts.up_bmm, ((1, 1, 1, 1), (1, 1, 1)))
+    down = _strategy(layer.experts.down_bmm, ((1, 1, 1, 1), (1, 1, 1)))
     ranks = disp[0][0]
     problems: List[str] = []
     if disp[1][0] != ranks or comb[0][0] != ranks or comb[1][0] != ranks:
         problems.append(f"dispatch/combine gathers split the groups differently: {disp}, {comb}")
     if any(k != 1 for s in disp + comb for k in s[1:]):
         problems.append(f"dispatch/combine gathers split a non-batch axis: {disp}, {comb}")
-    if G % ranks or ranks != mesh.dp:
+    if G != ranks or ranks != mesh.dp:
         problems.append(f"dispatch_gather splits the {G} token groups {ranks} ways, not one group per each of "
                         f"the {mesh.dp} data-parallel ranks")
-    ep_x, inner_x = exch[0], exch[1]
-    if exch != back or any(k != 1 for k in exch[2:]) or ep_x * inner_x != ranks:
-        problems.append(f"to_experts/from_experts {exch}/{back} do not view the {ranks} dp ranks as "
-                        f"(ep, dp/ep) = ({layer.ep}, {ranks // max(layer.ep, 1)})")
-    if ep_x != layer.ep:
-        problems.append(f"to_experts splits the exchange view {ep_x} ways but the layer's ep is {layer.ep}")
-    (ep_b, inner_b, _), (ep_w, tp_w, _) = gate
+    outer_x, ep_x = exch[0], exch[2] if len(exch) == 5 else 0
+    if exch != back or len(exch) != 5 or exch[1] != 1 or any(k != 1 for k in exch[3:]) \
+            or outer_x * ep_x != ranks:
+        problems.append(f"to_experts/from_experts {exch}/{back} do not split the exchange view [G/ep, ep, E, C, H] "
+                        f"as (dp/ep, 1, ep, 1, 1) = ({ranks // max(layer.ep, 1)}, 1, {layer.ep}, 1, 1)")
+    elif ep_x != layer.ep:
+        problems.append(f"to_experts splits the experts {ep_x} ways but the layer's ep is {layer.ep}")
+    if len(gate[0]) != 4 or len(down[0]) != 4 or len(gate[1]) != 3 or len(down[1]) != 3:
+        problems.append(f"the expert matmuls {gate} / {down} do not split a 4-D input [G/ep, E, ep*C, H] and "
+                        f"3-D weights [E, out, in]")
+        return {"ranks": ranks, "problems": problems}
+    (outer_b, ep_b, _, _), (ep_w, tp_w, _) = gate
     if up != gate:
         problems.append(f"up_bmm {up} differs from gate_bmm {gate}")
-    if down[0][:2] != (ep_b, inner_b) or down[1][0] != ep_w or down[0][2] != tp_w or down[1][2] != tp_w:
+    if down[0][:2] != (outer_b, ep_b) or down[1][0] != ep_w or down[0][3] != tp_w or down[1][2] != tp_w:
         problems.append(f"down_bmm {down} does not match gate_bmm {gate} (experts and tp split alike)")
     if ep_b != ep_w:
         problems.append(f"the expert matmuls split the tokens' experts {ep_b} ways but the weights {ep_w} ways")
+    if gate[0][2:] != (1, 1) or down[0][2] != 1:
+        problems.append(f"the expert matmuls split the token rows of an expert: {gate} / {down}")
     if E % max(ep_b, 1) or E % max(ep_x, 1):
         problems.append(f"{E} experts do not split {ep_b} / {ep_x} ways")
-    if ep_b * inner_b != ranks:
-        problems.append(f"the expert matmuls' device grid ({ep_b} x {inner_b}) is not the {ranks} dp ranks")
-    return {"ranks": ranks, "ep_x": ep_x, "inner_x": inner_x, "ep_b": ep_b, "inner_b": inner_b, "tp": tp_w,
-            "problems": problems}
+    if (outer_b, ep_b) != (outer_x, ep_x):
+        problems.append(f"the expert matmuls' device grid ({outer_b} x {ep_b}) is not the exchange's "
+                        f"({outer_x} x {ep_x}) over the {ranks} dp ranks")
+    return {"ranks": ranks, "outer": outer_x, "ep_x": ep_x, "ep_b": ep_b, "tp": tp_w, "problems": problems}
 
 
 def _slices(n: int, parts: int, index: int) -> slice:
@@ -98,66 +109,70 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
     E, G = layer.num_experts, layer.groups
     N = B * T // G
     C = layer.capacity(N)
-    R, ep_x, inner_x = lay["ranks"], lay["ep_x"], lay["inner_x"]
-    ep_b, inner_b, tp = lay["ep_b"], lay["inner_b"], lay["tp"]
-    g_local = G // R
-    tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]: rank-major rows
+    R, outer, ep_x, ep_b, tp = lay["ranks"], lay["outer"], lay["ep_x"], lay["ep_b"], lay["tp"]
+    tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]: rank-major rows, one group per rank (G = R)
     cdt = layer.experts.compute_dtype
     bmm = ops.BatchMatMul(transpose_b=True)
 
-    # 1. each data-parallel rank: routing, lookup and dispatch on its own groups
+    def view_block(d):
+        # (u, j) of data-parallel rank d in the view [G/ep, ep, ...] (the rule the model and plan use)
+        return d // ep_x, expert_block_of_dp_rank(d, ep_x)
+
+    # 1. each data-parallel rank: routing, lookup and dispatch on its own group
     buffers, routes = [], []
     for d in range(R):
-        buf, route = layer.dispatch(tokens[d * g_local:(d + 1) * g_local])  # [G/R, E, C, H]
+        buf, route = layer.dispatch(tokens[d:d + 1])  # [1, E, C, H]
         buffers.append(buf)
         routes.append(route)
 
-    # 2. emulated dp -> ep AllToAll: rank d = i*inner + j holds view block [i, j] of [ep, inner, E, C, H];
-    #    the expert device (a, j) receives experts block a from the ranks (i', j), i' in ep, in i' order.
+    # 2. emulated dp -> ep AllToAll: device u*ep + a collects experts block a of view row u, i.e. from the
+    #    ranks d with view_block(d) = (u, j), j in ep, in j order (the transpose's (dp/ep, 1, ep) split).
     Ex = E // ep_x
-    received = {}
-    for a in range(ep_x):
-        for j in range(inner_x):
-            parts = [buffers[i * inner_x + j][:, a * Ex:(a + 1) * Ex] for i in range(ep_x)]  # [G/R, Ex, C, H]
-            # [ep, G/R, Ex, C, H] -> [Ex, ep, G/R, C, H] -> [Ex, ep*G/R*C, H]: the chunk j of [E, G*C, H]
-            recv = ops.stack(parts, 0).transpose(2, 0, 1, 3, 4).reshape(Ex, ep_x * g_local * C, H)
-            received[a * inner_x + j] = recv
+    received, members = {}, {}
+    for u in range(outer):
+        for a in range(ep_x):
+            src = [d for d in range(R) if view_block(d)[0] == u]
+            src.sort(key=lambda d: view_block(d)[1])
+            members[u * ep_x + a] = src
+            parts = [buffers[d][0, a * Ex:(a + 1) * Ex] for d in src]  # ep x [Ex, C, H]
+            # [ep, Ex, C, H] -> [Ex, ep, C, H] -> [Ex, ep*C, H]: device (u, a)'s block of [G/ep, E, ep*C, H]
+            received[u * ep_x + a] = ops.stack(parts, 0).transpose(1, 0, 2, 3).reshape(Ex, ep_x * C, H)
+    lay["exchange_groups"] = sorted({tuple(m) for m in members.values()})  # the AllToAll groups (dp ranks)
 
     # 3. each expert device: the slice its matmul strategy says, which must be what it received
-    Eb, rows = E // ep_b, G * C // inner_b
-    if (G * C) % inner_b:
-        raise PlanMismatch(f"the expert input's {G}*{C} token rows do not split {inner_b} ways (capacity {C})")
+    Eb = E // ep_b
     outputs = {}
     I = wg.shape[1]
     if I % tp:
         raise PlanMismatch(f"the expert intermediate size {I} does not split {tp} ways")
     for dev in range(R):
-        a, j = dev // inner_b, dev % inner_b
+        u, a = dev // ep_b, dev % ep_b  # the matmuls' device matrix (dp/ep, ep, ..., tp), tp apart
         got = received[dev]
-        if tuple(got.shape) != (Eb, rows, H):
+        if tuple(got.shape) != (Eb, ep_x * C, H):
             raise PlanMismatch(f"device {dev}: the AllToAll delivers {tuple(got.shape)} but the expert matmul "
-                               f"strategy expects [{Eb}, {rows}, {H}]")
+                               f"strategy expects [1, {Eb}, {ep_x * C}, {H}]")
         e_sl = _slices(E, ep_b, a)
         h = got.astype(cdt)
         partial = None
         for t in range(tp):  # the tp slices of the expert intermediate size; down's partial sums all-reduced
             i_sl = _slices(I, tp, t)
-            gate = bmm(h, wg[e_sl, i_sl].astype(cdt))  # [Eb, rows, I/tp]
-            upv = bmm(h, wu[e_sl, i_sl].astype(cdt))  # [Eb, rows, I/tp]
-            o = bmm(ops.silu(gate) * upv, wd[e_sl, :, i_sl].astype(cdt))  # [Eb, rows, H]
+            gate = bmm(h, wg[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
+            upv = bmm(h, wu[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
+            o = bmm(ops.silu(gate) * upv, wd[e_sl, :, i_sl].astype(cdt))  # [Eb, ep*C, H]
             partial = o if partial is None else partial + o
         outputs[dev] = partial.astype(x.dtype)
 
     # 4. emulated ep -> dp AllToAll back and the combine on each rank's tokens
     ys = []
     for d in range(R):
-        i, j = d // inner_x, d % inner_x
+        u, j = view_block(d)
         blocks = []
-        for a in range(ep_x):  # experts block a of rank d's groups, from the device (a, j)
-            out = outputs[a * inner_x + j].reshape(Ex, ep_x, g_local, C, H)  # [Ex, ep*G/R*C, H] -> 5-D
-            blocks.append(out[:, i].transpose(1, 0, 2, 3))  # [G/R, Ex, C, H]
-        back = ops.concat(blocks, 1).reshape(g_local, E * C, H)  # [G/R, E, C, H] -> [G/R, E*C, H]
-        ys.append(layer.combine(back, routes[d]))  # [G/R, N, H] float32
+        for a in range(ep_x):  # experts block a of rank d's group, from the device (u, a)
+            if d not in members[u * ep_x + a]:
+                raise PlanMismatch(f"rank {d} is not in the exchange group of device {u * ep_x + a}")
+            blocks.append(outputs[u * ep_x + a].reshape(Ex, ep_x, C, H)[:, j])  # [Ex, C, H]
+        back = ops.concat(blocks, 0).reshape(1, E * C, H)  # [E, C, H] -> [1, E*C, H]
+        ys.append(layer.combine(back, routes[d]))  # [1, N, H] float32
     y = ops.concat(ys, 0).astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
     if layer.shared_experts is not None:
         y = y + layer.shared_experts(x)
@@ -174,7 +189,8 @@ def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
 
     Returns a dict: ``forward_max_err`` (max |y_sharded - y_unsharded|), ``backward_max_err`` (max abs
     difference of the gradients of x and of the stacked expert weights, for a fixed random cotangent),
-    ``ranks``, ``capacity``, ``dropped`` and ``problem`` (None, or why the plan's strategies cannot run:
+    ``ranks``, ``capacity``, ``dropped``, ``exchange_groups`` (the data-parallel ranks of each emulated
+    AllToAll, e.g. ``[[0, 1], [2, 3]]`` for dp 4 ep 2: adjacent ranks) and ``problem`` (None, or why the plan's strategies cannot run:
     then both errors are ``inf``).
     """
     import mindspore as ms
@@ -219,6 +235,7 @@ def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
         report["backward_max_err"] = float(max(np.abs(a.asnumpy() - b.asnumpy()).max() for a, b in pairs))
         keep = layer.dispatch(x.reshape(G, B * T // G, H))[1][5].asnumpy()
         report["dropped"] = float(1.0 - keep.mean())
+        report["exchange_groups"] = [list(g) for g in lay["exchange_groups"]]
     except PlanMismatch as exc:
         report["problem"] = str(exc)
     finally:

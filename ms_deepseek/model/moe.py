@@ -21,12 +21,17 @@ by dp; C = :func:`ms_deepseek.spec.dispatch_shapes.capacity` per group):
 3. ``dispatch_index`` ``[G, E, C]`` (which local token fills each slot, N = zero row) from a
    per-group sort of float32 keys ``[G, E, k*N]`` (``TopkRouterV2``'s sort indexing), then
    the dispatch is a LOCAL Gather with batch dims: ``[G, N+1, H]`` -> ``[G, E, C, H]``;
-4. dp -> ep exchange: ``[G, E, C, H]`` viewed ``[ep, G/ep, E, C, H]`` (group g = i*(G/ep)+j),
-   transposed locally to ``[E, G/ep, ep, C, H]`` and read as ``[E, G*C, H]``; the expert
-   matmuls split that (ep, G/ep, 1), so the reshape's layout change is one AllToAll inside
-   each ep group {i*(G/ep) + j : i} of data-parallel ranks (same j);
-5. experts: batched matmuls on stacked weights [E, out, in] (E split by ep, I by tp);
-6. the same exchange back (``from_experts``) -> ``[G, E*C, H]`` split by dp, and a LOCAL
+4. dp -> ep exchange (MindFormers ``MoEV2._ffn_forward``): ``[G, E, C, H]`` viewed
+   ``[G/ep, ep, E, C, H]`` (group g = u*ep + e, ep the inner factor:
+   :func:`ms_deepseek.parallel.ranks.exchange_view`), transposed (0, 2, 1, 3, 4) to
+   ``[G/ep, E, ep, C, H]`` and read as the 4-D expert input ``[G/ep, E, ep*C, H]``. The
+   transpose's input is split (G/ep, 1, ep, 1, 1) while the view arrives (G/ep, ep, 1, 1, 1):
+   that layout change is one AllToAll inside each ep group of consecutive data-parallel
+   ranks {u*ep + e : e} (inside one node on Ascend: HCCS, not RoCE);
+5. experts: batched matmuls of the 4-D input on stacked weights [E, out, in] (E split by ep,
+   I by tp; the expert matmuls split ((G/ep, ep, 1, 1), (ep, tp, 1)), MindFormers
+   ``llama_layer.py`` ``_shard_semi_auto_parallel``, so the device matrix is (G/ep, ep, ..., tp));
+6. the same exchange back (``from_experts``, AllToAll at its input) -> ``[G, E*C, H]`` split by dp, and a LOCAL
    combine Gather with batch dims at ``row*C + position`` (dropped choices read slot 0 with
    weight 0) -> ``[G, N, k, H]``, mixed with the routing weights.
 
@@ -51,6 +56,8 @@ from ms_deepseek.spec import dispatch_shapes
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
+from ms_deepseek.ops.backend import device_target
+from ms_deepseek.parallel.ranks import exchange_view
 
 
 def default_placement(num_experts: int, ep: int) -> np.ndarray:
@@ -72,14 +79,24 @@ class StackedWeight(nn.Cell):
         self.lora_scaling = 0.0
         self.lora_dropout = None
 
-    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt):
-        """x [E, C, in] -> [E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
-        y = bmm(x, self.weight.astype(cdt))  # [E, C, out]
+    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
+        """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
+        y = bmm(x, _batched(self.weight.astype(cdt), x, broadcast))  # [D, E, C, out]
         if self.lora_A is not None:
             h = x if self.lora_dropout is None else self.lora_dropout(x)
-            h = lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
-            y = y + lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
+            h = lora_a_bmm(h, _batched(self.lora_A.weight.astype(cdt), h, broadcast))  # [D, E, C, r]
+            y = y + lora_b_bmm(h, _batched(self.lora_B.weight.astype(cdt), h, broadcast)) * self.lora_scaling
         return y
+
+
+def _batched(w, x, broadcast: bool):
+    """A stacked weight [E, out, in] for BatchMatMul with x [D, E, C, in]: as it is where BatchMatMul
+    broadcasts batch axes (Ascend, MindFormers' 4-D expert input against 3-D weights), else expanded to
+    [D, E, out, in] (MindSpore's CPU/GPU BatchMatMul needs equal batch axes: ``ops/infer/batch_mat_mul.cc``
+    ``CheckBatchMatmulInputWhetherCanBeBroadcast``; the gradient sums over D as the broadcast does)."""
+    if not broadcast:
+        return w
+    return ops.broadcast_to(w.reshape((1,) + tuple(w.shape)), (x.shape[0],) + tuple(w.shape))
 
 
 class RoutedExperts(nn.Cell):
@@ -101,15 +118,17 @@ class RoutedExperts(nn.Cell):
         self.gate_lora_a_bmm, self.gate_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
         self.up_lora_a_bmm, self.up_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
         self.down_lora_a_bmm, self.down_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
+        # Decided when the Cell is built (the device is chosen before the model, core/runtime.py).
+        self.broadcast_weights = device_target() != "Ascend"
 
     def construct(self, x):
-        """x [E, C, H] -> [E, C, H]."""
-        cdt = self.compute_dtype
+        """x [D, E, C, H] -> [D, E, C, H] (D = G/ep blocks of the exchange view, the experts on axis 1)."""
+        cdt, b = self.compute_dtype, self.broadcast_weights
         x = x.astype(cdt)
-        gate = self.gate_proj.project(x, self.gate_bmm, self.gate_lora_a_bmm, self.gate_lora_b_bmm, cdt)  # [E, C, I]
-        up = self.up_proj.project(x, self.up_bmm, self.up_lora_a_bmm, self.up_lora_b_bmm, cdt)  # [E, C, I]
+        gate = self.gate_proj.project(x, self.gate_bmm, self.gate_lora_a_bmm, self.gate_lora_b_bmm, cdt, b)
+        up = self.up_proj.project(x, self.up_bmm, self.up_lora_a_bmm, self.up_lora_b_bmm, cdt, b)  # [D, E, C, I]
         return self.down_proj.project(ops.silu(gate) * up, self.down_bmm, self.down_lora_a_bmm,
-                                      self.down_lora_b_bmm, cdt)  # [E, C, H]
+                                      self.down_lora_b_bmm, cdt, b)  # [D, E, C, H]
 
 
 class DeepseekV2MoE(nn.Cell):
@@ -122,7 +141,7 @@ class DeepseekV2MoE(nn.Cell):
         self.capacity_multiple = 1  # rounds C up; the per-group layout needs none (G*C splits by G/ep)
         # The parallel degrees come from the plan (apply_plan), never from the config's ep_size.
         self.groups = 1  # G: token groups = the plan's dp
-        self.ep = 1      # the plan's ep (the exchange view [ep, G/ep, E, C, H])
+        self.ep = 1      # the plan's ep (the exchange view [G/ep, ep, E, C, H])
         self.alphas = (cfg.expert_alpha, cfg.device_aux_loss_alpha, cfg.comm_aux_loss_alpha)
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
@@ -212,12 +231,12 @@ class DeepseekV2MoE(nn.Cell):
         buffer, route = self.dispatch(x.reshape(G, N, H))  # [B, T, H] -> [G, N, H] (rank-major rows)
 
         # dp -> ep exchange (one AllToAll per ep group when G and E are split), experts, and back.
-        inner = G // ep
-        view = buffer.reshape(ep, inner, E, C, H)  # [G, E, C, H] -> [ep, G/ep, E, C, H]
-        expert_in = self.to_experts(view, (2, 1, 0, 3, 4)).reshape(E, inner * ep * C, H)  # -> [E, G*C, H]
-        out = self.experts(expert_in).astype(x.dtype)  # [E, G*C, H]
-        out = out.reshape(E, inner, ep, C, H)  # [E, G*C, H] -> [E, G/ep, ep, C, H]
-        back = self.from_experts(out, (2, 1, 0, 3, 4)).reshape(G, E * C, H)  # -> [ep, G/ep, E, C, H] -> [G, E*C, H]
+        outer, _ = exchange_view(G, ep)  # G = outer * ep, ep inner: an ep group is consecutive groups
+        view = buffer.reshape(outer, ep, E, C, H)  # [G, E, C, H] -> [G/ep, ep, E, C, H]
+        expert_in = self.to_experts(view, (0, 2, 1, 3, 4)).reshape(outer, E, ep * C, H)  # -> [G/ep, E, ep*C, H]
+        out = self.experts(expert_in).astype(x.dtype)  # [G/ep, E, ep*C, H]
+        out = out.reshape(outer, E, ep, C, H)  # -> [G/ep, E, ep, C, H]
+        back = self.from_experts(out, (0, 2, 1, 3, 4)).reshape(G, E * C, H)  # -> [G/ep, ep, E, C, H] -> [G, E*C, H]
 
         y = self.combine(back, route).astype(x.dtype).reshape(B, T, H)  # [G, N, H] -> [B, T, H]
         if self.shared_experts is not None:

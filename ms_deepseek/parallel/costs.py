@@ -8,20 +8,22 @@ rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
 The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
 read from :func:`ms_deepseek.spec.dispatch_shapes.dispatch_buffers`, the shapes the MoE
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
-[E, G*C, H] expert input split (ep, dp/ep, 1)).
+[dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
+real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel.ranks.ep_group_of_rank`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.parallel.ranks import ep_group_of_rank
 from ms_deepseek.spec.quant import QuantSpec, is_quantized
 from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
                                        parameter_inventory, shard_numel, stage_of_param)
@@ -516,3 +518,19 @@ def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:
     if size * stride <= hw.npus_per_node:
         return hw.hccs_gbps * 1e9 * (size - 1)         # full mesh: one HCCS link per peer
     return hw.roce_gbps * 1e9
+
+
+def ranks_bandwidth(group: Sequence[int], hw: Hardware) -> float:
+    """Bytes/s one NPU can send inside a collective over the global ranks ``group``: the HCCS full mesh
+    when they share a node (one link per peer), else RoCE."""
+    if len(group) <= 1:
+        return float("inf")
+    if len({r // hw.npus_per_node for r in group}) == 1:
+        return hw.hccs_gbps * 1e9 * (len(group) - 1)
+    return hw.roce_gbps * 1e9
+
+
+def ep_alltoall_bandwidth(par, hw: Hardware) -> float:
+    """The MoE AllToAll's bandwidth: the slowest expert-parallel group of a stage, the groups from the one
+    rank rule the model's exchange view, the plan and the simulation share (:func:`ranks.ep_group_of_rank`)."""
+    return min(ranks_bandwidth(ep_group_of_rank(r, par), hw) for r in range(par.dp * par.tp))

@@ -25,9 +25,11 @@ Strategy conventions (MindSpore: one integer per tensor axis, the number of slic
 * Routed experts: stacked weights [E, out, in], experts by ep, the expert
   intermediate size by tp. The MoE dispatch is per data-parallel group (MindFormers
   MoE v1, ``ms_deepseek/model/moe.py``): everything up to the capacity buffer
-  [G, E, C, H] and back from it is split by dp on G (local), the expert input
-  [E, G*C, H] splits E by ep and G*C by dp / ep (the ep groups are carved out of dp:
-  validator rule ``ep | dp``); the layout change in between is the AllToAll.
+  [G, E, C, H] and back from it is split by dp on G (local); the buffer is viewed
+  [G/ep, ep, E, C, H] (ep the inner factor of dp, :func:`ms_deepseek.parallel.ranks.exchange_view`;
+  validator rule ``ep | dp``) and the exchange transposes read it split (dp/ep, 1, ep, 1, 1)
+  (the AllToAll); the 4-D expert input [G/ep, E, ep*C, H] splits (dp/ep, ep, 1, 1), so the
+  expert matmuls' device matrix is (dp/ep, ep, ..., tp) and an ep group is adjacent ranks.
 * Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp; the loss
   (``loss_fn``, ``ms_deepseek.model.loss``) keeps the logits [N, V] split (dp, tp).
 * Norm weights, the router and the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``
@@ -193,19 +195,22 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
                                 "group_topk": (((dp, 1),), None)},
                          params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
     if style == "experts":
-        inner = dp // ep if dp % ep == 0 else 1
+        # MindFormers llama_layer.py LlamaFeedForward._shard_semi_auto_parallel (MoE branch): x [D, E, M, in]
+        # split (dp_moe, ep, 1, 1) against weights [E, out, in] split (ep, mp, 1); D = dp/ep (the outer factor).
+        outer = dp // ep if dp % ep == 0 else 1
+        rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
         return StyleSpec(
-            prims={"gate_bmm": (((ep, inner, 1), (ep, tp, 1)), None),   # [E, C, H] x [E, I, H]^T
-                   "up_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
-                   "down_bmm": (((ep, inner, tp), (ep, 1, tp)), None),  # [E, C, I] x [E, H, I]^T
+            prims={"gate_bmm": ((rows, (ep, tp, 1)), None),   # [D, E, M, H] x [E, I, H]^T
+                   "up_bmm": ((rows, (ep, tp, 1)), None),
+                   "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
                    # stacked adapters, split like the expert weights they adapt:
                    # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
-                   "gate_lora_a_bmm": (((ep, inner, 1), (ep, 1, 1)), None),
-                   "gate_lora_b_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
-                   "up_lora_a_bmm": (((ep, inner, 1), (ep, 1, 1)), None),
-                   "up_lora_b_bmm": (((ep, inner, 1), (ep, tp, 1)), None),
-                   "down_lora_a_bmm": (((ep, inner, tp), (ep, 1, tp)), None),
-                   "down_lora_b_bmm": (((ep, inner, 1), (ep, 1, 1)), None)},
+                   "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+                   "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+                   "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+                   "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+                   "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
+                   "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
             params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
                     "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
                     # a quantized base (model/quant.py): scales / offsets [E, out, in/G] like the weights'
@@ -247,11 +252,12 @@ def style_spec(style: str, mesh: Mesh) -> StyleSpec:
         # gather_info.cc BatchImpl (batch_dims > 0): the gather axis unsplit, equal batch-dim splits.
         return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
     if style == "moe_exchange":
-        # Transpose (2, 1, 0, 3, 4) of [ep, G/ep, E, C, H] (to_experts) or [E, G/ep, ep, C, H]
-        # (from_experts): local, in the dp layout for to_experts (G = (ep, dp/ep)) and in the ep
-        # layout for from_experts (E by ep, G/ep by dp/ep); the consumer's layout change is the AllToAll.
-        inner = dp // ep if dp % ep == 0 else 1
-        return StyleSpec(prims={"": (((ep, inner, 1, 1, 1),), None)}, is_primitive=True)
+        # Transpose (0, 2, 1, 3, 4) of [G/ep, ep, E, C, H] (to_experts) or [G/ep, E, ep, C, H] (from_experts),
+        # split (dp/ep, 1, ep, 1, 1) as MindFormers' MoEV2.transpose_5dim_ep2: to_experts reads the view with
+        # E split by ep (it arrives with the ep axis split: the AllToAll at its input) and gives E split;
+        # from_experts reads the expert output with the ep axis split (the AllToAll back) and gives G split.
+        outer = dp // ep if dp % ep == 0 else 1
+        return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
     if style == "combine_gather":
         # Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1): local per group
         # (BatchImpl as for dispatch_gather).
@@ -386,14 +392,14 @@ def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
     """
     out: Dict[str, str] = {}
     if mesh.ep > 1 or mesh.dp > 1:
-        # MindFormers MoE v1: the buffer [G, E, C, H] is dp-split; the expert matmuls read it
-        # ep-split (E) and dp/ep-split (G*C): MindSpore lowers the change to one AllToAll inside
-        # each group of ep data-parallel ranks (enable_alltoall), and the same way back.
-        go = "MoE dispatch: the dp -> ep exchange of the capacity buffer (AllToAll, enable_alltoall)"
-        back = "MoE combine: the ep -> dp exchange of the expert output (AllToAll, enable_alltoall)"
-        for p in ("gate_bmm", "up_bmm"):
-            out[f"model.layers.*.mlp.experts.{p}:0"] = go
-        out["model.layers.*.mlp.combine_gather:0"] = back
+        # MindFormers MoE v1 (MoEV2._ffn_forward): the view [G/ep, ep, E, C, H] of the dp-split buffer is
+        # split (dp/ep, ep, 1, 1, 1); the exchange transposes read it (dp/ep, 1, ep, 1, 1): MindSpore lowers
+        # the change to one AllToAll inside each group of ep adjacent data-parallel ranks (enable_alltoall),
+        # and the same way back at from_experts.
+        out["model.layers.*.mlp.to_experts:0"] = \
+            "MoE dispatch: the dp -> ep exchange of the capacity buffer (AllToAll, enable_alltoall)"
+        out["model.layers.*.mlp.from_experts:0"] = \
+            "MoE combine: the ep -> dp exchange of the expert output (AllToAll, enable_alltoall)"
     if mesh.sequence_parallel and mesh.tp > 1:
         why = ("sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
                "(dp*tp) and all-gathered again before the column-parallel matmuls")

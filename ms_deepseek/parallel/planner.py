@@ -205,7 +205,7 @@ def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw
     # Forward passes that repeat the collectives: recompute="full" replays each layer's forward.
     replays = 1 + (p.recompute == "full")
     bw_tp = costs.group_bandwidth(p.tp, 1, hw)
-    bw_ep = costs.group_bandwidth(p.ep, p.tp, hw)
+    bw_ep = costs.ep_alltoall_bandwidth(p, hw)  # the real expert-parallel groups (ranks.ep_group_of_rank)
     bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
     out = []
     adapters = costs.lora_adapter_dims(inventory) if w.lora is not None else {}

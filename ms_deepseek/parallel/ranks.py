@@ -77,3 +77,37 @@ def dataset_strategy(par: ParallelConfig, num_inputs: int = STEP_INPUTS) -> Unio
     if par.dataset_strategy == "full_batch":
         return "full_batch"
     return ((batch_slices(par), 1),) * num_inputs
+
+
+# ------------------------------------------------------------------ expert-parallel groups
+# The MoE device matrix orders (dp/ep, ep, tp), ep inside dp, as MindFormers does (``MoEV2._ffn_forward``:
+# the buffer [dp, E, C, H] viewed (dp_moe, ep, E, C, H); ``llama_layer.py`` ``_shard_semi_auto_parallel``:
+# the expert matmuls ((dp_moe, ep, 1, 1), (ep, mp, 1))). The model's data-parallel index of stage position p
+# is p // tp (tp fastest in every model device matrix), so data-parallel rank d = u * ep + e holds experts
+# block e = d % ep, and an expert-parallel group is ep consecutive data-parallel ranks, tp global ranks apart.
+
+
+def exchange_view(dp: int, ep: int) -> Tuple[int, int]:
+    """(dp/ep, ep): the split of the data-parallel axis the MoE exchange uses, ep the inner (fast) factor."""
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}")
+    return dp // ep, ep
+
+
+def expert_block_of_dp_rank(d: int, ep: int) -> int:
+    """Experts block (of the ep contiguous blocks of the placement) held by data-parallel rank ``d``."""
+    return d % ep
+
+
+def ep_group_stride(par: ParallelConfig) -> int:
+    """Distance in global ranks between two neighbours of one expert-parallel group (the AllToAll's)."""
+    return par.tp
+
+
+def ep_group_of_rank(rank: int, par: ParallelConfig) -> List[int]:
+    """The global ranks of ``rank``'s expert-parallel group (the ranks its MoE AllToAll runs over)."""
+    devices = par.dp * par.tp
+    base, p = rank - rank % devices, rank % devices
+    d, t = p // par.tp, p % par.tp
+    first = d - expert_block_of_dp_rank(d, par.ep)
+    return [base + (first + e) * par.tp + t for e in range(par.ep)]

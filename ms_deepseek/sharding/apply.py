@@ -187,7 +187,7 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
         applied.placements[placement.name] = table
         if hasattr(cell, "groups"):
             cell.groups = dp  # one token group per data-parallel rank: capacity and slots per rank
-            cell.ep = ep      # the dp -> ep exchange view [ep, dp/ep, E, C, H]
+            cell.ep = ep      # the dp -> ep exchange view [dp/ep, ep, E, C, H] (ranks.exchange_view)
         gate = getattr(cell, "gate", None)
         if gate is not None and hasattr(gate, "set_expert_parallel"):
             gate.set_expert_parallel(ep)  # the device-level balance losses' groups

@@ -248,8 +248,8 @@ def _moe_edges() -> List[Edge]:
     m = "mlp."
     edges: List[Edge] = []
     # Per-group dispatch (MindFormers MoE v1, ms_deepseek/spec/dispatch_shapes.py): tokens [G, N, H],
-    # buffer [G, E, C, H] viewed [ep, G/ep, E, C, H], transposed (2, 1, 0, 3, 4) to [E, G/ep, ep, C, H]
-    # and read as the expert input [E, G*C, H]; the same way back before the combine gather.
+    # buffer [G, E, C, H] viewed [G/ep, ep, E, C, H], transposed (0, 2, 1, 3, 4) to [G/ep, E, ep, C, H]
+    # and read as the 4-D expert input [G/ep, E, ep*C, H]; the same way back before the combine gather.
     grouped = "per-group"
     req = m + "to_experts"
     edges += [
@@ -277,11 +277,38 @@ def _rows_to_kmajor(layout: Layout, mesh: Mesh) -> Layout:
     return (layout[0], 1)
 
 
+# How the layouts below are derived (MindSpore's rules, read in its sources, not run here):
+# * a Reshape keeps each device's slice: a split of a merged axis lands on its major (leftmost) part
+#   first, and an axis split by the reshape's output must be the input's split (reshape_info.cc
+#   ReshapeInfo::InferTensorMap / tensor_layout's ExpandTensorShape; MindFormers' MoEV2 reshapes
+#   [dp, E, C, H] -> (dp_moe, ep, E, C, H) on exactly this rule);
+# * a Transpose's output layout is its input strategy permuted (transpose_info.cc
+#   TransposeInfo::InferTensorMap / GetOutputsStrategy: output[i] = input[perm[i]]); the primitive
+#   carries the strategy of its input, so the edge transform applies the permutation;
+# * a BatchMatMul of a 4-D x on a 3-D weight keeps x's leading axis (matmul_info.cc SetDevMatrixShape,
+#   its example [2,4,8,16] x [4,16,32] -> [2,4,8,16,32]); the output is x's batch axes, rows, columns.
+# The reshape rule is read from MindFormers' use of it and MindSpore's docs (the C++ snapshot of
+# reshape_info.cc was not read here); transpose_info.cc and matmul_info.cc were read.
+
+
+def _split_major(split: int, sizes: Sequence[int], what: str) -> Tuple[int, ...]:
+    """The split of an axis merged from ``sizes`` (major first) spread over them, major part first."""
+    out, left = [], split
+    for size in sizes:
+        k = left if size % left == 0 else size
+        if left % k:
+            raise _NotExpressible(f"a split {split} of {what} does not map onto its parts {tuple(sizes)}")
+        out.append(k)
+        left //= k
+    if left != 1:
+        raise _NotExpressible(f"a split {split} of {what} does not map onto its parts {tuple(sizes)}")
+    return tuple(out)
+
+
 def _groups_to_view(layout: Layout, mesh: Mesh) -> Layout:
-    # [G, E, C, H] -> reshape [ep, G/ep, E, C, H]: a G split g (g = dp) lands on (ep, g/ep)
-    g = layout[0]
-    ep = mesh.ep if g % mesh.ep == 0 else 1
-    return (ep, g // ep) + tuple(layout[1:])
+    # [G, E, C, H] -> reshape [G/ep, ep, E, C, H] (G = dp): a G split by dp lands on (dp/ep, ep)
+    ep = mesh.ep if mesh.dp % mesh.ep == 0 else 1
+    return _split_major(layout[0], (mesh.dp // ep, ep), "G") + tuple(layout[1:])
 
 
 def _merge(splits: Sequence[int]) -> int:
@@ -292,25 +319,25 @@ def _merge(splits: Sequence[int]) -> int:
 
 
 def _view_to_experts(layout: Layout, mesh: Mesh) -> Layout:
-    # transpose (2, 1, 0, 3, 4): [ep, G/ep, E, C, H] -> [E, G/ep, ep, C, H]; reshape -> [E, G*C, H]
-    a, b, e, c, h = layout
-    return (e, _merge((b, a, c)), h)
+    # transpose (0, 2, 1, 3, 4): [G/ep, ep, E, C, H] -> [G/ep, E, ep, C, H]; reshape -> [G/ep, E, ep*C, H]
+    u, a, e, c, h = layout
+    return (u, e, _merge((a, c)), h)
 
 
 def _experts_to_view(layout: Layout, mesh: Mesh) -> Layout:
-    # [E, G*C, H] -> reshape [E, G/ep, ep, C, H]: a split s of G*C lands on (G/ep, ep) major-first
-    e, gc, h = layout
-    groups = max(1, mesh.dp // mesh.ep)          # size of the leading G/ep axis
-    first = gc if groups % gc == 0 else groups  # the merged axis's split lands on its major part first
-    if gc % first:
-        raise _NotExpressible(f"a split {gc} of G*C does not map onto [G/ep, ep, C]")
-    return (e, first, gc // first, 1, h)
+    # [G/ep, E, ep*C, H] -> reshape [G/ep, E, ep, C, H]: a split of ep*C lands on ep first
+    u, e, m, h = layout
+    ep = mesh.ep if mesh.dp % mesh.ep == 0 else 1
+    if m % ep and ep % m:
+        raise _NotExpressible(f"a split {m} of ep*C does not map onto [ep, C] (ep {ep})")
+    a = ep if m % ep == 0 else m
+    return (u, e, a, m // a, h)
 
 
 def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
-    # transpose (2, 1, 0, 3, 4): [E, G/ep, ep, C, H] -> [ep, G/ep, E, C, H]; reshape -> [G, E*C, H]
-    e, b, a, c, h = layout
-    return (a * b, e * c, h)
+    # transpose (0, 2, 1, 3, 4): [G/ep, E, ep, C, H] -> [G/ep, ep, E, C, H]; reshape -> [G, E*C, H]
+    u, e, a, c, h = layout
+    return (u * a, e * c, h)
 
 
 TRANSFORMS.update({"rows_to_groups": _rows_to_groups, "rows_to_kmajor": _rows_to_kmajor,
@@ -423,8 +450,12 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
             if kx != kw:
                 report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but {kw} "
                                        f"in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split alike)")
-            if kind == "BatchMatMul" and len(x) == len(w) and x[:-2] != w[:-2]:
-                report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[:-2])} vs {_fmt(w[:-2])}")
+            # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
+            # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
+            nb = min(len(x), len(w)) - 2
+            if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
+                report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
+                                       f"{_fmt(w[-2 - nb:-2])}")
 
     def out_layout(path: str, index: int) -> Layout:
         kind, prim = table[path]

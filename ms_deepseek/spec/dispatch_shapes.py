@@ -13,11 +13,12 @@ The dispatch (MindFormers MoE v1 / ``MoEV2`` pattern, see ``ms_deepseek/model/mo
   (which local token fills each slot, N = the zero padding row), read off a per-group sort of
   float32 keys ``slot_keys`` ``[G, E, k*N]`` (MindFormers ``TopkRouterV2``);
 * dispatch buffer ``[G, E, C, H]`` split (dp, 1, 1, 1) (a local Gather with batch dims);
-* dp -> ep exchange: viewed ``[ep, dp/ep, E, C, H]``, transposed to ``[E, dp/ep, ep, C, H]``
-  and read as the expert input ``[E, G*C, H]`` split (ep, dp/ep, 1): one AllToAll inside
-  each group of ``ep`` data-parallel ranks (MindSpore inserts it for the layout change
-  under ``enable_alltoall``); the expert hidden ``[E, G*C, I]`` splits I by tp as well;
-* expert output ``[E, G*C, H]`` -> the same exchange back -> ``[G, E, C, H]`` split by dp,
+* dp -> ep exchange: viewed ``[dp/ep, ep, E, C, H]`` (ep the inner factor of dp),
+  transposed to ``[dp/ep, E, ep, C, H]`` and read as the 4-D expert input
+  ``[dp/ep, E, ep*C, H]`` split (dp/ep, ep, 1, 1): one AllToAll inside each group of ``ep``
+  adjacent data-parallel ranks (MindSpore inserts it for the layout change under
+  ``enable_alltoall``); the expert hidden ``[dp/ep, E, ep*C, I]`` splits I by tp as well;
+* expert output ``[dp/ep, E, ep*C, H]`` -> the same exchange back -> ``[G, E, C, H]`` split by dp,
   and a local combine Gather with batch dims -> ``[G, N, k, H]``.
 
 Nothing is replicated over dp: every per-device shape below is the global one divided by
@@ -84,7 +85,7 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     E, k, H = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
     I = cfg.moe_intermediate_size
     N, G = int(tokens_per_group), int(dp)
-    inner = dp // ep if ep and dp % ep == 0 else 1
+    outer = dp // ep if ep and dp % ep == 0 else 1  # the exchange view's outer factor: dp = outer * ep
     C = capacity(N, k, E, cfg.capacity_factor if training else getattr(cfg, "eval_capacity_factor", None))
     table = {
         "tokens": ((G, N, H), (dp, 1, 1)),
@@ -93,9 +94,9 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
         "dispatch_index": ((G, E, C), (dp, 1, 1)),
         "combine_index": ((G, N, k), (dp, 1, 1)),
         "dispatch_buffer": ((G, E, C, H), (dp, 1, 1, 1)),
-        "expert_input": ((E, G * C, H), (ep, inner, 1)),
-        "expert_hidden": ((E, G * C, I), (ep, inner, tp)),   # gate, up and silu(gate)*up: three of these
-        "expert_output": ((E, G * C, H), (ep, inner, 1)),
+        "expert_input": ((outer, E, ep * C, H), (outer, ep, 1, 1)),
+        "expert_hidden": ((outer, E, ep * C, I), (outer, ep, 1, tp)),   # gate, up and silu(gate)*up: three
+        "expert_output": ((outer, E, ep * C, H), (outer, ep, 1, 1)),
         "combine_buffer": ((G, E, C, H), (dp, 1, 1, 1)),
         "combined": ((G, N, k, H), (dp, 1, 1, 1)),
     }

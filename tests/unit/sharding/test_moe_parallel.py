@@ -83,7 +83,7 @@ def test_dispatch_shapes_are_the_buffers_as_built():
     assert C == moe.capacity(N) == 5  # ceil(1.5 * 12 * 2 / 8)
     assert tuple(buffer.shape) == shapes["buffers"]["dispatch_buffer"]["global"] == (G, 8, C, 16)
     assert tuple(route[3].shape) == shapes["buffers"]["combine_index"]["global"]
-    assert shapes["buffers"]["expert_input"]["per_device"] == (4, 2 * C, 16)  # [E/ep, G*C/(dp/ep), H]
+    assert shapes["buffers"]["expert_input"]["per_device"] == (1, 4, 2 * C, 16)  # [1, E/ep, ep*C, H]
     assert shapes["alltoall_elements_per_device"] == 8 * C * 16 // 2
     eval_shapes = dispatch_shapes.dispatch_buffers(cfg, dp=G, ep=2, tp=1, tokens_per_group=N, training=False)
     assert eval_shapes["capacity"] == N  # dropless
@@ -146,7 +146,7 @@ def test_simulation_catches_a_dispatch_that_is_not_per_rank():
 
 
 def test_grouped_exchange_graph_mode_equals_pynative():
-    # G = 4 groups viewed (ep 2, dp/ep 2) through the exchange transposes: one compiled graph, forward and
+    # G = 4 groups viewed (dp/ep 2, ep 2) through the exchange transposes: one compiled graph, forward and
     # gradients, equal to PyNative (graph mode is what Ascend runs).
     cfg = small_cfg()
     moe = DeepseekV2MoE(cfg)

@@ -136,14 +136,15 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
     assert (layer.mlp.groups, layer.mlp.ep, layer.mlp.capacity_multiple) == (dp, ep, 1)
     assert layer.mlp.lookup.impl.op.attrs["in_strategy"][:2] == ((dp, 1), (1, 1))  # the custom op, per group
     assert layer.mlp.dispatch_gather.attrs["in_strategy"] == ((dp, 1, 1), (dp, 1, 1))
-    assert layer.mlp.to_experts.attrs["in_strategy"] == ((ep, dp // ep, 1, 1, 1),)
+    # the exchange view [G/ep, ep, E, C, H] read with E split by ep: ep the inner factor of dp
+    assert layer.mlp.to_experts.attrs["in_strategy"] == ((dp // ep, 1, ep, 1, 1),)
     assert layer.self_attn.kv_b_proj.matmul.attrs["in_strategy"] == ((dp, 1), (tp, 1))        # colwise
     assert layer.self_attn.o_proj.matmul.attrs["in_strategy"] == ((dp, tp), (1, tp))           # rowwise
     if parallel.sequence_parallel:
         assert layer.self_attn.o_proj.matmul.attrs["out_strategy"] == ((dp * tp, 1),)
     assert layer.self_attn.qk_bmm.attrs["in_strategy"] == ((dp, tp, 1, 1), (dp, tp, 1, 1))
-    assert layer.mlp.experts.gate_bmm.attrs["in_strategy"] == ((ep, dp // ep, 1), (ep, tp, 1))
-    assert layer.mlp.experts.down_bmm.attrs["in_strategy"] == ((ep, dp // ep, tp), (ep, 1, tp))
+    assert layer.mlp.experts.gate_bmm.attrs["in_strategy"] == ((dp // ep, ep, 1, 1), (ep, tp, 1))
+    assert layer.mlp.experts.down_bmm.attrs["in_strategy"] == ((dp // ep, ep, 1, tp), (ep, 1, tp))
     vocab = tp if parallel.vocab_parallel else 1
     assert model.model.embed_tokens.gather.attrs["in_strategy"] == ((vocab, 1), (dp, 1))
     assert model.lm_head.matmul.attrs["in_strategy"] == ((dp, 1), (vocab, 1))
