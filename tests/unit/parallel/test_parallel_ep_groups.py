@@ -7,7 +7,6 @@ and sit inside one 8-NPU node. The emulated AllToAll of the CPU simulation must 
 and the planner must price the AllToAll with the bandwidth of that group (HCCS inside a node).
 """
 
-from pathlib import Path
 
 import numpy as np
 import pytest
