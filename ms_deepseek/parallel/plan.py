@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ms_deepseek.core.errors import UserError
 
@@ -159,113 +159,193 @@ def _expert_lora_layouts(ep: int, tp: int) -> Dict[str, Tuple[int, ...]]:
             "down_proj.lora_A.weight": (ep, 1, tp), "down_proj.lora_B.weight": (ep, 1, 1)}
 
 
-def style_spec(style: str, mesh: Mesh) -> StyleSpec:
+def _colwise(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    return _linear(mesh, weight=(tp, 1), x=(dp, 1), bias=(tp,))
+
+
+def _rowwise(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    out = ((dp * tp, 1),) if mesh.sequence_parallel and tp > 1 else None
+    return _linear(mesh, weight=(1, tp), x=(dp, tp), bias=(1,), out=out)
+
+
+def _replicate(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    return _linear(mesh, weight=(1, 1), x=(dp, 1), bias=(1,))
+
+
+def _vocab_head(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    v = tp if mesh.vocab_parallel else 1
+    return _linear(mesh, weight=(v, 1), x=(dp, 1), bias=(v,))
+
+
+def _vocab_cross_entropy(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # logits [N, V] as lm_head leaves them: tokens by dp, vocabulary by the head's split. Every
+    # reduction over V is partial per device and all-reduced (MindFormers' CrossEntropyLoss
+    # strategies); OneHot builds each device's vocabulary slice of the targets.
+    v = tp if mesh.vocab_parallel else 1
+    nv = ((dp, v),)
+    return StyleSpec(prims={"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
+                            "sum_exp": (nv, None), "log": (((dp,),), None),
+                            "onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None),
+                            "pick": (nv, None)})
+
+
+def _vocab_embedding(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    v = tp if mesh.vocab_parallel else 1
+    # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.
+    return StyleSpec(prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)},
+                     consumers={"weight": ("gather", 0)})
+
+
+def _norm(mesh: Mesh) -> StyleSpec:
+    return StyleSpec(params={"weight": (1,)})
+
+
+def _router(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # fp32 scores [N, E] replicated over tp; top-k per token row.
+    return StyleSpec(prims={"matmul": (((dp, 1), (1, 1)), None),
+                            "topk": (((dp, 1),), None),
+                            "group_topk": (((dp, 1),), None)},
+                     params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
+
+
+def _experts(mesh: Mesh) -> StyleSpec:
     dp, tp, ep = mesh.dp, mesh.tp, mesh.ep
-    if style == "colwise":
-        return _linear(mesh, weight=(tp, 1), x=(dp, 1), bias=(tp,))
-    if style == "rowwise":
-        out = ((dp * tp, 1),) if mesh.sequence_parallel and tp > 1 else None
-        return _linear(mesh, weight=(1, tp), x=(dp, tp), bias=(1,), out=out)
-    if style == "replicate":
-        return _linear(mesh, weight=(1, 1), x=(dp, 1), bias=(1,))
-    if style == "vocab_head":
-        v = tp if mesh.vocab_parallel else 1
-        return _linear(mesh, weight=(v, 1), x=(dp, 1), bias=(v,))
-    if style == "vocab_cross_entropy":
-        # logits [N, V] as lm_head leaves them: tokens by dp, vocabulary by the head's split. Every
-        # reduction over V is partial per device and all-reduced (MindFormers' CrossEntropyLoss
-        # strategies); OneHot builds each device's vocabulary slice of the targets.
-        v = tp if mesh.vocab_parallel else 1
-        nv = ((dp, v),)
-        return StyleSpec(prims={"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
-                                "sum_exp": (nv, None), "log": (((dp,),), None),
-                                "onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None),
-                                "pick": (nv, None)})
-    if style == "vocab_embedding":
-        v = tp if mesh.vocab_parallel else 1
-        # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.
-        return StyleSpec(prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)},
-                         consumers={"weight": ("gather", 0)})
-    if style == "norm":
-        return StyleSpec(params={"weight": (1,)})
-    if style == "router":
-        # fp32 scores [N, E] replicated over tp; top-k per token row.
-        return StyleSpec(prims={"matmul": (((dp, 1), (1, 1)), None),
-                                "topk": (((dp, 1),), None),
-                                "group_topk": (((dp, 1),), None)},
-                         params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
-    if style == "experts":
-        # MindFormers llama_layer.py LlamaFeedForward._shard_semi_auto_parallel (MoE branch): x [D, E, M, in]
-        # split (dp_moe, ep, 1, 1) against weights [E, out, in] split (ep, mp, 1); D = dp/ep (the outer factor).
-        outer = dp // ep if dp % ep == 0 else 1
-        rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
-        return StyleSpec(
-            prims={"gate_bmm": ((rows, (ep, tp, 1)), None),   # [D, E, M, H] x [E, I, H]^T
-                   "up_bmm": ((rows, (ep, tp, 1)), None),
-                   "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
-                   # stacked adapters, split like the expert weights they adapt:
-                   # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
-                   "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
-                   "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
-                   "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
-                   "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
-                   "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
-                   "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
-            params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
-                    "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
-                    # a quantized base (model/quant.py): scales / offsets [E, out, in/G] like the weights'
-                    # expert and output axes
-                    **{f"{p}_proj.{s}": (ep, tp if p != "down" else 1, 1)
-                       for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
-            consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
-                       "down_proj.weight": ("down_bmm", 1),
-                       **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
-                          for p in ("gate", "up", "down") for ab in ("A", "B")}})
-    if style == "head_bmm":
-        return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
-    if style == "head_softmax":
-        # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
-        return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
-    if style == "row_softmax":
-        # FP32Softmax (ops.Custom) on router logits [N, E]: tokens by dp, the expert axis whole.
-        return StyleSpec(prims={"": (((dp, 1),), None)}, is_primitive=True)
-    if style == "flash_attention":
-        # FlashAttentionScore(q, k, v [B, nh, T, D] BNSD, ..., compressed causal mask [2048, 2048]):
-        # batch by dp, heads by tp; the mask is replicated.
-        heads = ((dp, tp, 1, 1),) * 3
-        return StyleSpec(prims={"": ((heads + ((1, 1),)), None)}, is_primitive=True)
-    # MoE dispatch per data-parallel group G = dp (ms_deepseek/model/moe.py, dispatch_shapes.py).
-    if style == "moe_pad_tokens":
-        # Concat(tokens [G, N, H], zero row [G, 1, H]) on axis 1: the concat axis stays whole.
-        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
-    if style == "expert_lookup":
-        # ExpertLookup custom op on the k-major ids [G, k*N] and the placement [E, 2]: each device
-        # counts positions for its own group (the op's groups are independent); the placement is
-        # replicated. apply_plan appends the impl's strategy_tail (e.g. the CPU config tensor).
-        return StyleSpec(prims={"": (((dp, 1), (1, 1)), None)}, is_primitive=True)
-    if style == "moe_slot_sort":
-        # Sort of the keys [G, E, k*N] along the last axis (which cannot be split).
-        return StyleSpec(prims={"": (((dp, 1, 1),), None)}, is_primitive=True)
-    if style == "dispatch_gather":
-        # Gather(batch_dims=1)(padded tokens [G, N+1, H], dispatch_index [G, E, C], axis 1): local per
-        # group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy). Legal in MindSpore's
-        # gather_info.cc BatchImpl (batch_dims > 0): the gather axis unsplit, equal batch-dim splits.
-        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
-    if style == "moe_exchange":
-        # Transpose (0, 2, 1, 3, 4) of [G/ep, ep, E, C, H] (to_experts) or [G/ep, E, ep, C, H] (from_experts),
-        # split (dp/ep, 1, ep, 1, 1) as MindFormers' MoEV2.transpose_5dim_ep2: to_experts reads the view with
-        # E split by ep (it arrives with the ep axis split: the AllToAll at its input) and gives E split;
-        # from_experts reads the expert output with the ep axis split (the AllToAll back) and gives G split.
-        outer = dp // ep if dp % ep == 0 else 1
-        return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
-    if style == "combine_gather":
-        # Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1): local per group
-        # (BatchImpl as for dispatch_gather).
-        return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
-    if style == "placement_table":
-        # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
-        return StyleSpec(params={"": (1, 1)})
-    raise UserError(f"parallel plan: unknown style {style!r}")
+    # MindFormers llama_layer.py LlamaFeedForward._shard_semi_auto_parallel (MoE branch): x [D, E, M, in]
+    # split (dp_moe, ep, 1, 1) against weights [E, out, in] split (ep, mp, 1); D = dp/ep (the outer factor).
+    outer = dp // ep if dp % ep == 0 else 1
+    rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
+    return StyleSpec(
+        prims={"gate_bmm": ((rows, (ep, tp, 1)), None),   # [D, E, M, H] x [E, I, H]^T
+               "up_bmm": ((rows, (ep, tp, 1)), None),
+               "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
+               # stacked adapters, split like the expert weights they adapt:
+               # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
+               "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+               "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+               "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+               "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+               "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
+               "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
+        params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
+                "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
+                # a quantized base (model/quant.py): scales / offsets [E, out, in/G] like the weights'
+                # expert and output axes
+                **{f"{p}_proj.{s}": (ep, tp if p != "down" else 1, 1)
+                   for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
+        consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
+                   "down_proj.weight": ("down_bmm", 1),
+                   **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
+                      for p in ("gate", "up", "down") for ab in ("A", "B")}})
+
+
+def _head_bmm(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
+
+
+def _head_softmax(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
+    return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
+
+
+def _row_softmax(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # FP32Softmax (ops.Custom) on router logits [N, E]: tokens by dp, the expert axis whole.
+    return StyleSpec(prims={"": (((dp, 1),), None)}, is_primitive=True)
+
+
+def _flash_attention(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # FlashAttentionScore(q, k, v [B, nh, T, D] BNSD, ..., compressed causal mask [2048, 2048]):
+    # batch by dp, heads by tp; the mask is replicated.
+    heads = ((dp, tp, 1, 1),) * 3
+    return StyleSpec(prims={"": ((heads + ((1, 1),)), None)}, is_primitive=True)
+
+
+# MoE dispatch per data-parallel group G = dp (ms_deepseek/model/moe.py, dispatch_shapes.py).
+def _moe_pad_tokens(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # Concat(tokens [G, N, H], zero row [G, 1, H]) on axis 1: the concat axis stays whole.
+    return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+
+
+def _expert_lookup(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # ExpertLookup custom op on the k-major ids [G, k*N] and the placement [E, 2]: each device
+    # counts positions for its own group (the op's groups are independent); the placement is
+    # replicated. apply_plan appends the impl's strategy_tail (e.g. the CPU config tensor).
+    return StyleSpec(prims={"": (((dp, 1), (1, 1)), None)}, is_primitive=True)
+
+
+def _moe_slot_sort(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # Sort of the keys [G, E, k*N] along the last axis (which cannot be split).
+    return StyleSpec(prims={"": (((dp, 1, 1),), None)}, is_primitive=True)
+
+
+def _batch_local_gather(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # dispatch_gather: Gather(batch_dims=1)(padded tokens [G, N+1, H], dispatch_index [G, E, C], axis 1);
+    # combine_gather: Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1).
+    # Local per group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy). Legal in
+    # MindSpore's gather_info.cc BatchImpl (batch_dims > 0): the gather axis unsplit, equal batch-dim splits.
+    return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+
+
+def _moe_exchange(mesh: Mesh) -> StyleSpec:
+    dp, ep = mesh.dp, mesh.ep
+    # Transpose (0, 2, 1, 3, 4) of [G/ep, ep, E, C, H] (to_experts) or [G/ep, E, ep, C, H] (from_experts),
+    # split (dp/ep, 1, ep, 1, 1) as MindFormers' MoEV2.transpose_5dim_ep2: to_experts reads the view with
+    # E split by ep (it arrives with the ep axis split: the AllToAll at its input) and gives E split;
+    # from_experts reads the expert output with the ep axis split (the AllToAll back) and gives G split.
+    outer = dp // ep if dp % ep == 0 else 1
+    return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
+
+
+def _placement_table(mesh: Mesh) -> StyleSpec:
+    # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
+    return StyleSpec(params={"": (1, 1)})
+
+
+# style name -> its strategies on a mesh (the plan's table values)
+STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
+    "colwise": _colwise,
+    "rowwise": _rowwise,
+    "replicate": _replicate,
+    "vocab_head": _vocab_head,
+    "vocab_cross_entropy": _vocab_cross_entropy,
+    "vocab_embedding": _vocab_embedding,
+    "norm": _norm,
+    "router": _router,
+    "experts": _experts,
+    "head_bmm": _head_bmm,
+    "head_softmax": _head_softmax,
+    "row_softmax": _row_softmax,
+    "flash_attention": _flash_attention,
+    "moe_pad_tokens": _moe_pad_tokens,
+    "expert_lookup": _expert_lookup,
+    "moe_slot_sort": _moe_slot_sort,
+    "dispatch_gather": _batch_local_gather,
+    "moe_exchange": _moe_exchange,
+    "combine_gather": _batch_local_gather,
+    "placement_table": _placement_table,
+}
+
+
+def style_spec(style: str, mesh: Mesh) -> StyleSpec:
+    """The strategies and parameter layouts a style stands for on ``mesh``."""
+    build = STYLES.get(style)
+    if build is None:
+        raise UserError(f"parallel plan: unknown style {style!r}")
+    return build(mesh)
 
 
 # --------------------------------------------------------------------------- patterns
