@@ -402,171 +402,172 @@ def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = Non
     """Run the three rules (module doc) on ``model`` with ``applied`` (``apply_plan``'s result)."""
     from ms_deepseek.parallel.plan import deliberate_redistributions
 
-    edges = EDGES if edges is None else list(edges)
-    allow = deliberate_redistributions(mesh) if allowed is None else allowed
-    allow_rx = [(re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in k.split(":")[0].split(".")) +
-                            ":" + re.escape(k.split(":")[1])), why) for k, why in allow.items()]
-    report = LintReport()
-    table = _primitive_table(model)
-    strategies = applied.strategies
+    lint = _Linter(_primitive_table(model), applied.strategies, mesh,
+                   deliberate_redistributions(mesh) if allowed is None else allowed)
+    lint.coverage()
+    lint.custom_ops()
+    lint.axes()
+    lint.layer_edges(EDGES if edges is None else list(edges))
+    lint.residual_stream()
+    return lint.report
+
+
+class _Linter:
+    """The lint's state: the model's primitives, their strategies, the redistributions the plan allows."""
+
+    def __init__(self, table, strategies, mesh: Mesh, allowed: Dict[str, str]):
+        self.table, self.strategies, self.mesh = table, strategies, mesh
+        self.allow_rx = [(re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p)
+                                                 for p in k.split(":")[0].split(".")) + ":" + re.escape(k.split(":")[1])),
+                          why) for k, why in allowed.items()]
+        self.report = LintReport()
 
     # 1. coverage
-    for path, (kind, _) in sorted(table.items()):
-        if path not in strategies:
-            report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds carries "
-                                   f"sharded data; add a rule to the plan)")
-    report.primitives = sum(1 for p in table if p in strategies)
+    def coverage(self) -> None:
+        for path, (kind, _) in sorted(self.table.items()):
+            if path not in self.strategies:
+                self.report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds "
+                                            f"carries sharded data; add a rule to the plan)")
+        self.report.primitives = sum(1 for p in self.table if p in self.strategies)
 
     # 1b. a Custom op is sharded only in a form MindSpore reads (custom_shard: step_parallel_utils.cc
     # OperatorInstance / OperatorInstanceByName, ops_info/custom_info.cc, self_define_shard_info.cc)
-    for path, (kind, prim) in sorted(table.items()):
-        if type(prim).__name__ == "Custom" and path in strategies:
-            why = check_custom_attrs(path, getattr(prim, "attrs", {}) or {}, strategies[path][0],
-                                     mesh.stage_devices)
-            if why:
-                report.problems.append(why)
+    def custom_ops(self) -> None:
+        for path, (kind, prim) in sorted(self.table.items()):
+            if type(prim).__name__ == "Custom" and path in self.strategies:
+                why = check_custom_attrs(path, getattr(prim, "attrs", {}) or {}, self.strategies[path][0],
+                                         self.mesh.stage_devices)
+                if why:
+                    self.report.problems.append(why)
 
-    # 2. unsplittable axes
-    for path, (kind, prim) in sorted(table.items()):
-        if path not in strategies:
-            continue
-        in_s = strategies[path][0]
-        try:
-            forbidden = _unsplittable(kind, prim, in_s)
-        except (IndexError, ValueError, TypeError):
-            report.problems.append(f"{path} ({kind}): strategy {in_s} does not have the op's inputs and axes")
-            continue
-        for index, axis in forbidden:
-            if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
-                rule, source = UNSPLITTABLE[kind]
-                report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split {in_s[index][axis]} "
-                                       f"ways in {_fmt(in_s[index])}; MindSpore cannot split {rule} ({source})")
+    # 2. unsplittable axes, and matmul axes that must be split alike
+    def axes(self) -> None:
+        for path, (kind, prim) in sorted(self.table.items()):
+            if path not in self.strategies:
+                continue
+            in_s = self.strategies[path][0]
+            try:
+                forbidden = _unsplittable(kind, prim, in_s)
+            except (IndexError, ValueError, TypeError):
+                self.report.problems.append(f"{path} ({kind}): strategy {in_s} does not have the op's inputs and axes")
+                continue
+            for index, axis in forbidden:
+                if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
+                    rule, source = UNSPLITTABLE[kind]
+                    self.report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split "
+                                                f"{in_s[index][axis]} ways in {_fmt(in_s[index])}; MindSpore cannot "
+                                                f"split {rule} ({source})")
+            if kind in ("MatMul", "BatchMatMul") and len(in_s) == 2:
+                self._matmul_axes(path, kind, prim.attrs, tuple(in_s[0]), tuple(in_s[1]))
+
+    def _matmul_axes(self, path: str, kind: str, attrs, x, w) -> None:
         # matmul contraction axes must be split alike (matmul_info.cc CheckStrategy)
-        if kind in ("MatMul", "BatchMatMul") and len(in_s) == 2:
-            attrs = prim.attrs
-            x, w = tuple(in_s[0]), tuple(in_s[1])
-            kx = x[-2] if attrs.get("transpose_a") else x[-1]
-            kw = w[-1] if attrs.get("transpose_b") else w[-2]
-            if kx != kw:
-                report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but {kw} "
-                                       f"in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split alike)")
-            # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
-            # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
-            nb = min(len(x), len(w)) - 2
-            if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
-                report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
-                                       f"{_fmt(w[-2 - nb:-2])}")
+        kx = x[-2] if attrs.get("transpose_a") else x[-1]
+        kw = w[-1] if attrs.get("transpose_b") else w[-2]
+        if kx != kw:
+            self.report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but "
+                                        f"{kw} in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split "
+                                        f"alike)")
+        # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
+        # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
+        nb = min(len(x), len(w)) - 2
+        if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
+            self.report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
+                                        f"{_fmt(w[-2 - nb:-2])}")
 
-    def out_layout(path: str, index: int) -> Layout:
-        kind, prim = table[path]
-        in_s, out_s = strategies[path]
+    # 3. the layout each consumer reads equals what its producer gives, or the plan lists the redistribution
+    def _out_layout(self, path: str, index: int) -> Layout:
+        kind, prim = self.table[path]
+        in_s, out_s = self.strategies[path]
         return output_layouts(kind, prim, in_s, out_s)[index]
 
-    def compare(src: str, out: int, dst: str, inp: int, transform: str) -> None:
-        if src not in strategies or dst not in strategies:
+    def _allowed(self, key: str) -> bool:
+        return any(rx.fullmatch(key) for rx, _ in self.allow_rx)
+
+    def _check(self, src: str, out: int, dst: str, inp: int, got: Layout) -> None:
+        want = tuple(int(k) for k in self.strategies[dst][0][inp])
+        self.report.edges += 1
+        if tuple(got) == want:
+            return
+        if self._allowed(f"{dst}:{inp}"):
+            self.report.allowed += 1
+            return
+        self.report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output "
+                                    f"{out} gives {_fmt(got)}: MindSpore would redistribute here and the plan does "
+                                    f"not list it (plan.deliberate_redistributions)")
+
+    def _compare(self, src: str, out: int, dst: str, inp: int, transform: str) -> None:
+        if src not in self.strategies or dst not in self.strategies:
             return  # reported by the coverage rule
         try:
-            got = TRANSFORMS[transform](out_layout(src, out), mesh)
-            want = tuple(int(k) for k in strategies[dst][0][inp])
+            got = TRANSFORMS[transform](self._out_layout(src, out), self.mesh)
+            tuple(int(k) for k in self.strategies[dst][0][inp])  # the consumer's strategy fits the edge
         except _NotExpressible as exc:
-            report.problems.append(f"{src} output {out} -> {dst} input {inp}: {exc}")
+            self.report.problems.append(f"{src} output {out} -> {dst} input {inp}: {exc}")
             return
         except (ValueError, IndexError, TypeError):
             # e.g. a 3-axis strategy on a 5-D tensor: the strategy does not fit the edge's tensor
-            report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
-                                   f"{strategies[src][0]} / {strategies[dst][0]} do not fit this edge's tensor "
-                                   f"(wrong number of axes or inputs)")
+            self.report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
+                                        f"{self.strategies[src][0]} / {self.strategies[dst][0]} do not fit this "
+                                        f"edge's tensor (wrong number of axes or inputs)")
             return
-        report.edges += 1
-        if tuple(got) == want:
-            return
-        key = f"{dst}:{inp}"
-        why = next((w for rx, w in allow_rx if rx.fullmatch(key)), None)
-        if why is not None:
-            report.allowed += 1
-            return
-        report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output {out} "
-                               f"gives {_fmt(got)}: MindSpore would redistribute here and the plan does not list it "
-                               f"(plan.deliberate_redistributions)")
+        self._check(src, out, dst, inp, got)
 
     # 3a. declared edges, per layer
-    layers = sorted({m.group(0) for p in table for m in [re.match(r"model\.layers\.\d+", p)] if m})
-    for layer in layers:
-        def exists(rel: str) -> bool:
-            return all(f"{layer}.{r}" in table for r in rel.split("&") if r)
-        is_moe = f"{layer}.mlp.gate.matmul" in table
-        groups_seen = set()
-        for e in edges:
-            if e.scope != "model.layers.*" or not exists(e.requires):
-                continue
-            src, dst = f"{layer}.{e.producer}", f"{layer}.{e.consumer}"
-            missing = [p for p in (src, dst) if p not in table]
-            if missing:
-                report.problems.append(f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in the model "
-                                       f"(the lint's edge table is stale)")
-                continue
-            if e.group:
-                groups_seen.add(e.group)
-            compare(src, e.out, dst, e.inp, e.transform)
-        if is_moe and not groups_seen:
-            report.problems.append(f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
-                                   f"(the lint's MoE edges are stale)")
+    def layer_edges(self, edges: Sequence[Edge]) -> None:
+        table = self.table
+        layers = sorted({m.group(0) for p in table for m in [re.match(r"model\.layers\.\d+", p)] if m})
+        for layer in layers:
+            is_moe = f"{layer}.mlp.gate.matmul" in table
+            groups_seen = set()
+            for e in edges:
+                if e.scope != "model.layers.*" or not all(f"{layer}.{r}" in table for r in e.requires.split("&") if r):
+                    continue
+                src, dst = f"{layer}.{e.producer}", f"{layer}.{e.consumer}"
+                missing = [p for p in (src, dst) if p not in table]
+                if missing:
+                    self.report.problems.append(f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in "
+                                                f"the model (the lint's edge table is stale)")
+                    continue
+                if e.group:
+                    groups_seen.add(e.group)
+                self._compare(src, e.out, dst, e.inp, e.transform)
+            if is_moe and not groups_seen:
+                self.report.problems.append(f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
+                                            f"(the lint's MoE edges are stale)")
 
     # 3b. the residual stream: all producers and consumers agree with the embedding's output layout
-    def expand(spec: str):
+    def _expand(self, spec: str):
         ref, _, transform = spec.partition(">")
         pattern, port = ref.split(":")
         rx = _compile(pattern)
-        return [(p, int(port), transform or "same") for p in table if rx.fullmatch(p)]
+        return [(p, int(port), transform or "same") for p in self.table if rx.fullmatch(p)]
 
-    def compare_stream(head, dst: str, inp: int, transform: str) -> None:
-        # stream layout (rows [B*T, H]) -> the consumer's view of it
-        if head[0] not in strategies or dst not in strategies:
+    def residual_stream(self) -> None:
+        producers = [x for s in RESIDUAL_PRODUCERS for x in self._expand(s)]
+        consumers = [x for s in RESIDUAL_CONSUMERS for x in self._expand(s)]
+        if not producers:
             return
-        try:
-            rows = TRANSFORMS[head[2]](out_layout(head[0], head[1]), mesh)
-        except _NotExpressible as exc:
-            report.problems.append(f"{head[0]}: {exc}")
-            return
-        _compare_layout(f"{head[0]} (residual stream)", head[1], dst, inp, TRANSFORMS[transform](rows, mesh))
-
-    def _compare_layout(src: str, out: int, dst: str, inp: int, got: Layout) -> None:
-        want = tuple(int(k) for k in strategies[dst][0][inp])
-        report.edges += 1
-        if tuple(got) == want:
-            return
-        key = f"{dst}:{inp}"
-        if next((w for rx, w in allow_rx if rx.fullmatch(key)), None) is not None:
-            report.allowed += 1
-            return
-        report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output {out} "
-                               f"gives {_fmt(got)}: MindSpore would redistribute here and the plan does not list it "
-                               f"(plan.deliberate_redistributions)")
-
-    producers = [x for s in RESIDUAL_PRODUCERS for x in expand(s)]
-    consumers = [x for s in RESIDUAL_CONSUMERS for x in expand(s)]
-    if producers:
         head = producers[0]
         for src, out, transform in producers + consumers:
-            if (src, out, transform) in producers and src != head[0]:
-                # a producer: its output must equal the stream's layout (checked as stream -> producer)
-                if src in strategies and head[0] in strategies:
-                    try:
-                        base = TRANSFORMS[head[2]](out_layout(head[0], head[1]), mesh)
-                    except _NotExpressible as exc:
-                        report.problems.append(f"{head[0]}: {exc}")
-                        continue
-                    got = out_layout(src, out)
-                    report.edges += 1
-                    if tuple(got) != tuple(base):
-                        key = f"{src}:out"
-                        why = next((w for rx, w in allow_rx if rx.fullmatch(key)), None)
-                        if why is None:
-                            report.problems.append(f"{src} output {out} gives {_fmt(got)} to the residual stream, "
-                                                   f"which is {_fmt(base)} ({head[0]}): not listed in "
-                                                   f"plan.deliberate_redistributions")
-                        else:
-                            report.allowed += 1
-            elif (src, out, transform) not in producers:
-                compare_stream(head, src, out, transform)
-    return report
+            is_producer = (src, out, transform) in producers
+            if (is_producer and src == head[0]) or head[0] not in self.strategies or src not in self.strategies:
+                continue
+            try:
+                stream = TRANSFORMS[head[2]](self._out_layout(head[0], head[1]), self.mesh)  # rows [B*T, H]
+            except _NotExpressible as exc:
+                self.report.problems.append(f"{head[0]}: {exc}")
+                continue
+            if is_producer:  # its output must equal the stream's layout
+                got = self._out_layout(src, out)
+                self.report.edges += 1
+                if tuple(got) == tuple(stream):
+                    continue
+                if self._allowed(f"{src}:out"):
+                    self.report.allowed += 1
+                else:
+                    self.report.problems.append(f"{src} output {out} gives {_fmt(got)} to the residual stream, which "
+                                                f"is {_fmt(stream)} ({head[0]}): not listed in "
+                                                f"plan.deliberate_redistributions")
+            else:  # a consumer: the stream seen through its transform
+                self._check(f"{head[0]} (residual stream)", head[1], src, out, TRANSFORMS[transform](stream, self.mesh))
