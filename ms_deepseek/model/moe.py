@@ -81,12 +81,18 @@ class StackedWeight(nn.Cell):
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
-        y = bmm(x, _batched(self.weight.astype(cdt), x, broadcast))  # [D, E, C, out]
-        if self.lora_A is not None:
-            h = x if self.lora_dropout is None else self.lora_dropout(x)
-            h = lora_a_bmm(h, _batched(self.lora_A.weight.astype(cdt), h, broadcast))  # [D, E, C, r]
-            y = y + lora_b_bmm(h, _batched(self.lora_B.weight.astype(cdt), h, broadcast)) * self.lora_scaling
-        return y
+        return stacked_project(self, self.weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
+
+
+def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
+    """x [D, E, C, in] -> [D, E, C, out] through ``weight`` [E, out, in] and ``holder``'s adapter, if any
+    (StackedWeight, and model/quant.py's QuantStackedWeight with its dequantised weight)."""
+    y = bmm(x, _batched(weight.astype(cdt), x, broadcast))  # [D, E, C, out]
+    if holder.lora_A is not None:
+        h = x if holder.lora_dropout is None else holder.lora_dropout(x)
+        h = lora_a_bmm(h, _batched(holder.lora_A.weight.astype(cdt), h, broadcast))  # [D, E, C, r]
+        y = y + lora_b_bmm(h, _batched(holder.lora_B.weight.astype(cdt), h, broadcast)) * holder.lora_scaling
+    return y
 
 
 def _batched(w, x, broadcast: bool):

@@ -36,7 +36,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear
-from ms_deepseek.model.moe import RoutedExperts, StackedWeight
+from ms_deepseek.model.moe import RoutedExperts, StackedWeight, stacked_project
 from ms_deepseek.spec.quant import QuantSpec
 
 
@@ -141,14 +141,9 @@ class QuantStackedWeight(_Dequant, StackedWeight):
         self.lora_scaling = 0.0
         self.lora_dropout = None
 
-    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt):
-        """x [E, C, in] -> [E, C, out]."""
-        y = bmm(x, self.dequantized().astype(cdt))  # [E, C, out]
-        if self.lora_A is not None:
-            h = x if self.lora_dropout is None else self.lora_dropout(x)
-            h = lora_a_bmm(h, self.lora_A.weight.astype(cdt))  # [E, C, r]
-            y = y + lora_b_bmm(h, self.lora_B.weight.astype(cdt)) * self.lora_scaling  # [E, C, out]
-        return y
+    def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
+        """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""
+        return stacked_project(self, self.dequantized(), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
 
 # ------------------------------------------------------------------------------ building

@@ -67,3 +67,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_during_save_then_resume(monkeypatch, recipe: Path, run_dir: Path, step: int = 3) -> None:
+    """Train ``recipe`` into ``run_dir`` with a kill (KeyboardInterrupt) in the middle of step ``step``'s save,
+    which leaves a half-written optimizer file, then ``--resume`` the run to its end."""
+    from ms_deepseek.checkpoint import training as ckpt_mod
+    from ms_deepseek.cli import main
+
+    real_save = ckpt_mod.save_tensors
+
+    def crashing_save(named, path):
+        if f"step_{step:08d}" in str(path.parent) and path.name == "optimizer.safetensors":
+            path.write_bytes(b"\x00" * 64)
+            raise KeyboardInterrupt("simulated kill during save")
+        return real_save(named, path)
+
+    monkeypatch.setattr(ckpt_mod, "save_tensors", crashing_save)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
+    monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
+    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0

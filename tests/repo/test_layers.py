@@ -145,13 +145,20 @@ def test_a_planted_upward_import_fails(tmp_path, planted, expected):
     assert any(expected in line for line in upward_imports(copy))
 
 
-def test_a_planted_cycle_is_found(tmp_path):
+def mini_package(tmp_path: Path, **core_modules: str) -> Path:
+    """An ms_deepseek package of a core/ room holding the given modules' sources."""
     copy = tmp_path / "ms_deepseek"
     (copy / "core").mkdir(parents=True)
     (copy / "__init__.py").write_text("")
     (copy / "core" / "__init__.py").write_text("")
-    (copy / "core" / "a.py").write_text("def f():\n    from ms_deepseek.core import b\n")
-    (copy / "core" / "b.py").write_text("from ms_deepseek.core.a import f\n")
+    for name, source in core_modules.items():
+        (copy / "core" / f"{name}.py").write_text(source)
+    return copy
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    copy = mini_package(tmp_path, a="def f():\n    from ms_deepseek.core import b\n",
+                        b="from ms_deepseek.core.a import f\n")
     assert find_cycle(copy) == ["ms_deepseek.core.a", "ms_deepseek.core.b", "ms_deepseek.core.a"]
 
 
@@ -206,11 +213,7 @@ def test_every_import_names_something_that_exists():
 
 
 def test_a_planted_broken_import_is_found(tmp_path):
-    copy = tmp_path / "ms_deepseek"
-    (copy / "core").mkdir(parents=True)
-    (copy / "__init__.py").write_text("")
-    (copy / "core" / "__init__.py").write_text("")
-    (copy / "core" / "a.py").write_text("X = 1\n")
-    (copy / "core" / "b.py").write_text("def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n")
+    copy = mini_package(tmp_path, a="X = 1\n",
+                        b="def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n")
     assert broken_imports(copy) == ["ms_deepseek.core.b:2: ms_deepseek.core has no gone",
                                     "ms_deepseek.core.b:3: ms_deepseek.core.a has no Y"]

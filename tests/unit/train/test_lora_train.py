@@ -11,7 +11,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from builders import SMALL_MODEL
+from builders import SMALL_MODEL, kill_during_save_then_resume
 from ms_deepseek.cli import main
 from repo_paths import FIXTURES, REPO
 
@@ -122,24 +122,11 @@ def test_export_reproduces_the_adapter_peft_was_checked_against(fixture_run, tmp
 
 
 def test_resume_after_a_kill_is_exact(fixture_run, data_dir, tmp_path, monkeypatch):
-    from ms_deepseek.checkpoint import training as ckpt_mod
-
     _trainer, ref = fixture_run
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(_fixture_recipe(data_dir, checkpoint={"save_interval": 1, "keep_last": 3})))
     run_dir = tmp_path / "run"
-    real_save = ckpt_mod.save_tensors
-
-    def crashing_save(named, path):
-        if "step_00000003" in str(path.parent) and path.name == "optimizer.safetensors":
-            path.write_bytes(b"\x00" * 64)
-            raise KeyboardInterrupt("simulated kill during save")
-        return real_save(named, path)
-
-    monkeypatch.setattr(ckpt_mod, "save_tensors", crashing_save)
-    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
-    monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
-    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
+    kill_during_save_then_resume(monkeypatch, recipe, run_dir)
 
     def losses(d):
         return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from builders import kill_during_save_then_resume
 from ms_deepseek.cli import main
 
 from repo_paths import REPO
@@ -77,25 +78,12 @@ def test_tiny_qlora_trains_over_a_quantized_base_and_keeps_the_original(qlora_ru
 
 
 def test_qlora_resume_after_a_kill_is_exact(qlora_run, data_dir, tmp_path, monkeypatch):
-    from ms_deepseek.checkpoint import training as ckpt_mod
-
     # dropout 0 as in test_lora_train's resume test: the restored RNG does not replay the dropout masks
     recipe = _recipe_file(tmp_path, data_dir, 4, **{"checkpoint.save_interval": 1, "checkpoint.keep_last": 3,
                                                     "lora.dropout": 0.0})
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     assert main(["train", str(recipe), "--output", str(ref_dir), "--quiet"]) == 0
-    real_save = ckpt_mod.save_tensors
-
-    def crashing_save(named, path):
-        if "step_00000003" in str(path.parent) and path.name == "optimizer.safetensors":
-            path.write_bytes(b"\x00" * 64)
-            raise KeyboardInterrupt("simulated kill during save")
-        return real_save(named, path)
-
-    monkeypatch.setattr(ckpt_mod, "save_tensors", crashing_save)
-    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
-    monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
-    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
+    kill_during_save_then_resume(monkeypatch, recipe, run_dir)
     assert _losses(run_dir) == _losses(ref_dir)
     for file in ("model.safetensors", "optimizer.safetensors"):
         got = load_file(str(run_dir / "checkpoints" / "step_00000004" / file))
