@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 
+from ms_deepseek.core.atomic import install
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import (check_output_dir, confined, created_parents, json_loads, regular_file,
                                  remove_empty_dirs)
@@ -129,24 +130,9 @@ class ShardWriter:
         meta = dict(meta, version=META_VERSION, files=self.files, lengths_file=LENGTHS_NAME)
         (self.tmp / META_NAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         _make_readable(self.tmp)
-        old = None
-        if self.output.is_dir():
-            if any(self.output.iterdir()):
-                if not self.overwrite:
-                    raise DestinationRaced(str(self.output))
-                old = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.old-", dir=self.output.parent))
-                os.rename(self.output, old / "data")
-            else:
-                self.output.rmdir()
-        try:
-            os.rename(self.tmp, self.output)
-        except OSError:
-            if old is not None:  # put the previous folder back
-                os.rename(old / "data", self.output)
-            raise
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        if self.output.is_dir() and any(self.output.iterdir()) and not self.overwrite:
+            raise DestinationRaced(str(self.output))
+        install(self.tmp, self.output)  # the one atomic writer's swap (core.atomic)
         self._installed = True
         return meta
 

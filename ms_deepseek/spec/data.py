@@ -136,7 +136,9 @@ class DataConfig:
                 raise UserError(f"data.bucket_boundaries: must be strictly increasing, got {b}")
             if self.seq_len is not None and b[-1] > self.seq_len:
                 raise UserError(f"data.bucket_boundaries: {b[-1]} is longer than data.seq_len {self.seq_len}")
-            if self.format == "pretrain":  # left out: checked against the folder's format when it is read
+            # left out with a folder: checked against the folder's format when it is read; the embedded
+            # default (no data.path) is pretraining text
+            if self.format == "pretrain" or (self.format is None and self.path is None):
                 raise UserError("data.bucket_boundaries: only used with data.format 'sft' "
                                 "(pretraining windows all have length seq_len)")
             if isinstance(self.path, list):
