@@ -333,7 +333,7 @@ def read_layout(folder: Path) -> ShardLayout:
         optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
         lora = _lora_entry(data.get("lora"))
         return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # int(Infinity): Overflow
         raise UserError(f"{path}: malformed layout file ({exc})") from None
 
 
