@@ -45,7 +45,7 @@ Pure Python (no MindSpore): ``plan --simulate``, the converter and the tests use
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -58,7 +58,8 @@ from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 LAYOUT_FILE = "layout.json"
 RANK_DIR_GLOB = "rank_[0-9][0-9][0-9][0-9][0-9]"
 FORMAT = "ms_deepseek.sharded"
-VERSION = 1
+VERSION = 1            # every rank folder stores all of its slices
+VERSION_DISTINCT = 2   # each distinct slice stored once ("slices": "distinct", convert's pre-sharded output)
 
 Slice = Tuple[object, ...]  # per axis: (start, stop) or a tuple of expert ids (axis 0 of stacked experts)
 
@@ -149,6 +150,12 @@ class ShardLayout:
     optimizer: Optional[Dict[str, TensorLayout]] = None
     # a LoRA checkpoint (layout.json: {"r", "target_modules", "train_router"}); its tensors are what trains
     lora: Optional[LoraSpec] = None
+    # True (layout.json "slices": "distinct", version 2): each distinct slice is stored once, in the rank
+    # folder of the lowest rank holding it (its owner, as distinct_slices reads it); the ranks that share
+    # the slice (dp replicas) hold no copy. False (version 1, training checkpoints): every rank stores all
+    # of its slices.
+    distinct_only: bool = False
+    _owned: Dict[int, List[str]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def stage_devices(self) -> int:
@@ -168,7 +175,7 @@ class ShardLayout:
     def for_optimizer(self) -> "ShardLayout":
         """The layout of the optimizer file (same degrees)."""
         return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, dict(self.optimizer or {}),
-                           lora=self.lora)
+                           lora=self.lora, distinct_only=self.distinct_only)
 
     def with_optimizer(self, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> "ShardLayout":
         """This layout plus the optimizer file's (name -> (shape, dtype)): ``adam_m.X`` / ``adam_v.X`` are
@@ -182,7 +189,25 @@ class ShardLayout:
             else:
                 opt[name] = TensorLayout(name, tuple(shape), dtype, -1, (self.stage_devices,),
                                          tuple(-1 for _ in shape))
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt, self.lora)
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt, self.lora,
+                           self.distinct_only)
+
+    def storing_distinct(self) -> "ShardLayout":
+        """This layout with each distinct slice stored once (see :attr:`distinct_only`)."""
+        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, self.optimizer,
+                           self.lora, True)
+
+    def stored_in(self, rank: int) -> List[str]:
+        """The tensors ``rank``'s file holds: all of its slices, or (distinct_only) those it owns."""
+        if not self.distinct_only:
+            return self.tensors_of_rank(rank)
+        if not self._owned:
+            owned: Dict[int, List[str]] = {r: [] for r in range(self.world_size)}
+            for name in self.tensors:
+                for owner, _ in self.distinct_slices(name):
+                    owned[owner].append(name)
+            self._owned.update(owned)
+        return self._owned[rank]
 
     def ranks_holding(self, name: str) -> List[int]:
         t = self.tensors[name]
@@ -207,7 +232,8 @@ class ShardLayout:
         return [(r, sl) for sl, r in seen.items()]
 
     def to_json(self) -> Dict:
-        return {"format": FORMAT, "version": VERSION, "world_size": self.world_size,
+        return {"format": FORMAT, "version": VERSION_DISTINCT if self.distinct_only else VERSION,
+                **({"slices": "distinct"} if self.distinct_only else {}), "world_size": self.world_size,
                 "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
                              "optimizer_shard": self.optimizer_shard},
                 "tensors": {n: t.to_json() for n, t in self.tensors.items()},
@@ -327,9 +353,14 @@ def read_layout(folder: Path) -> ShardLayout:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path}: not a readable layout file ({exc})") from None
     try:
-        if data.get("format") != FORMAT or int(data.get("version", 0)) != VERSION:
+        version = int(data.get("version", 0))
+        if data.get("format") != FORMAT or version not in (VERSION, VERSION_DISTINCT):
             raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} "
-                             f"version {VERSION}")
+                             f"version {VERSION} or {VERSION_DISTINCT}")
+        if data.get("slices", "distinct" if version == VERSION_DISTINCT else None) != \
+                ("distinct" if version == VERSION_DISTINCT else None):
+            raise ValueError(f"\"slices\": {data.get('slices')!r} does not go with version {version} "
+                             f"(version {VERSION_DISTINCT} has \"slices\": \"distinct\", version {VERSION} none)")
         par = data["parallel"]
         dp, tp, pp, ep = (int(par[k]) for k in ("dp", "tp", "pp", "ep"))
         if min(dp, tp, pp, ep) < 1 or int(data["world_size"]) != dp * tp * pp:
@@ -337,8 +368,9 @@ def read_layout(folder: Path) -> ShardLayout:
         tensors = _read_tensors(data["tensors"], dp, tp, pp)
         optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
         lora = _lora_entry(data.get("lora"))
-        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora,
+                           version == VERSION_DISTINCT)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # int(Infinity): Overflow
         raise UserError(f"{path}: malformed layout file ({exc})") from None
 
 

@@ -27,7 +27,7 @@ from ms_deepseek.checkpoint.convert_plan import check_tensors
 from ms_deepseek.checkpoint.quant_format import check_quantized, read_quant_config
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.safetensors_io import read_header
-from ms_deepseek.checkpoint.source import WeightFiles, read_weight_files
+from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
 from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource
 from ms_deepseek.checkpoint.training import read_recipe
 from ms_deepseek.core.errors import UserError
@@ -107,6 +107,7 @@ def _open_sharded(folder: Path) -> Opened:
         raise UserError(f"{folder}: sharded checkpoint without config.json")
     cfg = DeepseekV2Config.from_json(config_path)
     lora = LoraSpec.from_settings(model.layout.lora, f"{folder / LAYOUT_FILE}: lora")
+    check_config_scale(cfg, model.layout.tensors, config_path, LAYOUT_FILE)
     _check_layout_matches_config(model.layout, cfg, folder, lora)
     optimizer = None
     if model.layout.optimizer:

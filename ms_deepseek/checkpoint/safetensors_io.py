@@ -121,7 +121,7 @@ def _check_entry(path: Path, name: str, info) -> Tuple[str, str, Tuple[int, ...]
     if not isinstance(info, dict):
         raise UserError(f"{bad}: entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list / object is unhashable
         raise UserError(f"{bad}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):

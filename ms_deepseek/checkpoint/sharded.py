@@ -7,7 +7,9 @@ All four are one operation, "read the slice a target wants from whatever the sou
   ms_deepseek folder, a whole training checkpoint or a sharded one (peak host memory: the
   rank's slices plus one tensor's pages);
 * :func:`write_sharded` -- ``DST/rank_RRRRR/model.safetensors`` (and ``optimizer.safetensors``)
-  for every rank plus ``layout.json`` (``convert hf-to-ms --recipe``, ``convert reshard``);
+  for every rank plus ``layout.json`` (``convert hf-to-ms --recipe``, ``convert reshard``); each
+  distinct slice is stored once, by the lowest rank holding it (layout.json version 2, ``"slices":
+  "distinct"``), and the data-parallel replicas read it from there through :class:`.sources.ShardedSource`;
 * :func:`merge_to_hf` -- one HF folder from a sharded checkpoint, byte-identical to
   ``convert ms-to-hf`` of the equivalent whole checkpoint (same plan, same header bytes);
 * :func:`write_whole` -- a sharded training checkpoint back to a whole one (``reshard`` to a
@@ -104,7 +106,7 @@ def _place(full: np.ndarray, sl, value: np.ndarray) -> None:
 # ----------------------------------------------------------------------------- writing
 def _rank_entries(src, layout: ShardLayout, rank: int) -> List[OutTensor]:
     entries = []
-    for name in layout.tensors_of_rank(rank):
+    for name in layout.stored_in(rank):
         t = layout.tensors[name]
         sl = layout.slice_of(name, rank)
         entries.append(OutTensor(name, t.dtype, t.slice_shape(),
@@ -153,6 +155,9 @@ def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: 
     layout = target_layout(opened.config, parallel, model, opened.lora)
     if opt is not None:
         layout = _optimizer_layout(layout, opt)
+    # each distinct slice once, in its owner's folder (the dp replicas read it from there): a dp8 layout
+    # wrote 8 identical copies of every replicated slice
+    layout = layout.storing_distinct()
     check_destination(src_folder, dst, overwrite)
     with atomic_folder(dst, fsync=fsync) as tmp:
         for rank in range(layout.world_size):

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ms_deepseek.spec import names
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.checkpoint.safetensors_io import FileHeader, TensorInfo, read_header
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.safe_io import json_loads
+from ms_deepseek.core.safe_io import is_file, json_loads
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -77,7 +78,7 @@ def _read_index(folder: Path, index_path: Path) -> Dict[str, Path]:
             path = folder / rel
             if not _is_local_name(rel):
                 raise UserError(f"{index_path}: weight_map[{name!r}] = {rel!r} lies outside the checkpoint folder")
-            if not path.is_file():
+            if not is_file(path, f"{index_path}: weight_map[{name!r}]"):
                 raise UserError(f"{index_path}: weight_map[{name!r}] names {rel!r}, which is missing "
                                 f"(no file {path})")
             checked[rel] = path
@@ -121,5 +122,29 @@ def read_weight_files(folder) -> WeightFiles:
                     raise UserError(f"{path}: tensor {name} is not listed for this file in {index_path.name}")
     if not tensors:
         raise UserError(f"{folder}: not a checkpoint (its weight files hold no tensors)")
+    check_config_scale(config, tensors, config_path, "the weight files")
     return WeightFiles(folder=folder, config_path=config_path, config=config, files=files, tensors=tensors,
                       index_path=index_path)
+
+
+def check_config_scale(cfg: DeepseekV2Config, tensor_names, config_path: Path, held_by: str) -> None:
+    """The config names no more decoder layers (nor, for per-expert HF tensors, routed experts) than
+    ``tensor_names`` hold.
+
+    Checked from the names before anyone lists the config's expected tensors: a config.json
+    saying ``num_hidden_layers: 10000000`` would otherwise be enumerated for minutes before the
+    comparison finds that it does not match."""
+    last_layer, last_expert = -1, -1
+    for name in tensor_names:
+        layer = names.layer_of(name)
+        if layer is not None and layer > last_layer:
+            last_layer = layer
+        expert = names.hf_to_ms(name)[1]
+        if expert is not None and expert > last_expert:
+            last_expert = expert
+    if cfg.num_hidden_layers > last_layer + 1:
+        raise UserError(f"{config_path}: num_hidden_layers = {cfg.num_hidden_layers}, {held_by} hold "
+                        f"{last_layer + 1} decoder layer(s): the config does not match the tensors")
+    if last_expert >= 0 and (cfg.n_routed_experts or 0) > last_expert + 1:
+        raise UserError(f"{config_path}: n_routed_experts = {cfg.n_routed_experts}, {held_by} hold "
+                        f"{last_expert + 1} routed expert(s) per layer: the config does not match the tensors")

@@ -171,7 +171,7 @@ class ShardedSource:
         """The rank's file holds exactly its tensors, each with the slice shape and dtype the layout gives."""
         held = self.rank_tensors(rank)
         path = self.folder / rank_dir_name(rank) / self.file_name
-        for name in self.layout.tensors_of_rank(rank):
+        for name in self.layout.stored_in(rank):
             lay = self.layout.tensors[name]
             info = held.get(name)
             if info is None:
@@ -179,6 +179,11 @@ class ShardedSource:
             if tuple(info.shape) != lay.slice_shape() or info.dtype != lay.dtype:
                 raise UserError(f"{path}: tensor {name} is {info.dtype} {list(info.shape)}, layout.json says "
                                 f"{lay.dtype} {list(lay.slice_shape())}: the layout file does not match the tensors")
+        if self.layout.distinct_only:  # a copy the layout does not know of would never be read
+            extra = sorted(set(held) - set(self.layout.stored_in(rank)))
+            if extra:
+                raise UserError(f"{path}: tensor {extra[0]} is stored here, layout.json (slices: distinct) stores "
+                                f"it with another rank: the layout file does not match the tensors")
 
     def has(self, name: str) -> bool:
         return name in self.layout.tensors

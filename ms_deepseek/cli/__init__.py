@@ -17,6 +17,7 @@ to the run's log folder (:mod:`ms_deepseek.core.runtime`, :mod:`ms_deepseek.trai
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -95,6 +96,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RecursionError:  # a parser not routed through safe_io met a runaway-nested input
         _close_progress_bars()
         print(f"ms-deepseek {name}: error: an input file is nested too deeply to parse", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        # a name taken from an input (a recipe's model.source, an index's shard) longer than the file system
+        # allows: the input is at fault, whichever lookup met it first
+        _close_progress_bars()
+        shown = str(exc.filename or "")
+        shown = shown if len(shown) <= 120 else shown[:60] + "..." + shown[-40:]
+        print(f"ms-deepseek {name}: error: {shown}: file name too long for the file system "
+              f"(a name from an input file?)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"ms-deepseek {name}: interrupted", file=sys.stderr)

@@ -74,6 +74,15 @@ def regular_file(path: PathLike, what: str = "file") -> Path:
     return path
 
 
+def is_file(path: PathLike, key: str) -> bool:
+    """``Path.is_file`` for a name taken from an input file: a name the file system cannot hold
+    (longer than NAME_MAX, ``ENAMETOOLONG``) is a UserError naming ``key``, not an OSError."""
+    try:
+        return Path(path).is_file()
+    except OSError as exc:
+        raise UserError(f"{key}: cannot look up {str(path)[:120]!r} ({exc.strerror or exc})") from None
+
+
 def confined(folder: PathLike, name: Any, key: str) -> Path:
     """``folder / name`` when ``name`` is a relative path that stays inside ``folder``
     (symlinks resolved); UserError naming ``key`` otherwise."""

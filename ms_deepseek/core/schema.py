@@ -13,6 +13,7 @@ place that turns untrusted mappings into them:
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import typing
 from typing import Any, Dict, Iterable, Literal, Mapping, Type, TypeVar, Union, get_args, get_origin
@@ -50,6 +51,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        if isinstance(value, float) and not math.isfinite(value):  # before "expected float | null, got inf"
+            raise UserError(f"{where}: expected a finite number, got {value!r}")
         others = [a for a in args if a is not type(None)]
         if len(others) == 1 and dataclasses.is_dataclass(others[0]) and isinstance(value, Mapping):
             return coerce(value, others[0], where)  # an optional section: keep its own error message
@@ -98,7 +101,13 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float range (10**400)
+            raise UserError(f"{where}: {value!r} is out of range") from None
+        if not math.isfinite(value):  # YAML .inf / JSON Infinity: no setting means "infinite"
+            raise UserError(f"{where}: expected a finite number, got {value!r}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise UserError(f"{where}: expected a string, got {value!r}")

@@ -70,6 +70,12 @@ def _moe_layers(records) -> List[str]:
     return sorted(layers, key=lambda s: (len(s), s))
 
 
+def _per_layer(record, key: str) -> dict:
+    """``record[key]`` when it is the per-layer mapping the trainer logs, else {} (a damaged line)."""
+    value = record.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def build_plots(records) -> List[str]:
     parts = []
     steps, loss = xy(records, "loss")
@@ -91,7 +97,7 @@ def build_plots(records) -> List[str]:
     for layer in layers:
         hs, rows = [], []
         for r in records:
-            load = (r.get("expert_load") or {}).get(layer)
+            load = _per_layer(r, "expert_load").get(layer)
             if isinstance(load, list) and load:
                 n = len(load)
                 hs.append(int(r.get("step", 0)))
@@ -108,7 +114,7 @@ def build_plots(records) -> List[str]:
     for layer in layers:
         xs, ys = [], []
         for r in records:
-            v = (r.get("dropped_fraction") or {}).get(layer)
+            v = _per_layer(r, "dropped_fraction").get(layer)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 xs.append(int(r.get("step", 0)))
                 ys.append(float(v))

@@ -61,14 +61,15 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> List[float]:
     if hi <= lo:
         hi = lo + (abs(lo) or 1.0)
     raw = (hi - lo) / max(1, count)
+    if not math.isfinite(raw) or raw <= 0:  # a span beyond float range, or below its resolution at lo
+        return []
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     start = math.ceil(lo / step) * step
-    ticks, t = [], start
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    return ticks
+    # by index, not t += step: at |lo| ~ 1e19 adding a step of 2 leaves t unchanged (an endless loop)
+    n = int(math.floor((hi - start) / step + 1e-9)) + 1 if math.isfinite((hi - start) / step) else 0
+    ticks = [round(start + k * step, 12) for k in range(max(0, min(n, 4 * count + 2)))]
+    return sorted(set(ticks))
 
 
 def fmt(v: float) -> str:
@@ -245,7 +246,7 @@ def colormap_array(t):
     import numpy as np
 
     stops = np.asarray(_STOPS, np.float64)
-    pos = np.clip(np.asarray(t, np.float64), 0.0, 1.0) * (len(_STOPS) - 1)
+    pos = np.clip(np.nan_to_num(np.asarray(t, np.float64), nan=0.0), 0.0, 1.0) * (len(_STOPS) - 1)  # NaN: no index
     i = np.minimum(pos.astype(np.int64), len(_STOPS) - 2)
     f = (pos - i)[..., None]
     return np.rint(stops[i] + (stops[i + 1] - stops[i]) * f).astype(np.uint8)

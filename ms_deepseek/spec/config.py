@@ -24,6 +24,17 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 from ms_deepseek.core.schema import from_dict
 
+# Every consumer walks the layers one by one (the inventory, the planner's per-stage sums): 10,000 layers
+# already take ~8 s in `plan`, 10**9 never end. DeepSeek-V2 has 60, V3 61; 1024 leaves room for any real one.
+MAX_LAYERS = 1024
+
+
+def check_layer_count(cfg) -> None:
+    if cfg.num_hidden_layers > MAX_LAYERS:
+        raise UserError(f"model config num_hidden_layers: {cfg.num_hidden_layers} is more than {MAX_LAYERS} "
+                        f"(DeepSeek-V2 has 60); not a model ms_deepseek can list, plan or build")
+
+
 # Keys of HF config files that carry no information for this port (or are derived).
 _IGNORED_HF_KEYS = {
     "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -115,6 +126,7 @@ class DeepseekV2Config:
 
     @property
     def moe_layer_indices(self) -> List[int]:
+        check_layer_count(self)
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @property

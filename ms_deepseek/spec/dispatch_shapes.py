@@ -51,7 +51,8 @@ def capacity(tokens_per_group: int, k: int, num_experts: int, factor: Optional[f
     if factor is None:
         c = tokens_per_group
     else:
-        c = max(1, min(tokens_per_group, math.ceil(factor * tokens_per_group * k / num_experts)))
+        want = factor * tokens_per_group * k / num_experts  # inf for a factor near float max
+        c = max(1, tokens_per_group if not math.isfinite(want) else min(tokens_per_group, math.ceil(want)))
     multiple = max(1, int(multiple))
     return -(-c // multiple) * multiple
 

@@ -163,10 +163,16 @@ def test_hf_to_per_rank_to_hf_is_byte_identical(pristine, tmp_path, capsys):
     assert code == 0, out.err
     assert "8 rank folders" in out.out
     layout = read_layout(tmp_path / "sh")
+    assert layout.distinct_only  # each distinct slice once (defect 9), in its owner's folder
+    copies = {}
     for rank in range(8):
         stored = load_file(str(tmp_path / "sh" / f"rank_{rank:05d}" / "model.safetensors"))
         assert {n: v.shape for n, v in stored.items()} == {n: layout.tensors[n].slice_shape()
-                                                           for n in layout.tensors_of_rank(rank)}
+                                                           for n in layout.stored_in(rank)}
+        for n in stored:
+            copies[(n, layout.slice_of(n, rank))] = copies.get((n, layout.slice_of(n, rank)), 0) + 1
+    assert set(copies.values()) == {1}
+    assert sorted(copies) == sorted((n, sl) for n in layout.tensors for _, sl in layout.distinct_slices(n))
     code, out = run_cli(["convert", "ms-to-hf", str(tmp_path / "sh"), str(tmp_path / "merged"), "--no-progress",
                          "--shard-size", "30KB"], capsys)
     assert code == 0, out.err
@@ -218,7 +224,10 @@ def test_training_checkpoint_with_optimizer_reshards_and_merges(pristine, tmp_pa
     name = "adam_v.model.layers.1.mlp.experts.gate_proj.weight"
     sl = layout.slice_of(name[len("adam_v."):], 3)
     np.testing.assert_array_equal(rank3[name], opt[name][np.asarray(sl[0])][:, sl[1][0]:sl[1][1]])
-    assert "global_step" in rank3 and "adam_m.model.norm.weight" not in rank3  # stage 0 holds no final norm
+    assert "adam_m.model.norm.weight" not in rank3  # stage 0 holds no final norm
+    # the scalars every rank holds are stored once, by rank 0 (layout.json "slices": "distinct")
+    rank0 = load_file(str(tmp_path / "sharded" / "rank_00000" / "optimizer.safetensors"))
+    assert "global_step" in rank0 and "global_step" not in rank3
 
     write_whole(tmp_path / "sharded", tmp_path / "back")
     back = load_file(str(tmp_path / "back" / "optimizer.safetensors"))

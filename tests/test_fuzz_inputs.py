@@ -1,0 +1,170 @@
+"""Mutated inputs end in one error line or are accepted; never a traceback or a hang (issue 21, defect 11).
+
+First the findings of the fuzz run the issue reports, one test each, then the seeded fuzzer of
+:mod:`fuzz_helpers` over config.json, safetensors headers, the shard index, layout.json,
+recipes and metrics.jsonl, through the CLI's ``main`` in this process.
+"""
+
+import json
+import shutil
+import signal
+import struct
+import time
+
+import pytest
+
+from bad_input_helpers import assert_refused, run_cli
+from fuzz_helpers import FORMATS, build_fixtures, run_case
+
+CASES_PER_FORMAT = 300   # 9 formats: 2,700 cases, ~40 s here (printed by the fuzz test)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return build_fixtures(tmp_path_factory.mktemp("fuzz") / "fx")
+
+
+@pytest.fixture
+def hang_guard():
+    """A hang fails the test instead of stalling the suite."""
+    def alarm(signum, frame):
+        raise AssertionError("still running after 20 s: a hang")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _copy(fixtures, key, tmp_path):
+    dst = tmp_path / key
+    shutil.copytree(fixtures[key], dst)
+    return dst
+
+
+def _hf_to_ms(case, tmp_path, *extra):
+    return ["convert", "hf-to-ms", case, tmp_path / "out", "--no-progress", "--workers", "1", *extra]
+
+
+# ---------------------------------------------------------------------------- the issue's findings
+def test_shard_name_too_long_for_the_file_system(capsys, tmp_path, fixtures):
+    case = _copy(fixtures, "hf_index", tmp_path)
+    index = json.loads((case / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "x" * 300 + ".safetensors"
+    (case / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_cli(capsys, _hf_to_ms(case, tmp_path))
+    assert_refused(code, err, "model.safetensors.index.json", "weight_map['model.norm.weight']", "File name too long")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["parallel.dp", "world_size", "shape"])
+def test_infinity_in_layout_json(capsys, tmp_path, fixtures, where):
+    case = _copy(fixtures, "sharded", tmp_path)
+    layout = json.loads((case / "layout.json").read_text())
+    if where == "parallel.dp":
+        layout["parallel"]["dp"] = float("inf")
+    elif where == "world_size":
+        layout["world_size"] = float("inf")
+    else:
+        layout["tensors"]["lm_head.weight"]["shape"][0] = float("inf")
+    (case / "layout.json").write_text(json.dumps(layout))  # writes the token Infinity
+    code, _, err = run_cli(capsys, ["convert", "ms-to-hf", case, tmp_path / "out", "--no-progress"])
+    assert_refused(code, err, "layout.json", "infinity")
+
+
+@pytest.mark.parametrize("value", [["F32"], {"F32": 1}])
+def test_object_where_the_safetensors_header_wants_a_dtype_string(capsys, tmp_path, fixtures, value):
+    case = _copy(fixtures, "hf_single", tmp_path)
+    raw = (case / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["lm_head.weight"]["dtype"] = value
+    body = json.dumps(header).encode()
+    (case / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    code, _, err = run_cli(capsys, _hf_to_ms(case, tmp_path))
+    assert_refused(code, err, "model.safetensors", "lm_head.weight", "dtype")
+
+
+def test_report_on_huge_steps_negative_grad_norm_and_no_loss(capsys, tmp_path, hang_guard):
+    """Five records, one grad_norm negative, none with a loss, steps near 2**62: the x-axis ticks
+    were stepped by t += 2 at 4.6e18, where the addition changes nothing (an endless loop)."""
+    rows = [{"step": 2 ** 62 + i, "grad_norm": -1.0 if i == 2 else 1.0} for i in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run_cli(capsys, ["report", tmp_path, "--out", tmp_path / "r.html"])
+    assert code == 0, err
+    assert "5 records" in out and (tmp_path / "r.html").is_file()
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_capacity_factor_in_a_recipe(capsys, tmp_path, fixtures, value):
+    case = _copy(fixtures, "recipe", tmp_path)
+    text = (case / "r.yaml").read_text()
+    (case / "r.yaml").write_text(text.replace("capacity_factor: 2.0", f"capacity_factor: {value}"))
+    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml"])
+    assert_refused(code, err, "r.yaml", "model.overrides.capacity_factor", "finite")
+
+
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 10 ** 30), ("num_hidden_layers", 10 ** 7),
+                                       ("n_routed_experts", 10 ** 9)])
+def test_config_far_bigger_than_its_tensors(capsys, tmp_path, fixtures, hang_guard, key, value):
+    """Was minutes of listing the expected tensors before the comparison; now refused from the names."""
+    for folder, extra in (("hf_single", ()), ("hf_index", ("--dp", "2", "--tp", "2"))):
+        case = _copy(fixtures, folder, tmp_path)
+        cfg = json.loads((case / "config.json").read_text())
+        cfg[key] = value
+        (case / "config.json").write_text(json.dumps(cfg))
+        t0 = time.monotonic()
+        code, _, err = run_cli(capsys, _hf_to_ms(case, tmp_path, *extra))
+        print(f"{folder} {key}={value}: refused in {time.monotonic() - t0:.2f} s")
+        assert_refused(code, err, "config.json", key, "does not match the tensors")
+
+
+def test_plan_of_a_recipe_with_a_billion_layers(capsys, tmp_path, fixtures, hang_guard):
+    """The planner walks each layer (10,000 took ~8 s, 10**9 never ended): more than MAX_LAYERS is refused."""
+    case = _copy(fixtures, "recipe", tmp_path)
+    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.num_hidden_layers=1000000000"])
+    assert_refused(code, err, "num_hidden_layers", "1024")
+
+
+def test_sharded_checkpoint_config_far_bigger_than_its_layout(capsys, tmp_path, fixtures, hang_guard):
+    case = _copy(fixtures, "sharded", tmp_path)
+    cfg = json.loads((case / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10 ** 8
+    (case / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, ["convert", "ms-to-hf", case, tmp_path / "out", "--no-progress"])
+    assert_refused(code, err, "config.json", "num_hidden_layers", "layout.json", "does not match")
+
+
+# ---------------------------------------------------------------------------- the fuzzer
+def test_mutated_inputs_are_accepted_or_refused_in_one_line(fixtures, tmp_path, capsys):
+    work = tmp_path / "cases"
+    work.mkdir()
+    failures, lines = [], []
+    t_all = time.monotonic()
+    for fmt in FORMATS:
+        t0, accepted = time.monotonic(), 0
+        for seed in range(CASES_PER_FORMAT):
+            outcome = run_case(fixtures, work, fmt, seed, time_limit=10.0)
+            accepted += outcome.why.endswith("] accepted")
+            if not outcome.ok:
+                failures.append(outcome.why)
+        lines.append(f"{fmt.name}: {CASES_PER_FORMAT} cases, {accepted} accepted, {time.monotonic() - t0:.1f} s")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines) + f"\nfuzz total {time.monotonic() - t_all:.1f} s")
+    assert not failures, f"{len(failures)} finding(s); the first:\n" + "\n\n".join(failures[:3])
+
+
+def test_capacity_factor_near_float_max(capsys, tmp_path, fixtures):
+    """capacity_factor 1e308 is finite, but factor x tokens overflowed to inf inside ceil(): OverflowError."""
+    case = _copy(fixtures, "recipe", tmp_path)
+    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.capacity_factor=1e308"])
+    assert code == 0, err
+
+
+def test_recipe_model_source_too_long_for_the_file_system(capsys, tmp_path, fixtures):
+    case = _copy(fixtures, "recipe", tmp_path)
+    text = (case / "r.yaml").read_text()
+    (case / "r.yaml").write_text(text.replace("source: tiny", "source: " + "x" * 300))
+    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml"])
+    assert_refused(code, err, "xxxxxxxx", "file name too long")
