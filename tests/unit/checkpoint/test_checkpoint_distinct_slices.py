@@ -23,9 +23,9 @@ from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
-from test_checkpoint_layouts import small_config
+from builders import small_config
 
-REPO_RECIPES = __import__("pathlib").Path(__file__).resolve().parents[1] / "recipes"
+from repo_paths import RECIPES as REPO_RECIPES  # noqa: E402
 
 
 def _bytes(folder):

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from repo_paths import REPO  # noqa: E402
 
 HOSTILE: List[Any] = [
     float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 1e308, -1, 0, 1, 2 ** 63, -(2 ** 63) - 1, 2 ** 31,
@@ -373,7 +373,7 @@ def run_case(fixtures: Dict[str, Path], work: Path, fmt: Format, seed: int, time
     return Outcome(ok, f"{name} {why}")
 
 
-def main_cli(argv=None) -> int:  # python tests/fuzz_helpers.py [N per format] [first seed]: explore beyond the test
+def main_cli(argv=None) -> int:  # python tests/helpers/fuzz_helpers.py [N per format] [first seed]: explore beyond the test
     import tempfile
     import time
 
