@@ -97,3 +97,36 @@ def test_a_split_that_cuts_a_scale_group_or_an_int4_byte_is_refused():
                      quant=QuantSpec(bits=4, group_size=None))
     # int8 per channel: any split of in is fine (the scale is per output row)
     build_layout(small_config(), ParallelConfig(dp=1, tp=4), quant=QuantSpec(bits=8, group_size=None))
+
+
+@pytest.mark.parametrize("flags", [["--dp", "2", "--ep", "2"], ["--tp", "2"]], ids=" ".join)
+def test_presharded_quantize_merges_back_to_the_whole_quantized_output(tmp_path, quantized, flags):
+    """``convert quantize --dp/--tp/--ep``: every tensor of the rank folders, put together, has the bytes of
+    the whole ``convert quantize`` output; the folder opens as a quantized sharded base."""
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.cli import main
+
+    src = quantized[4].parent / "hf"
+    dst = tmp_path / "sharded"
+    assert main(["convert", "quantize", str(src), str(dst), "--bits", "4", "--group-size", "8", "--no-progress",
+                 "--no-fsync"] + flags) == 0
+    assert sorted(p.name for p in dst.glob("rank_*")) == ["rank_00000", "rank_00001"]
+    sharded, whole = open_checkpoint(dst), open_checkpoint(quantized[4])
+    assert sharded.kind == "sharded" and sharded.quant == whole.quant
+    layout = sharded.model.layout
+    for name, t in layout.tensors.items():
+        sl = full_slice(t.shape, t.experts is not None)
+        got, want = sharded.model.read(name, sl), whole.model.read(name, sl)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+    assert any(layout.tensors[n].split != (1,) * len(layout.tensors[n].shape) for n in layout.tensors
+               if n.endswith(".weight_scale"))
+
+
+def test_presharded_quantize_refuses_a_split_that_cuts_a_scale_group(tmp_path, quantized):
+    from builders import main_captured
+
+    src = quantized[4].parent / "hf"
+    code, _out, err = main_captured(["convert", "quantize", str(src), str(tmp_path / "out"), "--bits", "4",
+                                     "--group-size", "8", "--tp", "4", "--no-progress"])
+    assert code != 0 and "cuts a scale group of 8 columns" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
