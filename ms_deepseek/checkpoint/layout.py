@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Tuple
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
+from ms_deepseek.checkpoint.quant_format import is_quantized_weight, quantized_entries
 from ms_deepseek.spec.inventory import parameter_inventory
 from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 
@@ -296,11 +297,14 @@ def checkpoint_inventory(cfg, lora: Optional[LoraSpec] = None):
     return [info for info in lora_inventory(cfg, lora, rows) if info.trainable]
 
 
-def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None) -> ShardLayout:
+def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None,
+                 quant=None) -> ShardLayout:
     """Every weight's layout for ``parallel`` (a ParallelConfig), from the plan and the model's name table.
 
     ``dtypes``: tensor name -> safetensors dtype (default: the config's parameter dtype, routers F32).
     ``lora``: the layout of a LoRA checkpoint (see :func:`checkpoint_inventory`).
+    ``quant``: a quantized base (a QuantSpec, ``convert quantize``): each quantized weight becomes its
+    stored weight and scale / offset (:func:`quantized_layouts`).
     """
     import re
 
@@ -336,9 +340,44 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
         if stacked and t.split[0] != parallel.ep:
             raise UserError(f"checkpoint layout: {info.name} splits experts {t.split[0]} ways, parallel.ep is "
                             f"{parallel.ep}")
-        out[info.name] = t
+        if quant is not None and lora is None and is_quantized_weight(info.name) and 0 not in info.shape:
+            out.update(quantized_layouts(t, quant, parallel))
+        else:
+            out[info.name] = t
     return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out,
                        lora=lora)
+
+
+def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayout]:
+    """The layouts of a quantized weight's tensors (checkpoint/quant_format.py), from the float weight's ``t``.
+
+    The stored weight (int8 [.., out, in], or int4 packed [.., out, in/2]) splits like the float one; a
+    split of ``in`` must fall on a byte (int4) and on a group boundary (group-wise), else UserError naming
+    the tensor. The scale and offset [.., out, in/G] split like the weight's leading and ``out`` axes and,
+    group-wise, its ``in`` axis on the groups; a per-channel scale (one group) is whole on that axis, as
+    the plan's dequantisation Mul takes it (parallel/plan.py, ``fit_layout``)."""
+    entries = quantized_entries(t.name, t.shape, quant)
+    (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
+    k = t.split[-1]  # how many ways the input width splits
+    width, groups = t.shape[-1], s_shape[-1]
+    if k > 1:
+        if quant.bits == 4 and (width // k) % 2:
+            raise UserError(f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
+                            f"({parallel.describe()}) cuts a byte of int4 pairs")
+        if groups > 1 and groups % k:
+            raise UserError(f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
+                            f"({parallel.describe()}) cuts a scale group of {width // groups} columns")
+    s_map = t.tensor_map if groups > 1 else t.tensor_map[:-1] + (-1,)
+    return {q_name: TensorLayout(q_name, q_shape, q_dtype, t.stage, t.dev_matrix, t.tensor_map, t.experts),
+            s_name: TensorLayout(s_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts),
+            o_name: TensorLayout(o_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts)}
+
+
+def cuts_scale_groups(t: TensorLayout, groups: int) -> bool:
+    """A float weight's split of ``in`` cuts a scale group: quantizing each slice alone would give other
+    scales than quantizing the whole weight (per channel, ``groups`` 1: any split of ``in`` does)."""
+    k = t.split[-1]
+    return k > 1 and groups % k != 0
 
 
 # ---------------------------------------------------------------------------- layout file

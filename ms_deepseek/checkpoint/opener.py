@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_deepseek.checkpoint.convert_plan import check_tensors
-from ms_deepseek.checkpoint.quant_format import check_quantized, read_quant_config
+from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, read_quant_config
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
@@ -108,11 +108,12 @@ def _open_sharded(folder: Path) -> Opened:
     cfg = DeepseekV2Config.from_json(config_path)
     lora = LoraSpec.from_settings(model.layout.lora, f"{folder / LAYOUT_FILE}: lora")
     check_config_scale(cfg, model.layout.tensors, config_path, LAYOUT_FILE)
-    _check_layout_matches_config(model.layout, cfg, folder, lora)
+    quant = _quant_of(folder)  # pre-sharded `convert quantize --recipe` output
+    _check_layout_matches_config(model.layout, cfg, folder, lora, quant)
     optimizer = None
     if model.layout.optimizer:
         optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
-    return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora)
+    return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora, quant=quant)
 
 
 def _quant_of(folder: Path) -> Optional[QuantSpec]:
@@ -138,8 +139,11 @@ def _check_whole(src: WholeSource, weights: WeightFiles) -> None:
                       optional={**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)})
 
 
-def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path, lora: Optional[LoraSpec]) -> None:
+def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path, lora: Optional[LoraSpec],
+                                 quant: Optional[QuantSpec] = None) -> None:
     expected = {info.name: info.shape for info in checkpoint_inventory(cfg, lora)}
+    if quant is not None:  # the quantized tensors (quant_format.py) in place of each quantized weight
+        expected = {n: shape for n, (shape, _) in expected_quantized(expected, quant).items()}
     for name, shape in expected.items():
         t = layout.tensors.get(name)
         if t is None:

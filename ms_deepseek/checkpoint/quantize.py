@@ -29,8 +29,7 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
     """Quantize an HF or ms_deepseek folder into ``dst`` (same layout), one tensor in memory at a time."""
     from tqdm import tqdm
 
-    from ms_deepseek.checkpoint.convert import CARRIED_FILES, ConvertResult, parse_size
-    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.checkpoint.convert import ConvertResult, parse_size
     from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
     from ms_deepseek.checkpoint.source import INDEX_NAME
     from ms_deepseek.checkpoint.sources import to_float32, full_slice
@@ -40,13 +39,7 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
     src, dst = Path(src), Path(dst)
     size = parse_size(shard_size)
     spec = QuantSpec(bits=bits, group_size=group_size)
-    opened = open_checkpoint(src)
-    if opened.quant is not None:
-        raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
-                        "quantize the original checkpoint")
-    if opened.kind not in ("hf", "ms"):
-        raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
-                        "(convert a training checkpoint with `convert ms-to-hf` first)")
+    opened = _float_source(src)
     weights = opened.weights
     check_groups({n: i.shape for n, i in weights.tensors.items()}, spec, "--group-size")
     check_destination(src, dst, overwrite)
@@ -91,16 +84,114 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
             weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                       "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        config = json.loads(opened.config_path.read_text(encoding="utf-8"))
-        config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group_size,
-                                         "symmetric": True, "original": str(src.resolve())}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / DESCRIPTION_FILE).write_text(json.dumps(kinds, indent=2) + "\n")
-        for extra in CARRIED_FILES:
-            if (src / extra).is_file():
-                shutil.copyfile(src / extra, tmp / extra)
+        _write_metadata(tmp, opened, src, spec, kinds)
     return ConvertResult(dst=dst, files=names, num_tensors=len(planned), total_bytes=total,
                          seconds=time.perf_counter() - start)
+
+
+def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[str, str]) -> None:
+    """config.json with quantization_config, the msModelSlim-style description, the carried files."""
+    from ms_deepseek.checkpoint.convert import CARRIED_FILES
+
+    config = json.loads(opened.config_path.read_text(encoding="utf-8"))
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": spec.bits, "group_size": spec.group_size,
+                                     "symmetric": True, "original": str(src.resolve())}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / DESCRIPTION_FILE).write_text(json.dumps(kinds, indent=2) + "\n")
+    for extra in CARRIED_FILES:
+        if (src / extra).is_file():
+            shutil.copyfile(src / extra, tmp / extra)
+
+
+# ------------------------------------------------------------------------------ pre-sharded output
+class QuantizedView:
+    """A float source (checkpoint/sources.py) read as its quantized checkpoint, slice by slice.
+
+    A slice of a stored weight or of its scale / offset is computed from the float weight's rows that
+    hold it (the slice's leading and ``out`` ranges, the whole input width): every scale group lies in
+    one row, so the values are those :func:`quantize_checkpoint` writes, whatever the split of ``in``,
+    and memory stays at one tensor."""
+
+    def __init__(self, src, cfg, spec: QuantSpec):
+        from ms_deepseek.checkpoint.layout import checkpoint_inventory
+
+        self.src, self.spec = src, spec
+        self.float_of: Dict[str, tuple] = {}  # quantized name -> (float name, float shape, index in entries)
+        for info in checkpoint_inventory(cfg):
+            if is_quantized_weight(info.name) and 0 not in info.shape:
+                for k, (q_name, _, _) in enumerate(quantized_entries(info.name, info.shape, spec)):
+                    self.float_of[q_name] = (info.name, tuple(info.shape), k)
+
+    def has(self, name: str) -> bool:
+        return name in self.float_of or self.src.has(name)
+
+    def dtype(self, name: str) -> str:
+        if name in self.float_of:
+            return ("I8" if self.spec.bits == 8 else "U8") if self.float_of[name][2] == 0 else "F32"
+        return self.src.dtype(name)
+
+    def read(self, name: str, sl) -> np.ndarray:
+        from ms_deepseek.checkpoint.sources import to_float32
+
+        if name not in self.float_of:
+            return self.src.read(name, sl)
+        float_name, shape, k = self.float_of[name]
+        rows = tuple(sl[:-1]) + ((0, shape[-1]),)  # the whole input width of the slice's rows
+        w = to_float32(self.src.read(float_name, rows), self.src.dtype(float_name))
+        stored, scale = stored_array(w, self.spec)
+        value = (stored, scale, np.zeros_like(scale))[k]
+        lo, hi = sl[-1]
+        return np.ascontiguousarray(value[..., lo:hi])
+
+
+def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *, overwrite: bool = False,
+                     fsync: bool = True, progress: bool = False):
+    """``convert quantize --recipe / --dp/--tp/--ep/--pp``: every rank's slices of the quantized base,
+    ``DST/rank_RRRRR/model.safetensors`` + layout.json (as ``convert hf-to-ms --recipe``), the metadata
+    of :func:`quantize_checkpoint`. A split of ``in`` that cuts an int4 byte or a scale group is refused
+    (checkpoint/layout.py ``quantized_layouts``)."""
+    from ms_deepseek.checkpoint.layout import LAYOUT_FILE, build_layout, checkpoint_inventory, rank_dir_name
+    from ms_deepseek.checkpoint.safetensors_io import write_file
+    from ms_deepseek.checkpoint.sharded import rank_entries
+    from ms_deepseek.core.atomic import atomic_folder, check_destination
+    from ms_deepseek.parallel.validate import validate_layout
+
+    src, dst = Path(src), Path(dst)
+    spec = QuantSpec(bits=bits, group_size=group_size)
+    opened = _float_source(src)
+    cfg = opened.config
+    check_groups({n: i.shape for n, i in opened.weights.tensors.items()}, spec, "--group-size")
+    validate_layout(parallel, cfg)
+    view = QuantizedView(opened.model, cfg, spec)
+    dtypes = {i.name: opened.model.dtype(i.name) for i in checkpoint_inventory(cfg)}
+    # each distinct slice once, in its owner's folder, as write_sharded does (issue 21, defect 9)
+    layout = build_layout(cfg, parallel, dtypes=dtypes, quant=spec).storing_distinct()
+    check_destination(src, dst, overwrite)
+    kinds = {"model_quant_type": f"W{bits}A16"}
+    kinds.update({n: kinds["model_quant_type"] if n in view.float_of else "FLOAT" for n in layout.tensors})
+    with atomic_folder(dst, fsync=fsync) as tmp:
+        for rank in range(layout.world_size):
+            folder = tmp / rank_dir_name(rank)
+            folder.mkdir()
+            write_file(folder / "model.safetensors", rank_entries(view, layout, rank), {"format": "ms"}, fsync=False)
+            if progress:
+                print(f"rank {rank + 1}/{layout.world_size} written", flush=True)
+        layout.write(tmp / LAYOUT_FILE)
+        _write_metadata(tmp, opened, src, spec, kinds)
+    return layout
+
+
+def _float_source(src: Path):
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+
+    opened = open_checkpoint(src)
+    if opened.quant is not None:
+        raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
+                        "quantize the original checkpoint")
+    if opened.kind not in ("hf", "ms"):
+        raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
+                        "(convert a training checkpoint with `convert ms-to-hf` first)")
+    return opened
 
 
 def original_of(folder: Path) -> Optional[Path]:

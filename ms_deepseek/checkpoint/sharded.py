@@ -104,7 +104,7 @@ def _place(full: np.ndarray, sl, value: np.ndarray) -> None:
 
 
 # ----------------------------------------------------------------------------- writing
-def _rank_entries(src, layout: ShardLayout, rank: int) -> List[OutTensor]:
+def rank_entries(src, layout: ShardLayout, rank: int) -> List[OutTensor]:
     entries = []
     for name in layout.stored_in(rank):
         t = layout.tensors[name]
@@ -163,10 +163,10 @@ def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: 
         for rank in range(layout.world_size):
             folder = tmp / rank_dir_name(rank)
             folder.mkdir()
-            write_file(folder / "model.safetensors", _rank_entries(model, layout, rank), {"format": "ms"},
+            write_file(folder / "model.safetensors", rank_entries(model, layout, rank), {"format": "ms"},
                        fsync=False)
             if opt is not None:
-                write_file(folder / "optimizer.safetensors", _rank_entries(opt, layout.for_optimizer(), rank),
+                write_file(folder / "optimizer.safetensors", rank_entries(opt, layout.for_optimizer(), rank),
                            {"format": "ms"}, fsync=False)
             if progress:
                 print(f"rank {rank + 1}/{layout.world_size} written", flush=True)

@@ -108,7 +108,8 @@ def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: i
         if tuple(value.shape) != tuple(param.shape) and not as_slice:
             raise UserError(f"{getattr(src, 'folder', '')}: {what} tensor {name} has shape {list(value.shape)}, "
                             f"the model has {list(param.shape)}")
-        np_dtype = {"Int32": np.int32, "Int64": np.int64}.get(str(param.dtype), np.float32)
+        np_dtype = {"Int32": np.int32, "Int64": np.int64, "Int8": np.int8,  # dtype table (int8 / uint8: a
+                    "UInt8": np.uint8}.get(str(param.dtype), np.float32)        # quantized base, bits unchanged)
         # np.ascontiguousarray returns at least 1-D: keep a scalar (loss_scale, global_step) a scalar
         value = np.ascontiguousarray(value, dtype=np_dtype).reshape(value.shape)
         param.set_data(Tensor(value, dtype=param.dtype),

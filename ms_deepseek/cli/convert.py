@@ -11,7 +11,8 @@
   ep = 1, no optimizer sharding) is written whole;
 * ``quantize SRC DST --bits {8,4} [--group-size G]``: an HF or ms_deepseek folder -> the same layout
   with weight-only int8 / int4 Linear and routed-expert weights plus scales (a frozen QLoRA base,
-  format in docs/lora.md); whole output only (no --recipe / layout flags yet).
+  format in docs/lora.md); with ``--recipe RECIPE`` (or the layout flags) pre-sharded like
+  ``hf-to-ms --recipe``: each rank's slices of the quantized tensors plus ``layout.json``.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
                            help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
                                 f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own")
-        if name not in ("ms-to-hf", "quantize"):
-            g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name == "hf-to-ms" else ""))
+        if name != "ms-to-hf":
+            g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name != "reshard" else ""))
             g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
             g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                            help="recipe override (with --recipe)")
@@ -120,8 +121,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
         return 0
     if args.direction == "quantize":
-        from ms_deepseek.checkpoint.quantize import quantize_checkpoint
+        from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
 
+        par = layout_from_args(args)
+        if par is not None:
+            layout = quantize_sharded(args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite,
+                                      fsync=fsync)
+            print(f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
+                  f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}")
+            return 0
         result = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, shard_size=args.shard_size,
                                      overwrite=args.overwrite, progress=progress, fsync=fsync)
     elif args.direction == "hf-to-ms":

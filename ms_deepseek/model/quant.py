@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
 from ms_deepseek.core.errors import UserError
@@ -54,10 +55,13 @@ class _Dequant:
         self.dense_shape = tuple(lead) + (out_f, in_f)  # what LoRA sees: the float weight's shape
         q_shape = tuple(lead) + (out_f, in_f if spec.bits == 8 else in_f // 2)
         s_shape = tuple(lead) + (out_f, self.groups)
-        q_dtype = np.int8 if spec.bits == 8 else np.uint8
-        self.weight = Parameter(Tensor(np.zeros(q_shape, q_dtype)), name="weight", requires_grad=False)
-        self.weight_scale = Parameter(Tensor(np.ones(s_shape, np.float32)), name="weight_scale", requires_grad=False)
-        self.weight_offset = Parameter(Tensor(np.zeros(s_shape, np.float32)), name="weight_offset",
+        q_dtype = ms.int8 if spec.bits == 8 else ms.uint8
+        # initializers, not host arrays: under no_init_parameters (a sharded run) nothing of the full
+        # tensors is allocated; each rank sets its slices after the compile (train/lora_run.py)
+        self.weight = Parameter(initializer("zeros", q_shape, q_dtype), name="weight", requires_grad=False)
+        self.weight_scale = Parameter(initializer("ones", s_shape, ms.float32), name="weight_scale",
+                                      requires_grad=False)
+        self.weight_offset = Parameter(initializer("zeros", s_shape, ms.float32), name="weight_offset",
                                        requires_grad=False)
         # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
         # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)

@@ -80,6 +80,13 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.from_experts": "moe_exchange",
     "model.layers.*.mlp.combine_gather": "combine_gather",
     "model.layers.*.mlp.expert_placement": "placement_table",
+    # a quantized base (model/quant.py QuantStackedWeight): the dequantisation Mul of each expert stack
+    "model.layers.*.mlp.experts.gate_proj.dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.gate_proj.group_dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.up_proj.dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.up_proj.group_dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.down_proj.dequant_mul": "expert_dequant_rowwise",
+    "model.layers.*.mlp.experts.down_proj.group_dequant_mul": "expert_group_dequant_rowwise",
     "model.norm": "norm",
     "lm_head": "vocab_head",
     "loss_fn": "vocab_cross_entropy",
@@ -130,13 +137,14 @@ def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple
     # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
     # (a rowwise layer's partial sums are reduced after x A^T), B [out, r] splits ``out``.
     lora_a, lora_b = (1, weight[1]), (weight[0], 1)
-    # A quantized base layer (model/quant.py): scale / offset [out, in/G] split like the weight's output
-    # axis (the groups axis whole); the dequantisation Mul on [out, in/G, G] keeps the weight's split of
-    # ``in`` (per channel: on G = in; group-wise: on the groups); Ascend's WeightQuantBatchMatmul gets
-    # x, weight [out, in] (transpose_weight) and the 1-D scale / offset [out], which MindSpore's
+    # A quantized base layer (model/quant.py): scale / offset [out, in/G] split like the weight [out, in]
+    # on both axes: the dequantisation Mul on [out, in/G, G] keeps the weight's split of ``in`` (group-wise:
+    # on the groups, which the scale shares; per channel: on G = in, against a scale [out, 1, 1] whose
+    # one-group axis stays whole, see ``fit_layout``). Ascend's WeightQuantBatchMatmul gets x, weight
+    # [out, in] (transpose_weight) and the 1-D scale / offset [out], which MindSpore's
     # WeightQuantBatchMatmulInfo::InferTensorMap (ops_info/weight_quant_batch_matmul_info.cc) maps to
     # the weight's output axis.
-    scale = (weight[0], 1)
+    scale = (weight[0], weight[1])
     return StyleSpec(
         prims={"matmul": ((x, weight), out),
                "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
@@ -235,14 +243,40 @@ def _experts(mesh: Mesh) -> StyleSpec:
                "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
         params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
                 "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
-                # a quantized base (model/quant.py): scales / offsets [E, out, in/G] like the weights'
-                # expert and output axes
-                **{f"{p}_proj.{s}": (ep, tp if p != "down" else 1, 1)
+                # a quantized base (model/quant.py): scales / offsets [E, out, in/G] split like the weights
+                # [E, out, in] (a per-channel scale's one-group axis stays whole: fit_layout)
+                **{f"{p}_proj.{s}": ((ep, 1, tp) if p == "down" else (ep, tp, 1))
                    for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
         consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
                    "down_proj.weight": ("down_bmm", 1),
                    **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
                       for p in ("gate", "up", "down") for ab in ("A", "B")}})
+
+
+def _expert_dequant(weight_of) -> Callable[[Mesh], StyleSpec]:
+    """The dequantisation Mul of a quantized stacked expert projection (model/quant.py), split like its
+    weight: q [E, out, in/G, G] * scale [E, out, in/G, 1] (group-wise: ``in`` split on the groups axis;
+    per channel, in/G = 1: on G, against a whole scale axis). ``weight_of(mesh)`` -> the
+    4-D split of q and of the scale."""
+    def build(mesh: Mesh) -> StyleSpec:
+        q, scale = weight_of(mesh)
+        return StyleSpec(prims={"": ((q, scale), None)}, is_primitive=True)
+    return build
+
+
+# gate / up [E, I, H] split (ep, tp, 1); down [E, H, I] split (ep, 1, tp), as the weights (_experts)
+_EXPERT_DEQUANT = {
+    "expert_dequant_colwise": lambda m: ((m.ep, m.tp, 1, 1), (m.ep, m.tp, 1, 1)),
+    "expert_dequant_rowwise": lambda m: ((m.ep, 1, 1, m.tp), (m.ep, 1, 1, 1)),          # per channel
+    "expert_group_dequant_rowwise": lambda m: ((m.ep, 1, m.tp, 1), (m.ep, 1, m.tp, 1)),  # group-wise
+}
+
+
+def fit_layout(shape: Tuple[int, ...], layout: Tuple[int, ...]) -> Tuple[int, ...]:
+    """A layout on a tensor's actual shape: an axis of length 1 (a per-channel scale's one group) is whole.
+
+    As MindSpore sees it: the dequantisation Mul's scale input is split (.., 1) on that axis."""
+    return tuple(1 if d == 1 else k for d, k in zip(shape, layout))
 
 
 def _head_bmm(mesh: Mesh) -> StyleSpec:
@@ -337,6 +371,7 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "moe_exchange": _moe_exchange,
     "combine_gather": _batch_local_gather,
     "placement_table": _placement_table,
+    **{name: _expert_dequant(rule) for name, rule in _EXPERT_DEQUANT.items()},
 }
 
 

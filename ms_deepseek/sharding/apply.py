@@ -35,7 +35,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.custom_shard import custom_info_attrs
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.placement import buffer_order, placement_table
-from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, layer_stages, style_spec
+from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
 from ms_deepseek.parallel.ranks import dataset_strategy
 
 
@@ -123,6 +123,7 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     # parameter layouts, checked against the primitive that consumes each parameter
     for name, param in params.items():
         pattern, layout = plan.param_layout(name, mesh)
+        layout = fit_layout(tuple(param.shape), layout) if len(layout) == len(param.shape) else layout
         if len(layout) != len(param.shape):
             raise UserError(f"parallel plan: {name} has shape {tuple(param.shape)} but rule {pattern!r} "
                             f"gives a {len(layout)}-axis layout {layout}")

@@ -15,8 +15,10 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Tuple
 
-_HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.((?:gate|up|down)_proj\.weight)$")
-_MS_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.((?:gate|up|down)_proj\.weight)$")
+# an expert's weight, or a quantized one's scale / offset (checkpoint/quant_format.py)
+_EXPERT_TENSOR = r"((?:gate|up|down)_proj\.weight(?:_scale|_offset)?)$"
+_HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\." + _EXPERT_TENSOR)
+_MS_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\." + _EXPERT_TENSOR)
 
 
 def hf_to_ms(name: str) -> Tuple[str, Optional[int]]:

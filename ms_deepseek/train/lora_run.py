@@ -38,21 +38,27 @@ def base_folder(recipe, run_dir: Path) -> Optional[Path]:
     return saved if (saved / "model.safetensors").is_file() else None
 
 
-def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path] = None) -> List[str]:
+def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path] = None,
+            sharded: bool = False) -> List[str]:
     """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first.
 
     With a ``quant:`` section the base is quantized before the adapters go on: a float base (loaded,
     or random and saved unquantized to RUN_DIR/base) in memory, deterministically, so a resumed run
     rebuilds the same one; a quantized ``model.source`` (``convert quantize``) arrives quantized and
-    must match the section."""
+    must match the section. ``sharded`` (a tp / pp / ep run, built without allocating): the quantized
+    layers are placeholders, whose slices :func:`load_base_slices` reads after the compile."""
     from ms_deepseek.model import lora
 
     section = recipe.lora
-    if write_base:
-        save_base(model, Path(run_dir) / BASE_DIR)
-    if recipe.quant is not None:
+    if sharded and recipe.quant is not None:
+        _quantized_placeholders(model, recipe.quant, base)
+    elif recipe.quant is not None:
+        if write_base:
+            save_base(model, Path(run_dir) / BASE_DIR)
         _quantize_base(model, recipe.quant, base)
-    elif base is not None and _quant_of(base) is not None:
+    elif write_base:
+        save_base(model, Path(run_dir) / BASE_DIR)
+    if recipe.quant is None and base is not None and _quant_of(base) is not None:
         raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
                         "bits and group_size to train LoRA on it")
     paths = lora.add_adapters(model, section, seed=recipe.train.seed)
@@ -79,6 +85,66 @@ def _quantize_base(model, spec, base: Optional[Path]) -> None:
             raise RuntimeError("internal: a quantized source loaded into float layers")
         return
     quantize_model(model, spec)
+
+
+def _quantized_placeholders(model, spec, base: Optional[Path]) -> None:
+    """A sharded QLoRA run: the quantized layers, unallocated (no_init_parameters), before the adapters."""
+    from mindspore.nn.utils import no_init_parameters
+
+    from ms_deepseek.model.quant import quantize_model
+
+    if base is None:
+        raise UserError("quant: a tp / pp / ep run reads its frozen base from model.source (a checkpoint folder: "
+                        "`convert quantize` output, or a float one, quantized per rank as it loads)")
+    have = _quant_of(base)
+    if have is not None and (have.bits, have.group_size) != (spec.bits, spec.group_size):
+        raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
+                        f"quantized with bits {have.bits}, group_size {have.group_size}")
+    with no_init_parameters():
+        quantize_model(model, spec, from_weights=False)
+
+
+def load_base_slices(params: Dict[str, object], base: Path, cfg, parallel, spec, rank: int, part=None) -> None:
+    """A sharded QLoRA run: this rank's slices of the frozen quantized base (``params``: this stage's).
+
+    From a quantized folder (``convert quantize``, whole or sharded) the stored slices are read as they
+    are. From a float folder each weight's float slice is read and quantized here, on the host, which
+    gives what ``convert quantize`` writes only when no split of ``in`` cuts a scale group (each group's
+    maximum is then within the slice): checked for every weight before anything is read, and refused
+    in one line naming the tensor (per channel, one group per row: any split of ``in`` cuts it)."""
+    from mindspore import Tensor
+
+    from ms_deepseek.checkpoint.layout import build_layout, cuts_scale_groups
+    from ms_deepseek.checkpoint.quant_format import is_quantized_weight, stored_array
+    from ms_deepseek.checkpoint.tensors import restore_into
+
+    opened = open_checkpoint(base)
+    quantized = build_layout(cfg, parallel, quant=spec)
+    if opened.quant is not None:
+        restore_into({n: p for n, p in params.items() if n in quantized.tensors}, opened.model, "model",
+                     layout=quantized, rank=rank, part=part)
+        return
+    floats = build_layout(cfg, parallel)
+    to_quantize = {n: t for n, t in floats.tensors.items() if is_quantized_weight(n) and 0 not in t.shape
+                   and f"{n[:-len('.weight')]}.weight_scale" in params}
+    for name, t in to_quantize.items():
+        groups = quantized.tensors[f"{name[:-len('.weight')]}.weight_scale"].shape[-1]
+        if cuts_scale_groups(t, groups):
+            raise UserError(f"model.source {base}: {name} is split {t.split[-1]} ways on its input width "
+                            f"{t.shape[-1]} ({parallel.describe()}), which cuts its scale groups of "
+                            f"{t.shape[-1] // groups} columns; quantizing each slice alone would not give the "
+                            f"quantized base: run `ms-deepseek convert quantize` first and train on its output")
+    kept = {n: p for n, p in params.items() if n in floats.tensors and n not in to_quantize}
+    restore_into(kept, opened.model, "model", layout=floats, rank=rank, part=part)
+    for name, t in to_quantize.items():
+        stem = name[: -len(".weight")]
+        w = to_float32(opened.model.read(name, floats.slice_of(name, rank)), opened.model.dtype(name))
+        stored, scale = stored_array(w, spec)
+        for suffix, value in (("weight", stored), ("weight_scale", scale),
+                              ("weight_offset", np.zeros_like(scale))):
+            param = params[f"{stem}.{suffix}"]
+            value = part(param.name, value) if part is not None else value
+            param.set_data(Tensor(np.ascontiguousarray(value)), slice_shape=tuple(value.shape) != tuple(param.shape))
 
 
 def describe(recipe) -> str:

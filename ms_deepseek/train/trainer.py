@@ -264,11 +264,8 @@ class Trainer:
         else:
             model = DeepseekV2ForCausalLM(self.cfg)
         if lora is not None:  # adapters + frozen base; a random base is saved once to RUN_DIR/base
-            if self.recipe.quant is not None and self.sharded:
-                raise UserError("quant: a quantized base trains single-device or data-parallel for now (tp / pp / "
-                                "ep runs read the base by slices, which has no quantized layout yet)")
             lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
-                             base=weights_folder)
+                             base=weights_folder, sharded=self.sharded)
         model.set_train(True)
         from ms_deepseek.sharding.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
@@ -336,8 +333,6 @@ class Trainer:
         if self.sharded:
             from mindspore import Tensor
 
-            from ms_deepseek.checkpoint.layout import build_layout
-
             shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
             self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
             if self.par.optimizer_shard:  # the parallel optimizer's cut of each parameter, as compiled
@@ -351,9 +346,7 @@ class Trainer:
             cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
             cc.check_primitives(cc.primitive_attrs(self.model, self.applied.strategies), self.applied.strategies)
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
-                base = build_layout(self.cfg, self.par)
-                self._load_weights_slices(base, {n: p for n, p in model_tensors(self.model).items()
-                                                 if n in base.tensors})
+                self._load_base_slices()
             elif self.resume_dir is None:
                 self._load_weights_slices(layout, self.model_tensors)
         if self.resume_dir is None:
@@ -391,6 +384,23 @@ class Trainer:
         full = {n: t.shape for n, t in layout.tensors.items()}
         return layout.with_optimizer({n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32")
                                       for n, p in self.opt_tensors.items()})
+
+    def _load_base_slices(self) -> None:
+        """Sharded LoRA run: this rank's slices of the frozen base (a QLoRA run: its quantized tensors, read
+        from a quantized model.source or quantized here from a float one: lora_run.load_base_slices)."""
+        from ms_deepseek.checkpoint.layout import build_layout
+
+        if self.recipe.quant is None:
+            base = build_layout(self.cfg, self.par)
+            self._load_weights_slices(base, {n: p for n, p in model_tensors(self.model).items()
+                                             if n in base.tensors})
+            return
+        from ms_deepseek.train import lora_run
+
+        layout = build_layout(self.cfg, self.par, quant=self.recipe.quant)
+        params = {n: p for n, p in model_tensors(self.model).items() if n in layout.tensors}
+        lora_run.load_base_slices(self._this_stage(params, layout), lora_run.base_folder(self.recipe, self.run_dir),
+                                  self.cfg, self.par, self.recipe.quant, self.rank, part=self._opt_part)
 
     def _load_weights_slices(self, layout, params) -> None:
         """Sharded run: this rank's slices of ``params`` from the weights folder, or a seeded random init."""

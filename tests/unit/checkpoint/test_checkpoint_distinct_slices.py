@@ -17,7 +17,7 @@ from ms_deepseek import cli
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ExpertIds, build_layout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, read_header, write_file
-from ms_deepseek.checkpoint.sharded import _rank_entries, load_rank
+from ms_deepseek.checkpoint.sharded import rank_entries, load_rank
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.spec.parallel import ParallelConfig
@@ -93,7 +93,7 @@ def test_version_1_folders_still_read(tmp_path):
     old = tmp_path / "old"
     for rank in range(layout.world_size):
         (old / rank_dir_name(rank)).mkdir(parents=True)
-        write_file(old / rank_dir_name(rank) / "model.safetensors", _rank_entries(whole.model, layout, rank),
+        write_file(old / rank_dir_name(rank) / "model.safetensors", rank_entries(whole.model, layout, rank),
                    {"format": "ms"}, fsync=False)
     layout.write(old / LAYOUT_FILE)
     (old / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())

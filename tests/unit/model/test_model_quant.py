@@ -105,10 +105,16 @@ def test_quantized_weights_and_scales_shard_by_the_same_plan(group):
     quantize_model(model, QuantSpec(bits=4, group_size=group))
     applied = apply_plan(model, ParallelConfig(dp=4, tp=2, ep=4), cfg)
     lay, strat = applied.param_layouts, applied.strategies
+    mul = "dequant_mul" if group is None else "group_dequant_mul"
     assert lay["model.layers.0.self_attn.o_proj.weight"] == (1, 2)  # rowwise: in split, packed int4 too
-    assert lay["model.layers.0.self_attn.o_proj.weight_scale"] == (1, 1)
+    # rowwise: a per-channel scale [out, 1] is whole on its one group; group-wise the groups split like in,
+    # as the dequantisation Mul takes the scale [out, in/G, 1] (the checkpoint layout cuts it the same way)
+    assert lay["model.layers.0.self_attn.o_proj.weight_scale"] == ((1, 1) if group is None else (1, 2))
     assert lay["model.layers.0.self_attn.kv_b_proj.weight_scale"] == (2, 1)  # colwise: out split
     assert lay["model.layers.1.mlp.experts.gate_proj.weight_scale"] == (4, 2, 1)
-    assert lay["model.layers.1.mlp.experts.down_proj.weight_offset"] == (4, 1, 1)
-    mul = "dequant_mul" if group is None else "group_dequant_mul"
+    assert lay["model.layers.1.mlp.experts.down_proj.weight_offset"] == ((4, 1, 1) if group is None else (4, 1, 2))
+    # the expert stacks' dequantisation Mul is split like their weights (q [E, out, in/G, G], scale [.., 1])
+    assert strat[f"model.layers.1.mlp.experts.gate_proj.{mul}"][0] == ((4, 2, 1, 1), (4, 2, 1, 1))
+    assert strat[f"model.layers.1.mlp.experts.down_proj.{mul}"][0] == \
+        (((4, 1, 1, 2), (4, 1, 1, 1)) if group is None else ((4, 1, 2, 1), (4, 1, 2, 1)))
     assert strat[f"model.layers.0.self_attn.o_proj.{mul}"][0][0] == ((1, 1, 2) if group is None else (1, 2, 1))
