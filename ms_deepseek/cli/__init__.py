@@ -97,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         _close_progress_bars()
         print(f"ms-deepseek {name}: error: an input file is nested too deeply to parse", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed: not an error of ours (before OSError, its base)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:
         if exc.errno != errno.ENAMETOOLONG:
             raise
@@ -111,9 +114,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"ms-deepseek {name}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -63,3 +63,26 @@ def test_verbose_is_every_command_flag_and_default_is_quiet(monkeypatch):
     monkeypatch.setenv("GLOG_v", "1")  # the user's own choice wins
     runtime.quiet_defaults()
     assert os.environ["GLOG_v"] == "1"
+
+
+def test_a_closed_output_is_exit_0_in_process(monkeypatch):
+    """The error boundary takes BrokenPipeError before OSError (its base class), which re-raises: the
+    pipe test above only sees that when `head` closes before plan has written."""
+    import io
+
+    read_end, write_end = os.pipe()
+
+    class ClosedPipe(io.TextIOBase):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return write_end
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    try:
+        assert main(["plan", "--model", "deepseek-v2", "--npus", "64", "--seq-len", "4096", "--global-batch", "64",
+                     "--dp", "4", "--tp", "8", "--pp", "2", "--ep", "4", "--json"]) == 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)
