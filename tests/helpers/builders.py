@@ -87,3 +87,19 @@ def kill_during_save_then_resume(monkeypatch, recipe: Path, run_dir: Path, step:
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 130
     monkeypatch.setattr(ckpt_mod, "save_tensors", real_save)
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
+
+
+def attach_save_state(trainer, tmp_path: Path, seq_len: int = 8) -> None:
+    """The fields ``Trainer._maybe_save`` reads besides the model and the plan, for a Trainer made with
+    ``object.__new__`` to stand for one emulated rank."""
+    import time
+    from types import SimpleNamespace
+
+    from ms_deepseek.checkpoint.training import CheckpointManager
+
+    trainer.opt_tensors = {}
+    trainer.manager = CheckpointManager(tmp_path / "checkpoints", 2)
+    trainer.strategy_file = tmp_path / "strategy" / "none.ckpt"
+    trainer.dataset = SimpleNamespace(state_dict=lambda: {})
+    trainer.tokens_seen, trainer.elapsed_before, trainer.started, trainer.seq_len, trainer.stop_at = \
+        0, 0.0, time.time(), seq_len, 1

@@ -202,3 +202,16 @@ def make_stub_cann(root: Path, layout: str = "cann9", setenv_extra: str = "", bu
             for name, text in HELPERS.items():
                 (project / "cmake" / "util" / name).write_text(text)
     return cann
+
+
+class FakeAscendContext:
+    """Stands in for MSContext.get_instance() on Ascend: only the SoC name is read."""
+
+    def __init__(self, soc):
+        self.soc = soc
+
+    def get_instance(self):
+        return self
+
+    def get_ascend_soc_version(self):
+        return self.soc

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cann_stub import LAYOUTS, make_stub_cann
+from cann_stub import LAYOUTS, FakeAscendContext, make_stub_cann
 from repo_paths import REPO
 
 SCRIPT = REPO / "ops" / "build_ascend.sh"
@@ -152,17 +152,6 @@ def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
     assert not (tmp_path / "opp" / "vendors").exists()
 
 
-class _FakeContext:
-    """Stands in for MSContext.get_instance() on Ascend: only the SoC name is read."""
-
-    def __init__(self, soc):
-        self.soc = soc
-
-    def get_instance(self):
-        return self
-
-    def get_ascend_soc_version(self):
-        return self.soc
 
 
 def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
@@ -178,7 +167,7 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
     assert rc == 0, out
     monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(installed_vendor(install)))
     monkeypatch.setenv("ASCEND_OPP_PATH", str(cann / "opp"))
-    monkeypatch.setattr(custom_utils, "MSContext", _FakeContext("ascend910b"))
+    monkeypatch.setattr(custom_utils, "MSContext", FakeAscendContext("ascend910b"))
     monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910b")
     assert ascend.installed_op_types() == OP_TYPES
     for op_type in sorted(OP_TYPES):
@@ -194,7 +183,7 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
         ["aclTensor*", "aclTensor*", "double", "aclTensor*", "uint64_t*", "aclOpExecutor**"]
 
     # Another SoC: MindSpore reads only the running SoC's folder, and so do we.
-    monkeypatch.setattr(custom_utils, "MSContext", _FakeContext("ascend910_93"))
+    monkeypatch.setattr(custom_utils, "MSContext", FakeAscendContext("ascend910_93"))
     monkeypatch.setattr(ascend, "soc_version", lambda: "ascend910_93")
     assert ascend.installed_op_types() == set()
     with pytest.raises(RuntimeError, match=r"Cannot find operator \[RepetitionPenalty\]"):

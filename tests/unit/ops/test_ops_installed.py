@@ -13,6 +13,7 @@ import pytest
 
 import mindspore.ops.operations._custom_ops_utils as custom_utils
 
+from cann_stub import FakeAscendContext
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.ops import ascend, backend
 
@@ -29,15 +30,6 @@ def install_vendor(root, soc, ops=OP_TYPES):
     return root
 
 
-class _Ctx:
-    def __init__(self, soc):
-        self.soc = soc
-
-    def get_instance(self):
-        return self
-
-    def get_ascend_soc_version(self):
-        return self.soc
 
 
 @pytest.fixture
@@ -53,7 +45,7 @@ def opp(tmp_path, monkeypatch):
 
 def both(monkeypatch, soc):
     """installed_op_types() and MindSpore's own lookup, on the same SoC."""
-    monkeypatch.setattr(custom_utils, "MSContext", _Ctx(soc))
+    monkeypatch.setattr(custom_utils, "MSContext", FakeAscendContext(soc))
     monkeypatch.setattr(ascend, "soc_version", lambda: soc)
     found = set()
     for op in sorted(OP_TYPES):

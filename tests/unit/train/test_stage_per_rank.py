@@ -3,13 +3,11 @@
 emulated on CPU: a Trainer holding a lazily built, plan-applied tiny model for global rank 2 of
 dp1 tp2 pp2 (stage 1); the save's barrier (an AllReduce) is emulated as a no-op."""
 
-import time
 from types import SimpleNamespace
 
-import numpy as np
-import pytest
 from safetensors import safe_open
 
+from builders import attach_save_state
 from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.spec.config import get_preset
 from ms_deepseek.spec.parallel import ParallelConfig
@@ -22,7 +20,6 @@ RANK = 2  # stage 1
 def _trainer(tmp_path, lazy=True, weights=None):
     from mindspore.nn.utils import no_init_parameters
 
-    from ms_deepseek.checkpoint.training import CheckpointManager
     from ms_deepseek.checkpoint.tensors import model_tensors
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.sharding.apply import apply_plan
@@ -40,11 +37,7 @@ def _trainer(tmp_path, lazy=True, weights=None):
                                checkpoint=SimpleNamespace(save_interval=1, save_final=True),
                                to_yaml=lambda: "model: {source: tiny}\n")
     t.model_tensors = model_tensors(model)
-    t.opt_tensors = {}
-    t.manager = CheckpointManager(tmp_path / "checkpoints", 2)
-    t.strategy_file = tmp_path / "strategy" / "none.ckpt"
-    t.dataset = SimpleNamespace(state_dict=lambda: {})
-    t.tokens_seen, t.elapsed_before, t.started, t.seq_len, t.stop_at = 0, 0.0, time.time(), 8, 1
+    attach_save_state(t, tmp_path)
     return t
 
 

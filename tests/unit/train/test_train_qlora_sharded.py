@@ -9,7 +9,6 @@ bit for bit, whether model.source is the quantized folder or the float one (quan
 LoRA checkpoint a rank saves holds only adapters (and routers).
 """
 
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +20,7 @@ from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.quant import QuantSpec
 
-from builders import small_config
+from builders import attach_save_state, small_config
 
 CFG = small_config(num_hidden_layers=2)
 LORA = LoraSpec(r=4, alpha=8, target_modules=["q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -44,7 +43,6 @@ def bases(tmp_path_factory):
 def _trainer(tmp_path, par, rank, source, quant=INT4):
     from mindspore.nn.utils import no_init_parameters
 
-    from ms_deepseek.checkpoint.training import CheckpointManager
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.sharding.apply import apply_plan
     from ms_deepseek.train import lora_run
@@ -62,11 +60,7 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
         tmp_path
     t.model, t.applied, t.opt_shards = model, apply_plan(model, par, CFG), None
     t.model_tensors = lora_checkpoint_tensors(model)
-    t.opt_tensors = {}
-    t.manager = CheckpointManager(tmp_path / "checkpoints", 2)
-    t.strategy_file = tmp_path / "strategy" / "none.ckpt"
-    t.dataset = SimpleNamespace(state_dict=lambda: {})
-    t.tokens_seen, t.elapsed_before, t.started, t.seq_len, t.stop_at = 0, 0.0, time.time(), 8, 1
+    attach_save_state(t, tmp_path)
     return t
 
 
