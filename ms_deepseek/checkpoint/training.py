@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.core.atomic import atomic_folder, fsync_tree, install, remove_partials
+from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
 from ms_deepseek.core.errors import UserError
@@ -41,6 +41,9 @@ ABANDONED = ".abandoned-"  # step_N.abandoned-<UTC time>: a newer checkpoint set
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
 RANK_FILES = ("model.safetensors", "optimizer.safetensors")
 COMMON_FILES = ("config.json", "state.json", "recipe.yaml")
+
+
+LATEST = "latest"  # checkpoints/latest: the name of the newest complete save (one line)
 
 
 def step_dir_name(step: int) -> str:
@@ -87,8 +90,19 @@ class CheckpointManager:
         return sorted(out)
 
     def latest(self) -> Optional[Path]:
-        done = self.complete()
+        """The checkpoint ``checkpoints/latest`` names when it is complete, else the newest complete one."""
+        try:
+            name = (self.folder / LATEST).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if STEP_DIR.match(name) and is_complete(self.folder / name):
+            return self.folder / name
+        done = self.complete()  # no pointer, or a stale one (its folder pruned, set aside or incomplete)
         return done[-1][1] if done else None
+
+    def point_latest(self, final: Path) -> None:
+        """After a complete save: ``checkpoints/latest`` names it (written atomically)."""
+        atomic_write_text(self.folder / LATEST, final.name + "\n")
 
     def remove_partial(self) -> List[Path]:
         """Delete temporary folders left by a save that crashed; return what was removed."""
@@ -102,6 +116,7 @@ class CheckpointManager:
             save_tensors(model_tensors, tmp / "model.safetensors")
             save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
             _common_files(tmp, config, state, recipe_yaml)
+        self.point_latest(final)
         self.prune()
         return final
 
@@ -168,6 +183,7 @@ def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: Shard
         _common_files(tmp, config, state, recipe_yaml)
         fsync_tree(tmp)
         install(tmp, final)
+        manager.point_latest(final)
         manager.prune()
     barrier()  # nobody starts the next save before the swap
     return final

@@ -204,6 +204,23 @@ def remove_stale_partials(dst: Path) -> list:
     return removed
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace the small file ``path`` in one step (a temporary sibling, fsynced, renamed over it, the folder
+    fsynced): a reader sees the old text or the new, never a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{PARTIAL}{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_path(path.parent)
+
+
 def temporary_sibling(dst: Path) -> Path:
     """A fresh temporary sibling of ``dst``; stale ones of the same destination are removed first."""
     remove_stale_partials(dst)

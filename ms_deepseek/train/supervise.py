@@ -18,7 +18,10 @@ this node are watched: on a multi-node job each node's ``launch`` watches its ow
 two "nodes" on this host (two ``launch --nnodes 2`` of one worker each, the node-1 worker
 SIGKILLed): node 1's launch exited 1.6 s after the kill, node 0's 31.4 s after (MindSpore's
 scheduler times out the lost node's heartbeat and its survivors are stopped with SIGTERM; node
-0's line then names the lost rank from ``scheduler.log``).
+0's line then names the lost rank from ``scheduler.log``). With three such nodes and node 0's worker
+SIGKILLed, nodes 1 and 2 exited 35.7-39.1 s after (their all-reduce with rank 0 failed, or MindSpore
+SIGTERMed them) and each named its own worker: a worker that dies on its own is now recorded in the shared
+run folder (``record_first_failure``), and a node whose worker died of a peer names the recorded rank.
 
 Stop signals: SIGTERM, SIGHUP and SIGINT to ``launch`` (``timeout``, ``kill``, a closed ssh session, a
 scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoint at the next step and
@@ -32,9 +35,11 @@ SIGHUP left msrun, the scheduler and both workers running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -56,6 +61,61 @@ def _timed_out_rank(log_dir: Path) -> Optional[int]:
         return None
     match = _NODE_TIMED_OUT.search(text)
     return int(match.group(1)) if match else None
+
+
+# A worker that died because a peer did: its collective failed (CPU mccl ring: collective_ops_impl.cc,
+# RunRingAllReduce; HCCL's notify-wait / execution timeouts) instead of failing on its own.
+_PEER_FAILED = re.compile(r"Ring \w+ wait (?:receiving|sending)[^\n]* failed|HCCL_EXEC_TIMEOUT|EI0002|"
+                          r"Notify wait|hcclCommInitRootInfo|The node: \d+ is timed out")
+FIRST_FAILURE = "first_failure"  # RUN_DIR/.heartbeat/first_failure: the first worker that died, any node
+
+
+def _peer_failed(log: Path) -> bool:
+    """True when the worker's log shows it failed waiting for another rank."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 1_000_000))  # the end of the log: where the failure is
+            return bool(_PEER_FAILED.search(fh.read().decode(errors="replace")))
+    except OSError:
+        return False
+
+
+def record_first_failure(folder: Optional[Path], rank: int, how: str, log: Path) -> None:
+    """Publish ``rank`` as the job's first dead worker in the run folder every node's launch sees (a shared
+    file system); the first node to write wins (a hard link never replaces an existing file)."""
+    if folder is None:
+        return
+    tmp = folder / f".{FIRST_FAILURE}.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"rank": rank, "how": how, "log": str(log), "time": time.time(),
+                                   "host": socket.gethostname()}))
+        os.link(tmp, folder / FIRST_FAILURE)
+    except OSError:  # already written by another node (or no shared folder): nothing to add
+        pass
+    finally:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def read_first_failure(folder: Optional[Path], wait_s: float = 0.0) -> Optional[dict]:
+    """The first dead worker another node's launch recorded, waiting up to ``wait_s`` for it."""
+    if folder is None:
+        return None
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            rec = json.loads((folder / FIRST_FAILURE).read_text())
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                return rec
+        except (OSError, ValueError):
+            pass
+        if time.time() >= deadline:
+            return None
+        time.sleep(0.2)
 
 
 def _children_map() -> Dict[int, List[int]]:
@@ -312,6 +372,17 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
         return code, None
     pid, worker_code, when = failed[0]
     rank = ranks.get(pid)
+    log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
+    # Our worker died first, or because a peer did: a SIGTERM we did not send (MindSpore stops the survivors
+    # when the scheduler loses a node) or a collective that failed waiting for another rank.
+    consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
+    if not consequence and rank is not None:
+        record_first_failure(heartbeat_dir, rank, _how(worker_code), log)
+    first = read_first_failure(heartbeat_dir, wait_s=5.0) if consequence else None
+    if first is not None and first["rank"] != rank:
+        return 1, (f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
+                   f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
+                   f"then {_how(worker_code)} and every other worker of this node was stopped")
     lost = _timed_out_rank(log_dir)
     if lost is not None and lost not in ranks.values():
         # multi-node: a worker of another node died; MindSpore then stops the survivors here (SIGTERM,
@@ -320,6 +391,9 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                    f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
                    f"{_how(worker_code)} and every other worker of this node was stopped")
     who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
-    log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
+    if consequence:
+        return 1, (f"a worker on another node died first (no node recorded which: the run folder is not shared "
+                   f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
+                   f"{who} then {_how(worker_code)} waiting for it; its log: {log}")
     return 1, (f"{who} {_how(worker_code)}; its log: {log}; stopped every other worker of this node "
-                         f"{time.time() - when:.1f} s after msrun reported it")
+               f"{time.time() - when:.1f} s after msrun reported it")

@@ -77,7 +77,8 @@ def test_cli_run_reports_loss_checkpoint_and_metrics(reference):
     assert list((run_dir / "tb").iterdir()), "no TensorBoard event file"
     # keep_last 2 with a save every step: only the last two remain, each complete
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert kept == ["step_00000003", "step_00000004"]
+    assert kept == ["latest", "step_00000003", "step_00000004"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000004\n"  # the pointer --resume reads
     ckpt = run_dir / "checkpoints" / "step_00000004"
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
         ["model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml"])
@@ -166,7 +167,7 @@ def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tm
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     # the half-written folder is hidden (a killed process leaves it; an interrupted one removes it)
-    assert all(p.name.startswith((".step_00000004.partial-", "step_")) for p in ckpts.iterdir())
+    assert all(p.name.startswith((".step_00000004.partial-", "step_", "latest")) for p in ckpts.iterdir())
     assert ckpt_mod.resolve_resume("latest", run_dir) == ckpts / "step_00000002"
     (ckpts / ".step_00000004.partial-killed").mkdir()  # what a SIGKILL mid-save leaves
 

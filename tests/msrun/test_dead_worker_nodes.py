@@ -1,0 +1,84 @@
+"""Three 1-worker "nodes" on this host (three `launch --nnodes 3`, one shared run folder as on a cluster with a
+shared file system, a log folder per node): node 0's worker is SIGKILLed. Every node must exit within 60 s,
+non-zero, with a last line naming rank 0, the first rank that died (before, nodes 1 and 2 each named their own
+worker, which died ~35 s later when its collective with rank 0 failed)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from builders import free_port, small_recipe, write_recipe
+from repo_paths import REPO
+from test_dead_worker import _rank_pid, _steps
+
+
+@pytest.mark.msrun
+def test_every_node_names_the_first_dead_rank(tmp_path):
+    spec = small_recipe(dp=3)
+    spec["train"].update(steps=2000, micro_batch_size=3)  # far more than it runs; 3 x 32 tokens split into 3
+    recipe = write_recipe(tmp_path, spec)
+    run_dir, port = tmp_path / "run", free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
+                               "--nnodes", "3", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), "--cluster-time-out", "120",
+                               "--log-dir", str(tmp_path / f"logs{node}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+             for node in range(3)]
+    results = {}
+    try:
+        deadline = time.time() + 300
+        while max(_steps(run_dir), default=0) < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        os.kill(_rank_pid(0, run_dir), signal.SIGKILL)
+        killed_at = time.time()
+
+        def wait(node):
+            _, err = procs[node].communicate(timeout=120)
+            results[node] = (time.time() - killed_at, procs[node].returncode, err.strip().splitlines()[-1])
+
+        threads = [threading.Thread(target=wait, args=(node,)) for node in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (after, code, last) in sorted(results.items()):
+        print(f"node {node}: exited {code} {after:.1f} s after the kill: {last}")
+    for node, (after, code, last) in results.items():
+        assert code != 0 and after < 60, (node, after, code)
+        assert last.startswith("ms-deepseek launch: worker rank 0 "), (node, last)
+        assert "was killed by SIGKILL" in last, (node, last)
+    assert "died first" in results[1][2] and "died first" in results[2][2]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_survivor_names_the_rank_another_node_recorded(tmp_path, shared):
+    """Fast, with a stand-in for msrun: our worker is SIGTERMed (MindSpore stopping the survivors); the rank
+    another node's launch recorded as dead first is named, or, without a shared run folder, the line says the
+    first dead worker is on another node instead of blaming our own."""
+    from test_dead_worker import FAKE_MSRUN
+    from ms_deepseek.train.supervise import record_first_failure, run_supervised
+
+    script, logs, beats = tmp_path / "fake_msrun.py", tmp_path / "logs", tmp_path / "run" / ".heartbeat"
+    script.write_text(FAKE_MSRUN)
+    logs.mkdir()
+    if shared:
+        record_first_failure(beats, 4, "was killed by SIGKILL", tmp_path / "elsewhere" / "worker_4.log")
+        record_first_failure(beats, 6, "exited with code 1", tmp_path / "late.log")  # the first writer wins
+    code, message = run_supervised([sys.executable, str(script), "2", "SIGTERM"], dict(os.environ), logs,
+                                   heartbeat_dir=beats)
+    assert code == 1 and "\n" not in message
+    if shared:
+        assert message.startswith("worker rank 4 (on ") and "died first: it was killed by SIGKILL" in message
+        assert "this node's worker rank 2 then was killed by SIGTERM" in message
+    else:
+        assert message.startswith("a worker on another node died first") and "worker rank 2" in message
