@@ -26,7 +26,6 @@ the validation set is), so a mixture has one static shape, which a sharded graph
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
@@ -36,6 +35,12 @@ from ms_deepseek.data.chat import IGNORE_INDEX
 
 CHUNK = 4096   # stream positions per exact-proportion chunk
 WINDOW = 16    # steps read per batch of MindDataset readers
+
+
+# More repetitions of a source than this get a warning at start: repeating data up to ~4 epochs is worth
+# about as much as fresh data, beyond that returns fall quickly (Muennighoff et al. 2023, "Scaling
+# Data-Constrained Language Models").
+MAX_EPOCHS = 4.0
 
 
 def chunk_counts(weights: List[float], chunk: int = CHUNK) -> np.ndarray:
@@ -74,6 +79,19 @@ class MixtureDataset:
         self._order_cache: Dict[tuple, np.ndarray] = {}
         if state is not None:
             self._restore(state)
+
+    def repeat_warnings(self, total_samples: int, max_epochs: float = MAX_EPOCHS) -> List[str]:
+        """One line per source the run will read more than ``max_epochs`` times over ``total_samples``
+        draws (steps x global batch), from its weight and size."""
+        share = np.asarray(self.counts, dtype=np.float64) / float(np.sum(self.counts))
+        out = []
+        for i, (name, n) in enumerate(zip(self.names, self.num_samples)):
+            epochs = share[i] * total_samples / max(n, 1)
+            if epochs > max_epochs:
+                out.append(f"data.path[{i}]: {name} ({n} samples, weight {self.weights[i]:g}) is read about "
+                           f"{epochs:.1f} times over this run's {total_samples} samples, more than {max_epochs:g} "
+                           f"epochs (lower its weight or add data)")
+        return out
 
     # ------------------------------------------------------------------ position
 

@@ -140,6 +140,9 @@ def build_plots(records) -> List[str]:
                     ys.append(float(v))
             series.append(Series(name, xs, ys))
         parts.append(render_chart(Chart("plot-samples-by-source", "Samples drawn per data source", series)))
+    if any(number(r, "data_wait_s") is not None for r in records):
+        parts.append(render_chart(Chart("plot-data-wait", "Data wait per step (s)",
+                                        [Series("waiting for the batch", *xy(records, "data_wait_s"), "#9467bd")])))
     if any(number(r, "memory_allocated_gb") is not None or number(r, "memory_reserved_gb") is not None
            for r in records):
         parts.append(render_chart(Chart("plot-memory", "Device memory (GB)", [

@@ -436,6 +436,8 @@ class Trainer:
         self.losses: List[float] = []
         self.last_ckpt: Optional[Path] = None
         self.interval_tokens, self.interval_start = 0, time.time()
+        # per logged interval: seconds spent in validation (not training throughput) and waiting for batches
+        self.interval_eval_s, self.interval_wait_s, self.interval_steps = 0.0, 0.0, 0
         self.steady_tokens, self.steady_time = 0, 0.0  # steps after the first (compile) step
         self.compile_s: Optional[float] = None  # the first step's time (graph compile + one step), logged once
         self.evaluator = None  # built (and its graph compiled) at the first validation
@@ -458,7 +460,10 @@ class Trainer:
                 self._print(describe(recipe))
             from ms_deepseek.spec.recipe import recipe_warnings
 
-            for warning in recipe_warnings(recipe):
+            warnings = recipe_warnings(recipe)
+            if hasattr(self.dataset, "repeat_warnings"):  # a weighted mixture: a source read too many times
+                warnings += self.dataset.repeat_warnings(self.stop_at * recipe.global_batch_size)
+            for warning in warnings:
                 self._print(f"warning: {warning}")
             if self.validation is not None:
                 every = recipe.train.eval_interval
@@ -471,7 +476,10 @@ class Trainer:
         """Read the step's k micro-batches, run the compiled step, read its outputs on the host."""
         from mindspore import Tensor
 
+        fetch = time.time()
         parts = [next(self.batches) for _ in range(self.k)]
+        self.interval_wait_s += time.time() - fetch  # the step waited this long for its batch
+        self.interval_steps += 1
         input_ids, labels = stack_micro_batches(parts, self.dataset.pad_id)  # [k * b, T] each
         outputs, grad_norm, lr, overflow, cur_scale = self.step_cell(Tensor(input_ids), Tensor(labels))
         vec = outputs.asnumpy()  # host read: the step is finished
@@ -513,15 +521,20 @@ class Trainer:
 
             self.evaluator = Evaluator(self.model, self.validation.batches, self.world,
                                        parallel=self.par if self.sharded else None)
-        return self.evaluator()
+        start = time.time()
+        result = self.evaluator()
+        self.interval_eval_s += time.time() - start  # kept out of tokens/s
+        return result
 
     def _log(self, step: int, out: _StepOut, val: Optional[Dict[str, float]] = None) -> None:
         """One metrics record (every rank computes it; the main rank writes, prints, raises alerts)."""
         now = time.time()
         record = {"step": step, "loss": out.loss, "total_loss": out.loss + out.aux, "lr": float(out.lr.asnumpy()),
                   "grad_norm": out.grad_norm, "elapsed_s": self.elapsed_before + now - self.started}
-        if self.interval_tokens:  # none when the interval is the compile step alone
-            record["tokens_per_s"] = self.interval_tokens / max(now - self.interval_start, 1e-9)
+        if self.interval_tokens:  # none when the interval is the compile step alone; validation time excluded
+            record["tokens_per_s"] = self.interval_tokens / max(now - self.interval_start - self.interval_eval_s, 1e-9)
+        if self.interval_steps:  # mean seconds a step of the interval waited for its batch
+            record["data_wait_s"] = self.interval_wait_s / self.interval_steps
         if self.compile_s is not None:
             record["compile_s"], self.compile_s = self.compile_s, None
         record.update(metrics_mod.moe_fields(out.stats, self.moe_layers, self.E))
@@ -534,6 +547,7 @@ class Trainer:
             record["overflow"] = bool(out.overflow.asnumpy())
         metrics_mod.optional_memory(record, self.memory_fn() if self.memory_fn else None)
         self.interval_tokens, self.interval_start = 0, now
+        self.interval_eval_s, self.interval_wait_s, self.interval_steps = 0.0, 0.0, 0
         if self.is_main:
             self.writer.write(record)
             self._print(metrics_mod.console_line(record, self.total))

@@ -66,6 +66,18 @@ def test_proportions_determinism_and_counts(folders):
     assert any((x["input_ids"] != y["input_ids"]).any() for x, y in zip(batches, other))
 
 
+def test_a_source_read_more_than_four_epochs_is_named(folders):
+    """Issue 21: a warning at start when the run would repeat a source more than MAX_EPOCHS times."""
+    ds = build_train_dataset(mix(folders), batch_size=4, seed=7)
+    a, b = ds.num_samples
+    # 0.3 of the draws go to b: 4.5 epochs of b, well under 4 of the larger a (the split is the chunk's)
+    total = int(4.5 * b / 0.3)
+    lines = ds.repeat_warnings(total)
+    assert len(lines) == 1 and lines[0].startswith(f"data.path[1]: {folders / 'b'} ({b} samples, weight 0.3)")
+    assert "more than 4 epochs" in lines[0]
+    assert ds.repeat_warnings(int(3.5 * b / 0.3)) == []
+
+
 def test_data_parallel_ranks_split_the_same_stream_and_resume_exactly(folders):
     whole = take(build_train_dataset(mix(folders), batch_size=4), 12)
     ranks = [take(build_train_dataset(mix(folders), batch_size=2, rank=r, world_size=2), 12) for r in range(2)]

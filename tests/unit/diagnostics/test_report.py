@@ -305,6 +305,16 @@ def test_report_plots_validation_loss_and_samples_per_source(tmp_path):
     assert "plot-samples-by-source" not in plain
 
 
+def test_report_plots_the_data_wait_when_logged(tmp_path):
+    records = synth_records(n=20, memory=False)
+    for r in records:
+        r["data_wait_s"] = 0.002 * r["step"]
+    generate(write_run(tmp_path / "run", records))
+    assert 'id="plot-data-wait"' in (tmp_path / "run" / "report.html").read_text()
+    generate(write_run(tmp_path / "plain", synth_records(n=20, memory=False)))
+    assert "plot-data-wait" not in (tmp_path / "plain" / "report.html").read_text()
+
+
 @pytest.mark.parametrize("content", ["", "\n\n", "not json\n{\"loss\": 1}\n", "{\"step\": -1}\n", "{\"step\": 1"])
 def test_report_with_no_valid_record_says_so_and_fails(tmp_path, capsys, content):
     """An empty page with "No alerts." once passed for a report (issue 21, defect 10): like a missing file,

@@ -152,3 +152,30 @@ def test_resume_keeps_the_validation_set_and_order(run, tmp_path):
     got = {r["step"]: r.get("val_loss") for r in records(piece)}
     want = {r["step"]: r.get("val_loss") for r in records(root / "run")}
     assert got == want
+
+
+def test_tokens_per_s_leaves_validation_out_and_data_wait_is_logged(tmp_path, corpus, monkeypatch):
+    """Issue 21: an evaluation showed as a throughput dip; tokens/s now counts training time only, and
+    every record says how long its steps waited for their batches (data_wait_s)."""
+    import time
+
+    from ms_deepseek.train import evaluate
+
+    def slow_evaluation(self):
+        time.sleep(1.0)  # far longer than a tiny training step
+        return {"val_loss": 1.0, "val_ppl": math.e}
+
+    monkeypatch.setattr(evaluate.Evaluator, "__call__", slow_evaluation)
+    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+            "data": {"path": str(corpus), "num_workers": 1, "validation": {"fraction": 0.1}},
+            "train": {"steps": 4, "micro_batch_size": 4, "seed": 3, "eval_interval": 1, "eval_batches": 1},
+            "optim": {"lr": 3e-3, "warmup_steps": 1},
+            "checkpoint": {"save_interval": 0, "save_final": False},
+            "logging": {"log_interval": 1, "tensorboard": False}}
+    _train(write_recipe(tmp_path, spec), tmp_path / "run")
+    recs = records(tmp_path / "run")
+    assert all(r["data_wait_s"] >= 0 for r in recs)
+    tokens = 4 * 32  # micro_batch_size x seq_len per step
+    for before, rec in zip(recs[1:], recs[2:]):  # one training step and one 1 s evaluation per interval
+        wall = rec["elapsed_s"] - before["elapsed_s"]
+        assert wall > 1.0 and rec["tokens_per_s"] > 2 * tokens / wall, (rec["tokens_per_s"], tokens / wall)
