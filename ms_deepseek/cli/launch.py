@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                         help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
                              "the run folder holds a complete checkpoint, else start fresh")
-    parser.add_argument("--force", action="store_true", help="run even if the planner says it does not fit")
+    parser.add_argument("--force", action="store_true",
+                        help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
+                             "set the run's newer ones aside (passed on to train)")
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
