@@ -391,6 +391,14 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                    f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
                    f"{_how(worker_code)} and every other worker of this node was stopped")
     who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
+    beats = _read_beats(heartbeat_dir) if consequence and heartbeat_dir is not None and rank is not None else {}
+    reached = beats.get(rank, (-1, -1))[0]
+    behind = sorted(r for r, (started, _done) in beats.items() if r != rank and started < reached)
+    if behind:  # a peer of this job stopped making progress (hung) and the collective gave up first
+        ranks_ = ", ".join(map(str, behind))
+        return 1, (f"{who} {_how(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
+                   f"{ranks_}, which did not reach step {reached} (hung: see {log_dir}/worker_N.log); "
+                   f"stopped the job")
     if consequence:
         return 1, (f"a worker on another node died first (no node recorded which: the run folder is not shared "
                    f"and this node has no scheduler log naming it; see node 0's launch output); this node's "

@@ -50,8 +50,10 @@ def test_a_hung_worker_stops_the_job_with_stacks_and_its_rank(tmp_path):
                                 "--cluster_time_out=120", str(script), str(run_dir), str(recipe)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     t0 = time.time()
-    code, message = run_supervised(cmd, env, logs, heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=10,
-                                   watchdog_min_s=5)
+    # a short limit: the CPU collective (mccl ring) gives up waiting for the hung rank after several
+    # seconds, and the watchdog must speak first (on Ascend HCCL_EXEC_TIMEOUT is 1800 s)
+    code, message = run_supervised(cmd, env, logs, heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=2,
+                                   watchdog_min_s=3)
     print(f"hung job stopped after {time.time() - t0:.1f} s: {message}")
     assert code == 1 and message.startswith("watchdog: no step finished for "), message
     assert "rank 1 did not reach step 4" in message
