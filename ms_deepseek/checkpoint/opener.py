@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from ms_deepseek.checkpoint.convert_plan import check_tensors
-from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, read_quant_config
+from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
@@ -71,7 +71,7 @@ def open_checkpoint(folder) -> Opened:
         return _open_sharded(folder)
     weights = read_weight_files(folder)
     lora = lora_of(folder)
-    quant = _quant_of(folder)
+    quant = quant_spec_of(folder)
     if quant is not None:  # int8 / int4 weights with scales (checkpoint.quantize)
         model = WholeSource.of(weights)
         expected = expected_hf_shapes(weights.config) if model.hf else expected_ms_shapes(weights.config)
@@ -108,17 +108,12 @@ def _open_sharded(folder: Path) -> Opened:
     cfg = DeepseekV2Config.from_json(config_path)
     lora = LoraSpec.from_settings(model.layout.lora, f"{folder / LAYOUT_FILE}: lora")
     check_config_scale(cfg, model.layout.tensors, config_path, LAYOUT_FILE)
-    quant = _quant_of(folder)  # pre-sharded `convert quantize --recipe` output
+    quant = quant_spec_of(folder)  # pre-sharded `convert quantize --recipe` output
     _check_layout_matches_config(model.layout, cfg, folder, lora, quant)
     optimizer = None
     if model.layout.optimizer:
         optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
     return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora, quant=quant)
-
-
-def _quant_of(folder: Path) -> Optional[QuantSpec]:
-    found = read_quant_config(folder)
-    return None if found is None else found[0]
 
 
 def lora_of(folder: Path) -> Optional[LoraSpec]:

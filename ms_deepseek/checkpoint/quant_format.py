@@ -138,6 +138,12 @@ def read_quant_config(folder: Path) -> Optional[Tuple[QuantSpec, Dict]]:
     return spec, section
 
 
+def quant_spec_of(folder: Path) -> Optional[QuantSpec]:
+    """The QuantSpec a `convert quantize` folder was written with, None for a float checkpoint."""
+    found = read_quant_config(folder)
+    return None if found is None else found[0]
+
+
 def expected_quantized(expected: Dict[str, Tuple[int, ...]], spec: QuantSpec) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     """name -> (shape, dtype or None for any float) of a quantized checkpoint, from the float layout."""
     out: Dict[str, Tuple[Tuple[int, ...], Optional[str]]] = {}

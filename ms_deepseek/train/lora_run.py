@@ -19,6 +19,7 @@ import numpy as np
 
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
 from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
 from ms_deepseek.core.dtypes import itemsize, safetensors_code
@@ -58,7 +59,7 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
         _quantize_base(model, recipe.quant, base)
     elif write_base:
         save_base(model, Path(run_dir) / BASE_DIR)
-    if recipe.quant is None and base is not None and _quant_of(base) is not None:
+    if recipe.quant is None and base is not None and quant_spec_of(base) is not None:
         raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
                         "bits and group_size to train LoRA on it")
     paths = lora.add_adapters(model, section, seed=recipe.train.seed)
@@ -66,17 +67,10 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
     return paths
 
 
-def _quant_of(folder: Path):
-    from ms_deepseek.checkpoint.quant_format import read_quant_config
-
-    found = read_quant_config(folder)
-    return None if found is None else found[0]
-
-
 def _quantize_base(model, spec, base: Optional[Path]) -> None:
     from ms_deepseek.model.quant import is_quantized, quantize_model
 
-    have = _quant_of(base) if base is not None else None
+    have = quant_spec_of(base) if base is not None else None
     if have is not None:
         if (have.bits, have.group_size) != (spec.bits, spec.group_size):
             raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
@@ -96,7 +90,7 @@ def _quantized_placeholders(model, spec, base: Optional[Path]) -> None:
     if base is None:
         raise UserError("quant: a tp / pp / ep run reads its frozen base from model.source (a checkpoint folder: "
                         "`convert quantize` output, or a float one, quantized per rank as it loads)")
-    have = _quant_of(base)
+    have = quant_spec_of(base)
     if have is not None and (have.bits, have.group_size) != (spec.bits, spec.group_size):
         raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
                         f"quantized with bits {have.bits}, group_size {have.group_size}")
@@ -250,7 +244,7 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
         return (run_dir / BASE_DIR).resolve()  # absolute, as for model.source: the adapter is read from elsewhere
     source = Path(str(model_section.get("source", ""))).expanduser()
     if source.is_dir() and (source / "config.json").is_file():
-        if _quant_of(source) is not None:  # a QLoRA run on a `convert quantize` folder: its float original
+        if quant_spec_of(source) is not None:  # a QLoRA run on a `convert quantize` folder: its float original
             from ms_deepseek.checkpoint.quantize import original_of
 
             original = original_of(source)
@@ -391,7 +385,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
 
     base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)
-    if _quant_of(base) is not None:
+    if quant_spec_of(base) is not None:
         raise UserError(f"--merge {base}: a quantized checkpoint; merge into the unquantized base it was made "
                         "from (its config.json's quantization_config.original)")
     ckpt = read_weight_files(base)
