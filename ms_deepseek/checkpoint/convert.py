@@ -209,9 +209,8 @@ def hf_to_ms(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, work
 def ms_to_hf(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
              overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
     """ms_deepseek folder or training checkpoint -> HuggingFace folder (per-expert tensors, release config)."""
-    from ms_deepseek.checkpoint.opener import lora_of
+    from ms_deepseek.checkpoint.opener import lora_not_a_model, lora_of
 
     if lora_of(Path(src)) is not None:  # the same line as a sharded LoRA checkpoint's (sharded.merge_to_hf)
-        raise UserError(f"{src}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
-                        f"merged HF folder with `ms-deepseek export-lora {src} OUT [--merge BASE]`")
+        raise lora_not_a_model(src)
     return _convert(src, dst, "ms-to-hf", plan_ms_to_hf, WriteOptions(shard_size, workers, overwrite, progress, fsync))

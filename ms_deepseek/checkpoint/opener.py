@@ -116,6 +116,12 @@ def _open_sharded(folder: Path) -> Opened:
     return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora, quant=quant)
 
 
+def lora_not_a_model(folder) -> UserError:
+    """What converting a LoRA checkpoint (whole or sharded) to a model says: use export-lora."""
+    return UserError(f"{folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
+                     f"merged HF folder with `ms-deepseek export-lora {folder} OUT [--merge BASE]`")
+
+
 def lora_of(folder: Path) -> Optional[LoraSpec]:
     """The LoRA settings of a whole LoRA training checkpoint (its recipe.yaml's lora section), else None."""
     if not (folder / "state.json").is_file():

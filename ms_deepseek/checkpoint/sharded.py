@@ -34,14 +34,13 @@ import numpy as np
 from ms_deepseek.core.atomic import atomic_folder, check_destination
 from ms_deepseek.checkpoint.layout import (LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory,
                                            rank_dir_name)
-from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
 from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
 from ms_deepseek.parallel.validate import validate_layout
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec import names
 from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
-from ms_deepseek.core.errors import UserError
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 
@@ -215,8 +214,7 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
     opened = open_checkpoint(src_folder)
     model, cfg = opened.model, opened.config
     if opened.lora is not None:
-        raise UserError(f"{src_folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
-                        f"merged HF folder with `ms-deepseek export-lora {src_folder} OUT [--merge BASE]`")
+        raise lora_not_a_model(src_folder)
     _check_strategy_files(src_folder, model.layout)
 
     def plan_fn(_):
