@@ -78,8 +78,14 @@ class DeepseekV2Model(nn.Cell):
         returns aux 0 and no stats (nobody reads them; skipping them saves ops in PyNative).
         """
         T = input_ids.shape[1]
-        positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]
-        cos, sin = self.rotary_emb(positions.astype(ms.float32))
+        # float positions made as floats: under sharding propagation a Cast of the (constant-folded)
+        # int32 arange got a split of its own while the constant stayed whole, and the inserted
+        # AllGather gave dp x T positions (reshape.cc ReshapeCheckSize: "x_shape {32768} ... out_shape
+        # {4096, 1}" on V2-Lite at dp 8, seq 4096)
+        positions_f = ops.arange(0, T, dtype=ms.float32)  # [T]
+        if caches is not None and not prefill:
+            positions_f = positions_f + start_pos.astype(ms.float32)
+        cos, sin = self.rotary_emb(positions_f)
         cache_index = None
         if caches is None or prefill:
             mask = causal_mask(T, T)  # [T, T]
@@ -87,6 +93,7 @@ class DeepseekV2Model(nn.Cell):
             mask = causal_mask(T, caches[0].shape[1], start_pos)  # [T, S]: rows after each query masked
             B = input_ids.shape[0]
             rows = ops.broadcast_to(ops.arange(0, B, dtype=ms.int32).reshape(B, 1), (B, T))  # [B, T]
+            positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]
             cols = ops.broadcast_to(positions.reshape(1, T), (B, T))  # [B, T]
             cache_index = ops.stack((rows, cols), -1)  # [B, T, 2]: where each new entry goes, all layers
         x = self.embed_tokens(input_ids).astype(self.compute_dtype)

@@ -64,7 +64,15 @@ class RMSNorm(nn.Cell):
         x32 = x.astype(ms.float32)
         variance = (x32 * x32).mean(-1, keep_dims=True)
         normed = x32 * ops.rsqrt(variance + self.eps)
-        return self.weight.astype(dtype) * normed.astype(dtype)
+        # The batch operand first, the weight second, as in Linear (x @ W^T). Gradient accumulation
+        # relies on it: MindSpore marks the *primitive* of the first node (in graph order: depth first,
+        # first input first) that consumes a Parameter, and then every node of that primitive must lie
+        # on a micro-batch's path (grad_accumulation_utils.cc TagMicroBatchBpEndPrim / TagMicroBatchBpEnd,
+        # "Cannot find micro info for node"). With the weight first, the final norm's weight Cast (the
+        # one Cast primitive every astype shares, no batch dependence) was that node; with the batch
+        # first, the depth-first walk reaches the embedding's own Gather first. Compiled by
+        # tests/compile (grad_accum_steps > 1).
+        return normed.astype(dtype) * self.weight.astype(dtype)
 
 
 class MLP(nn.Cell):

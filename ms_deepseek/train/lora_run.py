@@ -40,17 +40,28 @@ def base_folder(recipe, run_dir: Path) -> Optional[Path]:
 
 
 def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path] = None,
-            sharded: bool = False) -> List[str]:
+            sharded: bool = False, shapes_only: bool = False) -> List[str]:
     """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first.
 
     With a ``quant:`` section the base is quantized before the adapters go on: a float base (loaded,
     or random and saved unquantized to RUN_DIR/base) in memory, deterministically, so a resumed run
     rebuilds the same one; a quantized ``model.source`` (``convert quantize``) arrives quantized and
     must match the section. ``sharded`` (a tp / pp / ep run, built without allocating): the quantized
-    layers are placeholders, whose slices :func:`load_base_slices` reads after the compile."""
+    layers are placeholders, whose slices :func:`load_base_slices` reads after the compile.
+    ``shapes_only`` (the compile check, ``diagnostics.compile_worker``): no base is read or needed,
+    the quantized layers are placeholders whatever the layout, and the adapters are unallocated too."""
     from ms_deepseek.model import lora
 
     section = recipe.lora
+    if shapes_only:
+        if recipe.quant is not None:
+            _quantized_placeholders(model, recipe.quant, None, need_base=False)
+        from mindspore.nn.utils import no_init_parameters
+
+        with no_init_parameters():
+            paths = lora.add_adapters(model, section, seed=recipe.train.seed)
+        lora.freeze_base(model, section.train_router)
+        return paths
     if sharded and recipe.quant is not None:
         _quantized_placeholders(model, recipe.quant, base)
     elif recipe.quant is not None:
@@ -81,16 +92,16 @@ def _quantize_base(model, spec, base: Optional[Path]) -> None:
     quantize_model(model, spec)
 
 
-def _quantized_placeholders(model, spec, base: Optional[Path]) -> None:
+def _quantized_placeholders(model, spec, base: Optional[Path], need_base: bool = True) -> None:
     """A sharded QLoRA run: the quantized layers, unallocated (no_init_parameters), before the adapters."""
     from mindspore.nn.utils import no_init_parameters
 
     from ms_deepseek.model.quant import quantize_model
 
-    if base is None:
+    if base is None and need_base:
         raise UserError("quant: a tp / pp / ep run reads its frozen base from model.source (a checkpoint folder: "
                         "`convert quantize` output, or a float one, quantized per rank as it loads)")
-    have = quant_spec_of(base)
+    have = quant_spec_of(base) if base is not None else None
     if have is not None and (have.bits, have.group_size) != (spec.bits, spec.group_size):
         raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
                         f"quantized with bits {have.bits}, group_size {have.group_size}")

@@ -59,6 +59,29 @@ def _no_decay(name: str) -> bool:
             or name.endswith("mlp.gate.weight"))
 
 
+def zero_states(parameters, prefix: str, dtype=None) -> ParameterTuple:
+    """Zeros shaped like each parameter (``dtype``: float32 optimizer moments; None: the parameter's own,
+    MindSpore's ``accu_grads``), named ``<prefix>.<param name>``. Each shares its parameter's
+    ``param_info`` clone, so a parallel layout applied to the parameter reaches its state, as
+    ``ParameterTuple.clone`` does; unlike ``clone(init="zeros")`` it also works for parameters built
+    under ``no_init_parameters`` (whose clone loses the deferred initialiser: "init_data must be set
+    Tensor.init", ``mindspore/parallel/_utils.py`` ``_slice_parameter``)."""
+    states = []
+    for param in parameters:
+        state_dtype = param.dtype if dtype is None else dtype
+        state = Parameter(initializer("zeros", param.shape, state_dtype))
+        state.param_info = param.param_info.clone()
+        if hasattr(param.param_info, "cloned_obj"):
+            param.param_info.cloned_obj.append(state)
+        else:
+            param.param_info.cloned_obj = [state]
+        state.is_init = False
+        state.set_data(initializer("zeros", param.shape, state_dtype))
+        state.name = f"{prefix}.{state.name}"
+        states.append(state)
+    return ParameterTuple(states)
+
+
 class AdamW(Optimizer):
     """Decoupled AdamW with bias correction; one fused ``AdamWeightDecay`` call per parameter.
 
@@ -91,21 +114,7 @@ class AdamW(Optimizer):
             self.weight_decay = tuple(self.weight_decay for _ in self._parameters)
 
     def _state(self, prefix: str) -> ParameterTuple:
-        """Float32 zeros shaped like each parameter, named ``<prefix>.<param name>``; each shares its
-        parameter's ``param_info`` clone so a parallel layout applied to the parameter reaches its state."""
-        states = []
-        for param in self._parameters:
-            state = Parameter(initializer("zeros", param.shape, mstype.float32))
-            state.param_info = param.param_info.clone()
-            if hasattr(param.param_info, "cloned_obj"):
-                param.param_info.cloned_obj.append(state)
-            else:
-                param.param_info.cloned_obj = [state]
-            state.is_init = False
-            state.set_data(initializer("zeros", param.shape, mstype.float32))
-            state.name = f"{prefix}.{state.name}"
-            states.append(state)
-        return ParameterTuple(states)
+        return zero_states(self._parameters, prefix, mstype.float32)
 
     def construct(self, gradients):
         weight_decay = self.get_weight_decay()

@@ -160,7 +160,10 @@ class PipelineGrads(nn.Cell):
 
     def __init__(self, parameters: ParameterTuple, optimizer_shard: bool):
         super().__init__(auto_prefix=False)
-        self.accu_grads = parameters.clone(prefix="accu_grads", init="zeros")
+        from ms_deepseek.train.optim import zero_states
+
+        # not parameters.clone(init="zeros"): that breaks a model built under no_init_parameters
+        self.accu_grads = zero_states(parameters, "accu_grads")
         self.opt_shard = optimizer_shard
         self.hyper_map = ops.HyperMap()
 
@@ -265,12 +268,16 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel
     loss scale) and ``parallel`` sections. Micro-batches per step: ``parallel.micro_batches`` with
     pipeline parallelism (pp > 1), else ``train.grad_accum_steps``. ``wrap_net`` replaces the
     accumulation wrapper (the trainer passes the pipeline wrapper for pp > 1); pp > 1 adds the
-    :class:`PipelineGrads` (``accu_grads.*``) the pipeline pass needs. ``dynamic_loss_scale``:
+    :class:`PipelineGrads` (``accu_grads.*``) the pipeline pass needs, and so does accumulation
+    (k > 1) in a sharded layout. ``dynamic_loss_scale``:
     float16 compute."""
     cfg = model.config
     num_moe_layers, num_experts = len(cfg.moe_layer_indices), cfg.n_routed_experts or 0
-    pipeline = parallel.pp > 1
-    accum_steps = parallel.micro_batches if pipeline else train.grad_accum_steps
+    accum_steps = parallel.micro_batches if parallel.pp > 1 else train.grad_accum_steps
+    # MindSpore's pipeline pass, and its accumulation pass under SEMI/AUTO parallel, sum the micro-batches'
+    # gradients into ``accu_grads.<param>`` (graph_utils.cc CreateMirrorInput: "You should define
+    # `accu_grads` when use _MicroStepAllGather"; MindSpore's own _TrainGradAccuStepCell defines them)
+    pipeline = parallel.pp > 1 or (parallel.uses_semi_auto and accum_steps > 1)
     net = StepOutputs(model, accum_steps, num_moe_layers)
     if wrap_net is not None:
         net = wrap_net(net)

@@ -1,0 +1,294 @@
+"""Stub CANN libraries, so that MindSpore's dry run compiles sharded graphs on a host without CANN.
+
+MindSpore's Ascend plugin (``mindspore/lib/plugin/libmindspore_ascend.so.2`` and the libraries
+under ``plugin/ascend/``) links against CANN libraries (``libge_runner.so``, ``libhccl.so``,
+``libascendcl.so``, ...). At ``MS_SIMULATION_LEVEL=0`` (compile only) none of their functions is
+called except a static registration at load (``ge::OperatorCreatorRegister``), so libraries that
+define every symbol the plugin needs, each returning 0, let the real parallel frontend run
+(``../shared/design.md`` section 8, measured on MindSpore 2.9.0).
+
+:func:`ensure_stubs` builds them once per MindSpore version, Python and machine into the user's
+cache folder, from the installed wheel itself:
+
+1. walk the ``NEEDED`` closure of the plugin's libraries (``readelf -d``: RPATH/RUNPATH with
+   ``$ORIGIN``, the wheel's library folders, the system's ``ldconfig`` cache); a library found
+   nowhere is *missing*;
+2. collect the undefined, non-weak dynamic symbols of the closure's own libraries
+   (``readelf --dyn-syms``) that no library of the closure (nor the Python executable) defines;
+3. compile one C file with a ``long f(void) { return 0; }`` per symbol (its mangled name given
+   with ``__asm__``) into ``libcann_stub_core.so``, and give every missing library an empty
+   ``.so`` with that SONAME which depends on the core;
+4. write ``py/hccl/sys_version.py`` (``mindspore.communication.init()`` imports it).
+
+Nothing is downloaded: gcc and readelf (binutils) do the work in a few seconds. On a host with
+CANN (``ASCEND_HOME_PATH``) none of this is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from ms_deepseek.core.errors import UserError
+
+STUB_VERSION = 1  # bump when what is built changes: the cache key includes it
+HCCL_VERSION = "8.1.0"  # what mindspore.communication's _check_version reads from hccl.sys_version
+
+
+@dataclass
+class StubSet:
+    folder: Path                 # put on LD_LIBRARY_PATH
+    python_path: Path            # put on PYTHONPATH (the hccl.sys_version module)
+    missing: List[str] = field(default_factory=list)   # library names given a stub
+    symbols: int = 0             # function symbols defined by the stub core
+    built: bool = False          # built by this call (False: taken from the cache)
+
+    def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """``base`` (default: this process's environment) with the stubs found first."""
+        env = dict(os.environ if base is None else base)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(self.folder), env.get("LD_LIBRARY_PATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.python_path), env.get("PYTHONPATH", "")) if p)
+        return env
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ms-deepseek" / "cann-stubs"
+
+
+def _mindspore_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mindspore")
+    if spec is None or not spec.origin:
+        raise UserError("mindspore is not installed in this Python: the compile check needs the wheel's Ascend plugin")
+    return Path(spec.origin).parent
+
+
+def _mindspore_version(ms_dir: Path) -> str:
+    text = (ms_dir / "version.py").read_text() if (ms_dir / "version.py").is_file() else ""
+    m = re.search(r"""__version__\s*=\s*['"]([^'"]+)""", text)
+    return m.group(1) if m else "unknown"
+
+
+def cache_key(ms_dir: Optional[Path] = None) -> str:
+    ms_dir = ms_dir or _mindspore_dir()
+    return (f"ms{_mindspore_version(ms_dir)}-{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
+            f"-v{STUB_VERSION}")
+
+
+def plugin_roots(ms_dir: Path) -> List[Path]:
+    """The Ascend plugin's libraries, the roots of the NEEDED walk."""
+    plugin = ms_dir / "lib" / "plugin"
+    roots = sorted(plugin.glob("libmindspore_ascend.so*")) + sorted(plugin.glob("libmindspore_ops_ascend.so*"))
+    # the AICPU kernels (libmindspore_cpu_kernels.so) are built for the device's Arm cores: not ours to load
+    roots += sorted(p for p in (plugin / "ascend").glob("*.so") if p.is_file() and _same_machine(p))
+    if not roots:
+        raise UserError(f"{plugin}: no Ascend plugin in this MindSpore wheel (libmindspore_ascend.so.*)")
+    return roots
+
+
+def _run(argv: List[str]) -> str:
+    try:
+        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise UserError(f"{argv[0]}: not found; the CANN stubs need gcc and readelf "
+                        "(Debian: apt-get install gcc binutils)") from None
+    except subprocess.CalledProcessError as e:
+        raise UserError(f"{' '.join(argv[:3])}...: failed ({e.stderr.strip().splitlines()[-1:] or e.returncode})") \
+            from None
+
+
+def _same_machine(lib: Path) -> bool:
+    """True when ``lib`` is built for this host's architecture (``readelf -h``'s Machine)."""
+    header = _run(["readelf", "-h", str(lib)])
+    m = re.search(r"Machine:\s+(.*)", header)
+    want = {"x86_64": "X86-64", "aarch64": "AArch64"}.get(platform.machine(), "")
+    return m is None or not want or want in m.group(1)
+
+
+_DYN = re.compile(r"\((NEEDED|RPATH|RUNPATH)\)\s+.*?\[(.*)\]")
+
+
+def _dynamic(lib: Path) -> Tuple[List[str], List[str]]:
+    """(NEEDED names, RPATH/RUNPATH folders with $ORIGIN resolved) of one ELF file."""
+    needed, paths = [], []
+    for kind, value in _DYN.findall(_run(["readelf", "-d", "-W", str(lib)])):
+        if kind == "NEEDED":
+            needed.append(value)
+        else:
+            origin = str(lib.parent)
+            paths += [p.replace("$ORIGIN", origin).replace("${ORIGIN}", origin) for p in value.split(":") if p]
+    return needed, paths
+
+
+def _system_libs() -> Dict[str, Path]:
+    """soname -> path from the dynamic linker's cache (``ldconfig -p``), this machine's ABI only."""
+    out: Dict[str, Path] = {}
+    try:
+        text = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        text = ""
+    for line in text.splitlines():
+        m = re.match(r"\s*(\S+)\s+\(([^)]*)\)\s+=>\s+(\S+)", line)
+        if m and (platform.machine().replace("_", "-") in m.group(2) or "x86-64" not in m.group(2)):
+            out.setdefault(m.group(1), Path(m.group(3)))
+    return out
+
+
+def _symbols(lib: Path) -> Tuple[Set[str], Dict[str, str]]:
+    """(defined dynamic symbols, undefined non-weak ones -> their type) of one ELF file."""
+    defined: Set[str] = set()
+    undefined: Dict[str, str] = {}
+    for line in _run(["readelf", "--dyn-syms", "-W", str(lib)]).splitlines():
+        parts = line.split()
+        # Num: Value Size Type Bind Vis Ndx Name
+        if len(parts) < 8 or not parts[0].endswith(":"):
+            continue
+        kind, bind, ndx, name = parts[3], parts[4], parts[6], parts[7]
+        name = name.split("@")[0]
+        if not name:
+            continue
+        if ndx == "UND":
+            if bind == "GLOBAL":
+                undefined[name] = kind
+        elif bind in ("GLOBAL", "WEAK", "UNIQUE"):
+            defined.add(name)
+    return defined, undefined
+
+
+@dataclass
+class Closure:
+    found: Dict[str, Path]       # library name -> path (the wheel's and the system's)
+    missing: List[str]           # NEEDED names found nowhere (CANN's)
+    own: List[Path]              # the wheel's own libraries in the closure (whose undefined symbols count)
+
+
+def walk_closure(roots: Iterable[Path], ms_dir: Path) -> Closure:
+    """The NEEDED closure of ``roots``: every library resolved as the dynamic linker would look for
+    it (RPATH/RUNPATH, the wheel's folders, the system cache), or named missing."""
+    system = _system_libs()
+    arch = f"{platform.machine()}-linux-gnu"
+    system_dirs = [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib"]
+    wheel_dirs = [ms_dir, ms_dir / "lib", ms_dir / "lib" / "plugin", ms_dir / "lib" / "plugin" / "ascend",
+                  ms_dir / "lib" / "plugin" / "cpu"]
+    found: Dict[str, Path] = {}
+    missing: Set[str] = set()
+    own: List[Path] = []
+    queue = [(p.name, p) for p in roots]
+    seen: Set[str] = set()
+    while queue:
+        name, path = queue.pop()
+        if str(path) in seen:
+            continue
+        seen.add(str(path))
+        found[name] = path
+        is_own = str(path).startswith(str(ms_dir))
+        if is_own:
+            own.append(path)
+        needed, rpaths = _dynamic(path)
+        for dep in needed:
+            if dep in found or dep in missing:
+                continue
+            hit = next((Path(d) / dep for d in rpaths + [str(w) for w in wheel_dirs] if (Path(d) / dep).is_file()),
+                       None) or system.get(dep) \
+                or next((Path(d) / dep for d in system_dirs if (Path(d) / dep).is_file()), None)
+            if hit is None:
+                missing.add(dep)
+            elif is_own or str(hit).startswith(str(ms_dir)):
+                queue.append((dep, hit))
+            else:
+                found[dep] = hit  # a system library: its symbols count as defined, its own deps are its own
+    return Closure(found, sorted(missing), own)
+
+
+def stub_symbols(closure: Closure) -> Dict[str, str]:
+    """Undefined non-weak symbols of the wheel's libraries that nothing in the closure defines."""
+    defined: Set[str] = set()
+    wanted: Dict[str, str] = {}
+    for path in closure.found.values():
+        d, u = _symbols(path)
+        defined |= d
+        if path in closure.own:
+            wanted.update(u)
+    exe = Path(sys.executable).resolve()  # Py* symbols come from the interpreter
+    defined |= _symbols(exe)[0]
+    for lib in Path(sys.base_prefix, "lib").glob("libpython*.so*"):
+        defined |= _symbols(lib)[0]
+    return {n: k for n, k in sorted(wanted.items()) if n not in defined}
+
+
+def _c_source(symbols: Dict[str, str]) -> str:
+    lines = ["/* generated by ms_deepseek.diagnostics.cann_stubs: every CANN symbol MindSpore's Ascend plugin",
+             "   needs, returning 0 (compile-only dry run: none of them is called but static registrations) */"]
+    for i, (name, kind) in enumerate(symbols.items()):
+        if kind == "OBJECT":
+            lines.append(f'char o_{i}[256] __asm__("{name}");')
+        else:
+            lines.append(f'long f_{i}(void) __asm__("{name}");\nlong f_{i}(void) {{ return 0; }}')
+    return "\n".join(lines) + "\n"
+
+
+def build_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
+    """Build the stub folder at ``dest`` (atomically: a temporary sibling renamed into place)."""
+    ms_dir = ms_dir or _mindspore_dir()
+    closure = walk_closure(plugin_roots(ms_dir), ms_dir)
+    symbols = stub_symbols(closure)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        (tmp / "cann_stub_core.c").write_text(_c_source(symbols))
+        cc = os.environ.get("CC", "gcc")
+        _run([cc, "-shared", "-fPIC", "-O0", "-w", "-o", str(tmp / "libcann_stub_core.so"), str(tmp / "cann_stub_core.c"),
+              "-Wl,-soname,libcann_stub_core.so"])
+        empty = tmp / "empty.c"
+        empty.write_text("/* a missing CANN library: its symbols come from libcann_stub_core.so */\n")
+        for name in closure.missing:
+            _run([cc, "-shared", "-fPIC", "-o", str(tmp / name), str(empty), f"-Wl,-soname,{name}",
+                  "-Wl,--no-as-needed", f"-L{tmp}", "-lcann_stub_core", "-Wl,-rpath,$ORIGIN"])
+        hccl = tmp / "py" / "hccl"
+        hccl.mkdir(parents=True)
+        (hccl / "__init__.py").write_text("")
+        (hccl / "sys_version.py").write_text(f'__sys_version__ = "{HCCL_VERSION}"  # read by mindspore.communication\n')
+        (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", f"symbols {len(symbols)}",
+                                                 *(f"missing {n}" for n in closure.missing)]) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return StubSet(dest, dest / "py", list(closure.missing), len(symbols), built=True)
+
+
+def _read_manifest(folder: Path) -> Optional[StubSet]:
+    manifest = folder / "MANIFEST"
+    if not manifest.is_file() or not (folder / "libcann_stub_core.so").is_file():
+        return None
+    missing, symbols = [], 0
+    for line in manifest.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "missing":
+            missing.append(value)
+        elif key == "symbols":
+            symbols = int(value)
+    return StubSet(folder, folder / "py", missing, symbols)
+
+
+def ensure_stubs(root: Optional[Path] = None) -> StubSet:
+    """The stub folder for the installed MindSpore, built on first use into ``root`` (default: the
+    user's cache folder, keyed by MindSpore version, machine and Python)."""
+    ms_dir = _mindspore_dir()
+    folder = (root or cache_root()) / cache_key(ms_dir)
+    existing = _read_manifest(folder)
+    if existing is not None:
+        return existing
+    return build_stubs(folder, ms_dir)

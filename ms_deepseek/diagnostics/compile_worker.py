@@ -1,0 +1,193 @@
+"""One simulated rank of the compile check: MindSpore's dry run compiles the recipe's graphs.
+
+Run by :mod:`ms_deepseek.diagnostics.compile_check` as
+``python -m ms_deepseek.diagnostics.compile_worker REQUEST.json`` in a process whose environment
+holds MindSpore's dry run (``MS_SIMULATION_LEVEL=0``, ``RANK_SIZE`` / ``RANK_ID`` of the simulated
+world, ``MS_DEEPSEEK_DEVICE=Ascend``) and CANN's libraries or their stubs
+(:mod:`ms_deepseek.diagnostics.cann_stubs`).
+
+It runs the trainer's own set-up (:class:`ms_deepseek.train.trainer.Trainer`: layout checks,
+collective group, model, plan, optimizer, step, ``AutoParallel`` wrapper) with two differences,
+both about what is on the machine, not about the graph: no data (the batches are zeros of the
+shape a rank reads, ``[k * rows, seq_len]`` for the step, ``[rows, seq_len]`` for validation) and
+no weights (the model is built unallocated, ``no_init_parameters``, also for LoRA and QLoRA bases;
+nothing is read or initialised, since a compile needs shapes only). Then it compiles the training
+step and the validation graph, checks the compiled parameter layouts against the plan
+(:mod:`ms_deepseek.sharding.compiled_check`) and writes ``result.json`` beside the request. It never
+runs a step: under the dry run a compiled step returns placeholders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.train.trainer import Trainer
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def describe_failure(exc: BaseException) -> Dict[str, str]:
+    """MindSpore's first error line and the first line of our source in the traceback."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    # MindSpore's C++ errors come as a block: the message first, then "----" sections with the C++ stack
+    first = next((ln for ln in lines if not ln.startswith("-")), type(exc).__name__)
+    ours = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.startswith(_PACKAGE):
+            ours = f"{os.path.relpath(frame.filename, os.path.dirname(_PACKAGE))}:{frame.lineno} ({frame.name})"
+            break
+    # MindSpore names the user's source line of the failing node in its message ("In file ...py:NN")
+    for ln in lines:
+        if "In file" in ln and _PACKAGE in ln:
+            ours = ln.split("In file", 1)[1].strip().replace(os.path.dirname(_PACKAGE) + os.sep, "")
+            break
+    return {"error": first[:2000], "where": ours, "kind": type(exc).__name__}
+
+
+class CompileOnlyTrainer(Trainer):
+    """The trainer's set-up without data, weights or steps; :meth:`compile_all` compiles its graphs."""
+
+    def _check_layout(self) -> None:
+        # as Trainer, minus what is about the machine: the planner's fit is reported, not enforced
+        from ms_deepseek.train.trainer import fit_plan
+
+        self.plan = fit_plan(self.recipe, force=True)
+
+    def _setup_run(self) -> None:
+        from ms_deepseek.core.runtime import use_device
+        from ms_deepseek.train.trainer import _distributed, _init_distributed
+
+        use_device()
+        self.rank, self.world = _init_distributed(self.par) if _distributed() else (0, 1)
+        self.is_main = False
+        self.resume_dir, self.state, self.start_step, self.complete = None, {}, 0, False
+        self.total = self.stop_at = self.recipe.train.steps
+
+    def _build_data(self) -> None:
+        from ms_deepseek.parallel.ranks import data_coordinates
+
+        mb = self.recipe.train.micro_batch_size
+        self.rows = data_coordinates(self.rank, self.par, mb)[2] if self.sharded else mb
+        self.seq_len = self.recipe.data.seq_len
+
+    def _build_model(self) -> None:
+        import mindspore as ms
+        from mindspore.nn.utils import no_init_parameters
+
+        from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+        from ms_deepseek.parallel.memory import reserve_device_memory
+        from ms_deepseek.parallel.ranks import stage_of_rank
+        from ms_deepseek.sharding.apply import apply_plan
+        from ms_deepseek.train.mf_adapter import mindformers_classes
+
+        mindformers_classes(self.run_dir / "logs")
+        ms.set_seed(self.recipe.train.seed)
+        with no_init_parameters():  # shapes only: nothing allocated, nothing read
+            model = DeepseekV2ForCausalLM(self.cfg)
+        if self.recipe.lora is not None:
+            from ms_deepseek.train import lora_run
+
+            lora_run.prepare(model, self.recipe, self.run_dir, write_base=False, sharded=True, shapes_only=True)
+        model.set_train(True)
+        self.applied = apply_plan(model, self.par, self.cfg)
+        if self.par.reserve_memory:
+            reserve_device_memory(self.plan, self.par.memory_headroom_gb, hbm_gb=self.par.hbm_gb,
+                                  stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None)
+        self.model = model
+
+    def compile_train(self) -> int:
+        """Compile the training step; returns how many parameters the layout check compared."""
+        from mindspore import Tensor
+
+        from ms_deepseek.sharding import compiled_check as cc
+
+        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
+        self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        if not self.sharded:
+            return 0
+        return cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), self._layout(), self.rank,
+                                          self.par.optimizer_shard)
+
+    def compile_eval(self) -> None:
+        """Compile the validation graph as the trainer's first validation would (one micro-batch)."""
+        from mindspore import Tensor
+
+        from ms_deepseek.train.evaluate import Evaluator
+
+        evaluator = Evaluator(self.model, [], self.world, parallel=self.par if self.sharded else None)
+        evaluator.cell.set_train(False)
+        shape = (self.rows, self.seq_len)  # [b, T]
+        evaluator.cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        self.model.set_train(True)
+
+
+def _graph(result: Dict, name: str, fn) -> bool:
+    start = time.time()
+    entry: Dict[str, object] = {"ok": False}
+    result["graphs"][name] = entry
+    try:
+        value = fn()
+        entry["ok"] = True
+        if isinstance(value, int):
+            entry["layouts_compared"] = value
+    except UserError as e:  # ours: the layout check, or a refusal of the recipe
+        entry.update({"error": str(e), "where": "", "kind": "layout" if str(e).startswith("compiled layout") else
+                      "refused"})
+    except Exception as e:  # MindSpore's compiler
+        entry.update(describe_failure(e))
+    entry["seconds"] = round(time.time() - start, 1)
+    entry["peak_rss_mb"] = round(peak_rss_mb(), 0)
+    return bool(entry["ok"])
+
+
+def run(request_path: str) -> int:
+    request = json.loads(Path(request_path).read_text())
+    out = Path(request_path).parent
+    result: Dict[str, object] = {"rank": int(os.environ.get("RANK_ID", "0")), "graphs": {}}
+    start = time.time()
+    try:
+        from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+
+        recipe = load_recipe(request["recipe"], request.get("overrides", []), planning_config_path(request["recipe"]))
+        trainer = CompileOnlyTrainer(recipe, out, None, True, False, None)
+        try:
+            trainer._check_layout()
+            trainer._setup_run()
+            trainer._build_data()
+            trainer._build_model()
+            trainer._build_step()
+        except UserError as e:
+            result["graphs"]["setup"] = {"ok": False, "error": str(e), "where": "", "kind": "refused"}
+        except Exception as e:
+            result["graphs"]["setup"] = {"ok": False, **describe_failure(e)}
+        else:
+            result["stage"] = trainer.rank // (trainer.par.dp * trainer.par.tp)
+            if _graph(result, "train", trainer.compile_train) and request.get("eval", True):
+                _graph(result, "eval", trainer.compile_eval)
+    finally:
+        result["seconds"] = round(time.time() - start, 1)
+        result["peak_rss_mb"] = round(peak_rss_mb(), 0)
+        tmp = out / ".result.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out / "result.json")
+    return 0 if all(g.get("ok") for g in result["graphs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1]))
