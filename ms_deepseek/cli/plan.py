@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+from pathlib import Path
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
@@ -42,6 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", action="store_true",
                         help="with --recipe: run the CPU simulation of the sharded layout (reduced model, same "
                              "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
+    c = parser.add_argument_group("compile (with --recipe): MindSpore's own compiler on the recipe's sharded graphs")
+    c.add_argument("--compile", action="store_true",
+                   help="compile the training step and the validation graph of the selected ranks with MindSpore's "
+                        "dry run (no NPU, weights or data needed; CANN stubs are built on a host without CANN); "
+                        "exit 1 if a graph does not compile or its layouts differ from the plan")
+    c.add_argument("--ranks", default="default", metavar="SPEC",
+                   help="ranks to compile: default (the first rank of every pipeline stage and the last rank), "
+                        "all, last, or a list such as 0,7 or 0-3")
+    c.add_argument("--layers", type=positive_int, metavar="N",
+                   help="decoder layers to compile (default: one per pipeline stage, at least two: a 24 GB host)")
+    c.add_argument("--cann", metavar="PATH", help="CANN install to use (default: $ASCEND_HOME_PATH, else stubs)")
+    c.add_argument("--no-eval", action="store_true", help="compile the training step only")
+    c.add_argument("--keep", metavar="DIR", help="keep each rank's log and result under DIR")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
     parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
@@ -53,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=positive_int)
     g.add_argument("--pp", type=positive_int)
     g.add_argument("--ep", type=positive_int)
-    g.add_argument("--micro-batches", type=positive_int, help="pipeline micro-batches (default: all of a dp rank's)")
+    g.add_argument("--micro-batches", type=positive_int,
+                   help="pipeline micro-batches (default: all of a dp rank's); with --compile: the micro-batches "
+                        "(pipeline) or accumulation steps compiled (default: pp, or 2)")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -207,6 +224,18 @@ def run(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     if args.simulate and not args.recipe:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
+    if not args.compile:
+        for flag in ("layers", "cann", "keep"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag}: only with --compile")
+        if args.ranks != "default" or args.no_eval:
+            raise UserError(f"--{'ranks' if args.ranks != 'default' else 'no-eval'}: only with --compile")
+    if args.compile:
+        if not args.recipe:
+            raise UserError("--compile: needs --recipe RECIPE (the recipe whose graphs MindSpore compiles)")
+        if args.simulate:
+            raise UserError("--compile and --simulate: one at a time")
+        return _compile(args, hw)
     if args.recipe:
         result, recipe, note = _check_recipe(args, hw)
         _refuse_invalid(result)
@@ -281,11 +310,6 @@ def _quant(args, section, lora):
         return QuantSpec(bits=bits, group_size=group)
     except UserError as exc:
         raise UserError(str(exc).replace("quant.group_size:", "--quant-group-size:", 1)) from None
-
-
-def _check_recipe(args, hw):
-    from ms_deepseek.parallel.planner import check_recipe_fits
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
 
 # plan flags that stand for a recipe key: with --recipe they are applied as that --set
@@ -368,6 +392,41 @@ def _recipe_layout(args, recipe):
     if par is not recipe.parallel:
         validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
     return par
+
+
+def _compile(args, hw) -> int:
+    """MindSpore's dry run compiles the recipe's graphs for the selected ranks (diagnostics.compile_check)."""
+    import sys
+
+    from ms_deepseek.diagnostics import compile_check as cc
+
+    micro_batches, args.micro_batches = args.micro_batches, None  # the compiled count, not the recipe's
+    result, recipe, _ = _check_recipe(args, hw)
+    _refuse_invalid(result)
+    par = recipe.parallel
+    reduction = cc.default_reduction(recipe, args.layers, micro_batches)
+    ranks = cc.parse_ranks(args.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
+    cann = args.cann or os.environ.get("ASCEND_HOME_PATH")
+    if args.keep:
+        keep = Path(args.keep)
+        if keep.exists() and not keep.is_dir():
+            raise UserError(f"--keep: {keep} exists and is not a folder")
+    say = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not cann:
+        from ms_deepseek.diagnostics.cann_stubs import cache_key, cache_root
+
+        if not (cache_root() / cache_key() / "MANIFEST").is_file():
+            say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
+    report = cc.compile_recipe(args.recipe, recipe, list(args.overrides) + _recipe_overrides(args), ranks, reduction,
+                               cann=cann, work=Path(args.keep) if args.keep else None,
+                               eval_graph=not args.no_eval, progress=say)
+    if args.json:
+        out = report.to_dict()
+        out["planner"] = result.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print(cc.format_report(report))
+    return 0 if report.ok else 1
 
 
 def _simulate(args, recipe, result) -> int:

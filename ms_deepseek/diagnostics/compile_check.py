@@ -1,0 +1,311 @@
+"""``plan --recipe R --compile``: MindSpore's own compiler on a recipe's sharded graphs, on any machine.
+
+For each selected rank a worker process (:mod:`ms_deepseek.diagnostics.compile_worker`) runs under
+MindSpore's dry run (``MS_SIMULATION_LEVEL=0``: compile only; ``RANK_SIZE`` / ``RANK_ID`` of the
+recipe's world; ``device_target`` Ascend) and compiles the training step and the validation graph
+exactly as ``train`` builds them on the cluster, at full width and reduced depth. It needs no NPU,
+no weights and no data; on a host without CANN the libraries MindSpore's Ascend plugin links
+against are stubs (:mod:`ms_deepseek.diagnostics.cann_stubs`).
+
+Per rank and graph it reports: compiled or not (MindSpore's first error line and the first line of
+our source), the compiled-layout check against the plan, the communication operators MindSpore
+inserted (from the IR it dumps after its ``validate`` pass: the graph as it will run, slice shapes),
+compile seconds and peak host memory. Workers run one after another: a compile at full width takes
+several GB of host memory.
+
+What a compile proves: MindSpore's parallel frontend accepts every strategy, layout, redistribution,
+the pipeline and accumulation passes, and lays the parameters out as the plan says. What it does
+not: Ascend kernels (ours and CANN's), HCCL, device memory at run time, speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from ms_deepseek.core.errors import UserError
+
+# a full-width compile of one rank takes ~1-3 minutes here; a hung compile is stopped
+WORKER_TIMEOUT_S = 1800
+COMM_KINDS = ("AlltoAll", "AlltoAllV", "AllGather", "AllReduce", "ReduceScatter", "Send", "Receive", "Broadcast",
+              "_MicroStepAllGather", "_MirrorOperator", "_MirrorMicroStepOperator")
+_ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2, "Int32": 4, "Int64": 8, "Int8": 1, "UInt8": 1, "Bool": 1}
+
+
+# ---------------------------------------------------------------------------------- rank choice
+def default_ranks(dp: int, tp: int, pp: int) -> List[int]:
+    """The first rank of every pipeline stage and the last rank of the world."""
+    stage = dp * tp
+    ranks = [s * stage for s in range(pp)] + [pp * stage - 1]
+    return sorted(set(ranks))
+
+
+def parse_ranks(spec: str, world: int, default: Sequence[int]) -> List[int]:
+    """``default`` / ``all`` / ``last`` / a comma list of ranks and ranges (``0,7``, ``0-3,15``)."""
+    text = spec.strip().lower()
+    if text in ("", "default"):
+        return list(default)
+    if text == "all":
+        return list(range(world))
+    if text == "last":
+        return [world - 1]
+    ranks = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise UserError(f"--ranks: {part.strip()!r} is not a rank or a range (e.g. 0,7 or 0-3; or all, last)")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi or hi >= world:
+            raise UserError(f"--ranks: {part.strip()!r} is outside the world of {world} ranks (0-{world - 1})")
+        ranks.update(range(lo, hi + 1))
+    return sorted(ranks)
+
+
+# ------------------------------------------------------------------------------ reduced model
+@dataclass
+class Reduction:
+    layers: int
+    full_layers: int
+    micro_batches: int
+    full_micro_batches: int
+    what: str  # "micro_batches" (pipeline) or "grad_accum_steps"
+
+    def overrides(self) -> List[str]:
+        sets = [f"model.overrides.num_hidden_layers={self.layers}", "parallel.stage_layers=null"]
+        key = "parallel.micro_batches" if self.what == "micro_batches" else "train.grad_accum_steps"
+        return sets + [f"{key}={self.micro_batches}"]
+
+    def describe(self) -> str:
+        return (f"{self.layers} of {self.full_layers} layers, {self.micro_batches} of {self.full_micro_batches} "
+                f"{'pipeline micro-batches' if self.what == 'micro_batches' else 'accumulation steps'}")
+
+
+def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None) -> Reduction:
+    """Depth and micro-batches that fit a 24 GB host. Depth: one layer per pipeline stage, at least two
+    (the first dense layers and a MoE layer); micro-batches: one per stage with pipeline parallelism (1F1B
+    needs at least that), else two accumulation steps (the accumulation passes run, the graph stays small).
+    A compile's host memory grows with layers x micro-batches (design.md section 8)."""
+    cfg, par = recipe.model_config, recipe.parallel
+    full_layers = cfg.num_hidden_layers
+    if layers is None:
+        layers = min(full_layers, max(par.pp, min(2, full_layers), cfg.first_k_dense_replace + 1 if cfg.has_moe else 1))
+    if layers < par.pp:
+        raise UserError(f"--layers: {layers} is fewer than the {par.pp} pipeline stages (one layer per stage at least)")
+    if layers > full_layers:
+        raise UserError(f"--layers: {layers} is more than the model's {full_layers} layers")
+    if par.pp > 1:
+        full_mb, what = par.micro_batches, "micro_batches"
+        mb = micro_batches if micro_batches is not None else min(full_mb, par.pp)
+        if mb < par.pp:
+            raise UserError(f"--micro-batches: {mb} is fewer than the {par.pp} pipeline stages")
+    else:
+        full_mb, what = recipe.train.grad_accum_steps, "grad_accum_steps"
+        mb = micro_batches if micro_batches is not None else min(full_mb, 2)
+    return Reduction(layers, full_layers, mb, full_mb, what)
+
+
+def layout_overrides(par) -> List[str]:
+    """The --set strings that give a worker this exact parallel section (plan's --dp/--tp/... applied)."""
+    out = [f"parallel.{k}={getattr(par, k)}" for k in ("dp", "tp", "pp", "ep", "micro_batches")]
+    out += [f"parallel.{k}={str(getattr(par, k)).lower()}" for k in ("optimizer_shard", "sequence_parallel",
+                                                                      "vocab_parallel")]
+    out += [f"parallel.recompute={par.recompute}", f"parallel.dataset_strategy={par.dataset_strategy}"]
+    if par.expert_placement is None:
+        out.append("parallel.expert_placement=null")
+    return out
+
+
+# ------------------------------------------------------------------------------- the IR's comm
+def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
+    """kind -> {count, mb}: the communication operators of one IR file (``20_validate_*.ir``: after
+    MindSpore's passes, with this rank's slice shapes) and the megabytes of their inputs (what the
+    rank sends into each; an AllGather's output is rank_size times that)."""
+    out: Dict[str, Dict[str, float]] = {}
+    pattern = re.compile(r"= (" + "|".join(sorted(COMM_KINDS, key=len, reverse=True)) + r")\(")
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        m = pattern.search(line)
+        if not m:
+            continue
+        entry = out.setdefault(m.group(1), {"count": 0, "mb": 0.0})
+        entry["count"] += 1
+        shapes = lines[i + 1] if i + 1 < len(lines) else ""
+        t = re.search(r"\(<Tensor\[(\w+)\], \(([\d, ]*)\)>", shapes)
+        if t:
+            n = 1
+            for d in t.group(2).split(","):
+                if d.strip():
+                    n *= int(d)
+            entry["mb"] += n * _ITEMSIZE.get(t.group(1), 4) / 2 ** 20
+    for entry in out.values():
+        entry["mb"] = round(entry["mb"], 1)
+    return out
+
+
+def _ir_files(ir_dir: Path) -> List[Path]:
+    files = list(ir_dir.rglob("*validate*.ir"))
+    return sorted(files, key=lambda p: int(re.findall(r"(\d+)\.ir$", p.name)[0]) if re.findall(r"(\d+)\.ir$",
+                                                                                                   p.name) else 0)
+
+
+# ---------------------------------------------------------------------------------- running
+@dataclass
+class RankResult:
+    rank: int
+    stage: Optional[int] = None
+    graphs: Dict[str, Dict] = field(default_factory=dict)
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    log: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.graphs) and all(g.get("ok") for g in self.graphs.values())
+
+
+def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path, base_env=None):
+    """(environment, how the Ascend libraries are provided) for one simulated rank."""
+    env = dict(os.environ if base_env is None else base_env)
+    how = ""
+    if cann:
+        root = Path(cann)
+        if not root.is_dir():
+            raise UserError(f"--cann: {cann} is not a folder (CANN's install, e.g. /usr/local/Ascend/ascend-toolkit/latest)")
+        libs = [str(p) for p in (root / "lib64", root / "compiler" / "lib64", root / "runtime" / "lib64") if p.is_dir()]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
+        env["ASCEND_HOME_PATH"] = str(root)
+        how = f"CANN at {root}"
+    else:
+        from ms_deepseek.diagnostics.cann_stubs import ensure_stubs
+
+        stubs = ensure_stubs()
+        env = stubs.env(env)
+        how = (f"CANN stubs ({len(stubs.missing)} libraries, {stubs.symbols} symbols"
+               f"{', built now' if stubs.built else ''}) in {stubs.folder}")
+    env.update({"MS_SIMULATION_LEVEL": "0", "RANK_SIZE": str(world), "RANK_ID": str(rank),
+                "MS_DEEPSEEK_DEVICE": "Ascend", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate",
+                "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)})
+    env.setdefault("GLOG_v", "3")
+    for key in ("MS_WORKER_NUM", "MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT"):  # not an msrun worker
+        env.pop(key, None)
+    return env, how
+
+
+def run_rank(recipe_path: str, overrides: List[str], rank: int, world: int, cann: Optional[str], work: Path,
+             eval_graph: bool = True, timeout: float = WORKER_TIMEOUT_S) -> RankResult:
+    """Compile one rank in its own process; its folder under ``work`` holds request, log and result."""
+    folder = work / f"rank_{rank:05d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    request = folder / "request.json"
+    request.write_text(json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides,
+                                   "eval": eval_graph}))
+    ir_dir = folder / "ir"
+    env, _ = compile_environment(rank, world, cann, ir_dir)
+    log = folder / "worker.log"
+    start = time.time()
+    with open(log, "wb") as out:
+        try:
+            subprocess.run([sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
+                           cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return RankResult(rank, graphs={"setup": {"ok": False, "error": f"no answer after {timeout:.0f} s "
+                                                      "(stopped)", "where": ""}}, seconds=time.time() - start,
+                              log=str(log))
+    result_file = folder / "result.json"
+    if not result_file.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        return RankResult(rank, graphs={"setup": {"ok": False, "error": "the worker died: " + " | ".join(tail),
+                                                  "where": ""}}, seconds=time.time() - start, log=str(log))
+    data = json.loads(result_file.read_text())
+    result = RankResult(rank, data.get("stage"), data.get("graphs", {}), data.get("seconds", 0.0),
+                        data.get("peak_rss_mb", 0.0), str(log))
+    compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
+    for name, path in zip(compiled, _ir_files(ir_dir)):
+        result.graphs[name]["communication"] = communication_from_ir(path)
+    shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept
+    return result
+
+
+@dataclass
+class CompileReport:
+    recipe: str
+    world: int
+    layout: str
+    reduction: Reduction
+    provider: str
+    ranks: List[RankResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    def to_dict(self) -> Dict:
+        return {"recipe": self.recipe, "world_size": self.world, "layout": self.layout,
+                "layers": self.reduction.layers, "full_layers": self.reduction.full_layers,
+                "micro_batches": self.reduction.micro_batches, "micro_batches_kind": self.reduction.what,
+                "full_micro_batches": self.reduction.full_micro_batches, "ascend_libraries": self.provider,
+                "compiled": self.ok,
+                "ranks": [{"rank": r.rank, "stage": r.stage, "ok": r.ok, "seconds": r.seconds,
+                           "peak_rss_mb": r.peak_rss_mb, "graphs": r.graphs} for r in self.ranks]}
+
+
+def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: List[int], reduction: Reduction,
+                   cann: Optional[str] = None, work: Optional[Path] = None, eval_graph: bool = True,
+                   progress=None) -> CompileReport:
+    """Compile the recipe (already loaded with ``user_overrides`` and any layout flags applied) for ``ranks``."""
+    par = recipe.parallel
+    world = par.world_size
+    overrides = list(user_overrides) + layout_overrides(par) + reduction.overrides()
+    _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()))
+    own = work is None
+    work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(work)
+    results = []
+    try:
+        for rank in ranks:
+            if progress is not None:
+                progress(f"compiling rank {rank} of {world} ...")
+            results.append(run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph))
+    finally:
+        if own and all(r.ok for r in results) and len(results) == len(ranks):
+            shutil.rmtree(work, ignore_errors=True)  # kept when something failed: the logs are there
+    return CompileReport(recipe_path, world, par.describe(), reduction, provider, results)
+
+
+def _comm_text(comm: Dict[str, Dict[str, float]]) -> str:
+    if not comm:
+        return "none"
+    return ", ".join(f"{k} {v['count']} ({v['mb']:.0f} MB)" for k, v in sorted(comm.items()))
+
+
+def format_report(report: CompileReport) -> str:
+    lines = [f"compile {report.recipe}: {report.layout}, world {report.world}; {report.reduction.describe()}",
+             f"  MindSpore dry run (MS_SIMULATION_LEVEL=0), {report.provider}"]
+    for r in report.ranks:
+        head = f"  rank {r.rank}" + (f" (stage {r.stage})" if r.stage is not None else "")
+        for name, g in r.graphs.items():
+            if g.get("ok"):
+                check = (f"layouts match the plan ({g['layouts_compared']} parameters)" if g.get("layouts_compared")
+                         else "")
+                lines.append(f"{head} {name}: compiled in {g.get('seconds', 0):.0f} s, peak host memory "
+                             f"{g.get('peak_rss_mb', 0) / 1024:.1f} GB" + (f"; {check}" if check else ""))
+                if "communication" in g:
+                    lines.append(f"      communication per step: {_comm_text(g['communication'])}")
+            else:
+                lines.append(f"{head} {name}: FAILED: {g.get('error', '')}")
+                if g.get("where"):
+                    lines.append(f"      at {g['where']}")
+                if r.log:
+                    lines.append(f"      log: {r.log}")
+            head = " " * len(head)
+    lines.append("all compiled; the layouts match the plan" if report.ok else "not compiled: see above")
+    lines.append("  (a compile does not prove kernels, HCCL, device memory at run time or speed)")
+    return "\n".join(lines)
