@@ -39,7 +39,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ms_deepseek.core.errors import UserError
 
-STUB_VERSION = 1  # bump when what is built changes: the cache key includes it
+STUB_VERSION = 2  # bump when what is built changes: the cache key includes it
 HCCL_VERSION = "8.1.0"  # what mindspore.communication's _check_version reads from hccl.sys_version
 
 
@@ -56,6 +56,7 @@ class StubSet:
         env = dict(os.environ if base is None else base)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(self.folder), env.get("LD_LIBRARY_PATH", "")) if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.python_path), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("ASCEND_OPP_PATH", str(self.folder / "opp"))
         return env
 
 
@@ -254,6 +255,15 @@ def build_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
         for name in closure.missing:
             _run([cc, "-shared", "-fPIC", "-o", str(tmp / name), str(empty), f"-Wl,-soname,{name}",
                   "-Wl,--no-as-needed", f"-L{tmp}", "-lcann_stub_core", "-Wl,-rpath,$ORIGIN"])
+        # what MindSpore's custom-op path reads from a CANN tree (mindspore/ops/operations/custom_ops.py
+        # _compile_aot: the generated aclnn callback is compiled with -I<ASCEND_OPP_PATH before "opp">/include;
+        # _custom_ops_utils.py CustomInfoGenerator lists <ASCEND_OPP_PATH>/built-in/.../config/<soc>)
+        acl = tmp / "include" / "acl"
+        acl.mkdir(parents=True)
+        (acl / "acl_base.h").write_text("/* stub of CANN's acl/acl_base.h for the compile-only dry run */\n"
+                                        "#pragma once\n#include <stdint.h>\n#include <stddef.h>\n"
+                                        "typedef int aclError;\ntypedef void *aclrtStream;\n")
+        (tmp / "opp" / "built-in" / "op_impl" / "ai_core" / "tbe" / "config").mkdir(parents=True)
         hccl = tmp / "py" / "hccl"
         hccl.mkdir(parents=True)
         (hccl / "__init__.py").write_text("")

@@ -60,6 +60,22 @@ def describe_failure(exc: BaseException) -> Dict[str, str]:
     return {"error": first[:2000], "where": ours, "kind": type(exc).__name__}
 
 
+def _install_op_info(work: Path) -> None:
+    """Our Ascend C ops in the graph as they would be with the kernels installed: their ops-info file, from
+    the OpDef sources (``ops.opdef``), where MindSpore looks for the running SoC, unless a CANN host
+    already has the ops installed; and ``MS_DEEPSEEK_OPS=kernel``, so a missing op fails instead of
+    falling back to the reference (which would compile another graph than the cluster's)."""
+    from ms_deepseek.ops import ascend, opdef
+
+    os.environ["MS_DEEPSEEK_OPS"] = "kernel"
+    soc = ascend.soc_version()
+    if set(ascend.OP_TYPES.values()) <= ascend.installed_op_types(soc):
+        return
+    vendor = opdef.write_vendor(work / "opp_vendor" / ascend.VENDOR, soc)
+    paths = [str(vendor)] + [p for p in os.environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(":") if p]
+    os.environ["ASCEND_CUSTOM_OPP_PATH"] = ":".join(paths)
+
+
 class CompileOnlyTrainer(Trainer):
     """The trainer's set-up without data, weights or steps; :meth:`compile_all` compiles its graphs."""
 
@@ -97,6 +113,7 @@ class CompileOnlyTrainer(Trainer):
         from ms_deepseek.train.mf_adapter import mindformers_classes
 
         mindformers_classes(self.run_dir / "logs")
+        _install_op_info(self.run_dir)
         ms.set_seed(self.recipe.train.seed)
         with no_init_parameters():  # shapes only: nothing allocated, nothing read
             model = DeepseekV2ForCausalLM(self.cfg)
@@ -111,8 +128,9 @@ class CompileOnlyTrainer(Trainer):
                                   stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None)
         self.model = model
 
-    def compile_train(self) -> int:
-        """Compile the training step; returns how many parameters the layout check compared."""
+    def compile_train(self):
+        """Compile the training step; returns how many (parameter layouts, primitive strategies) the checks
+        compared against the plan."""
         from mindspore import Tensor
 
         from ms_deepseek.sharding import compiled_check as cc
@@ -120,9 +138,12 @@ class CompileOnlyTrainer(Trainer):
         shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
         self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
         if not self.sharded:
-            return 0
-        return cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), self._layout(), self.rank,
-                                          self.par.optimizer_shard)
+            return 0, 0
+        compared = cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), self._layout(), self.rank,
+                                              self.par.optimizer_shard)
+        self.strategies_compared = cc.check_compiled_strategies(
+            cc.compiled_strategies(self.step_cell), cc.planned_primitives(self.model, self.applied.strategies))
+        return compared, self.strategies_compared
 
     def compile_eval(self) -> None:
         """Compile the validation graph as the trainer's first validation would (one micro-batch)."""
@@ -146,6 +167,8 @@ def _graph(result: Dict, name: str, fn) -> bool:
         entry["ok"] = True
         if isinstance(value, int):
             entry["layouts_compared"] = value
+        if isinstance(value, tuple):
+            entry["layouts_compared"], entry["strategies_compared"] = value
     except UserError as e:  # ours: the layout check, or a refusal of the recipe
         entry.update({"error": str(e), "where": "", "kind": "layout" if str(e).startswith("compiled layout") else
                       "refused"})

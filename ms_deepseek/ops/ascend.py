@@ -56,11 +56,10 @@ def installed_op_types(soc: Optional[str] = None) -> Set[str]:
     MindSpore's rule (``mindspore/ops/operations/_custom_ops_utils.py``,
     ``CustomInfoGenerator._get_op_json``): only
     ``<root>/op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`` of the running SoC counts,
-    for the roots of :func:`_vendor_roots`; a package built for another SoC is not seen.
+    for the roots of :func:`_vendor_roots`; a package built for another SoC is not seen. (MindSpore's dry
+    run reports the SoC as '', and looks in ``config/`` for ``aic--ops-info.json``: the same rule.)
     """
     soc = soc_version() if soc is None else soc
-    if not soc:
-        return set()
     found: Set[str] = set()
     for root in _vendor_roots():
         path = os.path.join(root, "op_impl", "ai_core", "tbe", "config", soc, f"aic-{soc}-ops-info.json")

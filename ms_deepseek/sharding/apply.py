@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.custom_shard import custom_info_attrs
+from ms_deepseek.parallel.custom_shard import custom_layouts
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.placement import buffer_order, placement_table
 from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
@@ -63,6 +63,15 @@ def _primitives_of(cell):
     for attr, value in getattr(cell, "_primitives", {}).items():
         if _is_primitive(value):
             yield attr, value
+
+
+def _shard_custom(prim, layouts) -> None:
+    """``prim.shard`` with ``mindspore.parallel.Layout`` objects for every input and output."""
+    from mindspore.parallel import Layout
+
+    layout = Layout(layouts.device_matrix, ("dp", "tp"))
+    prim.shard(in_strategy=tuple(layout(*names) for names in layouts.inputs),
+               out_strategy=tuple(layout(*names) for names in layouts.outputs))
 
 
 def _join(path: str, attr: str) -> str:
@@ -105,12 +114,10 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
             if type(prim).__name__ == "Custom":
                 # the op Cell's non-data inputs (e.g. a CPU kernel's config tensor), replicated
                 in_s = tuple(in_s) + tuple(getattr(cell, "strategy_tail", ()))
-                # shard() alone is ignored for a Custom op: MindSpore reads CustomInfo's four attributes
-                # (step_parallel_utils.cc OperatorInstanceByName, ops_info/custom_info.cc; see custom_shard)
-                for key, value in custom_info_attrs(in_s, getattr(cell, "num_outputs", 1),
-                                                    mesh.stage_devices).items():
-                    prim.add_prim_attr(key, value)
-            prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
+                # MindSpore 2.9 compiles a Custom op only with Layout objects (parallel.custom_shard)
+                _shard_custom(prim, custom_layouts(in_s, getattr(cell, "num_outputs", 1), mesh.dp, mesh.tp))
+            else:
+                prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
             applied.strategies[ppath] = (in_s, out_s)
 
     # every primitive that moves sharded data must have a strategy

@@ -1,10 +1,10 @@
 """Before step 1 on Ascend: does the graph MindSpore compiled hold the layouts the plan says?
 
-A sharded graph cannot be compiled on this CPU, so the plan, the lint and ``--simulate`` are
-checked against MindSpore only by reading its sources. The first compile on a cluster is the
-first time MindSpore itself answers; this module compares its answer with the plan and stops
-the run with one line naming the parameter or primitive and both layouts
-(:class:`ms_deepseek.core.errors.UserError`), instead of training for hours on a silent mismatch.
+Used after every sharded compile: by ``train`` before step 1 on the cluster, and by the compile check
+(``plan --recipe R --compile``: MindSpore's dry run on any machine, ``diagnostics.compile_check``). It
+compares MindSpore's answer with the plan and stops with one line naming the parameter or primitive
+and both layouts (:class:`ms_deepseek.core.errors.UserError`), instead of training for hours on a
+silent mismatch.
 
 * Parameters: the compiled cell's ``parameter_layout_dict`` (``mindspore/train/serialization.py``
   and ``mindspore/parallel/_tensor.py`` ``_load_tensor_by_layout`` read each entry as
@@ -15,23 +15,21 @@ the run with one line naming the parameter or primitive and both layouts
   must be present exactly when the plan expects the parallel optimizer to cut the parameter
   (:func:`ms_deepseek.parallel.plan.optimizer_shard_group`). Every parameter of this rank's
   stage must be in the compiled graph.
-* Primitives: a primitive MindSpore found no OperatorInfo for carries ``BatchParallel`` or
-  ``StandAlone`` after the compile (``step_parallel_utils.cc`` ``OperatorInstance``:
-  ``prim->AddAttr(BATCH_PARALLEL / STAND_ALONE, true)``); one of ours with a plan strategy
-  must not.
+* Primitives: the strategies MindSpore compiled (its graph executor's ``get_strategy``, keyed by
+  operator scope) against the plan's, primitive by primitive. (Reading ``prim.attrs`` after the
+  compile, as this check first did, could never fire: MindSpore marks a ``BatchParallel`` fallback on
+  its C++ copy of the primitive, not on the Python object.)
 """
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
 
-# ops_utils.h BATCH_PARALLEL = "BatchParallel"; StandAloneInfo's name (stand_alone_info.cc)
-FALLBACK_ATTRS = ("BatchParallel", "StandAlone", "stand_alone")
 
 
 def _fmt(dev, tmap) -> str:
@@ -81,32 +79,68 @@ def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
     return compared
 
 
-def check_primitives(prim_attrs: Mapping[str, Mapping[str, object]], strategies: Mapping[str, tuple]) -> int:
-    """No primitive the plan gives a strategy was made BatchParallel / StandAlone by MindSpore."""
-    compared = 0
-    for path, (in_s, _) in sorted(strategies.items()):
-        attrs = prim_attrs.get(path)
-        if attrs is None:
+def _scope_cell_path(scope: str) -> Optional[str]:
+    """The model's cell path of one compiled operator's scope name, or None outside the model.
+
+    MindSpore names an operator ``Default/<attr>-<Class>/.../<Type>-op<N>`` (``recompute_Default/...``
+    when recomputed): the model's own path starts after the ``-DeepseekV2ForCausalLM`` component, and a
+    CellList's item is ``<index>-<Class>``."""
+    parts = scope.split("/")[:-1]
+    for i, part in enumerate(parts):
+        if part.endswith("-DeepseekV2ForCausalLM"):
+            return ".".join(p.split("-", 1)[0] for p in parts[i + 1:])
+    return None
+
+
+def compiled_strategies(cell) -> Dict[str, list]:
+    """The operator strategies MindSpore compiled for ``cell`` (scope name -> per-input strategies):
+    ``mindspore/graph/api.py`` ``_CellGraphExecutor._get_shard_strategy`` (the graph executor's
+    ``get_strategy``), what it also writes to a strategy file."""
+    from mindspore.graph.api import _cell_graph_executor
+
+    return dict(_cell_graph_executor._get_shard_strategy(cell) or {})
+
+
+def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping[str, Tuple[str, tuple]]) -> int:
+    """Every primitive the plan gives a strategy was compiled with that strategy.
+
+    ``compiled``: :func:`compiled_strategies`; ``planned``: primitive path (``model.layers.1.mlp.to_experts``)
+    -> (primitive type, in_strategy), see :func:`planned_primitives`. A primitive MindSpore found no
+    operator info for, or whose strategy it replaced (``BatchParallel``: ``step_parallel_utils.cc``
+    ``OperatorInstance``), shows in the compiled strategies with another strategy. Several primitives of one
+    type in one cell (a Linear's matmuls) are matched as a multiset. Returns how many were compared."""
+    by_cell: Dict[Tuple[str, str], List[tuple]] = {}
+    for scope, strategy in compiled.items():
+        path = _scope_cell_path(scope)
+        if path is None:
             continue
-        fallback = next((a for a in FALLBACK_ATTRS if attrs.get(a)), None)
-        if fallback is not None:
-            raise UserError(f"compiled layout: primitive {path}: MindSpore made it {fallback} "
-                            f"(no OperatorInfo: step_parallel_utils.cc OperatorInstance), the plan's strategy "
-                            f"is {tuple(map(tuple, in_s))}")
+        kind = scope.rsplit("/", 1)[-1].rsplit("-op", 1)[0]
+        by_cell.setdefault((path, kind), []).append(tuple(tuple(int(k) for k in s) for s in strategy))
+    compared = 0
+    for ppath, (kind, in_s) in sorted(planned.items()):
+        cell = ppath.rsplit(".", 1)[0] if "." in ppath else ""
+        found = by_cell.get((cell, kind))
+        if found is None:
+            continue  # not in this graph (another stage's cell, or a branch the graph does not take)
+        want = tuple(tuple(int(k) for k in s) for s in in_s)
+        if want not in found:
+            raise UserError(f"compiled strategy: primitive {ppath} ({kind}): the plan's strategy is "
+                            f"{[list(s) for s in want]}, MindSpore compiled {[list(s) for s in found[0]]}"
+                            + (f" (and {len(found) - 1} more {kind} in that cell)" if len(found) > 1 else ""))
         compared += 1
     return compared
 
 
-def primitive_attrs(model, strategies: Mapping[str, tuple]) -> Dict[str, Mapping[str, object]]:
-    """path -> the attributes of each planned primitive of ``model`` (after the compile)."""
+def planned_primitives(model, strategies: Mapping[str, tuple]) -> Dict[str, Tuple[str, tuple]]:
+    """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy."""
     from ms_deepseek.sharding.apply import _join, _primitives_of
 
-    out: Dict[str, Mapping[str, object]] = {}
+    out: Dict[str, Tuple[str, tuple]] = {}
     for path, cell in model.cells_and_names():
         for attr, prim in _primitives_of(cell):
             p = _join(path, attr)
             if p in strategies:
-                out[p] = dict(getattr(prim, "attrs", {}) or {})
+                out[p] = (getattr(prim, "name", type(prim).__name__), strategies[p][0])
     return out
 
 

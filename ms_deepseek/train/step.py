@@ -237,10 +237,12 @@ class TrainStep(nn.Cell):
     """Forward + backward over the step's micro-batches, then :class:`Update`."""
 
     def __init__(self, net: nn.Cell, weights: ParameterTuple, update: Update, width: int,
-                 pipeline: Optional[PipelineGrads] = None):
+                 pipeline: Optional[PipelineGrads] = None, n_update: Optional[int] = None):
         super().__init__(auto_prefix=False)
         self.net = net
         self.weights = weights
+        # gradients of weights[:n_update] reach the optimizer; the rest only anchor the graph (build_step)
+        self.n_update = len(weights) if n_update is None else n_update
         self.update = update
         self.pipeline = pipeline
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
@@ -254,6 +256,7 @@ class TrainStep(nn.Cell):
         grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
         if self.pipeline is not None:  # the micro-batches' sum, accumulated by MindSpore's pipeline pass
             grads = self.pipeline(grads, self.update.loss_scale)
+        grads = grads[:self.n_update]
         grad_norm, lr, overflow, scale = self.update(grads)
         return outputs, grad_norm, lr, overflow, scale
 
@@ -289,6 +292,21 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel
                       name="loss_scale", requires_grad=False)
     update = Update(optimizer, scale, train.clip_grad_norm, dynamic_loss_scale, train.loss_scale_factor,
                     train.loss_scale_window, grad_reducer, pre_unscaled=pipeline)
-    grads = PipelineGrads(optimizer.parameters, parallel.optimizer_shard) if pipeline else None
-    step = TrainStep(net, optimizer.parameters, update, output_width(num_moe_layers, num_experts), pipeline=grads)
+    weights = optimizer.parameters
+    embedding = model.model.embed_tokens.weight
+    if pipeline and parallel.pp == 1 and not embedding.requires_grad:
+        # A frozen embedding (LoRA) under MindSpore's accumulation pass: the pass marks the first node that
+        # consumes a Parameter (the embedding's Gather) and needs that node's backward to find where each
+        # micro-batch's backward ends (grad_accumulation_utils.cc TagMicroBatchBpEndPrim / TagMicroBatchBpEnd,
+        # ReorderGradAccumulation: "Cannot find grad_accumulation border node"). Its gradient is therefore
+        # taken (one [V, H] gradient and its accu_grads buffer, optimizer-sharded) and dropped before the
+        # optimizer: the embedding stays frozen. It is marked trainable for the compile, as MindSpore's
+        # accumulation and optimizer-sharding passes must agree on its gradient's slice and its
+        # accu_grads buffer's (a frozen one got a full buffer against an optimizer-sharded gradient:
+        # "For 'AssignAdd', 'value' must have the same shape as 'variable'").
+        embedding.requires_grad = True
+        weights = ParameterTuple(tuple(weights) + (embedding,))
+    grads = PipelineGrads(weights, parallel.optimizer_shard) if pipeline else None
+    step = TrainStep(net, weights, update, output_width(num_moe_layers, num_experts), pipeline=grads,
+                     n_update=len(optimizer.parameters))
     return step, update

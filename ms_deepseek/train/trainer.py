@@ -304,6 +304,9 @@ class Trainer:
         self.E = cfg.n_routed_experts or 0
         self.k = par.micro_batches if par.pp > 1 else tc.grad_accum_steps  # micro-batches per step
         wrap = (lambda net: pipeline_wrap(net, par, self.applied, model_prefix="model")) if par.pp > 1 else None
+        # what a checkpoint holds (before build_step, which may mark a frozen embedding trainable for the graph)
+        self.model_tensors = model_tensors(self.model) if self.recipe.lora is None else \
+            lora_checkpoint_tensors(self.model)  # LoRA: adapters (+ trained routers) only
         self.step_cell, update = build_step(self.model, optimizer, tc, par, dynamic_loss_scale=self.dynamic,
                                             grad_reducer=reducer, wrap_net=wrap)
         self.opt_shards = None  # sharded + parallel.optimizer_shard: set after the compile (_restore)
@@ -311,9 +314,6 @@ class Trainer:
         if self.sharded:  # Ascend only (refused on CPU in _check_layout)
             self.strategy_file.parent.mkdir(parents=True, exist_ok=True)
             self.step_cell = auto_parallel_wrap(self.step_cell, par, str(self.strategy_file))
-        # what a checkpoint holds
-        self.model_tensors = model_tensors(self.model) if self.recipe.lora is None else \
-            lora_checkpoint_tensors(self.model)  # LoRA: adapters (+ trained routers) only
         self.opt_tensors = dict(optim.optimizer_state(optimizer))
         self.opt_tensors["loss_scale"] = update.loss_scale
         self.opt_tensors["loss_scale_good_steps"] = update.good_steps
@@ -344,7 +344,8 @@ class Trainer:
             from ms_deepseek.sharding import compiled_check as cc
 
             cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
-            cc.check_primitives(cc.primitive_attrs(self.model, self.applied.strategies), self.applied.strategies)
+            cc.check_compiled_strategies(cc.compiled_strategies(self.step_cell),
+                                         cc.planned_primitives(self.model, self.applied.strategies))
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
                 self._load_base_slices()
             elif self.resume_dir is None:

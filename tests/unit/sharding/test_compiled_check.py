@@ -67,11 +67,28 @@ def test_other_splits_missing_parameters_and_optimizer_groups_stop(case):
         cc.check_parameter_layouts(grouped, layout, RANK, optimizer_shard=False)
 
 
-def test_a_primitive_mindspore_made_batch_parallel_stops():
-    strategies = {"model.layers.1.mlp.lookup.impl.op": (((2, 1), (1, 1)), None),
-                  "model.layers.1.self_attn.qk_bmm": (((2, 2, 1, 1), (2, 2, 1, 1)), None)}
-    ok = {"model.layers.1.mlp.lookup.impl.op": {"dev_matrix_shape": (2, 2)}, "model.layers.1.self_attn.qk_bmm": {}}
-    assert cc.check_primitives(ok, strategies) == 2
-    bad = dict(ok, **{"model.layers.1.mlp.lookup.impl.op": {"BatchParallel": True}})
-    with pytest.raises(UserError, match=r"lookup.impl.op: MindSpore made it BatchParallel .* \(\(2, 1\), \(1, 1\)\)"):
-        cc.check_primitives(bad, strategies)
+_SCOPE = "Default/network-TrainStep/net-GradAccumulation/network-StepOutputs/model-DeepseekV2ForCausalLM/" \
+         "model-DeepseekV2Model/layers-CellList/1-DecoderLayer/"
+
+
+def test_compiled_strategies_are_compared_primitive_by_primitive():
+    # scope names as MindSpore's graph executor gives them (get_strategy); a recomputed copy too
+    planned = {"model.layers.1.mlp.lookup.impl.op": ("Custom", ((2, 1), (1, 1))),
+               "model.layers.1.self_attn.qk_bmm": ("BatchMatMul", ((2, 2, 1, 1), (2, 2, 1, 1))),
+               "model.layers.1.self_attn.q_proj.matmul": ("MatMul", ((2, 1), (2, 1))),
+               "model.layers.1.self_attn.q_proj.lora_a_matmul": ("MatMul", ((2, 1), (1, 1)))}
+    compiled = {_SCOPE + "mlp-DeepseekV2MoE/lookup-ExpertLookup/impl-ExpertLookupReference/Custom-op3": [[2, 1], [1, 1]],
+                "recompute_" + _SCOPE + "self_attn-MLAttention/BatchMatMul-op0": [[2, 2, 1, 1], [2, 2, 1, 1]],
+                _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op7": [[2, 1], [1, 1]],
+                _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op6": [[2, 1], [2, 1]],
+                "Default/_VirtualDataset-op0": [[2, 1], [2, 1]]}
+    assert cc.check_compiled_strategies(compiled, planned) == 4
+    # a primitive whose strategy MindSpore replaced (e.g. a BatchParallel fallback) is named with both
+    bad = dict(compiled)
+    bad[_SCOPE + "mlp-DeepseekV2MoE/lookup-ExpertLookup/impl-ExpertLookupReference/Custom-op3"] = [[4, 1], [1, 1]]
+    with pytest.raises(UserError, match=r"lookup.impl.op \(Custom\): the plan's strategy is \[\[2, 1\], \[1, 1\]\], "
+                                        r"MindSpore compiled \[\[4, 1\], \[1, 1\]\]"):
+        cc.check_compiled_strategies(bad, planned)
+    # a primitive of another stage (not in this graph) is not compared
+    other = {k: v for k, v in compiled.items() if "BatchMatMul" not in k}
+    assert cc.check_compiled_strategies(other, planned) == 3

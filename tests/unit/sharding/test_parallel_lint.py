@@ -112,42 +112,59 @@ def _custom_prims(ctx):
     return {p: prim for p, (kind, prim) in _primitive_table(ctx.model).items() if type(prim).__name__ == "Custom"}
 
 
-def test_custom_ops_carry_custom_info_attrs_that_split_as_planned(moe_ctx):
-    """Every Custom op in the applied model has CustomInfo's four attributes, and MindSpore's own
-    tensor-map reader (_tensor._get_tensor_strategy) turns them back into the plan's strategy."""
+def test_custom_ops_carry_layouts_that_split_as_planned(moe_ctx):
+    """Every Custom op in the applied model was sharded with Layout objects (MindSpore 2.9's only form for
+    a Custom op), and MindSpore's own tensor-map reader (_tensor._get_tensor_strategy) turns each input
+    layout back into the plan's strategy; the outputs are split like input 0."""
     from mindspore.parallel._tensor import _get_tensor_strategy
 
     prims = _custom_prims(moe_ctx)
     assert any(p.endswith("mlp.lookup.impl.op") for p in prims) and any(p.endswith("softmax.impl.op") for p in prims)
     for path, prim in prims.items():
-        attrs = prim.attrs
-        dev = list(attrs["dev_matrix_shape"])
-        assert int(__import__("numpy").prod(dev)) == moe_ctx.mesh.stage_devices, path
+        ins, outs = prim.attrs["in_layout"], prim.attrs["out_layout"]
         in_s = moe_ctx.applied.strategies[path][0]
-        for m, s in zip(attrs["inputs_tensor_map"], in_s):
-            assert tuple(_get_tensor_strategy(dev, list(m))) == tuple(s), (path, m, s)
-        first = tuple(_get_tensor_strategy(dev, list(attrs["inputs_tensor_map"][0])))
-        for m in attrs["outputs_tensor_map"]:
-            assert tuple(_get_tensor_strategy(dev, list(m))) == first, path
-        assert attrs["as_loss_divisor"] == moe_ctx.mesh.stage_devices // int(__import__("numpy").prod(first))
+        for lay, s in zip(ins, in_s):
+            dev = list(lay["device_matrix"])
+            assert int(__import__("numpy").prod(dev)) == moe_ctx.mesh.stage_devices, path
+            assert tuple(_get_tensor_strategy(dev, list(lay["tensor_map"]))) == tuple(s), (path, lay, s)
+        for lay in outs:
+            assert tuple(lay["tensor_map"]) == tuple(ins[0]["tensor_map"]), path
     lookup = next(prim for p, prim in prims.items() if p.endswith("mlp.lookup.impl.op"))
-    assert len(lookup.attrs["outputs_tensor_map"]) == 4  # buffer_row, position, keep split too, not only output 0
+    assert len(lookup.attrs["out_layout"]) == 4  # buffer_row, position, keep split too, not only output 0
 
 
-def test_custom_op_without_custom_info_attrs_fails_the_lint():
-    """A planted Custom op with shard() but without the attributes: MindSpore would make it
-    BatchParallel / StandAlone; the lint says so, citing step_parallel_utils.cc."""
+def test_custom_op_without_layouts_fails_the_lint():
+    """A planted Custom op without layouts (MindSpore 2.9 refuses a Custom op sharded by a tuple strategy
+    or not at all): the lint says so; layouts that disagree with the strategy fail as well."""
     ctx = S.build_context(TINY, MOE_PAR, 64)
     path = next(p for p in _custom_prims(ctx) if p.endswith("mlp.lookup.impl.op"))
     prim = _custom_prims(ctx)[path]
-    for key in ("as_loss_divisor", "dev_matrix_shape", "inputs_tensor_map", "outputs_tensor_map"):
-        prim.del_prim_attr(key)
+    prim.del_prim_attr("in_layout")
     problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
-    assert any(p.startswith(path + " (Custom)") and "step_parallel_utils.cc" in p for p in problems), problems
-    # attributes that disagree with the strategy fail as well
+    assert any(p.startswith(path + " (Custom): no in/out layouts") for p in problems), problems
     ctx2 = S.build_context(TINY, MOE_PAR, 64)
     prim2 = _custom_prims(ctx2)[path]
-    prim2.add_prim_attr("inputs_tensor_map", ((-1, -1),) * len(prim2.attrs["inputs_tensor_map"]))
+    ins = list(prim2.attrs["in_layout"])
+    ins[0] = dict(ins[0], tensor_map=tuple(-1 for _ in ins[0]["tensor_map"]))
+    prim2.add_prim_attr("in_layout", tuple(ins))
     problems = lint_model(ctx2.model, ctx2.applied, ctx2.mesh).problems
-    assert any(p.startswith(path + " (Custom): input 0 tensor map") for p in problems), problems
+    assert any(p.startswith(path + " (Custom): input 0 layout") for p in problems), problems
     assert S.check_lint(ctx).status == "fail"
+
+
+def test_wrong_style_is_an_unlisted_redistribution():
+    table = dict(DEEPSEEK_V2_PLAN)
+    table["model.layers.*.self_attn.o_proj"] = "colwise"  # should be rowwise: heads arrive split by tp
+    ctx = S.build_context(DENSE, PAR, 64, plan=Plan(table))
+    problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
+    assert any(p.startswith("model.layers.0.self_attn.o_proj.matmul input 0 has strategy (2, 1)")
+               and "pv_bmm" in p for p in problems), problems
+
+
+def test_stale_edge_table_fails(dense_ctx):
+    from ms_deepseek.sharding.lint import EDGES, Edge
+
+    edges = list(EDGES) + [Edge("self_attn.qk_bmm", 0, "self_attn.renamed_softmax", 0, requires="self_attn.qk_bmm")]
+    problems = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh, edges=edges).problems
+    assert any("renamed_softmax is not in the model" in p for p in problems), problems
+
