@@ -270,9 +270,15 @@ def build_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
         (hccl / "sys_version.py").write_text(f'__sys_version__ = "{HCCL_VERSION}"  # read by mindspore.communication\n')
         (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", f"symbols {len(symbols)}",
                                                  *(f"missing {n}" for n in closure.missing)]) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        if dest.exists() and _read_manifest(dest) is None:
+            shutil.rmtree(dest)  # an incomplete folder (an older layout): replaced
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if _read_manifest(dest) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process built it meanwhile: theirs serves
+            return _read_manifest(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

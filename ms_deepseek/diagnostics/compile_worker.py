@@ -128,6 +128,11 @@ class CompileOnlyTrainer(Trainer):
                                   stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None)
         self.model = model
 
+    def _build_step(self) -> None:
+        super()._build_step()
+        if self.sharded:  # shapes only: MindSpore would otherwise initialise every parameter slice it compiles
+            self.step_cell.no_init_parameters_in_compile()
+
     def compile_train(self):
         """Compile the training step; returns how many (parameter layouts, primitive strategies) the checks
         compared against the plan."""
@@ -152,6 +157,8 @@ class CompileOnlyTrainer(Trainer):
         from ms_deepseek.train.evaluate import Evaluator
 
         evaluator = Evaluator(self.model, [], self.world, parallel=self.par if self.sharded else None)
+        if self.sharded:
+            evaluator.cell.no_init_parameters_in_compile()
         evaluator.cell.set_train(False)
         shape = (self.rows, self.seq_len)  # [b, T]
         evaluator.cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))

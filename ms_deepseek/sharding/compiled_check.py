@@ -102,13 +102,16 @@ def compiled_strategies(cell) -> Dict[str, list]:
 
 
 def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping[str, Tuple[str, tuple]]) -> int:
-    """Every primitive the plan gives a strategy was compiled with that strategy.
+    """The primitives the plan gives a strategy were compiled with that strategy.
 
     ``compiled``: :func:`compiled_strategies`; ``planned``: primitive path (``model.layers.1.mlp.to_experts``)
-    -> (primitive type, in_strategy), see :func:`planned_primitives`. A primitive MindSpore found no
-    operator info for, or whose strategy it replaced (``BatchParallel``: ``step_parallel_utils.cc``
-    ``OperatorInstance``), shows in the compiled strategies with another strategy. Several primitives of one
-    type in one cell (a Linear's matmuls) are matched as a multiset. Returns how many were compared."""
+    -> (primitive type, in_strategy), see :func:`planned_primitives`. The compiled names carry the cell and
+    the type, not the attribute, so the operators of one type in one cell are matched as multisets: a
+    cell holds primitives the graph may not use (a Linear's LoRA matmuls without adapters) and the
+    graph may hold functional operators of the same type with propagated strategies. A mismatch is a
+    planned strategy found nowhere in its cell *and* a compiled one that is none of the planned: one of
+    ours compiled with another strategy (e.g. MindSpore's ``BatchParallel`` fallback,
+    ``step_parallel_utils.cc`` ``OperatorInstance``). Returns how many planned strategies were found."""
     by_cell: Dict[Tuple[str, str], List[tuple]] = {}
     for scope, strategy in compiled.items():
         path = _scope_cell_path(scope)
@@ -116,19 +119,25 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
             continue
         kind = scope.rsplit("/", 1)[-1].rsplit("-op", 1)[0]
         by_cell.setdefault((path, kind), []).append(tuple(tuple(int(k) for k in s) for s in strategy))
-    compared = 0
+    wanted: Dict[Tuple[str, str], List[Tuple[str, tuple]]] = {}
     for ppath, (kind, in_s) in sorted(planned.items()):
         cell = ppath.rsplit(".", 1)[0] if "." in ppath else ""
-        found = by_cell.get((cell, kind))
-        if found is None:
-            continue  # not in this graph (another stage's cell, or a branch the graph does not take)
-        want = tuple(tuple(int(k) for k in s) for s in in_s)
-        if want not in found:
-            raise UserError(f"compiled strategy: primitive {ppath} ({kind}): the plan's strategy is "
-                            f"{[list(s) for s in want]}, MindSpore compiled {[list(s) for s in found[0]]}"
-                            + (f" (and {len(found) - 1} more {kind} in that cell)" if len(found) > 1 else ""))
-        compared += 1
-    return compared
+        wanted.setdefault((cell, kind), []).append((ppath, tuple(tuple(int(k) for k in s) for s in in_s)))
+    found = 0
+    for key, entries in sorted(wanted.items()):
+        got = by_cell.get(key)
+        if not got:
+            continue  # not in this graph (another stage's cell, or unused)
+        planned_set = {s for _, s in entries}
+        missing = [(p, s) for p, s in entries if s not in got]
+        stray = [s for s in got if s not in planned_set]
+        found += len(entries) - len(missing)
+        if missing and stray:
+            path, want = missing[0]
+            raise UserError(f"compiled strategy: primitive {path} ({key[1]}): the plan's strategy is "
+                            f"{[list(x) for x in want]}, MindSpore compiled {[list(x) for x in stray[0]]} "
+                            f"for a {key[1]} of that cell")
+    return found
 
 
 def planned_primitives(model, strategies: Mapping[str, tuple]) -> Dict[str, Tuple[str, tuple]]:

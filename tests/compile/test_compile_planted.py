@@ -1,0 +1,134 @@
+"""MindSpore's own compiler as the oracle of our sharded path, on a small model (seconds per compile).
+
+Each test runs the compile check's worker (``diagnostics.compile_worker``, the trainer's own set-up
+under MindSpore's dry run with stub CANN libraries) on a small recipe, in a fresh process. The
+planted mistakes go through our code (the plan's style table, the layout the check compares with)
+and must be refused: by MindSpore with its own message where the lint restates a MindSpore rule, by
+our compiled-layout check where the plan and the graph disagree.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from builders import SMALL_MODEL, write_recipe
+from dryrun import run_dryrun
+
+# dp 2, tp 2, ep 2 on one stage (4 devices): every kind of split the plan makes, at small width
+LAYOUT = {"dp": 2, "tp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full"}
+
+
+def _recipe(tmp_path, **parallel):
+    model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
+    data = {"model": {"source": "tiny", "overrides": model},
+            "data": {"seq_len": 32, "embedded_vocab_size": 512, "validation": {"fraction": 0.1}},
+            "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": 2, "eval_interval": 1},
+            "parallel": dict(LAYOUT, **parallel), "checkpoint": {"save_interval": 0},
+            "logging": {"tensorboard": False}}
+    return write_recipe(tmp_path / "recipe", data)
+
+
+def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, **parallel):
+    """Run the worker (after ``plant``, Python run first in its process); returns its result.json."""
+    recipe = _recipe(tmp_path, **parallel)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
+    code = textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n" \
+                                    f"run({str(work / 'request.json')!r})\n"
+    rc, out = run_dryrun(code, work, world=world, rank=rank)
+    result = work / "result.json"
+    assert result.is_file(), out[-3000:]
+    return json.loads(result.read_text())
+
+
+def _graph(result, name):
+    return result["graphs"].get(name) or result["graphs"].get("setup") or {}
+
+
+def test_small_model_compiles_with_every_split_and_matches_the_plan(tmp_path):
+    result = _compile(tmp_path)
+    train, val = _graph(result, "train"), _graph(result, "eval")
+    assert train.get("ok"), train
+    assert val.get("ok"), val
+    assert train["layouts_compared"] > 10 and train["strategies_compared"] > 10, train
+
+
+def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
+    # dp, tp, pp and ep all 2 (8 devices); the last stage's first rank (it computes the loss)
+    result = _compile(tmp_path, world=8, rank=4, pp=2, micro_batches=2)
+    assert _graph(result, "train").get("ok"), result
+    assert _graph(result, "eval").get("ok"), result
+
+
+# A plan that splits the contracted axis of a matmul's x but not of its weight: MindSpore's MatMulInfo refuses
+_BAD_MATMUL = """
+from ms_deepseek.parallel import plan as P
+_colwise = P.STYLES["colwise"]
+def planted(mesh):
+    spec = _colwise(mesh)
+    (x, w), out = spec.prims["matmul"]
+    spec.prims["matmul"] = (((x[0], mesh.tp), w), out)  # x [N, in] split on in, weight [out, in] not
+    return spec
+P.STYLES["colwise"] = planted
+"""
+
+
+def test_a_planted_wrong_strategy_is_refused_by_mindspore(tmp_path):
+    train = _graph(_compile(tmp_path, _BAD_MATMUL), "train")
+    assert not train.get("ok")
+    assert "strategy" in train["error"].lower() or "MatMul" in train["error"], train
+
+
+# The lint's UNSPLITTABLE rules restate MindSpore's: the same planted split is refused by the compiler
+_SPLIT_TOPK_AXIS = """
+from ms_deepseek.parallel import plan as P
+_router = P.STYLES["router"]
+def planted(mesh):
+    spec = _router(mesh)
+    spec.prims["topk"] = (((1, mesh.dp),), None)  # scores [N, E]: the last (top-k) axis split
+    return spec
+P.STYLES["router"] = planted
+"""
+
+_SPLIT_CONCAT_AXIS = """
+from ms_deepseek.parallel import plan as P
+def planted(mesh):
+    spec = P.StyleSpec(prims={"": (((1, mesh.dp, 1), (1, mesh.dp, 1)), None)}, is_primitive=True)
+    return spec  # Concat of [G, N, H] and [G, 1, H] on axis 1, split on axis 1
+P.STYLES["moe_pad_tokens"] = planted
+"""
+
+
+@pytest.mark.parametrize("plant,rule", [(_SPLIT_TOPK_AXIS, "TopK"), (_SPLIT_CONCAT_AXIS, "Concat")])
+def test_lint_rules_restating_mindspore_are_refused_by_the_compiler_too(tmp_path, plant, rule):
+    from ms_deepseek.sharding.lint import UNSPLITTABLE
+
+    assert rule in UNSPLITTABLE  # the lint's rule, checked here against MindSpore itself
+    train = _graph(_compile(tmp_path, plant), "train")
+    assert not train.get("ok"), train
+    assert rule.lower() in (train["error"] + train.get("where", "")).lower() or "strategy" in train["error"].lower(), \
+        train
+
+
+# The compiled graph is right, the plan the check reads says otherwise (tp 1): the compiled-layout check names it
+_PLAN_SAYS_OTHERWISE = """
+import dataclasses
+from ms_deepseek.diagnostics.compile_worker import CompileOnlyTrainer
+_layout = CompileOnlyTrainer._layout
+def planted(self):
+    real = self.par
+    self.par = dataclasses.replace(real, tp=1, dp=real.dp * real.tp)
+    try:
+        return _layout(self)
+    finally:
+        self.par = real
+CompileOnlyTrainer._layout = planted
+"""
+
+
+def test_a_plan_graph_mismatch_is_caught_by_the_compiled_layout_check(tmp_path):
+    train = _graph(_compile(tmp_path, _PLAN_SAYS_OTHERWISE), "train")
+    assert not train.get("ok")
+    assert train["kind"] == "layout" and train["error"].startswith("compiled layout: parameter"), train
