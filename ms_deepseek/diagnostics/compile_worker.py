@@ -194,9 +194,10 @@ def run(request_path: str) -> int:
     try:
         from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
-        recipe = load_recipe(request["recipe"], request.get("overrides", []), planning_config_path(request["recipe"]))
-        trainer = CompileOnlyTrainer(recipe, out, None, True, False, None)
         try:
+            recipe = load_recipe(request["recipe"], request.get("overrides", []),
+                                 planning_config_path(request["recipe"]))
+            trainer = CompileOnlyTrainer(recipe, out, None, True, False, None)
             trainer._check_layout()
             trainer._setup_run()
             trainer._build_data()

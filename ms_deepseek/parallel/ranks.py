@@ -44,15 +44,27 @@ def stage_of_rank(rank: int, par: ParallelConfig) -> int:
     return rank // (par.dp * par.tp)
 
 
+def reads_full_batch(par: ParallelConfig) -> bool:
+    """Whether every rank reads the whole global micro-batch: ``dataset_strategy: full_batch``, or any layout
+    with tp > 1. MindSpore 2.9 compiles a data-parallel dataset strategy that leaves devices of the stage
+    to repeats only when it covers the stage: with tp > 1, under ``sharding_propagation``, the tuple form
+    ``((dp, 1), ...)`` fails in ``tensor_layout.cc`` (``IsValidTensorLayout``: "the max element in
+    tensor_map_origin_ must be smaller than device_arrangement_origin_ size", then "No available strategy
+    for: VirtualDatasetInfo"), and a ``Layout`` form is ignored (MindSpore splits the batch over all the
+    stage's devices). Found by compiling dp, tp, pp and ep all 2 (``plan --recipe R --compile``). Reading
+    the whole micro-batch costs each rank dp x its token ids (a few hundred KB) and MindSpore slices it."""
+    return par.dataset_strategy == "full_batch" or par.tp > 1
+
+
 def batch_slices(par: ParallelConfig) -> int:
     """How many ways the global batch axis is split among the ranks of a stage."""
-    return 1 if par.dataset_strategy == "full_batch" else par.dp
+    return 1 if reads_full_batch(par) else par.dp
 
 
 def data_slice(rank: int, par: ParallelConfig) -> int:
     """Index of the batch slice a rank holds: stage position ``p`` holds ``p % dp`` (the dataset's repeat
     on the left of its device matrix: virtual_dataset_info.cc, _utils.py ``_to_full_tensor``)."""
-    if par.dataset_strategy == "full_batch":
+    if reads_full_batch(par):
         return 0
     return (rank % (par.dp * par.tp)) % par.dp
 
@@ -74,7 +86,7 @@ def rows_of_rank(rank: int, par: ParallelConfig, micro_batch_size: int) -> List[
 
 def dataset_strategy(par: ParallelConfig, num_inputs: int = STEP_INPUTS) -> Union[str, Tuple[Tuple[int, ...], ...]]:
     """What to tell MindSpore about the step's inputs: ``"full_batch"`` or ``((dp, 1),) * num_inputs``."""
-    if par.dataset_strategy == "full_batch":
+    if reads_full_batch(par):
         return "full_batch"
     return ((batch_slices(par), 1),) * num_inputs
 

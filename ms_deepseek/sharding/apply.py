@@ -304,24 +304,6 @@ def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan,
     return Pipeline(net_with_loss, parallel.micro_batches, stage_config=pipeline_stage_config(applied, model_prefix))
 
 
-def dataset_layouts(parallel: ParallelConfig, num_inputs: int = 2):
-    """The step's dataset strategy for ``AutoParallel.dataset_strategy``, as ``Layout`` objects.
-
-    The rule is :func:`ms_deepseek.parallel.ranks.dataset_strategy`'s (stage position p holds batch slice
-    p % dp, the tp peers of a slice being dp positions apart), written with named axes: the device matrix
-    ``(tp, dp)``, dp the fastest axis, the batch axis split by ``"dp"``. The tuple form ``((dp, 1), ...)``
-    says the same to MindSpore's VirtualDatasetInfo only while it covers the stage (tp = 1): with tp > 1
-    MindSpore 2.9 refuses it ("No available strategy for: VirtualDatasetInfo", found by compiling dp, tp,
-    pp and ep all 2; ``tensor_layout.cc``: tensor map [3, -1] does not fit device arrangement [2, 1, 2])."""
-    strategy = dataset_strategy(parallel, num_inputs)
-    if isinstance(strategy, str):  # full_batch
-        return strategy
-    from mindspore.parallel import Layout
-
-    layout = Layout((parallel.tp, parallel.dp), ("tp", "dp"))
-    return tuple(layout("dp", "None") for _ in range(num_inputs))
-
-
 def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Optional[str] = None):
     """Ascend only (needs ``communication.init``): the outermost training cell (forward, gradients and
     optimizer update) in ``AutoParallel`` with sharding propagation from the plan's strategies,
@@ -330,7 +312,7 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     from mindspore.parallel.auto_parallel import AutoParallel
 
     wrapped = AutoParallel(top_cell, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
-    wrapped.dataset_strategy(dataset_layouts(parallel))  # the same rule as the context API
+    wrapped.dataset_strategy(dataset_strategy(parallel))  # the same rule as the context API
     wrapped.enable_gradients_mean()
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")
@@ -358,7 +340,7 @@ def eval_parallel_wrap(eval_cell, parallel: ParallelConfig):
     from mindspore.parallel.auto_parallel import AutoParallel
 
     wrapped = AutoParallel(eval_cell, parallel_mode="sharding_propagation")
-    wrapped.dataset_strategy(dataset_layouts(parallel))  # the training rule: (input_ids, labels)
+    wrapped.dataset_strategy(dataset_strategy(parallel))  # the training rule: (input_ids, labels)
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")  # the layouts training compiled
     if parallel.pp > 1:

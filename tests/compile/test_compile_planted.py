@@ -19,19 +19,19 @@ from dryrun import run_dryrun
 LAYOUT = {"dp": 2, "tp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full"}
 
 
-def _recipe(tmp_path, **parallel):
+def _recipe(tmp_path, accum=2, **parallel):
     model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
     data = {"model": {"source": "tiny", "overrides": model},
             "data": {"seq_len": 32, "embedded_vocab_size": 512, "validation": {"fraction": 0.1}},
-            "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": 2, "eval_interval": 1},
+            "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": accum, "eval_interval": 1},
             "parallel": dict(LAYOUT, **parallel), "checkpoint": {"save_interval": 0},
             "logging": {"tensorboard": False}}
     return write_recipe(tmp_path / "recipe", data)
 
 
-def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, **parallel):
+def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, accum: int = 2, **parallel):
     """Run the worker (after ``plant``, Python run first in its process); returns its result.json."""
-    recipe = _recipe(tmp_path, **parallel)
+    recipe = _recipe(tmp_path, accum, **parallel)
     work = tmp_path / "work"
     work.mkdir()
     (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
@@ -57,7 +57,7 @@ def test_small_model_compiles_with_every_split_and_matches_the_plan(tmp_path):
 
 def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
     # dp, tp, pp and ep all 2 (8 devices); the last stage's first rank (it computes the loss)
-    result = _compile(tmp_path, world=8, rank=4, pp=2, micro_batches=2)
+    result = _compile(tmp_path, world=8, rank=4, pp=2, micro_batches=2, accum=1)
     assert _graph(result, "train").get("ok"), result
     assert _graph(result, "eval").get("ok"), result
 
