@@ -79,12 +79,20 @@ class RotaryEmbedding(nn.Cell):
         inv_freq, self.mscale = rope_inv_freq(cfg)
         self.inv_freq = Tensor(inv_freq[None, :])  # [1, dim/2]
         self.half = cfg.qk_rope_head_dim // 2
+        # Primitives in attributes, so the plan can give them explicit (replicated) strategies: the table
+        # depends on the positions only, and left to sharding propagation under a pipeline its reshape was
+        # tied to the micro-batch's layout ("tensor_redistribution init failed": [T] positions against
+        # [B, T] ids, found by compiling dp, tp, pp and ep all 2). MindFormers does the same for its rotary ops.
+        self.freq_mul = ops.Mul()
+        self.concat = ops.Concat(-1)
+        self.cos = ops.Cos()
+        self.sin = ops.Sin()
 
     def construct(self, positions):
         # positions: [T] float32
-        freqs = positions.reshape(-1, 1) * self.inv_freq  # [T, dim/2]
-        emb = ops.concat((freqs, freqs), -1)  # [T, dim]
-        return ops.cos(emb) * self.mscale, ops.sin(emb) * self.mscale
+        freqs = self.freq_mul(positions.reshape(-1, 1), self.inv_freq)  # [T, 1] x [1, dim/2] -> [T, dim/2]
+        emb = self.concat((freqs, freqs))  # [T, dim]
+        return self.cos(emb) * self.mscale, self.sin(emb) * self.mscale
 
 
 def apply_rotary(x, cos, sin):

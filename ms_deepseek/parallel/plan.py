@@ -49,6 +49,7 @@ Strategy = Tuple[Tuple[int, ...], ...]
 # Path pattern -> style. Exactly one pattern may match any path.
 DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.embed_tokens": "vocab_embedding",
+    "model.rotary_emb": "rotary_table",
     "model.layers.*.input_layernorm": "norm",
     "model.layers.*.post_attention_layernorm": "norm",
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -210,6 +211,14 @@ def _vocab_embedding(mesh: Mesh) -> StyleSpec:
                      consumers={"weight": ("gather", 0)})
 
 
+def _rotary_table(mesh: Mesh) -> StyleSpec:
+    # cos / sin [T, dim] from the positions [T]: small, position-only, replicated on every device
+    # (MindFormers' rotary ops carry explicit replicated strategies too)
+    one = ((1, 1),)
+    return StyleSpec(prims={"freq_mul": (((1, 1), (1, 1)), None), "concat": (((1, 1), (1, 1)), None),
+                            "cos": (one, None), "sin": (one, None)})
+
+
 def _norm(mesh: Mesh) -> StyleSpec:
     return StyleSpec(params={"weight": (1,)})
 
@@ -358,6 +367,7 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "vocab_cross_entropy": _vocab_cross_entropy,
     "vocab_embedding": _vocab_embedding,
     "norm": _norm,
+    "rotary_table": _rotary_table,
     "router": _router,
     "experts": _experts,
     "head_bmm": _head_bmm,
