@@ -158,6 +158,15 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
 
     # 4. recompute
     _recompute(cells, parallel, applied)
+
+    # 5. frozen weights (a LoRA base) are not cut by the parallel optimizer: MindSpore would shard them too
+    # (parallel_optimizer/opt_param_mgr.cc SplitParam checks size, not trainability) and all-gather them in
+    # every forward; a quantized (uint8) base then fails to compile (its gradient path's ReduceScatter takes
+    # no integer tensor). Whole on each replica is what the planner counts (parallel.costs).
+    if parallel.optimizer_shard:
+        for param in params.values():
+            if not param.requires_grad:
+                param.parallel_optimizer = False
     return applied
 
 
