@@ -45,9 +45,12 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+# Every OpDef (ops/*/op_host/*.cpp) registers AICore configs for these two SoCs only: a
+# package built for another SoC would hold no kernel (tests/repo/test_build_ascend.py checks
+# that this list and the OpDefs' AddConfig calls agree).
 case "$SOC" in
-  ascend310p|ascend310b|ascend910|ascend910b|ascend910_93) ;;
-  *) die "--soc: unsupported SoC '$SOC' (ascend910b for Atlas 800T A2)" ;;
+  ascend910b|ascend910_93) ;;
+  *) die "--soc: unsupported SoC '$SOC': the operators are registered for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only" ;;
 esac
 [[ -d "$CANN" ]] || die "CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH)"
 CANN_REAL="$(cd "$CANN" && pwd -P)"

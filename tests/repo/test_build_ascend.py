@@ -14,6 +14,7 @@ timeout, not as a silent EOF.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,6 +189,30 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
     assert ascend.installed_op_types() == set()
     with pytest.raises(RuntimeError, match=r"Cannot find operator \[RepetitionPenalty\]"):
         custom_utils.CustomInfoGenerator("RepetitionPenalty").generate_custom_reg_op()
+
+
+def _registered_socs():
+    """The SoCs every OpDef registers an AICore config for (AddConfig("<soc>", ...))."""
+    per_op = [set(re.findall(r'AddConfig\("(\w+)"', path.read_text()))
+              for path in sorted((REPO / "ops").glob("*/op_host/*.cpp"))]
+    assert len(per_op) == 3 and all(per_op)
+    return set.intersection(*per_op), set.union(*per_op)
+
+
+@pytest.mark.parametrize("soc", ["ascend310p", "ascend310b", "ascend910", "ascend910b", "ascend910_93"])
+def test_soc_accepted_only_if_every_opdef_registers_it(soc):
+    common, anywhere = _registered_socs()
+    assert common == anywhere == {"ascend910b", "ascend910_93"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--soc", soc, "--cann", "/nonexistent/cann"], capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    if soc in common:
+        assert lines[0] == "build_ascend.sh: CANN not found at /nonexistent/cann (pass --cann or set ASCEND_HOME_PATH)"
+    else:
+        assert lines[0].startswith(f"build_ascend.sh: --soc: unsupported SoC '{soc}': the operators are registered "
+                                   "for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only")
 
 
 @pytest.mark.parametrize("args, message", [
