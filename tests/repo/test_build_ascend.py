@@ -29,11 +29,11 @@ SCRIPT = REPO / "ops" / "build_ascend.sh"
 OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 
 
-def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeout: float = 60):
+def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeout: float = 60, extra_env=None):
     """Run the build script with stdin held open; returns (returncode, output). Timeout = hang."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_LIBRARY_PATH", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH", "ASCEND_CUSTOM_OPP_PATH")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_") and k != "LD_LIBRARY_PATH"}
     env.update(STUB_LOG=str(tmp / "calls.log"), STUB_DIR=str(tmp), TMPDIR=str(tmp), PYTHON=sys.executable)
+    env.update(extra_env or {})
     out = open(tmp / "out.txt", "w+")
     proc = subprocess.Popen(["bash", str(script), "--cann", str(cann), "--install-path", str(install)],
                             stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -141,6 +141,57 @@ def test_env_script_that_sets_nothing_is_reported(tmp_path):
     assert rc == 1
     assert f"build_ascend.sh: sourcing {cann}/set_env.sh (status 3) set no ASCEND_OPP_PATH folder" in out
     assert calls(tmp_path) == ["setenv"]                    # nothing built after the failure
+
+
+# The CANN 9.0.0 base image (cann-container-image, cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile):
+# the toolkit is /usr/local/Ascend/cann-9.0.0 with no env script of its own found by the old
+# lookup; the image sources /usr/local/Ascend/ascend-toolkit/set_env.sh, and its ENV names both.
+def _image_env(cann: Path):
+    return {"ASCEND_HOME_PATH": str(cann), "ASCEND_TOOLKIT_HOME": str(cann), "ASCEND_OPP_PATH": str(cann / "opp"),
+            "ASCEND_TOOLKIT_LATEST_HOME": str(cann.parent / "ascend-toolkit" / "latest")}
+
+
+@pytest.mark.parametrize("with_image_env", [False, True])
+@pytest.mark.parametrize("via_latest", [False, True])
+def test_cann9_image_sources_the_ascend_toolkit_env_script(tmp_path, with_image_env, via_latest):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="toolkit")
+    latest = cann.parent / "ascend-toolkit" / "latest"
+    assert not (cann / "set_env.sh").exists() and latest.resolve() == cann
+    # --cann .../ascend-toolkit/latest (the script's default): latest/.. is not ascend-toolkit/
+    rc, out = run_build(tmp_path, latest if via_latest else cann, tmp_path / "opp",
+                        extra_env=_image_env(cann) if with_image_env else None)
+    assert rc == 0, out
+    assert calls(tmp_path)[:2] == ["setenv", f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"]
+    assert (installed_vendor(tmp_path / "opp") / "version.info").is_file()
+
+
+def test_env_set_by_the_image_is_used_when_no_env_script_exists(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="none")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp", extra_env=_image_env(cann))
+    assert rc == 0, out
+    assert f"no CANN env script found; using the environment already set for {cann}" in out
+    assert "setenv" not in calls(tmp_path)
+    assert calls(tmp_path)[0] == f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"
+
+
+def test_no_env_script_and_no_environment_is_reported(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="none")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp")
+    assert rc == 1
+    assert f"build_ascend.sh: no CANN env script (" in out and f"no CANN environment set for {cann}" in out
+    assert calls(tmp_path) == []
+
+
+def test_another_releases_toolkit_env_script_is_not_sourced(tmp_path):
+    """ascend-toolkit/latest names another release: its set_env.sh would set that release's paths."""
+    cann = make_stub_cann(tmp_path, "cann9", env_at="toolkit")
+    latest = cann.parent / "ascend-toolkit" / "latest"
+    latest.unlink()
+    (cann.parent / "cann-8.5.0").mkdir()
+    latest.symlink_to("../cann-8.5.0")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp")
+    assert rc == 1 and "no CANN env script" in out
+    assert calls(tmp_path) == []
 
 
 def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
