@@ -165,6 +165,24 @@ def test_no_symlink_in_the_image_points_outside_what_it_copies(name):
             assert not _ignored(target, patterns), (name, link, target)
 
 
+def test_documented_run_line_mounts_what_npu_smi_needs():
+    """The run line in the Dockerfile's header passes the devices and mounts the host files that
+    cann-container-image's README mounts for npu-smi in a container (dcmi, ascend_install.info,
+    the driver, npu-smi itself)."""
+    header = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    text = " ".join(header).replace("\\ ", " ")
+    run = text[text.index("docker run"):text.index("ms-deepseek:ascend doctor")]
+    mounts = {m.split(":")[0]: m.split(":")[1] for m in re.findall(r"-v (\S+)", run)}
+    for host in ("/usr/local/dcmi", "/etc/ascend_install.info", "/usr/local/Ascend/driver", "/usr/local/sbin/npu-smi"):
+        assert mounts.get(host) == host, (host, run)
+    for device in ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc", "/dev/davinci0"):
+        assert f"--device={device}" in run, device
+
+
 def test_ascend_image_builds_and_registers_the_kernels():
     text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
     assert "bash ops/build_ascend.sh --install-path /opt/ms-deepseek/opp" in text
