@@ -24,7 +24,8 @@ cmake/util/preset_parse.py CMakePresets.json)`` with no ``set -e``, then the bui
 (real: cmake + ``func.cmake`` calling ``cmake/util/ascendc_*.py``), so a missing or
 dangling helper fails the build with python's own "can't open file" and no package. The
 "compiler" (``ascendc_bin_param_build.py`` here) reads the staged ``op_host/*.cpp`` OpDef
-registrations and writes a ``.run`` installer that lays out what MindSpore's loader reads
+registrations (an explicit ``opFile.value`` is required and ``op_kernel/<opFile>.cpp`` must
+exist, see COMPILE) and writes a ``.run`` installer that lays out what MindSpore's loader reads
 (``ops/operations/_custom_ops_utils.py``, ``CustomInfoGenerator``):
 ``op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`` and
 ``op_api/include/aclnn_<op>.h``, for the SoC of ``ASCEND_COMPUTE_UNIT`` in the presets. The
@@ -75,8 +76,18 @@ for src in sorted((project / "op_host").glob("*.cpp")):
     text = src.read_text()
     for m in re.finditer(r"class (\w+) : public OpDef \{(.*?)\n\};", text, re.S):
         name, body = m.group(1), m.group(2)
-        if soc not in re.findall(r'AddConfig\("(\w+)"\)', body):
+        if soc not in re.findall(r'AddConfig\("(\w+)"', body):
             continue
+        # The real opbuild derives opFile from the op type when the OpDef does not name it (a
+        # closed rule), and the template then builds op_kernel/<opFile>.cpp or, missing, prints
+        # the error below and goes on without that kernel. The stub asks for an explicit name and
+        # fails where the real build would silently drop the kernel.
+        op_file = re.findall(r'ExtendCfgInfo\("opFile\.value",\s*"(\w+)"\)', body)
+        if len(op_file) != 1:
+            sys.exit(f"stub opbuild: {name}: the OpDef sets no opFile.value (the kernel file name)")
+        kernel_src = project / "op_kernel" / f"{op_file[0]}.cpp"
+        if not kernel_src.is_file():
+            sys.exit(f"[ERROR]: operator: {op_file[0]} source file: {kernel_src} does not found, please check.")
         entry, params = {}, []
         for kind in ("Input", "Output"):
             for i, (arg, dtypes) in enumerate(re.findall(kind + r'\("(\w+)"\)[^;]*?DataType\(\{([^}]*)\}\)', body)):
@@ -89,7 +100,7 @@ for src in sorted((project / "op_host").glob("*.cpp")):
             entry["attr"] = {"list": ",".join(a for a, _ in attrs)}
             for a, t in attrs:
                 entry[f"attr_{a}"] = {"type": t.lower(), "value": "all", "paramType": "required"}
-        entry["opFile"] = {"value": re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()}
+        entry["opFile"] = {"value": op_file[0]}
         info[name] = entry
         ins = [f"const aclTensor *{a}" for k, a in params if k == "Input"]
         ins += [("double " if t == "Float" else "int64_t ") + a for a, t in attrs]

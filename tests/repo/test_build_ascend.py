@@ -15,6 +15,7 @@ timeout, not as a silent EOF.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def test_build_and_reinstall(tmp_path, layout):
     assert (vendor / "version.info").read_text() == "ms_deepseek\n"
     info = json.loads((vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").read_text())
     assert set(info) == OP_TYPES
+    # each OpDef names its kernel file (opFile.value): op_kernel/<op>.cpp
+    assert {t: info[t]["opFile"]["value"] for t in OP_TYPES} == {
+        "ExpertLookup": "expert_lookup", "Fp32Softmax": "fp32_softmax", "RepetitionPenalty": "repetition_penalty"}
     assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
@@ -192,6 +196,34 @@ def test_another_releases_toolkit_env_script_is_not_sourced(tmp_path):
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1 and "no CANN env script" in out
     assert calls(tmp_path) == []
+
+
+def _ops_copy(tmp_path: Path) -> Path:
+    """A copy of ops/ (build_ascend.sh stages the sources next to itself) to plant mistakes in."""
+    copy = tmp_path / "ops_copy"
+    shutil.copytree(REPO / "ops", copy)
+    return copy
+
+
+OP_FILE = '.ExtendCfgInfo("opFile.value", "fp32_softmax")'
+
+
+@pytest.mark.parametrize("planted, message", [
+    ("", "stub opbuild: Fp32Softmax: the OpDef sets no opFile.value"),
+    ('.ExtendCfgInfo("opFile.value", "fp32softmax")', "[ERROR]: operator: fp32softmax source file: "),
+])
+def test_every_opdef_names_its_kernel_file(tmp_path, planted, message):
+    """Without opFile.value CANN's opbuild picks the kernel file name by a rule of its own (what
+    does Fp32Softmax become at the digit?); a name with no op_kernel/<name>.cpp builds no kernel."""
+    ops = _ops_copy(tmp_path)
+    host = ops / "fp32_softmax" / "op_host" / "fp32_softmax.cpp"
+    assert host.read_text().count(OP_FILE) == 1
+    host.write_text(host.read_text().replace(OP_FILE, planted))
+    cann = make_stub_cann(tmp_path, "cann9")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp", script=ops / "build_ascend.sh")
+    assert rc == 1 and message in out, out
+    assert "build_ascend.sh: build failed" in out
+    assert not (tmp_path / "opp" / "vendors").exists()
 
 
 def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
