@@ -198,6 +198,24 @@ def test_another_releases_toolkit_env_script_is_not_sourced(tmp_path):
     assert calls(tmp_path) == []
 
 
+def _code(path: Path) -> str:
+    """C++ source without comments (a comment naming SyncAll is not a barrier)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("op", ["expert_lookup", "fp32_softmax", "repetition_penalty"])
+def test_kernels_with_a_hardware_barrier_are_scheduled_in_batch_mode(op):
+    """A kernel that calls SyncAll() must be declared mixed (KERNEL_TYPE_MIX_AIV_1_0, so CANN sets
+    up FFTS; design.md section 7) and its tiling must ask for batch mode, SetScheduleMode(1) (CANN
+    9.0.0 TilingContext::SetScheduleMode: without it barrier kernels on two streams can deadlock)."""
+    kernel = _code(REPO / "ops" / op / "op_kernel" / f"{op}.cpp")
+    host = _code(REPO / "ops" / op / "op_host" / f"{op}.cpp")
+    barrier = re.search(r"\bSyncAll\s*(<[^>]*>)?\s*\(", kernel) is not None
+    assert barrier == (op == "expert_lookup")
+    assert ("KERNEL_TYPE_MIX_AIV_1_0" in kernel) == barrier
+    assert (re.search(r"SetScheduleMode\(1\)", host) is not None) == barrier
+
+
 def _ops_copy(tmp_path: Path) -> Path:
     """A copy of ops/ (build_ascend.sh stages the sources next to itself) to plant mistakes in."""
     copy = tmp_path / "ops_copy"

@@ -46,6 +46,11 @@ static ge::graphStatus ExpertLookupTiling(gert::TilingContext* context) {
 
   // SyncAll needs every launched core to reach it: launch exactly the used cores.
   context->SetBlockDim(t.used_cores > 0 ? t.used_cores : 1);
+  // Batch mode: start the kernel only when all its cores are free at once. CANN 9.0.0,
+  // TilingContext::SetScheduleMode (atlasopapi_07_00248; metadef exe_graph/runtime/tiling_context.h):
+  // a kernel with inter-core sync (SyncAll) that runs beside other streams must set it, or the
+  // cores started first wait at the barrier for cores another stream's barrier kernel holds (deadlock).
+  if (context->SetScheduleMode(1) != ge::GRAPH_SUCCESS) return ge::GRAPH_FAILED;
   context->SetTilingKey(1);
   data.SaveToBuffer(context->GetRawTilingData()->GetData(), context->GetRawTilingData()->GetCapacity());
   context->GetRawTilingData()->SetDataSize(data.GetDataSize());
