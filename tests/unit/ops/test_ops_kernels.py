@@ -277,6 +277,10 @@ PENALTY_CASES = {
     "duplicates": (2, 40, 30, 2.0),  # L close to V: many repeated ids
     "below_one": (2, 33, 5, 0.5),  # penalty < 1 boosts
     "long_prefix": (1, 50, 200, 1.7),
+    # rows longer than a tile on the small-UB schedules: a row segment spans several tiles, its ids
+    # loaded once (L = 100) or streamed for every tile (L = 400 > id_tile)
+    "wide_rows": (2, 2000, 100, 1.3),
+    "wide_rows_long_prefix": (2, 2000, 400, 0.8),
 }
 
 

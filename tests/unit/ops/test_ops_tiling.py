@@ -157,19 +157,33 @@ def test_repetition_penalty_tiling_covers_logits_once(problem):
     kw = dict(batch=b, vocab=v, length=length, core_num=core_num, ub_bytes=ub)
     t = tiling("repetition_penalty", **kw)
     assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["id_tile"] % 8 == 0
-    assert t["tile"] * 8 + t["id_tile"] * 8 <= ub - RESERVE
+    # one tile of float32, its "done" mask (a bit per element, int32 words, block aligned), one id load
+    mask_bytes = -(-(-(-t["tile"] // 32)) // 8) * 8 * 4
+    assert t["tile"] * 4 + mask_bytes + t["id_tile"] * 4 <= ub - RESERVE
     covered = np.zeros(b * v, np.int32)
     for tile in schedule("repetition_penalty", **kw):
         start, n = tile["start"], tile["len"]
         assert 1 <= n <= t["tile"]
         covered[start:start + n] += 1
         assert tile["first_row"] == start // v and tile["last_row"] == (start + n - 1) // v
+        assert tile["first_row"] == tile["last_row"]  # a tile never spans two rows
     assert (covered == 1).all()
     cores = {tile["core"] for tile in schedule("repetition_penalty", **kw)}
     assert cores == set(range(t["used_cores"]))
     for core in cores:
         start = min(x["start"] for x in schedule("repetition_penalty", **kw) if x["core"] == core)
         assert (start * 4) % BLOCK == 0
+
+
+def test_repetition_penalty_tiling_ids_in_one_load_or_streamed():
+    """DeepSeek-V2 decode: a 4096-id prefix is loaded once per row segment (L <= id_tile) and the
+    UB left over holds large tiles; a longer prefix than a quarter of UB is streamed."""
+    t = tiling("repetition_penalty", batch=1, vocab=102400, length=4096)
+    assert t["id_tile"] == 4096 and t["tile"] == t["chunk"] == 2136   # one tile per core
+    t = tiling("repetition_penalty", batch=64, vocab=102400, length=4096)
+    assert t["id_tile"] == 4096 and t["tile"] > 36000
+    t = tiling("repetition_penalty", batch=1, vocab=102400, length=20000)
+    assert t["id_tile"] == (196352 - RESERVE) // 16 // 8 * 8 < 20000
 
 
 def test_repetition_penalty_tiling_refuses_tiny_ub():
