@@ -6,6 +6,7 @@
 #include "fp32_softmax_tiling_logic.h"
 #include "register/op_def_registry.h"
 #include "tiling/platform/platform_ascendc.h"
+#include "tiling/tiling_api.h"
 
 namespace optiling {
 
@@ -43,6 +44,16 @@ static ge::graphStatus Fp32SoftmaxTiling(gert::TilingContext* context) {
   data.set_col_tile(t.col_tile);
   data.set_col_tiles(t.col_tiles);
   data.set_col_tail(t.col_tail);
+  if (t.mode == msds::softmax::kWholeRows && t.rows_per_tile > 0) {
+    // The SoftMax API's tiling for a full tile [rows_per_tile, cols_aligned] of float32 with the
+    // temporary buffer the kernel gives it (its GetSoftMaxMaxTmpSize: all rows in one pass); the
+    // kernel's last, shorter tile passes its own row count and the API re-derives the split
+    // (SoftmaxConfig::isCheckTiling, asc-devkit v9.0.0 docs/api/context/SoftMax.md).
+    ge::Shape tile_shape({t.rows_per_tile, t.cols_aligned});
+    uint32_t tmp_bytes = static_cast<uint32_t>(msds::softmax::SoftmaxTmpBytes(t.rows_per_tile, t.cols_aligned));
+    if (tmp_bytes < AscendC::GetSoftMaxMinTmpSize(tile_shape, sizeof(float), false)) return ge::GRAPH_FAILED;
+    AscendC::SoftMaxTilingFunc(tile_shape, sizeof(float), tmp_bytes, data.softmax_tiling);
+  }
 
   context->SetBlockDim(t.used_cores > 0 ? t.used_cores : 1);
   context->SetTilingKey(t.mode == msds::softmax::kWholeRows ? 1 : 2);
