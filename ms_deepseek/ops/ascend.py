@@ -112,11 +112,11 @@ class ExpertLookupAscend(nn.Cell):
 
 
 class FP32SoftmaxAscend(nn.Cell):
-    strategy_tail = ()
-    num_outputs = 1
     """Forward on the Ascend C kernel; backward y * (dy - sum(dy * y)) in float32 with built-in ops."""
 
     kind = "ascend"
+    strategy_tail = ()
+    num_outputs = 1
 
     def __init__(self, out_dtype=mstype.float32):
         super().__init__()
