@@ -138,6 +138,28 @@ class FP32SoftmaxAscend(nn.Cell):
         return y
 
 
+class SoftmaxBuiltin(nn.Cell):
+    """:class:`ms_deepseek.ops.FP32Softmax` for float32 input on Ascend: MindSpore's own Softmax
+    (CANN's kernel) over the last axis, then ``out_dtype``. Needs no custom operator package.
+
+    ``op`` is a plain primitive: the parallel plan's softmax rules shard it like the custom op
+    (``ms_deepseek.parallel.plan``), with an ordinary strategy (``activation_info.cc``)."""
+
+    kind = "builtin"
+
+    def __init__(self, out_dtype=mstype.float32):
+        super().__init__()
+        reference.check_out_dtype(out_dtype)
+        self.out_dtype = out_dtype
+        self.op = ops.Softmax(axis=-1)
+
+    def construct(self, x):
+        y = self.op(x.astype(mstype.float32))
+        if self.out_dtype != mstype.float32:
+            y = y.astype(self.out_dtype)
+        return y
+
+
 class RepetitionPenaltyAscend(nn.Cell):
     kind = "ascend"
 
