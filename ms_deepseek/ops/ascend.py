@@ -84,6 +84,8 @@ def _require(op_name: str) -> str:
 
 
 class ExpertLookupAscend(nn.Cell):
+    """:class:`ms_deepseek.ops.ExpertLookup` on the Ascend C kernel (k-major ids, outputs back to [G, T, k])."""
+
     kind = "ascend"
     strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
     num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
@@ -161,6 +163,8 @@ class SoftmaxBuiltin(nn.Cell):
 
 
 class RepetitionPenaltyAscend(nn.Cell):
+    """:class:`ms_deepseek.ops.RepetitionPenalty` on the Ascend C kernel (the penalty is a float attribute)."""
+
     kind = "ascend"
 
     def __init__(self):

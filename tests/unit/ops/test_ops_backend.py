@@ -74,6 +74,19 @@ def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
     assert FP32Softmax(float32_input=True).impl.kind == "reference"
 
 
+def test_ascend_cells_carry_their_docstrings():
+    """A string after class attributes is not the docstring (FP32SoftmaxAscend had one there)."""
+    import inspect
+
+    from ms_deepseek.ops import ascend
+
+    cells = [c for _, c in inspect.getmembers(ascend, inspect.isclass) if c.__module__ == ascend.__name__]
+    assert {c.__name__ for c in cells} >= {"ExpertLookupAscend", "FP32SoftmaxAscend", "RepetitionPenaltyAscend"}
+    for cls in cells:
+        assert cls.__doc__ and cls.__doc__.strip(), cls.__name__
+    assert ascend.FP32SoftmaxAscend.__doc__.startswith("Forward on the Ascend C kernel")
+
+
 def test_bad_env_var_value_is_a_user_error(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "fast")
     with pytest.raises(UserError, match="MS_DEEPSEEK_OPS='fast'"):
