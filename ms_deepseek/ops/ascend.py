@@ -24,6 +24,8 @@ from mindspore.common import dtype as mstype
 from ms_deepseek.ops import reference
 
 VENDOR = "ms_deepseek"
+# The SoCs every OpDef registers (ops/*/op_host/*.cpp AddConfig) and ops/build_ascend.sh accepts.
+SUPPORTED_SOCS = ("ascend910b", "ascend910_93")
 OP_TYPES = {"expert_lookup": "ExpertLookup", "fp32_softmax": "Fp32Softmax", "repetition_penalty": "RepetitionPenalty"}
 
 
@@ -76,6 +78,9 @@ def _require(op_name: str) -> str:
     op_type = OP_TYPES[op_name]
     soc = soc_version()
     if op_type not in installed_op_types(soc):
+        if soc and soc not in SUPPORTED_SOCS:
+            raise RuntimeError(f"Ascend custom operator {op_type} is not available for this SoC ({soc}): the "
+                               f"operators are built for {' and '.join(SUPPORTED_SOCS)} only")
         raise RuntimeError(
             f"Ascend custom operator {op_type} is not installed for this SoC ({soc or 'unknown'}); run "
             f"ops/build_ascend.sh --soc {soc or '<soc>'} and export ASCEND_CUSTOM_OPP_PATH as it prints"
