@@ -99,6 +99,19 @@ def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
 
 
 @in_child
+@pytest.mark.parametrize("cols", [4096, 100003])  # whole rows (SoftMax API), column tiles
+def test_fp32_softmax_masked_rows_on_npu(ascend_ops, cols):
+    """Causal-mask style -inf stretches, whole column tiles of them in the long rows."""
+    from mindspore import Tensor
+
+    x = np.random.default_rng(4).standard_normal((3, cols)).astype(np.float32) * 4
+    x[:, : cols * 3 // 5] = -np.inf
+    x[1, cols * 4 // 5:] = -np.inf
+    y = ascend_ops.FP32SoftmaxAscend()(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(y, _softmax64(x), rtol=2e-5, atol=1e-9)
+
+
+@in_child
 def test_fp32_softmax_grad_on_npu(ascend_ops):
     import mindspore as ms
     from mindspore import Tensor, nn

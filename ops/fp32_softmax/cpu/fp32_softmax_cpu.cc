@@ -71,7 +71,7 @@ void SoftmaxRowColumnTiles(const SoftmaxTiling& t, const void* x, DType dt, int6
   }
   double s = 0.0;
   for (int64_t c = 0; c < t.col_tiles; ++c) {
-    if (tile_sum[c] > 0.0) s += tile_sum[c] * std::exp(tile_max[c] - m);
+    s += tile_sum[c] * std::exp(tile_max[c] - m);  // a masked tile: 0 * exp(-inf - m) = 0
   }
   for (int64_t c = 0; c < t.col_tiles; ++c) {
     int64_t c0 = c * t.col_tile, n = msds::softmax::ColTileCols(t, c);

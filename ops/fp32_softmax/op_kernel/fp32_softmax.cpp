@@ -72,14 +72,18 @@ class Fp32SoftmaxKernel {
         ReduceMax(result, w, scratch, n);
         msds::Sync<HardEvent::V_S>();
         float mc = result.GetValue(0);
-        Adds(w, w, -mc, n);
-        PipeBarrier<PIPE_V>();
-        Exp(w, w, n);
-        PipeBarrier<PIPE_V>();
-        ReduceSum(result, w, scratch, n);
-        msds::Sync<HardEvent::V_S>();
+        float sc = 0.0f;
+        if (mc >= -3.4028235e38f) {  // a tile of -inf only (a masked stretch) adds 0, not exp(-inf + inf) = NaN
+          Adds(w, w, -mc, n);
+          PipeBarrier<PIPE_V>();
+          Exp(w, w, n);
+          PipeBarrier<PIPE_V>();
+          ReduceSum(result, w, scratch, n);
+          msds::Sync<HardEvent::V_S>();
+          sc = result.GetValue(0);
+        }
         tileMax.SetValue(c, mc);
-        tileSum.SetValue(c, result.GetValue(0));
+        tileSum.SetValue(c, sc);
         m = mc > m ? mc : m;
       }
       // S = sum_c s_c * exp(m_c - M), on the vector unit (the scalar unit has no exp).

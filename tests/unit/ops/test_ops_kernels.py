@@ -14,6 +14,7 @@ from mindspore import Tensor, nn
 from mindspore.common import dtype as mstype
 
 from ms_deepseek.ops import ExpertLookup, FP32Softmax, RepetitionPenalty, build, cpu, reference
+from ms_deepseek.ops.tiling import tiling
 
 ms.set_device("CPU")
 
@@ -202,6 +203,18 @@ def test_softmax_cpu_extreme_and_masked_inputs(libs, schedule):
     assert (y[1, [0, 2, 4]] == 0).all()
     ref = reference.FP32SoftmaxReference()(Tensor(x)).asnumpy()
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-30)
+
+
+def test_softmax_cpu_column_tiles_masked_whole_tiles(libs):
+    """Column-tile mode (a row longer than UB) with whole tiles of -inf, as a causal mask over a long
+    row gives: those tiles add nothing to the sum (not exp(-inf + inf) = NaN)."""
+    x = np.random.default_rng(8).standard_normal((3, 400)).astype(np.float32)
+    x[:, :250] = -np.inf
+    x[1, 300:] = -np.inf
+    impl = cpu.FP32SoftmaxCpu(libs["fp32_softmax"], core_num=3, ub_bytes=4096)
+    assert tiling("fp32_softmax", rows=3, cols=400, in_bytes=4, num_inputs=1, core_num=3, ub_bytes=4096)["mode"] == 1
+    y = impl(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(y, softmax64(x), rtol=2e-7, atol=0)
 
 
 def test_softmax_cpu_nan_and_all_masked_rows_match_reference(libs):
