@@ -5,9 +5,14 @@
 #   docker run --rm -it --device=/dev/davinci0 ... --device=/dev/davinci7 \
 #     --device=/dev/davinci_manager --device=/dev/devmm_svm --device=/dev/hisi_hdc \
 #     -v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro \
-#     -v /usr/local/sbin/npu-smi:/usr/local/sbin/npu-smi:ro -v /etc/hccn.conf:/etc/hccn.conf:ro \
+#     -v /usr/local/sbin/npu-smi:/usr/local/sbin/npu-smi:ro -v /usr/local/dcmi:/usr/local/dcmi:ro \
+#     -v /etc/ascend_install.info:/etc/ascend_install.info:ro -v /etc/hccn.conf:/etc/hccn.conf:ro \
 #     -v /data/runs:/workspace/runs --network=host --shm-size=64g \
 #     ms-deepseek:ascend doctor --level 8
+#
+# npu-smi in the container needs the host's DCMI library (/usr/local/dcmi) and
+# /etc/ascend_install.info as well as the driver (cann-container-image README, "setup
+# environment using container").
 #
 # CANN_IMAGE: a CANN base image for 910B with the CANN release MindSpore 2.9.0 is built
 # for (CANN 9.0.0, driver/firmware 26.0.RC1 on the host; `ms-deepseek doctor` checks

@@ -45,9 +45,12 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+# Every OpDef (ops/*/op_host/*.cpp) registers AICore configs for these two SoCs only: a
+# package built for another SoC would hold no kernel (tests/repo/test_build_ascend.py checks
+# that this list and the OpDefs' AddConfig calls agree).
 case "$SOC" in
-  ascend310p|ascend310b|ascend910|ascend910b|ascend910_93) ;;
-  *) die "--soc: unsupported SoC '$SOC' (ascend910b for Atlas 800T A2)" ;;
+  ascend910b|ascend910_93) ;;
+  *) die "--soc: unsupported SoC '$SOC': the operators are registered for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only" ;;
 esac
 [[ -d "$CANN" ]] || die "CANN not found at $CANN (pass --cann or set ASCEND_HOME_PATH)"
 CANN_REAL="$(cd "$CANN" && pwd -P)"
@@ -58,24 +61,46 @@ CANN_REAL="$(cd "$CANN" && pwd -P)"
 # discarded), and their last line can be a probe (`[ -d ... ] && ...`) that returns non-zero
 # on a tree without that component. Source with errexit/nounset off and no positional
 # arguments, keep the output, and judge by the result: ASCEND_OPP_PATH must name a folder.
-# Looked up before and after resolving links (ascend-toolkit/latest -> ../cann-9.0.0).
+# Where the script is: 8.x bin/setenv.bash and 9.0 set_env.sh inside the toolkit, looked up
+# before and after resolving links (ascend-toolkit/latest -> ../cann-9.0.0), and the
+# ascend-toolkit/set_env.sh beside it. The CANN 9.0.0 base image (cann-container-image,
+# cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile) sets ASCEND_HOME_PATH=/usr/local/Ascend/cann-9.0.0
+# and ASCEND_TOOLKIT_LATEST_HOME=/usr/local/Ascend/ascend-toolkit/latest and sources
+# /usr/local/Ascend/ascend-toolkit/set_env.sh, the script beside ${ASCEND_TOOLKIT_LATEST_HOME}.
+# A script outside the CANN tree counts only when its `latest` (or ASCEND_TOOLKIT_LATEST_HOME)
+# resolves to the CANN being built with, so another release's script is never sourced.
+# "<link>/../set_env.sh" is not that file when `latest` is a symlink (the kernel resolves ".."
+# from the link's target: ascend-toolkit/latest/.. is /usr/local/Ascend): take the dirname.
+real_dir() { (cd "$1" 2>/dev/null && pwd -P); }
+CANDIDATES=("$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$(dirname "$CANN")/set_env.sh"
+            "$CANN_REAL/bin/setenv.bash" "$CANN_REAL/set_env.sh")
+for latest in "${ASCEND_TOOLKIT_LATEST_HOME:-}" "$(dirname "$CANN_REAL")/ascend-toolkit/latest"; do
+  if [[ -n "$latest" && "$(real_dir "$latest")" == "$CANN_REAL" ]]; then
+    CANDIDATES+=("$(dirname "${latest%/}")/set_env.sh")
+  fi
+done
 ENV_SCRIPT=""
-for candidate in "$CANN/bin/setenv.bash" "$CANN/set_env.sh" "$CANN/../set_env.sh" \
-                 "$CANN_REAL/bin/setenv.bash" "$CANN_REAL/set_env.sh"; do
+for candidate in "${CANDIDATES[@]}"; do
   if [[ -f "$candidate" ]]; then ENV_SCRIPT="$candidate"; break; fi
 done
-[[ -n "$ENV_SCRIPT" ]] || die "no bin/setenv.bash or set_env.sh under $CANN (is this a CANN toolkit?)"
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
-set --
-set +eu
-# shellcheck disable=SC1090
-source "$ENV_SCRIPT"
-env_status=$?
-set -eu
-if [[ ! -d "${ASCEND_OPP_PATH:-}" ]]; then
-  die "sourcing $ENV_SCRIPT (status $env_status) set no ASCEND_OPP_PATH folder: not a usable CANN environment"
+if [[ -n "$ENV_SCRIPT" ]]; then
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+  set --
+  set +eu
+  # shellcheck disable=SC1090
+  source "$ENV_SCRIPT"
+  env_status=$?
+  set -eu
+  if [[ ! -d "${ASCEND_OPP_PATH:-}" ]]; then
+    die "sourcing $ENV_SCRIPT (status $env_status) set no ASCEND_OPP_PATH folder: not a usable CANN environment"
+  fi
+  [[ $env_status -eq 0 ]] || echo "build_ascend.sh: note: $ENV_SCRIPT returned $env_status (one of its own probes); the CANN environment is set, continuing" >&2
+elif [[ -d "${ASCEND_OPP_PATH:-}" && -n "${ASCEND_HOME_PATH:-}" && "$(real_dir "$ASCEND_HOME_PATH")" == "$CANN_REAL" ]]; then
+  # No script found, but the environment already names this CANN (a base image's ENV does).
+  echo "build_ascend.sh: note: no CANN env script found; using the environment already set for $CANN_REAL (ASCEND_OPP_PATH=$ASCEND_OPP_PATH)" >&2
+else
+  die "no CANN env script (${CANDIDATES[*]}) and no CANN environment set for $CANN_REAL (ASCEND_HOME_PATH, ASCEND_OPP_PATH): is this a CANN toolkit?"
 fi
-[[ $env_status -eq 0 ]] || echo "build_ascend.sh: note: $ENV_SCRIPT returned $env_status (one of its own probes); the CANN environment is set, continuing" >&2
 CANN="$CANN_REAL"
 export ASCEND_HOME_PATH="${ASCEND_HOME_PATH:-$CANN}"
 

@@ -43,7 +43,8 @@ class Router(nn.Cell):
         self.seq_aux = cfg.seq_aux
         self.set_expert_parallel(1)
         self.matmul = ops.MatMul(transpose_b=True)
-        self.softmax = FP32Softmax(out_dtype=ms.float32)
+        # float32 logits: CANN's Softmax on Ascend, our more accurate kernel on CPU (FP32Softmax doc)
+        self.softmax = FP32Softmax(out_dtype=ms.float32, float32_input=True)
         self.topk = ops.TopK(sorted=True)
         self.group_topk = ops.TopK(sorted=True)
 

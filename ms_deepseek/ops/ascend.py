@@ -24,6 +24,8 @@ from mindspore.common import dtype as mstype
 from ms_deepseek.ops import reference
 
 VENDOR = "ms_deepseek"
+# The SoCs every OpDef registers (ops/*/op_host/*.cpp AddConfig) and ops/build_ascend.sh accepts.
+SUPPORTED_SOCS = ("ascend910b", "ascend910_93")
 OP_TYPES = {"expert_lookup": "ExpertLookup", "fp32_softmax": "Fp32Softmax", "repetition_penalty": "RepetitionPenalty"}
 
 
@@ -75,6 +77,9 @@ def _require(op_name: str) -> str:
     op_type = OP_TYPES[op_name]
     soc = soc_version()
     if op_type not in installed_op_types(soc):
+        if soc and soc not in SUPPORTED_SOCS:
+            raise RuntimeError(f"Ascend custom operator {op_type} is not available for this SoC ({soc}): the "
+                               f"operators are built for {' and '.join(SUPPORTED_SOCS)} only")
         raise RuntimeError(
             f"Ascend custom operator {op_type} is not installed for this SoC ({soc or 'unknown'}); run "
             f"ops/build_ascend.sh --soc {soc or '<soc>'} and export ASCEND_CUSTOM_OPP_PATH as it prints"
@@ -83,6 +88,8 @@ def _require(op_name: str) -> str:
 
 
 class ExpertLookupAscend(nn.Cell):
+    """:class:`ms_deepseek.ops.ExpertLookup` on the Ascend C kernel (k-major ids, outputs back to [G, T, k])."""
+
     kind = "ascend"
     strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
     num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
@@ -111,11 +118,11 @@ class ExpertLookupAscend(nn.Cell):
 
 
 class FP32SoftmaxAscend(nn.Cell):
-    strategy_tail = ()
-    num_outputs = 1
     """Forward on the Ascend C kernel; backward y * (dy - sum(dy * y)) in float32 with built-in ops."""
 
     kind = "ascend"
+    strategy_tail = ()
+    num_outputs = 1
 
     def __init__(self, out_dtype=mstype.float32):
         super().__init__()
@@ -137,7 +144,31 @@ class FP32SoftmaxAscend(nn.Cell):
         return y
 
 
+class SoftmaxBuiltin(nn.Cell):
+    """:class:`ms_deepseek.ops.FP32Softmax` for float32 input on Ascend: MindSpore's own Softmax
+    (CANN's kernel) over the last axis, then ``out_dtype``. Needs no custom operator package.
+
+    ``op`` is a plain primitive: the parallel plan's softmax rules shard it like the custom op
+    (``ms_deepseek.parallel.plan``), with an ordinary strategy (``activation_info.cc``)."""
+
+    kind = "builtin"
+
+    def __init__(self, out_dtype=mstype.float32):
+        super().__init__()
+        reference.check_out_dtype(out_dtype)
+        self.out_dtype = out_dtype
+        self.op = ops.Softmax(axis=-1)
+
+    def construct(self, x):
+        y = self.op(x.astype(mstype.float32))
+        if self.out_dtype != mstype.float32:
+            y = y.astype(self.out_dtype)
+        return y
+
+
 class RepetitionPenaltyAscend(nn.Cell):
+    """:class:`ms_deepseek.ops.RepetitionPenalty` on the Ascend C kernel (the penalty is a float attribute)."""
+
     kind = "ascend"
 
     def __init__(self):

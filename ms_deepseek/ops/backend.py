@@ -14,7 +14,8 @@ Order of preference:
   :class:`~ms_deepseek.core.errors.UserError` (one line), not a fallback.
 
 The choice is made when the operator Cell is constructed; ``impl.kind`` on the
-Cell says which one it got (``"reference"``, ``"cpu"`` or ``"ascend"``).
+Cell says which one it got (``"reference"``, ``"cpu"`` or ``"ascend"``; ``"builtin"``: MindSpore's own
+Softmax for a float32-only :class:`~ms_deepseek.ops.FP32Softmax` on Ascend, see its docstring).
 """
 
 from __future__ import annotations

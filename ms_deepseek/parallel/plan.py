@@ -64,7 +64,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
     "model.layers.*.self_attn.flash_attention": "flash_attention",
     "model.layers.*.self_attn.softmax.impl.op": "head_softmax",     # FP32Softmax custom op
-    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",       # the router's FP32Softmax
+    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",       # the router's FP32Softmax (ops.Softmax on Ascend)
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
@@ -301,7 +301,8 @@ def _head_softmax(mesh: Mesh) -> StyleSpec:
 
 def _row_softmax(mesh: Mesh) -> StyleSpec:
     dp = mesh.dp
-    # FP32Softmax (ops.Custom) on router logits [N, E]: tokens by dp, the expert axis whole.
+    # FP32Softmax on router logits [N, E] (ops.Custom; on Ascend ops.Softmax, float32 input): tokens by dp,
+    # the expert axis whole.
     return StyleSpec(prims={"": (((dp, 1),), None)}, is_primitive=True)
 
 

@@ -12,12 +12,20 @@ Three layouts of the Ascend C project template (what ``build_ascend.sh`` stages)
   env script is ``$CANN/bin/setenv.bash``.
 * ``sample``: the msopgen demo project (``ascendc_operator_sample``) with its own helpers.
 
+Where the env script is (``env_at``): ``"cann"`` inside the toolkit as above; ``"toolkit"``
+(``cann9`` only) as in the CANN 9.0.0 base image (cann-container-image,
+``cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile``): the toolkit is ``<root>/Ascend/cann-9.0.0``
+without a script of its own, the image sources ``<root>/Ascend/ascend-toolkit/set_env.sh`` and
+``ascend-toolkit/latest`` links to ``../cann-9.0.0``; ``"none"``: no env script anywhere (only a
+base image's ENV can then name the toolkit).
+
 The template's ``build.sh`` does what the real one does first: ``opts=$(python3
 cmake/util/preset_parse.py CMakePresets.json)`` with no ``set -e``, then the build step
 (real: cmake + ``func.cmake`` calling ``cmake/util/ascendc_*.py``), so a missing or
 dangling helper fails the build with python's own "can't open file" and no package. The
 "compiler" (``ascendc_bin_param_build.py`` here) reads the staged ``op_host/*.cpp`` OpDef
-registrations and writes a ``.run`` installer that lays out what MindSpore's loader reads
+registrations (an explicit ``opFile.value`` is required and ``op_kernel/<opFile>.cpp`` must
+exist, see COMPILE) and writes a ``.run`` installer that lays out what MindSpore's loader reads
 (``ops/operations/_custom_ops_utils.py``, ``CustomInfoGenerator``):
 ``op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`` and
 ``op_api/include/aclnn_<op>.h``, for the SoC of ``ASCEND_COMPUTE_UNIT`` in the presets. The
@@ -68,8 +76,18 @@ for src in sorted((project / "op_host").glob("*.cpp")):
     text = src.read_text()
     for m in re.finditer(r"class (\w+) : public OpDef \{(.*?)\n\};", text, re.S):
         name, body = m.group(1), m.group(2)
-        if soc not in re.findall(r'AddConfig\("(\w+)"\)', body):
+        if soc not in re.findall(r'AddConfig\("(\w+)"', body):
             continue
+        # The real opbuild derives opFile from the op type when the OpDef does not name it (a
+        # closed rule), and the template then builds op_kernel/<opFile>.cpp or, missing, prints
+        # the error below and goes on without that kernel. The stub asks for an explicit name and
+        # fails where the real build would silently drop the kernel.
+        op_file = re.findall(r'ExtendCfgInfo\("opFile\.value",\s*"(\w+)"\)', body)
+        if len(op_file) != 1:
+            sys.exit(f"stub opbuild: {name}: the OpDef sets no opFile.value (the kernel file name)")
+        kernel_src = project / "op_kernel" / f"{op_file[0]}.cpp"
+        if not kernel_src.is_file():
+            sys.exit(f"[ERROR]: operator: {op_file[0]} source file: {kernel_src} does not found, please check.")
         entry, params = {}, []
         for kind in ("Input", "Output"):
             for i, (arg, dtypes) in enumerate(re.findall(kind + r'\("(\w+)"\)[^;]*?DataType\(\{([^}]*)\}\)', body)):
@@ -82,7 +100,7 @@ for src in sorted((project / "op_host").glob("*.cpp")):
             entry["attr"] = {"list": ",".join(a for a, _ in attrs)}
             for a, t in attrs:
                 entry[f"attr_{a}"] = {"type": t.lower(), "value": "all", "paramType": "required"}
-        entry["opFile"] = {"value": re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()}
+        entry["opFile"] = {"value": op_file[0]}
         info[name] = entry
         ins = [f"const aclTensor *{a}" for k, a in params if k == "Input"]
         ins += [("double " if t == "Float" else "int64_t ") + a for a, t in attrs]
@@ -151,6 +169,7 @@ PRESETS = {"version": 1, "configurePresets": [{"name": "default", "cacheVariable
 HELPERS = {"preset_parse.py": PRESET_PARSE, "ascendc_bin_param_build.py": COMPILE,
            "const_var.py": "# stub\n", "opdesc_parser.py": "# stub\n"}
 LAYOUTS = ("cann9", "cann8", "sample")
+ENV_AT = ("cann", "toolkit", "none")
 
 
 def _project_files(project: Path, build_fail: str) -> None:
@@ -165,19 +184,27 @@ def _project_files(project: Path, build_fail: str) -> None:
 
 
 def make_stub_cann(root: Path, layout: str = "cann9", setenv_extra: str = "", build_fail: str = "",
-                   break_link: str = "") -> Path:
-    """A stub CANN tree under ``root/cann`` in ``layout``; ``break_link`` names a cann9 helper
-    whose link target is removed (a dangling link in the CANN tree itself)."""
-    assert layout in LAYOUTS, layout
-    cann = root / "cann"
+                   break_link: str = "", env_at: str = "cann") -> Path:
+    """A stub CANN tree in ``layout`` (``root/cann``, or as in the 9.0.0 image
+    ``root/Ascend/cann-9.0.0`` unless ``env_at="cann"``); ``break_link`` names a cann9 helper whose link target is removed (a
+    dangling link in the CANN tree itself); ``env_at``: where the env script is (module doc)."""
+    assert layout in LAYOUTS and env_at in ENV_AT, (layout, env_at)
+    assert env_at != "toolkit" or layout == "cann9", "the ascend-toolkit/ layout is CANN 9.0.0's"
+    cann = root / "Ascend" / "cann-9.0.0" if env_at != "cann" else root / "cann"
     (cann / "lib64").mkdir(parents=True)
     (cann / "opp" / "vendors").mkdir(parents=True)
     for soc in ("ascend910b", "ascend910_93"):  # the built-in ops' configs (MindSpore lists them last)
         (cann / "opp" / "built-in" / "op_impl" / "ai_core" / "tbe" / "config" / soc).mkdir(parents=True)
     env_text = SET_ENV.replace("@CANN@", str(cann)).replace("@EXTRA@", setenv_extra)
     templates = cann / "tools" / "op_project_templates" / "ascendc"
+    if env_at == "toolkit":
+        toolkit = root / "Ascend" / "ascend-toolkit"
+        toolkit.mkdir(parents=True)
+        (toolkit / "set_env.sh").write_text(env_text)
+        os.symlink("../cann-9.0.0", toolkit / "latest")
     if layout == "cann9":
-        (cann / "set_env.sh").write_text(env_text)
+        if env_at == "cann":
+            (cann / "set_env.sh").write_text(env_text)
         util = templates / "common" / "util"
         util.mkdir(parents=True)
         project = templates / "customize"
@@ -189,7 +216,8 @@ def make_stub_cann(root: Path, layout: str = "cann9", setenv_extra: str = "", bu
             os.symlink(f"../../../common/util/{name}", project / "cmake" / "util" / name)
     else:
         (cann / "bin").mkdir()
-        (cann / "bin" / "setenv.bash").write_text(env_text)
+        if env_at == "cann":
+            (cann / "bin" / "setenv.bash").write_text(env_text)
         if layout == "cann8":
             (templates / "common").mkdir(parents=True)
             _project_files(templates / "customize", build_fail)

@@ -14,6 +14,8 @@ timeout, not as a silent EOF.
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,11 +30,11 @@ SCRIPT = REPO / "ops" / "build_ascend.sh"
 OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 
 
-def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeout: float = 60):
+def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeout: float = 60, extra_env=None):
     """Run the build script with stdin held open; returns (returncode, output). Timeout = hang."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_LIBRARY_PATH", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH", "ASCEND_CUSTOM_OPP_PATH")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_") and k != "LD_LIBRARY_PATH"}
     env.update(STUB_LOG=str(tmp / "calls.log"), STUB_DIR=str(tmp), TMPDIR=str(tmp), PYTHON=sys.executable)
+    env.update(extra_env or {})
     out = open(tmp / "out.txt", "w+")
     proc = subprocess.Popen(["bash", str(script), "--cann", str(cann), "--install-path", str(install)],
                             stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -77,6 +79,9 @@ def test_build_and_reinstall(tmp_path, layout):
     assert (vendor / "version.info").read_text() == "ms_deepseek\n"
     info = json.loads((vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").read_text())
     assert set(info) == OP_TYPES
+    # each OpDef names its kernel file (opFile.value): op_kernel/<op>.cpp
+    assert {t: info[t]["opFile"]["value"] for t in OP_TYPES} == {
+        "ExpertLookup": "expert_lookup", "Fp32Softmax": "fp32_softmax", "RepetitionPenalty": "repetition_penalty"}
     assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
@@ -142,6 +147,103 @@ def test_env_script_that_sets_nothing_is_reported(tmp_path):
     assert calls(tmp_path) == ["setenv"]                    # nothing built after the failure
 
 
+# The CANN 9.0.0 base image (cann-container-image, cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile):
+# the toolkit is /usr/local/Ascend/cann-9.0.0 with no env script of its own found by the old
+# lookup; the image sources /usr/local/Ascend/ascend-toolkit/set_env.sh, and its ENV names both.
+def _image_env(cann: Path):
+    return {"ASCEND_HOME_PATH": str(cann), "ASCEND_TOOLKIT_HOME": str(cann), "ASCEND_OPP_PATH": str(cann / "opp"),
+            "ASCEND_TOOLKIT_LATEST_HOME": str(cann.parent / "ascend-toolkit" / "latest")}
+
+
+@pytest.mark.parametrize("with_image_env", [False, True])
+@pytest.mark.parametrize("via_latest", [False, True])
+def test_cann9_image_sources_the_ascend_toolkit_env_script(tmp_path, with_image_env, via_latest):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="toolkit")
+    latest = cann.parent / "ascend-toolkit" / "latest"
+    assert not (cann / "set_env.sh").exists() and latest.resolve() == cann
+    # --cann .../ascend-toolkit/latest (the script's default): latest/.. is not ascend-toolkit/
+    rc, out = run_build(tmp_path, latest if via_latest else cann, tmp_path / "opp",
+                        extra_env=_image_env(cann) if with_image_env else None)
+    assert rc == 0, out
+    assert calls(tmp_path)[:2] == ["setenv", f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"]
+    assert (installed_vendor(tmp_path / "opp") / "version.info").is_file()
+
+
+def test_env_set_by_the_image_is_used_when_no_env_script_exists(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="none")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp", extra_env=_image_env(cann))
+    assert rc == 0, out
+    assert f"no CANN env script found; using the environment already set for {cann}" in out
+    assert "setenv" not in calls(tmp_path)
+    assert calls(tmp_path)[0] == f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"
+
+
+def test_no_env_script_and_no_environment_is_reported(tmp_path):
+    cann = make_stub_cann(tmp_path, "cann9", env_at="none")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp")
+    assert rc == 1
+    assert f"build_ascend.sh: no CANN env script (" in out and f"no CANN environment set for {cann}" in out
+    assert calls(tmp_path) == []
+
+
+def test_another_releases_toolkit_env_script_is_not_sourced(tmp_path):
+    """ascend-toolkit/latest names another release: its set_env.sh would set that release's paths."""
+    cann = make_stub_cann(tmp_path, "cann9", env_at="toolkit")
+    latest = cann.parent / "ascend-toolkit" / "latest"
+    latest.unlink()
+    (cann.parent / "cann-8.5.0").mkdir()
+    latest.symlink_to("../cann-8.5.0")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp")
+    assert rc == 1 and "no CANN env script" in out
+    assert calls(tmp_path) == []
+
+
+def _code(path: Path) -> str:
+    """C++ source without comments (a comment naming SyncAll is not a barrier)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("op", ["expert_lookup", "fp32_softmax", "repetition_penalty"])
+def test_kernels_with_a_hardware_barrier_are_scheduled_in_batch_mode(op):
+    """A kernel that calls SyncAll() must be declared mixed (KERNEL_TYPE_MIX_AIV_1_0, so CANN sets
+    up FFTS; design.md section 7) and its tiling must ask for batch mode, SetScheduleMode(1) (CANN
+    9.0.0 TilingContext::SetScheduleMode: without it barrier kernels on two streams can deadlock)."""
+    kernel = _code(REPO / "ops" / op / "op_kernel" / f"{op}.cpp")
+    host = _code(REPO / "ops" / op / "op_host" / f"{op}.cpp")
+    barrier = re.search(r"\bSyncAll\s*(<[^>]*>)?\s*\(", kernel) is not None
+    assert barrier == (op == "expert_lookup")
+    assert ("KERNEL_TYPE_MIX_AIV_1_0" in kernel) == barrier
+    assert (re.search(r"SetScheduleMode\(1\)", host) is not None) == barrier
+
+
+def _ops_copy(tmp_path: Path) -> Path:
+    """A copy of ops/ (build_ascend.sh stages the sources next to itself) to plant mistakes in."""
+    copy = tmp_path / "ops_copy"
+    shutil.copytree(REPO / "ops", copy)
+    return copy
+
+
+OP_FILE = '.ExtendCfgInfo("opFile.value", "fp32_softmax")'
+
+
+@pytest.mark.parametrize("planted, message", [
+    ("", "stub opbuild: Fp32Softmax: the OpDef sets no opFile.value"),
+    ('.ExtendCfgInfo("opFile.value", "fp32softmax")', "[ERROR]: operator: fp32softmax source file: "),
+])
+def test_every_opdef_names_its_kernel_file(tmp_path, planted, message):
+    """Without opFile.value CANN's opbuild picks the kernel file name by a rule of its own (what
+    does Fp32Softmax become at the digit?); a name with no op_kernel/<name>.cpp builds no kernel."""
+    ops = _ops_copy(tmp_path)
+    host = ops / "fp32_softmax" / "op_host" / "fp32_softmax.cpp"
+    assert host.read_text().count(OP_FILE) == 1
+    host.write_text(host.read_text().replace(OP_FILE, planted))
+    cann = make_stub_cann(tmp_path, "cann9")
+    rc, out = run_build(tmp_path, cann, tmp_path / "opp", script=ops / "build_ascend.sh")
+    assert rc == 1 and message in out, out
+    assert "build_ascend.sh: build failed" in out
+    assert not (tmp_path / "opp" / "vendors").exists()
+
+
 def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9",
                           build_fail='echo "error: op_kernel/expert_lookup.cpp:67 boom"; exit 2')
@@ -188,6 +290,32 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
     assert ascend.installed_op_types() == set()
     with pytest.raises(RuntimeError, match=r"Cannot find operator \[RepetitionPenalty\]"):
         custom_utils.CustomInfoGenerator("RepetitionPenalty").generate_custom_reg_op()
+
+
+def _registered_socs():
+    """The SoCs every OpDef registers an AICore config for (AddConfig("<soc>", ...))."""
+    per_op = [set(re.findall(r'AddConfig\("(\w+)"', path.read_text()))
+              for path in sorted((REPO / "ops").glob("*/op_host/*.cpp"))]
+    assert len(per_op) == 3 and all(per_op)
+    return set.intersection(*per_op), set.union(*per_op)
+
+
+@pytest.mark.parametrize("soc", ["ascend310p", "ascend310b", "ascend910", "ascend910b", "ascend910_93"])
+def test_soc_accepted_only_if_every_opdef_registers_it(soc):
+    from ms_deepseek.ops.ascend import SUPPORTED_SOCS
+
+    common, anywhere = _registered_socs()
+    assert common == anywhere == set(SUPPORTED_SOCS) == {"ascend910b", "ascend910_93"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--soc", soc, "--cann", "/nonexistent/cann"], capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    if soc in common:
+        assert lines[0] == "build_ascend.sh: CANN not found at /nonexistent/cann (pass --cann or set ASCEND_HOME_PATH)"
+    else:
+        assert lines[0].startswith(f"build_ascend.sh: --soc: unsupported SoC '{soc}': the operators are registered "
+                                   "for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -165,17 +165,40 @@ def test_no_symlink_in_the_image_points_outside_what_it_copies(name):
             assert not _ignored(target, patterns), (name, link, target)
 
 
+def test_documented_run_line_mounts_what_npu_smi_needs():
+    """The run line in the Dockerfile's header passes the devices and mounts the host files that
+    cann-container-image's README mounts for npu-smi in a container (dcmi, ascend_install.info,
+    the driver, npu-smi itself)."""
+    header = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    text = " ".join(header).replace("\\ ", " ")
+    run = text[text.index("docker run"):text.index("ms-deepseek:ascend doctor")]
+    mounts = {m.split(":")[0]: m.split(":")[1] for m in re.findall(r"-v (\S+)", run)}
+    for host in ("/usr/local/dcmi", "/etc/ascend_install.info", "/usr/local/Ascend/driver", "/usr/local/sbin/npu-smi"):
+        assert mounts.get(host) == host, (host, run)
+    for device in ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc", "/dev/davinci0"):
+        assert f"--device={device}" in run, device
+
+
 def test_ascend_image_builds_and_registers_the_kernels():
     text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
     assert "bash ops/build_ascend.sh --install-path /opt/ms-deepseek/opp" in text
     assert "ASCEND_CUSTOM_OPP_PATH=/opt/ms-deepseek/opp/vendors/ms_deepseek" in text
 
 
-def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, monkeypatch):
+@pytest.mark.parametrize("env_at", ["toolkit", "none"])
+def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, monkeypatch, env_at):
     """The Dockerfile's kernel step, run as written with its default build arguments, against a
-    stub of the CANN 9.0.0 base image (template with symlinked helpers, ASCEND_HOME_PATH set
-    by the image's ENV): the package lands where ASCEND_CUSTOM_OPP_PATH points and MindSpore's
-    rule finds the three operators for the 910B."""
+    stub of the CANN 9.0.0 base image laid out as the real one (cann-container-image,
+    cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile): the toolkit in /usr/local/Ascend/cann-9.0.0
+    (template with symlinked helpers), the env script the image sources in
+    /usr/local/Ascend/ascend-toolkit/set_env.sh (``toolkit``) or none found (``none``: the image's
+    ENV alone), ASCEND_HOME_PATH / ASCEND_OPP_PATH / ASCEND_TOOLKIT_LATEST_HOME from the image's
+    ENV. The package lands where ASCEND_CUSTOM_OPP_PATH points and MindSpore's rule finds the three
+    operators for the 910B."""
     from cann_stub import make_stub_cann
 
     from ms_deepseek.ops import ascend
@@ -193,14 +216,19 @@ def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, 
     workdir = opt / "ms-deepseek"
     workdir.mkdir(parents=True)
     (workdir / "ops").symlink_to(REPO / "ops")   # COPY ops ./ops
-    cann = make_stub_cann(tmp_path, "cann9")
+    cann = make_stub_cann(tmp_path, "cann9", env_at=env_at)
+    assert cann.name == "cann-9.0.0" and not (cann / "set_env.sh").exists()
     image_env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")}
-    image_env.update(ASCEND_HOME_PATH=str(cann), ASCEND_OPP_PATH=str(cann / "opp"),  # the base image's ENV
+    image_env.update(ASCEND_HOME_PATH=str(cann), ASCEND_TOOLKIT_HOME=str(cann),  # the base image's ENV
+                     ASCEND_OPP_PATH=str(cann / "opp"),
+                     ASCEND_TOOLKIT_LATEST_HOME=str(cann.parent / "ascend-toolkit" / "latest"),
                      BUILD_KERNELS=args["BUILD_KERNELS"], HOME=str(tmp_path), TMPDIR=str(tmp_path),
                      STUB_LOG=str(tmp_path / "calls.log"), STUB_DIR=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["sh", "-c", kernel_step.replace("/opt/", f"{opt}/")], cwd=workdir, env=image_env,
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    sourced = (tmp_path / "calls.log").read_text().splitlines()[0] == "setenv"
+    assert sourced == (env_at == "toolkit"), proc.stderr
     vendor = Path(env["ASCEND_CUSTOM_OPP_PATH"].replace("/opt/", f"{opt}/"))
     assert (vendor / "op_impl/ai_core/tbe/config/ascend910b/aic-ascend910b-ops-info.json").is_file()
     monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(vendor))

@@ -21,6 +21,8 @@
 // Chunks are multiples of 8 slots (32 bytes of int32) so every core's GM offset
 // is block aligned; the last used core takes the tail. Within a core, the chunk
 // is walked in UB tiles of `tile` slots; the last tile of a chunk is shorter.
+// A slot's group is tracked by a cursor along the walk (GroupCursor): one division
+// where a walk starts, none per slot (64-bit division is slow on the scalar unit).
 #ifndef MSDS_EXPERT_LOOKUP_TILING_LOGIC_H
 #define MSDS_EXPERT_LOOKUP_TILING_LOGIC_H
 
@@ -30,7 +32,6 @@ namespace msds {
 namespace expert_lookup {
 
 constexpr int64_t kAlign = kBlockBytes / 4;  // int32 / float32 elements per block
-constexpr int64_t kBufferNum = 2;
 
 struct ExpertLookupTiling {
   int64_t slots;             // G * T * k
@@ -47,9 +48,10 @@ struct ExpertLookupTiling {
   int64_t workspace_bytes;   // GM workspace for the per-core histograms
 };
 
-// UB bytes per slot of a tile: double-buffered ids in, and four double-buffered
-// outputs (dest_rank, buffer_row, position as int32, keep as float32).
-MSDS_INLINE int64_t BytesPerSlot() { return kBufferNum * 4 + kBufferNum * 4 * 4; }
+// UB bytes per slot of a tile: the ids in, and the four outputs (dest_rank, buffer_row,
+// position as int32, keep as float32), one buffer each (the kernel does not double-buffer:
+// the per-slot work is scalar and waits for each tile's ids anyway).
+MSDS_INLINE int64_t BytesPerSlot() { return 4 + 4 * 4; }
 
 // UB bytes that do not depend on the tile: the placement table [E, 2] and the
 // running counters [G * E] plus one histogram row being summed, all int32.
@@ -98,11 +100,32 @@ MSDS_INLINE int64_t TileSlots(const ExpertLookupTiling& t, int64_t core_slots, i
   return Min64(t.tile, core_slots - tile * t.tile);
 }
 
-// Counter key of flat slot s with expert id e, or -1 when e is outside [0, E).
-MSDS_INLINE int64_t SlotKey(const ExpertLookupTiling& t, int64_t s, int32_t e) {
-  if (e < 0 || e >= t.num_experts) return -1;
+// The group of the slots of a walk in increasing slot order, as the first counter key of the
+// group (group * E) and the first slot of the next group.
+struct GroupCursor {
+  int64_t key_base;
+  int64_t next_group_slot;
+};
+
+// Cursor for a walk starting at flat slot s (the only division).
+MSDS_INLINE GroupCursor StartGroups(const ExpertLookupTiling& t, int64_t s) {
+  GroupCursor c;
   int64_t g = t.group_slots > 0 ? s / t.group_slots : 0;
-  return g * t.num_experts + e;
+  c.key_base = g * t.num_experts;
+  c.next_group_slot = (g + 1) * t.group_slots;
+  return c;
+}
+
+// Counter key of slot s with expert id e, or -1 when e is outside [0, E). Slots must be visited
+// one by one in increasing order from the cursor's start (a group holds >= 1 slot, so s crosses
+// at most one group boundary per step).
+MSDS_INLINE int64_t NextKey(const ExpertLookupTiling& t, GroupCursor* c, int64_t s, int32_t e) {
+  if (s >= c->next_group_slot) {
+    c->key_base += t.num_experts;
+    c->next_group_slot += t.group_slots;
+  }
+  if (e < 0 || e >= t.num_experts) return -1;
+  return c->key_base + e;
 }
 
 // The outputs of a slot whose id is out of range.

@@ -26,10 +26,11 @@ void CountCore(const ExpertLookupTiling& t, int64_t core, const int32_t* ids, in
   int64_t start, count;
   msds::expert_lookup::CoreSlots(t, core, &start, &count);
   int64_t tiles = msds::expert_lookup::Tiles(t, count);
+  msds::expert_lookup::GroupCursor cursor = msds::expert_lookup::StartGroups(t, start);
   for (int64_t i = 0; i < tiles; ++i) {
     int64_t s0 = start + i * t.tile, n = msds::expert_lookup::TileSlots(t, count, i);
     for (int64_t s = s0; s < s0 + n; ++s) {
-      int64_t key = msds::expert_lookup::SlotKey(t, s, ids[s]);
+      int64_t key = msds::expert_lookup::NextKey(t, &cursor, s, ids[s]);
       if (key >= 0) ++hist[key];
     }
   }
@@ -46,11 +47,12 @@ void AssignCore(const ExpertLookupTiling& t, int64_t core, const int32_t* ids, c
   int64_t start, count;
   msds::expert_lookup::CoreSlots(t, core, &start, &count);
   int64_t tiles = msds::expert_lookup::Tiles(t, count);
+  msds::expert_lookup::GroupCursor cursor = msds::expert_lookup::StartGroups(t, start);
   for (int64_t i = 0; i < tiles; ++i) {
     int64_t s0 = start + i * t.tile, n = msds::expert_lookup::TileSlots(t, count, i);
     for (int64_t s = s0; s < s0 + n; ++s) {
       int32_t e = ids[s];
-      int64_t key = msds::expert_lookup::SlotKey(t, s, e);
+      int64_t key = msds::expert_lookup::NextKey(t, &cursor, s, e);
       if (key < 0) {
         msds::expert_lookup::InvalidSlot(dest + s, row + s, pos + s, keep + s);
         continue;

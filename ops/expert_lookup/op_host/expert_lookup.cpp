@@ -46,6 +46,11 @@ static ge::graphStatus ExpertLookupTiling(gert::TilingContext* context) {
 
   // SyncAll needs every launched core to reach it: launch exactly the used cores.
   context->SetBlockDim(t.used_cores > 0 ? t.used_cores : 1);
+  // Batch mode: start the kernel only when all its cores are free at once. CANN 9.0.0,
+  // TilingContext::SetScheduleMode (atlasopapi_07_00248; metadef exe_graph/runtime/tiling_context.h):
+  // a kernel with inter-core sync (SyncAll) that runs beside other streams must set it, or the
+  // cores started first wait at the barrier for cores another stream's barrier kernel holds (deadlock).
+  if (context->SetScheduleMode(1) != ge::GRAPH_SUCCESS) return ge::GRAPH_FAILED;
   context->SetTilingKey(1);
   data.SaveToBuffer(context->GetRawTilingData()->GetData(), context->GetRawTilingData()->GetCapacity());
   context->GetRawTilingData()->SetDataSize(data.GetDataSize());
@@ -91,8 +96,21 @@ class ExpertLookup : public OpDef {
     this->Attr("experts_per_rank").Int();
     this->SetInferShape(ge::ExpertLookupInferShape).SetInferDataType(ge::ExpertLookupInferDataType);
     this->AICore().SetTiling(optiling::ExpertLookupTiling);
-    this->AICore().AddConfig("ascend910b");
-    this->AICore().AddConfig("ascend910_93");
+    // The template compiles op_kernel/<opFile.value>.cpp (asc-tools v9.0.0,
+    // op_project_templates/ascendc/customize/cmake/func.cmake; ascendc_impl_build.py only prints
+    // "[ERROR] ... source file ... does not found" and goes on without the kernel). Left unset,
+    // CANN's closed opbuild derives opFile from the op type: named here, as CANN's own ops do. The
+    // flags are the ones AddConfig(soc) alone sets (metadef register/opdef/op_def_aicore.cc).
+    OpAICoreConfig config;
+    config.DynamicCompileStaticFlag(true)
+        .DynamicFormatFlag(true)
+        .DynamicRankSupportFlag(true)
+        .DynamicShapeSupportFlag(true)
+        .NeedCheckSupportFlag(false)
+        .PrecisionReduceFlag(true)
+        .ExtendCfgInfo("opFile.value", "expert_lookup");
+    this->AICore().AddConfig("ascend910b", config);
+    this->AICore().AddConfig("ascend910_93", config);
   }
 };
 

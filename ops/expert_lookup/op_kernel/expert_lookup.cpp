@@ -2,7 +2,8 @@
 //
 // A thin translation of expert_lookup_tiling_logic.h. Core c owns slots
 // CoreSlots(c) of the flat stream of G k-major groups and walks them in tiles of
-// `tile` slots; counters are keyed by SlotKey = group * E + expert:
+// `tile` slots; counters are keyed by group * E + expert (el::NextKey, the group from a
+// cursor along the walk, no division per slot):
 //   1. count:  histogram of its keys (scalar loop over the UB tile) ->
 //              workspace row c (GM);
 //   2. SyncAll: every core's histogram is in GM;
@@ -36,12 +37,12 @@ class ExpertLookupKernel {
     posGm_.SetGlobalBuffer((__gm__ int32_t*)pos);
     keepGm_.SetGlobalBuffer((__gm__ float*)keep);
     histGm_.SetGlobalBuffer((__gm__ int32_t*)workspace);
-    // UB layout follows el::BytesPerSlot() and el::FixedUbBytes().
-    pipe_.InitBuffer(idsBuf_, el::kBufferNum * t_.tile * 4);
-    pipe_.InitBuffer(destBuf_, el::kBufferNum * t_.tile * 4);
-    pipe_.InitBuffer(rowBuf_, el::kBufferNum * t_.tile * 4);
-    pipe_.InitBuffer(posBuf_, el::kBufferNum * t_.tile * 4);
-    pipe_.InitBuffer(keepBuf_, el::kBufferNum * t_.tile * 4);
+    // UB layout follows el::BytesPerSlot() and el::FixedUbBytes(): one buffer of `tile` slots each.
+    pipe_.InitBuffer(idsBuf_, t_.tile * 4);
+    pipe_.InitBuffer(destBuf_, t_.tile * 4);
+    pipe_.InitBuffer(rowBuf_, t_.tile * 4);
+    pipe_.InitBuffer(posBuf_, t_.tile * 4);
+    pipe_.InitBuffer(keepBuf_, t_.tile * 4);
     pipe_.InitBuffer(placeBuf_, 2 * msds::AlignUp(t_.num_experts, el::kAlign) * 4);
     pipe_.InitBuffer(counterBuf_, t_.hist_stride * 4);
     pipe_.InitBuffer(histRowBuf_, t_.hist_stride * 4);
@@ -55,12 +56,13 @@ class ExpertLookupKernel {
     Duplicate(counter, 0, static_cast<int32_t>(t_.hist_stride));
     msds::Sync<HardEvent::V_S>();
     int64_t tiles = el::Tiles(t_, count_);
+    el::GroupCursor cursor = el::StartGroups(t_, start_);
     for (int64_t i = 0; i < tiles; ++i) {
       int64_t n = el::TileSlots(t_, count_, i);
       LocalTensor<int32_t> ids = LoadIds(start_ + i * t_.tile, n);
       int64_t s0 = start_ + i * t_.tile;
       for (int64_t j = 0; j < n; ++j) {
-        int64_t key = el::SlotKey(t_, s0 + j, ids.GetValue(j));
+        int64_t key = el::NextKey(t_, &cursor, s0 + j, ids.GetValue(j));
         if (key >= 0) counter.SetValue(key, counter.GetValue(key) + 1);
       }
       msds::Sync<HardEvent::S_MTE2>();  // the next tile overwrites the ids buffer
@@ -93,6 +95,7 @@ class ExpertLookupKernel {
     LocalTensor<int32_t> row = rowBuf_.Get<int32_t>();
     LocalTensor<int32_t> pos = posBuf_.Get<int32_t>();
     LocalTensor<float> keep = keepBuf_.Get<float>();
+    cursor = el::StartGroups(t_, start_);
     for (int64_t i = 0; i < tiles; ++i) {
       int64_t s0 = start_ + i * t_.tile;
       int64_t n = el::TileSlots(t_, count_, i);
@@ -100,7 +103,7 @@ class ExpertLookupKernel {
       msds::Sync<HardEvent::MTE3_S>();  // the previous tile's outputs have left UB
       for (int64_t j = 0; j < n; ++j) {
         int32_t e = ids.GetValue(j);
-        int64_t key = el::SlotKey(t_, s0 + j, e);
+        int64_t key = el::NextKey(t_, &cursor, s0 + j, e);
         int32_t d, r, q;
         float k;
         if (key < 0) {
@@ -140,7 +143,11 @@ class ExpertLookupKernel {
   int64_t start_ = 0;
   int64_t count_ = 0;
   TPipe pipe_;
-  TBuf<TPosition::VECCALC> idsBuf_, destBuf_, rowBuf_, posBuf_, keepBuf_, placeBuf_, counterBuf_, histRowBuf_;
+  // DMA'd buffers sit where the DMA may reach them on Atlas A2: DataCopyPad moves GM->VECIN/VECOUT
+  // and VECIN/VECOUT->GM only (asc-devkit v9.0.0 docs/api/context/DataCopyPad(ISASI).md, table 1),
+  // DataCopy GM->VECIN and VECOUT->GM (docs/api/context/基础数据搬运.md, tables 4 and 6).
+  TBuf<TPosition::VECIN> idsBuf_, placeBuf_, histRowBuf_;                    // GM -> UB
+  TBuf<TPosition::VECOUT> destBuf_, rowBuf_, posBuf_, keepBuf_, counterBuf_;  // UB -> GM
   GlobalTensor<int32_t> idsGm_, placeGm_, destGm_, rowGm_, posGm_, histGm_;
   GlobalTensor<float> keepGm_;
 };

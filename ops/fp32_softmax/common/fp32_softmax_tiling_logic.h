@@ -7,10 +7,21 @@
 //   take `base_rows + 1` rows, the others `base_rows`.
 // Mode kWholeRows: a padded row (cols rounded up to one 32-byte block of the
 //   input dtype) fits in UB, so a tile is `rows_per_tile` whole rows; the last
-//   tile of a core holds the remaining rows.
-// Mode kColumnTiles: one row does not fit in UB; each row is processed in three
-//   passes (max, sum of exp, write) over column tiles of `col_tile` elements
-//   (a multiple of the block), the last one `col_tail` elements long.
+//   tile of a core holds the remaining rows. On the NPU one call of Ascend C's
+//   SoftMax high-level API normalises all rows of a tile at once (row max, exp,
+//   row sum, division as vector instructions over many rows, no scalar sync per
+//   row); its temporary buffer is sized here (SoftmaxTmpBytes) so the API never
+//   has to split the tile.
+// Mode kColumnTiles: one row does not fit in UB; each row is read twice over
+//   column tiles of `col_tile` elements (a multiple of the block), the last one
+//   `col_tail` elements long: pass 1 keeps each tile's max m_c and sum of
+//   exp(x - m_c), combined as S = sum_c s_c * exp(m_c - M) with M = max_c m_c;
+//   pass 2 writes exp(x - M) / S. The per-tile (m_c, s_c) arrays live in UB
+//   (ColumnStatsBytes).
+// Cores: whole rows only. A row is never split over cores (that would need a
+//   cross-core reduction: GM workspace, SyncAll and batch scheduling); the model's
+//   softmaxes have at least B * heads rows (attention) or tokens (router), so fewer
+//   rows than cores happens only for single-sequence decode of small models.
 #ifndef MSDS_FP32_SOFTMAX_TILING_LOGIC_H
 #define MSDS_FP32_SOFTMAX_TILING_LOGIC_H
 
@@ -47,6 +58,24 @@ MSDS_INLINE int64_t BytesPerElement(int64_t in_bytes, int64_t num_inputs) {
   return kBufferNum * in_bytes * num_inputs + kBufferNum * 4 + 4 + 4;
 }
 
+// kWholeRows, UB bytes per row besides its elements: the row's max and sum (one
+// 32-byte block each, as the SoftMax API writes them) and the extra temporary space
+// the API asks per row. asc-devkit v9.0.0 impl/adv_api/tiling/activation/softmax_tiling.cpp,
+// GetSoftMaxMaxTmpSize: srcM * (8 + srcK + 64) float32 for float input on Atlas A2/A3,
+// i.e. 72 floats per row beyond the scratch element per column.
+constexpr int64_t kSoftmaxRowTmpFloats = 8 + 64;
+MSDS_INLINE int64_t BytesPerRowExtra() { return 2 * kBlockBytes + kSoftmaxRowTmpFloats * 4; }
+
+// kWholeRows: the SoftMax API's temporary buffer for a tile of `rows` rows (>= its
+// GetSoftMaxMaxTmpSize for [rows, cols_aligned] float32, so it runs on all rows at once).
+MSDS_INLINE int64_t SoftmaxTmpBytes(int64_t rows, int64_t cols_aligned) {
+  return rows * (cols_aligned + kSoftmaxRowTmpFloats) * 4;
+}
+
+// kColumnTiles: UB bytes of the per-tile statistics of one row (max and sum arrays of
+// col_tiles float32 each, block aligned) plus one block for a reduction's result.
+MSDS_INLINE int64_t ColumnStatsBytes(int64_t col_tiles) { return 2 * AlignUp(col_tiles, 8) * 4 + kBlockBytes; }
+
 MSDS_INLINE int ComputeTiling(int64_t rows, int64_t cols, int64_t in_bytes, int64_t num_inputs,
                               int64_t core_num, int64_t ub_bytes, SoftmaxTiling* t) {
   if (rows < 0 || cols < 0) return kErrBadShape;
@@ -75,17 +104,24 @@ MSDS_INLINE int ComputeTiling(int64_t rows, int64_t cols, int64_t in_bytes, int6
 
   int64_t budget = ub_bytes - kUbReserveBytes;
   int64_t per_elem = BytesPerElement(in_bytes, num_inputs);
-  // Each row also keeps one block for its max and one for its sum.
-  int64_t per_row = t->cols_aligned * per_elem + 2 * kBlockBytes;
+  int64_t per_row = t->cols_aligned * per_elem + BytesPerRowExtra();
   int64_t fit_rows = budget > 0 ? budget / per_row : 0;
   if (fit_rows >= 1) {
     t->rows_per_tile = Min64(fit_rows, max_core_rows);
     return kOk;
   }
   t->mode = kColumnTiles;
-  t->col_tile = AlignDown(budget > 0 ? (budget - 2 * kBlockBytes) / per_elem : 0, t->align);
-  if (t->col_tile < t->align) return kErrUbTooSmall;
-  t->col_tiles = CeilDiv(cols, t->col_tile);
+  // The statistics grow with the number of tiles, which shrinks as tiles grow: settle both.
+  int64_t stats = ColumnStatsBytes(1);
+  for (int i = 0; i < 8; ++i) {
+    t->col_tile = AlignDown(budget > stats ? (budget - stats) / per_elem : 0, t->align);
+    if (t->col_tile < t->align) return kErrUbTooSmall;
+    t->col_tiles = CeilDiv(cols, t->col_tile);
+    if (ColumnStatsBytes(t->col_tiles) <= stats) break;
+    stats = ColumnStatsBytes(t->col_tiles);
+  }
+  // The combine step reduces the col_tiles statistics in the work buffer (col_tile floats).
+  if (ColumnStatsBytes(t->col_tiles) > stats || t->col_tiles > t->col_tile) return kErrUbTooSmall;
   t->col_tail = cols - (t->col_tiles - 1) * t->col_tile;
   return kOk;
 }

@@ -42,18 +42,28 @@ void SoftmaxRowWhole(const void* x, DType dt, int64_t base, int64_t cols, float*
   for (int64_t j = 0; j < cols; ++j) y[base + j] = static_cast<float>(tmp[j] / s);
 }
 
-// The same row in three passes over column tiles (max, sum, write), as on the NPU
-// when a row does not fit in UB.
+// The same row in two passes over column tiles, as on the NPU when a row does not fit in
+// UB: pass 1 keeps each tile's max m_c and s_c = sum exp(x - m_c); S = sum_c s_c exp(m_c - M)
+// with M = max_c m_c; pass 2 writes exp(x - M) / S.
 void SoftmaxRowColumnTiles(const SoftmaxTiling& t, const void* x, DType dt, int64_t base, float* y) {
+  std::vector<double> tile_max(static_cast<size_t>(t.col_tiles)), tile_sum(static_cast<size_t>(t.col_tiles));
   double m = -std::numeric_limits<double>::infinity();
   bool has_nan = false;
   for (int64_t c = 0; c < t.col_tiles; ++c) {
     int64_t c0 = c * t.col_tile, n = msds::softmax::ColTileCols(t, c);
+    double mc = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < n; ++j) {
       double v = msds::cpu::LoadAsFloat(x, dt, base + c0 + j);
       if (std::isnan(v)) has_nan = true;
-      if (v > m) m = v;
+      if (v > mc) mc = v;
     }
+    double sc = 0.0;
+    if (mc > -std::numeric_limits<double>::infinity()) {  // a tile of -inf only adds nothing
+      for (int64_t j = 0; j < n; ++j) sc += std::exp(static_cast<double>(msds::cpu::LoadAsFloat(x, dt, base + c0 + j)) - mc);
+    }
+    tile_max[c] = mc;
+    tile_sum[c] = sc;
+    if (mc > m) m = mc;
   }
   if (has_nan) {
     for (int64_t j = 0; j < t.cols; ++j) y[base + j] = std::numeric_limits<float>::quiet_NaN();
@@ -61,8 +71,7 @@ void SoftmaxRowColumnTiles(const SoftmaxTiling& t, const void* x, DType dt, int6
   }
   double s = 0.0;
   for (int64_t c = 0; c < t.col_tiles; ++c) {
-    int64_t c0 = c * t.col_tile, n = msds::softmax::ColTileCols(t, c);
-    for (int64_t j = 0; j < n; ++j) s += std::exp(static_cast<double>(msds::cpu::LoadAsFloat(x, dt, base + c0 + j)) - m);
+    s += tile_sum[c] * std::exp(tile_max[c] - m);  // a masked tile: 0 * exp(-inf - m) = 0
   }
   for (int64_t c = 0; c < t.col_tiles; ++c) {
     int64_t c0 = c * t.col_tile, n = msds::softmax::ColTileCols(t, c);

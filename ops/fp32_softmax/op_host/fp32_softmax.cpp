@@ -6,6 +6,7 @@
 #include "fp32_softmax_tiling_logic.h"
 #include "register/op_def_registry.h"
 #include "tiling/platform/platform_ascendc.h"
+#include "tiling/tiling_api.h"
 
 namespace optiling {
 
@@ -43,6 +44,16 @@ static ge::graphStatus Fp32SoftmaxTiling(gert::TilingContext* context) {
   data.set_col_tile(t.col_tile);
   data.set_col_tiles(t.col_tiles);
   data.set_col_tail(t.col_tail);
+  if (t.mode == msds::softmax::kWholeRows && t.rows_per_tile > 0) {
+    // The SoftMax API's tiling for a full tile [rows_per_tile, cols_aligned] of float32 with the
+    // temporary buffer the kernel gives it (its GetSoftMaxMaxTmpSize: all rows in one pass); the
+    // kernel's last, shorter tile passes its own row count and the API re-derives the split
+    // (SoftmaxConfig::isCheckTiling, asc-devkit v9.0.0 docs/api/context/SoftMax.md).
+    ge::Shape tile_shape({t.rows_per_tile, t.cols_aligned});
+    uint32_t tmp_bytes = static_cast<uint32_t>(msds::softmax::SoftmaxTmpBytes(t.rows_per_tile, t.cols_aligned));
+    if (tmp_bytes < AscendC::GetSoftMaxMinTmpSize(tile_shape, sizeof(float), false)) return ge::GRAPH_FAILED;
+    AscendC::SoftMaxTilingFunc(tile_shape, sizeof(float), tmp_bytes, data.softmax_tiling);
+  }
 
   context->SetBlockDim(t.used_cores > 0 ? t.used_cores : 1);
   context->SetTilingKey(t.mode == msds::softmax::kWholeRows ? 1 : 2);
@@ -86,8 +97,21 @@ class Fp32Softmax : public OpDef {
         .UnknownShapeFormat({ge::FORMAT_ND, ge::FORMAT_ND, ge::FORMAT_ND});
     this->SetInferShape(ge::Fp32SoftmaxInferShape).SetInferDataType(ge::Fp32SoftmaxInferDataType);
     this->AICore().SetTiling(optiling::Fp32SoftmaxTiling);
-    this->AICore().AddConfig("ascend910b");
-    this->AICore().AddConfig("ascend910_93");
+    // The template compiles op_kernel/<opFile.value>.cpp (asc-tools v9.0.0,
+    // op_project_templates/ascendc/customize/cmake/func.cmake; ascendc_impl_build.py only prints
+    // "[ERROR] ... source file ... does not found" and goes on without the kernel). Left unset,
+    // CANN's closed opbuild derives opFile from the op type: named here, as CANN's own ops do. The
+    // flags are the ones AddConfig(soc) alone sets (metadef register/opdef/op_def_aicore.cc).
+    OpAICoreConfig config;
+    config.DynamicCompileStaticFlag(true)
+        .DynamicFormatFlag(true)
+        .DynamicRankSupportFlag(true)
+        .DynamicShapeSupportFlag(true)
+        .NeedCheckSupportFlag(false)
+        .PrecisionReduceFlag(true)
+        .ExtendCfgInfo("opFile.value", "fp32_softmax");
+    this->AICore().AddConfig("ascend910b", config);
+    this->AICore().AddConfig("ascend910_93", config);
   }
 };
 

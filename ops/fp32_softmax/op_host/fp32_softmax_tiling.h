@@ -1,9 +1,13 @@
 // Tiling data of Fp32Softmax as the CANN runtime carries it from host to kernel.
-// Field for field the msds::softmax::SoftmaxTiling of fp32_softmax_tiling_logic.h.
+// Field for field the msds::softmax::SoftmaxTiling of fp32_softmax_tiling_logic.h, plus
+// the SoftMax high-level API's own tiling for a whole-rows tile (asc-devkit v9.0.0,
+// docs/api/context/SoftMax-Tiling使用说明.md: a TILING_DATA_FIELD_DEF_STRUCT(SoftMaxTiling, ...)
+// field filled by AscendC::SoftMaxTilingFunc on the host).
 #ifndef FP32_SOFTMAX_TILING_H
 #define FP32_SOFTMAX_TILING_H
 
 #include "register/tilingdata_base.h"
+#include "tiling/tiling_api.h"
 
 namespace optiling {
 BEGIN_TILING_DATA_DEF(Fp32SoftmaxTilingData)
@@ -21,6 +25,7 @@ TILING_DATA_FIELD_DEF(int64_t, rows_per_tile);
 TILING_DATA_FIELD_DEF(int64_t, col_tile);
 TILING_DATA_FIELD_DEF(int64_t, col_tiles);
 TILING_DATA_FIELD_DEF(int64_t, col_tail);
+TILING_DATA_FIELD_DEF_STRUCT(SoftMaxTiling, softmax_tiling);
 END_TILING_DATA_DEF;
 
 REGISTER_TILING_DATA_CLASS(Fp32Softmax, Fp32SoftmaxTilingData)

@@ -3,10 +3,11 @@
 // RepetitionPenaltyCpu inputs:  logits float32 [B, V], ids int32 [B, L],
 //                               penalty float32 [1], cfg int64 [core_num, ub_bytes]
 //                      output:  out float32 [B, V]
-// Walks the schedule of repetition_penalty_tiling_logic.h: each core copies its
-// range of logits tile by tile and patches the elements named by the ids of the
-// rows the tile overlaps, always from the original logits. Ids outside [0, V) are
-// ignored (IdInVocab), as on the NPU kernel and the reference.
+// Walks the schedule of repetition_penalty_tiling_logic.h and runs its per-id steps (the
+// same functions the NPU kernel runs on UB): each core copies its one-row segments tile by
+// tile and penalises the elements named by the row's ids, each at most once (the "done"
+// mask), from the tile's own copy. Ids outside [0, V) are ignored (IdInVocab), as on the
+// NPU kernel and the reference.
 #include "msds_aot_cpu.h"
 #include "repetition_penalty_tiling_logic.h"
 
@@ -17,28 +18,49 @@ MSDS_DEFINE_LAST_ERROR()
 
 namespace {
 
+// A UB buffer: GetValue / SetValue like an Ascend C LocalTensor.
+template <typename T>
+struct Ub {
+  std::vector<T> data;
+  explicit Ub(int64_t n) : data(static_cast<size_t>(n)) {}
+  T GetValue(int64_t i) const { return data[static_cast<size_t>(i)]; }
+  void SetValue(int64_t i, T v) { data[static_cast<size_t>(i)] = v; }
+};
+
 void PenaliseCore(const PenaltyTiling& t, int64_t core, const float* logits, const int32_t* ids, float penalty,
                   float* out) {
   namespace rp = msds::repetition_penalty;
   int64_t start, count;
   rp::CoreRange(t, core, &start, &count);
-  std::vector<float> tile(static_cast<size_t>(t.tile));  // the UB tile
-  for (int64_t i = 0; i < rp::Tiles(t, count); ++i) {
-    int64_t t0 = start + i * t.tile, n = rp::TileLen(t, count, i);
-    std::copy(logits + t0, logits + t0 + n, tile.begin());
-    int64_t first, last;
-    rp::TileRows(t, t0, n, &first, &last);
-    for (int64_t b = first; b <= last; ++b) {
-      for (int64_t k = 0; k < rp::IdTiles(t); ++k) {
-        const int32_t* id_tile = ids + b * t.length + k * t.id_tile;  // the UB id load
-        for (int64_t j = 0; j < rp::IdTileLen(t, k); ++j) {
-          if (!rp::IdInVocab(t, id_tile[j])) continue;  // ignored: never another row's logit
-          int64_t flat = b * t.vocab + id_tile[j];
-          if (flat >= t0 && flat < t0 + n) tile[flat - t0] = rp::Penalise(logits[flat], penalty);
+  Ub<float> tile(t.tile);
+  Ub<int32_t> mask(rp::MaskWords(t.tile));
+  Ub<int32_t> id_buf(t.id_tile);
+  auto load_ids = [&](int64_t offset, int64_t m) { std::copy(ids + offset, ids + offset + m, id_buf.data.begin()); };
+  int64_t end = start + count;
+  for (int64_t pos = start; pos < end;) {
+    int64_t row, seg_end;
+    rp::Segment(t, pos, end, &row, &seg_end);
+    int64_t hits = 0;
+    if (rp::IdsFitOnce(t) && t.length > 0) {
+      load_ids(row * t.length, t.length);
+      hits = rp::CompactHits(t, id_buf, t.length, row, pos, seg_end);
+    }
+    for (int64_t i = 0; i < rp::SegmentTiles(t, seg_end - pos); ++i) {
+      int64_t t0 = pos + i * t.tile, n = rp::TileLen(t, seg_end - pos, i);
+      std::copy(logits + t0, logits + t0 + n, tile.data.begin());
+      std::fill(mask.data.begin(), mask.data.begin() + rp::MaskWords(n), 0);
+      if (rp::IdsFitOnce(t)) {
+        hits = rp::ApplyHits(id_buf, hits, i * t.tile, n, tile, mask, penalty);
+      } else {
+        for (int64_t k = 0; k < rp::IdTiles(t); ++k) {
+          int64_t m = rp::IdTileLen(t, k);
+          load_ids(row * t.length + k * t.id_tile, m);
+          rp::ApplyIds(t, id_buf, m, row, t0, n, tile, mask, penalty);
         }
       }
+      std::copy(tile.data.begin(), tile.data.begin() + n, out + t0);
     }
-    std::copy(tile.begin(), tile.begin() + n, out + t0);
+    pos = seg_end;
   }
 }
 
@@ -88,13 +110,17 @@ extern "C" int64_t RepetitionPenaltyScheduleQuery(const int64_t* in, int64_t* ou
   for (int64_t core = 0; core < t.used_cores; ++core) {
     int64_t start, count;
     rp::CoreRange(t, core, &start, &count);
-    for (int64_t i = 0; i < rp::Tiles(t, count); ++i) {
-      if (n >= cap) return -1;
-      int64_t t0 = start + i * t.tile, len = rp::TileLen(t, count, i), first, last;
-      rp::TileRows(t, t0, len, &first, &last);
-      int64_t rec[] = {core, t0, len, first, last};
-      std::copy(std::begin(rec), std::end(rec), out + 5 * n);
-      ++n;
+    for (int64_t pos = start; pos < start + count;) {
+      int64_t row, seg_end;
+      rp::Segment(t, pos, start + count, &row, &seg_end);
+      for (int64_t i = 0; i < rp::SegmentTiles(t, seg_end - pos); ++i) {
+        if (n >= cap) return -1;
+        int64_t t0 = pos + i * t.tile, len = rp::TileLen(t, seg_end - pos, i);
+        int64_t rec[] = {core, t0, len, (t0) / t.vocab, (t0 + len - 1) / t.vocab};
+        std::copy(std::begin(rec), std::end(rec), out + 5 * n);
+        ++n;
+      }
+      pos = seg_end;
     }
   }
   return n;

@@ -73,8 +73,21 @@ class RepetitionPenalty : public OpDef {
     this->Attr("penalty").Float();
     this->SetInferShape(ge::RepetitionPenaltyInferShape).SetInferDataType(ge::RepetitionPenaltyInferDataType);
     this->AICore().SetTiling(optiling::RepetitionPenaltyTiling);
-    this->AICore().AddConfig("ascend910b");
-    this->AICore().AddConfig("ascend910_93");
+    // The template compiles op_kernel/<opFile.value>.cpp (asc-tools v9.0.0,
+    // op_project_templates/ascendc/customize/cmake/func.cmake; ascendc_impl_build.py only prints
+    // "[ERROR] ... source file ... does not found" and goes on without the kernel). Left unset,
+    // CANN's closed opbuild derives opFile from the op type: named here, as CANN's own ops do. The
+    // flags are the ones AddConfig(soc) alone sets (metadef register/opdef/op_def_aicore.cc).
+    OpAICoreConfig config;
+    config.DynamicCompileStaticFlag(true)
+        .DynamicFormatFlag(true)
+        .DynamicRankSupportFlag(true)
+        .DynamicShapeSupportFlag(true)
+        .NeedCheckSupportFlag(false)
+        .PrecisionReduceFlag(true)
+        .ExtendCfgInfo("opFile.value", "repetition_penalty");
+    this->AICore().AddConfig("ascend910b", config);
+    this->AICore().AddConfig("ascend910_93", config);
   }
 };
 

@@ -49,6 +49,44 @@ def test_env_var_forces_reference(monkeypatch):
     assert _all_kinds() == ("cpu", "cpu", "cpu")
 
 
+def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
+    """FP32Softmax(float32_input=True): the CPU kernel on CPU (more accurate than MindSpore's CPU
+    Softmax), CANN's Softmax on Ascend (no custom operator needed), the reference when forced."""
+    from mindspore.ops import operations as P
+
+    from ms_deepseek.model.router import Router
+    from ms_deepseek.spec.config import DeepseekV2Config
+
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    assert FP32Softmax(float32_input=True).impl.kind == "cpu"
+    monkeypatch.setattr(backend, "device_target", lambda: "Ascend")
+    softmax = FP32Softmax(out_dtype=mstype.float16, float32_input=True)
+    assert softmax.impl.kind == "builtin" and isinstance(softmax.impl.op, P.Softmax)
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    y = softmax(Tensor(x))
+    assert y.dtype == mstype.float16
+    np.testing.assert_allclose(y.asnumpy(), e / e.sum(-1, keepdims=True), atol=1e-3)
+    router = Router(DeepseekV2Config(hidden_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                                     topk_method="greedy", n_group=1, topk_group=1))
+    assert router.softmax.impl.kind == "builtin"   # the router's logits are float32
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert FP32Softmax(float32_input=True).impl.kind == "reference"
+
+
+def test_ascend_cells_carry_their_docstrings():
+    """A string after class attributes is not the docstring (FP32SoftmaxAscend had one there)."""
+    import inspect
+
+    from ms_deepseek.ops import ascend
+
+    cells = [c for _, c in inspect.getmembers(ascend, inspect.isclass) if c.__module__ == ascend.__name__]
+    assert {c.__name__ for c in cells} >= {"ExpertLookupAscend", "FP32SoftmaxAscend", "RepetitionPenaltyAscend"}
+    for cls in cells:
+        assert cls.__doc__ and cls.__doc__.strip(), cls.__name__
+    assert ascend.FP32SoftmaxAscend.__doc__.startswith("Forward on the Ascend C kernel")
+
+
 def test_bad_env_var_value_is_a_user_error(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "fast")
     with pytest.raises(UserError, match="MS_DEEPSEEK_OPS='fast'"):

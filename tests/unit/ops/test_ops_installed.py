@@ -97,6 +97,17 @@ def test_kernels_asked_for_but_not_installed_for_this_soc_fail_in_one_line(on_as
     assert "ops/build_ascend.sh --soc ascend910_93" in msg
 
 
+def test_a_soc_the_operators_are_not_built_for_is_named_as_such(on_ascend_910_93, monkeypatch):
+    """On a SoC no OpDef registers, the message does not send the user to a build the script refuses."""
+    monkeypatch.setenv("MS_DEEPSEEK_OPS", "kernel")
+    monkeypatch.setattr(ascend, "soc_version", lambda: "ascend310p")
+    with pytest.raises(UserError) as err:
+        backend.make("fp32_softmax")
+    assert str(err.value) == ("MS_DEEPSEEK_OPS=kernel: fp32_softmax: Ascend custom operator Fp32Softmax is not "
+                              "available for this SoC (ascend310p): the operators are built for ascend910b and "
+                              "ascend910_93 only")
+
+
 def test_without_the_request_a_mismatch_falls_back_with_a_warning(on_ascend_910_93, monkeypatch, caplog):
     monkeypatch.delenv("MS_DEEPSEEK_OPS", raising=False)
     with caplog.at_level(logging.WARNING, logger="ms_deepseek.ops"):

@@ -14,6 +14,7 @@ from mindspore import Tensor, nn
 from mindspore.common import dtype as mstype
 
 from ms_deepseek.ops import ExpertLookup, FP32Softmax, RepetitionPenalty, build, cpu, reference
+from ms_deepseek.ops.tiling import tiling
 
 ms.set_device("CPU")
 
@@ -204,6 +205,18 @@ def test_softmax_cpu_extreme_and_masked_inputs(libs, schedule):
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-30)
 
 
+def test_softmax_cpu_column_tiles_masked_whole_tiles(libs):
+    """Column-tile mode (a row longer than UB) with whole tiles of -inf, as a causal mask over a long
+    row gives: those tiles add nothing to the sum (not exp(-inf + inf) = NaN)."""
+    x = np.random.default_rng(8).standard_normal((3, 400)).astype(np.float32)
+    x[:, :250] = -np.inf
+    x[1, 300:] = -np.inf
+    impl = cpu.FP32SoftmaxCpu(libs["fp32_softmax"], core_num=3, ub_bytes=4096)
+    assert tiling("fp32_softmax", rows=3, cols=400, in_bytes=4, num_inputs=1, core_num=3, ub_bytes=4096)["mode"] == 1
+    y = impl(Tensor(x)).asnumpy()
+    np.testing.assert_allclose(y, softmax64(x), rtol=2e-7, atol=0)
+
+
 def test_softmax_cpu_nan_and_all_masked_rows_match_reference(libs):
     x = np.array([[-np.inf, -np.inf, -np.inf], [0.0, np.nan, 1.0], [0.0, 1.0, 2.0]], np.float32)
     y = cpu.FP32SoftmaxCpu(libs["fp32_softmax"])(Tensor(x)).asnumpy()
@@ -277,6 +290,10 @@ PENALTY_CASES = {
     "duplicates": (2, 40, 30, 2.0),  # L close to V: many repeated ids
     "below_one": (2, 33, 5, 0.5),  # penalty < 1 boosts
     "long_prefix": (1, 50, 200, 1.7),
+    # rows longer than a tile on the small-UB schedules: a row segment spans several tiles, its ids
+    # loaded once (L = 100) or streamed for every tile (L = 400 > id_tile)
+    "wide_rows": (2, 2000, 100, 1.3),
+    "wide_rows_long_prefix": (2, 2000, 400, 0.8),
 }
 
 

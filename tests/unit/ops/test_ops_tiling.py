@@ -26,12 +26,22 @@ SOFTMAX_PROBLEMS = [
     (64, 4096, 2, 1, 40, 196352),  # several rows per tile
     (5, 203, 4, 1, 3, 4096),  # a row does not fit: column tiles with a tail
     (9, 1000, 2, 1, 4, 4096),
-    (3, 8, 4, 1, 2, 1024 + 64 + 8 * 24),  # exactly one aligned row fits
+    (3, 8, 4, 1, 2, 1024 + 352 + 8 * 24),  # exactly one aligned row fits
 ]
 
 
 def _per_elem(in_bytes, num_inputs):
     return 2 * in_bytes * num_inputs + 2 * 4 + 4 + 4
+
+
+# Per row besides its elements: max and sum (a block each) and the SoftMax API's 8 + 64 extra
+# temporary floats per row (asc-devkit v9.0.0 softmax_tiling.cpp GetSoftMaxMaxTmpSize, float, A2).
+ROW_EXTRA = 2 * BLOCK + (8 + 64) * 4
+
+
+def _column_stats(col_tiles):
+    """Column mode: per-tile max and sum arrays (block aligned) and one block for a reduction."""
+    return 2 * -(-col_tiles // 8) * 8 * 4 + BLOCK
 
 
 @pytest.mark.parametrize("problem", SOFTMAX_PROBLEMS, ids=lambda p: "x".join(map(str, p)))
@@ -52,10 +62,10 @@ def test_softmax_tiling_covers_every_element_once_within_ub(problem):
             rows_per_core[tile["core"]] = rows_per_core.get(tile["core"], 0) + n
         if t["mode"] == 0:  # whole rows: a tile of n padded rows fits in UB
             assert n <= t["rows_per_tile"]
-            assert n * (t["cols_aligned"] * _per_elem(in_bytes, num_inputs) + 2 * BLOCK) <= ub - RESERVE
+            assert n * (t["cols_aligned"] * _per_elem(in_bytes, num_inputs) + ROW_EXTRA) <= ub - RESERVE
         else:  # column tiles start on a block boundary and fit in UB
             assert n == 1 and m <= t["col_tile"] and (c0 * in_bytes) % BLOCK == 0
-            assert t["col_tile"] * _per_elem(in_bytes, num_inputs) + 2 * BLOCK <= ub - RESERVE
+            assert t["col_tile"] * _per_elem(in_bytes, num_inputs) + _column_stats(t["col_tiles"]) <= ub - RESERVE
     assert (seen == 1).all()
     counts = list(rows_per_core.values())
     assert len(counts) == t["used_cores"] and max(counts) - min(counts) <= 1
@@ -63,12 +73,23 @@ def test_softmax_tiling_covers_every_element_once_within_ub(problem):
 
 def test_softmax_tiling_modes_and_tails():
     t = tiling("fp32_softmax", rows=5, cols=203, in_bytes=4, num_inputs=1, core_num=3, ub_bytes=4096)
-    assert t["mode"] == 1  # 208 * 24 + 64 bytes per row > 3072
-    assert t["col_tile"] == 120  # (3072 - 64) // 24 = 125 -> 120 (block multiple)
+    assert t["mode"] == 1  # 208 * 24 + 352 bytes per row > 3072
+    assert t["col_tile"] == 120  # (3072 - 96) // 24 = 124 -> 120 (block multiple)
     assert t["col_tiles"] == 2 and t["col_tail"] == 83
     t = tiling("fp32_softmax", rows=100, cols=64, in_bytes=2, num_inputs=1, core_num=48, ub_bytes=196352)
     assert t["mode"] == 0 and (t["base_rows"], t["big_cores"]) == (2, 4)  # 4 cores get 3 rows
     assert t["rows_per_tile"] == 3
+
+
+def test_softmax_tiling_many_column_tiles_keep_their_statistics_in_ub():
+    # 25 tiles of 32 floats: the per-tile max / sum arrays (2 * 32 floats + a block) come out of
+    # the same UB as the tile
+    t = tiling("fp32_softmax", rows=1, cols=800, in_bytes=4, num_inputs=1, core_num=1, ub_bytes=1024 + 1100)
+    assert t["mode"] == 1 and (t["col_tile"], t["col_tiles"]) == (32, 25)
+    assert t["col_tile"] * 24 + _column_stats(t["col_tiles"]) <= 1100
+    with pytest.raises(TilingError) as err:  # more tiles than a tile holds statistics for
+        tiling("fp32_softmax", rows=1, cols=100000, in_bytes=4, num_inputs=1, core_num=1, ub_bytes=1024 + 1100)
+    assert err.value.status == 2
 
 
 def test_softmax_tiling_refuses_impossible_problems():
@@ -112,7 +133,8 @@ def test_expert_lookup_tiling_covers_slots_in_order(problem, groups):
     assert 1 <= t["used_cores"] <= core_num
     assert 0 < t["last_chunk"] <= t["chunk"]
     fixed = (2 * -(-e // 8) * 8 + 2 * -(-(groups * e) // 8) * 8) * 4
-    assert t["tile"] * 40 + fixed <= ub - RESERVE
+    # ids in, four outputs: one int32/float32 buffer each, and no more (no half-used double buffers)
+    assert t["tile"] == min(t["chunk"], (ub - RESERVE - fixed) // 20 // 8 * 8)
     tiles = schedule("expert_lookup", **kw)
     expected_start = 0
     for tile in tiles:  # contiguous, in order: the k-major order is preserved
@@ -157,19 +179,33 @@ def test_repetition_penalty_tiling_covers_logits_once(problem):
     kw = dict(batch=b, vocab=v, length=length, core_num=core_num, ub_bytes=ub)
     t = tiling("repetition_penalty", **kw)
     assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["id_tile"] % 8 == 0
-    assert t["tile"] * 8 + t["id_tile"] * 8 <= ub - RESERVE
+    # one tile of float32, its "done" mask (a bit per element, int32 words, block aligned), one id load
+    mask_bytes = -(-(-(-t["tile"] // 32)) // 8) * 8 * 4
+    assert t["tile"] * 4 + mask_bytes + t["id_tile"] * 4 <= ub - RESERVE
     covered = np.zeros(b * v, np.int32)
     for tile in schedule("repetition_penalty", **kw):
         start, n = tile["start"], tile["len"]
         assert 1 <= n <= t["tile"]
         covered[start:start + n] += 1
         assert tile["first_row"] == start // v and tile["last_row"] == (start + n - 1) // v
+        assert tile["first_row"] == tile["last_row"]  # a tile never spans two rows
     assert (covered == 1).all()
     cores = {tile["core"] for tile in schedule("repetition_penalty", **kw)}
     assert cores == set(range(t["used_cores"]))
     for core in cores:
         start = min(x["start"] for x in schedule("repetition_penalty", **kw) if x["core"] == core)
         assert (start * 4) % BLOCK == 0
+
+
+def test_repetition_penalty_tiling_ids_in_one_load_or_streamed():
+    """DeepSeek-V2 decode: a 4096-id prefix is loaded once per row segment (L <= id_tile) and the
+    UB left over holds large tiles; a longer prefix than a quarter of UB is streamed."""
+    t = tiling("repetition_penalty", batch=1, vocab=102400, length=4096)
+    assert t["id_tile"] == 4096 and t["tile"] == t["chunk"] == 2136   # one tile per core
+    t = tiling("repetition_penalty", batch=64, vocab=102400, length=4096)
+    assert t["id_tile"] == 4096 and t["tile"] > 36000
+    t = tiling("repetition_penalty", batch=1, vocab=102400, length=20000)
+    assert t["id_tile"] == (196352 - RESERVE) // 16 // 8 * 8 < 20000
 
 
 def test_repetition_penalty_tiling_refuses_tiny_ub():
