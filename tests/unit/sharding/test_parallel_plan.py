@@ -80,7 +80,8 @@ def _stage_of(model, name, pp):
 def _counted_bytes(model, parallel):
     """Per-stage weight / gradient / optimizer bytes from the model's parameters (MindSpore rules:
     gradients in the parameter dtype, AdamW m and v float32, parallel optimizer shards a slice
-    over its replicas along axis 0 when that divides and the slice is >= 64 KB)."""
+    over its replicas along axis 0 when that divides and the whole parameter is >= 64 KB:
+    opt_param_mgr.cc SplitParam, confirmed by compiling in tests/compile)."""
     layouts = _layout_from_model(model)
     devices = parallel.dp * parallel.tp
     out = [dict(weights=0, gradients=0, optimizer=0) for _ in range(parallel.pp)]
@@ -93,7 +94,7 @@ def _counted_bytes(model, parallel):
         replicas = devices // int(np.prod(layout))
         group = 1
         if (parallel.optimizer_shard and param.name in trainable and replicas > 1
-                and shape[0] % replicas == 0 and local * size >= 64 * 1024):
+                and shape[0] % replicas == 0 and int(np.prod(param.shape)) * size >= 64 * 1024):
             group = replicas
         slot = out[_stage_of(model, param.name, parallel.pp)]
         slot["weights"] += local * size / group
