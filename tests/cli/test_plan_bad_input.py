@@ -48,3 +48,29 @@ def test_recipes(capsys, tmp_path, text):
     (tmp_path / "r.yaml").write_text(text)
     code, _, err = run_cli(capsys, ["plan", "--recipe", tmp_path / "r.yaml"])
     assert_refused(code, err, "r.yaml: nested too deeply")
+
+
+# ------------------------------------------------------------------ plan --compile (refused before any compile)
+from repo_paths import RECIPES  # noqa: E402
+
+SFT8 = str(RECIPES / "v2-lite-sft-8npu.yaml")
+LORA16 = str(RECIPES / "v2-lora-16npu.yaml")
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--recipe", SFT8, "--compile", "--ranks", "8"], ["--ranks", "outside the world of 8 ranks"]),
+    (["--recipe", SFT8, "--compile", "--ranks", "0,x"], ["--ranks", "'x'"]),
+    (["--recipe", SFT8, "--compile", "--ranks", "5-2"], ["--ranks", "'5-2'"]),
+    (["--recipe", LORA16, "--compile", "--layers", "1"], ["--layers", "fewer than the 2 pipeline stages"]),
+    (["--recipe", SFT8, "--compile", "--layers", "99"], ["--layers", "more than the model's 27 layers"]),
+    (["--recipe", LORA16, "--compile", "--micro-batches", "1"], ["--micro-batches", "fewer than the 2"]),
+    (["--recipe", SFT8, "--layers", "2"], ["--layers: only with --compile"]),
+    (["--recipe", SFT8, "--ranks", "0"], ["--ranks: only with --compile"]),
+    (["--model", "tiny", "--compile"], ["--compile: needs --recipe"]),
+    (["--recipe", SFT8, "--compile", "--simulate"], ["--compile and --simulate"]),
+    (["--recipe", SFT8, "--compile", "--cann", "/nonexistent/cann"], ["--cann", "/nonexistent/cann"]),
+])
+def test_plan_compile_bad_input(capsys, argv, names):
+    code, out, err = run_cli(capsys, ["plan", *argv])
+    assert_refused(code, err, *names)
+    assert out == ""
