@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The device ladder's first rung: MindSpore's dry run of a recipe's sharded graph on a host
-# with CANN (the project's Docker image on any x86 machine; no NPU needed).
+# The device ladder's second rung, on a host with CANN (the project's Docker image on any x86
+# machine; no NPU needed): MindSpore's dry run at level 1 (compile + one simulated step with its
+# memory accounting) or, with NPUs, 2-3. The first rung, level 0 (compile only), is
+# `ms-deepseek plan --recipe R --compile`, which runs on any machine (stub CANN libraries) and
+# checks the compiled layouts and strategies against the plan; this script refuses --level 0.
 #
 #   tools/ascend_dryrun.sh RECIPE [--layers N] [--level 0|1|2|3] [--out DIR]
 #                          [--set SECTION.KEY=VALUE ...] [--cann PATH] [--print-only]
@@ -61,6 +64,8 @@ done
 [[ -n "$RECIPE" ]] || die "RECIPE: required (a recipes/*.yaml file; see --help)"
 [[ -f "$RECIPE" ]] || die "RECIPE: no such file: $RECIPE"
 [[ "$LEVEL" =~ ^[0-3]$ ]] || die "--level: must be 0, 1, 2 or 3, got '$LEVEL'"
+# level 0 (compile only) runs on any machine, CANN or not: one documented way
+[[ "$LEVEL" != 0 ]] || die "--level 0 (compile only) is \`ms-deepseek plan --recipe $RECIPE --compile\` (any machine, no CANN needed); this script runs levels 1-3 on a CANN host"
 if [[ -n "$LAYERS" && ! "$LAYERS" =~ ^[1-9][0-9]*$ ]]; then die "--layers: must be a positive integer, got '$LAYERS'"; fi
 for s in ${SETS[@]+"${SETS[@]}"}; do
   [[ "$s" == *.*=* ]] || die "--set: expected SECTION.KEY=VALUE, got '$s'"

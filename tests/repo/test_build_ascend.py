@@ -360,12 +360,18 @@ def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
 
 
 def test_dryrun_print_only_passes_overrides_and_level(tmp_path):
-    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--print-only", "--level", "0", "--layers", "3",
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--print-only", "--level", "1", "--layers", "3",
                   "--set", "train.micro_batch_size=1")
     assert proc.returncode == 0, proc.stderr
     ranks = [line for line in proc.stdout.splitlines() if line.startswith("stage ")]
-    assert len(ranks) == 1 and "MS_SIMULATION_LEVEL=0 RANK_SIZE=8 RANK_ID=0 " in ranks[0]
+    assert len(ranks) == 1 and "MS_SIMULATION_LEVEL=1 RANK_SIZE=8 RANK_ID=0 " in ranks[0]
     assert "num_hidden_layers=3" in ranks[0] and "--set train.micro_batch_size=1" in ranks[0]
+
+
+def test_dryrun_level_0_is_the_compile_check(tmp_path):
+    """One documented way to compile: level 0 is `plan --recipe R --compile` (any machine)."""
+    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--print-only", "--level", "0")
+    assert proc.returncode == 2 and "plan --recipe" in proc.stderr and "--compile" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [
