@@ -151,6 +151,14 @@ def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def global_norm_reduced(path: Path) -> bool:
+    """Whether MindSpore completed the gradient norm across the ranks holding different slices: its
+    parallel pass inserts an AllReduce named ``PARALLEL_GLOBALNORM_IN_STAGES`` between the marked square
+    sums' AddN and the Sqrt (``step_parallel.cc`` HandleGlobalNormScale; the marker is
+    ``train.step._NORM_MARKER``). Without it every rank would clip by its own partial norm."""
+    return "PARALLEL_GLOBALNORM" in path.read_text(errors="replace")
+
+
 def _ir_files(ir_dir: Path) -> List[Path]:
     files = list(ir_dir.rglob("*validate*.ir"))
     return sorted(files, key=lambda p: int(re.findall(r"(\d+)\.ir$", p.name)[0]) if re.findall(r"(\d+)\.ir$",
@@ -231,6 +239,8 @@ def run_rank(recipe_path: str, overrides: List[str], rank: int, world: int, cann
     compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
     for name, path in zip(compiled, _ir_files(ir_dir)):
         result.graphs[name]["communication"] = communication_from_ir(path)
+        if name == "train" and world > 1:
+            result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)
     shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept
     return result
 
@@ -293,12 +303,16 @@ def format_report(report: CompileReport) -> str:
         head = f"  rank {r.rank}" + (f" (stage {r.stage})" if r.stage is not None else "")
         for name, g in r.graphs.items():
             if g.get("ok"):
-                check = (f"layouts match the plan ({g['layouts_compared']} parameters)" if g.get("layouts_compared")
-                         else "")
+                check = (f"layouts match the plan ({g['layouts_compared']} parameters, "
+                         f"{g.get('strategies_compared', 0)} primitive strategies)" if g.get("layouts_compared") else "")
                 lines.append(f"{head} {name}: compiled in {g.get('seconds', 0):.0f} s, peak host memory "
                              f"{g.get('peak_rss_mb', 0) / 1024:.1f} GB" + (f"; {check}" if check else ""))
                 if "communication" in g:
                     lines.append(f"      communication per step: {_comm_text(g['communication'])}")
+                if "global_norm_allreduce" in g:
+                    lines.append("      gradient norm: " + ("all-reduced across the slices (PARALLEL_GLOBALNORM)"
+                                                           if g["global_norm_allreduce"] else
+                                                           "NOT all-reduced: each rank would clip by its own norm"))
             else:
                 lines.append(f"{head} {name}: FAILED: {g.get('error', '')}")
                 if g.get("where"):

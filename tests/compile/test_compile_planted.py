@@ -55,6 +55,20 @@ def test_small_model_compiles_with_every_split_and_matches_the_plan(tmp_path):
     assert train["layouts_compared"] > 10 and train["strategies_compared"] > 10, train
 
 
+def test_the_command_reports_the_inserted_communication_and_the_global_norm(tmp_path):
+    """``plan --compile`` on the small recipe: MindSpore's IR shows the expert AllToAlls, and the gradient
+    norm's square sums all-reduced across the slices (PARALLEL_GLOBALNORM_IN_STAGES) before the Sqrt."""
+    from builders import main_captured
+
+    recipe = _recipe(tmp_path)
+    code, out, err = main_captured(["plan", "--recipe", str(recipe), "--compile", "--ranks", "0", "--json"])
+    report = json.loads(out)
+    assert code == 0 and report["compiled"], out[-3000:]
+    train = report["ranks"][0]["graphs"]["train"]
+    assert train["global_norm_allreduce"] is True
+    assert train["communication"]["AlltoAll"]["count"] >= 2, train["communication"]
+
+
 def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
     # dp, tp, pp and ep all 2 (8 devices); the last stage's first rank (it computes the loss)
     result = _compile(tmp_path, world=8, rank=4, pp=2, micro_batches=2, accum=1)
