@@ -63,3 +63,21 @@ def any_rank(flag: float) -> bool:
     from mindspore import ops
 
     return bool(ops.AllReduce()(ms.Tensor([flag], ms.float32)).asnumpy()[0] > 0)
+
+
+def checked_on_every_rank(check, rank: int, world: int, any_rank_fn=None):
+    """Run ``check()`` (raises UserError on a problem) on every rank, then agree: when it failed on any rank,
+    every rank raises (the failing one its own message, the others naming their rank), so no rank goes on
+    into the step's first collective to wait for one that stopped."""
+    from ms_deepseek.core.errors import UserError
+
+    problem = None
+    try:
+        check()
+    except UserError as exc:
+        problem = str(exc)
+    if world > 1 and (any_rank_fn or any_rank)(1.0 if problem else 0.0) and problem is None:
+        raise UserError(f"rank {rank}: another rank's check before step 1 failed (its log names the parameter or "
+                        "primitive); every rank stops")
+    if problem is not None:
+        raise UserError(problem)

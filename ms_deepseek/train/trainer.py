@@ -340,12 +340,18 @@ class Trainer:
 
                 self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
             layout = self._layout()
-            # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line
+            # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line,
+            # on every rank (the others would wait in the step's first collective for this one)
             from ms_deepseek.sharding import compiled_check as cc
+            from ms_deepseek.train.distributed import checked_on_every_rank
 
-            cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank, self.par.optimizer_shard)
-            cc.check_compiled_strategies(cc.compiled_strategies(self.step_cell),
-                                         cc.planned_primitives(self.model, self.applied.strategies))
+            def check():
+                cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), layout, self.rank,
+                                           self.par.optimizer_shard)
+                cc.check_compiled_strategies(cc.compiled_strategies(self.step_cell),
+                                             cc.planned_primitives(self.model, self.applied.strategies))
+
+            checked_on_every_rank(check, self.rank, self.world)
             if self.recipe.lora is not None:  # the frozen base is never in a LoRA checkpoint
                 self._load_base_slices()
             elif self.resume_dir is None:
