@@ -13,9 +13,10 @@ micro-batch count). For the same reduced model (the same ``--set``s) the planner
   (parameters gathered for the forward, gradients reduced) against the planner's ``dp_sync`` plus its
   ``tp_allreduce``.
 
-MindSpore's figures are the input tensors of each communication operator in the IR after its ``validate``
-pass (this rank's slice shapes): what the rank contributes, not the ring's wire bytes, which differ by the
-factor (n-1)/n or 2(n-1)/n of each collective. The ratio is planner / MindSpore.
+MindSpore's figures are the bytes this rank sends on a ring for each communication operator in the IR after
+its ``validate`` pass (this rank's slice shapes; AllGather (n-1) x its input, ReduceScatter and AlltoAll
+(n-1)/n, AllReduce 2(n-1)/n, n the operator's group size), the way the planner counts. The ratio is
+planner / MindSpore.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def row(report: dict) -> str:
     if not ok:
         return f"| `{name}` | {report['layout']} | not compiled | | | | |"
     comm = ok[0]["graphs"]["train"].get("communication", {})
-    ep_ms = sum(comm.get(k, {}).get("mb", 0.0) for k in EP_KINDS) / 1024  # GiB
-    dp_ms = sum(comm.get(k, {}).get("mb", 0.0) for k in DP_KINDS) / 1024
+    ep_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in EP_KINDS) / 1024  # GiB sent on a ring
+    dp_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in DP_KINDS) / 1024
     plan = planner(report["recipe"], report["layers"], report["micro_batches"], report["micro_batches_kind"])
     ep_pl = plan["ep_alltoall"] * 1e9 / 2 ** 30
     dp_pl = (plan["dp_sync"] + plan["tp_allreduce"]) * 1e9 / 2 ** 30

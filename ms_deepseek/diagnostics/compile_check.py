@@ -126,9 +126,9 @@ def layout_overrides(par) -> List[str]:
 
 # ------------------------------------------------------------------------------- the IR's comm
 def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
-    """kind -> {count, mb}: the communication operators of one IR file (``20_validate_*.ir``: after
-    MindSpore's passes, with this rank's slice shapes) and the megabytes of their inputs (what the
-    rank sends into each; an AllGather's output is rank_size times that)."""
+    """kind -> {count, mb, wire_mb}: the communication operators of one IR file (``20_validate_*.ir``:
+    after MindSpore's passes, with this rank's slice shapes), the MiB of their inputs, and the MiB this
+    rank sends on a ring for them (:func:`_wire_factor`, from each operator's group size)."""
     out: Dict[str, Dict[str, float]] = {}
     pattern = re.compile(r"= (" + "|".join(sorted(COMM_KINDS, key=len, reverse=True)) + r")\(")
     lines = path.read_text(errors="replace").splitlines()
@@ -136,7 +136,8 @@ def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
         m = pattern.search(line)
         if not m:
             continue
-        entry = out.setdefault(m.group(1), {"count": 0, "mb": 0.0})
+        kind = m.group(1)
+        entry = out.setdefault(kind, {"count": 0, "mb": 0.0, "wire_mb": 0.0})
         entry["count"] += 1
         shapes = lines[i + 1] if i + 1 < len(lines) else ""
         t = re.search(r"\(<Tensor\[(\w+)\], \(([\d, ]*)\)>", shapes)
@@ -145,10 +146,33 @@ def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
             for d in t.group(2).split(","):
                 if d.strip():
                     n *= int(d)
-            entry["mb"] += n * _ITEMSIZE.get(t.group(1), 4) / 2 ** 20
+            mb = n * _ITEMSIZE.get(t.group(1), 4) / 2 ** 20
+            entry["mb"] += mb
+            entry["wire_mb"] += mb * _wire_factor(kind, _group_size(line))
     for entry in out.values():
         entry["mb"] = round(entry["mb"], 1)
+        entry["wire_mb"] = round(entry["wire_mb"], 1)
     return out
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"rank_size: I64\((\d+)\)", line) or re.search(r"split_count: I64\((\d+)\)", line)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"rank_list: \(([\d, ]*)\)", line)
+    return len([x for x in m.group(1).split(",") if x.strip()]) if m else 1
+
+
+def _wire_factor(kind: str, n: int) -> float:
+    """Bytes one rank sends on a ring per input byte: AllGather (n-1) (its slice to every other rank),
+    ReduceScatter and AlltoAll (n-1)/n, AllReduce 2(n-1)/n; the planner counts the same way."""
+    if n <= 1:
+        return 0.0
+    if "AllGather" in kind:
+        return float(n - 1)
+    if kind == "AllReduce" or "Mirror" in kind:
+        return 2.0 * (n - 1) / n
+    return (n - 1) / n
 
 
 def global_norm_reduced(path: Path) -> bool:
