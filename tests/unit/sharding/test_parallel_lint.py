@@ -151,20 +151,3 @@ def test_custom_op_without_layouts_fails_the_lint():
     assert any(p.startswith(path + " (Custom): input 0 layout") for p in problems), problems
     assert S.check_lint(ctx).status == "fail"
 
-
-def test_wrong_style_is_an_unlisted_redistribution():
-    table = dict(DEEPSEEK_V2_PLAN)
-    table["model.layers.*.self_attn.o_proj"] = "colwise"  # should be rowwise: heads arrive split by tp
-    ctx = S.build_context(DENSE, PAR, 64, plan=Plan(table))
-    problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
-    assert any(p.startswith("model.layers.0.self_attn.o_proj.matmul input 0 has strategy (2, 1)")
-               and "pv_bmm" in p for p in problems), problems
-
-
-def test_stale_edge_table_fails(dense_ctx):
-    from ms_deepseek.sharding.lint import EDGES, Edge
-
-    edges = list(EDGES) + [Edge("self_attn.qk_bmm", 0, "self_attn.renamed_softmax", 0, requires="self_attn.qk_bmm")]
-    problems = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh, edges=edges).problems
-    assert any("renamed_softmax is not in the model" in p for p in problems), problems
-
