@@ -264,7 +264,7 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
                 "gradients_mean": True, "device_num": parallel.world_size}
     kwargs: Dict[str, object] = {
         # Key operators carry the plan's strategies; the rest follow by sharding propagation.
-        "parallel_mode": "auto_parallel",
+        "parallel_mode": "semi_auto_parallel" if search_mode(parallel) == "semi_auto" else "auto_parallel",
         "search_mode": "sharding_propagation",
         "device_num": parallel.world_size,
         "gradients_mean": True,
@@ -313,6 +313,22 @@ def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan,
     return Pipeline(net_with_loss, parallel.micro_batches, stage_config=pipeline_stage_config(applied, model_prefix))
 
 
+def search_mode(parallel: ParallelConfig) -> str:
+    """How MindSpore completes the strategies the plan does not give.
+
+    ``sharding_propagation`` (the plan's strategies spread to their neighbours) for one-stage layouts; with a
+    pipeline (pp > 1) ``semi_auto`` (the operators without a strategy default to data parallel, MindSpore
+    redistributes where they meet the plan's), MindFormers' mode for its pipeline models. Found by
+    compiling: under a pipeline, sharding propagation across the stages' cell subgraphs fails
+    ("tensor_redistribution init failed": a redistribution between tensors of unrelated cells,
+    ``tensor_redistribution.cc`` "from shape size must be equal to to shape size") for every pipeline
+    layout tried (the 16-, 64- and 256-NPU recipes, and dp, tp, pp and ep all 2), while ``semi_auto``
+    compiles them and the compiled layouts and strategies match the plan."""
+    if not parallel.uses_semi_auto:
+        return "semi_auto"
+    return "semi_auto" if parallel.pp > 1 else "sharding_propagation"
+
+
 def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Optional[str] = None):
     """Ascend only (needs ``communication.init``): the outermost training cell (forward, gradients and
     optimizer update) in ``AutoParallel`` with sharding propagation from the plan's strategies,
@@ -320,7 +336,7 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     (:func:`ms_deepseek.parallel.ranks.dataset_strategy`: what each rank really reads)."""
     from mindspore.parallel.auto_parallel import AutoParallel
 
-    wrapped = AutoParallel(top_cell, parallel_mode="sharding_propagation" if parallel.uses_semi_auto else "semi_auto")
+    wrapped = AutoParallel(top_cell, parallel_mode=search_mode(parallel))
     wrapped.dataset_strategy(dataset_strategy(parallel))  # the same rule as the context API
     wrapped.enable_gradients_mean()
     if parallel.optimizer_shard:
@@ -348,7 +364,7 @@ def eval_parallel_wrap(eval_cell, parallel: ParallelConfig):
     in the training forward. Never compiled on CPU (SEMI/AUTO parallel needs Ascend)."""
     from mindspore.parallel.auto_parallel import AutoParallel
 
-    wrapped = AutoParallel(eval_cell, parallel_mode="sharding_propagation")
+    wrapped = AutoParallel(eval_cell, parallel_mode=search_mode(parallel))
     wrapped.dataset_strategy(dataset_strategy(parallel))  # the training rule: (input_ids, labels)
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")  # the layouts training compiled

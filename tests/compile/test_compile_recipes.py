@@ -4,10 +4,7 @@ Full width, the command's default reduced depth and micro-batch count, the first
 pipeline stage (the one that computes the loss), train and validation graphs, no weights and no data
 on the machine, stub CANN libraries. The layouts and strategies MindSpore compiled must match the plan.
 
-The pipeline recipes (pp > 1) do not compile yet: MindSpore's sharding propagation fails inside the
-pipeline's cell subgraphs ("tensor_redistribution init failed", a redistribution between the loss cell's
-label path and an unrelated tensor; docs/troubleshooting.md). They are strict xfails: the day they
-compile, these tests fail and say so.
+The pipeline recipes (pp > 1) compile in MindSpore's ``semi_auto`` mode (``sharding.apply.search_mode``).
 """
 
 import json
@@ -16,25 +13,7 @@ import pytest
 
 from builders import ATLAS_RECIPES, main_captured
 
-PIPELINE_REASON = ("MindSpore 2.9 sharding propagation across the pipeline's cell subgraphs: "
-                   "'tensor_redistribution init failed' (known, docs/troubleshooting.md)")
-
-
-def _pp(recipe_path):
-    import yaml
-
-    return int((yaml.safe_load(recipe_path.read_text()).get("parallel") or {}).get("pp", 1))
-
-
-def _params():
-    out = []
-    for path in ATLAS_RECIPES:
-        marks = [pytest.mark.xfail(strict=True, reason=PIPELINE_REASON)] if _pp(path) > 1 else []
-        out.append(pytest.param(path, id=path.stem, marks=marks))
-    return out
-
-
-@pytest.mark.parametrize("recipe", _params())
+@pytest.mark.parametrize("recipe", ATLAS_RECIPES, ids=lambda p: p.stem)
 def test_recipe_compiles_and_matches_the_plan(recipe):
     import yaml
 

@@ -329,7 +329,10 @@ def test_context_kwargs():
     from ms_deepseek.sharding.apply import context_kwargs
 
     kw = context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, optimizer_shard=True))
-    assert kw["parallel_mode"] == "auto_parallel" and kw["search_mode"] == "sharding_propagation"
+    # a pipeline compiles in semi_auto (sharding_propagation failed across the stages' subgraphs: tests/compile)
+    assert kw["parallel_mode"] == "semi_auto_parallel"
+    one_stage = context_kwargs(ParallelConfig(dp=4, tp=8, ep=4, optimizer_shard=True))
+    assert one_stage["parallel_mode"] == "auto_parallel" and one_stage["search_mode"] == "sharding_propagation"
     assert kw["device_num"] == 64 and kw["pipeline_stages"] == 2 and kw["enable_alltoall"] is True
     assert kw["enable_parallel_optimizer"] is True and kw["pipeline_config"]["pipeline_scheduler"] == "1f1b"
     assert context_kwargs(ParallelConfig(dp=2))["parallel_mode"] == "data_parallel"
