@@ -136,6 +136,7 @@ class Trainer:
         self._restore()
         self._open_outputs()
         self.preempted: Optional[str] = None
+        step = self.start_step
         try:
             for step in range(self.start_step + 1, self.stop_at + 1):
                 t0 = time.time()
@@ -146,12 +147,16 @@ class Trainer:
                 if val or step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
                     self._log(step, out, val)
                 self._maybe_save(step)
-                self.heartbeat.beat(step, step)
+                # the watchdog's step time: every step of this call but the first (the compile)
+                self.heartbeat.beat(step, step, time.time() - t0 if step > self.start_step + 1 else None)
                 if out.stop:  # some rank got SIGTERM: every rank saves this step and stops (train/preempt.py)
                     if self.saved_step != step:
                         self._save(step)
                     self.preempted = self.stop.name
                     break
+        except Exception:
+            self.heartbeat.failed(step)  # under launch: the stacks of the ranks behind are dumped first
+            raise
         finally:
             self.stop.restore()
             self.bar.close()
