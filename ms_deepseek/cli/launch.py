@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
                              "set the run's newer ones aside (passed on to train)")
+    parser.add_argument("--allow-changes", action="store_true",
+                        help="with --resume: accept settings that differ from the run's (passed on to train)")
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -103,6 +105,8 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
         cmd += ["--resume", args.resume]
     if args.force:
         cmd.append("--force")
+    if getattr(args, "allow_changes", False):
+        cmd.append("--allow-changes")
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return env, cmd

@@ -37,7 +37,7 @@ from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train.distributed import RankMean, any_rank, replica_digests
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
-from ms_deepseek.train.resume import agree_on_resume, set_aside_newer
+from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_newer
 
 
 @dataclass
@@ -85,10 +85,12 @@ def _print(msg: str, bar) -> None:
 
 
 def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = False,
-          progress: bool = True, max_steps: Optional[int] = None) -> TrainResult:
+          progress: bool = True, max_steps: Optional[int] = None, allow_changes: bool = False) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
-    spans ``train.steps``), which is how a run is split into resumable pieces."""
-    return Trainer(recipe, run_dir, resume, force, progress, max_steps).run()
+    spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
+    changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
+    (train/resume.py, check_settings)."""
+    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes).run()
 
 
 @dataclass
@@ -116,8 +118,9 @@ class Trainer:
     is written to the run folder."""
 
     def __init__(self, recipe: Recipe, run_dir, resume: Optional[str], force: bool, progress: bool,
-                 max_steps: Optional[int]):
+                 max_steps: Optional[int], allow_changes: bool = False):
         self.started = time.time()
+        self.allow_changes = allow_changes
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.cfg = recipe.model_config
@@ -206,6 +209,11 @@ class Trainer:
                             "--resume to continue that run, or choose another --output")
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
+        # a resume continues the run it resumes: the command's changes to its settings are named, and
+        # those that break exactness are refused unless --allow-changes
+        self.resume_notes = check_settings(self.recipe, ckpt_mod.read_recipe(self.resume_dir, missing_ok=True),
+                                           self.state, self.resume_dir, self.run_dir, self.allow_changes) \
+            if self.resume_dir is not None else []
         if self.resume_dir is not None:
             set_aside_newer(self.run_dir, self.start_step, self.resume_dir, self.force, self.rank)
         self.total = self.recipe.train.steps
@@ -459,6 +467,8 @@ class Trainer:
             self._print(f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                         f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
                         f"({world} worker{'s' if world > 1 else ''}); output {run_dir}")
+            for line in self.resume_notes:
+                self._print(line)
             if recipe.lora is not None:
                 from ms_deepseek.train.lora_run import describe
 
