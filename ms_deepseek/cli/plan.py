@@ -33,7 +33,9 @@ import json
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.cli.args import non_negative_float, non_negative_int, positive_float, positive_int, resolve_layout
+from ms_deepseek.cli.args import (non_negative_float, non_negative_int, positive_float, positive_int,
+                                  positive_int_at_most, resolve_layout)
+from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,16 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
-    parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
-    parser.add_argument("--seq-len", type=positive_int, help="training sequence length")
-    parser.add_argument("--global-batch", type=positive_int, help="sequences per optimizer step")
-    parser.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--npus", type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"),
+                        help="number of NPUs (world size)")
+    parser.add_argument("--seq-len", type=positive_int_at_most(MAX_TOKENS, "tokens of one sequence"),
+                        help="training sequence length")
+    parser.add_argument("--global-batch", type=positive_int_at_most(MAX_BATCH * MAX_DEVICES, "sequences per step"),
+                        help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=positive_int_at_most(MAX_BATCH, "sequences per micro-batch"),
+                        help="sequences per micro-batch (default 1)")
     g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
-    g.add_argument("--dp", type=positive_int)
-    g.add_argument("--tp", type=positive_int)
-    g.add_argument("--pp", type=positive_int)
-    g.add_argument("--ep", type=positive_int)
-    g.add_argument("--micro-batches", type=positive_int, help="pipeline micro-batches (default: all of a dp rank's)")
+    for flag in ("--dp", "--tp", "--pp", "--ep"):
+        g.add_argument(flag, type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"))
+    g.add_argument("--micro-batches", type=positive_int_at_most(MAX_BATCH, "pipeline micro-batches"),
+                   help="pipeline micro-batches (default: all of a dp rank's)")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
     g.add_argument("--sequence-parallel", action="store_true")

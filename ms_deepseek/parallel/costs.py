@@ -533,4 +533,6 @@ def ranks_bandwidth(group: Sequence[int], hw: Hardware) -> float:
 def ep_alltoall_bandwidth(par, hw: Hardware) -> float:
     """The MoE AllToAll's bandwidth: the slowest expert-parallel group of a stage, the groups from the one
     rank rule the model's exchange view, the plan and the simulation share (:func:`ranks.ep_group_of_rank`)."""
+    if par.ep == 1:  # no expert parallelism: no AllToAll (and no walk over the ranks)
+        return float("inf")
     return min(ranks_bandwidth(ep_group_of_rank(r, par), hw) for r in range(par.dp * par.tp))

@@ -331,7 +331,15 @@ def solve_compute_efficiency(end: str) -> float:
 
 # ------------------------------------------------------------------------------ search
 def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(sqrt n) steps."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
