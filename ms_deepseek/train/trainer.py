@@ -144,6 +144,10 @@ class Trainer:
             for step in range(self.start_step + 1, self.stop_at + 1):
                 t0 = time.time()
                 self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
+                if self.dropout_keyed:  # LoRA dropout masks keyed by (seed, step, rank): replayed on resume
+                    from ms_deepseek.model.lora import set_dropout_step
+
+                    set_dropout_step(self.model, self.recipe.train.seed, step, self.rank)
                 out = self._run_step()
                 self._account(step, out, t0)
                 val = self._maybe_evaluate(step)  # a validation step is always logged
@@ -280,6 +284,9 @@ class Trainer:
             lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
                              base=weights_folder, sharded=self.sharded)
         model.set_train(True)
+        from ms_deepseek.model.lora import dropout_key
+
+        self.dropout_keyed = dropout_key(model) is not None
         from ms_deepseek.sharding.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
         from ms_deepseek.parallel.ranks import stage_of_rank
