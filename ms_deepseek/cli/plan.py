@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
@@ -237,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
         _refuse_invalid(result)
         _emit(args, result, None)
         return 0 if result.fits else 1
-    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=True)
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=True,
+                    announce=lambda n: print(f"plan: estimating {n} layouts of {args.npus} NPUs ...", file=sys.stderr,
+                                             flush=True))
     _emit(args, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 

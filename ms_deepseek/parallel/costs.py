@@ -243,15 +243,27 @@ def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, qu
     return []
 
 
+_MOE_BUFFERS: Dict[tuple, Dict[str, float]] = {}  # the planner asks the same layer shape for every layer
+
+
 def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) -> Dict[str, float]:
     """Elements one NPU holds in one MoE layer's forward for one micro-batch, from the dispatch as
     built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements.
-    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n)."""
-    built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
-    out = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
-    out["alltoall"] = float(built["alltoall_elements_per_device"])
-    out["capacity"] = float(built["capacity"])
-    return out
+    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n).
+    Memoised on what the dispatch reads (a search asks it hundreds of thousands of times)."""
+    key = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+           cfg.capacity_factor, getattr(cfg, "eval_capacity_factor", None), parallel.dp, parallel.ep, parallel.tp,
+           int(n), bool(training))
+    found = _MOE_BUFFERS.get(key)
+    if found is None:
+        built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
+        found = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
+        found["alltoall"] = float(built["alltoall_elements_per_device"])
+        found["capacity"] = float(built["capacity"])
+        if len(_MOE_BUFFERS) > 65536:
+            _MOE_BUFFERS.clear()
+        _MOE_BUFFERS[key] = found
+    return dict(found)
 
 
 def _expert_rows(cfg, parallel: ParallelConfig, n: int) -> float:

@@ -347,6 +347,20 @@ def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source
     return recipe
 
 
+def _nearest_recipe(path: Path) -> str:
+    """' (did you mean recipes/tiny-cpu.yaml?)' for recipes/tiny.yaml: the closest recipe file of that folder."""
+    import difflib
+
+    try:
+        names = sorted(p.name for p in path.parent.glob("*.y*ml") if p.is_file())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    if not close:  # a stem that starts a recipe's name: tiny -> tiny-cpu
+        close = [n for n in names if n.startswith(path.stem + "-")][:1]
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""
+
+
 def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (),
                 config_fallbacks: Sequence[Union[str, Path]] = ()) -> Recipe:
     """Read, override, type-check and cross-check a recipe file; raise UserError naming the key.
@@ -358,7 +372,7 @@ def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (),
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: no such recipe file") from None
+        raise UserError(f"{path}: no such recipe file{_nearest_recipe(path)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read recipe ({exc})") from None
     try:
