@@ -245,6 +245,12 @@ class Trainer:
         # sharded rank reads its rows by the training rule (data_coordinates): one micro-batch [rows, T] each
         self.validation = build_validation(recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
                                            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+        # a weighted mixture with a held-out fraction: val_loss/<source> beside val_loss, one set per source
+        from ms_deepseek.data.validation import build_validation_by_source
+
+        self.validation_by_source, self.validation_notes = build_validation_by_source(
+            recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
+            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
 
     def _build_model(self) -> None:
         """Random init (or the weights folder's weights), then the plan: strategies (inert in data
@@ -489,8 +495,12 @@ class Trainer:
                 self._print(f"warning: {warning}")
             if self.validation is not None:
                 every = recipe.train.eval_interval
+                per_source = "".join(f"; val_loss/{name}: {v.used_samples} of its {v.total_samples} held-out samples"
+                                     for name, v in self.validation_by_source.items())
                 self._print(f"validation: {self.validation.description}, "
-                            + (f"every {every} steps and at the end" if every else "at the end"))
+                            + (f"every {every} steps and at the end" if every else "at the end") + per_source)
+                for note in self.validation_notes:
+                    self._print(f"warning: {note}")
 
     # ---- the loop's pieces
 
@@ -545,6 +555,8 @@ class Trainer:
                                        parallel=self.par if self.sharded else None)
         start = time.time()
         result = self.evaluator()
+        for name, per_source in self.validation_by_source.items():  # the same compiled eval graph
+            result[f"val_loss/{name}"] = self.evaluator.loss(per_source.batches)
         self.interval_eval_s += time.time() - start  # kept out of tokens/s
         return result
 
