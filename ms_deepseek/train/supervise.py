@@ -281,8 +281,9 @@ def _read_beats(folder: Path, step_s: Optional[Dict[int, float]] = None) -> Dict
     return out
 
 
-def _failed_steps(folder: Optional[Path]) -> Dict[int, int]:
-    """rank -> the step that raised, from the rank_N.failed markers (train/preempt.py, Heartbeat.failed)."""
+def _failed_steps(folder: Optional[Path], since: float = 0.0) -> Dict[int, int]:
+    """rank -> the step that raised, from the rank_N.failed markers (train/preempt.py, Heartbeat.failed) written
+    since ``since`` (another node's marker of a previous job is not this job's)."""
     out: Dict[int, int] = {}
     if folder is None:
         return out
@@ -294,7 +295,8 @@ def _failed_steps(folder: Optional[Path]) -> Dict[int, int]:
         name = path.name
         if name.startswith("rank_") and name.endswith(FAILED_SUFFIX) and name[5:-len(FAILED_SUFFIX)].isdigit():
             try:
-                out[int(name[5:-len(FAILED_SUFFIX)])] = int(path.read_text().split()[0])
+                if path.stat().st_mtime >= since:
+                    out[int(name[5:-len(FAILED_SUFFIX)])] = int(path.read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 continue
     return out
@@ -457,14 +459,14 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
             elif failed:
                 break
             else:
-                dumped += _answer_failed_steps(heartbeat_dir, ranks, log_dir, answered)
+                dumped += _answer_failed_steps(heartbeat_dir, ranks, log_dir, answered, job_start)
                 record = read_first_failure(heartbeat_dir, since=job_start)
                 if record is not None and ranks and record["rank"] not in ranks.values():
                     peer_record = record
                     break
                 hung = watchdog.check()
-                if hung is not None:
-                    _dump_stacks({pid: r for pid, r in ranks.items() if _alive(pid)}, log_dir)
+                if hung is not None:  # the ranks that beat have faulthandler on SIGUSR1 (else it would kill them)
+                    _dump_stacks({pid: r for pid, r in ranks.items() if r in hung[1] and _alive(pid)}, log_dir)
                     break
             time.sleep(poll_s)
         if failed and not stops:  # published before this node's job (and scheduler) goes: the others read it
@@ -549,18 +551,20 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
 
 
 def _answer_failed_steps(folder: Optional[Path], ranks: Dict[int, int], log_dir: Path,
-                         answered: Dict[int, int]) -> List[int]:
+                         answered: Dict[int, int], since: float = 0.0) -> List[int]:
     """A worker's step raised (rank_N.failed): dump the stacks of this node's live workers that had not
     started that step (a collective gave up waiting for them: they are the hung ones), then answer a
-    worker of this node (rank_N.ack) so that it exits. Returns the ranks whose stacks were dumped."""
+    worker of this node (rank_N.ack) so that it exits. Returns the ranks whose stacks were dumped. Only
+    workers with a heartbeat are signalled: they registered faulthandler on SIGUSR1 before their first beat
+    (SIGUSR1 would kill a worker that has not)."""
     dumped: List[int] = []
-    for rank, step in _failed_steps(folder).items():
+    for rank, step in _failed_steps(folder, since).items():
         if rank in answered:
             continue
         answered[rank] = step
         beats = _read_beats(folder)
         behind = {pid: r for pid, r in ranks.items()
-                  if r != rank and beats.get(r, (-1, -1))[0] < step and _alive(pid)}
+                  if r != rank and r in beats and beats[r][0] < step and _alive(pid)}
         if behind:
             dumped += _dump_stacks(behind, log_dir)
         if rank in ranks.values():

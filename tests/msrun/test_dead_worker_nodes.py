@@ -100,7 +100,7 @@ def test_a_survivor_names_the_rank_another_node_recorded(tmp_path, shared, monke
     if shared in ("before", "after"):
         assert message.startswith("worker rank 4 (on ") and "died first: it was killed by SIGKILL" in message
     if shared == "before":
-        assert "stopped them when that node's launch recorded it" in message, message
+        assert "stopped it when that node's launch recorded it" in message, message
     elif shared == "after":
         assert "this node's worker rank 2 then was killed by SIGTERM" in message
     else:
