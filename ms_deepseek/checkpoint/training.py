@@ -192,6 +192,9 @@ def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: Shard
 def resolve_resume(spec: str, run_dir: Path) -> Path:
     """``latest`` -> newest complete checkpoint of ``run_dir``; a path -> that checkpoint (or the newest inside)."""
     if spec == "latest":
+        if not Path(run_dir).exists():
+            raise UserError(f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
+                            "(name the run with --output RUN_DIR, or leave out --resume to start it)")
         found = CheckpointManager(run_dir / "checkpoints").latest()
         if found is None:
             raise UserError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")

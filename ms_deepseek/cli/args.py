@@ -40,6 +40,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_at_most(limit: int, what: str):
+    """A ``type=`` for a whole number in 1..limit (ms_deepseek.core.schema's sane bounds), named in the error."""
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text if len(text) <= 20 else text[:20] + '...'} is more than "
+                                             f"{limit} ({what})")
+        return value
+
+    parse.__name__ = "positive_int"
+    return parse
+
+
 def non_negative_int(text: str) -> int:
     value = _number(int, text)
     if value < 0:

@@ -57,4 +57,30 @@ def run(args) -> int:
             adapter = lora_run.export_adapter(src, Path(tmp) / "adapter", base=args.base or args.merge)
             out = lora_run.merge(adapter, Path(args.merge), Path(args.out), overwrite=args.overwrite)
     print(f"wrote merged HF checkpoint {out}")
+    copied = _carry_tokenizer(src, Path(out))
+    if copied:
+        print(f"with the run's tokenizer ({copied}), so `ms-deepseek generate {out} --prompt ...` reads it")
     return 0
+
+
+def _carry_tokenizer(src: Path, out: Path):
+    """A merged folder is a model to sample from: when the base had no tokenizer (a random base, RUN_DIR/base),
+    copy in the one the run trained with (found as ``generate`` finds it from the run: beside it or through its
+    recipe.yaml's data, e.g. the embedded corpus's cached tokenizer). Returns its source file, or None."""
+    import shutil
+
+    from ms_deepseek.cli.generate import TOKENIZER_FILES, find_tokenizer
+
+    if any((out / name).is_file() for name in TOKENIZER_FILES):
+        return None  # the base's, copied with its other files
+    from ms_deepseek.core.errors import UserError
+
+    try:
+        tok = find_tokenizer(src)
+    except UserError:  # a run whose data is gone: nothing to carry, the export itself is done
+        return None
+    if tok is None:
+        return None
+    for file, name in zip(tok.files, tok.saved_names()):
+        shutil.copyfile(file, out / name)
+    return tok.files[0]

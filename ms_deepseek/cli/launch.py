@@ -17,6 +17,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
                              "set the run's newer ones aside (passed on to train)")
+    parser.add_argument("--allow-changes", action="store_true",
+                        help="with --resume: accept settings that differ from the run's (passed on to train)")
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -102,6 +105,8 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
         cmd += ["--resume", args.resume]
     if args.force:
         cmd.append("--force")
+    if getattr(args, "allow_changes", False):
+        cmd.append("--allow-changes")
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return env, cmd
@@ -170,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
     run_dir.mkdir(parents=True, exist_ok=True)
-    from ms_deepseek.train.supervise import run_supervised
+    from ms_deepseek.train.supervise import clear_node_entries, run_supervised
 
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
     # a dead worker stops the whole job within seconds, with one line naming it (see train/supervise.py)
@@ -180,10 +185,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.watchdog_factor < 0:
         raise UserError(f"--watchdog-factor: must be >= 0 (0: off), got {args.watchdog_factor:g}")
-    shutil.rmtree(run_dir / HEARTBEAT_DIR, ignore_errors=True)  # a previous job's progress is not this one's
+    # a previous job's progress is not this one's; on a shared run folder the other nodes' entries are theirs
+    job_start, local = time.time(), recipe.parallel.world_size // args.nnodes
+    clear_node_entries(run_dir / HEARTBEAT_DIR, range(args.node_rank * local, (args.node_rank + 1) * local), job_start)
     code, failure = run_supervised(cmd, full_env, log_dir, stop_grace_s=args.stop_grace,
                                    heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=args.watchdog_factor,
-                                   watchdog_min_s=args.watchdog_min)
+                                   watchdog_min_s=args.watchdog_min, job_start=job_start)
     if failure is not None:
         print(f"ms-deepseek launch: {failure}", file=sys.stderr, flush=True)
     elif code != 0:

@@ -31,11 +31,14 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.cli.args import non_negative_float, non_negative_int, positive_float, positive_int, resolve_layout
+from ms_deepseek.cli.args import (non_negative_float, non_negative_int, positive_float, positive_int,
+                                  positive_int_at_most, resolve_layout)
+from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,16 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--keep", metavar="DIR", help="keep each rank's log and result under DIR")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
-    parser.add_argument("--npus", type=positive_int, help="number of NPUs (world size)")
-    parser.add_argument("--seq-len", type=positive_int, help="training sequence length")
-    parser.add_argument("--global-batch", type=positive_int, help="sequences per optimizer step")
-    parser.add_argument("--micro-batch-size", type=positive_int, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--npus", type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"),
+                        help="number of NPUs (world size)")
+    parser.add_argument("--seq-len", type=positive_int_at_most(MAX_TOKENS, "tokens of one sequence"),
+                        help="training sequence length")
+    parser.add_argument("--global-batch", type=positive_int_at_most(MAX_BATCH * MAX_DEVICES, "sequences per step"),
+                        help="sequences per optimizer step")
+    parser.add_argument("--micro-batch-size", type=positive_int_at_most(MAX_BATCH, "sequences per micro-batch"),
+                        help="sequences per micro-batch (default 1)")
     g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
-    g.add_argument("--dp", type=positive_int)
-    g.add_argument("--tp", type=positive_int)
-    g.add_argument("--pp", type=positive_int)
-    g.add_argument("--ep", type=positive_int)
-    g.add_argument("--micro-batches", type=positive_int,
+    for flag in ("--dp", "--tp", "--pp", "--ep"):
+        g.add_argument(flag, type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"))
+    g.add_argument("--micro-batches", type=positive_int_at_most(MAX_BATCH, "pipeline micro-batches"),
                    help="pipeline micro-batches (default: all of a dp rank's); with --compile: the micro-batches "
                         "(pipeline) or accumulation steps compiled (default: pp, or 2)")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
@@ -261,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
         _refuse_invalid(result)
         _emit(args, result, None)
         return 0 if result.fits else 1
-    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=True)
+    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=True,
+                    announce=lambda n: print(f"plan: estimating {n} layouts of {args.npus} NPUs ...", file=sys.stderr,
+                                             flush=True))
     _emit(args, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 
@@ -396,8 +403,6 @@ def _recipe_layout(args, recipe):
 
 def _compile(args, hw) -> int:
     """MindSpore's dry run compiles the recipe's graphs for the selected ranks (diagnostics.compile_check)."""
-    import sys
-
     from ms_deepseek.diagnostics import compile_check as cc
 
     micro_batches, args.micro_batches = args.micro_batches, None  # the compiled count, not the recipe's

@@ -117,6 +117,28 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# ------------------------------------------------------------------------------- sane upper bounds
+# What a recipe, a config or a command line may ask for. Past these no loop, allocation or plan is attempted
+# (``parallel.dp: 10**30`` once made `plan` spin for minutes); each is far beyond any real job.
+MAX_DEVICES = 65_536        # NPUs in one job: 8,192 Atlas 800T A2 nodes
+MAX_STEPS = 10 ** 9         # optimizer steps, and intervals counted in steps
+MAX_BATCH = 2 ** 20         # sequences of a (micro-)batch, accumulation steps, pipeline micro-batches
+MAX_TOKENS = 2 ** 20        # tokens of one sequence (DeepSeek-V2's context: 128K)
+MAX_SEED = 2 ** 32 - 1      # numpy's and MindSpore's seed range
+
+
+def _shown(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else f"{float(value):.3g}"
+
+
+def check_at_most(where: str, value: Any, limit: Union[int, float], what: str) -> None:
+    """``value`` (a number, a list of numbers, or None) must not exceed ``limit``: else one line naming ``where``."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, (int, float)) and not isinstance(item, bool) and item > limit:
+            raise UserError(f"{where}: {_shown(item)} is more than {limit} ({what})")
+
+
 def _unknown_key_message(where: str, key: str, known: Iterable[str]) -> str:
     known = sorted(known)
     close = difflib.get_close_matches(key, known, n=1)

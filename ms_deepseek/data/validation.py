@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -104,15 +104,63 @@ def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_siz
             n = _lengths(folder, meta).size
             pieces.append((folder, meta, np.arange(n - holdout_count(n, val.fraction), n)))
         what = f"{val.fraction:g} of the training data held out"
+    per_step = batch_size * world_size
+    total = int(sum(p[2].size for p in pieces))
+    if total < per_step:
+        raise UserError(f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
+                        f"({batch_size} x {world_size} workers); {_enough_hint(val, pieces, per_step)}")
+    return _assemble(pieces, what, [seed, 0x76616C], batch_size, rank, world_size, eval_batches, seq_len, pad_id)
+
+
+def source_names(data_cfg: DataConfig) -> List[str]:
+    """A short name per training source (its folder's name; ``name-i`` where two share one): the ``<source>``
+    of ``val_loss/<source>``."""
+    folders = [Path(s.path).expanduser() for s in data_cfg.sources]
+    base = [f.name or str(f) for f in folders]
+    return [n if base.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(base)]
+
+
+def build_validation_by_source(data_cfg: DataConfig, batch_size: int, rank: int, world_size: int,
+                               eval_batches: int, *, max_positions: Optional[int] = None,
+                               vocab_size: Optional[int] = None, seed: Optional[int] = None,
+                               cache_dir=None) -> Tuple[Dict[str, ValidationSet], List[str]]:
+    """A weighted mixture (``data.path`` a list) with ``data.validation.fraction``: every source's own held-out
+    tail as a validation set of its own (``eval_batches`` batches at most, seeded per source), for
+    ``val_loss/<source>`` beside the overall ``val_loss``. Returns ({name: set}, notes): a source whose tail
+    holds less than one batch per worker gets a note instead of a set. ({}, []) for anything else (one folder,
+    or a validation folder, which is not split by source)."""
+    val = data_cfg.validation
+    if val is None or val.fraction is None or not isinstance(data_cfg.path, list):
+        return {}, []
+    seed = data_cfg.seed if seed is None else seed
+    train = source_folders(data_cfg, cache_dir, progress=False)
+    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions,
+                              vocab_size=vocab_size)
+    seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
+    sets, notes = {}, []
+    for i, ((key, folder, _), name) in enumerate(zip(train, source_names(data_cfg))):
+        meta = checked_meta(folder, data_cfg, key)
+        n = _lengths(folder, meta).size
+        piece = (folder, meta, np.arange(n - holdout_count(n, val.fraction), n))
+        if piece[2].size < batch_size * world_size:
+            notes.append(f"val_loss/{name}: not logged: {key} holds out {piece[2].size} samples, fewer than one "
+                         f"batch per worker ({batch_size} x {world_size})")
+            continue
+        sets[name] = _assemble([piece], f"{name}'s held-out tail", [seed, 0x76616C, i + 1], batch_size, rank,
+                               world_size, eval_batches, seq_len, pad_id)
+    return sets, notes
+
+
+def _assemble(pieces, what: str, seed, batch_size: int, rank: int, world_size: int, eval_batches: int,
+              seq_len: int, pad_id: int) -> ValidationSet:
+    """The seeded order over ``pieces`` ((folder, meta, storage indices)), the first whole batches for every
+    rank, this rank's rows read."""
     # one list of (piece, storage index), then the seeded order
     where = np.concatenate([np.full(p[2].size, i) for i, p in enumerate(pieces)])
     index = np.concatenate([p[2] for p in pieces])
     total = int(index.size)
     per_step = batch_size * world_size
-    if total < per_step:
-        raise UserError(f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
-                        f"({batch_size} x {world_size} workers); {_enough_hint(val, pieces, per_step)}")
-    order = np.random.default_rng([seed, 0x76616C]).permutation(total)
+    order = np.random.default_rng(seed).permutation(total)
     used = min(eval_batches, total // per_step) * per_step
     mine = order[:used][rank::world_size]  # rank r: positions r, r+W, ...
     ids = np.empty((mine.size, seq_len), np.int32)     # [rows, T]

@@ -327,13 +327,13 @@ def check_disk_space(ctx: DoctorContext) -> CheckResult:
     if ctx.need_gb is not None:
         if free_gb < ctx.need_gb:
             return failed(msg + f", need {ctx.need_gb:g} GiB",
-                          "free space, or point checkpoint.dir at a larger volume")
+                          "free space, or train into a larger volume (train --output DIR; check it with doctor --checkpoint-dir DIR)")
         if free_gb < 1.2 * ctx.need_gb:
             return warned(msg + f", less than 20% above the {ctx.need_gb:g} GiB needed",
-                          "free space or keep fewer checkpoints (checkpoint.keep)")
+                          "free space or keep fewer checkpoints (checkpoint.keep_last)")
         return passed(msg)
     if free_gb < 1:
-        return failed(msg, "free space, or point checkpoint.dir at a larger volume")
+        return failed(msg, "free space, or train into a larger volume (train --output DIR; check it with doctor --checkpoint-dir DIR)")
     if free_gb < 20:
         return warned(msg + "; a V2-Lite checkpoint with optimizer state is hundreds of GiB",
                       "pass --need-gb for the run's checkpoint size, or use a larger volume")

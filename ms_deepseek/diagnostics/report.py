@@ -76,16 +76,30 @@ def _per_layer(record, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+_SOURCE_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#9467bd", "#2ca02c")
+
+
+def _per_source_validation(records) -> List[str]:
+    """The ``val_loss/<source>`` keys a weighted mixture logs (one per source), in first-seen order."""
+    keys: List[str] = []
+    for r in records:
+        keys += [k for k in r if isinstance(k, str) and k.startswith("val_loss/") and k not in keys]
+    return keys
+
+
 def build_plots(records) -> List[str]:
     parts = []
     steps, loss = xy(records, "loss")
     ts, total = xy(records, "total_loss")
+    per_source = [Series(f"validation loss: {key.split('/', 1)[1]}", *xy(records, key),
+                         _SOURCE_COLORS[i % len(_SOURCE_COLORS)], 1.5, dash="6 3")
+                  for i, key in enumerate(_per_source_validation(records))]
     parts.append(render_chart(Chart("plot-loss", "Loss", [
         Series("total loss (with balance losses)", ts, total, "#ff7f0e", 1.0, dash="4 3"),
         Series("loss", steps, loss, "#9ec5e8", 1.0),
         Series("loss (smoothed)", steps, ema(loss), "#1f77b4", 2.0),
         Series("validation loss (held-out, eval mode)", *xy(records, "val_loss"), "#d62728", 2.0),
-    ])))
+    ] + per_source)))
     parts.append(render_chart(Chart("plot-lr", "Learning rate", [Series("lr", *xy(records, "lr"))])))
     parts.append(render_chart(Chart(
         "plot-grad-norm", "Gradient norm (log scale)", [Series("grad norm", *xy(records, "grad_norm"), "#9467bd")],

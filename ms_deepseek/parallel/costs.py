@@ -243,15 +243,27 @@ def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, qu
     return []
 
 
+_MOE_BUFFERS: Dict[tuple, Dict[str, float]] = {}  # the planner asks the same layer shape for every layer
+
+
 def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) -> Dict[str, float]:
     """Elements one NPU holds in one MoE layer's forward for one micro-batch, from the dispatch as
     built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements.
-    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n)."""
-    built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
-    out = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
-    out["alltoall"] = float(built["alltoall_elements_per_device"])
-    out["capacity"] = float(built["capacity"])
-    return out
+    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n).
+    Memoised on what the dispatch reads (a search asks it hundreds of thousands of times)."""
+    key = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+           cfg.capacity_factor, getattr(cfg, "eval_capacity_factor", None), parallel.dp, parallel.ep, parallel.tp,
+           int(n), bool(training))
+    found = _MOE_BUFFERS.get(key)
+    if found is None:
+        built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
+        found = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
+        found["alltoall"] = float(built["alltoall_elements_per_device"])
+        found["capacity"] = float(built["capacity"])
+        if len(_MOE_BUFFERS) > 65536:
+            _MOE_BUFFERS.clear()
+        _MOE_BUFFERS[key] = found
+    return dict(found)
 
 
 def _expert_rows(cfg, parallel: ParallelConfig, n: int) -> float:
@@ -533,4 +545,6 @@ def ranks_bandwidth(group: Sequence[int], hw: Hardware) -> float:
 def ep_alltoall_bandwidth(par, hw: Hardware) -> float:
     """The MoE AllToAll's bandwidth: the slowest expert-parallel group of a stage, the groups from the one
     rank rule the model's exchange view, the plan and the simulation share (:func:`ranks.ep_group_of_rank`)."""
+    if par.ep == 1:  # no expert parallelism: no AllToAll (and no walk over the ranks)
+        return float("inf")
     return min(ranks_bandwidth(ep_group_of_rank(r, par), hw) for r in range(par.dp * par.tp))

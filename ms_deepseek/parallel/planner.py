@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
@@ -144,13 +144,22 @@ def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optio
     return result
 
 
+_SUMMARIES: Dict[str, Dict[str, Any]] = {}  # one per model config: a search estimates hundreds of layouts of it
+
+
 def _model_summary(cfg) -> Dict[str, Any]:
     from ms_deepseek.spec.inventory import count_parameters
 
-    count = count_parameters(cfg)
-    return {"total_params_b": round(count.total / 1e9, 3), "activated_params_b": round(count.activated / 1e9, 3),
-            "layers": cfg.num_hidden_layers, "routed_experts": cfg.n_routed_experts or 0,
-            "capacity_factor": cfg.capacity_factor, "param_dtype": cfg.param_dtype}
+    key = repr(cfg)
+    if key not in _SUMMARIES:
+        count = count_parameters(cfg)
+        if len(_SUMMARIES) > 64:
+            _SUMMARIES.clear()
+        _SUMMARIES[key] = {"total_params_b": round(count.total / 1e9, 3),
+                           "activated_params_b": round(count.activated / 1e9, 3), "layers": cfg.num_hidden_layers,
+                           "routed_experts": cfg.n_routed_experts or 0, "capacity_factor": cfg.capacity_factor,
+                           "param_dtype": cfg.param_dtype}
+    return dict(_SUMMARIES[key])
 
 
 def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held, result: PlanResult,
@@ -331,7 +340,15 @@ def solve_compute_efficiency(end: str) -> float:
 
 # ------------------------------------------------------------------------------ search
 def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, in O(sqrt n) steps."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
@@ -361,8 +378,9 @@ def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
 
 def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = None,
            hardware: Optional[Hardware] = None, top: int = 5, progress: bool = False,
-           **choices) -> List[PlanResult]:
-    """Valid layouts for ``npus`` ranked by fit, then tokens/s per NPU (then lower peak memory)."""
+           announce: Optional[Callable[[int], None]] = None, **choices) -> List[PlanResult]:
+    """Valid layouts for ``npus`` ranked by fit, then tokens/s per NPU (then lower peak memory).
+    ``announce(n)`` is told how many layouts will be estimated before the first one is."""
     precision = precision or default_precision(cfg)
     hardware = hardware or Hardware()
     inventory = parameter_inventory(cfg)
@@ -370,6 +388,8 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
         inventory = lora_inventory(cfg, workload.lora, inventory)
     results = []
     candidates = list(candidate_layouts(cfg, npus, workload, hardware, **choices))
+    if announce is not None:
+        announce(len(candidates))
     if progress:  # drawn only on a terminal
         from ms_deepseek.core.progress import progress_bar
 

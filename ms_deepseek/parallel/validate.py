@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.config import check_layer_count
+from ms_deepseek.spec.config import check_model_size
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.placement import placement_table
 
@@ -33,7 +33,7 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
     if p.vocab_parallel and cfg.vocab_size % tp:
         out.append(f"parallel.tp: vocab_size={cfg.vocab_size} is not divisible by tp={tp} "
                    f"(or set parallel.vocab_parallel: false)")
-    check_layer_count(cfg)
+    check_model_size(cfg)
     dense_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     if dense_layers and cfg.intermediate_size % tp:
         out.append(f"parallel.tp: intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")

@@ -27,12 +27,52 @@ from ms_deepseek.core.schema import from_dict
 # Every consumer walks the layers one by one (the inventory, the planner's per-stage sums): 10,000 layers
 # already take ~8 s in `plan`, 10**9 never end. DeepSeek-V2 has 60, V3 61; 1024 leaves room for any real one.
 MAX_LAYERS = 1024
+MAX_EXPERTS = 65_536  # routed experts (DeepSeek-V2: 160)
+
+# The other sizes of a model config ms_deepseek lists, plans or builds (each far beyond DeepSeek-V2's, in the
+# comment): a config.json or a recipe asking for more is refused before a loop or an allocation trusts it.
+MODEL_LIMITS = {
+    "vocab_size": (2 ** 24, "tokens of a vocabulary; DeepSeek-V2 has 102,400"),
+    "hidden_size": (2 ** 17, "DeepSeek-V2: 5120"),
+    "intermediate_size": (2 ** 20, "DeepSeek-V2: 12,288"),
+    "moe_intermediate_size": (2 ** 20, "DeepSeek-V2: 1536"),
+    "num_attention_heads": (2 ** 14, "DeepSeek-V2: 128"),
+    "num_key_value_heads": (2 ** 14, "DeepSeek-V2: 128"),
+    "n_shared_experts": (2 ** 10, "DeepSeek-V2: 2"),
+    "n_routed_experts": (MAX_EXPERTS, "DeepSeek-V2: 160"),
+    "num_experts_per_tok": (MAX_EXPERTS, "DeepSeek-V2: 6"),
+    "n_group": (MAX_EXPERTS, "DeepSeek-V2: 8"),
+    "topk_group": (MAX_EXPERTS, "DeepSeek-V2: 3"),
+    "ep_size": (65_536, "NPUs"),
+    "kv_lora_rank": (2 ** 17, "DeepSeek-V2: 512"),
+    "q_lora_rank": (2 ** 17, "DeepSeek-V2: 1536"),
+    "qk_rope_head_dim": (2 ** 14, "DeepSeek-V2: 64"),
+    "qk_nope_head_dim": (2 ** 14, "DeepSeek-V2: 128"),
+    "v_head_dim": (2 ** 14, "DeepSeek-V2: 128"),
+    "moe_layer_freq": (MAX_LAYERS, "layers"),
+    "first_k_dense_replace": (MAX_LAYERS, "layers"),
+    "max_position_embeddings": (2 ** 24, "positions; DeepSeek-V2: 163,840"),
+}
 
 
 def check_layer_count(cfg) -> None:
     if cfg.num_hidden_layers > MAX_LAYERS:
-        raise UserError(f"model config num_hidden_layers: {cfg.num_hidden_layers} is more than {MAX_LAYERS} "
+        shown = cfg.num_hidden_layers if cfg.num_hidden_layers < 10 ** 20 else f"{float(cfg.num_hidden_layers):.3g}"
+        raise UserError(f"model config num_hidden_layers: {shown} is more than {MAX_LAYERS} "
                         f"(DeepSeek-V2 has 60); not a model ms_deepseek can list, plan or build")
+
+
+def check_model_size(cfg, where: str = "model config ") -> None:
+    """Every size of ``cfg`` within its sane bound (``MAX_LAYERS``, ``MODEL_LIMITS``), else one line naming it
+    (``where`` + the key). The layer count, checked first, keeps its own message."""
+    from ms_deepseek.core.schema import check_at_most
+
+    check_layer_count(cfg)
+    for key, (limit, what) in MODEL_LIMITS.items():
+        check_at_most(f"{where}{key}", getattr(cfg, key), limit, what)
+    rope = cfg.rope_scaling or {}
+    check_at_most(f"{where}rope_scaling.original_max_position_embeddings",
+                  rope.get("original_max_position_embeddings"), 2 ** 24, "positions")
 
 
 # Keys of HF config files that carry no information for this port (or are derived).

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import List, Literal, Optional, Union
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.schema import MAX_SEED, MAX_TOKENS, check_at_most
 
 DEFAULT_EMBEDDED_SEQ_LEN = 256
 
@@ -122,6 +123,10 @@ class DataConfig:
                     raise UserError(f"data.path: {dup} is listed twice (give it one weight)")
         if self.seq_len is not None and self.seq_len < 2:
             raise UserError(f"data.seq_len: must be at least 2 (one input and one target token), got {self.seq_len}")
+        check_at_most("data.seq_len", self.seq_len, MAX_TOKENS, "tokens of one sequence")
+        check_at_most("data.seed", self.seed, MAX_SEED, "numpy's seed range")
+        check_at_most("data.bucket_boundaries", self.bucket_boundaries, MAX_TOKENS, "tokens of one sequence")
+        check_at_most("data.embedded_max_bytes", self.embedded_max_bytes, 2 ** 40, "bytes of text")
         if self.seed < 0:
             raise UserError(f"data.seed: must be >= 0, got {self.seed}")
         if not 1 <= self.num_workers <= 64:

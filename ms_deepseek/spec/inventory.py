@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.spec.config import check_layer_count
+from ms_deepseek.spec.config import check_model_size
 
 
 Shape = Tuple[int, ...]
@@ -61,7 +61,7 @@ class ParamInfo:
 
 def parameter_inventory(cfg) -> List[ParamInfo]:
     """Every parameter of ``DeepseekV2ForCausalLM(cfg)`` in model order (the order checkpoints are written in)."""
-    check_layer_count(cfg)
+    check_model_size(cfg)
     H, V, nh = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
     pdt = cfg.param_dtype
     out: List[ParamInfo] = []
@@ -192,7 +192,7 @@ def count_parameters(cfg) -> ParamCount:
     and final norms as norms; a token activates ``num_experts_per_tok`` of the routed experts."""
     kinds = dict(embedding=0, attention=0, dense_mlp=0, routed_experts=0, shared_experts=0, router=0, norm=0,
                  lm_head=0)
-    check_layer_count(cfg)
+    check_model_size(cfg)
     per_layer = [0] * cfg.num_hidden_layers
     for p in parameter_inventory(cfg):
         if p.is_buffer:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.schema import from_dict
+from ms_deepseek.core.schema import check_at_most, from_dict
 from ms_deepseek.spec.inventory import ParamInfo, parameter_inventory
 
 # the module leaves LoRA can adapt (attention, dense MLP, shared and routed experts; never lm_head)
@@ -42,6 +42,7 @@ class LoraSpec:
     def __post_init__(self):
         if self.r < 1:
             raise UserError(f"lora.r: must be >= 1, got {self.r}")
+        check_at_most("lora.r", self.r, 2 ** 17, "an adapter's rank; DeepSeek-V2's hidden size is 5120")
         if self.alpha <= 0:
             raise UserError(f"lora.alpha: must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:

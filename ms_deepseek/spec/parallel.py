@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import List, Literal, Optional
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, check_at_most
+from ms_deepseek.spec.config import MAX_EXPERTS, MAX_LAYERS
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
@@ -64,6 +66,18 @@ class ParallelConfig:
             value = getattr(self, key)
             if value < 1:
                 raise UserError(f"parallel.{key}: must be >= 1, got {value}")
+        for key in ("dp", "tp", "pp", "ep"):
+            check_at_most(f"parallel.{key}", getattr(self, key), MAX_DEVICES, "NPUs in one job")
+        check_at_most("parallel.micro_batches", self.micro_batches, MAX_BATCH, "pipeline micro-batches per step")
+        if self.dp * self.tp * self.pp > MAX_DEVICES:
+            raise UserError(f"parallel: dp x tp x pp = {self.dp * self.tp * self.pp} NPUs, more than {MAX_DEVICES} "
+                            f"(NPUs in one job)")
+        check_at_most("parallel.stage_layers", self.stage_layers, MAX_LAYERS, "decoder layers")
+        if self.expert_placement is not None and len(self.expert_placement) > MAX_EXPERTS:
+            raise UserError(f"parallel.expert_placement: {len(self.expert_placement)} entries, more than "
+                            f"{MAX_EXPERTS} (routed experts)")
+        check_at_most("parallel.hbm_gb", self.hbm_gb, 65536, "GB of one device's memory")
+        check_at_most("parallel.memory_headroom_gb", self.memory_headroom_gb, 65536, "GB of one device's memory")
         if self.recompute not in RECOMPUTE_POLICIES:
             raise UserError(f"parallel.recompute: must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                             f"got {self.recompute!r}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.schema import check_at_most
 
 QUANT_BITS = (4, 8)
 
@@ -27,6 +28,7 @@ class QuantSpec:
             raise UserError(f"quant.bits: must be 4 or 8, got {self.bits}")
         if self.group_size is not None and self.group_size < 1:
             raise UserError(f"quant.group_size: must be a whole number >= 1 (or null), got {self.group_size}")
+        check_at_most("quant.group_size", self.group_size, 2 ** 20, "input columns per scale")
         if self.group_size is not None and self.bits == 4 and self.group_size % 2:
             raise UserError(f"quant.group_size: int4 packs two values per byte, so the group size must be even, "
                             f"got {self.group_size}")

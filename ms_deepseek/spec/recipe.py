@@ -27,12 +27,13 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import yaml
 
-from ms_deepseek.spec.config import DeepseekV2Config, load_model_config
+from ms_deepseek.spec.config import DeepseekV2Config, check_model_size, load_model_config
 from ms_deepseek.spec.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads, yaml_load
 from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.core.schema import apply_overrides, from_dict, to_dict
+from ms_deepseek.core.schema import (MAX_BATCH, MAX_SEED, MAX_STEPS, apply_overrides, check_at_most, from_dict,
+                                     to_dict)
 from ms_deepseek.spec.dispatch_shapes import max_tokens_per_group
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.quant import QuantSpec
@@ -98,6 +99,14 @@ class TrainSection:
             raise UserError(f"train.loss_scale_factor: must be > 1, got {self.loss_scale_factor}")
         if self.loss_scale_window < 1:
             raise UserError(f"train.loss_scale_window: must be >= 1, got {self.loss_scale_window}")
+        for key, limit, what in (("steps", MAX_STEPS, "optimizer steps"), ("eval_interval", MAX_STEPS, "steps"),
+                                 ("loss_scale_window", MAX_STEPS, "steps"),
+                                 ("micro_batch_size", MAX_BATCH, "sequences per micro-batch"),
+                                 ("grad_accum_steps", MAX_BATCH, "micro-steps per optimizer step"),
+                                 ("eval_batches", MAX_BATCH, "validation micro-batches"),
+                                 ("seed", MAX_SEED, "numpy's and MindSpore's seed range"),
+                                 ("loss_scale_init", 2.0 ** 64, "a loss scale")):
+            check_at_most(f"train.{key}", getattr(self, key), limit, what)
 
 
 @dataclass
@@ -133,6 +142,7 @@ class OptimSection:
                 raise UserError(f"optim.{key}: must be in (0, 1), got {getattr(self, key)}")
         if self.eps <= 0:
             raise UserError(f"optim.eps: must be > 0, got {self.eps}")
+        check_at_most("optim.warmup_steps", self.warmup_steps, MAX_STEPS, "optimizer steps")
 
 
 @dataclass
@@ -153,6 +163,8 @@ class CheckpointSection:
             raise UserError(f"checkpoint.save_interval: must be >= 0 (0 = only at the end), got {self.save_interval}")
         if self.keep_last < 1:
             raise UserError(f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+        check_at_most("checkpoint.save_interval", self.save_interval, MAX_STEPS, "optimizer steps")
+        check_at_most("checkpoint.keep_last", self.keep_last, MAX_STEPS, "checkpoints")
 
 
 @dataclass
@@ -165,6 +177,7 @@ class LoggingSection:
     def __post_init__(self):
         if self.log_interval < 1:
             raise UserError(f"logging.log_interval: must be >= 1, got {self.log_interval}")
+        check_at_most("logging.log_interval", self.log_interval, MAX_STEPS, "optimizer steps")
 
 
 @dataclass
@@ -265,10 +278,17 @@ def build_model_config(section: ModelSection,
         if getattr(section, key) is not None:
             values[key] = getattr(section, key)
     try:
-        return from_dict(DeepseekV2Config, values, "model.overrides")
+        cfg = from_dict(DeepseekV2Config, values, "model.overrides")
     except UserError as exc:
         text = str(exc)
         raise UserError(text if text.startswith("model.") else f"model.overrides: {text}") from None
+    try:
+        check_model_size(cfg, "")
+    except UserError as exc:  # name the recipe key when an override set it
+        key = str(exc).split(":", 1)[0].removeprefix("model config ")
+        where = f"model.overrides.{key}" if key in section.overrides else f"model.source {section.source}: config {key}"
+        raise UserError(f"{where}:{str(exc).split(':', 1)[1]}") from None
+    return cfg
 
 
 def validate(recipe: Recipe) -> None:
@@ -327,6 +347,20 @@ def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source
     return recipe
 
 
+def _nearest_recipe(path: Path) -> str:
+    """' (did you mean recipes/tiny-cpu.yaml?)' for recipes/tiny.yaml: the closest recipe file of that folder."""
+    import difflib
+
+    try:
+        names = sorted(p.name for p in path.parent.glob("*.y*ml") if p.is_file())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    if not close:  # a stem that starts a recipe's name: tiny -> tiny-cpu
+        close = [n for n in names if n.startswith(path.stem + "-")][:1]
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""
+
+
 def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (),
                 config_fallbacks: Sequence[Union[str, Path]] = ()) -> Recipe:
     """Read, override, type-check and cross-check a recipe file; raise UserError naming the key.
@@ -338,7 +372,7 @@ def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (),
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: no such recipe file") from None
+        raise UserError(f"{path}: no such recipe file{_nearest_recipe(path)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read recipe ({exc})") from None
     try:

@@ -105,14 +105,20 @@ class Evaluator:
         # float32 on the wire: counts exact up to 2**24 tokens per validation
         return self.all_reduce(ms.Tensor(values.astype(np.float32))).asnumpy().astype(np.float64)
 
-    def __call__(self) -> Dict[str, float]:
+    def loss(self, batches: List[Dict[str, np.ndarray]], counts: Optional[List[int]] = None) -> float:
+        """The token-weighted loss of all ranks on ``batches`` (this rank's share, each of the shape the cell was
+        compiled for: one compiled eval graph serves the overall set and every per-source set)."""
         import mindspore as ms
 
+        counts = counts if counts is not None else [scored_tokens(b["labels"]) for b in batches]
         self.cell.set_train(False)  # the model too: eval capacity (dropless by default)
         try:
             losses = [float(self.cell(ms.Tensor(b["input_ids"]), ms.Tensor(b["labels"])).asnumpy())
-                      for b in self.batches]
+                      for b in batches]
         finally:
             self.model.set_train(True)
-        val_loss = reduce_validation(losses, self.counts, self._sum_over_ranks, self.replicas)
+        return float(reduce_validation(losses, counts, self._sum_over_ranks, self.replicas))
+
+    def __call__(self) -> Dict[str, float]:
+        val_loss = self.loss(self.batches, self.counts)
         return {"val_loss": float(val_loss), "val_ppl": float(math.exp(val_loss)) if val_loss < 700 else float("inf")}

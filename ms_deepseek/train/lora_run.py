@@ -73,7 +73,9 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
     if recipe.quant is None and base is not None and quant_spec_of(base) is not None:
         raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
                         "bits and group_size to train LoRA on it")
-    paths = lora.add_adapters(model, section, seed=recipe.train.seed)
+    # exact dropout (train/resume exactness) on one device and data parallel; a sharded layout keeps MindSpore's
+    # Dropout kernel, whose random state a resume does not replay (its hash ops have no sharding strategy yet)
+    paths = lora.add_adapters(model, section, seed=recipe.train.seed, exact_dropout=not sharded)
     lora.freeze_base(model, section.train_router)
     return paths
 

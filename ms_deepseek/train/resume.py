@@ -2,13 +2,19 @@
 
 * :func:`agree_on_resume`: rank 0 decides, every rank checks it has that checkpoint (multi-worker runs);
 * :func:`set_aside_newer`: a resume from an older checkpoint than the run's newest keeps the newer ones
-  aside as ``step_N.abandoned-<time>`` (with --force) or is refused.
+  aside as ``step_N.abandoned-<time>`` (with --force) or is refused;
+* :func:`check_settings`: a resume continues the run it resumes: the recipe and ``--set`` options of the
+  command are compared field by field with the checkpoint's ``recipe.yaml``; what keeps the run exact
+  (logging, checkpointing, evaluation, the layout at the same global batch, more steps of a schedule that
+  does not depend on them) is named and applied, what breaks exactness is refused unless the command says
+  ``--allow-changes``, and a LoRA run resumed without ``lora:`` (or the reverse) is refused outright.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.core.errors import UserError
@@ -64,3 +70,141 @@ def set_aside_newer(run_dir: Path, start_step: int, resume_dir: Path, force: boo
         moved = manager.set_aside(newer)
         print(f"set aside {len(moved)} newer checkpoint(s) as abandoned: "
               + ", ".join(p.name for p in moved), flush=True)
+
+
+# ------------------------------------------------------------------------- the run's settings on resume
+# changes that leave the trained steps and the ones to come as an uninterrupted run would make them
+_KEEP_EXACT = ("logging.", "checkpoint.", "train.eval_interval", "train.eval_batches", "parallel.force",
+               "parallel.reserve_memory", "parallel.memory_headroom_gb", "parallel.hbm_gb")
+# the layout: exact at the same global batch and sequence length (sums in another order: equal to rounding)
+_LAYOUT = ("parallel.", "train.micro_batch_size", "train.grad_accum_steps")
+# the learning-rate schedule: exact when every step already trained had the same learning rate
+_SCHEDULE = ("train.steps", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps", "optim.milestones",
+             "optim.decay_factor")
+
+
+def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def _normalized(saved: Dict) -> Dict:
+    """The saved recipe with every default filled in, as the command's recipe is (a recipe.yaml written by an
+    older version may lack fields added since); as saved when it does not build."""
+    from ms_deepseek.core.schema import from_dict
+    from ms_deepseek.spec.recipe import Recipe
+
+    try:
+        data = {k: ({} if v is None else v) for k, v in saved.items()}
+        return from_dict(Recipe, data).to_dict()
+    except (UserError, TypeError, ValueError):
+        return saved
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)
+    if isinstance(a, str) and isinstance(b, str):  # one folder written two ways (relative / absolute)
+        try:
+            pa, pb = Path(a).expanduser(), Path(b).expanduser()
+            return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "(none)" if value is None else str(value)
+
+
+def _lr_fn(optim: Dict, steps: int):
+    from ms_deepseek.train.schedules import lr_at
+
+    return lambda step: lr_at(step, schedule=optim.get("schedule", "cosine"), lr=float(optim.get("lr", 3e-4)),
+                              total_steps=steps, warmup_steps=int(optim.get("warmup_steps", 0)),
+                              min_lr=float(optim.get("min_lr", 0.0)),
+                              milestones=optim.get("milestones", (0.6, 0.9)),
+                              decay_factor=float(optim.get("decay_factor", 0.316)))
+
+
+def check_settings(recipe, saved: Dict, state: Dict, resume_dir: Path, run_dir: Path, allow: bool) -> List[str]:
+    """Compare the command's recipe with the one the checkpoint was trained with (``saved``: its recipe.yaml).
+
+    Returns the lines to print (each change, named field by field, with what it does); raises UserError for a
+    LoRA run resumed without ``lora:`` or the reverse, and for changes that break exactness unless ``allow``."""
+    if not saved:
+        return []
+    run_recipe = run_dir / "recipe.yaml"  # the run's settings, when they are the checkpoint's (else the checkpoint's)
+    try:
+        if run_recipe.read_text(encoding="utf-8") != (resume_dir / "recipe.yaml").read_text(encoding="utf-8"):
+            run_recipe = resume_dir / "recipe.yaml"
+    except OSError:
+        run_recipe = resume_dir / "recipe.yaml"
+    if (saved.get("lora") is None) != (recipe.lora is None):
+        if saved.get("lora") is not None:
+            lora = saved["lora"] if isinstance(saved["lora"], dict) else {}
+            raise UserError(f"--resume {resume_dir}: a LoRA run (lora: r={lora.get('r', '?')}, its checkpoints hold "
+                            f"adapters only) but this recipe ({recipe.source_path}) has no lora: section; resume it "
+                            f"with the run's recipe ({run_recipe}), or start a full fine-tune in another --output")
+        raise UserError(f"--resume {resume_dir}: a full training run (no lora: section) but this recipe "
+                        f"({recipe.source_path}) has a lora: section; to fine-tune its weights with LoRA start a new "
+                        f"run in another --output with --set model.source={resume_dir}")
+    before, now = _flatten(_normalized(saved)), _flatten(recipe.to_dict())
+    changed = [k for k in sorted(set(before) | set(now)) if not _same(before.get(k), now.get(k))]
+    if not changed:
+        return []
+    step = int(state.get("step", 0))
+    exact, layout, schedule, broken = [], [], [], []
+    for key in changed:
+        (exact if key.startswith(_KEEP_EXACT) else layout if key.startswith(_LAYOUT) else
+         schedule if key in _SCHEDULE else broken).append(key)
+    said = lambda keys: ", ".join(f"{k} {_show(before.get(k))} -> {_show(now.get(k))}" for k in keys)  # noqa: E731
+    problems: List[str] = []
+    if layout:
+        same_batch = state.get("global_batch_size") in (None, recipe.global_batch_size) and \
+            state.get("seq_len") in (None, recipe.seq_len)
+        if not same_batch:
+            problems.append(f"{said(layout)}: the global batch becomes {recipe.global_batch_size} x {recipe.seq_len} "
+                            f"tokens where the run trained {state.get('global_batch_size')} x {state.get('seq_len')}, "
+                            f"so each step sees other data than the run's")
+            layout = []
+    if schedule:
+        old = _lr_fn(dict(_normalized(saved).get("optim") or {}), int(before.get("train.steps", recipe.train.steps)))
+        new = _lr_fn(dataclasses.asdict(recipe.optim), recipe.train.steps)
+        if all(abs(old(s) - new(s)) <= 1e-12 * max(abs(old(s)), 1e-30) for s in range(1, step + 1)):
+            exact += schedule  # the steps already trained had these learning rates under the new settings too
+        else:
+            problems.append(f"{said(schedule)}: the learning-rate schedule is recomputed for {recipe.train.steps} "
+                            f"steps, so the learning rate goes from {old(step):.3g} at step {step} to "
+                            f"{new(step + 1):.3g} at step {step + 1} and the {step} steps already trained followed "
+                            f"another schedule")
+    if broken:
+        problems.append(f"{said(broken)}: the {step} steps already trained were made with the run's values, so "
+                        f"the result is neither this run continued nor a run of the new settings")
+    lines = []
+    if exact:
+        lines.append(f"resume: settings changed from the run's ({resume_dir / 'recipe.yaml'}), exactness kept: "
+                     f"{said(exact)}")
+    if layout:
+        lines.append(f"resume: another layout at the same global batch ({said(layout)}): the same data per step, "
+                     f"sums in another order (losses equal to rounding, not bit for bit)")
+    if problems and not allow:
+        kept = [said(exact)] if exact else []
+        kept += [f"{said(layout)} (the same global batch)"] if layout else []
+        also = f"; also changed, keeping the run exact: {', '.join(kept)}" if kept else ""
+        raise UserError(f"--resume {resume_dir}: this command changes the run's settings: {'; '.join(problems)}{also}. "
+                        f"To continue the run as it was, use its settings (they are in {run_recipe}, e.g. "
+                        f"`ms-deepseek train {run_recipe} --output {run_dir} --resume`); to train on with these "
+                        f"changes anyway, add --allow-changes")
+    if problems:
+        lines.append(f"resume: --allow-changes: {'; '.join(problems)}")
+    return lines

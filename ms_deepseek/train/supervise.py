@@ -21,7 +21,17 @@ scheduler times out the lost node's heartbeat and its survivors are stopped with
 0's line then names the lost rank from ``scheduler.log``). With three such nodes and node 0's worker
 SIGKILLed, nodes 1 and 2 exited 35.7-39.1 s after (their all-reduce with rank 0 failed, or MindSpore
 SIGTERMed them) and each named its own worker: a worker that dies on its own is now recorded in the shared
-run folder (``record_first_failure``), and a node whose worker died of a peer names the recorded rank.
+run folder (``record_first_failure``), and a node whose worker died of a peer names the recorded rank. Every
+node's launch also reads that record while its job runs and stops its own workers as soon as another node's
+rank is recorded: the same three nodes now all exit 1.3-1.5 s after the kill, each naming rank 0 (a node
+exited at 68.7 s on a busy machine before). A record older than the job (``job_start``) is a previous job's
+in the same run folder and is ignored, and each node's launch clears only its own ranks' heartbeat files.
+
+Hung ranks: the workers write their progress and median step time (train/preempt.py, ``Heartbeat``); the
+:class:`Watchdog` stops a job that makes no progress, with every worker's stacks. When a collective gives up
+first (a failed step), the failing worker waits (``Heartbeat.failed``) until this supervisor has dumped the
+stacks of the ranks that had not started that step (``_answer_failed_steps``), which msrun would otherwise
+SIGKILL the moment the failing worker exits.
 
 Stop signals: SIGTERM, SIGHUP and SIGINT to ``launch`` (``timeout``, ``kill``, a closed ssh session, a
 scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoint at the next step and
@@ -46,6 +56,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from ms_deepseek.train.preempt import ACK_SUFFIX, FAILED_SUFFIX, SUPERVISOR_ENV
 
 # msrun's line (mindspore/parallel/cluster/process_entity/_api.py, join_processes)
 _WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
@@ -101,21 +113,49 @@ def record_first_failure(folder: Optional[Path], rank: int, how: str, log: Path)
             pass
 
 
-def read_first_failure(folder: Optional[Path], wait_s: float = 0.0) -> Optional[dict]:
-    """The first dead worker another node's launch recorded, waiting up to ``wait_s`` for it."""
+def read_first_failure(folder: Optional[Path], wait_s: float = 0.0, since: float = 0.0) -> Optional[dict]:
+    """The first dead worker another node's launch recorded, waiting up to ``wait_s`` for it; a record
+    written before ``since`` (this job's start) is a previous job's and is not returned."""
     if folder is None:
         return None
     deadline = time.time() + wait_s
     while True:
         try:
             rec = json.loads((folder / FIRST_FAILURE).read_text())
-            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int) and _recorded_at(rec) >= since:
                 return rec
         except (OSError, ValueError):
             pass
         if time.time() >= deadline:
             return None
         time.sleep(0.2)
+
+
+def _recorded_at(rec: dict) -> float:
+    when = rec.get("time")
+    return float(when) if isinstance(when, (int, float)) else 0.0
+
+
+def clear_node_entries(folder: Path, ranks, job_start: float) -> None:
+    """Before a node's job starts: remove this node's heartbeat files (its ranks' progress and failure
+    markers) and a first-failure record older than ``job_start`` (a previous job's), and nothing else: on
+    a shared run folder the other nodes' entries may belong to the job this node is joining."""
+    for rank in ranks:
+        for suffix in ("", ".tmp", FAILED_SUFFIX, ACK_SUFFIX):
+            try:
+                (folder / f"rank_{rank}{suffix}").unlink()
+            except OSError:
+                pass
+    try:
+        rec = json.loads((folder / FIRST_FAILURE).read_text())
+        stale = not isinstance(rec, dict) or _recorded_at(rec) < job_start
+    except (OSError, ValueError):
+        stale = (folder / FIRST_FAILURE).exists()  # unreadable: not a record this job can use
+    if stale:
+        try:
+            (folder / FIRST_FAILURE).unlink()
+        except OSError:
+            pass
 
 
 def _children_map() -> Dict[int, List[int]]:
@@ -219,8 +259,9 @@ def _kill_job(sessions, timeout_s: float = 5.0) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-def _read_beats(folder: Path) -> Dict[int, Tuple[int, int]]:
-    """rank -> (steps started, steps finished) from the workers' heartbeat files (train/preempt.py)."""
+def _read_beats(folder: Path, step_s: Optional[Dict[int, float]] = None) -> Dict[int, Tuple[int, int]]:
+    """rank -> (steps started, steps finished) from the workers' heartbeat files (train/preempt.py); the
+    median step time each worker reports goes into ``step_s`` (rank -> seconds) when given."""
     out = {}
     try:
         entries = list(folder.iterdir())
@@ -229,59 +270,145 @@ def _read_beats(folder: Path) -> Dict[int, Tuple[int, int]]:
     for path in entries:
         if path.name.startswith("rank_") and path.name[5:].isdigit():
             try:
-                started, finished = (int(v) for v in path.read_text().split())
-            except (OSError, ValueError):
+                fields = path.read_text().split()
+                started, finished = int(fields[0]), int(fields[1])
+                seconds = float(fields[2]) if len(fields) > 2 else None
+            except (OSError, ValueError, IndexError):
                 continue
             out[int(path.name[5:])] = (started, finished)
+            if step_s is not None and seconds is not None and seconds > 0:
+                step_s[int(path.name[5:])] = seconds
     return out
+
+
+def _failed_steps(folder: Optional[Path], since: float = 0.0) -> Dict[int, int]:
+    """rank -> the step that raised, from the rank_N.failed markers (train/preempt.py, Heartbeat.failed) written
+    since ``since`` (another node's marker of a previous job is not this job's)."""
+    out: Dict[int, int] = {}
+    if folder is None:
+        return out
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return out
+    for path in entries:
+        name = path.name
+        if name.startswith("rank_") and name.endswith(FAILED_SUFFIX) and name[5:-len(FAILED_SUFFIX)].isdigit():
+            try:
+                if path.stat().st_mtime >= since:
+                    out[int(name[5:-len(FAILED_SUFFIX)])] = int(path.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+_STACK_DUMP = "(most recent call first)"  # faulthandler's header of each thread's stack
+
+
+def _dump_stacks(workers: Dict[int, int], log_dir: Path, wait_s: float = 15.0) -> List[int]:
+    """SIGUSR1 to each worker (pid -> rank; faulthandler.register in every worker) and wait until its log
+    holds the dump (or it died, or ``wait_s`` passed): the ranks whose stacks are in their logs."""
+    offsets = {}
+    for pid, rank in workers.items():
+        try:
+            offsets[pid] = (log_dir / f"worker_{rank}.log").stat().st_size
+        except OSError:
+            offsets[pid] = 0
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            offsets.pop(pid)
+    done, sizes, deadline = [], {}, time.time() + wait_s
+    while offsets and time.time() < deadline:
+        time.sleep(0.1)
+        for pid in list(offsets):
+            log = log_dir / f"worker_{workers[pid]}.log"
+            try:
+                size = log.stat().st_size
+                with open(log, "rb") as fh:
+                    fh.seek(offsets[pid])
+                    dumped = _STACK_DUMP.encode() in fh.read()
+            except OSError:
+                size, dumped = -1, False
+            # the dump is written from the signal handler in one go: done once the log stops growing
+            if dumped and sizes.get(pid) == size:
+                done.append(workers[pid])
+                offsets.pop(pid)
+            elif not _alive(pid):
+                offsets.pop(pid)
+            sizes[pid] = size
+    return sorted(done)
 
 
 class Watchdog:
     """No step finished within ``factor`` x the median step time (at least ``min_s``), once a step after the
-    first (the compile) has finished: the job is hung."""
+    first (the compile) has finished: the job is hung.
+
+    The step time is the one the workers report in their heartbeats (the median of their recent steps,
+    the compile left out: train/preempt.py), so it is known however many steps passed between two looks
+    of a busy supervisor; heartbeats without it (an older worker) fall back to the supervisor's own
+    measurement between looks that saw progress."""
 
     def __init__(self, folder: Optional[Path], factor: float, min_s: float):
         self.folder, self.factor, self.min_s = folder, factor, min_s
         self.top, self.since, self.per_step = None, time.time(), []  # per_step: s per step, each poll
+        self.reported: Dict[int, float] = {}  # rank -> the median step time it reports
+
+    def step_time(self) -> Optional[float]:
+        if self.reported:
+            return max(self.reported.values())  # the slowest rank sets the pace
+        if self.per_step:
+            ordered = sorted(self.per_step)
+            return ordered[len(ordered) // 2]
+        return None
 
     def limit(self) -> float:
-        ordered = sorted(self.per_step)
-        return max(self.factor * ordered[len(ordered) // 2], self.min_s)
+        return max(self.factor * (self.step_time() or 0.0), self.min_s)
 
     def check(self) -> Optional[Tuple[float, Dict[int, Tuple[int, int]]]]:
         """(seconds without progress, heartbeats) when the job is hung, else None."""
         if self.folder is None or self.factor <= 0:
             return None
-        beats, now = _read_beats(self.folder), time.time()
+        reported: Dict[int, float] = {}
+        beats, now = _read_beats(self.folder, reported), time.time()
         if not beats:
             return None
+        self.reported.update(reported)
         top = max(f for _s, f in beats.values())
         if self.top is None or top > self.top:
             if self.top is not None and self.top >= 1:  # not the first step: it includes the compile
                 self.per_step.append((now - self.since) / (top - self.top))
             self.top, self.since = top, now
             return None
-        if self.per_step and now - self.since > self.limit():
+        if self.step_time() is not None and now - self.since > self.limit():
             return now - self.since, beats
         return None
 
 
 def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: float = 0.2,
                    stop_grace_s: float = 30.0, heartbeat_dir: Optional[Path] = None, watchdog_factor: float = 10.0,
-                   watchdog_min_s: float = 120.0) -> Tuple[int, Optional[str]]:
+                   watchdog_min_s: float = 120.0, job_start: Optional[float] = None) -> Tuple[int, Optional[str]]:
     """Run msrun; return (exit code, one-line failure message or None).
 
     The message names the rank that died first, how it ended, and its msrun log file. SIGTERM, SIGHUP or
     SIGINT to this process are forwarded as SIGTERM to every worker (the trainer saves a checkpoint at the
     next step boundary and exits, see train/preempt.py); once the workers are gone, or ``stop_grace_s``
     after the signal, or at a second signal, every process of the job is killed and the exit code is
-    128 + the signal's number."""
+    128 + the signal's number.
+
+    With a ``heartbeat_dir`` (the run folder's, shared by every node on a cluster): a worker whose step
+    raised waits until the stacks of this node's ranks that did not reach that step are dumped into their
+    logs (msrun kills them as soon as it sees the failed worker); and a first failure another node records
+    there after ``job_start`` (default: now) stops this node's workers at once, naming that rank, instead
+    of leaving them to wait in their next collective for a rank that is gone."""
+    job_start = time.time() if job_start is None else job_start
     failed: List[Tuple[int, int, float]] = []  # (pid, exit code, when msrun reported it)
     stops: List[Tuple[int, float]] = []  # (signal number, when) of the stop signals received
     previous = {}
     if threading.current_thread() is threading.main_thread():  # before msrun starts: no window without them
         for sig in STOP_SIGNALS:
             previous[sig] = signal.signal(sig, lambda signum, _frame: stops.append((signum, time.time())))
+    env = dict(env, **{SUPERVISOR_ENV: str(os.getpid())})  # a failing worker waits for our stack dumps
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
     def pump(src, dst):
@@ -305,6 +432,9 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     sessions = {proc.pid}
     forwarded, workers_exited = False, False
     watchdog, hung = Watchdog(heartbeat_dir, watchdog_factor, watchdog_min_s), None
+    answered: Dict[int, int] = {}  # rank_N.failed markers handled: rank -> step
+    dumped: List[int] = []  # ranks whose stacks were dumped because a peer's step failed while they were behind
+    peer_record: Optional[dict] = None  # another node's worker died first: this node's job was stopped for it
     try:
         while proc.poll() is None:
             for pid in descendants(proc.pid):
@@ -329,17 +459,24 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
             elif failed:
                 break
             else:
+                dumped += _answer_failed_steps(heartbeat_dir, ranks, log_dir, answered, job_start)
+                record = read_first_failure(heartbeat_dir, since=job_start)
+                if record is not None and ranks and record["rank"] not in ranks.values():
+                    peer_record = record
+                    break
                 hung = watchdog.check()
-                if hung is not None:
-                    for pid in ranks:  # faulthandler.register(SIGUSR1) in every worker: stacks into its log
-                        try:
-                            os.kill(pid, signal.SIGUSR1)
-                        except OSError:
-                            pass
-                    time.sleep(2.0)
+                if hung is not None:  # the ranks that beat have faulthandler on SIGUSR1 (else it would kill them)
+                    _dump_stacks({pid: r for pid, r in ranks.items() if r in hung[1] and _alive(pid)}, log_dir)
                     break
             time.sleep(poll_s)
-        if (failed or stops or hung) and proc.poll() is None:
+        if failed and not stops:  # published before this node's job (and scheduler) goes: the others read it
+            pid, worker_code, _when = failed[0]
+            rank = ranks.get(pid)
+            log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
+            consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
+            if not consequence and rank is not None:
+                record_first_failure(heartbeat_dir, rank, _how(worker_code), log)
+        if (failed or stops or hung or peer_record) and proc.poll() is None:
             _kill_job(sessions)  # the scheduler would otherwise wait out its heartbeat timeout
     except BaseException:  # our own death: never leave workers behind
         _kill_job(sessions)
@@ -368,6 +505,12 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
         return 1, (f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
                    f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
                    f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job")
+    if peer_record is not None and not failed:
+        mine = sorted(set(ranks.values()))
+        return 1, (f"worker rank {peer_record['rank']} (on {peer_record.get('host', 'another node')}) died first: "
+                   f"it {peer_record.get('how', 'failed')}; its log: {peer_record.get('log')}; this node's "
+                   f"worker rank{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} would wait for it in "
+                   f"the next collective: stopped {'them' if len(mine) > 1 else 'it'} when that node's launch recorded it")
     if not failed:
         return code, None
     pid, worker_code, when = failed[0]
@@ -376,9 +519,7 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     # Our worker died first, or because a peer did: a SIGTERM we did not send (MindSpore stops the survivors
     # when the scheduler loses a node) or a collective that failed waiting for another rank.
     consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
-    if not consequence and rank is not None:
-        record_first_failure(heartbeat_dir, rank, _how(worker_code), log)
-    first = read_first_failure(heartbeat_dir, wait_s=5.0) if consequence else None
+    first = read_first_failure(heartbeat_dir, wait_s=5.0, since=job_start) if consequence else None
     if first is not None and first["rank"] != rank:
         return 1, (f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
                    f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
@@ -392,16 +533,43 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                    f"{_how(worker_code)} and every other worker of this node was stopped")
     who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
     beats = _read_beats(heartbeat_dir) if consequence and heartbeat_dir is not None and rank is not None else {}
-    reached = beats.get(rank, (-1, -1))[0]
+    reached = answered.get(rank, beats.get(rank, (-1, -1))[0])
     behind = sorted(r for r, (started, _done) in beats.items() if r != rank and started < reached)
     if behind:  # a peer of this job stopped making progress (hung) and the collective gave up first
         ranks_ = ", ".join(map(str, behind))
+        stacks = [r for r in behind if r in dumped]
+        where = (f"Python stacks of rank{'s' if len(stacks) > 1 else ''} {', '.join(map(str, stacks))} in "
+                 f"{log_dir}/worker_N.log" if stacks else f"see {log_dir}/worker_N.log")
         return 1, (f"{who} {_how(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
-                   f"{ranks_}, which did not reach step {reached} (hung: see {log_dir}/worker_N.log); "
-                   f"stopped the job")
+                   f"{ranks_}, which did not reach step {reached} (hung: {where}); stopped the job")
     if consequence:
         return 1, (f"a worker on another node died first (no node recorded which: the run folder is not shared "
                    f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
                    f"{who} then {_how(worker_code)} waiting for it; its log: {log}")
     return 1, (f"{who} {_how(worker_code)}; its log: {log}; stopped every other worker of this node "
                f"{time.time() - when:.1f} s after msrun reported it")
+
+
+def _answer_failed_steps(folder: Optional[Path], ranks: Dict[int, int], log_dir: Path,
+                         answered: Dict[int, int], since: float = 0.0) -> List[int]:
+    """A worker's step raised (rank_N.failed): dump the stacks of this node's live workers that had not
+    started that step (a collective gave up waiting for them: they are the hung ones), then answer a
+    worker of this node (rank_N.ack) so that it exits. Returns the ranks whose stacks were dumped. Only
+    workers with a heartbeat are signalled: they registered faulthandler on SIGUSR1 before their first beat
+    (SIGUSR1 would kill a worker that has not)."""
+    dumped: List[int] = []
+    for rank, step in _failed_steps(folder, since).items():
+        if rank in answered:
+            continue
+        answered[rank] = step
+        beats = _read_beats(folder)
+        behind = {pid: r for pid, r in ranks.items()
+                  if r != rank and r in beats and beats[r][0] < step and _alive(pid)}
+        if behind:
+            dumped += _dump_stacks(behind, log_dir)
+        if rank in ranks.values():
+            try:
+                (folder / f"rank_{rank}{ACK_SUFFIX}").write_text("stacks dumped\n")
+            except OSError:
+                pass
+    return dumped

@@ -37,7 +37,7 @@ from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train.distributed import RankMean, any_rank, replica_digests
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
-from ms_deepseek.train.resume import agree_on_resume, set_aside_newer
+from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_newer
 
 
 @dataclass
@@ -85,10 +85,12 @@ def _print(msg: str, bar) -> None:
 
 
 def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = False,
-          progress: bool = True, max_steps: Optional[int] = None) -> TrainResult:
+          progress: bool = True, max_steps: Optional[int] = None, allow_changes: bool = False) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
-    spans ``train.steps``), which is how a run is split into resumable pieces."""
-    return Trainer(recipe, run_dir, resume, force, progress, max_steps).run()
+    spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
+    changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
+    (train/resume.py, check_settings)."""
+    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes).run()
 
 
 @dataclass
@@ -116,8 +118,9 @@ class Trainer:
     is written to the run folder."""
 
     def __init__(self, recipe: Recipe, run_dir, resume: Optional[str], force: bool, progress: bool,
-                 max_steps: Optional[int]):
+                 max_steps: Optional[int], allow_changes: bool = False):
         self.started = time.time()
+        self.allow_changes = allow_changes
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.cfg = recipe.model_config
@@ -136,22 +139,31 @@ class Trainer:
         self._restore()
         self._open_outputs()
         self.preempted: Optional[str] = None
+        step = self.start_step
         try:
             for step in range(self.start_step + 1, self.stop_at + 1):
                 t0 = time.time()
                 self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
+                if self.dropout_keyed:  # LoRA dropout masks keyed by (seed, step, rank): replayed on resume
+                    from ms_deepseek.model.lora import set_dropout_step
+
+                    set_dropout_step(self.model, self.recipe.train.seed, step, self.rank)
                 out = self._run_step()
                 self._account(step, out, t0)
                 val = self._maybe_evaluate(step)  # a validation step is always logged
                 if val or step % self.recipe.logging.log_interval == 0 or step == self.stop_at:
                     self._log(step, out, val)
                 self._maybe_save(step)
-                self.heartbeat.beat(step, step)
+                # the watchdog's step time: every step of this call but the first (the compile)
+                self.heartbeat.beat(step, step, time.time() - t0 if step > self.start_step + 1 else None)
                 if out.stop:  # some rank got SIGTERM: every rank saves this step and stops (train/preempt.py)
                     if self.saved_step != step:
                         self._save(step)
                     self.preempted = self.stop.name
                     break
+        except Exception:
+            self.heartbeat.failed(step)  # under launch: the stacks of the ranks behind are dumped first
+            raise
         finally:
             self.stop.restore()
             self.bar.close()
@@ -201,6 +213,11 @@ class Trainer:
                             "--resume to continue that run, or choose another --output")
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
+        # a resume continues the run it resumes: the command's changes to its settings are named, and
+        # those that break exactness are refused unless --allow-changes
+        self.resume_notes = check_settings(self.recipe, ckpt_mod.read_recipe(self.resume_dir, missing_ok=True),
+                                           self.state, self.resume_dir, self.run_dir, self.allow_changes) \
+            if self.resume_dir is not None else []
         if self.resume_dir is not None:
             set_aside_newer(self.run_dir, self.start_step, self.resume_dir, self.force, self.rank)
         self.total = self.recipe.train.steps
@@ -228,6 +245,12 @@ class Trainer:
         # sharded rank reads its rows by the training rule (data_coordinates): one micro-batch [rows, T] each
         self.validation = build_validation(recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
                                            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+        # a weighted mixture with a held-out fraction: val_loss/<source> beside val_loss, one set per source
+        from ms_deepseek.data.validation import build_validation_by_source
+
+        self.validation_by_source, self.validation_notes = build_validation_by_source(
+            recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
+            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
 
     def _build_model(self) -> None:
         """Random init (or the weights folder's weights), then the plan: strategies (inert in data
@@ -267,6 +290,9 @@ class Trainer:
             lora_run.prepare(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
                              base=weights_folder, sharded=self.sharded)
         model.set_train(True)
+        from ms_deepseek.model.lora import dropout_key
+
+        self.dropout_keyed = dropout_key(model) is not None
         from ms_deepseek.sharding.apply import apply_plan
         from ms_deepseek.parallel.memory import reserve_device_memory
         from ms_deepseek.parallel.ranks import stage_of_rank
@@ -461,6 +487,8 @@ class Trainer:
             self._print(f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                         f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
                         f"({world} worker{'s' if world > 1 else ''}); output {run_dir}")
+            for line in self.resume_notes:
+                self._print(line)
             if recipe.lora is not None:
                 from ms_deepseek.train.lora_run import describe
 
@@ -474,8 +502,12 @@ class Trainer:
                 self._print(f"warning: {warning}")
             if self.validation is not None:
                 every = recipe.train.eval_interval
+                per_source = "".join(f"; val_loss/{name}: {v.used_samples} of its {v.total_samples} held-out samples"
+                                     for name, v in self.validation_by_source.items())
                 self._print(f"validation: {self.validation.description}, "
-                            + (f"every {every} steps and at the end" if every else "at the end"))
+                            + (f"every {every} steps and at the end" if every else "at the end") + per_source)
+                for note in self.validation_notes:
+                    self._print(f"warning: {note}")
 
     # ---- the loop's pieces
 
@@ -530,6 +562,8 @@ class Trainer:
                                        parallel=self.par if self.sharded else None)
         start = time.time()
         result = self.evaluator()
+        for name, per_source in self.validation_by_source.items():  # the same compiled eval graph
+            result[f"val_loss/{name}"] = self.evaluator.loss(per_source.batches)
         self.interval_eval_s += time.time() - start  # kept out of tokens/s
         return result
 

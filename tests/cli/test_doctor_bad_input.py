@@ -29,3 +29,17 @@ def test_doctor_requirements_folder_and_fifo(capsys, tmp_path):
     os.mkfifo(tmp_path / "pipe")
     code, _, err = run_cli(capsys, ["doctor", "--requirements", tmp_path / "pipe", "--only", "packages"])
     assert_refused(code, err, "pipe: is a FIFO")
+
+
+@pytest.mark.parametrize("level", ["16", "64"])
+def test_a_cluster_level_without_the_master_address_stops_before_any_check(capsys, monkeypatch, level):
+    """Issue 29, item 8: `doctor --level 16` without --master-addr ran 23 s of checks before its usage error."""
+    from ms_deepseek.cli import doctor
+
+    monkeypatch.delenv("MS_SCHED_HOST", raising=False)
+    ran = []
+    real = doctor.run_check
+    monkeypatch.setattr(doctor, "run_check", lambda chk, ctx: ran.append(chk.id) or real(chk, ctx))
+    code, out, err = run_cli(capsys, ["doctor", "--level", level])
+    assert_refused(code, err, f"--level {level}", "--master-addr", "--node-rank")
+    assert not ran and "[PASS]" not in out

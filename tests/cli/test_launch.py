@@ -170,3 +170,63 @@ def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tm
     assert skipped and any("data.path" in line or "lora:" in line for line in skipped)
     code, out, err = run_cli(["launch", str(recipe), "--nnodes", nodes, "--master-addr", "10.0.0.1"])
     assert code == 2 and out == "" and ("model.source" in err or "data.path" in err)
+
+
+FAKE_NODE_MSRUN = r'''
+import os, subprocess, sys, time
+# a stand-in for msrun on one node: this node's workers (RANK_ID as msrun numbers them) beat once, then wait
+# for RUN/stop and exit 0
+flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+run = sys.argv[sys.argv.index("--output") + 1]
+local, node = int(flags["local_worker_num"]), int(flags.get("node_rank", 0))
+worker = """
+import sys, time
+from pathlib import Path
+from ms_deepseek.train.preempt import Heartbeat
+Heartbeat(sys.argv[1], int(sys.argv[2])).beat(5, 5)
+while not (Path(sys.argv[1]) / "stop").exists():
+    time.sleep(0.05)
+"""
+procs = [subprocess.Popen([sys.executable, "-c", worker, run, str(node * local + i)],
+                          env=dict(os.environ, MS_ROLE="MS_WORKER", RANK_ID=str(node * local + i)))
+         for i in range(local)]
+sys.exit(max(p.wait() for p in procs))
+'''
+
+
+def test_a_late_node_keeps_the_heartbeats_of_the_nodes_already_running(tmp_path):
+    """Two `launch --nnodes 2` into one run folder (a cluster's shared file system), the second started once the
+    first one's worker is running: the late node clears only its own entries (it used to remove RUN/.heartbeat,
+    the running node's progress with it, which blinds that node's watchdog)."""
+    import os
+    import subprocess
+    import time
+
+    from repo_paths import REPO
+
+    recipe = write(tmp_path, recipe_data(dp=2))
+    fake, run = tmp_path / "fake_msrun.py", tmp_path / "run"
+    fake.write_text(FAKE_NODE_MSRUN)
+    starter = (f"import sys; import ms_deepseek.cli.launch as launch; launch.msrun_executable = lambda: "
+               f"[sys.executable, {str(fake)!r}]; from ms_deepseek.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def node(rank):
+        return subprocess.Popen([sys.executable, "-c", starter, "launch", str(recipe), "--output", str(run),
+                                 "--nnodes", "2", "--node-rank", str(rank), "--master-port", str(free_port())],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    beats, procs = run / ".heartbeat", []
+    try:
+        procs.append(node(0))
+        while not (beats / "rank_0").exists() and procs[0].poll() is None:
+            time.sleep(0.05)
+        procs.append(node(1))
+        while not (beats / "rank_1").exists() and procs[1].poll() is None:
+            time.sleep(0.05)
+        assert (beats / "rank_0").read_text().split()[:2] == ["5", "5"], "node 1 removed node 0's heartbeat"
+    finally:
+        (run / "stop").parent.mkdir(parents=True, exist_ok=True)
+        (run / "stop").write_text("")
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs

@@ -245,3 +245,18 @@ def test_generate_writes_no_bar_frames_into_a_log(run, capsys):
     assert cli.main(["generate", str(run_dir), "--max-new-tokens", "3", "--ignore-eos", "--prompt", "q"]) == 0
     captured = capsys.readouterr()
     assert "new tokens" in captured.err and "\r" not in captured.err + captured.out
+
+
+def test_a_merged_folder_carries_the_runs_tokenizer(run, folders, capsys):
+    """Issue 29, item 8: `generate` on an `export-lora --merge` folder stopped for lack of a tokenizer (a random
+    base has none, and nothing said where the run's was). The merged folder now carries the run's tokenizer."""
+    from ms_deepseek import cli
+
+    run_dir, rc, out = run
+    assert rc == 0, out[-3000:]
+    merged = folders / "merged"
+    assert cli.main(["export-lora", str(run_dir), str(merged), "--merge", str(run_dir / "base")]) == 0
+    said = capsys.readouterr().out
+    assert "with the run's tokenizer" in said and (merged / "tokenizer.json").is_file(), said
+    assert cli.main(["generate", str(merged), "--max-new-tokens", "2", "--ignore-eos", "--prompt", "q"]) == 0
+    assert "new tokens" in capsys.readouterr().err

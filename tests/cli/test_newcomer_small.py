@@ -53,3 +53,17 @@ def test_a_scalar_optimizer_tensor_stays_a_scalar_after_restore(tmp_path):
     restore_into(params, src, "optimizer")
     assert params["loss_scale"].shape == () and float(params["loss_scale"].asnumpy()) == 1024.0
     assert params["global_step"].shape == () and int(params["global_step"].asnumpy()) == 7
+
+
+def test_a_plan_search_says_what_it_is_doing_before_it_does_it(capsys):
+    """Issue 29, item 8: `plan --model deepseek-v2 --npus 256 ...` searched 20 s with no output through a pipe
+    (the bar draws only on a terminal). It now says how many layouts it estimates first (and takes half the time:
+    the model summary and the MoE buffer shapes are computed once per search, not per layout and layer)."""
+    from bad_input_helpers import run_cli
+
+    code, out, err = run_cli(capsys, ["plan", "--model", "tiny", "--npus", "4", "--seq-len", "64",
+                                      "--global-batch", "8"])
+    assert code in (0, 1), err
+    first = err.strip().splitlines()[0]
+    assert first.startswith("plan: estimating ") and first.endswith(" layouts of 4 NPUs ..."), err
+    assert out.startswith("layout: ")

@@ -74,3 +74,73 @@ def test_plan_compile_bad_input(capsys, argv, names):
     code, out, err = run_cli(capsys, ["plan", *argv])
     assert_refused(code, err, *names)
     assert out == ""
+
+def _whole_number_keys():
+    """section.key of every whole-number field of a recipe (lists of them too), read from the dataclasses."""
+    import dataclasses
+    import typing
+
+    from ms_deepseek.spec.recipe import Recipe
+
+    def is_int(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if tp is int:
+            return True
+        if typing.get_origin(tp) is typing.Union:
+            return any(is_int(a) for a in args)
+        return typing.get_origin(tp) is list and args == [int]
+
+    keys = []
+    for section in dataclasses.fields(Recipe):
+        if not section.init:
+            continue
+        cls = [a for a in typing.get_args(typing.get_type_hints(Recipe)[section.name]) if a is not type(None)] or \
+            [typing.get_type_hints(Recipe)[section.name]]
+        hints = typing.get_type_hints(cls[0])
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls[0]) if f.init and is_int(hints[f.name])]
+    return keys
+
+
+def _model_size_keys():
+    from ms_deepseek.spec.config import MODEL_LIMITS
+
+    return ["model.overrides.num_hidden_layers"] + [f"model.overrides.{k}" for k in MODEL_LIMITS]
+
+
+HUGE = 10 ** 30
+
+
+@pytest.mark.parametrize("key", _whole_number_keys() + _model_size_keys())
+def test_a_huge_value_anywhere_in_a_recipe_is_refused_at_once(capsys, key):
+    """Issue 29, item 2: `parallel.dp: 10**30` made `plan --recipe` spin for minutes (the planner walked every
+    rank). Every whole number of a recipe and every size of the model config now has a sane upper bound: one
+    line naming the key, long before any loop could trust the value."""
+    import signal
+
+    from repo_paths import RECIPES
+
+    def alarm(signum, frame):
+        raise AssertionError(f"{key}={HUGE}: still running after 10 s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(10)
+    try:
+        listed = key.endswith(("stage_layers", "expert_placement", "bucket_boundaries"))
+        value = f"[{HUGE}]" if listed else str(HUGE)
+        code, out, err = run_cli(capsys, ["plan", "--recipe", RECIPES / "tiny-qlora-cpu.yaml", "--set", f"{key}={value}"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert_refused(code, err, key.rsplit(".", 1)[-1] if key.startswith("model.") else key)
+    # refused by their own rules (a choice, a format, a range, another field) first
+    if key.rsplit(".", 1)[-1] not in ("bits", "bucket_boundaries", "expert_placement", "num_workers",
+                                      "embedded_vocab_size", "num_key_value_heads", "num_experts_per_tok", "n_group",
+                                      "topk_group", "first_k_dense_replace"):
+        assert "1e+30 is more than" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--npus", "--seq-len", "--global-batch", "--micro-batch-size", "--dp", "--micro-batches"])
+def test_a_huge_planner_flag_is_refused(capsys, flag):
+    argv = ["plan", "--model", "tiny", "--npus", "2", "--seq-len", "64", "--global-batch", "4"]
+    code, out, err = run_cli(capsys, argv + [flag, str(HUGE)])
+    assert_refused(code, err, f"argument {flag}:", "is more than")

@@ -63,3 +63,11 @@ def test_train_output(capsys, tmp_path, target, name):
     code, _, err = run_cli(capsys, ["train", recipe, "--output", out])
     assert_refused(code, err, name)
     assert listing(tmp_path) == before
+
+
+def test_a_recipe_that_does_not_exist_names_the_nearest_one(capsys):
+    """Issue 29, item 8: `train recipes/tiny.yaml` said only that the file does not exist."""
+    from repo_paths import RECIPES
+
+    code, _, err = run_cli(capsys, ["train", RECIPES / "tiny.yaml"])
+    assert_refused(code, err, "tiny.yaml: no such recipe file", f"(did you mean {RECIPES / 'tiny-cpu.yaml'}?)")

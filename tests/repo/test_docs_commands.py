@@ -106,8 +106,8 @@ class Placeholders:
                 word = str(self.root / f"out-{self.n}")
             elif "QLORA_RUN" in word:
                 word = word.replace("QLORA_RUN", str(self.root / "runs" / "docs-qlora"))
-            elif word == "QBASE":
-                word = str(self.root / "qbase")
+            elif "QBASE" in word:  # also in --set model.source=QBASE
+                word = word.replace("QBASE", str(self.root / "qbase"))
             elif word == "PEFT_FOLDER":
                 assert self.peft is not None, "PEFT_FOLDER before any export-lora"
                 word = self.peft
@@ -191,3 +191,34 @@ def test_quoted_plan_figures_are_what_plan_prints(where, args, gb, rate, monkeyp
     if rate is not None:
         assert rate == got_rate, (f"{where}: quotes {rate[0]}-{rate[1]} tokens/s, `ms-deepseek plan "
                                   f"{shlex.join(args)}` prints {got_rate[0]}-{got_rate[1]}")
+
+
+def test_the_qlora_block_makes_what_it_reads():
+    """Issue 29, item 8: docs/lora.md's QLoRA block read a BASE no earlier step made and made a QBASE its train
+    line never used (it needs --set model.source=QBASE). Each placeholder the block reads is now written by a
+    command before it in the block, and the quantized base it makes is trained over."""
+    text = (REPO / "docs" / "lora.md").read_text(encoding="utf-8")
+    section = text[text.index("## A quantized frozen base (QLoRA)"):]
+    _, body = bash_blocks(section)[0]
+    made = set()
+    for argv in commands(body):
+        outputs = {"train": lambda a: [a[a.index("--output") + 1]], "convert": lambda a: [a[3]],
+                   "export-lora": lambda a: [a[2]]}[argv[0]](argv)
+        inputs = [w.split("=", 1)[-1] for w in argv[1:] if w not in outputs]
+        for word in inputs:
+            root = word.split("/", 1)[0]
+            if root.isupper() and root not in ("OUT",):
+                assert root in made, f"{shlex.join(argv)}: reads {root}, which no earlier command of the block made"
+        made.update(w.split("/", 1)[0] for w in outputs)
+    assert "QBASE" in made
+    assert any(argv[0] == "train" and "model.source=QBASE" in argv for argv in commands(body)), \
+        "the quantized base is made but no train line uses it"
+
+
+def test_the_readme_gives_the_quickstart_time_it_takes():
+    """Issue 29, item 8: the README promised "about two minutes" for the quickstart; a fresh 2-core machine took
+    3.3 (the recipe's own comment says 2.5 idle, ~5 shared). The README's range holds that measurement."""
+    text = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    m = re.search(r"tiny-cpu\.yaml` \([^)]*\) in ([\d.]+)-([\d.]+) minutes on two cores", text)
+    assert m, "the README gives no minutes range for the quickstart"
+    assert float(m.group(1)) <= 3.3 <= float(m.group(2)), m.group(0)

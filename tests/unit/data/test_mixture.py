@@ -143,3 +143,46 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000003" / "state.json").read_text())
     assert state["data"]["source_counts"] == recs[-1]["samples_by_source"]
     assert "val_loss" in recs[-1]
+
+
+def test_a_mixture_reports_validation_loss_per_source(folders, tmp_path):
+    """Issue 29, item 6: with data.validation over a weighted mixture, val_loss/<source> is logged beside the
+    overall val_loss, each from that source's own held-out tail (one set per source, the same eval graph), and
+    the report plots it; a source whose tail is too small for one batch says so instead."""
+    import contextlib
+    import io
+    import math
+
+    from ms_deepseek.cli import main
+    from ms_deepseek.data.validation import build_validation_by_source
+    from ms_deepseek.spec.data import ValidationConfig
+    from builders import SMALL_MODEL, write_recipe
+
+    cfg = mix(folders, validation=ValidationConfig(fraction=0.3))
+    sets, notes = build_validation_by_source(cfg, 2, 0, 1, eval_batches=2)
+    assert sorted(sets) == ["a", "b"] and notes == []
+    for name, want in (("a", "A"), ("b", "B")):
+        rows = [row for batch in sets[name].batches for row in batch["input_ids"]]
+        assert rows and {source_of(row) for row in rows} == {want}, name
+    # a source with a tail smaller than one batch per worker: a note, no set
+    sets, notes = build_validation_by_source(cfg, 8, 0, 1, eval_batches=2)
+    assert "b" not in sets and notes and notes[0].startswith("val_loss/b: not logged: data.path[1] holds out ")
+
+    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
+            "data": {"path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],
+                     "num_workers": 1, "validation": {"fraction": 0.3}},
+            "train": {"steps": 2, "micro_batch_size": 2, "eval_batches": 2},
+            "optim": {"lr": 1e-3}, "checkpoint": {"save_interval": 0},
+            "logging": {"log_interval": 1, "tensorboard": False}}
+    recipe = write_recipe(tmp_path, spec)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", str(recipe), "--output", str(tmp_path / "run"), "--quiet"]) == 0
+    assert "; val_loss/a: 4 of its " in out.getvalue() and "; val_loss/b: 4 of its " in out.getvalue()
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    for key in ("val_loss", "val_loss/a", "val_loss/b"):
+        assert math.isfinite(last[key]) and last[key] > 0, key
+    assert last["val_loss/a"] != last["val_loss/b"]
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    assert "validation loss: a" in html and "validation loss: b" in html
