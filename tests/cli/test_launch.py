@@ -126,12 +126,16 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
     from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
 
-    # world 8: stage = r // 4; replica = (r % 4) % dp, MindSpore's default repeat on the left
-    # (VirtualDatasetInfo; the oracle is mindspore.parallel._utils._to_full_tensor, tests/unit/train/test_sharded_step.py)
+    # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel.ranks.reads_full_batch:
+    # MindSpore refuses the data-parallel dataset strategy there, found by compiling)
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=4)
     assert [stage_of_rank(r, par) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [data_coordinates(r, par, 3)[0] for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
-    assert data_coordinates(5, par, 3) == (1, 2, 3)
+    assert [data_coordinates(r, par, 3) for r in range(8)] == [(0, 1, 6)] * 8
+    # tp 1: replica = r % dp within the stage, MindSpore's default (VirtualDatasetInfo; the oracle is
+    # mindspore.parallel._utils._to_full_tensor, tests/unit/train/test_sharded_step.py)
+    dp4 = ParallelConfig(dp=4, tp=1, pp=2, micro_batches=4)
+    assert [data_coordinates(r, dp4, 3)[0] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert data_coordinates(5, dp4, 3) == (1, 4, 3)
     full = ParallelConfig(dp=2, tp=2, dataset_strategy="full_batch")
     assert data_coordinates(3, full, 3) == (0, 1, 6)
 

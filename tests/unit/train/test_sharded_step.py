@@ -18,7 +18,7 @@ from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.recipe import TrainSection
 from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
 from ms_deepseek.parallel.ranks import (data_coordinates, data_slice, dataset_strategy, rows_of_rank,
-                                        stage_of_rank)
+                                        reads_full_batch, stage_of_rank)
 
 LAYOUTS = [
     ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2),
@@ -48,7 +48,7 @@ def test_every_rank_reads_its_slice_and_the_stage_covers_the_batch_once(par):
         # distinct slices, put together, are the global micro-batch [dp * b] exactly once
         together = sorted(row for rows in slices.values() for row in rows)
         assert together == list(range(par.dp * b))
-        if par.dataset_strategy == "full_batch":
+        if reads_full_batch(par):  # full_batch, or tp > 1 (MindSpore refuses the data-parallel form there)
             assert strategy == "full_batch" and list(slices) == [0]
             continue
         # what MindSpore is told: the batch axis of both inputs split dp ways, each slice repeated tp times
@@ -59,28 +59,22 @@ def test_every_rank_reads_its_slice_and_the_stage_covers_the_batch_once(par):
             assert rows_of_rank(r, par, b) == list(range(start, start + b)), (r, start)
 
 
-def test_planted_wrong_repeat_direction_disagrees_with_mindspore(monkeypatch):
-    """The old rule (tp peers, adjacent ranks, share a slice: repeat on the right) against MindSpore's."""
-    import ms_deepseek.parallel.ranks as R
-
+def test_tp_peers_read_the_whole_micro_batch():
+    """With tp > 1 the data-parallel dataset strategy (a slice per dp rank, repeated on the tp peers) is what
+    MindSpore 2.9 refuses under sharding propagation (tests/compile compiles dp, tp and ep all 2): every rank
+    reads the global micro-batch and MindSpore slices it (ranks.reads_full_batch)."""
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2)
-    monkeypatch.setattr(R, "data_slice", lambda rank, p: (rank % (p.dp * p.tp)) // p.tp)
-    wrong = [r for r in range(par.world_size)
-             if R.rows_of_rank(r, par, 3)[0] != batch_row_of_rank(r, par.world_size, par.pp, dataset_strategy(par), 3)]
-    assert wrong == [1, 2, 5, 6]
-    from ms_deepseek.diagnostics import simulate as S
-
-    ctx = S.SimContext(full_cfg=None, full_parallel=par, cfg=None, parallel=par, seq_len=8, micro_batch_size=3,
-                       plan=None, mesh=None)
-    result = S.check_data(ctx)
-    assert result.status == "fail" and "read different rows" in result.detail, result
+    assert dataset_strategy(par) == "full_batch"
+    assert {tuple(rows_of_rank(r, par, 3)) for r in range(par.world_size)} == {tuple(range(6))}
+    assert dataset_strategy(ParallelConfig(dp=2, tp=1, pp=2, micro_batches=2)) == ((2, 1), (2, 1))
 
 
 def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
     from ms_deepseek.sharding.apply import context_kwargs
 
-    par = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4)
+    par = ParallelConfig(dp=4, tp=1, pp=2, ep=4, micro_batches=4)
     assert context_kwargs(par)["dataset_strategy"] == ((4, 1), (4, 1))
+    assert context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4))["dataset_strategy"] == "full_batch"
     full = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4, dataset_strategy="full_batch")
     assert context_kwargs(full)["dataset_strategy"] == "full_batch"
 
