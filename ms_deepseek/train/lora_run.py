@@ -58,8 +58,8 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
             _quantized_placeholders(model, recipe.quant, None, need_base=False)
         from mindspore.nn.utils import no_init_parameters
 
-        with no_init_parameters():
-            paths = lora.add_adapters(model, section, seed=recipe.train.seed)
+        with no_init_parameters():  # as an Ascend run builds them (exact_dropout: CPU only, see below)
+            paths = lora.add_adapters(model, section, seed=recipe.train.seed, exact_dropout=False)
         lora.freeze_base(model, section.train_router)
         return paths
     if sharded and recipe.quant is not None:
@@ -73,9 +73,15 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
     if recipe.quant is None and base is not None and quant_spec_of(base) is not None:
         raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
                         "bits and group_size to train LoRA on it")
-    # exact dropout (train/resume exactness) on one device and data parallel; a sharded layout keeps MindSpore's
-    # Dropout kernel, whose random state a resume does not replay (its hash ops have no sharding strategy yet)
-    paths = lora.add_adapters(model, section, seed=recipe.train.seed, exact_dropout=not sharded)
+    # exact dropout (train/resume exactness) on CPU, one device or data parallel; on Ascend and in a sharded
+    # layout MindSpore's Dropout kernel, whose random state a resume does not replay: StepDropout's hash needs an
+    # index tensor of each input's size, which graph mode folds into a constant per adapter (at V2-Lite width
+    # hundreds of MB per expert stack: the compile check's 1-NPU LoRA compile was killed at 21 GB of host
+    # memory), and its ops have no sharding strategy yet
+    from ms_deepseek.core.runtime import detect_device
+
+    paths = lora.add_adapters(model, section, seed=recipe.train.seed,
+                              exact_dropout=not sharded and detect_device() == "CPU")
     lora.freeze_base(model, section.train_router)
     return paths
 
