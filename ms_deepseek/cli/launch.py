@@ -166,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         for line in not_checked:
             print(f"# not checked on this machine (train checks it on every node before it starts): {line}")
         return 0
+    if args.resume == "latest" and not run_dir.exists():  # said here, not by every worker of a folder launch made
+        raise UserError(f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
+                        "(name the run with --output RUN_DIR, or leave out --resume to start it)")
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
