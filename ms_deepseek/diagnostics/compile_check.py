@@ -183,10 +183,14 @@ def global_norm_reduced(path: Path) -> bool:
     return "PARALLEL_GLOBALNORM" in path.read_text(errors="replace")
 
 
+def _dump_index(path: Path) -> int:
+    """MindSpore numbers its IR dumps in order (``20_validate_0903.ir``): the train graph's comes first."""
+    m = re.search(r"(\d+)\.ir$", path.name)
+    return int(m.group(1)) if m else 0
+
+
 def _ir_files(ir_dir: Path) -> List[Path]:
-    files = list(ir_dir.rglob("*validate*.ir"))
-    return sorted(files, key=lambda p: int(re.findall(r"(\d+)\.ir$", p.name)[0]) if re.findall(r"(\d+)\.ir$",
-                                                                                                   p.name) else 0)
+    return sorted(ir_dir.rglob("*validate*.ir"), key=_dump_index)
 
 
 # ---------------------------------------------------------------------------------- running

@@ -172,9 +172,7 @@ def _graph(result: Dict, name: str, fn) -> bool:
     try:
         value = fn()
         entry["ok"] = True
-        if isinstance(value, int):
-            entry["layouts_compared"] = value
-        if isinstance(value, tuple):
+        if isinstance(value, tuple):  # compile_train: (parameter layouts, primitive strategies) compared
             entry["layouts_compared"], entry["strategies_compared"] = value
     except UserError as e:  # ours: the layout check, or a refusal of the recipe
         entry.update({"error": str(e), "where": "", "kind": "layout" if str(e).startswith("compiled layout") else
