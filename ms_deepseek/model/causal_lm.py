@@ -97,7 +97,11 @@ class DeepseekV2Model(nn.Cell):
             cols = ops.broadcast_to(positions.reshape(1, T), (B, T))  # [B, T]
             cache_index = ops.stack((rows, cols), -1)  # [B, T, 2]: where each new entry goes, all layers
         x = self.embed_tokens(input_ids).astype(self.compute_dtype)
-        aux = ops.zeros((), ms.float32)
+        # aux is carried as [1], not as a 0-d tensor: a 0-d value that crosses a pipeline stage comes out of
+        # MindSpore's Receive as a Python-number abstract (<Float32, NoShape>, pipeline_transformer.cc
+        # InsertReceive), which the next stage's Add refuses ("input's type 'Float32' does not match
+        # expected type 'Tensor'"; the compile check, v2-sft-64npu stage 7).
+        aux = ops.zeros((1,), ms.float32)
         stats = ()
         routing = ()
         i = 0
@@ -107,15 +111,19 @@ class DeepseekV2Model(nn.Cell):
             i += 1
             if caches is not None:  # decoding reads only the hidden states: no balance-loss bookkeeping
                 continue
-            aux = aux + layer_aux
+            aux = aux + layer_aux.reshape(1)  # [1]
             if layer_stats is not None:
                 stats = stats + (layer_stats,)
                 routing = routing + (layer_routing,)
         if self.num_moe_layers and caches is None:
-            stats_t = ops.stack(stats)
+            # stop_gradient here, on the last stage, not in each MoE layer: a layer's statistics cross the
+            # pipeline stages, and MindSpore cuts a stage only after an operator it shards
+            # (pipeline_transformer.cc FindPipelineCareNode: "Only PipelineSplit cared node can be a
+            # border"; StopGradient is not one: IsParallelConsiderCNode)
+            stats_t = ops.stop_gradient(ops.stack(stats))  # [L_moe, E + 4]
         else:
             stats_t = ops.zeros((0, self.stats_width), ms.float32)
-        return self.norm(x), aux, stats_t, routing
+        return self.norm(x), aux.reshape(()), stats_t, routing
 
 
 class DeepseekV2ForCausalLM(nn.Cell):

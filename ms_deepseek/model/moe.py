@@ -252,4 +252,4 @@ class DeepseekV2MoE(nn.Cell):
         aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
         dropped = 1.0 - keep.mean()
         stats = ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
-        return y, aux, ops.stop_gradient(stats), scores, topk_idx, topk_weight
+        return y, aux, stats, scores, topk_idx, topk_weight

@@ -4,11 +4,9 @@ Full width, the command's default reduced depth and micro-batch count, the first
 pipeline stage (the one that computes the loss), train and validation graphs, no weights and no data
 on the machine, stub CANN libraries. The layouts and strategies MindSpore compiled must match the plan.
 
-Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``sharding.apply.search_mode``). Two recipes
-do not compile yet, and say why (docs/troubleshooting.md): ``v2-sft-64npu`` (MindSpore refuses a
-StopGradient on a stage border: each MoE layer's routing statistics cross the stages) is a strict xfail,
-so the day it compiles this test fails and says so; ``v2-pretrain-256npu`` (pp 8 at 236B width) exhausts a
-24 GB host even at one layer per stage (measured 22 GB when the kernel killed it) and is skipped here.
+Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``sharding.apply.search_mode``).
+``v2-pretrain-256npu`` (pp 8, dp 32 at 236B width) exhausts a 24 GB host even at one layer per stage
+(measured 22 GB when the kernel killed it) and is skipped here (docs/troubleshooting.md).
 """
 
 import json
@@ -18,8 +16,6 @@ import pytest
 from builders import ATLAS_RECIPES, main_captured
 
 KNOWN = {
-    "v2-sft-64npu": pytest.mark.xfail(strict=True, reason="MindSpore: 'Only PipelineSplit cared node can be a "
-                                      "border' (the MoE statistics' StopGradient on a stage border)"),
     "v2-pretrain-256npu": pytest.mark.skip(reason="pp 8 at 236B width exhausts a 24 GB host (22 GB measured); "
                                            "compile it with plan --compile on a larger host"),
 }
