@@ -185,7 +185,10 @@ class DeepseekV2MoE(nn.Cell):
         mine = ops.logical_and(row_km == rows, kept_km)  # [G, E, k*N]: slot s is kept in buffer row e
         # Keys: kept slots of row e keep their stream index, the rest move past 2*k*N; sorting each row
         # puts row e's slots first in k-major order, i.e. by position. Exact in float32 while 3*k*N < 2**24.
-        keys = ops.select(mine, ops.broadcast_to(stream, mine.shape), ops.broadcast_to(stream + 2.0 * S, mine.shape))
+        # Written as a broadcasting add, not a select between two broadcast constants: MindSpore folds a
+        # broadcast constant at the graph's global shape (dp 32 at 236B width: [32, 160, 24576] float32,
+        # 0.5 GB per copy, per micro-batch and recomputed forward), which exhausted a 24 GB host.
+        keys = stream + ops.logical_not(mine).astype(ms.float32) * (2.0 * S)  # [G, E, k*N]
         # Outputs are indexed, not unpacked into unused names: an unused element of an unpacked tuple
         # is what graph mode reports as "Some side effect nodes were eliminated by mistake".
         ordered = self.slot_sort(keys)[0]  # [G, E, k*N] (the sort's indices are not needed)

@@ -17,6 +17,7 @@ the DeepSeek recipes. Measured figures: docs/training.md.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -65,18 +66,27 @@ def zero_states(parameters, prefix: str, dtype=None) -> ParameterTuple:
     ``param_info`` clone, so a parallel layout applied to the parameter reaches its state, as
     ``ParameterTuple.clone`` does; unlike ``clone(init="zeros")`` it also works for parameters built
     under ``no_init_parameters`` (whose clone loses the deferred initialiser: "init_data must be set
-    Tensor.init", ``mindspore/parallel/_utils.py`` ``_slice_parameter``)."""
+    Tensor.init", ``mindspore/parallel/_utils.py`` ``_slice_parameter``).
+
+    The state of a deferred parameter (a sharded run builds its model under ``no_init_parameters``) is
+    deferred too: MindSpore then initialises only this rank's slice when the step compiles
+    (``_slice_parameter``: ``init_data(layout)``), and the other stages' states never. Built eagerly
+    (MindSpore 2.9's ``AutoParallel`` sets no parallel mode before the compile, so ``Parameter``
+    initialises at once: ``Parameter._get_parameter_new_args``), every state was a zero array of the
+    parameter's full, unsliced shape for every layer of every stage, which the compile then copied
+    from: 236B pretraining exhausted a 24 GB host in the compile check at 8 of 60 layers."""
+    from mindspore.nn.utils import no_init_parameters
+
     states = []
     for param in parameters:
         state_dtype = param.dtype if dtype is None else dtype
-        state = Parameter(initializer("zeros", param.shape, state_dtype))
+        with no_init_parameters() if param.has_init else nullcontext():
+            state = Parameter(initializer("zeros", param.shape, state_dtype))
         state.param_info = param.param_info.clone()
         if hasattr(param.param_info, "cloned_obj"):
             param.param_info.cloned_obj.append(state)
         else:
             param.param_info.cloned_obj = [state]
-        state.is_init = False
-        state.set_data(initializer("zeros", param.shape, state_dtype))
         state.name = f"{prefix}.{state.name}"
         states.append(state)
     return ParameterTuple(states)

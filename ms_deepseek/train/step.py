@@ -118,6 +118,15 @@ def global_norm(grads, as_dot: bool):
     return ops.sqrt(ops.addn(sq)).reshape(())  # AddN then Sqrt: where the pass inserts its AllReduce
 
 
+def _zeros_in_place_of(accu_grad):
+    """Zeros shaped like ``accu_grad``, computed from it rather than a constant: MindSpore folds
+    ``zeros_like`` of a static shape into a constant of the parameter's full, unsliced shape (the compile
+    check's IR: an fp32 [102400, 5120] zero tensor for the embedding's buffer alone; one per parameter, a
+    full fp32 copy of the stage's trainable weights in host memory). ``nan_to_num`` makes the zeros exact
+    also where the buffer overflowed (0 * inf is NaN), which a float16 run's skipped step leaves behind."""
+    return ops.nan_to_num(accu_grad * 0.0, 0.0, 0.0, 0.0)
+
+
 _take_accumulated = C.MultitypeFuncGraph("take_accumulated")
 
 
@@ -128,7 +137,7 @@ def _take_accumulated_grad(scale, grad, accu_grad):
     accu_grad = ops.depend(accu_grad, grad)
     new_grad = accu_grad * ops.reciprocal(scale).astype(accu_grad.dtype)  # in the gradient's dtype
     accu_grad = ops.depend(accu_grad, new_grad)
-    new_grad = ops.depend(new_grad, ops.assign(accu_grad, ops.zeros_like(accu_grad)))
+    new_grad = ops.depend(new_grad, ops.assign(accu_grad, _zeros_in_place_of(accu_grad)))
     return new_grad
 
 
@@ -141,7 +150,7 @@ def _take_sharded_grad(scale, grad, accu_grad):
     gradient itself; ``accu_grad`` is only zeroed."""
     new_grad = grad * ops.reciprocal(scale).astype(grad.dtype)
     accu_grad = ops.depend(accu_grad, new_grad)
-    new_grad = ops.depend(new_grad, ops.assign(accu_grad, ops.zeros_like(accu_grad)))
+    new_grad = ops.depend(new_grad, ops.assign(accu_grad, _zeros_in_place_of(accu_grad)))
     return new_grad
 
 

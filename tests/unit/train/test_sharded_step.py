@@ -294,7 +294,8 @@ def test_pipeline_grads_hand_over_the_accumulated_gradient_and_zero_it(optimizer
         params = ParameterTuple([Parameter(Tensor(np.ones((2, 3), np.float32)), name="w"),
                                  Parameter(Tensor(np.ones((4,), np.float32)), name="b")])
         cell = PipelineGrads(params, optimizer_shard)
-        accumulated = [np.arange(6, dtype=np.float32).reshape(2, 3), np.full((4,), 3.0, np.float32)]
+        # an overflowed buffer (inf, NaN: a float16 step that was skipped) is zeroed exactly too
+        accumulated = [np.array([[0, 1, 2], [np.inf, -np.inf, np.nan]], np.float32), np.full((4,), 3.0, np.float32)]
         handed = [np.full((2, 3), 5.0, np.float32), np.full((4,), 7.0, np.float32)]
         for a, value in zip(cell.accu_grads, accumulated):
             a.set_data(Tensor(value))
@@ -305,6 +306,26 @@ def test_pipeline_grads_hand_over_the_accumulated_gradient_and_zero_it(optimizer
     for got, want in zip(out, source):
         np.testing.assert_allclose(got.asnumpy(), want / 4.0)
     assert all(not np.any(a.asnumpy()) for a in cell.accu_grads)
+
+
+def test_states_of_a_deferred_parameter_stay_deferred():
+    """A sharded run builds its model under no_init_parameters: the optimizer moments and accu_grads of its
+    parameters stay deferred too (MindSpore initialises only this rank's slice at compile), while the
+    states of an initialised parameter are zeros at once."""
+    from mindspore import Parameter
+    from mindspore.common.initializer import initializer
+    from mindspore.nn.utils import no_init_parameters
+
+    from ms_deepseek.train.optim import zero_states
+
+    with no_init_parameters():
+        deferred = Parameter(initializer("normal", (64, 32), ms.bfloat16), name="deferred")
+    ready = Parameter(initializer("normal", (8, 4), ms.float32), name="ready")
+    assert deferred.has_init and not ready.has_init
+    lazy, eager = zero_states([deferred, ready], "adam_m", ms.float32)
+    assert lazy.has_init and lazy.shape == (64, 32) and lazy.dtype == ms.float32 and lazy.name == "adam_m.deferred"
+    assert not eager.has_init and not np.any(eager.asnumpy()) and eager.name == "adam_m.ready"
+    assert not np.any(lazy.init_data().asnumpy())  # deferred zeros, when MindSpore initialises them
 
 
 def test_without_pipeline_the_step_has_no_accu_grads(tiny_model):
