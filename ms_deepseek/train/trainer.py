@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.runtime import detect_device, use_device
 from ms_deepseek.checkpoint import training as ckpt_mod
@@ -458,7 +459,7 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.manager.remove_partial()
             metrics_mod.truncate_after(run_dir / "metrics.jsonl", self.start_step)  # before the writer opens it
-            _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+            atomic_write_text(run_dir / "recipe.yaml", recipe.to_yaml())
         self.writer = metrics_mod.MetricsWriter(run_dir, recipe.logging.tensorboard and is_main, enabled=is_main)
         self.monitor = _alert_monitor() if (is_main and recipe.logging.alerts) else None
         self.memory_fn = _memory_metrics_fn()
@@ -658,12 +659,6 @@ def _config_changes(recipe: Recipe, folder=None) -> Dict:
     base = load_model_config(str(folder) if folder is not None else recipe.model.source)
     cfg = recipe.model_config
     return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if getattr(cfg, k) != getattr(base, k)}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def fit_plan(recipe: Recipe, force: bool = False):
