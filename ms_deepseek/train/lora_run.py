@@ -10,7 +10,6 @@ and ``--merge`` find the same weights again.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -20,9 +19,10 @@ import numpy as np
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.quant_format import quant_spec_of
+from ms_deepseek.checkpoint.safetensors_io import encode_array, write_arrays
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
 from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
-from ms_deepseek.core.dtypes import itemsize, safetensors_code
+from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.loading import read_tensor
 from ms_deepseek.spec.lora import LoraSpec
@@ -198,7 +198,7 @@ def save_base(model, folder: Path) -> None:
             continue
         value = _host(p)
         for hf_name, arr in names.unstack(name, value, E):
-            tensors[hf_name] = (arr, cfg.param_dtype)
+            tensors[hf_name] = (arr, safetensors_code(cfg.param_dtype))
     with atomic_folder(folder) as tmp:  # the old folder goes only once the new one is in place
         write_arrays(tmp / "model.safetensors", tensors)
         cfg.save(tmp / "config.json", dtype=cfg.param_dtype)
@@ -208,22 +208,6 @@ def _host(p) -> np.ndarray:
     import mindspore as ms
 
     return p.astype(ms.float32).asnumpy() if p.dtype == ms.bfloat16 else p.asnumpy()
-
-
-def write_arrays(path: Path, tensors: Dict[str, Tuple[np.ndarray, str]]) -> None:
-    """A safetensors file from host arrays, each encoded to its dtype name (bfloat16 rounded to nearest even)."""
-    from ms_deepseek.checkpoint.safetensors_io import OutTensor, build_header, order_for_alignment
-    from ms_deepseek.checkpoint.synthetic import _encode
-
-    planned = [OutTensor(n, safetensors_code(d), tuple(a.shape), ((path, 0, a.size * itemsize(d)),))
-               for n, (a, d) in tensors.items()]
-    planned = order_for_alignment(planned)
-    with open(path, "wb") as f:
-        f.write(build_header(planned, {"format": "pt"}))
-        for t in planned:
-            f.write(_encode(np.ascontiguousarray(tensors[t.name][0]), t.dtype))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ------------------------------------------------------------------------------- export
@@ -466,7 +450,6 @@ class _Merger:
     def plan_file(self, ckpt, src: Path, scratch: Path, scratch_file) -> list:
         """The output tensors of base file ``src``: merged ones encoded into ``scratch``, the rest byte ranges."""
         from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment
-        from ms_deepseek.checkpoint.synthetic import _encode
         from ms_deepseek.spec import names
 
         planned = []
@@ -476,7 +459,7 @@ class _Merger:
                 w = self.merged(info)
                 outs = names.unstack(name, w, self.E) if name in self.stacked else [(name, w)]
                 for out_name, arr in outs:
-                    raw = _encode(np.ascontiguousarray(arr), info.dtype)
+                    raw = encode_array(np.ascontiguousarray(arr), info.dtype)
                     offset = scratch_file.tell()
                     scratch_file.write(raw)
                     planned.append(OutTensor(out_name, info.dtype, tuple(arr.shape), ((scratch, offset, len(raw)),)))
