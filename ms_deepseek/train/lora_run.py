@@ -211,23 +211,6 @@ def _host(p) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- export
-def resolve_checkpoint(spec) -> Path:
-    """A checkpoint folder (``.../checkpoints/step_N``) or a run folder (its newest complete checkpoint)."""
-    from ms_deepseek.checkpoint import training as ckpt_mod
-
-    p = Path(spec)
-    if not p.is_dir():
-        raise UserError(f"{p}: no such run or checkpoint folder")
-    found = p if (p / "state.json").is_file() else (
-        ckpt_mod.latest_in(p / "checkpoints") if (p / "checkpoints").is_dir() else None)
-    if found is not None and is_sharded(found):
-        return found  # a tp / pp / ep run's rank_*/ slices, put together by checkpoint_arrays
-    if found is None or not (found / "model.safetensors").is_file():
-        raise UserError(f"{p}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
-                        "complete checkpoints")
-    return found
-
-
 def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
     """(lora section, model section) of the recipe a checkpoint was trained with."""
     from ms_deepseek.checkpoint.training import read_recipe
@@ -369,7 +352,9 @@ def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = Fals
     """``export-lora RUN_OR_CHECKPOINT OUT``: the PEFT folder of a LoRA run's checkpoint."""
     from ms_deepseek.model.lora_peft import write_adapter
 
-    ckpt = resolve_checkpoint(spec)
+    from ms_deepseek.checkpoint.training import EXPORT, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(spec, EXPORT)
     _section, model_section = run_lora_settings(ckpt)
     base_path = Path(base) if base else run_base(ckpt, model_section)
     check_apart(Path(out), [Path(spec), ckpt, base_path], "output folder")

@@ -27,7 +27,7 @@ def agree_on_resume(resume: str, existing: Optional[Path], run_dir: Path, rank: 
     "newest complete checkpoint" may differ)."""
     error = None
     try:
-        mine = existing if resume == "auto" else ckpt_mod.resolve_resume(resume, run_dir)
+        mine = existing if resume == "auto" else ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, run_dir)
     except UserError as exc:
         mine, error = None, exc
     step = -2 if error else (int(ckpt_mod.read_state(mine).get("step", -1)) if mine else -1)

@@ -168,7 +168,7 @@ def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tm
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     # the half-written folder is hidden (a killed process leaves it; an interrupted one removes it)
     assert all(p.name.startswith((".step_00000004.partial-", "step_", "latest")) for p in ckpts.iterdir())
-    assert ckpt_mod.resolve_resume("latest", run_dir) == ckpts / "step_00000002"
+    assert ckpt_mod.resolve_checkpoint("latest", ckpt_mod.RESUME, run_dir) == ckpts / "step_00000002"
     (ckpts / ".step_00000004.partial-killed").mkdir()  # what a SIGKILL mid-save leaves
 
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
@@ -316,13 +316,13 @@ def test_flash_attention_on_cpu_stops_with_one_line_before_anything_is_built(dat
 
 
 def test_resume_errors_are_clear(tmp_path, data_dir):
-    from ms_deepseek.checkpoint.training import resolve_resume
+    from ms_deepseek.checkpoint.training import RESUME, resolve_checkpoint
 
     with pytest.raises(UserError, match="no complete checkpoint"):
-        resolve_resume("latest", tmp_path)
+        resolve_checkpoint("latest", RESUME, tmp_path)
     (tmp_path / "step_00000002").mkdir()
     with pytest.raises(UserError, match="incomplete checkpoint"):
-        resolve_resume(str(tmp_path / "step_00000002"), tmp_path)
+        resolve_checkpoint(str(tmp_path / "step_00000002"), RESUME, tmp_path)
 
 
 def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
