@@ -87,10 +87,10 @@ class CompileOnlyTrainer(Trainer):
 
     def _setup_run(self) -> None:
         from ms_deepseek.core.runtime import use_device
-        from ms_deepseek.train.trainer import _distributed, _init_distributed
+        from ms_deepseek.train.trainer import init_distributed, is_distributed
 
         use_device()
-        self.rank, self.world = _init_distributed(self.par) if _distributed() else (0, 1)
+        self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
         self.is_main = False
         self.resume_dir, self.state, self.start_step, self.complete = None, {}, 0, False
         self.total = self.stop_at = self.recipe.train.steps

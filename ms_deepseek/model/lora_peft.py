@@ -104,7 +104,7 @@ def read_config(folder: Path) -> Dict:
     return cfg
 
 
-def _read_tensors(folder: Path) -> Dict[str, np.ndarray]:
+def read_adapter_tensors(folder: Path) -> Dict[str, np.ndarray]:
     from ms_deepseek.model.loading import read_tensor
     from ms_deepseek.checkpoint.safetensors_io import read_header
 
@@ -227,7 +227,7 @@ def load_adapter(model, folder, dropout: float = 0.0) -> Dict[str, Tuple[int, fl
     in graph mode). Returns {module path: (rank, scaling)}. Shape mismatches name the tensor."""
     folder = Path(folder)
     cfg = read_config(folder)
-    tensors = _read_tensors(folder)
+    tensors = read_adapter_tensors(folder)
     if not tensors:
         raise UserError(f"{folder / WEIGHTS_NAME}: holds no tensors")
     return attach_adapter(model, tensors, cfg, folder, dropout)

@@ -1,8 +1,9 @@
-"""Parallelism on Ascend: the recipe's ``parallel`` section, the sharding plan (data), the function
-that applies it to a built model, the layout validator, the memory / speed planner, expert
-placement tables and device-memory reservation.
+"""Parallelism as pure Python: the sharding plan (data, :mod:`.plan`), the layout validator, the
+memory / speed planner and its cost model, expert placement tables, rank geometry and device-memory
+reservation. Applying the plan to a built model's Cells is :mod:`ms_deepseek.sharding.apply`; the
+recipe's ``parallel`` section is :class:`ms_deepseek.spec.parallel.ParallelConfig` (re-exported).
 
-Importing this package does not import MindSpore; :mod:`apply` and :mod:`memory` do so lazily.
+Importing this package does not import MindSpore; :mod:`.memory` does so lazily.
 """
 
 from ms_deepseek.spec.parallel import ParallelConfig

@@ -55,7 +55,7 @@ def _is_primitive(obj) -> bool:
     return isinstance(obj, Primitive)
 
 
-def _primitives_of(cell):
+def primitives_of(cell):
     """(attribute, primitive) pairs held directly by a cell."""
     for attr, value in vars(cell).items():
         if _is_primitive(value):
@@ -74,7 +74,7 @@ def _shard_custom(prim, layouts) -> None:
                out_strategy=tuple(layout(*names) for names in layouts.outputs))
 
 
-def _join(path: str, attr: str) -> str:
+def join_path(path: str, attr: str) -> str:
     return f"{path}.{attr}" if path else attr
 
 
@@ -99,9 +99,9 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
                 if prim is None or not _is_primitive(prim):
                     continue  # e.g. a router without group top-k
                 prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
-                applied.strategies[_join(path, attr)] = (in_s, out_s)
-        for attr, prim in _primitives_of(cell):
-            ppath = _join(path, attr)
+                applied.strategies[join_path(path, attr)] = (in_s, out_s)
+        for attr, prim in primitives_of(cell):
+            ppath = join_path(path, attr)
             if ppath in applied.strategies:
                 continue
             phit = plan.match(ppath)
@@ -122,9 +122,9 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
 
     # every primitive that moves sharded data must have a strategy
     for path, cell in cells.items():
-        for attr, prim in _primitives_of(cell):
-            if type(prim).__name__ in STRATEGIC_PRIMITIVES and _join(path, attr) not in applied.strategies:
-                raise UserError(f"parallel plan: primitive {_join(path, attr)} ({type(prim).__name__}) "
+        for attr, prim in primitives_of(cell):
+            if type(prim).__name__ in STRATEGIC_PRIMITIVES and join_path(path, attr) not in applied.strategies:
+                raise UserError(f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) "
                                 f"matches no rule")
 
     # parameter layouts, checked against the primitive that consumes each parameter
@@ -177,8 +177,8 @@ def _check_consumers(plan: Plan, mesh: Mesh, cells, applied: AppliedPlan) -> Non
             continue
         spec = style_spec(hit[1], mesh)
         for suffix, (attr, index) in spec.consumers.items():
-            name = _join(path, suffix)
-            ppath = _join(path, attr)
+            name = join_path(path, suffix)
+            ppath = join_path(path, attr)
             if name not in applied.param_layouts or ppath not in applied.strategies:
                 continue
             strategy = applied.strategies[ppath][0][index]
@@ -223,7 +223,7 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
                 for factor in (getattr(holder, "lora_A", None), getattr(holder, "lora_B", None)):
                     if factor is not None:  # a stacked LoRA adapter follows its expert weights
                         factor.weight.set_data(ms.Tensor(factor.weight.asnumpy()[order]))
-            applied.expert_orders[_join(path, "experts")] = order
+            applied.expert_orders[join_path(path, "experts")] = order
 
 
 def restore_expert_order(name: str, array: np.ndarray, applied: AppliedPlan) -> np.ndarray:
@@ -251,9 +251,9 @@ def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
         elif parallel.recompute == "selective" and path.startswith("model.layers.") and path.endswith(".self_attn"):
             # The [B, nh, T, S] score tensors: the score matmul and the softmax are replayed in backward.
             cell.qk_bmm.recompute()
-            applied.recomputed.append(_join(path, "qk_bmm"))
+            applied.recomputed.append(join_path(path, "qk_bmm"))
             cell.softmax.recompute()
-            applied.recomputed.append(_join(path, "softmax"))
+            applied.recomputed.append(join_path(path, "softmax"))
 
 
 # ------------------------------------------------------------------ distributed context
@@ -297,7 +297,7 @@ def set_parallel_context(parallel: ParallelConfig, strategy_dir: Optional[str] =
 
 def pipeline_stage_config(applied: AppliedPlan, prefix: str = "") -> Dict[str, int]:
     """``stage_config`` for ``mindspore.parallel.nn.Pipeline`` (cell paths under ``prefix``)."""
-    return {_join(prefix, path): stage for path, stage in applied.stage_of_cell.items()}
+    return {join_path(prefix, path): stage for path, stage in applied.stage_of_cell.items()}
 
 
 def pipeline_wrap(net_with_loss, parallel: ParallelConfig, applied: AppliedPlan, model_prefix: str = ""):

@@ -142,12 +142,12 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
 
 def planned_primitives(model, strategies: Mapping[str, tuple]) -> Dict[str, Tuple[str, tuple]]:
     """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy."""
-    from ms_deepseek.sharding.apply import _join, _primitives_of
+    from ms_deepseek.sharding.apply import join_path, primitives_of
 
     out: Dict[str, Tuple[str, tuple]] = {}
     for path, cell in model.cells_and_names():
-        for attr, prim in _primitives_of(cell):
-            p = _join(path, attr)
+        for attr, prim in primitives_of(cell):
+            p = join_path(path, attr)
             if p in strategies:
                 out[p] = (getattr(prim, "name", type(prim).__name__), strategies[p][0])
     return out

@@ -374,13 +374,13 @@ class LintReport:
 
 def _primitive_table(model) -> Dict[str, Tuple[str, object]]:
     """primitive path -> (kind, primitive); kind is the op Cell type for a Custom inside our op Cells."""
-    from ms_deepseek.sharding.apply import _join, _primitives_of
+    from ms_deepseek.sharding.apply import join_path, primitives_of
 
     cells = dict(model.cells_and_names())
     out = {}
     for path, cell in cells.items():
-        for attr, prim in _primitives_of(cell):
-            ppath = _join(path, attr)
+        for attr, prim in primitives_of(cell):
+            ppath = join_path(path, attr)
             kind = type(prim).__name__
             if kind == "Custom":
                 owner = cells.get(ppath.rsplit(".impl.op", 1)[0]) if ppath.endswith(".impl.op") else None

@@ -370,7 +370,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
     own dtype into a scratch file and copied from there. Output shards mirror the base's."""
     from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.model.lora_peft import _read_tensors, group_adapter, read_config
+    from ms_deepseek.model.lora_peft import read_adapter_tensors, group_adapter, read_config
 
     base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)
     if quant_spec_of(base) is not None:
@@ -378,7 +378,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
                         "from (its config.json's quantization_config.original)")
     ckpt = read_weight_files(base)
     E = ckpt.config.n_routed_experts or 0
-    factors, routers = group_adapter(_read_tensors(adapter_folder), read_config(adapter_folder), E, adapter_folder)
+    factors, routers = group_adapter(read_adapter_tensors(adapter_folder), read_config(adapter_folder), E, adapter_folder)
     check_apart(out, [adapter_folder, base], "output folder")  # OUT = the adapter would delete it
     check_destination(base, out, overwrite)
     merger = _Merger(factors, routers, E, adapter_folder)

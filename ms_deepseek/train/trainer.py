@@ -55,14 +55,14 @@ class TrainResult:
     preempted: Optional[str] = None  # the stop signal's name: stopped early, after saving a checkpoint
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
     # msrun workers, or one rank of MindSpore's dry run (MS_SIMULATION_LEVEL with RANK_SIZE /
     # RANK_ID, tools/ascend_dryrun.sh), where init() is simulated
     dryrun = bool(os.environ.get("MS_SIMULATION_LEVEL")) and int(os.environ.get("RANK_SIZE", "1") or 1) > 1
     return int(os.environ.get("MS_WORKER_NUM", "1") or 1) > 1 or os.environ.get("MS_ROLE") == "MS_WORKER" or dryrun
 
 
-def _init_distributed(par):
+def init_distributed(par):
     """Join the collective group; returns (rank, world size)."""
     import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init
@@ -187,7 +187,7 @@ class Trainer:
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
                             "set it to false to train on CPU")
         self.plan = fit_plan(self.recipe, self.force)
-        if par.world_size > 1 and not _distributed():
+        if par.world_size > 1 and not is_distributed():
             what = f"parallel: {par.describe()}" if self.sharded else f"parallel.dp: {par.dp}"
             raise UserError(f"{what} needs {par.world_size} workers; start them with `ms-deepseek launch` (msrun), "
                             "or set parallel.dp=1 for one worker")
@@ -195,7 +195,7 @@ class Trainer:
     def _setup_run(self) -> None:
         par = self.par
         use_device()
-        self.rank, self.world = _init_distributed(par) if _distributed() else (0, 1)
+        self.rank, self.world = init_distributed(par) if is_distributed() else (0, 1)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
         log_rank = (par.pp - 1) * par.dp * par.tp if self.sharded else 0
@@ -208,7 +208,7 @@ class Trainer:
         elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
             self.resume_dir = existing
         else:
-            self.resume_dir = ckpt_mod.resolve_resume(resume, self.run_dir) if resume else None
+            self.resume_dir = ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, self.run_dir) if resume else None
         if self.resume_dir is None and existing is not None:
             raise UserError(f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "
                             "--resume to continue that run, or choose another --output")
