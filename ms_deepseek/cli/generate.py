@@ -159,7 +159,7 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     from ms_deepseek.checkpoint.opener import open_checkpoint
 
     if open_checkpoint(folder).lora is not None:  # a LoRA run: its base with the checkpoint's adapters
-        from ms_deepseek.train.lora_run import model_with_adapters
+        from ms_deepseek.model.lora_export import model_with_adapters
 
         model = model_with_adapters(folder, show_progress=kwargs.get("progress", False))
     else:

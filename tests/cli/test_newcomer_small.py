@@ -24,7 +24,7 @@ def test_swappiness_is_not_a_warning_without_swap():
 
 
 def test_export_lora_records_an_absolute_random_base(tmp_path, monkeypatch):
-    from ms_deepseek.train.lora_run import run_base
+    from ms_deepseek.model.lora_export import run_base
 
     step = tmp_path / "runs" / "r" / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)

@@ -208,7 +208,7 @@ def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
 def test_export_notes_what_peft_on_transformers_5_ignores(tmp_path, capsys):
     """PEFT 0.21.2 on transformers 5.24 applies gate/up/down_proj only to the fused routed experts
     (checked in the reference env): the export says so for dense-MLP / shared-expert adapters."""
-    from ms_deepseek.train.lora_run import compatibility_notes
+    from ms_deepseek.model.lora_export import compatibility_notes
 
     names = load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")).keys()
     assert compatibility_notes(names) == []
@@ -277,7 +277,7 @@ def test_a_lone_routed_gate_adapter_is_exported_with_a_zero_up_partner(tmp_path)
     """PEFT on transformers 5 fuses gate/up_proj and refuses half a pair: the export adds B = 0 partners."""
     import yaml
 
-    from ms_deepseek.train.lora_run import checkpoint_adapter
+    from ms_deepseek.model.lora_export import checkpoint_adapter
 
     step = tmp_path / "run" / "checkpoints" / "step_00000001"
     step.mkdir(parents=True)

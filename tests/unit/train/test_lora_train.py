@@ -355,7 +355,7 @@ def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_
 
     from ms_deepseek.core.errors import UserError
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.train.lora_run import model_with_adapters
+    from ms_deepseek.model.lora_export import model_with_adapters
 
     _trainer, result = fixture_run
     ref = load_file(str(FIX / "reference.safetensors"))
