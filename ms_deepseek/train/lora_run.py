@@ -175,13 +175,6 @@ def describe(recipe) -> str:
             f"{frozen:,} frozen{base}")
 
 
-def checkpoint_tensors(model) -> Dict[str, object]:
-    """What a LoRA checkpoint holds: the trainable tensors (adapters, trained routers)."""
-    from ms_deepseek.model.lora import trainable_tensors
-
-    return trainable_tensors(model)
-
-
 def save_base(model, folder: Path) -> None:
     """The model's weights as an HF folder (per-expert names, the parameters' dtype), written atomically."""
     from ms_deepseek.spec import names
@@ -204,3 +197,94 @@ def _host(p) -> np.ndarray:
     import mindspore as ms
 
     return p.astype(ms.float32).asnumpy() if p.dtype == ms.bfloat16 else p.asnumpy()
+
+
+# ------------------------------------------------------------------------------- model converters
+class FullModel:
+    """A full fine-tune or pre-training run: the model as built, every parameter in the checkpoint."""
+
+    def weights_folder(self, recipe, run_dir: Path) -> Optional[Path]:
+        return recipe.weights_folder
+
+    def loads_weights(self, resume_dir: Optional[Path]) -> bool:
+        """Whether the model is built from the weights folder (a resume reads its checkpoint instead)."""
+        return resume_dir is None
+
+    def convert(self, model, recipe, run_dir: Path, write_base: bool, base: Optional[Path], sharded: bool) -> None:
+        """Nothing to change."""
+
+    def checkpoint_tensors(self, model) -> Dict[str, object]:
+        from ms_deepseek.checkpoint.tensors import model_tensors
+
+        return model_tensors(model)
+
+    def describe(self, recipe) -> Optional[str]:
+        return None
+
+    def before_step(self, model, seed: int, step: int, rank: int) -> None:
+        """Nothing keyed by the step."""
+
+    def load_slices(self, trainer, layout) -> None:
+        """Sharded run before a resume or the first step: this rank's slices of the weights folder (a resume
+        reads the checkpoint's instead)."""
+        if trainer.resume_dir is None:
+            trainer._load_weights_slices(layout, trainer.model_tensors)
+
+
+class LoraModel(FullModel):
+    """LoRA / QLoRA as a converter of the built model: adapters on a frozen (optionally quantized) base,
+    checkpoints of the trainable tensors only, dropout masks keyed by (seed, step, rank)."""
+
+    def __init__(self):
+        self.dropout_keyed = False
+
+    def weights_folder(self, recipe, run_dir: Path) -> Optional[Path]:
+        return base_folder(recipe, run_dir)
+
+    def loads_weights(self, resume_dir: Optional[Path]) -> bool:
+        return True  # the frozen base is loaded on resume too: LoRA checkpoints hold adapters only
+
+    def convert(self, model, recipe, run_dir: Path, write_base: bool, base: Optional[Path], sharded: bool) -> None:
+        """Adapters + frozen base; a random base is saved once to RUN_DIR/base."""
+        from ms_deepseek.model.lora import dropout_key
+
+        prepare(model, recipe, run_dir, write_base=write_base, base=base, sharded=sharded)
+        self.dropout_keyed = dropout_key(model) is not None
+
+    def checkpoint_tensors(self, model) -> Dict[str, object]:
+        """What a LoRA checkpoint holds: the trainable tensors (adapters, trained routers)."""
+        from ms_deepseek.model.lora import trainable_tensors
+
+        return trainable_tensors(model)
+
+    def describe(self, recipe) -> Optional[str]:
+        return describe(recipe)
+
+    def before_step(self, model, seed: int, step: int, rank: int) -> None:
+        if self.dropout_keyed:  # LoRA dropout masks keyed by (seed, step, rank): replayed on resume
+            from ms_deepseek.model.lora import set_dropout_step
+
+            set_dropout_step(model, seed, step, rank)
+
+    def load_slices(self, trainer, layout) -> None:
+        """Sharded LoRA run: this rank's slices of the frozen base (a QLoRA run: its quantized tensors, read
+        from a quantized model.source or quantized here from a float one: :func:`load_base_slices`); the
+        frozen base is never in a LoRA checkpoint."""
+        from ms_deepseek.checkpoint.layout import build_layout
+        from ms_deepseek.checkpoint.tensors import model_tensors
+
+        recipe = trainer.recipe
+        if recipe.quant is None:
+            base = build_layout(trainer.cfg, trainer.par)
+            trainer._load_weights_slices(base, {n: p for n, p in model_tensors(trainer.model).items()
+                                                if n in base.tensors})
+            return
+        quantized = build_layout(trainer.cfg, trainer.par, quant=recipe.quant)
+        params = {n: p for n, p in model_tensors(trainer.model).items() if n in quantized.tensors}
+        load_base_slices(trainer._this_stage(params, quantized), base_folder(recipe, trainer.run_dir), trainer.cfg,
+                         trainer.par, recipe.quant, trainer.rank, part=trainer._opt_part)
+
+
+def model_converter(recipe):
+    """The recipe's model converter: :class:`LoraModel` with a ``lora:`` section, else :class:`FullModel`."""
+    return LoraModel() if recipe.lora is not None else FullModel()

@@ -101,5 +101,5 @@ def attach_save_state(trainer, tmp_path: Path, seq_len: int = 8) -> None:
     trainer.manager = CheckpointManager(tmp_path / "checkpoints", 2)
     trainer.strategy_file = tmp_path / "strategy" / "none.ckpt"
     trainer.dataset = SimpleNamespace(state_dict=lambda: {})
-    trainer.tokens_seen, trainer.elapsed_before, trainer.started, trainer.seq_len, trainer.stop_at = \
-        0, 0.0, time.time(), seq_len, 1
+    trainer.state, trainer.started, trainer.seq_len, trainer.stop_at = {}, time.time(), seq_len, 1
+    trainer._open_state()  # the counters and the checkpointer over them

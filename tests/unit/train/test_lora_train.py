@@ -309,7 +309,7 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(cfg)
     lora_run.prepare(model, recipe, Path("unused"), write_base=False)
-    saved = lora_run.checkpoint_tensors(model)
+    saved = lora_run.LoraModel().checkpoint_tensors(model)
     adapters = {n: p for n, p in saved.items() if ".lora_" in n}
     assert adapters and all(not p.has_init for p in adapters.values()), "adapters without data"
     layout = build_layout(cfg, par, lora=recipe.lora)
