@@ -123,7 +123,7 @@ def bench_layouts(args, cfg, work: Path) -> int:
     rows = []
     for what, src, dst in (("split", work / "hf", work / "sharded"), ("merge", work / "sharded", work / "merged")):
         best = None
-        for rep in range(args.repeat):
+        for _rep in range(args.repeat):
             if dst.exists():
                 shutil.rmtree(dst)
             evict(src) if what == "split" else [evict(d) for d in src.iterdir() if d.is_dir()]

@@ -199,7 +199,7 @@ class ShardedSource:
         for rank, stored in self.layout.distinct_slices(name):
             src_index, dst_index = [], []
             empty = False
-            for axis, (want, have) in enumerate(zip(sl, stored)):
+            for _axis, (want, have) in enumerate(zip(sl, stored)):
                 if isinstance(have, ExpertIds) or isinstance(want, ExpertIds):
                     want_ids = list(want) if isinstance(want, ExpertIds) else list(range(want[0], want[1]))
                     have_ids = list(have) if isinstance(have, ExpertIds) else list(range(have[0], have[1]))

@@ -65,7 +65,7 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
             weight_map.update({name: file_name for name, _, _ in tensors})
             with open(folder / file_name, "wb") as f:
                 f.write(header_bytes(tensors, {"format": "pt" if layout == "hf" else "ms"}))
-                for name, sf_dtype, shape in tensors:
+                for _name, sf_dtype, shape in tensors:
                     left = numel(shape)
                     while left:
                         step = min(left, _CHUNK)

@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 

@@ -29,7 +29,7 @@ reductions, the shared experts' tensor parallelism (run whole per rank), LoRA ad
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import numpy as np
 
@@ -102,7 +102,6 @@ def _slices(n: int, parts: int, index: int) -> slice:
 
 def _sharded_forward(layer, lay, x, wg, wu, wd):
     """The per-rank program: x [B, T, H] and the stacked expert weights -> y [B, T, H] (routed + shared)."""
-    import mindspore as ms
     from mindspore import ops
 
     B, T, H = x.shape

@@ -194,7 +194,7 @@ def _split_fused(stack, parts, E, alphas, alpha0, ranks, r0, where):
     (out = 2I, gate rows first) the delta splits into gate = rows [:I], up = rows [I:], both
     with the whole A_e."""
     out = {}
-    for which, stacked in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+    for which, _stacked in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
         keys = {f"{which}.lora_A", f"{which}.lora_B"}
         have = {k for k in parts if k.startswith(which + ".")}
         if not have:

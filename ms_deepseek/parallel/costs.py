@@ -14,7 +14,6 @@ real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deeps
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 

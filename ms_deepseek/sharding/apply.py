@@ -171,7 +171,7 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
 
 
 def _check_consumers(plan: Plan, mesh: Mesh, cells, applied: AppliedPlan) -> None:
-    for path, cell in cells.items():
+    for path, _cell in cells.items():
         hit = plan.match(path)
         if hit is None:
             continue

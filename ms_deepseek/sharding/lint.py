@@ -433,7 +433,7 @@ class _Linter:
     # 1b. a Custom op is sharded only in the form MindSpore 2.9 compiles: Layout objects
     # (custom_shard; ops_info/self_define_shard_info.cc; the compile tier, tests/compile, is the judge)
     def custom_ops(self) -> None:
-        for path, (kind, prim) in sorted(self.table.items()):
+        for path, (_kind, prim) in sorted(self.table.items()):
             if type(prim).__name__ == "Custom" and path in self.strategies:
                 why = check_custom_layouts(path, getattr(prim, "attrs", {}) or {}, self.strategies[path][0],
                                            self.mesh.stage_devices)

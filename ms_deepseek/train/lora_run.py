@@ -145,7 +145,7 @@ def load_base_slices(params: Dict[str, object], base: Path, cfg, parallel, spec,
                             f"quantized base: run `ms-deepseek convert quantize` first and train on its output")
     kept = {n: p for n, p in params.items() if n in floats.tensors and n not in to_quantize}
     restore_into(kept, opened.model, "model", layout=floats, rank=rank, part=part)
-    for name, t in to_quantize.items():
+    for name in to_quantize:
         stem = name[: -len(".weight")]
         w = to_float32(opened.model.read(name, floats.slice_of(name, rank)), opened.model.dtype(name))
         stored, scale = stored_array(w, spec)

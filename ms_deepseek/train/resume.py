@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.core.errors import UserError

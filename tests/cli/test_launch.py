@@ -42,7 +42,7 @@ def test_dry_run_keeps_exported_hccl_timeouts_and_names_the_interpreter(tmp_path
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1800")
     code, out, _ = run_cli(["launch", str(recipe), "--dry-run"])
     assert code == 0 and shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=3600"]
-    assert f"# python of the workers: " in out and f"{Path(sys.executable).parent}" in out.splitlines()[1]
+    assert "# python of the workers: " in out and f"{Path(sys.executable).parent}" in out.splitlines()[1]
     code, out, _ = run_cli(["launch", str(recipe), "--dry-run", "--hccl-exec-timeout", "900"])
     assert shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=900"]
     monkeypatch.delenv("HCCL_EXEC_TIMEOUT")

@@ -1,11 +1,9 @@
 """Small things a newcomer meets: doctor on a host without swap, export-lora's base path of a random-base
 run, a resumed scalar optimizer tensor keeping its shape."""
 
-import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 
 def test_swappiness_is_not_a_warning_without_swap():

@@ -16,7 +16,6 @@ import pytest
 
 from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the checks)
 
-from ms_deepseek.cli import doctor
 from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
 from ms_deepseek.diagnostics.probe import RecordedProbe
 from repo_paths import REPO

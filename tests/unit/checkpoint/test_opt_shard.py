@@ -68,7 +68,7 @@ def test_each_rank_loads_the_part_mindspores_loader_cuts_and_saving_gathers_the_
         held[rank] = {n: shards.part(n, slice_array(full[n], layout.slice_of(n, rank))) for n in layout.tensors}
         for name, t in layout.tensors.items():
             group, ranks = groups.get((name, rank), ("", (rank,)))
-            monkeypatch.setattr(ms_tensor, "get_rank", lambda g=None, ranks=ranks: ranks.index(rank))
+            monkeypatch.setattr(ms_tensor, "get_rank", lambda g=None, ranks=ranks, rank=rank: ranks.index(rank))
             monkeypatch.setattr(ms_tensor, "get_group_size", lambda g=None, ranks=ranks: len(ranks))
             entry = (list(t.dev_matrix), list(t.tensor_map), list(t.slice_shape()), 0, 1, group, list(t.shape))
             want = ms_tensor._load_tensor_by_layout(ms.Tensor(full[name]), entry, rank).asnumpy()

@@ -17,7 +17,7 @@ from mindspore import ops
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.recipe import TrainSection
 from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
-from ms_deepseek.parallel.ranks import (data_coordinates, data_slice, dataset_strategy, rows_of_rank,
+from ms_deepseek.parallel.ranks import (data_coordinates, dataset_strategy, rows_of_rank,
                                         reads_full_batch, stage_of_rank)
 
 LAYOUTS = [
