@@ -43,11 +43,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ms_deepseek.spec.config import get_preset  # noqa: E402
-from ms_deepseek.spec import names  # noqa: E402
-from ms_deepseek.spec.inventory import expected_hf_shapes  # noqa: E402
 from ms_deepseek.checkpoint.safetensors_io import read_header  # noqa: E402
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint  # noqa: E402
+from ms_deepseek.spec import names  # noqa: E402
+from ms_deepseek.spec.config import get_preset  # noqa: E402
+from ms_deepseek.spec.inventory import expected_hf_shapes  # noqa: E402
 
 # The child reports its own peak RSS (VmHWM: high-water mark of this process image, all threads, since exec;
 # ru_maxrss would also count the benchmark's memory inherited at fork).

@@ -66,12 +66,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
 
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import get_preset
     from ms_deepseek.model.decode import cache_figures
+    from ms_deepseek.spec.config import get_preset
 
     ms.set_seed(args.seed)
     cfg = get_preset(args.preset)

@@ -88,16 +88,16 @@ def _emit(result: dict) -> None:
 # ----------------------------------------------------------------------------- MindSpore worker
 def _ms_worker(case: str, args) -> None:
     os.environ.setdefault("GLOG_v", "3")
-    import numpy as np
     import mindspore as ms
+    import numpy as np
     from mindspore import Tensor
 
     from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.spec.inventory import count_parameters
-    from ms_deepseek.train import optim
-    from ms_deepseek.train.mf_adapter import mindformers_classes
     from ms_deepseek.spec.parallel import ParallelConfig
     from ms_deepseek.spec.recipe import OptimSection, TrainSection
+    from ms_deepseek.train import optim
+    from ms_deepseek.train.mf_adapter import mindformers_classes
 
     ms.set_device("CPU")
     if args.threads:

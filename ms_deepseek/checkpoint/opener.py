@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from ms_deepseek.checkpoint.convert_plan import check_tensors
-from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
+from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
 from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource

@@ -17,8 +17,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.checkpoint.quant_format import (DESCRIPTION_FILE, QUANT_METHOD, check_groups, is_quantized_weight,
-                                                 quantized_entries, read_quant_config, stored_array)
+from ms_deepseek.checkpoint.quant_format import (
+    DESCRIPTION_FILE,
+    QUANT_METHOD,
+    check_groups,
+    is_quantized_weight,
+    quantized_entries,
+    read_quant_config,
+    stored_array,
+)
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.quant import QuantSpec
 
@@ -32,7 +39,7 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
     from ms_deepseek.checkpoint.convert import ConvertResult, parse_size
     from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
     from ms_deepseek.checkpoint.source import INDEX_NAME
-    from ms_deepseek.checkpoint.sources import to_float32, full_slice
+    from ms_deepseek.checkpoint.sources import full_slice, to_float32
     from ms_deepseek.core.atomic import atomic_folder, check_destination
 
     start = time.perf_counter()

@@ -31,16 +31,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.core.atomic import atomic_folder, check_destination
-from ms_deepseek.checkpoint.layout import (LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory,
-                                           rank_dir_name)
+from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory, rank_dir_name
 from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
+from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
 from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
+from ms_deepseek.core.atomic import atomic_folder, check_destination
 from ms_deepseek.parallel.validate import validate_layout
+from ms_deepseek.spec import names
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec import names
-from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 

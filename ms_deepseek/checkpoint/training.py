@@ -30,9 +30,9 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
+from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 

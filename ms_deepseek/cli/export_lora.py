@@ -28,8 +28,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ms_deepseek.model.lora_peft import CONFIG_NAME
     from ms_deepseek.model import lora_export
+    from ms_deepseek.model.lora_peft import CONFIG_NAME
 
     src = Path(args.source)
     from ms_deepseek.core.atomic import check_apart

@@ -79,9 +79,9 @@ def _recipe_tokenizer(recipe_path: Path):
     """The tokenizer of the data a training run used, from its recipe.yaml."""
     import yaml
 
-    from ms_deepseek.spec.data import DataConfig
-    from ms_deepseek.data.tokenizer import load_tokenizer
     from ms_deepseek.core.schema import from_dict
+    from ms_deepseek.data.tokenizer import load_tokenizer
+    from ms_deepseek.spec.data import DataConfig
 
     try:
         recipe = yaml_load(recipe_path.read_text(encoding="utf-8"), recipe_path) or {}

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from ms_deepseek.cli.args import host, positive_int
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
-from ms_deepseek.cli.args import host, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,9 +35,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ms_deepseek.cli.args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_at_most,
+    resolve_layout,
+)
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.cli.args import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                  positive_int_at_most, resolve_layout)
 from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 
 

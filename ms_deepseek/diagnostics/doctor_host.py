@@ -17,8 +17,16 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from ms_deepseek.diagnostics import npu_parse, pins
-from ms_deepseek.diagnostics.doctor_core import (NO_NPU, CheckResult, DoctorContext, check, failed, passed, skipped,
-                                           warned)
+from ms_deepseek.diagnostics.doctor_core import (
+    NO_NPU,
+    CheckResult,
+    DoctorContext,
+    check,
+    failed,
+    passed,
+    skipped,
+    warned,
+)
 
 GIB = 1024 ** 3
 

@@ -18,9 +18,20 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ms_deepseek.diagnostics import npu_parse
-from ms_deepseek.diagnostics.doctor_core import (DEVICES_PER_NODE, HCCS_GBPS_PER_PEER, NO_NPU, ROCE_GBPS_PER_NPU,
-                                           CheckResult, DoctorContext, check, failed, passed, skipped, warned)
-from ms_deepseek.diagnostics.doctor_host import npu_error, has_npu, npu_state
+from ms_deepseek.diagnostics.doctor_core import (
+    DEVICES_PER_NODE,
+    HCCS_GBPS_PER_PEER,
+    NO_NPU,
+    ROCE_GBPS_PER_NPU,
+    CheckResult,
+    DoctorContext,
+    check,
+    failed,
+    passed,
+    skipped,
+    warned,
+)
+from ms_deepseek.diagnostics.doctor_host import has_npu, npu_error, npu_state
 
 ROCE_MIN_MTU = 4200  # carries a 4096-byte RoCE payload plus headers; below it RoCE drops to 1024-byte frames
 HCCL_CONNECT_RANGE = (120, 7200)  # CANN env reference: integer seconds, default 120

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional
 
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics.report_svg import Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy
 from ms_deepseek.train.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
 from ms_deepseek.train.metrics_io import MetricsFile, number, read_metrics
-from ms_deepseek.diagnostics.report_svg import (Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy)
 
 CORE_PLOTS = ("plot-loss", "plot-lr", "plot-grad-norm", "plot-tokens-per-s", "plot-expert-load",
               "plot-dropped-fraction", "plot-balance-losses")

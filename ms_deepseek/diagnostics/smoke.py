@@ -40,14 +40,14 @@ def pick_device(requested: str) -> str:
 
 def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int = 2, lr: float = 3e-3,
           seed: int = 0) -> dict:
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
     from ms_deepseek.core.runtime import use_device
-    from ms_deepseek.train.optim import build_optimizer
     from ms_deepseek.spec.parallel import ParallelConfig
     from ms_deepseek.spec.recipe import OptimSection, TrainSection
+    from ms_deepseek.train.optim import build_optimizer
     from ms_deepseek.train.step import build_step
 
     device = use_device(pick_device(device))

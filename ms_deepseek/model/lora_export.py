@@ -163,9 +163,8 @@ def model_with_adapters(ckpt: Path, show_progress: bool = False):
 
 def export_adapter(spec, out, base: Optional[str] = None, overwrite: bool = False) -> Path:
     """``export-lora RUN_OR_CHECKPOINT OUT``: the PEFT folder of a LoRA run's checkpoint."""
-    from ms_deepseek.model.lora_peft import write_adapter
-
     from ms_deepseek.checkpoint.training import EXPORT, resolve_checkpoint
+    from ms_deepseek.model.lora_peft import write_adapter
 
     ckpt = resolve_checkpoint(spec, EXPORT)
     _section, model_section = run_lora_settings(ckpt)
@@ -183,7 +182,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
     own dtype into a scratch file and copied from there. Output shards mirror the base's."""
     from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.model.lora_peft import read_adapter_tensors, group_adapter, read_config
+    from ms_deepseek.model.lora_peft import group_adapter, read_adapter_tensors, read_config
 
     base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)
     if quant_spec_of(base) is not None:

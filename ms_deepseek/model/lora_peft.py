@@ -19,8 +19,8 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import PEFT_PREFIX
 from ms_deepseek.core.safe_io import json_loads
+from ms_deepseek.spec.lora import PEFT_PREFIX
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -105,8 +105,8 @@ def read_config(folder: Path) -> Dict:
 
 
 def read_adapter_tensors(folder: Path) -> Dict[str, np.ndarray]:
-    from ms_deepseek.model.loading import read_tensor
     from ms_deepseek.checkpoint.safetensors_io import read_header
+    from ms_deepseek.model.loading import read_tensor
 
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():

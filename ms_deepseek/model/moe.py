@@ -46,18 +46,18 @@ Primitives (for the parallel plan): ``experts.gate_bmm``, ``experts.up_bmm``,
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec import dispatch_shapes
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
 from ms_deepseek.ops.backend import device_target
 from ms_deepseek.parallel.ranks import exchange_view
+from ms_deepseek.spec import dispatch_shapes
+from ms_deepseek.spec.config import DeepseekV2Config
 
 
 def default_placement(num_experts: int, ep: int) -> np.ndarray:

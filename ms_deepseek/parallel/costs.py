@@ -17,15 +17,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.parallel.plan import (
+    Mesh,
+    ParamInfo,
+    Plan,
+    layer_stages,
+    optimizer_shard_group,
+    parameter_inventory,
+    shard_numel,
+    stage_of_param,
+)
+from ms_deepseek.parallel.ranks import ep_group_of_rank
 from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 from ms_deepseek.spec.lora import LoraSpec
 from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.parallel.ranks import ep_group_of_rank
 from ms_deepseek.spec.quant import QuantSpec, is_quantized
-from ms_deepseek.parallel.plan import (Mesh, ParamInfo, Plan, layer_stages, optimizer_shard_group,
-                                       parameter_inventory, shard_numel, stage_of_param)
 
 GB = 1024 ** 3
 

@@ -20,16 +20,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel import costs
+from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
+from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, parameter_inventory, shard_numel, stage_of_param
+from ms_deepseek.parallel.validate import layout_problems
 from ms_deepseek.spec.lora import lora_inventory
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.quant import group_size_problem
-from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
-from ms_deepseek.parallel.plan import (Mesh, Plan, layer_stages, parameter_inventory, shard_numel,
-                                       stage_of_param)
-from ms_deepseek.parallel.validate import layout_problems
 
 TP_CHOICES = (1, 2, 4, 8, 16)
 DEFAULT_PLAN = Plan()

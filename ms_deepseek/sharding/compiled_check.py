@@ -27,9 +27,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.dtypes import itemsize
-
+from ms_deepseek.core.errors import UserError
 
 
 def _fmt(dev, tmap) -> str:

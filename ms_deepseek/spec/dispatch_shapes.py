@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Dict, Optional, Tuple
 
-
 # The dispatch sorts float32 keys up to 3*k*N - 1 (see DeepseekV2MoE.dispatch_index): exact below 2**24.
 SORT_KEY_LIMIT = 2 ** 24
 

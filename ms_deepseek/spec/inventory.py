@@ -28,7 +28,6 @@ from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.spec.config import check_model_size
 
-
 Shape = Tuple[int, ...]
 
 # The non-weight Parameter of each MoE layer: the [E, 2] int32 expert placement table (plan data).

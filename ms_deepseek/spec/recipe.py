@@ -27,15 +27,14 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import yaml
 
-from ms_deepseek.spec.config import DeepseekV2Config, check_model_size, load_model_config
-from ms_deepseek.spec.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads, yaml_load
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.core.schema import (MAX_BATCH, MAX_SEED, MAX_STEPS, apply_overrides, check_at_most, from_dict,
-                                     to_dict)
+from ms_deepseek.core.schema import MAX_BATCH, MAX_SEED, MAX_STEPS, apply_overrides, check_at_most, from_dict, to_dict
+from ms_deepseek.spec.config import DeepseekV2Config, check_model_size, load_model_config
+from ms_deepseek.spec.data import DataConfig
 from ms_deepseek.spec.dispatch_shapes import max_tokens_per_group
 from ms_deepseek.spec.lora import LoraSpec
+from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.quant import QuantSpec
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")

@@ -25,7 +25,6 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.lora_export import BASE_DIR
 
 
-
 # ------------------------------------------------------------------------------- trainer hooks
 def base_folder(recipe, run_dir: Path) -> Optional[Path]:
     """Where the frozen base's weights are: model.source, else RUN_DIR/base once written (None: random init)."""

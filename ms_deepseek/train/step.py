@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.ops import composite as C

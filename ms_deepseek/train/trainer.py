@@ -27,15 +27,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.core.atomic import atomic_write_text
-from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.runtime import detect_device, use_device
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.checkpoint.opener import open_checkpoint, open_for_resume
 from ms_deepseek.checkpoint.tensors import restore_into
+from ms_deepseek.core.atomic import atomic_write_text
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.runtime import detect_device, use_device
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
-from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.spec.recipe import Recipe
+from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.distributed import any_rank
 from ms_deepseek.train.layouts import layout_of_run, this_stage

@@ -10,20 +10,23 @@ import string
 import sys
 from pathlib import Path
 
+import mindspore as ms
 import pytest
 
-import mindspore as ms
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM, cli  # noqa: E402
+from ms_deepseek.checkpoint.training import (  # noqa: E402
+    GENERATE,
+    CheckpointManager,  # noqa: E402
+    resolve_checkpoint,
+)
+from ms_deepseek.cli.generate import find_tokenizer, sample_text  # noqa: E402
 from ms_deepseek.data.tokenizer import load_tokenizer  # noqa: E402
 from ms_deepseek.generate import generate  # noqa: E402
-from ms_deepseek.checkpoint.training import GENERATE, resolve_checkpoint  # noqa: E402
-from ms_deepseek.cli.generate import find_tokenizer, sample_text  # noqa: E402
-from ms_deepseek.checkpoint.training import CheckpointManager  # noqa: E402
 
 LITE = FIXTURES_DIR / "lite"
 

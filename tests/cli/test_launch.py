@@ -121,10 +121,10 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
 def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     """The Ascend-only sharded path's pure parts: data replica / pipeline stage of a rank, and when a
     checkpoint of per-rank slices counts as complete."""
-    from ms_deepseek.spec.parallel import ParallelConfig
     from ms_deepseek.checkpoint.layout import LAYOUT_FILE
     from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
     from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
+    from ms_deepseek.spec.parallel import ParallelConfig
 
     # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel.ranks.reads_full_batch:
     # MindSpore refuses the data-parallel dataset strategy there, found by compiling)

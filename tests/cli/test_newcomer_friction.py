@@ -38,8 +38,9 @@ def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
 # ----------------------------------------------------------------------------- small data folders
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from data_helpers import make_byte_tokenizer, write_jsonl
     from ms_deepseek.data.prepare import prepare_data
+
+    from data_helpers import make_byte_tokenizer, write_jsonl
 
     root = tmp_path_factory.mktemp("friction")
     make_byte_tokenizer(root / "tok")
@@ -216,9 +217,10 @@ def test_the_compile_is_out_of_tokens_per_s(run):
 
 
 def test_generate_chat_prompts_as_prepare_data_encodes(run, folders, capsys):
-    from data_helpers import read_rows
     from ms_deepseek import cli
     from ms_deepseek.data.chat import IGNORE_INDEX
+
+    from data_helpers import read_rows
 
     run_dir, rc, out = run
     assert rc == 0, out[-3000:]

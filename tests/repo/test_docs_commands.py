@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.cli import main
+
 from repo_paths import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

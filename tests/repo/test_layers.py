@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Set
 
 import pytest
+
 from repo_paths import REPO
 
 PACKAGE = REPO / "ms_deepseek"

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from builders import small_config
 from ms_deepseek import cli
-from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
-from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
-from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.sources import WholeSource
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
 from ms_deepseek.checkpoint.source import read_weight_files
+from ms_deepseek.checkpoint.sources import WholeSource
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.inventory import expected_ms_shapes
 from ms_deepseek.spec.parallel import ParallelConfig
+
+from builders import small_config
 
 # dp, tp, ep, pp all above 1, and a placement that is not contiguous blocks
 LAYOUT = ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2, expert_placement=[1, 0, 1, 0, 0, 1, 1, 0])
@@ -320,8 +321,9 @@ def test_layout_that_does_not_fit_the_model(pristine, tmp_path, capsys):
     refuses(capsys, tmp_path, ["convert", "hf-to-ms", str(pristine / "hf"), "--tp", "3"],
             r"parallel\.tp|not divisible")
     with pytest.raises(UserError, match="--set: needs --recipe"):
-        from ms_deepseek.cli.convert import layout_from_args
         from types import SimpleNamespace
+
+        from ms_deepseek.cli.convert import layout_from_args
 
         layout_from_args(SimpleNamespace(dp=None, tp=None, pp=None, ep=None, recipe=None, overrides=["a.b=1"]))
 

@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ms_deepseek.checkpoint.quant_format import (dequantize_array, is_quantized_weight, pack_int4, quantize_array,
-                                             unpack_int4)
+from ms_deepseek.checkpoint.quant_format import (
+    dequantize_array,
+    is_quantized_weight,
+    pack_int4,
+    quantize_array,
+    unpack_int4,
+)
 from ms_deepseek.cli import main
+
 
 def _within_half_a_scale(err, scale, w):
     """err <= scale / 2, up to the float32 rounding of the product q * scale (half an ulp of the result)."""

@@ -86,15 +86,16 @@ def test_each_rank_loads_the_part_mindspores_loader_cuts_and_saving_gathers_the_
 
 def test_restore_into_hands_a_lazily_built_rank_its_part():
     """restore_into's part hook on the lazily built model, as the trainer calls it after the compile."""
-    from mindspore.nn.utils import no_init_parameters
-
-    from ms_deepseek.checkpoint.sources import WholeSource
-    from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
-    from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     import tempfile
     from pathlib import Path
+
+    from mindspore.nn.utils import no_init_parameters
+
+    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     cfg = small_config()
     layout = build_layout(cfg, _parallel())

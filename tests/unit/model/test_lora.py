@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from ms_deepseek.cli import main
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.lora import LoraSpec
+
 from repo_paths import FIXTURES
 
 FIX = FIXTURES / "lora"
@@ -136,8 +137,8 @@ def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, e
 
 
 def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
-    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.spec.config import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)
     other = write_random_checkpoint(tmp_path / "other", cfg, dtype="float32")
@@ -160,9 +161,9 @@ def test_adapter_with_a_missing_expert_names_it(tmp_path):
 
 
 def test_targets_and_ranks_are_checked_against_the_model():
-    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.spec.config import DeepseekV2Config
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config.from_json(FIX / "base" / "config.json"))
     with pytest.raises(UserError, match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
@@ -246,10 +247,10 @@ def test_saved_recipe_round_trips_with_and_without_lora():
 def test_adapters_shard_with_their_base_layers(layout):
     """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
     that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
-    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.spec.parallel import ParallelConfig
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.spec.lora import LoraSpec, lora_inventory
+
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "lora"

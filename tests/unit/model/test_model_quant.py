@@ -1,9 +1,9 @@
 """Quantized frozen layers (model/quant.py): the CPU reference is dequantise-then-matmul bit for bit,
 gradients reach x and the adapters, never the quantized weights; a quantized checkpoint loads."""
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor, ops
 
 from ms_deepseek.checkpoint.quant_format import dequantize_array, stored_array

@@ -6,21 +6,21 @@ import math
 import shutil
 import sys
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402
-from ms_deepseek.spec.config import get_preset  # noqa: E402
 from ms_deepseek.core.errors import UserError  # noqa: E402
 from ms_deepseek.model.moe import DeepseekV2MoE  # noqa: E402
+from ms_deepseek.spec.config import get_preset  # noqa: E402
 
 
 def small_cfg(**kw):

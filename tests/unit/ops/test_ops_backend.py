@@ -7,10 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
 from mindspore.common import dtype as mstype
 

@@ -17,6 +17,7 @@ from ms_deepseek.spec.config import get_preset
 from ms_deepseek.spec.parallel import ParallelConfig
 
 from repo_paths import REPO  # noqa: E402
+
 NODE = 8  # NPUs per Atlas 800T A2 node
 EXPERT_WEIGHT = "model.layers.1.mlp.experts.gate_proj.weight"
 

@@ -5,13 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.inventory import count_parameters
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.spec.inventory import count_parameters
+from ms_deepseek.spec.parallel import ParallelConfig
+
 from builders import ATLAS_RECIPES
 from repo_paths import REPO
 
@@ -65,8 +66,8 @@ def test_efficiencies_are_the_calibrated_ones(end):
 
 def test_moe_buffers_come_from_the_dispatch_as_built():
     """The planner's MoE memory and AllToAll bytes are dispatch_shapes' per-device shapes."""
-    from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
     from ms_deepseek.parallel.costs import layer_ep_bytes, moe_buffers
+    from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 
     cfg = V2.replace(capacity_factor=2.0)
     layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20)
@@ -146,8 +147,8 @@ def _load(name, overrides=()):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipes_validate_and_fit(name):
-    from ms_deepseek.parallel.validate import validate_layout
     from ms_deepseek.parallel.planner import recipe_workload
+    from ms_deepseek.parallel.validate import validate_layout
 
     recipe = _load(name)
     cfg = recipe.model_config

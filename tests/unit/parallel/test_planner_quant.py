@@ -8,12 +8,13 @@ import pytest
 
 from ms_deepseek.cli import main
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.costs import Workload, param_bytes, Precision
+from ms_deepseek.parallel.costs import Precision, Workload, param_bytes
 from ms_deepseek.parallel.planner import estimate
 from ms_deepseek.spec.config import get_preset
 from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.spec.quant import QuantSpec
+
 from repo_paths import REPO
 
 # tiny, two layers: layer 0 dense, layer 1 MoE (8 routed experts, one shared); bf16 base

@@ -9,11 +9,11 @@ compile nothing (one PyNative forward checks that a custom expert placement keep
 import numpy as np
 import pytest
 
-from ms_deepseek.spec.config import get_preset
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import Precision, param_bytes
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
+from ms_deepseek.spec.config import get_preset
+from ms_deepseek.spec.parallel import ParallelConfig
 
 CFG = get_preset("tiny")
 STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose",
@@ -229,8 +229,8 @@ def test_custom_placement_keeps_the_math_and_recompute():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan, restore_expert_order
     from ms_deepseek.parallel.placement import placement_table
+    from ms_deepseek.sharding.apply import apply_plan, restore_expert_order
 
     cfg = CFG.replace(num_hidden_layers=2)
     ms.set_context(mode=ms.PYNATIVE_MODE)

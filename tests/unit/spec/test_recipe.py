@@ -10,8 +10,8 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.spec.recipe import load_recipe, load_recipe_dict
 from ms_deepseek.train.preflight import check_recipe, load_checked_recipe
 from ms_deepseek.train.schedules import lr_at, milestone_steps
-from repo_paths import REPO
 
+from repo_paths import REPO
 
 SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
          "num_hidden_layers": 2, "max_position_embeddings": 64}
@@ -120,11 +120,11 @@ def test_micro_batch_beyond_the_dispatch_sort_keys_is_refused_at_load():
 
 
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
-    from ms_deepseek.data.tokenizer import train_sentencepiece
-
     import argparse
     import dataclasses
     import os
+
+    from ms_deepseek.data.tokenizer import train_sentencepiece
 
     text = [Path(m.__file__).read_text(encoding="utf-8") for m in (argparse, dataclasses, os)]
     train_sentencepiece(text, 600, tmp_path / "tokenizer.model")
@@ -176,8 +176,8 @@ def test_schedule_cells_match_the_python_math(schedule):
     """The Cells the optimizer calls (graph mode) give the same lr as ``lr_at``, step by step."""
     import mindspore as ms
 
-    from ms_deepseek.train import optim
     from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.train import optim
 
     cfg = OptimSection(lr=1e-3, min_lr=1e-4, schedule=schedule, warmup_steps=4, milestones=[0.5, 0.75])
     cell = optim.build_lr_schedule(cfg, total_steps=20)

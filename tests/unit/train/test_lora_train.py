@@ -11,8 +11,9 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from builders import SMALL_MODEL, kill_during_save_then_resume
 from ms_deepseek.cli import main
+
+from builders import SMALL_MODEL, kill_during_save_then_resume
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "lora"
@@ -85,8 +86,8 @@ def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_r
     moments = [n for n in opt if n.startswith(("adam_m.", "adam_v.", "moment1.", "moment2."))]
     assert moments and all(".lora_" in n for n in moments), sorted(opt)[:6]
     # every base weight in memory after training equals the base file, bit for bit (bfloat16 widened)
-    from ms_deepseek.model.loading import read_tensor
     from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.model.loading import read_tensor
 
     base = read_weight_files(FIX / "base")
     got = _base_params(trainer.model)
@@ -301,8 +302,8 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
     from ms_deepseek.checkpoint.sources import full_slice, to_float32
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.train import lora_run
     from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.train import lora_run
 
     recipe = load_recipe_dict(_fixture_recipe(data_dir, lora={"train_router": True}))
     cfg, par = recipe.model_config, _parallel(dp=2, tp=2, pp=2, ep=2)

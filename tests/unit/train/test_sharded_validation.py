@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data_helpers import make_byte_tokenizer, write_jsonl
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.dataset import build_train_dataset
@@ -28,6 +27,8 @@ from ms_deepseek.parallel.ranks import data_coordinates, dataset_strategy
 from ms_deepseek.spec.data import DataConfig, DataSource, ValidationConfig
 from ms_deepseek.spec.parallel import ParallelConfig
 from ms_deepseek.train.evaluate import reduce_validation, scored_tokens
+
+from data_helpers import make_byte_tokenizer, write_jsonl
 from repo_paths import REPO
 
 SEQ = 64

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 from safetensors import safe_open
 
-from builders import attach_save_state
 from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.spec.config import get_preset
 from ms_deepseek.spec.parallel import ParallelConfig
+
+from builders import attach_save_state
 
 TINY = get_preset("tiny")
 PAR = ParallelConfig(dp=1, tp=2, pp=2, micro_batches=2)

@@ -14,8 +14,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from ms_deepseek.cli import main
-from builders import SMALL_MODEL, write_recipe
 from ms_deepseek.core.errors import UserError
+
+from builders import SMALL_MODEL, write_recipe
 
 STEPS = 4
 
@@ -107,9 +108,9 @@ def test_checkpoint_holds_the_models_own_names_and_optimizer_state(reference):
 
 
 def test_metrics_records(reference):
+    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.metrics import RECORD_KEYS
     from ms_deepseek.train.optim import lr_fn
-    from ms_deepseek.spec.recipe import OptimSection
 
     run_dir, _ = reference
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -131,8 +132,8 @@ def test_metrics_records(reference):
 
 
 def test_non_finite_numbers_are_written_as_strings(tmp_path):
-    from ms_deepseek.train.metrics_io import read_metrics
     from ms_deepseek.train.metrics import MetricsWriter, json_number
+    from ms_deepseek.train.metrics_io import read_metrics
 
     assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == \
         {"a": "NaN", "b": ["Infinity", "-Infinity", 1.5]}
@@ -207,8 +208,8 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     import mindspore as ms
     from mindspore import Parameter, Tensor, nn
 
-    from ms_deepseek.train import optim
     from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.train import optim
     from ms_deepseek.train.step import Update
 
     ms.set_seed(0)
@@ -367,9 +368,9 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
-    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
-    from ms_deepseek.train import trainer
     from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.train import trainer
+    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -439,8 +440,8 @@ def test_weight_decay_skips_norms_biases_and_routers():
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
-    from ms_deepseek.train import optim
     from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.train import optim
     from ms_deepseek.train.step import Update
 
     names = ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",

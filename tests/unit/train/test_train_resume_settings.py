@@ -6,11 +6,11 @@ refused in one line naming each field and its consequence (unless --allow-change
 and applied, and a LoRA run resumed without `lora:` (or the reverse) says so."""
 
 import pytest
-
 from test_train import data_dir, losses_of, recipe_dict, write_recipe  # noqa: F401 (fixtures)
 
-from builders import SMALL_MODEL, main_captured
 from ms_deepseek.core.errors import UserError
+
+from builders import SMALL_MODEL, main_captured
 
 
 def test_a_resume_without_the_runs_settings_is_refused_naming_them(data_dir, tmp_path):
