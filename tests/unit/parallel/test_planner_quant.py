@@ -44,7 +44,7 @@ def _numel(shape):
     return n
 
 
-def _held(quant, parallel=ParallelConfig()):  # noqa: B008 (a frozen dataclass)
+def _held(quant, parallel=ParallelConfig()):  # noqa: B008 (read, never mutated)
     inv = lora_inventory(CFG, LORA)
     return param_bytes(CFG, parallel, Precision(compute_bytes=2), inv, quant=quant)[0]
 
