@@ -189,13 +189,13 @@ def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *
 
 
 def _float_source(src: Path):
-    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.checkpoint.opener import CheckpointKind, open_checkpoint
 
     opened = open_checkpoint(src)
     if opened.quant is not None:
         raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
                         "quantize the original checkpoint")
-    if opened.kind not in ("hf", "ms"):
+    if opened.kind not in (CheckpointKind.HF, CheckpointKind.MS):
         raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
                         "(convert a training checkpoint with `convert ms-to-hf` first)")
     return opened
