@@ -5,7 +5,7 @@
 * :class:`Throughput`: the metrics counters of the logged interval and of the steady state (steps
   after the first, compile, step of a call): tokens/s, data wait, compile time, the losses;
 * :class:`Checkpointer`: one checkpoint of the run: the model and optimizer tensors (written by the
-  layout, :mod:`ms_deepseek.train.layouts`) and ``state.json``, assembled from the parts above and
+  layout, :mod:`ms_deepseek.train.parallelism`) and ``state.json``, assembled from the parts above and
   the data position (the dataset's own ``state_dict``).
 
 The data position is the dataset's (``data.dataset``: ``state_dict()``, and ``state=`` when built).
@@ -115,4 +115,4 @@ class Checkpointer:
 
     def save(self, trainer, step: int) -> Optional[Path]:
         """Every rank takes part; the path of the checkpoint written (rank 0's), or None on other ranks."""
-        return trainer.layout.save(trainer, step, self.state(step))
+        return trainer.parallelism.save(trainer, step, self.state(step))

@@ -38,8 +38,8 @@ from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.distributed import any_rank
-from ms_deepseek.train.layouts import layout_of_run, this_stage
 from ms_deepseek.train.lora_run import LoraModel, model_converter
+from ms_deepseek.train.parallelism import parallelism_of, this_stage
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
 from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_newer
 
@@ -113,7 +113,7 @@ class _StepOut:
 class Trainer:
     """One worker's run of a recipe. :meth:`run` is the whole algorithm over parts that own their state:
 
-    the layout (:mod:`.layouts`: data parallel or sharded), the model converter (:mod:`.lora_run`: a full
+    the layout (:mod:`.parallelism`: data parallel or sharded), the model converter (:mod:`.lora_run`: a full
     model or LoRA / QLoRA), the data position (the dataset), :class:`~.components.RunCounters`,
     :class:`~.components.RngState`, the optimizer tensors, the metrics counters
     (:class:`~.components.Throughput`) and the :class:`~.components.Checkpointer` that saves them all.
@@ -139,9 +139,9 @@ class Trainer:
         self.resume, self.force, self.progress, self.max_steps = resume, force, progress, max_steps
 
     @property
-    def layout(self):
-        """This run's layout strategy (:mod:`.layouts`)."""
-        return layout_of_run(self.sharded)
+    def parallelism(self):
+        """This run's layout strategy: data parallel or sharded (:mod:`.parallelism`)."""
+        return parallelism_of(self.sharded)
 
     def run(self) -> TrainResult:
         self._check_layout()
@@ -193,14 +193,14 @@ class Trainer:
 
     def _check_layout(self) -> None:
         par = self.par
-        self.layout.check(self.recipe)
+        self.parallelism.check(self.recipe)
         if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
                             "set it to false to train on CPU")
         self.plan = fit_plan(self.recipe, self.force)
         if par.world_size > 1 and not is_distributed():
-            raise UserError(f"{self.layout.workers_message(par)} needs {par.world_size} workers; start them with "
+            raise UserError(f"{self.parallelism.workers_message(par)} needs {par.world_size} workers; start them with "
                             "`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker")
 
     def _setup_run(self) -> None:
@@ -208,7 +208,7 @@ class Trainer:
         self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
-        self.is_main = self.rank == self.layout.log_rank(self.par)
+        self.is_main = self.rank == self.parallelism.log_rank(self.par)
         self.resume_dir = self._resume_dir()
         self.state = ckpt_mod.read_state(self.resume_dir) if self.resume_dir else {}
         self.start_step = int(self.state.get("step", 0))
@@ -244,12 +244,12 @@ class Trainer:
         from ms_deepseek.data.validation import build_validation, build_validation_by_source
 
         recipe, cfg = self.recipe, self.cfg
-        data_rank, data_world, self.rows = self.layout.data_coordinates(self.rank, self.world, self.par,
+        data_rank, data_world, self.rows = self.parallelism.data_coordinates(self.rank, self.world, self.par,
                                                                         recipe.train.micro_batch_size)
         self.dataset = build_train_dataset(recipe.data, self.rows, data_rank, data_world,
                                            state=self.state.get("data"), max_positions=cfg.max_position_embeddings,
                                            vocab_size=cfg.vocab_size, progress=self.progress and self.is_main,
-                                           static_shapes=self.layout.static_shapes)
+                                           static_shapes=self.parallelism.static_shapes)
         self.seq_len = self.dataset.seq_len
         self.batches = first_batch_checked(self.dataset)
         # read once now (a bad validation set fails before compiling); the same batches every time. A
@@ -278,7 +278,7 @@ class Trainer:
         np.random.seed(self.recipe.train.seed)
         weights_folder = self.converter.weights_folder(self.recipe, self.run_dir)
         load = weights_folder if self.converter.loads_weights(self.resume_dir) else None
-        model = self.layout.build_model(self.cfg, load, self.progress and self.is_main,
+        model = self.parallelism.build_model(self.cfg, load, self.progress and self.is_main,
                                         _config_changes(self.recipe, load) if load is not None else {})
         self.converter.convert(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
                                base=weights_folder, sharded=self.sharded)
@@ -307,7 +307,7 @@ class Trainer:
             # asynchronous launch costs ~0.8 ms per op on 2 cores: synchronous is 2.2x faster here
             ms.runtime.launch_blocking()
         # data parallel: average gradients here; sharded layouts: AutoParallel inserts the reductions
-        reducer = self.layout.grad_reducer(optimizer, world)
+        reducer = self.parallelism.grad_reducer(optimizer, world)
         self.dynamic = cfg.compute_dtype == "float16"
         self.moe_layers = cfg.moe_layer_indices
         self.E = cfg.n_routed_experts or 0
@@ -319,11 +319,11 @@ class Trainer:
                                        grad_reducer=reducer, wrap_net=wrap)
         self.opt_shards = None  # sharded + parallel.optimizer_shard: set after the compile (_restore)
         self.strategy_file = self.run_dir / "strategy" / f"rank_{self.rank:05d}.ckpt"
-        self.step_cell = self.layout.wrap_step(step_cell, par, self.strategy_file)
+        self.step_cell = self.parallelism.wrap_step(step_cell, par, self.strategy_file)
         self.opt_tensors = dict(optim.optimizer_state(optimizer))
         self.opt_tensors["loss_scale"] = update.loss_scale
         self.opt_tensors["loss_scale_good_steps"] = update.good_steps
-        self.stats_mean = self.layout.stats_mean(world)
+        self.stats_mean = self.parallelism.stats_mean(world)
 
     def _restore(self) -> None:
         """Resume: model + optimizer tensors and the RNG state of the checkpoint, read for this run's layout.
@@ -331,8 +331,8 @@ class Trainer:
         The checkpoint may be whole or sharded and of another layout: each tensor (or, in a sharded
         run, this rank's slice of it) is read from whatever the checkpoint holds. A sharded run
         compiles first (its parameters are slices then) and, without a checkpoint, reads its slices
-        of the weights folder (it was built without allocating): ``layouts.Sharded.prepare_restore``."""
-        layout = self.layout.prepare_restore(self)
+        of the weights folder (it was built without allocating): ``parallelism.Sharded.prepare_restore``."""
+        layout = self.parallelism.prepare_restore(self)
         if self.resume_dir is None:
             return
         resumed = open_for_resume(self.resume_dir)
@@ -344,7 +344,7 @@ class Trainer:
         RngState().load_state_dict(self.state.get("rng", {}))
 
     def _this_stage(self, tensors: Dict[str, object], layout) -> Dict[str, object]:
-        """The tensors this rank's pipeline stage holds (``layouts.this_stage``)."""
+        """The tensors this rank's pipeline stage holds (``parallelism.this_stage``)."""
         return this_stage(tensors, layout, self.rank, self.par)
 
     @property
@@ -484,7 +484,7 @@ class Trainer:
             from ms_deepseek.train.evaluate import Evaluator
 
             self.evaluator = Evaluator(self.model, self.validation.batches, self.world,
-                                       parallel=self.layout.eval_parallel(self.par))
+                                       parallel=self.parallelism.eval_parallel(self.par))
         start = time.time()
         result = self.evaluator()
         for name, per_source in self.validation_by_source.items():  # the same compiled eval graph

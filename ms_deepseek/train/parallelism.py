@@ -4,7 +4,7 @@
 ``DistributedGradReducer``, rank 0 writes whole checkpoints) and :class:`Sharded` (tp / pp / ep / optimizer
 sharding, Ascend: the model is built unallocated, the step is wrapped by ``AutoParallel`` and compiled before
 any weight is read, every rank reads and writes only its slices, the checkpoint has a ``layout.json``).
-The trainer asks its layout (:func:`layout_of_run`) instead of branching on the layout itself.
+The trainer asks its layout (:func:`parallelism_of`) instead of branching on the layout itself.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class Sharded:
 DATA_PARALLEL, SHARDED = DataParallel(), Sharded()
 
 
-def layout_of_run(sharded: bool):
+def parallelism_of(sharded: bool):
     """:class:`Sharded` for a layout that shards the model (``ParallelConfig.uses_semi_auto``), else
     :class:`DataParallel`."""
     return SHARDED if sharded else DATA_PARALLEL
