@@ -166,6 +166,16 @@ class DeepseekV2MoE(nn.Cell):
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
 
+    def set_expert_placement(self, table: np.ndarray, groups: int, ep: int) -> None:
+        """The plan's expert placement (``sharding.apply``): the placement table [E, 2] (rank, slot), the
+        token groups (the plan's dp: capacity and slots per rank) and ep (the exchange view
+        [G/ep, ep, E, C, H], ``ranks.exchange_view``); the router's device-level balance losses and the
+        lookup's experts per rank follow. The stacked weights' buffer order is the plan's to set."""
+        self.expert_placement.set_data(Tensor(table))
+        self.groups, self.ep = groups, ep
+        self.gate.set_expert_parallel(ep)
+        self.lookup.set_experts_per_rank(self.num_experts // ep)  # in place: the op keeps its strategy
+
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
         (None: dropless); the rule is :func:`ms_deepseek.spec.dispatch_shapes.capacity`."""

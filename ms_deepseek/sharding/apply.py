@@ -197,20 +197,11 @@ def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -
     order = buffer_order(table)
     identity = bool((order == np.arange(E)).all())
     for path, cell in cells.items():
-        placement = getattr(cell, "expert_placement", None)
-        if placement is None:
+        if not callable(getattr(cell, "set_expert_placement", None)):  # the MoE layers (DeepseekV2MoE)
             continue
-        placement.set_data(ms.Tensor(table))
-        applied.placements[placement.name] = table
-        if hasattr(cell, "groups"):
-            cell.groups = dp  # one token group per data-parallel rank: capacity and slots per rank
-            cell.ep = ep      # the dp -> ep exchange view [dp/ep, ep, E, C, H] (ranks.exchange_view)
-        gate = getattr(cell, "gate", None)
-        if gate is not None and hasattr(gate, "set_expert_parallel"):
-            gate.set_expert_parallel(ep)  # the device-level balance losses' groups
-        lookup = getattr(cell, "lookup", None)
-        if lookup is not None and hasattr(lookup, "set_experts_per_rank"):
-            lookup.set_experts_per_rank(E // ep)  # in place: the op keeps the strategy set in step 1
+        # one token group per data-parallel rank (capacity and slots per rank); the dp -> ep exchange view
+        cell.set_expert_placement(table, groups=dp, ep=ep)
+        applied.placements[cell.expert_placement.name] = table
         if not identity:
             # Buffer row r holds the tokens of expert order[r]; the batched matmul multiplies row r
             # by stacked weight r, so the stacked weights are permuted into buffer order.
