@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.decode import cache_figures
-    from ms_deepseek.spec.config import get_preset
 
     ms.set_seed(args.seed)
     cfg = get_preset(args.preset)

@@ -15,7 +15,7 @@
 * :mod:`.quant_format`, :mod:`.quantize` the quantized (QLoRA base) format and ``convert quantize``.
 
 The atomic folder writer is :mod:`ms_deepseek.core.atomic`; the model's name/shape table is
-:mod:`ms_deepseek.spec.inventory`.
+:mod:`ms_deepseek.config.inventory`.
 """
 
 

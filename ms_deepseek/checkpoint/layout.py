@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.checkpoint.quant_format import is_quantized_weight, quantized_entries
+from ms_deepseek.config.inventory import parameter_inventory
+from ms_deepseek.config.lora import LoraSpec, lora_inventory
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
-from ms_deepseek.spec.inventory import parameter_inventory
-from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 
 LAYOUT_FILE = "layout.json"
 RANK_DIR_GLOB = "rank_[0-9][0-9][0-9][0-9][0-9]"

@@ -9,7 +9,7 @@ a tensor:
 * ``sharded``: ``rank_RRRRR/`` slices described by ``layout.json`` (training or pre-sharded).
 
 A LoRA run's checkpoint (whole or sharded) holds adapters and trained routers, not a model:
-:attr:`Opened.lora` is then its :class:`~ms_deepseek.spec.lora.LoraSpec`, and its tensors are
+:attr:`Opened.lora` is then its :class:`~ms_deepseek.config.lora.LoraSpec`, and its tensors are
 checked against the adapter inventory.
 
 Everything that reads checkpoints goes through here: ``from_pretrained``, resume, per-rank
@@ -31,11 +31,11 @@ from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
 from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource
 from ms_deepseek.checkpoint.training import read_recipe
+from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.model import DeepseekV2Config
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.quant import QuantSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 

@@ -26,8 +26,8 @@ from ms_deepseek.checkpoint.quant_format import (
     read_quant_config,
     stored_array,
 )
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.quant import QuantSpec
 
 
 # ------------------------------------------------------------------------------ the converter

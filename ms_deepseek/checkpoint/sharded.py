@@ -35,11 +35,11 @@ from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout
 from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
 from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
+from ms_deepseek.config import names
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.atomic import atomic_folder, check_destination
 from ms_deepseek.parallel.validate import validate_layout
-from ms_deepseek.spec import names
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 
@@ -217,7 +217,7 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
     _check_strategy_files(src_folder, model.layout)
 
     def plan_fn(_):
-        from ms_deepseek.spec.inventory import expected_ms_shapes
+        from ms_deepseek.config.inventory import expected_ms_shapes
 
         out: List[OutTensor] = []
         for name in expected_ms_shapes(cfg):

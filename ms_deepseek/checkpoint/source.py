@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ms_deepseek.checkpoint.safetensors_io import FileHeader, TensorInfo, read_header
+from ms_deepseek.config import names
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import is_file, json_loads
-from ms_deepseek.spec import names
-from ms_deepseek.spec.config import DeepseekV2Config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

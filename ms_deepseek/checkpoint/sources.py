@@ -25,9 +25,9 @@ import numpy as np
 
 from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo, read_header
+from ms_deepseek.config import names
 from ms_deepseek.core.dtypes import BY_SAFETENSORS
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec import names
 
 RAW_DTYPES = {code: d.raw for code, d in BY_SAFETENSORS.items()}  # the stored bits, by safetensors code
 

@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, encode_array, header_bytes, numel
 from ms_deepseek.checkpoint.source import INDEX_NAME, SINGLE_NAME
+from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import safetensors_code
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes
 
 _CHUNK = 1 << 22  # elements encoded at a time
 _POOL = 1 << 24   # normal values drawn up front

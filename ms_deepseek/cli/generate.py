@@ -79,9 +79,9 @@ def _recipe_tokenizer(recipe_path: Path):
     """The tokenizer of the data a training run used, from its recipe.yaml."""
     import yaml
 
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.core.schema import from_dict
     from ms_deepseek.data.tokenizer import load_tokenizer
-    from ms_deepseek.spec.data import DataConfig
 
     try:
         recipe = yaml_load(recipe_path.read_text(encoding="utf-8"), recipe_path) or {}
@@ -137,7 +137,7 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     from ms_deepseek.checkpoint.training import GENERATE, resolve_checkpoint
 
     folder = resolve_checkpoint(path, GENERATE)
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(folder / "config.json")
     tok = find_tokenizer(folder, tokenizer)

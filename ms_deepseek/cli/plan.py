@@ -172,7 +172,7 @@ def _precision(args, cfg):
 
 
 def _model(args):
-    from ms_deepseek.spec.config import load_model_config
+    from ms_deepseek.config.model import load_model_config
 
     cfg = load_model_config(args.model)
     changes = {"compute_dtype": args.compute_dtype or "bfloat16"}
@@ -186,7 +186,7 @@ def _model(args):
 
 
 def _layout(args, npus: int, global_batch: int):
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
     if args.dp is None:
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _lora(args, section):
     """The LoRA workload from --lora-r / --lora-targets / --train-router over the recipe's section."""
-    from ms_deepseek.spec.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
+    from ms_deepseek.config.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
 
     if args.lora_r is None and args.lora_targets is None and section is None:
         if args.train_router:
@@ -307,7 +307,7 @@ def _lora(args, section):
 
 def _quant(args, section, lora):
     """The quantized base from --quant-bits / --quant-group-size over the recipe's ``quant:`` section."""
-    from ms_deepseek.spec.quant import QuantSpec
+    from ms_deepseek.config.quant import QuantSpec
 
     if args.quant_bits is None and args.quant_group_size is None:
         return section
@@ -365,8 +365,8 @@ def _recipe_overrides(args) -> List[str]:
 def _check_recipe(args, hw):
     import dataclasses
 
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
     from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
 
     flag_sets = _recipe_overrides(args)
     as_written = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))

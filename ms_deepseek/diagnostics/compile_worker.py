@@ -190,7 +190,7 @@ def run(request_path: str) -> int:
     result: Dict[str, object] = {"rank": int(os.environ.get("RANK_ID", "0")), "graphs": {}}
     start = time.time()
     try:
-        from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+        from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
         try:
             recipe = load_recipe(request["recipe"], request.get("overrides", []),

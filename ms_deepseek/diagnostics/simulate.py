@@ -39,9 +39,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, parameter_inventory, stage_of_param
-from ms_deepseek.spec.parallel import ParallelConfig
 
 TOLERANCE = 1e-5
 SMALL_SEQ_LEN = 8        # tokens per sequence in the reduced model (the recipe's length, cut)

@@ -19,7 +19,7 @@ import time
 
 def smoke_config():
     """The ``tiny`` preset made smaller still: two layers (one dense, one MoE with 4 experts)."""
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     cfg = get_preset("tiny")
     return dataclasses.replace(
@@ -44,9 +44,9 @@ def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int =
     import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.config.recipe import OptimSection, TrainSection
     from ms_deepseek.core.runtime import use_device
-    from ms_deepseek.spec.parallel import ParallelConfig
-    from ms_deepseek.spec.recipe import OptimSection, TrainSection
     from ms_deepseek.train.optim import build_optimizer
     from ms_deepseek.train.step import build_step
 

@@ -23,13 +23,13 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.block import DecoderLayer
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
 from ms_deepseek.model.loss import IGNORE_INDEX, VocabParallelCrossEntropy  # noqa: F401 (IGNORE_INDEX re-exported)
 from ms_deepseek.model.mla import causal_mask
 from ms_deepseek.model.rope import RotaryEmbedding
-from ms_deepseek.spec.config import DeepseekV2Config
 
 
 class CausalLMOutput(NamedTuple):

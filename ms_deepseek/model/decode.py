@@ -30,9 +30,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.model.layers import to_ms_dtype
-from ms_deepseek.spec.config import DeepseekV2Config
 
 
 @dataclass

@@ -20,10 +20,10 @@ from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import encode_array
 from ms_deepseek.checkpoint.sources import full_slice, to_float32
+from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.loading import read_tensor
-from ms_deepseek.spec.lora import LoraSpec
 
 BASE_DIR = "base"  # RUN_DIR/base: a LoRA run's random base, written once in the HF layout
 
@@ -208,7 +208,7 @@ class _Merger:
     """The adapter's deltas by base tensor name, and the output tensors of one base file."""
 
     def __init__(self, factors, routers, num_experts: int, adapter_folder: Path):
-        from ms_deepseek.spec import names
+        from ms_deepseek.config import names
 
         self.routers, self.E, self.adapter_folder, self.factors = routers, num_experts, adapter_folder, factors
         # per HF tensor name: (A [r, in], B [out, r], scaling); stacked [E, ...] factors under our stacked name
@@ -247,7 +247,7 @@ class _Merger:
     def plan_file(self, ckpt, src: Path, scratch: Path, scratch_file) -> list:
         """The output tensors of base file ``src``: merged ones encoded into ``scratch``, the rest byte ranges."""
         from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment
-        from ms_deepseek.spec import names
+        from ms_deepseek.config import names
 
         planned = []
         for info in sorted((i for i in ckpt.tensors.values() if i.file == src), key=lambda i: i.offset):
@@ -273,7 +273,7 @@ class _Merger:
 
     def check_all_applied(self, base: Path) -> None:
         """Every adapter and router found its base tensor (else the adapter is for another base)."""
-        from ms_deepseek.spec import names
+        from ms_deepseek.config import names
 
         for path, (a, _b, _s) in sorted(self.factors.items()):
             stack = f"{path}.weight"

@@ -18,9 +18,9 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.lora import PEFT_PREFIX
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
-from ms_deepseek.spec.lora import PEFT_PREFIX
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

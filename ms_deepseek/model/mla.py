@@ -23,10 +23,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
 from ms_deepseek.model.rope import apply_rotary, softmax_scale
 from ms_deepseek.ops import FP32Softmax
-from ms_deepseek.spec.config import DeepseekV2Config
 
 MASK_VALUE = -1e30  # additive causal mask; exp() of it underflows to exactly 0 in float32
 

@@ -12,7 +12,7 @@ model single-device math with the split left to the plan (``parallel/plan.py``).
 
 Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.sharding.apply.apply_plan`
 sets it; N = B*T/G local tokens; batch rows are rank-major because the batch axis is split
-by dp; C = :func:`ms_deepseek.spec.dispatch_shapes.capacity` per group):
+by dp; C = :func:`ms_deepseek.config.dispatch_shapes.capacity` per group):
 
 1. router on the local tokens ``[G*N, H]`` -> ``topk_idx`` ``[G, N, k]`` and weights;
 2. ``ExpertLookup`` per group: buffer row (placement table ``expert_placement`` [E, 2] =
@@ -51,13 +51,13 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from ms_deepseek.config import dispatch_shapes
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
 from ms_deepseek.ops.backend import device_target
 from ms_deepseek.parallel.ranks import exchange_view
-from ms_deepseek.spec import dispatch_shapes
-from ms_deepseek.spec.config import DeepseekV2Config
 
 
 def default_placement(num_experts: int, ep: int) -> np.ndarray:
@@ -178,7 +178,7 @@ class DeepseekV2MoE(nn.Cell):
 
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
-        (None: dropless); the rule is :func:`ms_deepseek.spec.dispatch_shapes.capacity`."""
+        (None: dropless); the rule is :func:`ms_deepseek.config.dispatch_shapes.capacity`."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
                                         self.capacity_multiple)

@@ -35,10 +35,10 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.moe import RoutedExperts, StackedWeight, stacked_project
-from ms_deepseek.spec.quant import QuantSpec
 
 
 def _on_ascend() -> bool:

@@ -1,12 +1,12 @@
 """Parallelism as pure Python: the sharding plan (data, :mod:`.plan`), the layout validator, the
 memory / speed planner and its cost model, expert placement tables, rank geometry and device-memory
 reservation. Applying the plan to a built model's Cells is :mod:`ms_deepseek.sharding.apply`; the
-recipe's ``parallel`` section is :class:`ms_deepseek.spec.parallel.ParallelConfig` (re-exported).
+recipe's ``parallel`` section is :class:`ms_deepseek.config.parallel.ParallelConfig` (re-exported).
 
 Importing this package does not import MindSpore; :mod:`.memory` does so lazily.
 """
 
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.config.parallel import ParallelConfig
 
 
 def memory_metrics():

@@ -6,7 +6,7 @@ the name says otherwise. ``n`` = tokens of one micro-batch on one data-parallel
 rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
 
 The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
-read from :func:`ms_deepseek.spec.dispatch_shapes.dispatch_buffers`, the shapes the MoE
+read from :func:`ms_deepseek.config.dispatch_shapes.dispatch_buffers`, the shapes the MoE
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
 [dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
 real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel.ranks.ep_group_of_rank`).
@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ms_deepseek.config.dispatch_shapes import dispatch_buffers
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec, is_quantized
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.plan import (
@@ -30,10 +34,6 @@ from ms_deepseek.parallel.plan import (
     stage_of_param,
 )
 from ms_deepseek.parallel.ranks import ep_group_of_rank
-from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec, is_quantized
 
 GB = 1024 ** 3
 
@@ -174,7 +174,7 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
                 threshold_kb: int = 64, quant: Optional[QuantSpec] = None) -> List[Dict[str, float]]:
     """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices.
 
-    With ``quant`` the base weights :func:`ms_deepseek.spec.quant.is_quantized` names count
+    With ``quant`` the base weights :func:`ms_deepseek.config.quant.is_quantized` names count
     ``bits / 8`` bytes per element plus their float32 scales and offsets, and keep no cast copy;
     ``dequant`` is the largest of them dequantised to float32 (docs/planner.md, "Quantized base").
     """

@@ -13,7 +13,7 @@ degrees into
 
 This module is pure Python (no MindSpore import): the planner reads the same table
 to size every parameter's per-NPU shard from the model's name/shape table
-(:func:`ms_deepseek.spec.inventory.parameter_inventory`, re-exported here).
+(:func:`ms_deepseek.config.inventory.parameter_inventory`, re-exported here).
 
 Strategy conventions (MindSpore: one integer per tensor axis, the number of slices):
 
@@ -446,8 +446,8 @@ class Plan:
 
 
 # ------------------------------------------------------------------- parameter inventory
-# The model's name/shape table lives in ms_deepseek.spec.inventory (shared with the converter and loaders).
-from ms_deepseek.spec.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
+# The model's name/shape table lives in ms_deepseek.config.inventory (shared with the converter and loaders).
+from ms_deepseek.config.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------ pipeline stages

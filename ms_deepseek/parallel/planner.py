@@ -20,15 +20,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ms_deepseek.config.lora import lora_inventory
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import group_size_problem
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel import costs
 from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
 from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, parameter_inventory, shard_numel, stage_of_param
 from ms_deepseek.parallel.validate import layout_problems
-from ms_deepseek.spec.lora import lora_inventory
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import group_size_problem
 
 TP_CHOICES = (1, 2, 4, 8, 16)
 DEFAULT_PLAN = Plan()
@@ -147,7 +147,7 @@ _SUMMARIES: Dict[str, Dict[str, Any]] = {}  # one per model config: a search est
 
 
 def _model_summary(cfg) -> Dict[str, Any]:
-    from ms_deepseek.spec.inventory import count_parameters
+    from ms_deepseek.config.inventory import count_parameters
 
     key = repr(cfg)
     if key not in _SUMMARIES:
@@ -289,7 +289,7 @@ PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0
 
 def calibration_anchors() -> Dict[str, Dict[str, Any]]:
     """The two published runs the efficiency ends are fitted on (docs/planner.md, "Efficiencies")."""
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     v2 = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16")
     return {

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import List, Tuple, Union
 
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.config.parallel import ParallelConfig
 
 # The step's dataset inputs: input_ids [k * b, T] and labels [k * b, T].
 STEP_INPUTS = 2

@@ -31,12 +31,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.custom_shard import custom_layouts
 from ms_deepseek.parallel.placement import buffer_order, placement_table
 from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
 from ms_deepseek.parallel.ranks import dataset_strategy
-from ms_deepseek.spec.parallel import ParallelConfig
 
 
 @dataclass

@@ -247,7 +247,7 @@ def _moe_edges() -> List[Edge]:
     """The MoE dataflow as built (one group per dispatch design; an MoE layer must match one)."""
     m = "mlp."
     edges: List[Edge] = []
-    # Per-group dispatch (MindFormers MoE v1, ms_deepseek/spec/dispatch_shapes.py): tokens [G, N, H],
+    # Per-group dispatch (MindFormers MoE v1, ms_deepseek/config/dispatch_shapes.py): tokens [G, N, H],
     # buffer [G, E, C, H] viewed [G/ep, ep, E, C, H], transposed (0, 2, 1, 3, 4) to [G/ep, E, ep, C, H]
     # and read as the 4-D expert input [G/ep, E, ep*C, H]; the same way back before the combine gather.
     grouped = "per-group"

@@ -158,7 +158,7 @@ def load_base_slices(params: Dict[str, object], base: Path, cfg, parallel, spec,
 def describe(recipe) -> str:
     """The start line's LoRA part: rank, adapted modules, trained and frozen parameter counts (from the
     spec's inventory, so a sharded or quantized run counts its logical parameters) and a quantized base."""
-    from ms_deepseek.spec.lora import lora_inventory
+    from ms_deepseek.config.lora import lora_inventory
 
     spec = recipe.lora
     inventory = lora_inventory(recipe.model_config, spec)
@@ -176,7 +176,7 @@ def describe(recipe) -> str:
 
 def save_base(model, folder: Path) -> None:
     """The model's weights as an HF folder (per-expert names, the parameters' dtype), written atomically."""
-    from ms_deepseek.spec import names
+    from ms_deepseek.config import names
 
     cfg = model.config
     E = cfg.n_routed_experts or 0

@@ -95,8 +95,8 @@ def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
 def _normalized(saved: Dict) -> Dict:
     """The saved recipe with every default filled in, as the command's recipe is (a recipe.yaml written by an
     older version may lack fields added since); as saved when it does not build."""
+    from ms_deepseek.config.recipe import Recipe
     from ms_deepseek.core.schema import from_dict
-    from ms_deepseek.spec.recipe import Recipe
 
     try:
         data = {k: ({} if v is None else v) for k, v in saved.items()}

@@ -30,11 +30,11 @@ import numpy as np
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.checkpoint.opener import open_checkpoint, open_for_resume
 from ms_deepseek.checkpoint.tensors import restore_into
+from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.runtime import detect_device, use_device
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
-from ms_deepseek.spec.recipe import Recipe
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.distributed import any_rank
@@ -425,7 +425,7 @@ class Trainer:
         converted = self.converter.describe(recipe)
         if converted is not None:
             self._print(converted)
-        from ms_deepseek.spec.recipe import recipe_warnings
+        from ms_deepseek.config.recipe import recipe_warnings
 
         warnings = recipe_warnings(recipe)
         if hasattr(self.dataset, "repeat_warnings"):  # a weighted mixture: a source read too many times
@@ -549,7 +549,7 @@ class Trainer:
 
 def _config_changes(recipe: Recipe, folder=None) -> Dict:
     """Fields of the resolved config that differ from the folder's config.json (overrides, alphas)."""
-    from ms_deepseek.spec.config import load_model_config
+    from ms_deepseek.config.model import load_model_config
 
     base = load_model_config(str(folder) if folder is not None else recipe.model.source)
     cfg = recipe.model_config

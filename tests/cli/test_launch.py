@@ -123,8 +123,8 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     checkpoint of per-rank slices counts as complete."""
     from ms_deepseek.checkpoint.layout import LAYOUT_FILE
     from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
+    from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
-    from ms_deepseek.spec.parallel import ParallelConfig
 
     # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel.ranks.reads_full_batch:
     # MindSpore refuses the data-parallel dataset strategy there, found by compiling)
@@ -161,7 +161,7 @@ ATLAS = ATLAS_RECIPES
 def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
     """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
     each machine check it could not make; a real launch still refuses the missing inputs."""
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     monkeypatch.chdir(tmp_path)
     world = load_recipe(recipe, (), planning_config_path(recipe)).parallel.world_size

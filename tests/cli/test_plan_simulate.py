@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.diagnostics import simulate as S
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
 
 from repo_paths import REPO
 
@@ -148,9 +148,9 @@ def test_rows_read_is_the_loaders_rule(tmp_path):
     positions r, r + W, ... of the block a single reader takes for the same step."""
     import numpy as np
 
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.prepare import prepare_embedded_default
-    from ms_deepseek.spec.data import DataConfig
 
     corpus = tmp_path / "corpus"
     prepare_embedded_default(corpus, seq_len=16, vocab_size=512, max_bytes=60_000, progress=False)

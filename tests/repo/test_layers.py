@@ -25,7 +25,7 @@ PACKAGE = REPO / "ms_deepseek"
 # the layers, bottom up: a module may import its own layer and those below it
 LAYERS = [
     ("core",),
-    ("spec",),
+    ("config",),
     ("parallel", "data", "ops"),
     ("checkpoint",),
     ("model", "sharding"),
@@ -160,7 +160,7 @@ def test_a_planted_upward_import_fails(tmp_path, planted, expected):
         target = copy / path.relative_to(PACKAGE)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    (copy / "spec" / "planted.py").write_text(planted, encoding="utf-8")
+    (copy / "config" / "planted.py").write_text(planted, encoding="utf-8")
     assert any(expected in line for line in upward_imports(copy))
 
 

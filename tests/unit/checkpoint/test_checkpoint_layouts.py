@@ -21,9 +21,9 @@ from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write
 from ms_deepseek.checkpoint.source import read_weight_files
 from ms_deepseek.checkpoint.sources import WholeSource
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.config.inventory import expected_ms_shapes
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.inventory import expected_ms_shapes
-from ms_deepseek.spec.parallel import ParallelConfig
 
 from builders import small_config
 

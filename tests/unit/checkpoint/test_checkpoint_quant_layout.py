@@ -12,9 +12,9 @@ import pytest
 
 from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.checkpoint.sources import full_slice
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 from builders import small_config
 
@@ -65,7 +65,7 @@ def test_each_rank_reads_the_slice_mindspores_loader_cuts(quantized, spec, par):
 
 
 def _stored_names(src, cfg):
-    from ms_deepseek.spec import names
+    from ms_deepseek.config import names
 
     out = set()
     for n in src.tensors:

@@ -27,7 +27,7 @@ SMALL = dict(num_hidden_layers=2, vocab_size=512, max_position_embeddings=64)
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     folder = tmp_path_factory.mktemp("base") / "hf"
     write_random_checkpoint(folder, get_preset("tiny", **SMALL), dtype="float32")

@@ -19,7 +19,7 @@ from builders import small_config
 
 
 def _parallel():
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     return ParallelConfig(dp=4, tp=2, ep=2, optimizer_shard=True)
 

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import from_dict
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.packing import Packer, PackStats, sft_row
 from ms_deepseek.data.readers import discover_files, iter_documents
-from ms_deepseek.spec.data import DataConfig
 
 from data_helpers import write_jsonl
 

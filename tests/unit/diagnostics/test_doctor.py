@@ -376,7 +376,7 @@ def test_every_recipe_key_a_fix_names_exists():
     import re
     import typing
 
-    from ms_deepseek.spec.recipe import Recipe
+    from ms_deepseek.config.recipe import Recipe
 
     from repo_paths import REPO
 

@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ms_deepseek.cli import main
+from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LoraSpec
 
 from repo_paths import FIXTURES
 
@@ -138,7 +138,7 @@ def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, e
 
 def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)
     other = write_random_checkpoint(tmp_path / "other", cfg, dtype="float32")
@@ -161,9 +161,9 @@ def test_adapter_with_a_missing_expert_names_it(tmp_path):
 
 
 def test_targets_and_ranks_are_checked_against_the_model():
+    from ms_deepseek.config.model import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import DeepseekV2Config
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config.from_json(FIX / "base" / "config.json"))
     with pytest.raises(UserError, match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
@@ -179,7 +179,7 @@ def test_targets_and_ranks_are_checked_against_the_model():
                                                ({"use_dora": True}, "lora.use_dora"),
                                                ({"dropout": 1.0}, "lora.dropout")])
 def test_recipe_lora_section_refusals(lora_section, key):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     with pytest.raises(UserError) as info:
         load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": lora_section})
@@ -233,7 +233,7 @@ def test_export_of_a_full_training_run_or_a_missing_folder_is_one_line(tmp_path,
 def test_saved_recipe_round_trips_with_and_without_lora():
     import yaml
 
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     full = load_recipe_dict({"data": {"embedded_vocab_size": 4096}})
     assert "lora" not in full.to_dict() and load_recipe_dict(yaml.safe_load(full.to_yaml())).lora is None
@@ -247,11 +247,11 @@ def test_saved_recipe_round_trips_with_and_without_lora():
 def test_adapters_shard_with_their_base_layers(layout):
     """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
     that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
+    from ms_deepseek.config.model import DeepseekV2Config
+    from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.sharding.apply import apply_plan
-    from ms_deepseek.spec.config import DeepseekV2Config
-    from ms_deepseek.spec.parallel import ParallelConfig
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
     model = DeepseekV2ForCausalLM(cfg)

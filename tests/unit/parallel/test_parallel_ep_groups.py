@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ms_deepseek.checkpoint.layout import build_layout
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.parallel import costs, ranks
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
 
 from repo_paths import REPO  # noqa: E402
 
@@ -39,7 +39,7 @@ def _mindspore_expert_blocks(layout, devices):
 
 
 def _pretrain_256npu():
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "v2-pretrain-256npu.yaml")
     return recipe.parallel

@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
+from ms_deepseek.config.inventory import count_parameters
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
 from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.inventory import count_parameters
-from ms_deepseek.spec.parallel import ParallelConfig
 
 from builders import ATLAS_RECIPES
 from repo_paths import REPO
@@ -66,8 +66,8 @@ def test_efficiencies_are_the_calibrated_ones(end):
 
 def test_moe_buffers_come_from_the_dispatch_as_built():
     """The planner's MoE memory and AllToAll bytes are dispatch_shapes' per-device shapes."""
+    from ms_deepseek.config.dispatch_shapes import dispatch_buffers
     from ms_deepseek.parallel.costs import layer_ep_bytes, moe_buffers
-    from ms_deepseek.spec.dispatch_shapes import dispatch_buffers
 
     cfg = V2.replace(capacity_factor=2.0)
     layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20)
@@ -137,7 +137,7 @@ def test_search_ranks_fitting_layouts_by_speed():
 
 
 def _load(name, overrides=()):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
 
     # The planner needs the architecture, not the weights or the data: point the recipe at the
     # preset and at the embedded corpus (format pretrain) so it loads without prepared folders.
@@ -283,8 +283,8 @@ def test_reserve_device_memory_on_ascend(tmp_path):
 import json, sys
 import mindspore as ms
 ms.set_device("Ascend")
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.parallel.costs import Workload
 from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
 from ms_deepseek.parallel.planner import estimate
@@ -346,7 +346,7 @@ LORA_ALL = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
 
 
 def test_lora_inventory_freezes_the_base_and_adds_adapters():
-    from ms_deepseek.spec.lora import LoraSpec, lora_inventory
+    from ms_deepseek.config.lora import LoraSpec, lora_inventory
 
     cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16")
     base = parameter_inventory(cfg)
@@ -383,7 +383,7 @@ def test_lora_inventory_freezes_the_base_and_adds_adapters():
 def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
     import dataclasses
 
-    from ms_deepseek.spec.lora import LoraSpec
+    from ms_deepseek.config.lora import LoraSpec
 
     cfg = get_preset("deepseek-v2-lite", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,
@@ -399,7 +399,7 @@ def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
 
 
 def test_lora_v2_needs_two_nodes():
-    from ms_deepseek.spec.lora import LoraSpec
+    from ms_deepseek.config.lora import LoraSpec
 
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=64, flash_attention=True,

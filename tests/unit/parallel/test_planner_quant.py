@@ -7,13 +7,13 @@ import json
 import pytest
 
 from ms_deepseek.cli import main
+from ms_deepseek.config.lora import LoraSpec, lora_inventory
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.costs import Precision, Workload, param_bytes
 from ms_deepseek.parallel.planner import estimate
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.lora import LoraSpec, lora_inventory
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 from repo_paths import REPO
 

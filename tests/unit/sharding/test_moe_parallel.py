@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from ms_deepseek.config import dispatch_shapes
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics.simulate_moe import simulate_moe_layer
 from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 from ms_deepseek.model.moe import DeepseekV2MoE
 from ms_deepseek.parallel.plan import Mesh
 from ms_deepseek.sharding.apply import apply_plan
-from ms_deepseek.spec import dispatch_shapes
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
 
 
 def small_cfg(**kw):

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.diagnostics import simulate as S
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
 from ms_deepseek.sharding.lint import lint_model
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
 
 TINY = get_preset("tiny")
 DENSE = TINY.replace(n_routed_experts=None)  # no MoE: every layer a dense MLP

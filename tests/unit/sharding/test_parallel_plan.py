@@ -9,11 +9,11 @@ compile nothing (one PyNative forward checks that a custom expert placement keep
 import numpy as np
 import pytest
 
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel.costs import Precision, param_bytes
 from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
 
 CFG = get_preset("tiny")
 STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose",
@@ -198,7 +198,7 @@ def test_inventory_matches_model(model):
         assert inventory[name].shape == tuple(param.shape), name
         assert inventory[name].trainable == param.requires_grad, name
     total = sum(int(np.prod(p.shape)) for p in model.trainable_params())
-    from ms_deepseek.spec.inventory import count_parameters
+    from ms_deepseek.config.inventory import count_parameters
 
     assert total == count_parameters(CFG).total
 

@@ -47,7 +47,7 @@ def _fixture_recipe(data_dir, **changes):
 
 
 def _run(recipe_dict, run_dir: Path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import Trainer
 
     trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, None, False, False, None)
@@ -55,7 +55,7 @@ def _run(recipe_dict, run_dir: Path):
 
 
 def _base_params(model):
-    from ms_deepseek.spec import names
+    from ms_deepseek.config import names
 
     E = model.config.n_routed_experts
     out = {}
@@ -146,8 +146,8 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     with lora.train_router."""
     import mindspore as ms
 
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.recipe import load_recipe
 
     sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
             "optim.warmup_steps=2", "optim.lr=0.02",
@@ -196,7 +196,7 @@ SHARDED = ["--dp", "2", "--tp", "2", "--pp", "2", "--ep", "2"]
 
 
 def _parallel(**degrees):
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     return ParallelConfig(**{"micro_batches": degrees.get("pp", 1), **degrees})
 
@@ -209,7 +209,7 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     import filecmp
 
     from ms_deepseek.checkpoint.layout import build_layout, read_layout
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     _trainer, ref = fixture_run
     whole = ref.run_dir / "checkpoints" / "step_00000002"
@@ -301,8 +301,8 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
     from ms_deepseek.checkpoint.opener import open_checkpoint
     from ms_deepseek.checkpoint.sources import full_slice, to_float32
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.recipe import load_recipe_dict
     from ms_deepseek.train import lora_run
 
     recipe = load_recipe_dict(_fixture_recipe(data_dir, lora={"train_router": True}))

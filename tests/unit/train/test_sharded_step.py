@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from mindspore import ops
 
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.recipe import TrainSection
 from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
 from ms_deepseek.parallel.ranks import data_coordinates, dataset_strategy, reads_full_batch, rows_of_rank, stage_of_rank
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.recipe import TrainSection
 
 LAYOUTS = [
     ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2),
@@ -98,9 +98,9 @@ def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
 def test_ranks_read_disjoint_rows_of_the_real_dataset(tmp_path):
     """The dataset each rank builds from data_coordinates: tp peers identical, data slices disjoint,
     together the single reader's global batch."""
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.prepare import prepare_embedded_default
-    from ms_deepseek.spec.data import DataConfig
 
     corpus = tmp_path / "corpus"
     prepare_embedded_default(corpus, seq_len=16, vocab_size=512, max_bytes=60_000, progress=False)
@@ -229,8 +229,8 @@ def test_norm_marker_is_the_one_mindspore_completes():
 # ------------------------------------------------------------------------ pipeline step (item 4)
 @pytest.fixture(scope="module")
 def tiny_model():
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import get_preset
 
     cfg = get_preset("tiny", num_hidden_layers=2)
     ms.set_seed(0)
@@ -238,7 +238,7 @@ def tiny_model():
 
 
 def _optimizer(model):
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
 
     return optim.build_optimizer(model.trainable_params(), OptimSection(lr=1e-3, schedule="constant"), 10)
@@ -325,8 +325,8 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
     from mindspore import Parameter, Tensor, nn
     from mindspore.parallel.nn import Pipeline
 
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import get_preset
     from ms_deepseek.train.step import StepOutputs, Update, build_step, output_width
 
     cfg = get_preset("tiny", vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from safetensors import safe_open
 
 from ms_deepseek.checkpoint.layout import build_layout
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 
 from builders import attach_save_state
 

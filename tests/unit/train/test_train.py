@@ -108,7 +108,7 @@ def test_checkpoint_holds_the_models_own_names_and_optimizer_state(reference):
 
 
 def test_metrics_records(reference):
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train.metrics import RECORD_KEYS
     from ms_deepseek.train.optim import lr_fn
 
@@ -189,7 +189,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
     """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update).
 
     Run with selective recompute, which must not change the math either."""
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -208,7 +208,7 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     import mindspore as ms
     from mindspore import Parameter, Tensor, nn
 
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
     from ms_deepseek.train.step import Update
 
@@ -362,13 +362,13 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto"]) == 0
     assert capsys.readouterr().out.startswith("run complete:")
     with pytest.raises(UserError, match="checkpoint.resume: must be 'auto' or null"):
-        from ms_deepseek.spec.recipe import load_recipe_dict
+        from ms_deepseek.config.recipe import load_recipe_dict
 
         load_recipe_dict(recipe_dict(data_dir, checkpoint={"resume": "latest"}))
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train import trainer
     from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train.trainer import train
@@ -388,7 +388,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
 
 def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
     """model.source = a checkpoint folder: its weights are loaded (not a random init), overrides still apply."""
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -425,7 +425,7 @@ def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
 
 
 def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -440,7 +440,7 @@ def test_weight_decay_skips_norms_biases_and_routers():
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
     from ms_deepseek.train.step import Update
 

@@ -38,7 +38,7 @@ def _sets(data_dir, steps, **extra):
 
 
 def _recipe_file(tmp_path, data_dir, steps, **extra):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml", _sets(data_dir, steps, **extra))
     path = tmp_path / "recipe.yaml"
@@ -52,7 +52,7 @@ def _losses(run_dir):
 
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, data_dir):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("qlora")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 from builders import attach_save_state, small_config
 

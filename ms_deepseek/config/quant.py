@@ -3,7 +3,7 @@
 ``bits: 8``: symmetric int8, one scale per output channel; ``bits: 4``: symmetric int4, two values
 per byte, one scale per ``group_size`` input columns (``group_size: null`` = per output channel).
 Only the frozen base is quantized, so the section is valid only beside a ``lora:`` section
-(checked by :func:`ms_deepseek.spec.recipe.validate`). The checkpoint format and the layers are
+(checked by :func:`ms_deepseek.config.recipe.validate`). The checkpoint format and the layers are
 documented in ``docs/lora.md``.
 """
 
@@ -42,7 +42,7 @@ QUANTIZED_KINDS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
 
 
 def is_quantized(info) -> bool:
-    """Whether a :class:`ms_deepseek.spec.inventory.ParamInfo` of the base is stored quantized."""
+    """Whether a :class:`ms_deepseek.config.inventory.ParamInfo` of the base is stored quantized."""
     return (info.kind in QUANTIZED_KINDS and info.name.endswith(".weight") and len(info.shape) >= 2
             and ".lora_" not in info.name)
 

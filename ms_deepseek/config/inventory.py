@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.spec.config import check_model_size
+from ms_deepseek.config.model import check_model_size
 
 Shape = Tuple[int, ...]
 

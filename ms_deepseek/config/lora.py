@@ -17,9 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from ms_deepseek.config.inventory import ParamInfo, parameter_inventory
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import check_at_most, from_dict
-from ms_deepseek.spec.inventory import ParamInfo, parameter_inventory
 
 # the module leaves LoRA can adapt (attention, dense MLP, shared and routed experts; never lm_head)
 LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",

@@ -27,15 +27,15 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 import yaml
 
+from ms_deepseek.config.data import DataConfig
+from ms_deepseek.config.dispatch_shapes import max_tokens_per_group
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.model import DeepseekV2Config, check_model_size, load_model_config
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads, yaml_load
 from ms_deepseek.core.schema import MAX_BATCH, MAX_SEED, MAX_STEPS, apply_overrides, check_at_most, from_dict, to_dict
-from ms_deepseek.spec.config import DeepseekV2Config, check_model_size, load_model_config
-from ms_deepseek.spec.data import DataConfig
-from ms_deepseek.spec.dispatch_shapes import max_tokens_per_group
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -188,8 +188,8 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    lora: Optional[LoraSpec] = None       # LoRA fine-tuning (ms_deepseek.spec.lora); null = full fine-tuning
-    quant: Optional[QuantSpec] = None     # a quantized frozen base under LoRA (ms_deepseek.spec.quant)
+    lora: Optional[LoraSpec] = None       # LoRA fine-tuning (ms_deepseek.config.lora); null = full fine-tuning
+    quant: Optional[QuantSpec] = None     # a quantized frozen base under LoRA (ms_deepseek.config.quant)
     # filled by load_recipe (not YAML keys)
     source_path: Optional[str] = field(default=None, init=False, repr=False)
     model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from ms_deepseek.config.inventory import count_parameters
+from ms_deepseek.config.model import PRESET_NAMES, DeepseekV2Config, get_preset, load_model_config
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.rope import softmax_scale
-from ms_deepseek.spec.config import PRESET_NAMES, DeepseekV2Config, get_preset, load_model_config
-from ms_deepseek.spec.inventory import count_parameters
 
 
 def test_presets_give_published_parameter_counts():

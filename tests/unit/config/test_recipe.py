@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ms_deepseek.config.recipe import load_recipe, load_recipe_dict
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.recipe import load_recipe, load_recipe_dict
 from ms_deepseek.train.preflight import check_recipe, load_checked_recipe
 from ms_deepseek.train.schedules import lr_at, milestone_steps
 
@@ -56,7 +56,7 @@ def test_overrides_reach_every_section(tmp_path):
 
 
 def test_model_source_can_be_a_config_json(tmp_path):
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     get_preset("tiny", **SMALL).save(tmp_path / "config.json")
     recipe = load_recipe_dict(base(model={"source": str(tmp_path / "config.json"), "overrides": {}}))
@@ -95,7 +95,7 @@ def test_model_source_can_be_a_config_json(tmp_path):
     ({"logging": {"log_interval": 0}}, "logging.log_interval"),
 ])
 def test_bad_values_fail_at_load_naming_the_key(tmp_path, sections, key):
-    """Schema errors (spec.recipe) and what the run would not find on this machine (train.preflight)."""
+    """Schema errors (config.recipe) and what the run would not find on this machine (train.preflight)."""
     path = write(tmp_path, base(**sections))
     with pytest.raises(UserError) as err:
         load_checked_recipe(path)
@@ -107,7 +107,7 @@ def test_bad_values_fail_at_load_naming_the_key(tmp_path, sections, key):
 
 def test_micro_batch_beyond_the_dispatch_sort_keys_is_refused_at_load():
     """3 x top-k x tokens per data-parallel rank must stay below 2**24 (the MoE dispatch's float32 keys)."""
-    from ms_deepseek.spec.dispatch_shapes import max_tokens_per_group
+    from ms_deepseek.config.dispatch_shapes import max_tokens_per_group
 
     k = load_recipe_dict(base()).model_config.num_experts_per_tok
     fits = max_tokens_per_group(k) // 32  # micro-batch rows of 32 tokens
@@ -176,7 +176,7 @@ def test_schedule_cells_match_the_python_math(schedule):
     """The Cells the optimizer calls (graph mode) give the same lr as ``lr_at``, step by step."""
     import mindspore as ms
 
-    from ms_deepseek.spec.recipe import OptimSection
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
 
     cfg = OptimSection(lr=1e-3, min_lr=1e-4, schedule=schedule, warmup_steps=4, milestones=[0.5, 0.75])

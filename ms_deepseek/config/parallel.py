@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
+from ms_deepseek.config.model import MAX_EXPERTS, MAX_LAYERS
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, check_at_most
-from ms_deepseek.spec.config import MAX_EXPERTS, MAX_LAYERS
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 
