@@ -1,8 +1,8 @@
 """All checkpoint I/O of ms_deepseek, in one place: files and names, no Cells.
 
 * :mod:`.opener`         the one opener (``open_checkpoint``): HF, ms, training, sharded, LoRA folders;
-* :mod:`.source`         the weight files of a whole folder (config, index + shards, tensor locations);
-* :mod:`.sources`        slice readers over whole or sharded folders (only the bytes a slice needs);
+* :mod:`.weight_files`   the weight files of a whole folder (config, index + shards, tensor locations);
+* :mod:`.slice_readers`  slice readers over whole or sharded folders (only the bytes a slice needs);
 * :mod:`.safetensors_io` the one safetensors reader and writer (headers, byte ranges, host arrays);
 * :mod:`.tensors`        model / optimizer tensors in and out of training checkpoints, RNG state,
                          experts always stored in HF order;

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Union
 
 from ms_deepseek.checkpoint.convert_plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_NAMES, read_header, write_file
-from ms_deepseek.checkpoint.source import INDEX_NAME, WeightFiles, read_weight_files
+from ms_deepseek.checkpoint.weight_files import INDEX_NAME, WeightFiles, read_weight_files
 from ms_deepseek.core.atomic import check_destination, fsync_path, install, temporary_sibling
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import created_parents, remove_empty_dirs

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, OutTensor, TensorInfo, order_for_alignment
-from ms_deepseek.checkpoint.source import WeightFiles
+from ms_deepseek.checkpoint.weight_files import WeightFiles
 from ms_deepseek.config import names
 from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
 from ms_deepseek.config.names import layer_key

@@ -14,7 +14,7 @@ checked against the adapter inventory.
 
 Everything that reads checkpoints goes through here: ``from_pretrained``, resume, per-rank
 loading, resharding, merge to HF and LoRA export. The converter's byte copies read the weight
-files (:mod:`.source`) this opener is built on.
+files (:mod:`.weight_files`) this opener is built on.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from ms_deepseek.checkpoint.convert_plan import check_tensors
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header
-from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
-from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource
+from ms_deepseek.checkpoint.slice_readers import ShardedSource, WholeSource
 from ms_deepseek.checkpoint.training import read_recipe
+from ms_deepseek.checkpoint.weight_files import WeightFiles, check_config_scale, read_weight_files
 from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
 from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.config.model import DeepseekV2Config

@@ -38,8 +38,8 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
 
     from ms_deepseek.checkpoint.convert import ConvertResult, parse_size
     from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
-    from ms_deepseek.checkpoint.source import INDEX_NAME
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
+    from ms_deepseek.checkpoint.weight_files import INDEX_NAME
     from ms_deepseek.core.atomic import atomic_folder, check_destination
 
     start = time.perf_counter()
@@ -112,7 +112,7 @@ def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[s
 
 # ------------------------------------------------------------------------------ pre-sharded output
 class QuantizedView:
-    """A float source (checkpoint/sources.py) read as its quantized checkpoint, slice by slice.
+    """A float source (checkpoint/slice_readers.py) read as its quantized checkpoint, slice by slice.
 
     A slice of a stored weight or of its scale / offset is computed from the float weight's rows that
     hold it (the slice's leading and ``out`` ranges, the whole input width): every scale group lies in
@@ -138,7 +138,7 @@ class QuantizedView:
         return self.src.dtype(name)
 
     def read(self, name: str, sl) -> np.ndarray:
-        from ms_deepseek.checkpoint.sources import to_float32
+        from ms_deepseek.checkpoint.slice_readers import to_float32
 
         if name not in self.float_of:
             return self.src.read(name, sl)

@@ -1,7 +1,7 @@
 """Checkpoints across layouts: per-rank loading, pre-sharded conversion, merge to HF, resharding.
 
 All four are one operation, "read the slice a target wants from whatever the source is"
-(:mod:`.sources`), applied per tensor and streamed:
+(:mod:`.slice_readers`), applied per tensor and streamed:
 
 * :func:`load_rank` -- the slices one rank holds under a layout, read straight from an HF or
   ms_deepseek folder, a whole training checkpoint or a sharded one (peak host memory: the
@@ -34,7 +34,7 @@ import numpy as np
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory, rank_dir_name
 from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
-from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
+from ms_deepseek.checkpoint.slice_readers import ShardedSource, full_slice
 from ms_deepseek.config import names
 from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.config.parallel import ParallelConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, encode_array, header_bytes, numel
-from ms_deepseek.checkpoint.source import INDEX_NAME, SINGLE_NAME
+from ms_deepseek.checkpoint.weight_files import INDEX_NAME, SINGLE_NAME
 from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes
 from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import safetensors_code

@@ -91,14 +91,14 @@ def to_buffer_order(name: str, array: np.ndarray, applied) -> np.ndarray:
 
 def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None,
                  part=None) -> None:
-    """Copy tensors of ``src`` (a :mod:`.sources` source) into ``params``: all must be present, shapes equal.
+    """Copy tensors of ``src`` (a :mod:`.slice_readers` source) into ``params``: all must be present, shapes equal.
 
     With ``layout`` each parameter receives this rank's slice (the parameters of a compiled sharded
     step are slices); without, the whole tensor. ``part(name, slice)``: what of its slice the rank
     keeps (optimizer sharding: :meth:`ms_deepseek.checkpoint.opt_shard.OptimizerShards.part`)."""
     from mindspore import Tensor
 
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
 
     missing = [n for n in params if not src.has(n)]
     if missing:

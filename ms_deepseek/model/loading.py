@@ -18,7 +18,7 @@ from mindspore import Tensor
 
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo
-from ms_deepseek.checkpoint.sources import full_slice, pread_rows, to_float32
+from ms_deepseek.checkpoint.slice_readers import full_slice, pread_rows, to_float32
 from ms_deepseek.config import names
 from ms_deepseek.config.inventory import expected_ms_shapes
 from ms_deepseek.core.dtypes import FLOAT_SAFETENSORS, raw_numpy

@@ -19,7 +19,7 @@ import numpy as np
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import encode_array
-from ms_deepseek.checkpoint.sources import full_slice, to_float32
+from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
 from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.core.atomic import atomic_folder, check_apart, check_destination
 from ms_deepseek.core.errors import UserError
@@ -181,7 +181,7 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
     Tensors the adapter does not touch are copied as bytes (the converter's writer); each touched
     one is read, merged in float32 (W + scaling * B @ A; routers replaced), encoded back to its
     own dtype into a scratch file and copied from there. Output shards mirror the base's."""
-    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
     from ms_deepseek.model.lora_peft import group_adapter, read_adapter_tensors, read_config
 
     base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)

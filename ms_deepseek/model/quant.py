@@ -220,7 +220,7 @@ def _stacked_pieces(source, name: str, E: int) -> Optional[List[str]]:
 
 def load_quantized(model, opened, show_progress: bool = False) -> None:
     """Every parameter of a model built with quantized placeholders, from a quantized checkpoint."""
-    from ms_deepseek.checkpoint.sources import memmap, to_float32
+    from ms_deepseek.checkpoint.slice_readers import memmap, to_float32
 
     tensors = opened.weights.tensors
     E = opened.config.n_routed_experts or 0

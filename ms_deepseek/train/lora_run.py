@@ -18,7 +18,7 @@ import numpy as np
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import write_arrays
-from ms_deepseek.checkpoint.sources import to_float32
+from ms_deepseek.checkpoint.slice_readers import to_float32
 from ms_deepseek.core.atomic import atomic_folder
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError

@@ -40,7 +40,7 @@ def test_a_scalar_optimizer_tensor_stays_a_scalar_after_restore(tmp_path):
     from safetensors.numpy import save_file
 
     from ms_deepseek.checkpoint.safetensors_io import read_header
-    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.tensors import restore_into
 
     save_file({"loss_scale": np.array(1024.0, np.float32), "global_step": np.array(7, np.int32)},

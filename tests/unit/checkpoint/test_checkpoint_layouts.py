@@ -18,9 +18,9 @@ from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
-from ms_deepseek.checkpoint.source import read_weight_files
-from ms_deepseek.checkpoint.sources import WholeSource
+from ms_deepseek.checkpoint.slice_readers import WholeSource
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.checkpoint.weight_files import read_weight_files
 from ms_deepseek.config.inventory import expected_ms_shapes
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
@@ -149,7 +149,7 @@ def test_lazy_build_allocates_nothing_then_takes_a_ranks_slices(pristine):
             assert param.has_init, f"{name} (other stage) was allocated"
             continue
         from ms_deepseek.checkpoint.layout import slice_array
-        from ms_deepseek.checkpoint.sources import to_float32
+        from ms_deepseek.checkpoint.slice_readers import to_float32
 
         expect = to_float32(slice_array(want[name], layout.slice_of(name, rank)), layout.tensors[name].dtype)
         np.testing.assert_array_equal(param.asnumpy(), expect, err_msg=name)
@@ -384,7 +384,7 @@ def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
     expert (HF) order, and restoring a whole checkpoint puts the buffer order back."""
     import mindspore as ms
 
-    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.sharding.apply import apply_plan

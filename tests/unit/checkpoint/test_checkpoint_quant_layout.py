@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ms_deepseek.checkpoint.layout import build_layout
-from ms_deepseek.checkpoint.sources import full_slice
+from ms_deepseek.checkpoint.slice_readers import full_slice
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError

@@ -91,10 +91,10 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
 
     from mindspore.nn.utils import no_init_parameters
 
-    from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     cfg = small_config()
@@ -109,7 +109,7 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
             model = DeepseekV2ForCausalLM(cfg)
         params = {n: p for n, p in model_tensors(model).items() if n in layout.tensors}
         restore_into(params, src, "model", layout=layout, rank=rank, part=shards.part)
-        from ms_deepseek.checkpoint.sources import full_slice
+        from ms_deepseek.checkpoint.slice_readers import full_slice
 
         cut = 0
         for name, param in params.items():

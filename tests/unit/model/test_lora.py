@@ -191,7 +191,7 @@ def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
     assert main(["convert", "hf-to-ms", str(FIX / "base"), str(tmp_path / "ms")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "a"), "--merge", str(FIX / "base")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "b"), "--merge", str(tmp_path / "ms")]) == 0
-    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
 
     def tensors(folder):  # name -> raw bytes (the output mirrors the base's files: one file, or shards + index)
         ckpt = read_weight_files(folder)

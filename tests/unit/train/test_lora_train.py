@@ -86,7 +86,7 @@ def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_r
     moments = [n for n in opt if n.startswith(("adam_m.", "adam_v.", "moment1.", "moment2."))]
     assert moments and all(".lora_" in n for n in moments), sorted(opt)[:6]
     # every base weight in memory after training equals the base file, bit for bit (bfloat16 widened)
-    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
     from ms_deepseek.model.loading import read_tensor
 
     base = read_weight_files(FIX / "base")
@@ -299,7 +299,7 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
 
     from ms_deepseek.checkpoint.layout import build_layout, slice_array
     from ms_deepseek.checkpoint.opener import open_checkpoint
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
     from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM

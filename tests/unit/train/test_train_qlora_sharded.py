@@ -67,7 +67,7 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
 
 def _whole(folder, layout):
     from ms_deepseek.checkpoint.opener import open_checkpoint
-    from ms_deepseek.checkpoint.sources import full_slice
+    from ms_deepseek.checkpoint.slice_readers import full_slice
 
     src = open_checkpoint(folder).model
     return {n: src.read(n, full_slice(t.shape, t.experts is not None)) for n, t in layout.tensors.items()}

@@ -99,7 +99,7 @@ class WholeSource:
 
     @classmethod
     def of(cls, weights, hf: Optional[bool] = None) -> "WholeSource":
-        """The source of a folder's weight files (:func:`~ms_deepseek.checkpoint.source.read_weight_files`)."""
+        """The source of a folder's weight files (:func:`~ms_deepseek.checkpoint.weight_files.read_weight_files`)."""
         return cls(weights.tensors, weights.config, weights.folder, hf)
 
     def has(self, name: str) -> bool:
