@@ -11,7 +11,7 @@
 * :mod:`.training`       the run's ``checkpoints/step_N`` folders (whole or ``rank_RRRRR`` slices) and
                          the one "which checkpoint does this path mean" resolver (``resolve_checkpoint``);
 * :mod:`.sharded`        per-rank loading, pre-sharded conversion, merge back to HF, resharding;
-* :mod:`.convert`, :mod:`.convert_plan`  the streaming converter; :mod:`.synthetic` random checkpoints;
+* :mod:`.convert`, :mod:`.convert_map`  the streaming converter; :mod:`.synthetic` random checkpoints;
 * :mod:`.quant_format`, :mod:`.quantize` the quantized (QLoRA base) format and ``convert quantize``.
 
 The atomic folder writer is :mod:`ms_deepseek.core.atomic`; the model's name/shape table is

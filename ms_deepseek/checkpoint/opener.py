@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional, Union
 
-from ms_deepseek.checkpoint.convert_plan import check_tensors
+from ms_deepseek.checkpoint.convert_map import check_tensors
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header

@@ -161,7 +161,7 @@ def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *
     from ms_deepseek.checkpoint.safetensors_io import write_file
     from ms_deepseek.checkpoint.sharded import rank_entries
     from ms_deepseek.core.atomic import atomic_folder, check_destination
-    from ms_deepseek.parallel.validate import validate_layout
+    from ms_deepseek.parallel_plan.validate import validate_layout
 
     src, dst = Path(src), Path(dst)
     spec = QuantSpec(bits=bits, group_size=group_size)

@@ -39,7 +39,7 @@ from ms_deepseek.config import names
 from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.atomic import atomic_folder, check_destination
-from ms_deepseek.parallel.validate import validate_layout
+from ms_deepseek.parallel_plan.validate import validate_layout
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 

@@ -149,7 +149,7 @@ def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool
 def _hardware(args):
     import dataclasses
 
-    from ms_deepseek.parallel.costs import HIGH, LOW, Hardware
+    from ms_deepseek.parallel_plan.costs import HIGH, LOW, Hardware
 
     compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
     comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
@@ -164,7 +164,7 @@ def _hardware(args):
 
 def _precision(args, cfg):
     from ms_deepseek.core.dtypes import itemsize
-    from ms_deepseek.parallel.costs import Precision
+    from ms_deepseek.parallel_plan.costs import Precision
 
     return Precision(compute_bytes=itemsize(cfg.compute_dtype), grad_bytes=args.grad_bytes,
                      optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
@@ -229,8 +229,8 @@ def _refuse_invalid(result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ms_deepseek.parallel.costs import Workload
-    from ms_deepseek.parallel.planner import estimate, search
+    from ms_deepseek.parallel_plan.costs import Workload
+    from ms_deepseek.parallel_plan.planner import estimate, search
 
     hw = _hardware(args)
     if args.simulate and not args.recipe:
@@ -366,7 +366,7 @@ def _check_recipe(args, hw):
     import dataclasses
 
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
-    from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
+    from ms_deepseek.parallel_plan.planner import check_recipe_fits, recipe_workload
 
     flag_sets = _recipe_overrides(args)
     as_written = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
@@ -397,7 +397,7 @@ def _check_recipe(args, hw):
 
 def _recipe_layout(args, recipe):
     """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
-    from ms_deepseek.parallel.validate import validate_layout
+    from ms_deepseek.parallel_plan.validate import validate_layout
 
     par = resolve_layout(args, recipe.parallel)
     if args.stage_layers:  # after --pp (a --set would be checked against the recipe's pp)

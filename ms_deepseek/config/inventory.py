@@ -7,7 +7,7 @@ Everything else reads it:
 * the converter and the loaders: :func:`expected_ms_shapes` (our layout),
   :func:`expected_hf_shapes` (the released per-expert layout), :func:`ms_buffer_shapes`
   (non-weight state), :func:`zero_width_shapes`;
-* the planner: shard sizes per parameter (``ms_deepseek.parallel.costs`` / ``planner``);
+* the planner: shard sizes per parameter (``ms_deepseek.parallel_plan.costs`` / ``planner``);
 * :func:`count_parameters`: total and activated counts are sums over the same table.
 
 Shapes follow the released modeling code (and transformers' native port): linear

@@ -11,7 +11,7 @@ Degrees and their meaning (world size = dp * tp * pp):
 * ``micro_batches``: pipeline micro-batches per optimizer step (1F1B); >= pp when pp > 1.
 
 This module only types and checks the section on its own; checks that need the model,
-the sequence length or the batch size live in :mod:`ms_deepseek.parallel.validate`.
+the sequence length or the batch size live in :mod:`ms_deepseek.parallel_plan.validate`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ model:      {source: tiny, overrides: {capacity_factor: 2.0}, expert_aux_loss_al
 data:       {seq_len: 256, embedded_vocab_size: 4096}          # ms_deepseek.data.DataConfig
 train:      {steps: 300, micro_batch_size: 8, grad_accum_steps: 1, seed: 1234}
 optim:      {lr: 3.0e-3, schedule: cosine, warmup_steps: 20, weight_decay: 0.1}
-parallel:   {dp: 1}                                             # ms_deepseek.parallel.ParallelConfig
+parallel:   {dp: 1}                                             # ms_deepseek.parallel_plan.ParallelConfig
 checkpoint: {save_interval: 100, keep_last: 2}
 logging:    {log_interval: 10}
 ```

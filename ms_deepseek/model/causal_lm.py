@@ -1,4 +1,4 @@
-"""DeepSeek-V2 causal language model (single-device math; see ms_deepseek.parallel for sharding).
+"""DeepSeek-V2 causal language model (single-device math; see ms_deepseek.parallel_plan for sharding).
 
 ``DeepseekV2ForCausalLM(cfg)(input_ids, labels=None)``
 

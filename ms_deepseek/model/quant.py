@@ -21,7 +21,7 @@ Backends:
   input after the weight to the tensor map ``{0}``: a 1-D tensor split like the weight's output
   axis. That fits a per-channel scale [out] and nothing else, so group-wise scales, int4 and the
   stacked experts (one scale row per expert) take the dequantise-then-matmul path on Ascend too,
-  whose Mul and (Batch)MatMul shard by the plan (parallel/plan.py: scales split like the weight's
+  whose Mul and (Batch)MatMul shard by the plan (parallel_plan/plan.py: scales split like the weight's
   output axis, ``weight_scale``/``weight_offset`` layouts beside ``weight``).
 """
 

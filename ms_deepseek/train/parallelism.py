@@ -102,7 +102,7 @@ class Sharded:
         return (par.pp - 1) * par.dp * par.tp  # with pipeline parallelism only the last stage has the loss
 
     def data_coordinates(self, rank: int, world: int, par, micro_batch: int):
-        from ms_deepseek.parallel.ranks import data_coordinates
+        from ms_deepseek.parallel_plan.ranks import data_coordinates
 
         return data_coordinates(rank, par, micro_batch)
 
@@ -121,7 +121,7 @@ class Sharded:
         return None
 
     def wrap_step(self, step_cell, par, strategy_file):
-        from ms_deepseek.sharding.apply import auto_parallel_wrap
+        from ms_deepseek.parallel_apply.apply import auto_parallel_wrap
 
         strategy_file.parent.mkdir(parents=True, exist_ok=True)
         return auto_parallel_wrap(step_cell, par, str(strategy_file))
@@ -147,7 +147,7 @@ class Sharded:
         layout = trainer._layout()
         # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line,
         # on every rank (the others would wait in the step's first collective for this one)
-        from ms_deepseek.sharding import compiled_check as cc
+        from ms_deepseek.parallel_apply import compiled_check as cc
         from ms_deepseek.train.distributed import checked_on_every_rank
 
         def check():

@@ -266,9 +266,9 @@ class Trainer:
         (inert in data parallel), expert placement, recompute; on Ascend the device memory pool is reserved."""
         import mindspore as ms
 
-        from ms_deepseek.parallel.memory import reserve_device_memory
-        from ms_deepseek.parallel.ranks import stage_of_rank
-        from ms_deepseek.sharding.apply import apply_plan
+        from ms_deepseek.parallel_apply.apply import apply_plan
+        from ms_deepseek.parallel_plan.memory import reserve_device_memory
+        from ms_deepseek.parallel_plan.ranks import stage_of_rank
         from ms_deepseek.train.mf_adapter import mindformers_classes
 
         # MindFormers (the cosine schedule) logs into the run folder; its import resets the
@@ -294,7 +294,7 @@ class Trainer:
         """Optimizer, execution mode and the compiled step (one graph per optimizer step)."""
         import mindspore as ms
 
-        from ms_deepseek.sharding.apply import pipeline_wrap
+        from ms_deepseek.parallel_apply.apply import pipeline_wrap
         from ms_deepseek.train import optim
         from ms_deepseek.train.step import build_step
 
@@ -557,11 +557,11 @@ def _config_changes(recipe: Recipe, folder=None) -> Dict:
 
 
 def fit_plan(recipe: Recipe, force: bool = False):
-    """The memory planner's verdict (``ms_deepseek.parallel.planner``) on the recipe's layout.
+    """The memory planner's verdict (``ms_deepseek.parallel_plan.planner``) on the recipe's layout.
 
     UserError when it does not fit, unless ``force`` / ``parallel.force``; the result also
     sizes the device memory pool reserved before compile."""
-    from ms_deepseek.parallel.planner import check_recipe_fits
+    from ms_deepseek.parallel_plan.planner import check_recipe_fits
 
     result = check_recipe_fits(recipe)  # its sequence length, batch, LoRA and quantized base
     if not result.fits and not (force or recipe.parallel.force):
@@ -584,6 +584,6 @@ def _memory_metrics_fn():
     """Device memory numbers for the record; None on CPU, where MindSpore keeps no device pool."""
     if detect_device() == "CPU":
         return None
-    from ms_deepseek.parallel.memory import memory_metrics
+    from ms_deepseek.parallel_plan.memory import memory_metrics
 
     return memory_metrics

@@ -124,9 +124,9 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     from ms_deepseek.checkpoint.layout import LAYOUT_FILE
     from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
     from ms_deepseek.config.parallel import ParallelConfig
-    from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
+    from ms_deepseek.parallel_plan.ranks import data_coordinates, stage_of_rank
 
-    # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel.ranks.reads_full_batch:
+    # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel_plan.ranks.reads_full_batch:
     # MindSpore refuses the data-parallel dataset strategy there, found by compiling)
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=4)
     assert [stage_of_rank(r, par) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -12,7 +12,7 @@ import pytest
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.diagnostics import simulate as S
-from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
+from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan
 
 from repo_paths import REPO
 

@@ -4,7 +4,7 @@ Full width, the command's default reduced depth and micro-batch count, the first
 pipeline stage (the one that computes the loss), train and validation graphs, no weights and no data
 on the machine, stub CANN libraries. The layouts and strategies MindSpore compiled must match the plan.
 
-Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``sharding.apply.search_mode``). Two recipes
+Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``parallel_apply.apply.search_mode``). Two recipes
 do not compile yet, and say why (docs/troubleshooting.md): ``v2-sft-64npu`` (MindSpore refuses a
 StopGradient on a stage border: each MoE layer's routing statistics cross the stages) is a strict xfail,
 so the day it compiles this test fails and says so; ``v2-pretrain-256npu`` (pp 8 at 236B width) exhausts a

@@ -26,9 +26,9 @@ PACKAGE = REPO / "ms_deepseek"
 LAYERS = [
     ("core",),
     ("config",),
-    ("parallel", "data", "ops"),
+    ("parallel_plan", "data", "ops"),
     ("checkpoint",),
-    ("model", "sharding"),
+    ("model", "parallel_apply"),
     ("train", "generate"),
     ("diagnostics",),
     ("cli",),

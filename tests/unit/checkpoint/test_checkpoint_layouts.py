@@ -387,7 +387,7 @@ def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
     from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = small_config()
     ms.set_seed(0)

@@ -191,8 +191,8 @@ def test_schedule_cells_match_the_python_math(schedule):
 def test_global_batch_is_one_definition_for_train_and_plan():
     """pp = 1 with micro_batches > 1: micro_batches means nothing without a pipeline, so `plan --recipe`
     sizes the same global batch `train` runs (it used to multiply micro_batches in)."""
-    from ms_deepseek.parallel.planner import recipe_workload
-    from ms_deepseek.parallel.validate import layout_problems
+    from ms_deepseek.parallel_plan.planner import recipe_workload
+    from ms_deepseek.parallel_plan.validate import layout_problems
 
     flat = load_recipe_dict(base(train={"micro_batch_size": 8, "grad_accum_steps": 2},
                                  parallel={"dp": 1, "micro_batches": 4}))

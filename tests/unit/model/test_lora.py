@@ -251,7 +251,7 @@ def test_adapters_shard_with_their_base_layers(layout):
     from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
     model = DeepseekV2ForCausalLM(cfg)

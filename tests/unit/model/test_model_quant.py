@@ -98,7 +98,7 @@ def test_quantized_weights_and_scales_shard_by_the_same_plan(group):
     from ms_deepseek.config.model import get_preset
     from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = get_preset("tiny", **SMALL)
     model = DeepseekV2ForCausalLM(cfg)

@@ -2,7 +2,7 @@
 
 MindSpore compiles sharded graphs only on Ascend; what is ours is checked here:
 
-* the rank geometry (``ms_deepseek.parallel.ranks``): which rows every rank reads, and the
+* the rank geometry (``ms_deepseek.parallel_plan.ranks``): which rows every rank reads, and the
   dataset strategy MindSpore is told, from the same rule (issue 10 item 3);
 * the pipeline step's ``accu_grads`` Parameters and its gradient hand-off (item 4);
 * the global gradient norm in MindSpore's ``grad_scale`` marker pattern (item 5);
@@ -16,8 +16,14 @@ from mindspore import ops
 
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.recipe import TrainSection
-from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
-from ms_deepseek.parallel.ranks import data_coordinates, dataset_strategy, reads_full_batch, rows_of_rank, stage_of_rank
+from ms_deepseek.parallel_plan.ms_oracle import batch_row_of_rank, slice_of_rank
+from ms_deepseek.parallel_plan.ranks import (
+    data_coordinates,
+    dataset_strategy,
+    reads_full_batch,
+    rows_of_rank,
+    stage_of_rank,
+)
 
 LAYOUTS = [
     ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2),
@@ -69,7 +75,7 @@ def test_tp_peers_read_the_whole_micro_batch():
 
 
 def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
-    from ms_deepseek.sharding.apply import context_kwargs
+    from ms_deepseek.parallel_apply.apply import context_kwargs
 
     par = ParallelConfig(dp=4, tp=1, pp=2, ep=4, micro_batches=4)
     assert context_kwargs(par)["dataset_strategy"] == ((4, 1), (4, 1))
@@ -86,7 +92,7 @@ def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
     real = AutoParallel.dataset_strategy
     try:
         AutoParallel.dataset_strategy = lambda self, config: (seen.append(config), real(self, config))[1]
-        from ms_deepseek.sharding.apply import auto_parallel_wrap
+        from ms_deepseek.parallel_apply.apply import auto_parallel_wrap
 
         wrapped = auto_parallel_wrap(nn.Dense(2, 2), par)
     finally:
@@ -250,7 +256,7 @@ def test_pipeline_step_has_accu_grads_for_every_optimizer_parameter(tiny_model, 
     accu_grads.<name> clones of the optimizer's parameters (what MindSpore's pipeline pass fills)."""
     from mindspore.parallel.nn import Pipeline
 
-    from ms_deepseek.sharding.apply import apply_plan, pipeline_wrap
+    from ms_deepseek.parallel_apply.apply import apply_plan, pipeline_wrap
     from ms_deepseek.train.step import PipelineGrads, build_step
 
     cfg, model = tiny_model

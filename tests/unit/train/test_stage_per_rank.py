@@ -23,7 +23,7 @@ def _trainer(tmp_path, lazy=True, weights=None):
 
     from ms_deepseek.checkpoint.tensors import model_tensors
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.train.trainer import Trainer
 
     if lazy:

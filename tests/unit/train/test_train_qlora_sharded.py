@@ -45,7 +45,7 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.model.lora import trainable_tensors as lora_checkpoint_tensors
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.train import lora_run
     from ms_deepseek.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ from typing import List, Optional
 from ms_deepseek.config.model import check_model_size
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.placement import placement_table
+from ms_deepseek.parallel_plan.placement import placement_table
 
 
 def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = None,

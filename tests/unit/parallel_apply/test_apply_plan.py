@@ -12,8 +12,8 @@ import pytest
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.costs import Precision, param_bytes
-from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
+from ms_deepseek.parallel_plan.costs import Precision, param_bytes
+from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
 
 CFG = get_preset("tiny")
 STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose",
@@ -121,7 +121,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: p.describe().replace(" ", "-"))
 def test_applied_strategies_and_planner_bytes(model, parallel):
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     applied = apply_plan(model, parallel, CFG)
     dp, tp, ep = parallel.dp, parallel.tp, parallel.ep
@@ -210,14 +210,14 @@ def test_plan_table_rules():
     assert plan.match("model.layers.3.mlp") is None
     with pytest.raises(UserError, match="matches several patterns"):
         Plan({**DEEPSEEK_V2_PLAN, "model.layers.*.self_attn.*": "replicate"}).match("model.layers.0.self_attn.o_proj")
-    from ms_deepseek.parallel.plan import Mesh
+    from ms_deepseek.parallel_plan.plan import Mesh
 
     with pytest.raises(UserError, match="no rule covers parameter 'model.layers.0.extra.weight'"):
         plan.param_layout("model.layers.0.extra.weight", Mesh())
 
 
 def test_missing_rule_is_reported(model):
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     table = {k: v for k, v in DEEPSEEK_V2_PLAN.items() if k != "model.layers.*.self_attn.pv_bmm"}
     with pytest.raises(UserError, match=r"primitive model\.layers\.0\.self_attn\.pv_bmm \(BatchMatMul\) matches no rule"):
@@ -229,8 +229,8 @@ def test_custom_placement_keeps_the_math_and_recompute():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.placement import placement_table
-    from ms_deepseek.sharding.apply import apply_plan, restore_expert_order
+    from ms_deepseek.parallel_apply.apply import apply_plan, restore_expert_order
+    from ms_deepseek.parallel_plan.placement import placement_table
 
     cfg = CFG.replace(num_hidden_layers=2)
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -261,7 +261,7 @@ def test_selective_recompute_and_stage_config():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan, pipeline_stage_config
+    from ms_deepseek.parallel_apply.apply import apply_plan, pipeline_stage_config
 
     cfg = CFG.replace(num_hidden_layers=2)
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -281,7 +281,7 @@ def test_flash_attention_primitive_gets_heads_by_tp():
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = CFG.replace(use_flash_attention=True)

@@ -9,9 +9,9 @@ from ms_deepseek.config.inventory import count_parameters
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.costs import GB, Precision, Workload, in_flight, param_bytes
-from ms_deepseek.parallel.plan import parameter_inventory, stage_layer_counts
-from ms_deepseek.parallel.planner import check_recipe_fits, estimate, search
+from ms_deepseek.parallel_plan.costs import GB, Precision, Workload, in_flight, param_bytes
+from ms_deepseek.parallel_plan.plan import parameter_inventory, stage_layer_counts
+from ms_deepseek.parallel_plan.planner import check_recipe_fits, estimate, search
 
 from builders import ATLAS_RECIPES
 from repo_paths import REPO
@@ -51,8 +51,8 @@ def test_mindformers_236b_finetune_fits():
 def test_efficiencies_are_the_calibrated_ones(end):
     """costs.LOW / HIGH compute efficiencies are what reproduces each published run (re-solved
     here), and the stored constants give that run's figure."""
-    from ms_deepseek.parallel import costs
-    from ms_deepseek.parallel.planner import anchor_estimate, calibration_anchors, solve_compute_efficiency
+    from ms_deepseek.parallel_plan import costs
+    from ms_deepseek.parallel_plan.planner import anchor_estimate, calibration_anchors, solve_compute_efficiency
 
     stored = (costs.LOW if end == "low" else costs.HIGH).compute
     assert solve_compute_efficiency(end) == pytest.approx(stored, rel=0.01)
@@ -67,7 +67,7 @@ def test_efficiencies_are_the_calibrated_ones(end):
 def test_moe_buffers_come_from_the_dispatch_as_built():
     """The planner's MoE memory and AllToAll bytes are dispatch_shapes' per-device shapes."""
     from ms_deepseek.config.dispatch_shapes import dispatch_buffers
-    from ms_deepseek.parallel.costs import layer_ep_bytes, moe_buffers
+    from ms_deepseek.parallel_plan.costs import layer_ep_bytes, moe_buffers
 
     cfg = V2.replace(capacity_factor=2.0)
     layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20)
@@ -147,8 +147,8 @@ def _load(name, overrides=()):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipes_validate_and_fit(name):
-    from ms_deepseek.parallel.planner import recipe_workload
-    from ms_deepseek.parallel.validate import validate_layout
+    from ms_deepseek.parallel_plan.planner import recipe_workload
+    from ms_deepseek.parallel_plan.validate import validate_layout
 
     recipe = _load(name)
     cfg = recipe.model_config
@@ -172,7 +172,7 @@ def test_recipe_that_cannot_fit_is_refused():
 
 def test_256_recipe_is_the_planners_best():
     recipe = _load("v2-pretrain-256npu")
-    from ms_deepseek.parallel.planner import recipe_workload
+    from ms_deepseek.parallel_plan.planner import recipe_workload
 
     best = search(recipe.model_config, 256, recipe_workload(recipe), top=1, recompute=("full",),
                   optimizer_shard=(True,), sequence_parallel=(False,))[0]
@@ -232,7 +232,7 @@ def _mindformers_result():
 
 
 def test_memory_reservation_sizes():
-    from ms_deepseek.parallel.memory import reservation_sizes, reserve_device_memory
+    from ms_deepseek.parallel_plan.memory import reservation_sizes, reserve_device_memory
 
     r = _mindformers_result()
     sizes = reservation_sizes(r, headroom_gb=2.0)
@@ -259,8 +259,8 @@ def test_memory_reservation_sizes():
 
 
 def test_memory_metrics():
-    from ms_deepseek.parallel import memory_metrics
-    from ms_deepseek.parallel.memory import metrics_from_counts
+    from ms_deepseek.parallel_plan import memory_metrics
+    from ms_deepseek.parallel_plan.memory import metrics_from_counts
 
     m = metrics_from_counts(3 * GB, 4 * GB, 3.5 * GB)
     assert m == {"memory_allocated_gb": 3.0, "memory_reserved_gb": 4.0, "memory_fragmentation": 0.25,
@@ -285,9 +285,9 @@ import mindspore as ms
 ms.set_device("Ascend")
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
-from ms_deepseek.parallel.costs import Workload
-from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
-from ms_deepseek.parallel.planner import estimate
+from ms_deepseek.parallel_plan.costs import Workload
+from ms_deepseek.parallel_plan.memory import memory_metrics, reserve_device_memory
+from ms_deepseek.parallel_plan.planner import estimate
 cfg = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
 layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
 r = estimate(cfg, layout, Workload(seq_len=4096, global_batch_size=80), world_size=64)
@@ -305,7 +305,7 @@ print(json.dumps({"sizes": sizes, "metrics": memory_metrics()}))
 
 # --------------------------------------------------------------------- placement
 def test_placement_tables():
-    from ms_deepseek.parallel.placement import balanced_assignment, buffer_order, placement_table
+    from ms_deepseek.parallel_plan.placement import balanced_assignment, buffer_order, placement_table
 
     table = placement_table(8, 4)
     np.testing.assert_array_equal(table, [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [3, 1]])
@@ -327,7 +327,7 @@ def test_placement_tables():
 
 
 def test_context_kwargs():
-    from ms_deepseek.sharding.apply import context_kwargs
+    from ms_deepseek.parallel_apply.apply import context_kwargs
 
     kw = context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, optimizer_shard=True))
     # a pipeline compiles in semi_auto (sharding_propagation failed across the stages' subgraphs: tests/compile)

@@ -7,7 +7,7 @@ attention batch matmuls, the MoE dispatch gathers). A style turns the parallel
 degrees into
 
 * ``prims``: primitive attribute -> (in_strategy, out_strategy or None), given to
-  ``Primitive.shard`` by :func:`ms_deepseek.sharding.apply.apply_plan`;
+  ``Primitive.shard`` by :func:`ms_deepseek.parallel_apply.apply.apply_plan`;
 * ``params``: parameter suffix -> tensor layout (how many ways each axis is split),
   which must equal the strategy of the primitive input that consumes the parameter.
 
@@ -26,7 +26,7 @@ Strategy conventions (MindSpore: one integer per tensor axis, the number of slic
   intermediate size by tp. The MoE dispatch is per data-parallel group (MindFormers
   MoE v1, ``ms_deepseek/model/moe.py``): everything up to the capacity buffer
   [G, E, C, H] and back from it is split by dp on G (local); the buffer is viewed
-  [G/ep, ep, E, C, H] (ep the inner factor of dp, :func:`ms_deepseek.parallel.ranks.exchange_view`;
+  [G/ep, ep, E, C, H] (ep the inner factor of dp, :func:`ms_deepseek.parallel_plan.ranks.exchange_view`;
   validator rule ``ep | dp``) and the exchange transposes read it split (dp/ep, 1, ep, 1, 1)
   (the AllToAll); the 4-D expert input [G/ep, E, ep*C, H] splits (dp/ep, ep, 1, 1), so the
   expert matmuls' device matrix is (dp/ep, ep, ..., tp) and an ep group is adjacent ranks.
@@ -516,7 +516,7 @@ def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage
 
 # ------------------------------------------------------------- listed redistributions
 def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
-    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.sharding.lint``).
+    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.parallel_apply.lint``).
 
     Key: ``"<primitive path pattern>:<input index>"`` (a consumer whose input strategy differs from
     its producer's layout) or ``"<primitive path pattern>:out"`` (a residual-stream producer whose

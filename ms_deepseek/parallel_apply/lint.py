@@ -9,7 +9,7 @@ primitive (and axis) of every violation:
    Cells of ``ms_deepseek.ops``, reached as ``<op cell>.impl.op``); a strategy is not
    enough for a Custom op: MindSpore 2.9 compiles one only when ``shard()`` was given
    ``mindspore.parallel.Layout`` objects for its inputs and outputs (``SelfDefineShardInfo``;
-   found by compiling, :mod:`ms_deepseek.parallel.custom_shard`); the lint checks the layouts are
+   found by compiling, :mod:`ms_deepseek.parallel_plan.custom_shard`); the lint checks the layouts are
    there and split each input as its strategy says.
 2. **Unsplittable axes**: no strategy splits an axis MindSpore (or our kernel) cannot split
    for that op. The table ``UNSPLITTABLE`` cites the MindSpore source of each rule
@@ -18,7 +18,7 @@ primitive (and axis) of every violation:
    producer's output layout (inferred from its strategy, e.g. MatMul(transpose_b) gives
    rows of x and rows of the weight) with the consumer's input strategy, through the
    reshape/transpose between them; a mismatch is a redistribution MindSpore would insert
-   silently, allowed only when :func:`ms_deepseek.parallel.plan.deliberate_redistributions`
+   silently, allowed only when :func:`ms_deepseek.parallel_plan.plan.deliberate_redistributions`
    lists it (e.g. the MoE dp -> ep exchange, which is the AllToAll).
 
 How the edges are found, and the limits: the graph cannot be compiled here, so the edges
@@ -30,7 +30,7 @@ skipped; an MoE layer that matches none of the MoE edge groups fails too. Functi
 operators inside ``construct`` (reshape, elementwise, ``ops.concat`` ...) are not
 attributes: the lint does not see them, and they get their layouts from MindSpore's
 sharding propagation between the strategies checked here. Shapes are not traced: the
-validator (:mod:`ms_deepseek.parallel.validate`) and ``apply_plan`` check divisibility.
+validator (:mod:`ms_deepseek.parallel_plan.validate`) and ``apply_plan`` check divisibility.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ms_deepseek.parallel.custom_shard import check_custom_layouts
-from ms_deepseek.parallel.plan import Mesh
+from ms_deepseek.parallel_plan.custom_shard import check_custom_layouts
+from ms_deepseek.parallel_plan.plan import Mesh
 
 Layout = Tuple[int, ...]
 
@@ -374,7 +374,7 @@ class LintReport:
 
 def _primitive_table(model) -> Dict[str, Tuple[str, object]]:
     """primitive path -> (kind, primitive); kind is the op Cell type for a Custom inside our op Cells."""
-    from ms_deepseek.sharding.apply import join_path, primitives_of
+    from ms_deepseek.parallel_apply.apply import join_path, primitives_of
 
     cells = dict(model.cells_and_names())
     out = {}
@@ -400,7 +400,7 @@ def _compile(pattern: str) -> re.Pattern:
 def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = None,
                allowed: Optional[Dict[str, str]] = None) -> LintReport:
     """Run the three rules (module doc) on ``model`` with ``applied`` (``apply_plan``'s result)."""
-    from ms_deepseek.parallel.plan import deliberate_redistributions
+    from ms_deepseek.parallel_plan.plan import deliberate_redistributions
 
     lint = _Linter(_primitive_table(model), applied.strategies, mesh,
                    deliberate_redistributions(mesh) if allowed is None else allowed)

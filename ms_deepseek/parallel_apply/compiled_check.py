@@ -13,7 +13,7 @@ silent mismatch.
   for every device of the stage, the slice index MindSpore computes
   (``_tensor._get_tensor_slice_index``) must be the plan's, and the optimizer-shard group
   must be present exactly when the plan expects the parallel optimizer to cut the parameter
-  (:func:`ms_deepseek.parallel.plan.optimizer_shard_group`). Every parameter of this rank's
+  (:func:`ms_deepseek.parallel_plan.plan.optimizer_shard_group`). Every parameter of this rank's
   stage must be in the compiled graph.
 * Primitives: the strategies MindSpore compiled (its graph executor's ``get_strategy``, keyed by
   operator scope) against the plan's, primitive by primitive. (Reading ``prim.attrs`` after the
@@ -42,7 +42,7 @@ def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
     Returns how many parameters were compared; raises UserError naming the first mismatch."""
     from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
 
-    from ms_deepseek.parallel.plan import optimizer_shard_group
+    from ms_deepseek.parallel_plan.plan import optimizer_shard_group
 
     devices = layout.stage_devices
     compared = 0
@@ -141,7 +141,7 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
 
 def planned_primitives(model, strategies: Mapping[str, tuple]) -> Dict[str, Tuple[str, tuple]]:
     """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy."""
-    from ms_deepseek.sharding.apply import join_path, primitives_of
+    from ms_deepseek.parallel_apply.apply import join_path, primitives_of
 
     out: Dict[str, Tuple[str, tuple]] = {}
     for path, cell in model.cells_and_names():

@@ -4,7 +4,7 @@ The MoE dispatch reads this [E, 2] int32 table (column 0: EP rank, column 1: loc
 slot on that rank) through the ``ExpertLookup`` op, and each (token, choice) goes to
 buffer row ``rank * (E / ep) + slot``. A different placement (e.g. re-balanced from
 measured expert load) is therefore data, not code: build the table here and
-:func:`ms_deepseek.sharding.apply.apply_plan` writes it into every MoE layer's
+:func:`ms_deepseek.parallel_apply.apply.apply_plan` writes it into every MoE layer's
 non-trainable ``mlp.expert_placement`` Parameter.
 
 Placement and stored weights: the stacked expert weights [E, out, in] stay in expert

@@ -10,7 +10,7 @@ recompute / optimizer sharding / sequence parallel for a device count and ranks
 the layouts that fit by tokens/s per NPU. ``check_recipe_fits`` is what
 ``train`` and ``launch`` call before building anything.
 
-The cost formulas live in :mod:`ms_deepseek.parallel.costs` and ``docs/planner.md``.
+The cost formulas live in :mod:`ms_deepseek.parallel_plan.costs` and ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import group_size_problem
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel import costs
-from ms_deepseek.parallel.costs import GB, Hardware, Precision, StageMemory, Workload
-from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, parameter_inventory, shard_numel, stage_of_param
-from ms_deepseek.parallel.validate import layout_problems
+from ms_deepseek.parallel_plan import costs
+from ms_deepseek.parallel_plan.costs import GB, Hardware, Precision, StageMemory, Workload
+from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, parameter_inventory, shard_numel, stage_of_param
+from ms_deepseek.parallel_plan.validate import layout_problems
 
 TP_CHOICES = (1, 2, 4, 8, 16)
 DEFAULT_PLAN = Plan()

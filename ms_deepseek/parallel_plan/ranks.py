@@ -17,7 +17,7 @@ what MindSpore is told each rank holds (:func:`dataset_strategy`, given to
   for ``dataset_broadcast_opt_level > 0``; we leave MindSpore's default), and the same rule
   in Python, ``mindspore/parallel/_utils.py`` ``_to_full_tensor`` (stage rank r's batch at
   ``(r % dataset_strategy[i][0]) * b``), which the tests and ``plan --simulate`` use as the
-  oracle (:mod:`ms_deepseek.parallel.ms_oracle`). The tp peers of a replica (adjacent ranks,
+  oracle (:mod:`ms_deepseek.parallel_plan.ms_oracle`). The tp peers of a replica (adjacent ranks,
   the tp axis is the fastest of the model's device matrices) therefore read *different*
   slices; MindSpore redistributes the token ids from the dataset's layout to the
   embedding's (a small int32 tensor). Left as MindSpore's own ``"data_parallel"``, it would

@@ -9,7 +9,7 @@ The MoE buffers and the expert AllToAll volume are not a formula of their own: t
 read from :func:`ms_deepseek.config.dispatch_shapes.dispatch_buffers`, the shapes the MoE
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
 [dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
-real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel.ranks.ep_group_of_rank`).
+real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel_plan.ranks.ep_group_of_rank`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec, is_quantized
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.plan import (
+from ms_deepseek.parallel_plan.plan import (
     Mesh,
     ParamInfo,
     Plan,
@@ -33,7 +33,7 @@ from ms_deepseek.parallel.plan import (
     shard_numel,
     stage_of_param,
 )
-from ms_deepseek.parallel.ranks import ep_group_of_rank
+from ms_deepseek.parallel_plan.ranks import ep_group_of_rank
 
 GB = 1024 ** 3
 
@@ -73,7 +73,7 @@ class Efficiency:
 
 
 # The two ends of the throughput range, each fitted on a published run
-# (planner.calibration_anchors; tests/unit/parallel/test_planner.py re-derives both):
+# (planner.calibration_anchors; tests/unit/parallel_plan/test_planner.py re-derives both):
 # LOW  = MindFormers' 236B fine-tune on 64 x 910B (dp4 tp8 pp2 ep4, seq 4096, cf 2, bf16, eager
 #        attention, full recompute): 36 tokens/s/p. Assumed: collectives at 60% of the nominal
 #        link bandwidth, no overlap (a MindSpore graph without communication overlap); the

@@ -9,7 +9,7 @@ from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.sharding import compiled_check as cc
+from ms_deepseek.parallel_apply import compiled_check as cc
 
 TINY = get_preset("tiny")
 PAR = ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2)

@@ -20,7 +20,7 @@ import logging
 import math
 from typing import Dict, Optional
 
-LOG = logging.getLogger("ms_deepseek.parallel.memory")
+LOG = logging.getLogger("ms_deepseek.parallel_plan.memory")
 GB = 1024 ** 3
 
 

@@ -1,6 +1,6 @@
 """Expert-parallel groups are adjacent ranks (ep the inner factor of dp, MindFormers' MoE order).
 
-The rule (:mod:`ms_deepseek.parallel.ranks`) is checked against MindSpore's own Python where it exists:
+The rule (:mod:`ms_deepseek.parallel_plan.ranks`) is checked against MindSpore's own Python where it exists:
 ``mindspore.parallel._tensor._get_tensor_slice_index`` on the expert weight's device matrix and tensor
 map gives which experts block every device holds; an expert-parallel group must hold one of each block
 and sit inside one 8-NPU node. The emulated AllToAll of the CPU simulation must run over the same groups,
@@ -14,7 +14,7 @@ import pytest
 from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
-from ms_deepseek.parallel import costs, ranks
+from ms_deepseek.parallel_plan import costs, ranks
 
 from repo_paths import REPO  # noqa: E402
 
@@ -81,8 +81,8 @@ def test_simulated_alltoall_runs_over_adjacent_ranks():
 
     from ms_deepseek.diagnostics.simulate_moe import simulate_moe_layer
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.parallel.plan import Mesh
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
+    from ms_deepseek.parallel_plan.plan import Mesh
 
     cfg = get_preset("tiny", vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
@@ -122,7 +122,7 @@ def test_lint_fails_on_the_ep_outer_order():
     import copy
 
     from ms_deepseek.diagnostics import simulate as S
-    from ms_deepseek.sharding.lint import lint_model
+    from ms_deepseek.parallel_apply.lint import lint_model
 
     par = ParallelConfig(dp=8, tp=1, ep=2)
     ctx = S.build_context(get_preset("tiny"), par, 16)

@@ -11,11 +11,11 @@ form of this module, which set them, was refused by the compiler.
 
 :func:`custom_layouts` turns the plan's per-axis split counts into the named axes of one layout:
 the stage's device matrix ``(dp, tp)`` (``Layout((dp, tp), ("dp", "tp"))``; tp is the fastest axis,
-as in the rank geometry, ``parallel.ranks``), each tensor axis split by dp, tp, both or none. The
+as in the rank geometry, ``parallel_plan.ranks``), each tensor axis split by dp, tp, both or none. The
 outputs are laid out like input 0 (our ops are element- or row-wise in their split axes). MindSpore
 only checks the layouts' shape ("User needs to ensure the accuracy and correctness of input/output
 layout"), so the op must compute on those slices: ours are independent per row / group.
-:mod:`ms_deepseek.sharding.apply` builds the ``Layout`` objects; the lint reads them back from the
+:mod:`ms_deepseek.parallel_apply.apply` builds the ``Layout`` objects; the lint reads them back from the
 primitive's ``in_layout`` / ``out_layout`` attributes (``mindspore/ops/primitive.py`` ``shard``).
 
 ``RepetitionPenalty`` runs only in PyNative generation (``ms_deepseek.generate``), never in a

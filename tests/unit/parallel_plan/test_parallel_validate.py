@@ -6,7 +6,7 @@ from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import from_dict
-from ms_deepseek.parallel.validate import layout_problems, validate_layout
+from ms_deepseek.parallel_plan.validate import layout_problems, validate_layout
 
 V2 = get_preset("deepseek-v2")
 LITE = get_preset("deepseek-v2-lite")

@@ -8,8 +8,8 @@ import pytest
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.diagnostics import simulate as S
-from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
-from ms_deepseek.sharding.lint import lint_model
+from ms_deepseek.parallel_apply.lint import lint_model
+from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan
 
 TINY = get_preset("tiny")
 DENSE = TINY.replace(n_routed_experts=None)  # no MoE: every layer a dense MLP
@@ -98,7 +98,7 @@ def test_wrong_style_is_an_unlisted_redistribution():
 
 
 def test_stale_edge_table_fails(dense_ctx):
-    from ms_deepseek.sharding.lint import EDGES, Edge
+    from ms_deepseek.parallel_apply.lint import EDGES, Edge
 
     edges = list(EDGES) + [Edge("self_attn.qk_bmm", 0, "self_attn.renamed_softmax", 0, requires="self_attn.qk_bmm")]
     problems = lint_model(dense_ctx.model, dense_ctx.applied, dense_ctx.mesh, edges=edges).problems
@@ -107,7 +107,7 @@ def test_stale_edge_table_fails(dense_ctx):
 
 # ------------------------------------------------------------ custom ops in MindSpore's form
 def _custom_prims(ctx):
-    from ms_deepseek.sharding.lint import _primitive_table
+    from ms_deepseek.parallel_apply.lint import _primitive_table
 
     return {p: prim for p, (kind, prim) in _primitive_table(ctx.model).items() if type(prim).__name__ == "Custom"}
 

@@ -33,10 +33,10 @@ import numpy as np
 
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel.custom_shard import custom_layouts
-from ms_deepseek.parallel.placement import buffer_order, placement_table
-from ms_deepseek.parallel.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
-from ms_deepseek.parallel.ranks import dataset_strategy
+from ms_deepseek.parallel_plan.custom_shard import custom_layouts
+from ms_deepseek.parallel_plan.placement import buffer_order, placement_table
+from ms_deepseek.parallel_plan.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
+from ms_deepseek.parallel_plan.ranks import dataset_strategy
 
 
 @dataclass
@@ -114,7 +114,7 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
             if type(prim).__name__ == "Custom":
                 # the op Cell's non-data inputs (e.g. a CPU kernel's config tensor), replicated
                 in_s = tuple(in_s) + tuple(getattr(cell, "strategy_tail", ()))
-                # MindSpore 2.9 compiles a Custom op only with Layout objects (parallel.custom_shard)
+                # MindSpore 2.9 compiles a Custom op only with Layout objects (parallel_plan.custom_shard)
                 _shard_custom(prim, custom_layouts(in_s, getattr(cell, "num_outputs", 1), mesh.dp, mesh.tp))
             else:
                 prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
@@ -162,7 +162,7 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     # 5. frozen weights (a LoRA base) are not cut by the parallel optimizer: MindSpore would shard them too
     # (parallel_optimizer/opt_param_mgr.cc SplitParam checks size, not trainability) and all-gather them in
     # every forward; a quantized (uint8) base then fails to compile (its gradient path's ReduceScatter takes
-    # no integer tensor). Whole on each replica is what the planner counts (parallel.costs).
+    # no integer tensor). Whole on each replica is what the planner counts (parallel_plan.costs).
     if parallel.optimizer_shard:
         for param in params.values():
             if not param.requires_grad:
@@ -324,7 +324,7 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     """Ascend only (needs ``communication.init``): the outermost training cell (forward, gradients and
     optimizer update) in ``AutoParallel`` with sharding propagation from the plan's strategies,
     optimizer sharding (``hsdp``), the 1F1B pipeline and the dataset strategy
-    (:func:`ms_deepseek.parallel.ranks.dataset_strategy`: what each rank really reads)."""
+    (:func:`ms_deepseek.parallel_plan.ranks.dataset_strategy`: what each rank really reads)."""
     from mindspore.parallel.auto_parallel import AutoParallel
 
     wrapped = AutoParallel(top_cell, parallel_mode=search_mode(parallel))

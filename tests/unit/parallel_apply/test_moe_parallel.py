@@ -18,8 +18,8 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics.simulate_moe import simulate_moe_layer
 from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 from ms_deepseek.model.moe import DeepseekV2MoE
-from ms_deepseek.parallel.plan import Mesh
-from ms_deepseek.sharding.apply import apply_plan
+from ms_deepseek.parallel_apply.apply import apply_plan
+from ms_deepseek.parallel_plan.plan import Mesh
 
 
 def small_cfg(**kw):

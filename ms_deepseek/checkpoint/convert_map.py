@@ -1,6 +1,6 @@
-"""Check a source checkpoint against its config and plan the output: which bytes go where.
+"""Check a source checkpoint against its config and map the output: which bytes go where.
 
-A plan is a list of output shards, each a list of :class:`OutTensor` whose bytes are
+A byte map is a list of output shards, each a list of :class:`OutTensor` whose bytes are
 byte ranges of the source files:
 
 * hf -> ms: a stacked expert tensor [E, out, in] is the E per-expert tensors back to
@@ -25,7 +25,7 @@ from ms_deepseek.core.errors import UserError
 
 
 @dataclass
-class Plan:
+class ByteMap:
     shards: List[List[OutTensor]]   # each already in on-disk order
     total_bytes: int
     dtype: str                      # the dtype holding most bytes ("BF16", ...), for config.json's torch_dtype
@@ -88,7 +88,7 @@ def _carry_zero_width(ckpt: WeightFiles, out: List[OutTensor]) -> List[OutTensor
     return sorted(out, key=lambda t: layer_key(t.name))  # stable: model order within a layer is kept
 
 
-def plan_hf_to_ms(ckpt: WeightFiles) -> List[OutTensor]:
+def map_hf_to_ms(ckpt: WeightFiles) -> List[OutTensor]:
     cfg = ckpt.config
     check_tensors(ckpt, expected_hf_shapes(cfg), "HuggingFace", optional=zero_width_shapes(cfg))
     out: List[OutTensor] = []
@@ -107,7 +107,7 @@ def plan_hf_to_ms(ckpt: WeightFiles) -> List[OutTensor]:
     return _carry_zero_width(ckpt, out)
 
 
-def plan_ms_to_hf(ckpt: WeightFiles) -> List[OutTensor]:
+def map_ms_to_hf(ckpt: WeightFiles) -> List[OutTensor]:
     cfg = ckpt.config
     optional = {**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)}  # zero-width carried, buffers dropped
     check_tensors(ckpt, expected_ms_shapes(cfg), "ms_deepseek", optional=optional)
@@ -124,7 +124,7 @@ def plan_ms_to_hf(ckpt: WeightFiles) -> List[OutTensor]:
     return _carry_zero_width(ckpt, out)
 
 
-def shard(tensors: Sequence[OutTensor], shard_size: int) -> Plan:
+def shard(tensors: Sequence[OutTensor], shard_size: int) -> ByteMap:
     """Cut the model-ordered tensors into files of at most ``shard_size`` bytes (a bigger tensor gets its own)."""
     shards: List[List[OutTensor]] = []
     current: List[OutTensor] = []
@@ -140,4 +140,4 @@ def shard(tensors: Sequence[OutTensor], shard_size: int) -> Plan:
     if current:
         shards.append(current)
     dtype = max(by_dtype, key=lambda d: (by_dtype[d], DTYPE_SIZES[d]))
-    return Plan(shards=[order_for_alignment(s) for s in shards], total_bytes=sum(by_dtype.values()), dtype=dtype)
+    return ByteMap(shards=[order_for_alignment(s) for s in shards], total_bytes=sum(by_dtype.values()), dtype=dtype)
