@@ -14,7 +14,6 @@ from typing import Dict
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.runtime import detect_device
 
 
 class DataParallel:
@@ -23,8 +22,8 @@ class DataParallel:
     sharded = False
     static_shapes = False
 
-    def check(self, recipe) -> None:
-        """Refusals about the layout that need nothing built (none for data parallel)."""
+    def check(self, recipe, device: str) -> None:
+        """Refusals about the layout on ``device`` that need nothing built (none for data parallel)."""
 
     def workers_message(self, par) -> str:
         return f"parallel.dp: {par.dp}"
@@ -85,9 +84,9 @@ class Sharded:
     sharded = True
     static_shapes = True
 
-    def check(self, recipe) -> None:
+    def check(self, recipe, device: str) -> None:
         par = recipe.parallel
-        if detect_device() == "CPU":
+        if device == "CPU":
             raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
                             "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
                             "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`")

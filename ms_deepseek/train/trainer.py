@@ -193,7 +193,7 @@ class Trainer:
 
     def _check_layout(self) -> None:
         par = self.par
-        self.parallelism.check(self.recipe)
+        self.parallelism.check(self.recipe, detect_device())
         if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
             raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
