@@ -100,7 +100,7 @@ def test_loader_check_catches_a_wrong_slice(monkeypatch):
     """The plan --simulate loader check fails when ranks are handed the wrong rows (a part of a tensor no
     rank holds) or when the sliced reader returns other values than the slice."""
     from ms_deepseek.checkpoint import layout as layout_mod
-    from ms_deepseek.checkpoint import sources
+    from ms_deepseek.checkpoint import slice_readers as sources
 
     real = layout_mod.TensorLayout.slice_of
 
