@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DeepseekV2ForCausalLM": "ms_deepseek.model.causal_lm",
-    "DeepseekV2Config": "ms_deepseek.spec.config",
+    "DeepseekV2Config": "ms_deepseek.config.model",
 }
 
 

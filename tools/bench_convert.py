@@ -43,11 +43,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ms_deepseek.spec.config import get_preset  # noqa: E402
-from ms_deepseek.spec import names  # noqa: E402
-from ms_deepseek.spec.inventory import expected_hf_shapes  # noqa: E402
 from ms_deepseek.checkpoint.safetensors_io import read_header  # noqa: E402
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint  # noqa: E402
+from ms_deepseek.config import names  # noqa: E402
+from ms_deepseek.config.inventory import expected_hf_shapes  # noqa: E402
+from ms_deepseek.config.model import get_preset  # noqa: E402
 
 # The child reports its own peak RSS (VmHWM: high-water mark of this process image, all threads, since exec;
 # ru_maxrss would also count the benchmark's memory inherited at fork).
@@ -58,9 +58,9 @@ _CONVERT = ("import sys; from ms_deepseek.checkpoint.convert import {fn}; "
 
 _LOAD_RANK = ("import sys, resource; from pathlib import Path; "
               "from ms_deepseek.checkpoint.sharded import load_rank, target_layout; "
-              "from ms_deepseek.checkpoint.sources import WholeSource; "
-              "from ms_deepseek.checkpoint.source import read_weight_files; "
-              "from ms_deepseek.spec.parallel import ParallelConfig; "
+              "from ms_deepseek.checkpoint.slice_readers import WholeSource; "
+              "from ms_deepseek.checkpoint.weight_files import read_weight_files; "
+              "from ms_deepseek.config.parallel import ParallelConfig; "
               "dp, tp, pp, ep, rank = map(int, sys.argv[2:7]); "
               "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
               "base = int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:'))); "
@@ -70,7 +70,7 @@ _LOAD_RANK = ("import sys, resource; from pathlib import Path; "
               "print('SLICES', sum(v.nbytes for v in mine.values()), 'BASE', base); "
               "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
 _SHARDED = ("import sys; from ms_deepseek.checkpoint.sharded import write_sharded, merge_to_hf; "
-            "from ms_deepseek.spec.parallel import ParallelConfig; "
+            "from ms_deepseek.config.parallel import ParallelConfig; "
             "dp, tp, pp, ep = map(int, sys.argv[3:7]); "
             "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
             "(write_sharded(sys.argv[1], sys.argv[2], par) if sys.argv[7] == 'split' else "
@@ -91,7 +91,7 @@ def _child(code: str, *argv):
 
 
 def largest_tensor_bytes(cfg) -> int:
-    from ms_deepseek.spec.inventory import expected_ms_shapes
+    from ms_deepseek.config.inventory import expected_ms_shapes
 
     return max(2 * _numel(s) for s in expected_ms_shapes(cfg).values())
 
@@ -123,7 +123,7 @@ def bench_layouts(args, cfg, work: Path) -> int:
     rows = []
     for what, src, dst in (("split", work / "hf", work / "sharded"), ("merge", work / "sharded", work / "merged")):
         best = None
-        for rep in range(args.repeat):
+        for _rep in range(args.repeat):
             if dst.exists():
                 shutil.rmtree(dst)
             evict(src) if what == "split" else [evict(d) for d in src.iterdir() if d.is_dir()]

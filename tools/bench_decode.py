@@ -66,11 +66,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
 
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.decode import cache_figures
 
     ms.set_seed(args.seed)

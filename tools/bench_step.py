@@ -88,16 +88,16 @@ def _emit(result: dict) -> None:
 # ----------------------------------------------------------------------------- MindSpore worker
 def _ms_worker(case: str, args) -> None:
     os.environ.setdefault("GLOG_v", "3")
-    import numpy as np
     import mindspore as ms
+    import numpy as np
     from mindspore import Tensor
 
-    from ms_deepseek.spec.config import DeepseekV2Config
-    from ms_deepseek.spec.inventory import count_parameters
+    from ms_deepseek.config.inventory import count_parameters
+    from ms_deepseek.config.model import DeepseekV2Config
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.config.recipe import OptimSection, TrainSection
     from ms_deepseek.train import optim
     from ms_deepseek.train.mf_adapter import mindformers_classes
-    from ms_deepseek.spec.parallel import ParallelConfig
-    from ms_deepseek.spec.recipe import OptimSection, TrainSection
 
     ms.set_device("CPU")
     if args.threads:
@@ -352,8 +352,8 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c in wanted] + [c for c in wanted if c not in cases]
 
     sys.path.insert(0, str(ROOT))
-    from ms_deepseek.spec.config import DeepseekV2Config  # no mindspore import
-    from ms_deepseek.spec.inventory import count_parameters
+    from ms_deepseek.config.inventory import count_parameters
+    from ms_deepseek.config.model import DeepseekV2Config  # no mindspore import
 
     cfg = DeepseekV2Config(**BENCH_CONFIG)
     count = count_parameters(cfg)

@@ -25,8 +25,8 @@ TOL = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3, "aux": 1e-4}
 
 def measure(folder: Path, mode: str) -> dict:
     import mindspore as ms
-    from mindspore import Tensor
     from load_reference import load_reference, routing
+    from mindspore import Tensor
     from parity import gradient_errors
 
     from ms_deepseek import DeepseekV2ForCausalLM

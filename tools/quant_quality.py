@@ -32,9 +32,9 @@ def _rel_errors(a: np.ndarray, b: np.ndarray):
 def logit_errors(name: str, cfg, schemes, seed: int = 0) -> None:
     import mindspore as ms
 
+    from ms_deepseek.config.quant import QuantSpec
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.model.quant import quantize_model
-    from ms_deepseek.spec.quant import QuantSpec
 
     ms.set_seed(seed)
     ids = ms.Tensor(np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, 32)).astype(np.int32))
@@ -71,9 +71,9 @@ def lora_transfer(steps: int) -> None:
     import mindspore as ms
 
     from ms_deepseek.cli import main
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.data.prepare import prepare_embedded_default
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.recipe import load_recipe
     from ms_deepseek.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     import mindspore as ms
 
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     schemes = [(8, None), (4, None), (4, 128), (4, 64), (4, 32)]

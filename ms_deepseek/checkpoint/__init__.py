@@ -1,20 +1,26 @@
-"""All checkpoint I/O of ms_deepseek, in one place.
+"""All checkpoint I/O of ms_deepseek, in one place: files and names, no Cells.
 
-* :mod:`.atomic`    the one atomic writer: a temporary sibling folder, every file and the folder
-                    fsynced, swapped in with no moment when no complete checkpoint exists;
-* :mod:`.tensors`   whole safetensors files in and out of a model or optimizer, raw slice reads,
-                    RNG state, experts always stored in HF order;
-* :mod:`.layout`    which slice of each tensor each rank holds (from the plan) and ``layout.json``;
-* :mod:`.training`  the run's ``checkpoints/step_N`` folders (whole or ``rank_RRRRR`` slices);
-* :mod:`.sharded`   per-rank loading straight from HF / ms_deepseek safetensors, pre-sharded
-                    conversion, merge back to HF, resharding.
+* :mod:`.opener`         the one opener (``open_checkpoint``): HF, ms, training, sharded, LoRA folders;
+* :mod:`.weight_files`   the weight files of a whole folder (config, index + shards, tensor locations);
+* :mod:`.slice_readers`  slice readers over whole or sharded folders (only the bytes a slice needs);
+* :mod:`.safetensors_io` the one safetensors reader and writer (headers, byte ranges, host arrays);
+* :mod:`.tensors`        model / optimizer tensors in and out of training checkpoints, RNG state,
+                         experts always stored in HF order;
+* :mod:`.layout`         which slice of each tensor each rank holds (from the plan) and ``layout.json``;
+* :mod:`.opt_shard`      the parallel optimizer's further cut, undone for files and redone on load;
+* :mod:`.training`       the run's ``checkpoints/step_N`` folders (whole or ``rank_RRRRR`` slices) and
+                         the one "which checkpoint does this path mean" resolver (``resolve_checkpoint``);
+* :mod:`.sharded`        per-rank loading, pre-sharded conversion, merge back to HF, resharding;
+* :mod:`.convert`, :mod:`.convert_map`  the streaming converter; :mod:`.synthetic` random checkpoints;
+* :mod:`.quant_format`, :mod:`.quantize` the quantized (QLoRA base) format and ``convert quantize``.
 
-The model's name/shape table is :mod:`ms_deepseek.spec.inventory`.
+The atomic folder writer is :mod:`ms_deepseek.core.atomic`; the model's name/shape table is
+:mod:`ms_deepseek.config.inventory`.
 """
 
 
 def __getattr__(name):
-    # Lazy: the converter imports .atomic, and .sharded imports the converter's modules.
+    # Lazy: .sharded imports the converter's modules, which importing this package should not.
     if name in ("check_loader_slices", "load_rank", "write_sharded", "merge_to_hf", "write_whole"):
         from ms_deepseek.checkpoint import sharded
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Union
 
-from ms_deepseek.core.atomic import check_destination, fsync_path, install, temporary_sibling
-from ms_deepseek.checkpoint.convert_plan import Plan, plan_hf_to_ms, plan_ms_to_hf, shard
+from ms_deepseek.checkpoint.convert_map import ByteMap, map_hf_to_ms, map_ms_to_hf, shard
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_NAMES, read_header, write_file
-from ms_deepseek.checkpoint.source import INDEX_NAME, WeightFiles, read_weight_files
+from ms_deepseek.checkpoint.weight_files import INDEX_NAME, WeightFiles, read_weight_files
+from ms_deepseek.core.atomic import check_destination, fsync_path, install, temporary_sibling
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import created_parents, remove_empty_dirs
 
@@ -84,7 +84,7 @@ def _progress(total: int, desc: str, enabled: bool):
                         dynamic_ncols=True, smoothing=0.1)
 
 
-def _write_shards(plan: Plan, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int,
+def _write_shards(plan: ByteMap, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int,
                   bar, fsync: bool) -> None:
     lock = threading.Lock()
     cancelled = threading.Event()
@@ -203,7 +203,7 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles]
 def hf_to_ms(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
              overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
     """HuggingFace folder -> ms_deepseek folder (routed experts stacked per layer, dtype and bytes unchanged)."""
-    return _convert(src, dst, "hf-to-ms", plan_hf_to_ms, WriteOptions(shard_size, workers, overwrite, progress, fsync))
+    return _convert(src, dst, "hf-to-ms", map_hf_to_ms, WriteOptions(shard_size, workers, overwrite, progress, fsync))
 
 
 def ms_to_hf(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
@@ -213,4 +213,4 @@ def ms_to_hf(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, work
 
     if lora_of(Path(src)) is not None:  # the same line as a sharded LoRA checkpoint's (sharded.merge_to_hf)
         raise lora_not_a_model(src)
-    return _convert(src, dst, "ms-to-hf", plan_ms_to_hf, WriteOptions(shard_size, workers, overwrite, progress, fsync))
+    return _convert(src, dst, "ms-to-hf", map_ms_to_hf, WriteOptions(shard_size, workers, overwrite, progress, fsync))

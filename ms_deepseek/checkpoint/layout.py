@@ -13,13 +13,13 @@ that consumes the parameter, read from the plan's ``StyleSpec.consumers``):
 * ``MatMul(transpose_b)``, x ``(n, c)``, weight ``(o, c)``: device matrix ``(n, c, o)``;
 * ``BatchMatMul(transpose_b)``, x ``(b, n, c)``, weight ``(b, o, c)``: ``(b, n, c, o)``; the routed
   experts' 4-D x ``(dp/ep, ep, n, c)`` against ``(ep, o, c)``: ``(dp/ep, ep, n, c, o)``, so the
-  expert block of stage device p is ``(p // tp) % ep`` (:mod:`ms_deepseek.parallel.ranks`);
+  expert block of stage device p is ``(p // tp) % ep`` (:mod:`ms_deepseek.parallel_plan.ranks`);
 * ``Gather`` of the embedding, table ``(v, 1)``, ids ``(n, 1)``: ``(n, v)`` (vocab fastest,
   as tp is);
 * a parameter no primitive consumes (norms, tables) is whole on every rank.
 
 When the strategy uses fewer devices than the stage has, the repeat count is the rightmost
-device-matrix axis, as in MindSpore (see :mod:`ms_deepseek.parallel.ranks`). On Ascend the
+device-matrix axis, as in MindSpore (see :mod:`ms_deepseek.parallel_plan.ranks`). On Ascend the
 strategy files that MindSpore writes are the ground truth: :func:`check_strategy_file`
 compares them with this layout and names the first tensor that differs.
 
@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.checkpoint.quant_format import is_quantized_weight, quantized_entries
+from ms_deepseek.config.inventory import parameter_inventory
+from ms_deepseek.config.lora import LoraSpec, lora_inventory
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
-from ms_deepseek.checkpoint.quant_format import is_quantized_weight, quantized_entries
-from ms_deepseek.spec.inventory import parameter_inventory
-from ms_deepseek.spec.lora import LoraSpec, lora_inventory
 
 LAYOUT_FILE = "layout.json"
 RANK_DIR_GLOB = "rank_[0-9][0-9][0-9][0-9][0-9]"
@@ -308,8 +308,8 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
     """
     import re
 
-    from ms_deepseek.parallel.placement import placement_table
-    from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
+    from ms_deepseek.parallel_plan.placement import placement_table
+    from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
 
     plan = plan or Plan()
     mesh = Mesh.from_parallel(parallel)
@@ -355,7 +355,7 @@ def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayou
     split of ``in`` must fall on a byte (int4) and on a group boundary (group-wise), else UserError naming
     the tensor. The scale and offset [.., out, in/G] split like the weight's leading and ``out`` axes and,
     group-wise, its ``in`` axis on the groups; a per-channel scale (one group) is whole on that axis, as
-    the plan's dequantisation Mul takes it (parallel/plan.py, ``fit_layout``)."""
+    the plan's dequantisation Mul takes it (parallel_plan/plan.py, ``fit_layout``)."""
     entries = quantized_entries(t.name, t.shape, quant)
     (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
     k = t.split[-1]  # how many ways the input width splits

@@ -9,53 +9,69 @@ a tensor:
 * ``sharded``: ``rank_RRRRR/`` slices described by ``layout.json`` (training or pre-sharded).
 
 A LoRA run's checkpoint (whole or sharded) holds adapters and trained routers, not a model:
-:attr:`Opened.lora` is then its :class:`~ms_deepseek.spec.lora.LoraSpec`, and its tensors are
+:attr:`Opened.lora` is then its :class:`~ms_deepseek.config.lora.LoraSpec`, and its tensors are
 checked against the adapter inventory.
 
 Everything that reads checkpoints goes through here: ``from_pretrained``, resume, per-rank
 loading, resharding, merge to HF and LoRA export. The converter's byte copies read the weight
-files (:mod:`.source`) this opener is built on.
+files (:mod:`.weight_files`) this opener is built on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
-from ms_deepseek.checkpoint.convert_plan import check_tensors
-from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
+from ms_deepseek.checkpoint.convert_map import check_tensors
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
+from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header
-from ms_deepseek.checkpoint.source import WeightFiles, check_config_scale, read_weight_files
-from ms_deepseek.checkpoint.sources import ShardedSource, WholeSource
+from ms_deepseek.checkpoint.slice_readers import ShardedSource, WholeSource
 from ms_deepseek.checkpoint.training import read_recipe
+from ms_deepseek.checkpoint.weight_files import WeightFiles, check_config_scale, read_weight_files
+from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.model import DeepseekV2Config
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, ms_buffer_shapes, zero_width_shapes
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.quant import QuantSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
+class CheckpointKind(str, Enum):
+    """The kinds of folder :func:`open_checkpoint` knows (a ``str``: compares equal to its value)."""
+
+    HF = "hf"
+    MS = "ms"
+    TRAINING = "training"
+    SHARDED = "sharded"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Source = Union[WholeSource, ShardedSource]
+
+
 @dataclass(frozen=True)
 class Opened:
-    """What a checkpoint folder holds, checked against its config."""
+    """What a checkpoint folder holds, checked against its config (built with keywords)."""
 
     folder: Path
-    kind: str                            # "hf" | "ms" | "training" | "sharded"
+    kind: CheckpointKind
     config: DeepseekV2Config
     config_path: Path
-    model: object                        # WholeSource | ShardedSource: the model tensors (or adapters)
-    optimizer: Optional[object] = None   # the optimizer state of a training checkpoint
+    model: Source                        # the model tensors (or a LoRA run's adapters)
+    optimizer: Optional[Source] = None   # the optimizer state of a training checkpoint
     lora: Optional[LoraSpec] = None      # a LoRA run's checkpoint: its adapters' settings
     weights: Optional[WeightFiles] = None  # a whole folder's weight files (the converter's view)
     quant: Optional[QuantSpec] = None    # a quantized base (``convert quantize``): its bits and group size
 
     @property
     def sharded(self) -> bool:
-        return self.kind == "sharded"
+        return self.kind is CheckpointKind.SHARDED
 
     @property
     def layout(self) -> Optional[ShardLayout]:
@@ -76,8 +92,8 @@ def open_checkpoint(folder) -> Opened:
         model = WholeSource.of(weights)
         expected = expected_hf_shapes(weights.config) if model.hf else expected_ms_shapes(weights.config)
         check_quantized(weights, expected, quant, optional=zero_width_shapes(weights.config))
-        return Opened(folder, "hf" if model.hf else "ms", weights.config, weights.config_path, model, None, None,
-                      weights, quant)
+        return Opened(folder=folder, kind=CheckpointKind.HF if model.hf else CheckpointKind.MS, config=weights.config,
+                      config_path=weights.config_path, model=model, weights=weights, quant=quant)
     if lora is not None:  # adapters (+ routers), by our names
         model = WholeSource.of(weights, hf=False)
         check_tensors(weights, {i.name: i.shape for i in checkpoint_inventory(weights.config, lora)}, "LoRA")
@@ -87,8 +103,10 @@ def open_checkpoint(folder) -> Opened:
     optimizer = None
     if (folder / OPTIMIZER_FILE).is_file():
         optimizer = WholeSource(read_header(folder / OPTIMIZER_FILE).tensors, weights.config, folder, hf=False)
-    kind = "training" if (folder / "state.json").is_file() else ("hf" if model.hf else "ms")
-    return Opened(folder, kind, weights.config, weights.config_path, model, optimizer, lora, weights)
+    kind = CheckpointKind.TRAINING if (folder / "state.json").is_file() else (
+        CheckpointKind.HF if model.hf else CheckpointKind.MS)
+    return Opened(folder=folder, kind=kind, config=weights.config, config_path=weights.config_path, model=model,
+                  optimizer=optimizer, lora=lora, weights=weights)
 
 
 def open_for_resume(folder) -> Opened:
@@ -113,7 +131,8 @@ def _open_sharded(folder: Path) -> Opened:
     optimizer = None
     if model.layout.optimizer:
         optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
-    return Opened(folder, "sharded", cfg, config_path, model, optimizer, lora, quant=quant)
+    return Opened(folder=folder, kind=CheckpointKind.SHARDED, config=cfg, config_path=config_path, model=model,
+                  optimizer=optimizer, lora=lora, quant=quant)
 
 
 def lora_not_a_model(folder) -> UserError:

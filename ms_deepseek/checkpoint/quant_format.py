@@ -28,9 +28,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.lora import LORA_TARGETS
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LORA_TARGETS
-from ms_deepseek.spec.quant import QuantSpec
 
 QUANT_METHOD = "ms_deepseek"
 DESCRIPTION_FILE = "quant_model_description.json"

@@ -17,10 +17,17 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.checkpoint.quant_format import (DESCRIPTION_FILE, QUANT_METHOD, check_groups, is_quantized_weight,
-                                                 quantized_entries, read_quant_config, stored_array)
+from ms_deepseek.checkpoint.quant_format import (
+    DESCRIPTION_FILE,
+    QUANT_METHOD,
+    check_groups,
+    is_quantized_weight,
+    quantized_entries,
+    read_quant_config,
+    stored_array,
+)
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.quant import QuantSpec
 
 
 # ------------------------------------------------------------------------------ the converter
@@ -31,8 +38,8 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
 
     from ms_deepseek.checkpoint.convert import ConvertResult, parse_size
     from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
-    from ms_deepseek.checkpoint.source import INDEX_NAME
-    from ms_deepseek.checkpoint.sources import to_float32, full_slice
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
+    from ms_deepseek.checkpoint.weight_files import INDEX_NAME
     from ms_deepseek.core.atomic import atomic_folder, check_destination
 
     start = time.perf_counter()
@@ -105,7 +112,7 @@ def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[s
 
 # ------------------------------------------------------------------------------ pre-sharded output
 class QuantizedView:
-    """A float source (checkpoint/sources.py) read as its quantized checkpoint, slice by slice.
+    """A float source (checkpoint/slice_readers.py) read as its quantized checkpoint, slice by slice.
 
     A slice of a stored weight or of its scale / offset is computed from the float weight's rows that
     hold it (the slice's leading and ``out`` ranges, the whole input width): every scale group lies in
@@ -131,7 +138,7 @@ class QuantizedView:
         return self.src.dtype(name)
 
     def read(self, name: str, sl) -> np.ndarray:
-        from ms_deepseek.checkpoint.sources import to_float32
+        from ms_deepseek.checkpoint.slice_readers import to_float32
 
         if name not in self.float_of:
             return self.src.read(name, sl)
@@ -154,7 +161,7 @@ def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *
     from ms_deepseek.checkpoint.safetensors_io import write_file
     from ms_deepseek.checkpoint.sharded import rank_entries
     from ms_deepseek.core.atomic import atomic_folder, check_destination
-    from ms_deepseek.parallel.validate import validate_layout
+    from ms_deepseek.parallel_plan.validate import validate_layout
 
     src, dst = Path(src), Path(dst)
     spec = QuantSpec(bits=bits, group_size=group_size)
@@ -182,13 +189,13 @@ def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *
 
 
 def _float_source(src: Path):
-    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.checkpoint.opener import CheckpointKind, open_checkpoint
 
     opened = open_checkpoint(src)
     if opened.quant is not None:
         raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
                         "quantize the original checkpoint")
-    if opened.kind not in ("hf", "ms"):
+    if opened.kind not in (CheckpointKind.HF, CheckpointKind.MS):
         raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
                         "(convert a training checkpoint with `convert ms-to-hf` first)")
     return opened

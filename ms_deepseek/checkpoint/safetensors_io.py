@@ -8,7 +8,9 @@ A safetensors file is::
     [data: tensor bytes, offsets relative to the start of this section]
 
 Conversion never needs tensor values, only where their bytes are, so nothing here
-imports numpy or MindSpore: bfloat16 is copied as bytes. Headers are checked as
+imports numpy or MindSpore at import time: bfloat16 is copied as bytes. Host arrays (training
+checkpoints, LoRA bases, merges) are written by :func:`write_arrays`, which encodes them with
+:func:`encode_array`: this module is the one safetensors writer. Headers are checked as
 strictly as the reference Rust implementation (offsets contiguous from 0, sizes
 matching dtype x shape, data ending exactly at the end of the file), so a file we
 accept loads in ``safetensors`` and in MindSpore.
@@ -199,6 +201,44 @@ def array_tensor(name: str, array) -> OutTensor:
     if code is None:
         raise AssertionError(f"{name}: cannot write numpy dtype {array.dtype} as a safetensors tensor")
     return OutTensor(name, code, tuple(array.shape), produce=lambda: array)
+
+
+def encode_array(values, sf_dtype: str) -> bytes:
+    """The bytes of a host array stored as ``sf_dtype``: floats converted (bfloat16 rounded to nearest even
+    from float32), other dtypes as they are (the array's numpy dtype must already be ``sf_dtype``'s)."""
+    import numpy as np
+
+    if sf_dtype == "F32":
+        return values.astype(np.float32).tobytes()
+    if sf_dtype == "F16":
+        return values.astype(np.float16).tobytes()
+    if sf_dtype == "BF16":
+        bits = values.astype(np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return rounded.astype(np.uint16).tobytes()
+    data = np.ascontiguousarray(values).tobytes()
+    if len(data) != values.size * DTYPE_SIZES[sf_dtype]:
+        raise AssertionError(f"cannot store a numpy {values.dtype} array as {sf_dtype}")
+    return data
+
+
+def write_arrays(path: Path, tensors: Mapping[str, Tuple[object, str]],
+                 metadata: Optional[Mapping[str, str]] = None) -> int:
+    """A safetensors file from host arrays: ``{name: (array, safetensors dtype code)}``, each encoded to
+    its code by :func:`encode_array`; or ``{name: (produce, code, shape)}`` where ``produce()`` returns
+    the array when the file is written (one tensor on the host at a time). Returns the file size."""
+    import numpy as np
+
+    planned = []
+    for name, entry in tensors.items():
+        if len(entry) == 3:
+            produce, code, shape = entry
+        else:
+            array, code = entry
+            produce, shape = (lambda a=array: a), tuple(np.shape(array))
+        planned.append(OutTensor(name, code, tuple(shape),
+                                 produce=lambda p=produce, c=code: encode_array(np.ascontiguousarray(p()), c)))
+    return write_file(path, order_for_alignment(planned), {"format": "pt"} if metadata is None else metadata)
 
 
 def kernel_copy_enabled() -> bool:

@@ -1,7 +1,7 @@
 """Checkpoints across layouts: per-rank loading, pre-sharded conversion, merge to HF, resharding.
 
 All four are one operation, "read the slice a target wants from whatever the source is"
-(:mod:`.sources`), applied per tensor and streamed:
+(:mod:`.slice_readers`), applied per tensor and streamed:
 
 * :func:`load_rank` -- the slices one rank holds under a layout, read straight from an HF or
   ms_deepseek folder, a whole training checkpoint or a sharded one (peak host memory: the
@@ -31,16 +31,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_deepseek.core.atomic import atomic_folder, check_destination
-from ms_deepseek.checkpoint.layout import (LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory,
-                                           rank_dir_name)
+from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory, rank_dir_name
 from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
-from ms_deepseek.checkpoint.sources import ShardedSource, full_slice
-from ms_deepseek.parallel.validate import validate_layout
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec import names
 from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
+from ms_deepseek.checkpoint.slice_readers import ShardedSource, full_slice
+from ms_deepseek.config import names
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.core.atomic import atomic_folder, check_destination
+from ms_deepseek.parallel_plan.validate import validate_layout
 
 TRAINING_FILES = ("state.json", "recipe.yaml")  # carried along by reshard
 
@@ -218,7 +217,7 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
     _check_strategy_files(src_folder, model.layout)
 
     def plan_fn(_):
-        from ms_deepseek.spec.inventory import expected_ms_shapes
+        from ms_deepseek.config.inventory import expected_ms_shapes
 
         out: List[OutTensor] = []
         for name in expected_ms_shapes(cfg):

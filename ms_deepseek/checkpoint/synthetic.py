@@ -12,26 +12,14 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, encode_array, header_bytes, numel
+from ms_deepseek.checkpoint.weight_files import INDEX_NAME, SINGLE_NAME
+from ms_deepseek.config.inventory import expected_hf_shapes, expected_ms_shapes
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import safetensors_code
-from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes
-from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, header_bytes, numel
-from ms_deepseek.checkpoint.source import INDEX_NAME, SINGLE_NAME
 
 _CHUNK = 1 << 22  # elements encoded at a time
 _POOL = 1 << 24   # normal values drawn up front
-
-
-def _encode(values, sf_dtype: str) -> bytes:
-    import numpy as np
-
-    if sf_dtype == "F32":
-        return values.astype(np.float32).tobytes()
-    if sf_dtype == "F16":
-        return values.astype(np.float16).tobytes()
-    bits = values.astype(np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return rounded.astype(np.uint16).tobytes()
 
 
 def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bfloat16", layout: str = "hf",
@@ -77,12 +65,12 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
             weight_map.update({name: file_name for name, _, _ in tensors})
             with open(folder / file_name, "wb") as f:
                 f.write(header_bytes(tensors, {"format": "pt" if layout == "hf" else "ms"}))
-                for name, sf_dtype, shape in tensors:
+                for _name, sf_dtype, shape in tensors:
                     left = numel(shape)
                     while left:
                         step = min(left, _CHUNK)
                         start = int(rng.integers(0, len(pool) - step + 1))
-                        data = _encode(pool[start:start + step], sf_dtype)
+                        data = encode_array(pool[start:start + step], sf_dtype)
                         f.write(data)
                         bar.update(len(data))
                         left -= step

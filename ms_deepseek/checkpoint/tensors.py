@@ -1,6 +1,6 @@
 """Tensors in and out of a model or optimizer, and the RNG state, for training checkpoints.
 
-* :func:`save_tensors` / :func:`load_tensors`: one safetensors file (MindSpore's writer/reader);
+* :func:`save_tensors` / :func:`load_tensors`: one safetensors file (our one writer; MindSpore's reader);
 * :func:`model_tensors`: the model's parameters under its own names (the expert placement
   table is plan data, not saved); :func:`hf_ordered` puts stacked experts back in expert
   order when a placement permuted them into buffer order (``apply.restore_expert_order``),
@@ -22,12 +22,26 @@ from ms_deepseek.core.errors import UserError
 
 
 def save_tensors(named: Dict[str, object], path: Path) -> None:
-    import mindspore as ms
+    """One safetensors file of MindSpore tensors (or host arrays), written by the one writer
+    (``safetensors_io.write_arrays``), one tensor on the host at a time."""
+    from ms_deepseek.checkpoint.safetensors_io import write_arrays
 
-    ms.save_checkpoint([{"name": name, "data": value} for name, value in named.items()], str(path),
-                       format="safetensors")
-    if not path.is_file():  # MindSpore appends the suffix when it is missing; we always pass it
-        raise RuntimeError(f"internal: save_checkpoint did not write {path}")
+    write_arrays(path, {name: host_entry(value) for name, value in named.items()})
+
+
+def host_entry(value):
+    """(produce, safetensors code, shape) of a MindSpore tensor or a numpy array: ``produce()`` copies it to
+    the host (bfloat16 through float32, exact: the writer rounds it back to the same bits)."""
+    from ms_deepseek.core.dtypes import safetensors_code
+
+    if isinstance(value, np.ndarray):
+        return (lambda: value), safetensors_code(value.dtype.name), tuple(value.shape)
+    name = str(value.dtype).lower()  # MindSpore: Float32, BFloat16, Bool, Int32 ...
+    if name == "bfloat16":
+        import mindspore as ms
+
+        return (lambda: value.astype(ms.float32).asnumpy()), "BF16", tuple(value.shape)
+    return value.asnumpy, safetensors_code(name), tuple(value.shape)
 
 
 def load_tensors(path: Path):
@@ -77,14 +91,14 @@ def to_buffer_order(name: str, array: np.ndarray, applied) -> np.ndarray:
 
 def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None,
                  part=None) -> None:
-    """Copy tensors of ``src`` (a :mod:`.sources` source) into ``params``: all must be present, shapes equal.
+    """Copy tensors of ``src`` (a :mod:`.slice_readers` source) into ``params``: all must be present, shapes equal.
 
     With ``layout`` each parameter receives this rank's slice (the parameters of a compiled sharded
     step are slices); without, the whole tensor. ``part(name, slice)``: what of its slice the rank
     keeps (optimizer sharding: :meth:`ms_deepseek.checkpoint.opt_shard.OptimizerShards.part`)."""
     from mindspore import Tensor
 
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
 
     missing = [n for n in params if not src.has(n)]
     if missing:

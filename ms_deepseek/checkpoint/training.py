@@ -30,9 +30,9 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
+from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 
@@ -189,31 +189,73 @@ def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: Shard
     return final
 
 
-def resolve_resume(spec: str, run_dir: Path) -> Path:
-    """``latest`` -> newest complete checkpoint of ``run_dir``; a path -> that checkpoint (or the newest inside)."""
-    if spec == "latest":
+RESUME, GENERATE, EXPORT = "resume", "generate", "export"  # the uses of resolve_checkpoint
+
+
+def resolve_checkpoint(spec, use: str, run_dir: Optional[Path] = None) -> Path:
+    """Which checkpoint a path means (the one resolver): the folder itself when it is one, else the newest
+    complete checkpoint inside it (a run folder or its ``checkpoints/``). ``use`` decides what counts as a
+    checkpoint and how a refusal is worded:
+
+    * ``RESUME`` (``train --resume``): ``latest`` is ``run_dir``'s newest; a ``step_N`` / state.json folder
+      must be complete;
+    * ``GENERATE`` (``generate``): any folder with config.json (an HF folder too);
+    * ``EXPORT`` (``export-lora``): a training checkpoint (state.json) with its model tensors, whole or
+      sharded; a run folder means its newest."""
+    if use == RESUME and spec == "latest":
         if not Path(run_dir).exists():
             raise UserError(f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
                             "(name the run with --output RUN_DIR, or leave out --resume to start it)")
-        found = CheckpointManager(run_dir / "checkpoints").latest()
+        found = CheckpointManager(Path(run_dir) / "checkpoints").latest()
         if found is None:
-            raise UserError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+            raise UserError(f"--resume: no complete checkpoint in {Path(run_dir) / 'checkpoints'}")
         return found
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise UserError(f"--resume {spec}: no such folder")
-    if STEP_DIR.match(path.name) or (path / "state.json").exists():
-        if not is_complete(path):
-            if is_sharded(path):
-                read_layout(path)  # a malformed layout file names itself
-                raise UserError(f"--resume {spec}: incomplete sharded checkpoint (a rank folder or file is missing)")
-            missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-            raise UserError(f"--resume {spec}: incomplete checkpoint (missing {', '.join(missing)})")
-        return path
-    found = latest_in(path)
-    if found is None:
-        raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
+    path = Path(spec) if use == EXPORT else Path(spec).expanduser()
+    _check_exists(path, spec, use)
+    if use == RESUME:
+        if STEP_DIR.match(path.name) or (path / "state.json").exists():
+            _check_complete(path, spec)
+            return path
+        found = latest_in(path)
+        if found is None:
+            raise UserError(f"--resume {spec}: no complete checkpoint (step_NNNNNNNN folder) in this folder")
+        return found
+    if use == GENERATE:
+        found = path if (path / "config.json").is_file() else latest_in(path)
+        if found is None:
+            raise UserError(f"{path}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint "
+                            "inside")
+        return found
+    found = path if (path / "state.json").is_file() else (
+        latest_in(path / "checkpoints") if (path / "checkpoints").is_dir() else None)
+    if found is not None and is_sharded(found):
+        return found  # a tp / pp / ep run's rank_*/ slices, put together by the reader
+    if found is None or not (found / "model.safetensors").is_file():
+        raise UserError(f"{path}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
+                        "complete checkpoints")
     return found
+
+
+def _check_exists(path: Path, spec, use: str) -> None:
+    if use == RESUME and not path.exists():
+        raise UserError(f"--resume {spec}: no such folder")
+    if use == GENERATE and not path.exists():
+        raise UserError(f"{path}: no such checkpoint folder")
+    if use == GENERATE and not path.is_dir():
+        raise UserError(f"{path}: not a folder (expected a checkpoint folder holding config.json, or a run folder)")
+    if use == EXPORT and not path.is_dir():
+        raise UserError(f"{path}: no such run or checkpoint folder")
+
+
+def _check_complete(path: Path, spec) -> None:
+    """A resume's named checkpoint has every file (a malformed sharded layout names itself)."""
+    if is_complete(path):
+        return
+    if is_sharded(path):
+        read_layout(path)  # a malformed layout file names itself
+        raise UserError(f"--resume {spec}: incomplete sharded checkpoint (a rank folder or file is missing)")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    raise UserError(f"--resume {spec}: incomplete checkpoint (missing {', '.join(missing)})")
 
 
 def resume_parent(spec: str, run_dir: Path) -> Path:

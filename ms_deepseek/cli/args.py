@@ -9,6 +9,7 @@ import socket
 
 from ms_deepseek.core.errors import UserError
 
+
 def _number(kind, text: str):
     try:
         value = kind(text)

@@ -76,11 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def layout_from_args(args):
     """The target ParallelConfig from --recipe and/or --dp/--tp/--pp/--ep; None when none is given."""
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     flags = [k for k in LAYOUT_FLAGS if getattr(args, k, None) is not None]
     if getattr(args, "recipe", None):
-        from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+        from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
         base = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe)).parallel  # no data needed
     elif flags or getattr(args, "overrides", None):

@@ -16,11 +16,22 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-from ms_deepseek.core.errors import UserError
 from ms_deepseek.cli.args import host, non_negative_int, port, positive_float, positive_int
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import doctor_host, doctor_node  # noqa: F401  (register the checks)
-from ms_deepseek.diagnostics.doctor_core import (FAIL, LEVELS, PASS, REGISTRY, SKIP, WARN, Check, CheckResult,
-                                           DoctorContext, checks_for_level, run_check)
+from ms_deepseek.diagnostics.doctor_core import (
+    FAIL,
+    LEVELS,
+    PASS,
+    REGISTRY,
+    SKIP,
+    WARN,
+    Check,
+    CheckResult,
+    DoctorContext,
+    checks_for_level,
+    run_check,
+)
 from ms_deepseek.diagnostics.probe import SystemProbe
 
 _TAG = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", SKIP: "SKIP"}

@@ -28,8 +28,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from ms_deepseek.model import lora_export
     from ms_deepseek.model.lora_peft import CONFIG_NAME
-    from ms_deepseek.train import lora_run
 
     src = Path(args.source)
     from ms_deepseek.core.atomic import check_apart
@@ -42,20 +42,20 @@ def run(args) -> int:
             from ms_deepseek.core.errors import UserError
 
             raise UserError(f"{src}: already a PEFT adapter folder; pass --merge BASE to fold it into a base")
-        out = lora_run.export_adapter(src, args.out, base=args.base, overwrite=args.overwrite)
+        out = lora_export.export_adapter(src, args.out, base=args.base, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out}")
         from ms_deepseek.checkpoint.safetensors_io import read_header
         from ms_deepseek.model.lora_peft import WEIGHTS_NAME
 
-        for note in lora_run.compatibility_notes(read_header(out / WEIGHTS_NAME).tensors):
+        for note in lora_export.compatibility_notes(read_header(out / WEIGHTS_NAME).tensors):
             print(note)
         return 0
     if (src / CONFIG_NAME).is_file():
-        out = lora_run.merge(src, Path(args.merge), Path(args.out), overwrite=args.overwrite)
+        out = lora_export.merge(src, Path(args.merge), Path(args.out), overwrite=args.overwrite)
     else:
         with tempfile.TemporaryDirectory(prefix="ms_deepseek_lora_") as tmp:
-            adapter = lora_run.export_adapter(src, Path(tmp) / "adapter", base=args.base or args.merge)
-            out = lora_run.merge(adapter, Path(args.merge), Path(args.out), overwrite=args.overwrite)
+            adapter = lora_export.export_adapter(src, Path(tmp) / "adapter", base=args.base or args.merge)
+            out = lora_export.merge(adapter, Path(args.merge), Path(args.out), overwrite=args.overwrite)
     print(f"wrote merged HF checkpoint {out}")
     copied = _carry_tokenizer(src, Path(out))
     if copied:

@@ -58,23 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ locating things
-def resolve_checkpoint(path) -> Path:
-    """A folder with config.json, or a run / checkpoints folder -> its newest complete checkpoint."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"{p}: no such checkpoint folder")
-    if not p.is_dir():
-        raise UserError(f"{p}: not a folder (expected a checkpoint folder holding config.json, or a run folder)")
-    if (p / "config.json").is_file():
-        return p
-    from ms_deepseek.checkpoint.training import latest_in
-
-    found = latest_in(p)
-    if found is not None:
-        return found
-    raise UserError(f"{p}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint inside")
-
-
 def find_tokenizer(checkpoint: Path, explicit: Optional[str] = None):
     """The tokenizer for ``checkpoint`` (see the module docstring for the search order), or None."""
     from ms_deepseek.data.tokenizer import load_tokenizer
@@ -96,9 +79,9 @@ def _recipe_tokenizer(recipe_path: Path):
     """The tokenizer of the data a training run used, from its recipe.yaml."""
     import yaml
 
-    from ms_deepseek.spec.data import DataConfig
-    from ms_deepseek.data.tokenizer import load_tokenizer
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.core.schema import from_dict
+    from ms_deepseek.data.tokenizer import load_tokenizer
 
     try:
         recipe = yaml_load(recipe_path.read_text(encoding="utf-8"), recipe_path) or {}
@@ -151,8 +134,10 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
         raise UserError("--chat: the template wraps text; give --prompt TEXT (--prompt-ids are used as given)")
     check_sampling(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0),
                    kwargs.get("repetition_penalty", 1.0))  # fail before loading anything
-    folder = resolve_checkpoint(path)
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.checkpoint.training import GENERATE, resolve_checkpoint
+
+    folder = resolve_checkpoint(path, GENERATE)
+    from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(folder / "config.json")
     tok = find_tokenizer(folder, tokenizer)
@@ -174,7 +159,7 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     from ms_deepseek.checkpoint.opener import open_checkpoint
 
     if open_checkpoint(folder).lora is not None:  # a LoRA run: its base with the checkpoint's adapters
-        from ms_deepseek.train.lora_run import model_with_adapters
+        from ms_deepseek.model.lora_export import model_with_adapters
 
         model = model_with_adapters(folder, show_progress=kwargs.get("progress", False))
     else:

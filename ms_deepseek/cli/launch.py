@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from ms_deepseek.cli.args import host, positive_int
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
-from ms_deepseek.cli.args import host, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +208,7 @@ def _recipe_for_dry_run(args: argparse.Namespace, not_checked: List[str]):
     """The recipe as ``plan --recipe`` reads it (schema only; the architecture from a preset or a
     config.json beside the recipe when model.source is not here), then train's machine checks,
     whose failures are reported in ``not_checked`` instead of stopping the dry run."""
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
     from ms_deepseek.train.preflight import check_recipe
 
     try:

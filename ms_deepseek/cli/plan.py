@@ -35,9 +35,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ms_deepseek.cli.args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_at_most,
+    resolve_layout,
+)
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.cli.args import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                  positive_int_at_most, resolve_layout)
 from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 
 
@@ -143,7 +149,7 @@ def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool
 def _hardware(args):
     import dataclasses
 
-    from ms_deepseek.parallel.costs import HIGH, LOW, Hardware
+    from ms_deepseek.parallel_plan.costs import HIGH, LOW, Hardware
 
     compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
     comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
@@ -158,7 +164,7 @@ def _hardware(args):
 
 def _precision(args, cfg):
     from ms_deepseek.core.dtypes import itemsize
-    from ms_deepseek.parallel.costs import Precision
+    from ms_deepseek.parallel_plan.costs import Precision
 
     return Precision(compute_bytes=itemsize(cfg.compute_dtype), grad_bytes=args.grad_bytes,
                      optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
@@ -166,7 +172,7 @@ def _precision(args, cfg):
 
 
 def _model(args):
-    from ms_deepseek.spec.config import load_model_config
+    from ms_deepseek.config.model import load_model_config
 
     cfg = load_model_config(args.model)
     changes = {"compute_dtype": args.compute_dtype or "bfloat16"}
@@ -180,7 +186,7 @@ def _model(args):
 
 
 def _layout(args, npus: int, global_batch: int):
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
     if args.dp is None:
@@ -223,8 +229,8 @@ def _refuse_invalid(result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ms_deepseek.parallel.costs import Workload
-    from ms_deepseek.parallel.planner import estimate, search
+    from ms_deepseek.parallel_plan.costs import Workload
+    from ms_deepseek.parallel_plan.planner import estimate, search
 
     hw = _hardware(args)
     if args.simulate and not args.recipe:
@@ -275,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _lora(args, section):
     """The LoRA workload from --lora-r / --lora-targets / --train-router over the recipe's section."""
-    from ms_deepseek.spec.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
+    from ms_deepseek.config.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
 
     if args.lora_r is None and args.lora_targets is None and section is None:
         if args.train_router:
@@ -301,7 +307,7 @@ def _lora(args, section):
 
 def _quant(args, section, lora):
     """The quantized base from --quant-bits / --quant-group-size over the recipe's ``quant:`` section."""
-    from ms_deepseek.spec.quant import QuantSpec
+    from ms_deepseek.config.quant import QuantSpec
 
     if args.quant_bits is None and args.quant_group_size is None:
         return section
@@ -359,8 +365,8 @@ def _recipe_overrides(args) -> List[str]:
 def _check_recipe(args, hw):
     import dataclasses
 
-    from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
+    from ms_deepseek.parallel_plan.planner import check_recipe_fits, recipe_workload
 
     flag_sets = _recipe_overrides(args)
     as_written = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
@@ -391,7 +397,7 @@ def _check_recipe(args, hw):
 
 def _recipe_layout(args, recipe):
     """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
-    from ms_deepseek.parallel.validate import validate_layout
+    from ms_deepseek.parallel_plan.validate import validate_layout
 
     par = resolve_layout(args, recipe.parallel)
     if args.stage_layers:  # after --pp (a --set would be checked against the recipe's pp)

@@ -45,7 +45,7 @@ def fsync_path(path: Path) -> None:
 
 def fsync_tree(folder: Path) -> None:
     """Every file and folder under ``folder``, deepest first, then ``folder`` itself."""
-    for root, dirs, files in os.walk(folder, topdown=False):
+    for root, _dirs, files in os.walk(folder, topdown=False):
         for f in files:
             fsync_path(Path(root) / f)
         fsync_path(Path(root))

@@ -2,7 +2,7 @@
 the numpy dtype of the stored bits, and MindSpore's dtype.
 
 bfloat16 has no numpy dtype: its bits are read and written as ``uint16`` (the top half of a
-float32, widened exactly by :func:`ms_deepseek.checkpoint.sources.to_float32`). Importing this
+float32, widened exactly by :func:`ms_deepseek.checkpoint.slice_readers.to_float32`). Importing this
 module does not import MindSpore; :func:`ms_dtype` does, on first use.
 """
 

@@ -13,8 +13,8 @@ place that turns untrusted mappings into them:
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
+import math
 import typing
 from typing import Any, Dict, Iterable, Literal, Mapping, Type, TypeVar, Union, get_args, get_origin
 

@@ -7,5 +7,5 @@ or read. Main entry points:
 * :func:`ms_deepseek.data.chat.encode_chat` (DeepSeek-V2-Chat template)
 * :func:`ms_deepseek.data.prepare.prepare_data`, :func:`~ms_deepseek.data.prepare.prepare_embedded_default`
 * :func:`ms_deepseek.data.dataset.build_train_dataset`
-* :class:`ms_deepseek.spec.data.DataConfig` (the recipe's ``data:`` section)
+* :class:`ms_deepseek.config.data.DataConfig` (the recipe's ``data:`` section)
 """

@@ -40,10 +40,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.spec.data import DataConfig
-from ms_deepseek.data.storage import DestinationRaced, find_meta, load_lengths, load_meta, shard_paths
+from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.chat import IGNORE_INDEX
+from ms_deepseek.data.storage import DestinationRaced, find_meta, load_lengths, load_meta, shard_paths
 
 
 def default_cache_dir() -> Path:

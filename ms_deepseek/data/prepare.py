@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.packing import Packer, PackStats, sft_row
 from ms_deepseek.data.readers import discover_files, iter_documents
 from ms_deepseek.data.storage import ShardWriter
 from ms_deepseek.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
-from ms_deepseek.core.errors import UserError
 
 _ENCODE_BATCH = 256  # documents tokenized per call (the libraries parallelise inside a call)
 

@@ -24,8 +24,14 @@ import numpy as np
 
 from ms_deepseek.core.atomic import install
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.safe_io import (check_output_dir, confined, created_parents, json_loads, regular_file,
-                                 remove_empty_dirs)
+from ms_deepseek.core.safe_io import (
+    check_output_dir,
+    confined,
+    created_parents,
+    json_loads,
+    regular_file,
+    remove_empty_dirs,
+)
 
 META_NAME = "meta.json"
 LENGTHS_NAME = "lengths.npy"

@@ -26,11 +26,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.spec.data import DataConfig
-from ms_deepseek.data.dataset import (check_same_preparation, checked_meta, holdout_count, source_folders)
-from ms_deepseek.data.storage import load_lengths, shard_paths
+from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.chat import IGNORE_INDEX
+from ms_deepseek.data.dataset import check_same_preparation, checked_meta, holdout_count, source_folders
+from ms_deepseek.data.storage import load_lengths, shard_paths
 
 
 @dataclass

@@ -13,7 +13,7 @@ shape a rank reads, ``[k * rows, seq_len]`` for the step, ``[rows, seq_len]`` fo
 no weights (the model is built unallocated, ``no_init_parameters``, also for LoRA and QLoRA bases;
 nothing is read or initialised, since a compile needs shapes only). Then it compiles the training
 step and the validation graph, checks the compiled parameter layouts against the plan
-(:mod:`ms_deepseek.sharding.compiled_check`) and writes ``result.json`` beside the request. It never
+(:mod:`ms_deepseek.parallel_apply.compiled_check`) and writes ``result.json`` beside the request. It never
 runs a step: under the dry run a compiled step returns placeholders.
 """
 
@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 
@@ -87,16 +87,16 @@ class CompileOnlyTrainer(Trainer):
 
     def _setup_run(self) -> None:
         from ms_deepseek.core.runtime import use_device
-        from ms_deepseek.train.trainer import _distributed, _init_distributed
+        from ms_deepseek.train.trainer import init_distributed, is_distributed
 
         use_device()
-        self.rank, self.world = _init_distributed(self.par) if _distributed() else (0, 1)
+        self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
         self.is_main = False
         self.resume_dir, self.state, self.start_step, self.complete = None, {}, 0, False
         self.total = self.stop_at = self.recipe.train.steps
 
     def _build_data(self) -> None:
-        from ms_deepseek.parallel.ranks import data_coordinates
+        from ms_deepseek.parallel_plan.ranks import data_coordinates
 
         mb = self.recipe.train.micro_batch_size
         self.rows = data_coordinates(self.rank, self.par, mb)[2] if self.sharded else mb
@@ -107,9 +107,9 @@ class CompileOnlyTrainer(Trainer):
         from mindspore.nn.utils import no_init_parameters
 
         from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-        from ms_deepseek.parallel.memory import reserve_device_memory
-        from ms_deepseek.parallel.ranks import stage_of_rank
-        from ms_deepseek.sharding.apply import apply_plan
+        from ms_deepseek.parallel_apply.apply import apply_plan
+        from ms_deepseek.parallel_plan.memory import reserve_device_memory
+        from ms_deepseek.parallel_plan.ranks import stage_of_rank
         from ms_deepseek.train.mf_adapter import mindformers_classes
 
         mindformers_classes(self.run_dir / "logs")
@@ -138,7 +138,7 @@ class CompileOnlyTrainer(Trainer):
         compared against the plan."""
         from mindspore import Tensor
 
-        from ms_deepseek.sharding import compiled_check as cc
+        from ms_deepseek.parallel_apply import compiled_check as cc
 
         shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
         self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
@@ -190,7 +190,7 @@ def run(request_path: str) -> int:
     result: Dict[str, object] = {"rank": int(os.environ.get("RANK_ID", "0")), "graphs": {}}
     start = time.time()
     try:
-        from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+        from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
         try:
             recipe = load_recipe(request["recipe"], request.get("overrides", []),

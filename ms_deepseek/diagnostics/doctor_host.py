@@ -17,8 +17,16 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from ms_deepseek.diagnostics import npu_parse, pins
-from ms_deepseek.diagnostics.doctor_core import (NO_NPU, CheckResult, DoctorContext, check, failed, passed, skipped,
-                                           warned)
+from ms_deepseek.diagnostics.doctor_core import (
+    NO_NPU,
+    CheckResult,
+    DoctorContext,
+    check,
+    failed,
+    passed,
+    skipped,
+    warned,
+)
 
 GIB = 1024 ** 3
 
@@ -49,7 +57,7 @@ def has_npu(ctx: DoctorContext) -> bool:
     return state != "absent" or bool(ctx.probe.glob("/dev/davinci[0-9]*"))
 
 
-def _npu_error(ctx: DoctorContext) -> Optional[CheckResult]:
+def npu_error(ctx: DoctorContext) -> Optional[CheckResult]:
     """The shared verdict when npu-smi is missing or broken (None when it answered)."""
     state, _, devices, raw = npu_state(ctx)
     if state == "absent":
@@ -205,7 +213,7 @@ def check_cann(ctx: DoctorContext) -> CheckResult:
 
 @check("npu_devices", 1, "NPU visible and driver version")
 def check_npu_devices(ctx: DoctorContext) -> CheckResult:
-    bad = _npu_error(ctx)
+    bad = npu_error(ctx)
     if bad:
         return bad
     _, driver, devices, _ = npu_state(ctx)
@@ -225,7 +233,7 @@ def check_npu_devices(ctx: DoctorContext) -> CheckResult:
 
 @check("npu_health", 1, "NPU health status")
 def check_npu_health(ctx: DoctorContext) -> CheckResult:
-    bad = _npu_error(ctx)
+    bad = npu_error(ctx)
     if bad:
         return bad
     devices = npu_state(ctx)[2]
@@ -245,7 +253,7 @@ HBM_BUSY_FRACTION = 0.15  # an idle 910B shows ~3.3 of 64 GB in use (driver rese
 
 @check("npu_memory", 1, "NPU HBM free before training")
 def check_npu_memory(ctx: DoctorContext) -> CheckResult:
-    bad = _npu_error(ctx)
+    bad = npu_error(ctx)
     if bad:
         return bad
     devices = [d for d in npu_state(ctx)[2] if d.hbm_total_mb]
@@ -263,7 +271,7 @@ def check_npu_memory(ctx: DoctorContext) -> CheckResult:
 
 @check("npu_ecc", 1, "NPU HBM ECC error counters")
 def check_npu_ecc(ctx: DoctorContext) -> CheckResult:
-    bad = _npu_error(ctx)
+    bad = npu_error(ctx)
     if bad:
         return bad
     devices = npu_state(ctx)[2]

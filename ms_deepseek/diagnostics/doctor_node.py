@@ -18,9 +18,20 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ms_deepseek.diagnostics import npu_parse
-from ms_deepseek.diagnostics.doctor_core import (DEVICES_PER_NODE, HCCS_GBPS_PER_PEER, NO_NPU, ROCE_GBPS_PER_NPU,
-                                           CheckResult, DoctorContext, check, failed, passed, skipped, warned)
-from ms_deepseek.diagnostics.doctor_host import _npu_error, has_npu, npu_state
+from ms_deepseek.diagnostics.doctor_core import (
+    DEVICES_PER_NODE,
+    HCCS_GBPS_PER_PEER,
+    NO_NPU,
+    ROCE_GBPS_PER_NPU,
+    CheckResult,
+    DoctorContext,
+    check,
+    failed,
+    passed,
+    skipped,
+    warned,
+)
+from ms_deepseek.diagnostics.doctor_host import has_npu, npu_error, npu_state
 
 ROCE_MIN_MTU = 4200  # carries a 4096-byte RoCE payload plus headers; below it RoCE drops to 1024-byte frames
 HCCL_CONNECT_RANGE = (120, 7200)  # CANN env reference: integer seconds, default 120
@@ -34,7 +45,7 @@ HCCL_EXEC_DEFAULT = 1836
 
 @check("device_count", 8, "all 8 NPUs of the node visible and healthy")
 def check_device_count(ctx: DoctorContext) -> CheckResult:
-    bad = _npu_error(ctx)
+    bad = npu_error(ctx)
     if bad:
         return bad
     devices = npu_state(ctx)[2]

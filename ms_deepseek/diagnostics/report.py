@@ -13,15 +13,15 @@ device memory / fragmentation and samples per data source (mixtures) when logged
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics.report_svg import Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy
 from ms_deepseek.train.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
 from ms_deepseek.train.metrics_io import MetricsFile, number, read_metrics
-from ms_deepseek.diagnostics.report_svg import (Band, Chart, Series, ema, esc, render_chart, render_heatmap, xy)
 
 CORE_PLOTS = ("plot-loss", "plot-lr", "plot-grad-norm", "plot-tokens-per-s", "plot-expert-load",
               "plot-dropped-fraction", "plot-balance-losses")
@@ -193,18 +193,6 @@ def render_page(run_dir: Path, metrics: MetricsFile, alerts: List[Alert], refres
         + "</body></html>\n")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary sibling and rename it into place (a viewer never sees half a page)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str, object]:
     """Build the report once; returns {"output", "records", "alerts"}."""
     run_dir = Path(run_dir)
@@ -218,7 +206,8 @@ def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str,
         raise UserError(f"{run_dir / 'metrics.jsonl'}: no valid step record ({why}); nothing to report")
     alerts = scan(metrics.records)
     out = Path(output) if output else run_dir / "report.html"
-    write_atomic(out, render_page(run_dir, metrics, alerts, refresh))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, render_page(run_dir, metrics, alerts, refresh))  # a viewer never sees half a page
     return {"output": out, "records": len(metrics.records), "alerts": alerts, "problems": metrics.problems}
 
 

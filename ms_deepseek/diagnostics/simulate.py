@@ -25,7 +25,7 @@ Registered checks (``CHECKS``, name -> function(ctx) -> CheckResult; add yours w
 * ``stages``: each pipeline stage holds the layers and parameters the plan says;
 * ``loader``: each rank's loader slices put together equal the full tensors
   (``ms_deepseek.checkpoint.check_loader_slices``);
-* ``lint``: the parallel-rules lint (:mod:`ms_deepseek.sharding.lint`).
+* ``lint``: the parallel-rules lint (:mod:`ms_deepseek.parallel_apply.lint`).
 
 Nothing here reads the recipe's checkpoint or data: the config comes from the recipe
 (preset or config.json) and the data's shape from its sequence length.
@@ -39,9 +39,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.parallel.plan import Mesh, Plan, layer_stages, parameter_inventory, stage_of_param
+from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, parameter_inventory, stage_of_param
 
 TOLERANCE = 1e-5
 SMALL_SEQ_LEN = 8        # tokens per sequence in the reduced model (the recipe's length, cut)
@@ -150,7 +150,7 @@ def build_context(cfg, parallel: ParallelConfig, seq_len: int, micro_batch_size:
     import mindspore as ms
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     small, small_par, seq = small_config(cfg, parallel, seq_len)
     plan = plan or Plan()
@@ -214,7 +214,7 @@ def _needs_plan(ctx: SimContext, name: str) -> Optional[CheckResult]:
 @register("layout")
 def check_layout(ctx: SimContext) -> CheckResult:
     """The validator's rules on the full-size config (the reduced model inherits the layout)."""
-    from ms_deepseek.parallel.validate import layout_problems
+    from ms_deepseek.parallel_plan.validate import layout_problems
 
     problems = layout_problems(ctx.full_parallel, ctx.full_cfg, seq_len=ctx.full_seq_len)
     problems += [f"reduced model: {p}" for p in layout_problems(ctx.parallel, ctx.cfg, seq_len=ctx.seq_len)]
@@ -271,13 +271,13 @@ def check_moe(ctx: SimContext) -> CheckResult:
 
 
 def _data_coordinates():
-    from ms_deepseek.parallel.ranks import data_coordinates
+    from ms_deepseek.parallel_plan.ranks import data_coordinates
 
     return data_coordinates
 
 
 def _dataset_strategy(parallel: ParallelConfig):
-    from ms_deepseek.sharding.apply import context_kwargs
+    from ms_deepseek.parallel_apply.apply import context_kwargs
 
     return context_kwargs(parallel).get("dataset_strategy", "data_parallel")
 
@@ -319,11 +319,11 @@ def check_data(ctx: SimContext) -> CheckResult:
     global batch exactly once, and ranks MindSpore treats as distinct data slices read distinct rows.
 
     Which slice MindSpore takes each rank's batch for comes from MindSpore itself
-    (:func:`ms_deepseek.parallel.ms_oracle.slice_of_rank`: ``mindspore/parallel/_utils.py``
+    (:func:`ms_deepseek.parallel_plan.ms_oracle.slice_of_rank`: ``mindspore/parallel/_utils.py``
     ``_to_full_tensor``, the dataset's repeat on the left of its device matrix as in
     ``ops_info/virtual_dataset_info.cc``), not from the project's rank rule.
     """
-    from ms_deepseek.parallel.ms_oracle import slice_of_rank
+    from ms_deepseek.parallel_plan.ms_oracle import slice_of_rank
 
     par, mbs = ctx.full_parallel, ctx.micro_batch_size
     coords = _data_coordinates()
@@ -419,7 +419,7 @@ def check_lint(ctx: SimContext) -> CheckResult:
     failed = _needs_plan(ctx, "lint")
     if failed:
         return failed
-    from ms_deepseek.sharding.lint import lint_model
+    from ms_deepseek.parallel_apply.lint import lint_model
 
     report = lint_model(ctx.model, ctx.applied, ctx.mesh)
     problems = report.problems

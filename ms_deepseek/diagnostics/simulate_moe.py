@@ -1,6 +1,6 @@
 """CPU simulation of one sharded MoE layer: every virtual rank runs its share, the AllToAll is emulated.
 
-:func:`simulate_moe_layer` takes an MoE layer that :func:`ms_deepseek.sharding.apply.apply_plan`
+:func:`simulate_moe_layer` takes an MoE layer that :func:`ms_deepseek.parallel_apply.apply.apply_plan`
 has prepared (token groups G = dp, exchange view ep, placement, strategies on the primitives)
 and runs, in PyNative on this CPU, what each device of one pipeline stage would run under
 SEMI_AUTO_PARALLEL (``ms_deepseek/model/moe.py`` says which pattern and why):
@@ -9,7 +9,7 @@ SEMI_AUTO_PARALLEL (``ms_deepseek/model/moe.py`` says which pattern and why):
    routing, ExpertLookup and the dispatch gather on its own tokens (``layer.dispatch``);
 2. the dp -> ep AllToAll, emulated from the ``to_experts`` strategy: the buffer view
    [G/ep, ep, E, C, H] arrives split (dp/ep, ep) over the dp ranks, so rank d = u*ep + j
-   (:mod:`ms_deepseek.parallel.ranks`: ep the inner factor, block j = d % ep) holds view block
+   (:mod:`ms_deepseek.parallel_plan.ranks`: ep the inner factor, block j = d % ep) holds view block
    [u, j]; the transpose reads it split (dp/ep, 1, ep), so device u*ep + a collects experts
    block a from the ranks u*ep + j', j' in ep: the exchange group is ep adjacent dp ranks;
 3. each expert device: the slice the ``experts.*_bmm`` strategies give it (the 4-D input
@@ -29,11 +29,11 @@ reductions, the shared experts' tensor parallelism (run whole per rank), LoRA ad
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import numpy as np
 
-from ms_deepseek.parallel.ranks import expert_block_of_dp_rank
+from ms_deepseek.parallel_plan.ranks import expert_block_of_dp_rank
 
 SIM_ERROR = float("inf")
 
@@ -102,7 +102,6 @@ def _slices(n: int, parts: int, index: int) -> slice:
 
 def _sharded_forward(layer, lay, x, wg, wu, wd):
     """The per-rank program: x [B, T, H] and the stacked expert weights -> y [B, T, H] (routed + shared)."""
-    import mindspore as ms
     from mindspore import ops
 
     B, T, H = x.shape

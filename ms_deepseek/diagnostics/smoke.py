@@ -19,7 +19,7 @@ import time
 
 def smoke_config():
     """The ``tiny`` preset made smaller still: two layers (one dense, one MoE with 4 experts)."""
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     cfg = get_preset("tiny")
     return dataclasses.replace(
@@ -40,14 +40,14 @@ def pick_device(requested: str) -> str:
 
 def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int = 2, lr: float = 3e-3,
           seed: int = 0) -> dict:
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     from ms_deepseek import DeepseekV2ForCausalLM
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.config.recipe import OptimSection, TrainSection
     from ms_deepseek.core.runtime import use_device
     from ms_deepseek.train.optim import build_optimizer
-    from ms_deepseek.spec.parallel import ParallelConfig
-    from ms_deepseek.spec.recipe import OptimSection, TrainSection
     from ms_deepseek.train.step import build_step
 
     device = use_device(pick_device(device))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import MLP, RMSNorm, to_ms_dtype
 from ms_deepseek.model.mla import MLAttention
 from ms_deepseek.model.moe import DeepseekV2MoE

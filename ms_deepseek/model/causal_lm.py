@@ -1,4 +1,4 @@
-"""DeepSeek-V2 causal language model (single-device math; see ms_deepseek.parallel for sharding).
+"""DeepSeek-V2 causal language model (single-device math; see ms_deepseek.parallel_plan for sharding).
 
 ``DeepseekV2ForCausalLM(cfg)(input_ids, labels=None)``
 
@@ -23,7 +23,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.block import DecoderLayer
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype

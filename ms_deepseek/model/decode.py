@@ -26,15 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import itemsize
-
-from ms_deepseek.spec.config import DeepseekV2Config
 from ms_deepseek.model.layers import to_ms_dtype
-
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Building blocks: Linear, RMSNorm, SwiGLU MLP. Single-device math, no parallelism.
 
 Primitives live in named attributes (``matmul``, ``bmm`` ...) so the parallel plan
-(``ms_deepseek.parallel``) can give them shard strategies from outside.
+(``ms_deepseek.parallel_plan``) can give them shard strategies from outside.
 """
 
 from __future__ import annotations

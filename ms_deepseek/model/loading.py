@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor
 
-from ms_deepseek.core.progress import progress_bar
-from ms_deepseek.spec import names
-from ms_deepseek.spec.inventory import expected_ms_shapes
-from ms_deepseek.checkpoint.safetensors_io import TensorInfo
 from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.sources import full_slice, pread_rows, to_float32
+from ms_deepseek.checkpoint.safetensors_io import TensorInfo
+from ms_deepseek.checkpoint.slice_readers import full_slice, pread_rows, to_float32
+from ms_deepseek.config import names
+from ms_deepseek.config.inventory import expected_ms_shapes
 from ms_deepseek.core.dtypes import FLOAT_SAFETENSORS, raw_numpy
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.progress import progress_bar
 
 _READABLE = FLOAT_SAFETENSORS + ("F64",)  # what read_tensor widens to float32
 _NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}  # set_data: numpy has no bfloat16, MindSpore casts float32

@@ -31,8 +31,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
+from ms_deepseek.config.lora import LORA_TARGETS, Q_VARIANTS, LoraSpec, target_matches
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LORA_TARGETS, Q_VARIANTS, LoraSpec, target_matches
 
 _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")

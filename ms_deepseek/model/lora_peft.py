@@ -18,8 +18,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from ms_deepseek.config.lora import PEFT_PREFIX
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import PEFT_PREFIX
 from ms_deepseek.core.safe_io import json_loads
 
 CONFIG_NAME = "adapter_config.json"
@@ -104,9 +104,9 @@ def read_config(folder: Path) -> Dict:
     return cfg
 
 
-def _read_tensors(folder: Path) -> Dict[str, np.ndarray]:
-    from ms_deepseek.model.loading import read_tensor
+def read_adapter_tensors(folder: Path) -> Dict[str, np.ndarray]:
     from ms_deepseek.checkpoint.safetensors_io import read_header
+    from ms_deepseek.model.loading import read_tensor
 
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():
@@ -194,7 +194,7 @@ def _split_fused(stack, parts, E, alphas, alpha0, ranks, r0, where):
     (out = 2I, gate rows first) the delta splits into gate = rows [:I], up = rows [I:], both
     with the whole A_e."""
     out = {}
-    for which, stacked in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+    for which, _stacked in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
         keys = {f"{which}.lora_A", f"{which}.lora_B"}
         have = {k for k in parts if k.startswith(which + ".")}
         if not have:
@@ -227,7 +227,7 @@ def load_adapter(model, folder, dropout: float = 0.0) -> Dict[str, Tuple[int, fl
     in graph mode). Returns {module path: (rank, scaling)}. Shape mismatches name the tensor."""
     folder = Path(folder)
     cfg = read_config(folder)
-    tensors = _read_tensors(folder)
+    tensors = read_adapter_tensors(folder)
     if not tensors:
         raise UserError(f"{folder / WEIGHTS_NAME}: holds no tensors")
     return attach_adapter(model, tensors, cfg, folder, dropout)

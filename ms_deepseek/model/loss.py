@@ -5,7 +5,7 @@ next-token cross-entropy over labels != -100, labels aligned with ``input_ids`` 
 HuggingFace convention: position t predicts label t + 1).
 
 Single-device math (no strategies here); every primitive is an attribute so the plan
-(``ms_deepseek.parallel.plan``, style ``vocab_cross_entropy``) can split logits [N, V] as
+(``ms_deepseek.parallel_plan.plan``, style ``vocab_cross_entropy``) can split logits [N, V] as
 (dp, tp), the layout ``lm_head``'s vocabulary split produces. The pattern is MindFormers'
 ``CrossEntropyLoss`` (``mindformers/core/loss/loss.py``, ran on 910B), where every op over
 the vocabulary axis is one MindSpore can split:

@@ -19,11 +19,11 @@ form (no per-head K/V), see :meth:`MLAttention.absorbed`.
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
 from ms_deepseek.model.rope import apply_rotary, softmax_scale
 from ms_deepseek.ops import FP32Softmax

@@ -8,11 +8,11 @@ capacity buffer, a transpose whose layout changes from dp-split to ep-split, whi
 lowers to an AllToAll under ``enable_alltoall``. We chose it over the newer MindFormers
 ``Morph(...)`` + explicit AlltoAllV + GroupedMatmul design because it keeps static shapes
 (graph mode, CPU and Ascend run the same math), needs no Ascend-only kernels and keeps the
-model single-device math with the split left to the plan (``parallel/plan.py``).
+model single-device math with the split left to the plan (``parallel_plan/plan.py``).
 
-Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.sharding.apply.apply_plan`
+Shapes (G = ``groups``, the plan's dp, 1 unless :func:`ms_deepseek.parallel_apply.apply.apply_plan`
 sets it; N = B*T/G local tokens; batch rows are rank-major because the batch axis is split
-by dp; C = :func:`ms_deepseek.spec.dispatch_shapes.capacity` per group):
+by dp; C = :func:`ms_deepseek.config.dispatch_shapes.capacity` per group):
 
 1. router on the local tokens ``[G*N, H]`` -> ``topk_idx`` ``[G, N, k]`` and weights;
 2. ``ExpertLookup`` per group: buffer row (placement table ``expert_placement`` [E, 2] =
@@ -23,7 +23,7 @@ by dp; C = :func:`ms_deepseek.spec.dispatch_shapes.capacity` per group):
    the dispatch is a LOCAL Gather with batch dims: ``[G, N+1, H]`` -> ``[G, E, C, H]``;
 4. dp -> ep exchange (MindFormers ``MoEV2._ffn_forward``): ``[G, E, C, H]`` viewed
    ``[G/ep, ep, E, C, H]`` (group g = u*ep + e, ep the inner factor:
-   :func:`ms_deepseek.parallel.ranks.exchange_view`), transposed (0, 2, 1, 3, 4) to
+   :func:`ms_deepseek.parallel_plan.ranks.exchange_view`), transposed (0, 2, 1, 3, 4) to
    ``[G/ep, E, ep, C, H]`` and read as the 4-D expert input ``[G/ep, E, ep*C, H]``. The
    transpose's input is split (G/ep, 1, ep, 1, 1) while the view arrives (G/ep, ep, 1, 1, 1):
    that layout change is one AllToAll inside each ep group of consecutive data-parallel
@@ -46,18 +46,18 @@ Primitives (for the parallel plan): ``experts.gate_bmm``, ``experts.up_bmm``,
 
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec import dispatch_shapes
+from ms_deepseek.config import dispatch_shapes
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
 from ms_deepseek.ops import ExpertLookup
 from ms_deepseek.ops.backend import device_target
-from ms_deepseek.parallel.ranks import exchange_view
+from ms_deepseek.parallel_plan.ranks import exchange_view
 
 
 def default_placement(num_experts: int, ep: int) -> np.ndarray:
@@ -166,9 +166,19 @@ class DeepseekV2MoE(nn.Cell):
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
 
+    def set_expert_placement(self, table: np.ndarray, groups: int, ep: int) -> None:
+        """The plan's expert placement (``parallel_apply.apply``): the placement table [E, 2] (rank, slot), the
+        token groups (the plan's dp: capacity and slots per rank) and ep (the exchange view
+        [G/ep, ep, E, C, H], ``ranks.exchange_view``); the router's device-level balance losses and the
+        lookup's experts per rank follow. The stacked weights' buffer order is the plan's to set."""
+        self.expert_placement.set_data(Tensor(table))
+        self.groups, self.ep = groups, ep
+        self.gate.set_expert_parallel(ep)
+        self.lookup.set_experts_per_rank(self.num_experts // ep)  # in place: the op keeps its strategy
+
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
-        (None: dropless); the rule is :func:`ms_deepseek.spec.dispatch_shapes.capacity`."""
+        (None: dropless); the rule is :func:`ms_deepseek.config.dispatch_shapes.capacity`."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
                                         self.capacity_multiple)

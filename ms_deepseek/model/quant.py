@@ -21,7 +21,7 @@ Backends:
   input after the weight to the tensor map ``{0}``: a 1-D tensor split like the weight's output
   axis. That fits a per-channel scale [out] and nothing else, so group-wise scales, int4 and the
   stacked experts (one scale row per expert) take the dequantise-then-matmul path on Ascend too,
-  whose Mul and (Batch)MatMul shard by the plan (parallel/plan.py: scales split like the weight's
+  whose Mul and (Batch)MatMul shard by the plan (parallel_plan/plan.py: scales split like the weight's
   output axis, ``weight_scale``/``weight_offset`` layouts beside ``weight``).
 """
 
@@ -29,16 +29,16 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.moe import RoutedExperts, StackedWeight, stacked_project
-from ms_deepseek.spec.quant import QuantSpec
 
 
 def _on_ascend() -> bool:
@@ -220,7 +220,7 @@ def _stacked_pieces(source, name: str, E: int) -> Optional[List[str]]:
 
 def load_quantized(model, opened, show_progress: bool = False) -> None:
     """Every parameter of a model built with quantized placeholders, from a quantized checkpoint."""
-    from ms_deepseek.checkpoint.sources import memmap, to_float32
+    from ms_deepseek.checkpoint.slice_readers import memmap, to_float32
 
     tensors = opened.weights.tensors
     E = opened.config.n_routed_experts or 0

@@ -18,7 +18,7 @@ from typing import Tuple
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.config.model import DeepseekV2Config
 
 
 # ------------------------------------------------------------------------- YaRN

@@ -22,7 +22,7 @@ import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ms_deepseek.spec.config import DeepseekV2Config
+from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.ops import FP32Softmax
 
 

@@ -102,7 +102,7 @@ class RepetitionPenalty(nn.Cell):
     when called from Python (PyNative: the ids are read on the host). Inside a compiled graph,
     where no host check runs, ids outside [0, V) are ignored (no logit changes for them) by the
     reference, the CPU and the Ascend kernels alike. Never part of a sharded training graph, so it
-    carries no parallel attributes (:mod:`ms_deepseek.parallel.custom_shard`).
+    carries no parallel attributes (:mod:`ms_deepseek.parallel_plan.custom_shard`).
     """
 
     def __init__(self):

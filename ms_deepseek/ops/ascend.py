@@ -92,7 +92,7 @@ class ExpertLookupAscend(nn.Cell):
 
     kind = "ascend"
     strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
-    num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
+    num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel_plan.custom_shard's outputs_tensor_map)
 
     def __init__(self, num_experts: int, experts_per_rank: int):
         super().__init__()
@@ -149,7 +149,7 @@ class SoftmaxBuiltin(nn.Cell):
     (CANN's kernel) over the last axis, then ``out_dtype``. Needs no custom operator package.
 
     ``op`` is a plain primitive: the parallel plan's softmax rules shard it like the custom op
-    (``ms_deepseek.parallel.plan``), with an ordinary strategy (``activation_info.cc``)."""
+    (``ms_deepseek.parallel_plan.plan``), with an ordinary strategy (``activation_info.cc``)."""
 
     kind = "builtin"
 

@@ -42,13 +42,13 @@ class ExpertLookupCpu(nn.Cell):
     """CPU kernel of :class:`ms_deepseek.ops.ExpertLookup` (per-group k-major streams [G, k*T] in, four outputs).
 
     ``strategy_tail``: the strategies of the op's inputs after the data inputs (the config
-    tensor, replicated), which :func:`ms_deepseek.sharding.apply.apply_plan` appends to the
+    tensor, replicated), which :func:`ms_deepseek.parallel_apply.apply.apply_plan` appends to the
     plan's strategy for this custom op.
     """
 
     kind = "cpu"
     strategy_tail = ((1,),)
-    num_outputs = 4  # dest_rank, buffer_row, position, keep (parallel.custom_shard's outputs_tensor_map)
+    num_outputs = 4  # dest_rank, buffer_row, position, keep (parallel_plan.custom_shard's outputs_tensor_map)
 
     def __init__(self, lib: Path, num_experts: int, experts_per_rank: int, core_num: int = DEFAULT_CORE_NUM,
                  ub_bytes: int = DEFAULT_UB_BYTES):

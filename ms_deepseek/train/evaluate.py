@@ -12,10 +12,10 @@ validation batch has the same [B, seq_len] shape); the training step keeps its o
 the model is put back in training mode afterwards.
 
 Sharded layouts (tp / pp / ep, Ascend only): each rank reads its rows of every validation batch
-by the training rule (:func:`ms_deepseek.parallel.ranks.data_coordinates`: one micro-batch
+by the training rule (:func:`ms_deepseek.parallel_plan.ranks.data_coordinates`: one micro-batch
 [rows, T]), and the eval Cell is compiled under ``AutoParallel`` with the training plan's
 strategies (the same primitives carry them) and dataset strategy
-(:func:`ms_deepseek.sharding.apply.eval_parallel_wrap`, MindFormers' pattern). MindSpore's loss
+(:func:`ms_deepseek.parallel_apply.apply.eval_parallel_wrap`, MindFormers' pattern). MindSpore's loss
 is then already the mean over the whole global batch (its reductions over the dp-split batch
 axis get their AllReduce inserted), so the reduction differs from data parallelism
 (:func:`reduce_validation`): batch j weighs by its global token count, the sum of every rank's
@@ -85,8 +85,8 @@ class Evaluator:
         self.cell = _eval_cell(model)
         self.replicas = None
         if parallel is not None:
-            from ms_deepseek.parallel.ranks import batch_slices
-            from ms_deepseek.sharding.apply import eval_parallel_wrap
+            from ms_deepseek.parallel_apply.apply import eval_parallel_wrap
+            from ms_deepseek.parallel_plan.ranks import batch_slices
 
             self.cell = eval_parallel_wrap(self.cell, parallel)
             self.replicas = world // batch_slices(parallel)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+from ms_deepseek.core.atomic import atomic_write_text
 
 # tokens_per_s is measured from the end of the first step of a run (or resume), whose time (graph
 # compile + one step) is the record's compile_s: a record of that step alone has no tokens_per_s.
@@ -53,9 +54,7 @@ def truncate_after(path: Path, step: int) -> None:
                 keep.append(line)
         except (ValueError, AttributeError):  # a line cut short by a crash
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def moe_fields(stats: np.ndarray, moe_layers: List[int], num_experts: int) -> Dict[str, Any]:

@@ -30,6 +30,7 @@ from mindspore.nn.optim.optimizer import Optimizer
 from ms_deepseek.train import schedules
 from ms_deepseek.train.mf_adapter import mindformers_classes
 
+
 def build_lr_schedule(optim_cfg, total_steps: int, log_dir: Optional[Path] = None) -> nn.Cell:
     """The schedule Cell for ``optim_cfg.schedule``, evaluated at ``global_step + 1``."""
     kind = optim_cfg.schedule

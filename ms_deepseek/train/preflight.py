@@ -1,6 +1,6 @@
 """What a training run will read, checked on this machine before anything starts.
 
-The recipe schema (:mod:`ms_deepseek.spec.recipe`) checks the recipe as text; this module checks
+The recipe schema (:mod:`ms_deepseek.config.recipe`) checks the recipe as text; this module checks
 it against the machine: every data folder is prepared, the tokenizer fits the model's vocabulary,
 a sharded LoRA run has its base checkpoint. ``train`` and ``launch`` call :func:`load_checked_recipe`
 (``launch`` once, instead of failing in N workers); ``plan`` and ``convert --recipe`` read
@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from ms_deepseek.config.data import DataConfig
+from ms_deepseek.config.recipe import Recipe, load_recipe
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.tokenizer import load_tokenizer
-from ms_deepseek.spec.data import DataConfig
-from ms_deepseek.spec.recipe import Recipe, load_recipe
 
 
 def _tokenizer_vocab(data: DataConfig) -> Optional[tuple]:
@@ -62,7 +62,7 @@ def check_recipe(recipe: Recipe) -> Recipe:
 
 
 def load_checked_recipe(path: Union[str, Path], overrides: Sequence[str] = ()) -> Recipe:
-    """:func:`~ms_deepseek.spec.recipe.load_recipe`, then :func:`check_recipe`; errors start with the path."""
+    """:func:`~ms_deepseek.config.recipe.load_recipe`, then :func:`check_recipe`; errors start with the path."""
     recipe = load_recipe(path, overrides)
     try:
         return check_recipe(recipe)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.core.errors import UserError
@@ -27,7 +27,7 @@ def agree_on_resume(resume: str, existing: Optional[Path], run_dir: Path, rank: 
     "newest complete checkpoint" may differ)."""
     error = None
     try:
-        mine = existing if resume == "auto" else ckpt_mod.resolve_resume(resume, run_dir)
+        mine = existing if resume == "auto" else ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, run_dir)
     except UserError as exc:
         mine, error = None, exc
     step = -2 if error else (int(ckpt_mod.read_state(mine).get("step", -1)) if mine else -1)
@@ -95,8 +95,8 @@ def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
 def _normalized(saved: Dict) -> Dict:
     """The saved recipe with every default filled in, as the command's recipe is (a recipe.yaml written by an
     older version may lack fields added since); as saved when it does not build."""
+    from ms_deepseek.config.recipe import Recipe
     from ms_deepseek.core.schema import from_dict
-    from ms_deepseek.spec.recipe import Recipe
 
     try:
         data = {k: ({} if v is None else v) for k, v in saved.items()}

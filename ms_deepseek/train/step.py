@@ -35,15 +35,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.ops import composite as C
 from mindspore.ops import operations as P
 
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.recipe import TrainSection
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.recipe import TrainSection
 
 
 class StepOutputs(nn.Cell):

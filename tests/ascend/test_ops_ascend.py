@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from repo_paths import REPO
 
 pytestmark = pytest.mark.ascend

@@ -25,13 +25,13 @@ WORKER = textwrap.dedent('''
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="Ascend")
     init()
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan, auto_parallel_wrap
-    from ms_deepseek.spec.parallel import ParallelConfig
-    from ms_deepseek.parallel.costs import Workload
-    from ms_deepseek.parallel.memory import memory_metrics, reserve_device_memory
-    from ms_deepseek.parallel.planner import estimate
+    from ms_deepseek.parallel_apply.apply import apply_plan, auto_parallel_wrap
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.parallel_plan.costs import Workload
+    from ms_deepseek.parallel_plan.memory import memory_metrics, reserve_device_memory
+    from ms_deepseek.parallel_plan.planner import estimate
 
     par = ParallelConfig(dp=2, tp=2, ep=2, optimizer_shard=True, recompute="full", dataset_strategy="full_batch")
     cfg = get_preset("tiny", compute_dtype="bfloat16", ep_size=2, capacity_factor=2.0)

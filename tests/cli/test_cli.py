@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from ms_deepseek.cli import COMMANDS, main
+
 from repo_paths import REPO
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

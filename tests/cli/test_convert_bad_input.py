@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bad_input_helpers import assert_refused, deep, DEEP, edit_config, hf_copy, listing, run_cli
+from bad_input_helpers import DEEP, assert_refused, deep, edit_config, hf_copy, listing, run_cli
 
 
 @pytest.mark.parametrize("dst, extra, name", [("hf/sub", [], "lies inside the source"),

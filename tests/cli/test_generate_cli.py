@@ -10,19 +10,23 @@ import string
 import sys
 from pathlib import Path
 
+import mindspore as ms
 import pytest
 
-import mindspore as ms
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM, cli  # noqa: E402
+from ms_deepseek.checkpoint.training import (  # noqa: E402
+    GENERATE,
+    CheckpointManager,  # noqa: E402
+    resolve_checkpoint,
+)
+from ms_deepseek.cli.generate import find_tokenizer, sample_text  # noqa: E402
 from ms_deepseek.data.tokenizer import load_tokenizer  # noqa: E402
 from ms_deepseek.generate import generate  # noqa: E402
-from ms_deepseek.cli.generate import find_tokenizer, resolve_checkpoint, sample_text  # noqa: E402
-from ms_deepseek.checkpoint.training import CheckpointManager  # noqa: E402
 
 LITE = FIXTURES_DIR / "lite"
 
@@ -91,7 +95,7 @@ def test_run_dir_text_prompt_json(run_dir, lite_model, capsys):
 
 def test_checkpoint_folder_and_prompt_ids(run_dir, lite_model, capsys):
     step7 = run_dir / "checkpoints" / "step_00000007"
-    assert resolve_checkpoint(run_dir) == step7 and resolve_checkpoint(run_dir / "checkpoints") == step7
+    assert resolve_checkpoint(run_dir, GENERATE) == step7 and resolve_checkpoint(run_dir / "checkpoints", GENERATE) == step7
     rc, out, err = _main([str(step7), "--prompt-ids", "63,167,89,141,229", "--max-new-tokens", "4",
                           "--ignore-eos", "--no-cache"], capsys)
     assert rc == 0, err

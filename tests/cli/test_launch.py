@@ -42,7 +42,7 @@ def test_dry_run_keeps_exported_hccl_timeouts_and_names_the_interpreter(tmp_path
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1800")
     code, out, _ = run_cli(["launch", str(recipe), "--dry-run"])
     assert code == 0 and shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=3600"]
-    assert f"# python of the workers: " in out and f"{Path(sys.executable).parent}" in out.splitlines()[1]
+    assert "# python of the workers: " in out and f"{Path(sys.executable).parent}" in out.splitlines()[1]
     code, out, _ = run_cli(["launch", str(recipe), "--dry-run", "--hccl-exec-timeout", "900"])
     assert shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=1800", "HCCL_EXEC_TIMEOUT=900"]
     monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
@@ -121,12 +121,12 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
 def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
     """The Ascend-only sharded path's pure parts: data replica / pipeline stage of a rank, and when a
     checkpoint of per-rank slices counts as complete."""
-    from ms_deepseek.spec.parallel import ParallelConfig
     from ms_deepseek.checkpoint.layout import LAYOUT_FILE
     from ms_deepseek.checkpoint.training import CheckpointManager, is_complete, rank_dir
-    from ms_deepseek.parallel.ranks import data_coordinates, stage_of_rank
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.parallel_plan.ranks import data_coordinates, stage_of_rank
 
-    # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel.ranks.reads_full_batch:
+    # world 8: stage = r // 4; with tp > 1 every rank reads the whole micro-batch (parallel_plan.ranks.reads_full_batch:
     # MindSpore refuses the data-parallel dataset strategy there, found by compiling)
     par = ParallelConfig(dp=2, tp=2, pp=2, micro_batches=4)
     assert [stage_of_rank(r, par) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -161,7 +161,7 @@ ATLAS = ATLAS_RECIPES
 def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
     """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
     each machine check it could not make; a real launch still refuses the missing inputs."""
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     monkeypatch.chdir(tmp_path)
     world = load_recipe(recipe, (), planning_config_path(recipe)).parallel.world_size

@@ -38,8 +38,9 @@ def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
 # ----------------------------------------------------------------------------- small data folders
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from data_helpers import make_byte_tokenizer, write_jsonl
     from ms_deepseek.data.prepare import prepare_data
+
+    from data_helpers import make_byte_tokenizer, write_jsonl
 
     root = tmp_path_factory.mktemp("friction")
     make_byte_tokenizer(root / "tok")
@@ -53,9 +54,9 @@ def folders(tmp_path_factory):
 
 
 def test_an_sft_folder_needs_no_data_format(folders):
+    from ms_deepseek.config.data import DataConfig, DataSource
     from ms_deepseek.core.errors import UserError
     from ms_deepseek.data.dataset import build_train_dataset
-    from ms_deepseek.spec.data import DataConfig, DataSource
 
     ds = build_train_dataset(DataConfig(path=str(folders / "sft"), num_workers=1), batch_size=2)
     assert ds.format == "sft" and ds.buckets  # read from meta.json: one conversation per sample, length buckets
@@ -103,8 +104,8 @@ def test_a_too_small_hold_out_names_the_set_that_fixes_it(folders, tmp_path, cap
     import re
 
     from ms_deepseek import cli
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.data.validation import build_validation
-    from ms_deepseek.spec.recipe import load_recipe
 
     recipe = sft_recipe(folders, data={"validation": {"fraction": 0.01}})
     rc = cli.main(["train", str(recipe), "--output", str(tmp_path / "run")])
@@ -123,7 +124,7 @@ def test_a_too_small_hold_out_names_the_set_that_fixes_it(folders, tmp_path, cap
 
 
 def test_a_warmup_longer_than_the_run_is_one_warning_line(folders):
-    from ms_deepseek.spec.recipe import load_recipe, recipe_warnings
+    from ms_deepseek.config.recipe import load_recipe, recipe_warnings
 
     recipe = sft_recipe(folders)
     assert recipe_warnings(load_recipe(recipe)) == [
@@ -133,7 +134,7 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line(folders):
 
 
 def test_a_qlora_start_line_names_the_base_bits(folders):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.train.lora_run import describe
 
     line = describe(load_recipe(sft_recipe(folders), ["quant.bits=4", "quant.group_size=8"]))
@@ -216,9 +217,10 @@ def test_the_compile_is_out_of_tokens_per_s(run):
 
 
 def test_generate_chat_prompts_as_prepare_data_encodes(run, folders, capsys):
-    from data_helpers import read_rows
     from ms_deepseek import cli
     from ms_deepseek.data.chat import IGNORE_INDEX
+
+    from data_helpers import read_rows
 
     run_dir, rc, out = run
     assert rc == 0, out[-3000:]

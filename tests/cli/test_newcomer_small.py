@@ -1,11 +1,9 @@
 """Small things a newcomer meets: doctor on a host without swap, export-lora's base path of a random-base
 run, a resumed scalar optimizer tensor keeping its shape."""
 
-import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 
 def test_swappiness_is_not_a_warning_without_swap():
@@ -24,7 +22,7 @@ def test_swappiness_is_not_a_warning_without_swap():
 
 
 def test_export_lora_records_an_absolute_random_base(tmp_path, monkeypatch):
-    from ms_deepseek.train.lora_run import run_base
+    from ms_deepseek.model.lora_export import run_base
 
     step = tmp_path / "runs" / "r" / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
@@ -42,7 +40,7 @@ def test_a_scalar_optimizer_tensor_stays_a_scalar_after_restore(tmp_path):
     from safetensors.numpy import save_file
 
     from ms_deepseek.checkpoint.safetensors_io import read_header
-    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.tensors import restore_into
 
     save_file({"loss_scale": np.array(1024.0, np.float32), "global_step": np.array(7, np.int32)},

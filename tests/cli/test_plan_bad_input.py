@@ -80,7 +80,7 @@ def _whole_number_keys():
     import dataclasses
     import typing
 
-    from ms_deepseek.spec.recipe import Recipe
+    from ms_deepseek.config.recipe import Recipe
 
     def is_int(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -102,7 +102,7 @@ def _whole_number_keys():
 
 
 def _model_size_keys():
-    from ms_deepseek.spec.config import MODEL_LIMITS
+    from ms_deepseek.config.model import MODEL_LIMITS
 
     return ["model.overrides.num_hidden_layers"] + [f"model.overrides.{k}" for k in MODEL_LIMITS]
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ms_deepseek.cli import main
+
 from repo_paths import REPO
 
 LORA8 = str(REPO / "recipes" / "v2-lite-lora-8npu.yaml")

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from ms_deepseek.spec.config import get_preset
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.diagnostics import simulate as S
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.parallel.plan import DEEPSEEK_V2_PLAN, Plan
+from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan
+
 from repo_paths import REPO
 
 ROOT = REPO
@@ -147,7 +148,7 @@ def test_rows_read_is_the_loaders_rule(tmp_path):
     positions r, r + W, ... of the block a single reader takes for the same step."""
     import numpy as np
 
-    from ms_deepseek.spec.data import DataConfig
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.prepare import prepare_embedded_default
 

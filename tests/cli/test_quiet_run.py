@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import yaml
+
 from builders import SMALL_MODEL as _SMALL_MODEL
 from repo_paths import REPO
 

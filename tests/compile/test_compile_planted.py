@@ -78,7 +78,7 @@ def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
 
 # A plan that splits the contracted axis of a matmul's x but not of its weight: MindSpore's MatMulInfo refuses
 _BAD_MATMUL = """
-from ms_deepseek.parallel import plan as P
+from ms_deepseek.parallel_plan import plan as P
 _colwise = P.STYLES["colwise"]
 def planted(mesh):
     spec = _colwise(mesh)
@@ -97,7 +97,7 @@ def test_a_planted_wrong_strategy_is_refused_by_mindspore(tmp_path):
 
 # The lint's UNSPLITTABLE rules restate MindSpore's: the same planted split is refused by the compiler
 _SPLIT_TOPK_AXIS = """
-from ms_deepseek.parallel import plan as P
+from ms_deepseek.parallel_plan import plan as P
 _router = P.STYLES["router"]
 def planted(mesh):
     spec = _router(mesh)
@@ -107,7 +107,7 @@ P.STYLES["router"] = planted
 """
 
 _SPLIT_CONCAT_AXIS = """
-from ms_deepseek.parallel import plan as P
+from ms_deepseek.parallel_plan import plan as P
 def planted(mesh):
     spec = P.StyleSpec(prims={"": (((1, mesh.dp, 1), (1, mesh.dp, 1)), None)}, is_primitive=True)
     return spec  # Concat of [G, N, H] and [G, 1, H] on axis 1, split on axis 1
@@ -117,7 +117,7 @@ P.STYLES["moe_pad_tokens"] = planted
 
 @pytest.mark.parametrize("plant,rule", [(_SPLIT_TOPK_AXIS, "TopK"), (_SPLIT_CONCAT_AXIS, "Concat")])
 def test_lint_rules_restating_mindspore_are_refused_by_the_compiler_too(tmp_path, plant, rule):
-    from ms_deepseek.sharding.lint import UNSPLITTABLE
+    from ms_deepseek.parallel_apply.lint import UNSPLITTABLE
 
     assert rule in UNSPLITTABLE  # the lint's rule, checked here against MindSpore itself
     train = _graph(_compile(tmp_path, plant), "train")

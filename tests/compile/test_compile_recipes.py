@@ -4,7 +4,7 @@ Full width, the command's default reduced depth and micro-batch count, the first
 pipeline stage (the one that computes the loss), train and validation graphs, no weights and no data
 on the machine, stub CANN libraries. The layouts and strategies MindSpore compiled must match the plan.
 
-Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``sharding.apply.search_mode``).
+Pipeline layouts compile in MindSpore's ``semi_auto`` mode (``parallel_apply.apply.search_mode``).
 ``v2-pretrain-256npu`` (pp 8, dp 32 at 236B width) exhausts a 24 GB host even at one layer per stage
 (measured 22 GB when the kernel killed it) and is skipped here (docs/troubleshooting.md).
 """

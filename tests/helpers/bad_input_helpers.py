@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 from ms_deepseek.cli import main
+
 from repo_paths import FIXTURES
 
 LITE = FIXTURES / "lite"

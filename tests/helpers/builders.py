@@ -22,7 +22,7 @@ ATLAS_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if not p.stem.endswith(
 
 def small_config(**over):
     """A 4-layer config with 8 routed experts (one dense layer first), small enough for every layout test."""
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
 
     values = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
                   num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
@@ -101,5 +101,5 @@ def attach_save_state(trainer, tmp_path: Path, seq_len: int = 8) -> None:
     trainer.manager = CheckpointManager(tmp_path / "checkpoints", 2)
     trainer.strategy_file = tmp_path / "strategy" / "none.ckpt"
     trainer.dataset = SimpleNamespace(state_dict=lambda: {})
-    trainer.tokens_seen, trainer.elapsed_before, trainer.started, trainer.seq_len, trainer.stop_at = \
-        0, 0.0, time.time(), seq_len, 1
+    trainer.state, trainer.started, trainer.seq_len, trainer.stop_at = {}, time.time(), seq_len, 1
+    trainer._open_state()  # the counters and the checkpointer over them

@@ -2,7 +2,6 @@
 stub CANN libraries (ms_deepseek.diagnostics.cann_stubs): what the compile tier (tests/compile) uses to
 have MindSpore's own compiler judge a graph."""
 
-import os
 import subprocess
 import sys
 import textwrap

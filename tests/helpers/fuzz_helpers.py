@@ -132,7 +132,7 @@ def _dump_json(doc) -> str:
 
 # ---------------------------------------------------------------------------- fixtures
 def tiny_config():
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
 
     return DeepseekV2Config(vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
                             num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, n_shared_experts=1,
@@ -156,7 +156,7 @@ def build_fixtures(root: Path) -> Dict[str, Path]:
     """The small inputs every case starts from (built once)."""
     from ms_deepseek.checkpoint.sharded import write_sharded
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     root = Path(root)
     cfg = tiny_config()

@@ -14,10 +14,10 @@ import threading
 import time
 
 import pytest
+from test_dead_worker import _rank_pid, _steps
 
 from builders import free_port, small_recipe, write_recipe
 from repo_paths import REPO
-from test_dead_worker import _rank_pid, _steps
 
 
 @pytest.mark.msrun
@@ -72,6 +72,7 @@ def test_a_survivor_names_the_rank_another_node_recorded(tmp_path, shared, monke
     without a shared run folder (``none``), is our own worker blamed: the line says the first dead worker is on
     another node."""
     from test_dead_worker import FAKE_MSRUN
+
     from ms_deepseek.train import supervise
     from ms_deepseek.train.supervise import record_first_failure, run_supervised
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from builders import free_port, small_recipe as recipe_data, write_recipe as write
-
+from builders import free_port
+from builders import small_recipe as recipe_data
+from builders import write_recipe as write
 from repo_paths import REPO as ROOT
 
 # msrun starts the same command on every rank: this one trains into a folder of its own rank

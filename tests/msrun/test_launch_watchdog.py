@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from builders import free_port, small_recipe as recipe_data, write_recipe as write
 from test_launch_signals import job_processes
 
+from builders import free_port
+from builders import small_recipe as recipe_data
+from builders import write_recipe as write
 from repo_paths import REPO as ROOT
 
 HANG_RANK_1 = """

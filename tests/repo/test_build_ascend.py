@@ -182,7 +182,7 @@ def test_no_env_script_and_no_environment_is_reported(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9", env_at="none")
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1
-    assert f"build_ascend.sh: no CANN env script (" in out and f"no CANN environment set for {cann}" in out
+    assert "build_ascend.sh: no CANN env script (" in out and f"no CANN environment set for {cann}" in out
     assert calls(tmp_path) == []
 
 

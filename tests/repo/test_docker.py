@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the checks)
-
-from ms_deepseek.cli import doctor
 from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
 from ms_deepseek.diagnostics.probe import RecordedProbe
+
 from repo_paths import REPO
 
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
@@ -199,9 +198,9 @@ def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, 
     ENV alone), ASCEND_HOME_PATH / ASCEND_OPP_PATH / ASCEND_TOOLKIT_LATEST_HOME from the image's
     ENV. The package lands where ASCEND_CUSTOM_OPP_PATH points and MindSpore's rule finds the three
     operators for the 910B."""
-    from cann_stub import make_stub_cann
-
     from ms_deepseek.ops import ascend
+
+    from cann_stub import make_stub_cann
 
     steps = instructions("Dockerfile")
     args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)

@@ -21,7 +21,6 @@
 import contextlib
 import io
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.cli import main
+
 from repo_paths import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -54,7 +54,7 @@ def commands(body: str):
     joined = re.sub(r"\\\n\s*", " ", body)
     out = []
     for line in joined.splitlines():
-        line = re.split(r"\s#\s", line, 1)[0].strip()
+        line = re.split(r"\s#\s", line, maxsplit=1)[0].strip()
         if line.startswith("ms-deepseek "):
             out.append(shlex.split(line)[1:])
     return out

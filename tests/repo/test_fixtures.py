@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))

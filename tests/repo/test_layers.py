@@ -5,7 +5,9 @@ included (a local import that dodges a cycle is still a cycle), and checked:
 
 * no module imports a module of a higher layer;
 * the module graph has no cycle;
-* library packages (everything but ``ms_deepseek.cli``) import no argparse.
+* library packages (everything but ``ms_deepseek.cli``) import no argparse;
+* no module imports another module's private (``_name``) names: what other modules use has a
+  public name.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Set
 
 import pytest
+
 from repo_paths import REPO
 
 PACKAGE = REPO / "ms_deepseek"
@@ -22,10 +25,10 @@ PACKAGE = REPO / "ms_deepseek"
 # the layers, bottom up: a module may import its own layer and those below it
 LAYERS = [
     ("core",),
-    ("spec",),
-    ("parallel", "data", "ops"),
+    ("config",),
+    ("parallel_plan", "data", "ops"),
     ("checkpoint",),
-    ("model", "sharding"),
+    ("model", "parallel_apply"),
     ("train", "generate"),
     ("diagnostics",),
     ("cli",),
@@ -107,6 +110,22 @@ def find_cycle(package: Path = PACKAGE) -> List[str]:
     return []
 
 
+def private_imports(package: Path = PACKAGE) -> List[str]:
+    """``from ms_deepseek.X import _name`` in a module other than X (dunder names are not private)."""
+    modules = all_modules(package)
+    bad = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ms_deepseek"):
+                continue
+            for a in node.names:
+                private = a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__"))
+                if private and node.module != name and f"{node.module}.{a.name}" not in modules:
+                    bad.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name} imports "
+                               f"{node.module}.{a.name}")
+    return bad
+
+
 def test_every_module_is_in_a_layer():
     for name in all_modules():
         layer_of(name)
@@ -141,8 +160,13 @@ def test_a_planted_upward_import_fails(tmp_path, planted, expected):
         target = copy / path.relative_to(PACKAGE)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    (copy / "spec" / "planted.py").write_text(planted, encoding="utf-8")
+    (copy / "config" / "planted.py").write_text(planted, encoding="utf-8")
     assert any(expected in line for line in upward_imports(copy))
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = private_imports()
+    assert not bad, "imports of another module's private names (give them a public name):\n" + "\n".join(bad)
 
 
 def mini_package(tmp_path: Path, **core_modules: str) -> Path:
@@ -217,3 +241,9 @@ def test_a_planted_broken_import_is_found(tmp_path):
                         b="def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n")
     assert broken_imports(copy) == ["ms_deepseek.core.b:2: ms_deepseek.core has no gone",
                                     "ms_deepseek.core.b:3: ms_deepseek.core.a has no Y"]
+
+
+def test_a_planted_private_import_is_found(tmp_path):
+    copy = mini_package(tmp_path, a="_X = 1\n__all__ = []\n",
+                        b="def f():\n    from ms_deepseek.core.a import _X, __all__\n")
+    assert private_imports(copy) == ["ms_deepseek/core/b.py:2: ms_deepseek.core.b imports ms_deepseek.core.a._X"]

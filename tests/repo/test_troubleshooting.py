@@ -5,8 +5,9 @@ issue's list has a section with symptom, detector and fix."""
 import re
 
 from ms_deepseek.cli import doctor  # noqa: F401  (registers every check)
-from ms_deepseek.train.alerts import RULES
 from ms_deepseek.diagnostics.doctor_core import REGISTRY
+from ms_deepseek.train.alerts import RULES
+
 from repo_paths import REPO
 
 GUIDE = REPO / "docs" / "troubleshooting.md"

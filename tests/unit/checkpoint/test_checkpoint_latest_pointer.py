@@ -16,7 +16,7 @@ def _save(manager, step):
 
 
 def test_the_pointer_names_each_complete_save_and_resume_falls_back_to_scanning(tmp_path):
-    from ms_deepseek.checkpoint.training import CheckpointManager, resolve_resume
+    from ms_deepseek.checkpoint.training import RESUME, CheckpointManager, resolve_checkpoint
 
     run = tmp_path / "run"
     manager = CheckpointManager(run / "checkpoints", keep_last=3)
@@ -25,9 +25,9 @@ def test_the_pointer_names_each_complete_save_and_resume_falls_back_to_scanning(
         assert (run / "checkpoints" / "latest").read_text() == f"step_{step:08d}\n"
     assert not [p for p in (run / "checkpoints").iterdir() if ".partial-" in p.name]  # no temporary left
     (run / "checkpoints" / "latest").write_text("step_00000004\n")  # the pointer wins over the scan
-    assert resolve_resume("latest", run).name == "step_00000004"
+    assert resolve_checkpoint("latest", RESUME, run).name == "step_00000004"
     shutil.rmtree(run / "checkpoints" / "step_00000004")  # stale: its folder is gone
-    assert resolve_resume("latest", run).name == "step_00000006"
+    assert resolve_checkpoint("latest", RESUME, run).name == "step_00000006"
     (run / "checkpoints" / "latest").write_text("../../etc\n")  # not a checkpoint name: scanned
     assert manager.latest().name == "step_00000006"
     (run / "checkpoints" / "latest").unlink()  # absent (a run from before the pointer)

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from builders import small_config
 from ms_deepseek import cli
-from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
-from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
-from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.sources import WholeSource
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
-from ms_deepseek.checkpoint.source import read_weight_files
+from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
+from ms_deepseek.checkpoint.opener import open_checkpoint
+from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
+from ms_deepseek.checkpoint.slice_readers import WholeSource
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.checkpoint.weight_files import read_weight_files
+from ms_deepseek.config.inventory import expected_ms_shapes
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.inventory import expected_ms_shapes
-from ms_deepseek.spec.parallel import ParallelConfig
+
+from builders import small_config
 
 # dp, tp, ep, pp all above 1, and a placement that is not contiguous blocks
 LAYOUT = ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2, expert_placement=[1, 0, 1, 0, 0, 1, 1, 0])
@@ -99,7 +100,7 @@ def test_loader_check_catches_a_wrong_slice(monkeypatch):
     """The plan --simulate loader check fails when ranks are handed the wrong rows (a part of a tensor no
     rank holds) or when the sliced reader returns other values than the slice."""
     from ms_deepseek.checkpoint import layout as layout_mod
-    from ms_deepseek.checkpoint import sources
+    from ms_deepseek.checkpoint import slice_readers as sources
 
     real = layout_mod.TensorLayout.slice_of
 
@@ -148,7 +149,7 @@ def test_lazy_build_allocates_nothing_then_takes_a_ranks_slices(pristine):
             assert param.has_init, f"{name} (other stage) was allocated"
             continue
         from ms_deepseek.checkpoint.layout import slice_array
-        from ms_deepseek.checkpoint.sources import to_float32
+        from ms_deepseek.checkpoint.slice_readers import to_float32
 
         expect = to_float32(slice_array(want[name], layout.slice_of(name, rank)), layout.tensors[name].dtype)
         np.testing.assert_array_equal(param.asnumpy(), expect, err_msg=name)
@@ -320,8 +321,9 @@ def test_layout_that_does_not_fit_the_model(pristine, tmp_path, capsys):
     refuses(capsys, tmp_path, ["convert", "hf-to-ms", str(pristine / "hf"), "--tp", "3"],
             r"parallel\.tp|not divisible")
     with pytest.raises(UserError, match="--set: needs --recipe"):
-        from ms_deepseek.cli.convert import layout_from_args
         from types import SimpleNamespace
+
+        from ms_deepseek.cli.convert import layout_from_args
 
         layout_from_args(SimpleNamespace(dp=None, tp=None, pp=None, ep=None, recipe=None, overrides=["a.b=1"]))
 
@@ -382,10 +384,10 @@ def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
     expert (HF) order, and restoring a whole checkpoint puts the buffer order back."""
     import mindspore as ms
 
-    from ms_deepseek.checkpoint.sources import WholeSource
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
     from ms_deepseek.checkpoint.tensors import hf_ordered, model_tensors, restore_into
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = small_config()
     ms.set_seed(0)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from ms_deepseek.checkpoint.layout import build_layout
-from ms_deepseek.checkpoint.sources import full_slice
+from ms_deepseek.checkpoint.slice_readers import full_slice
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 from builders import small_config
 
@@ -65,7 +65,7 @@ def test_each_rank_reads_the_slice_mindspores_loader_cuts(quantized, spec, par):
 
 
 def _stored_names(src, cfg):
-    from ms_deepseek.spec import names
+    from ms_deepseek.config import names
 
     out = set()
     for n in src.tensors:
@@ -75,9 +75,9 @@ def _stored_names(src, cfg):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"int{s.bits}")
 def test_the_plans_scale_layouts_agree_with_the_checkpoint_layout(spec):
-    """parallel/plan.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
+    """parallel_plan/plan.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
     layout.json does."""
-    from ms_deepseek.parallel.plan import Mesh, Plan, fit_layout
+    from ms_deepseek.parallel_plan.plan import Mesh, Plan, fit_layout
 
     cfg, par = small_config(), ParallelConfig(dp=2, tp=2, ep=2)
     layout, plan, mesh = build_layout(cfg, par, quant=spec), Plan(), Mesh.from_parallel(par)

@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ms_deepseek.checkpoint.quant_format import (dequantize_array, is_quantized_weight, pack_int4, quantize_array,
-                                             unpack_int4)
+from ms_deepseek.checkpoint.quant_format import (
+    dequantize_array,
+    is_quantized_weight,
+    pack_int4,
+    quantize_array,
+    unpack_int4,
+)
 from ms_deepseek.cli import main
+
 
 def _within_half_a_scale(err, scale, w):
     """err <= scale / 2, up to the float32 rounding of the product q * scale (half an ulp of the result)."""
@@ -21,7 +27,7 @@ SMALL = dict(num_hidden_layers=2, vocab_size=512, max_position_embeddings=64)
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
 
     folder = tmp_path_factory.mktemp("base") / "hf"
     write_random_checkpoint(folder, get_preset("tiny", **SMALL), dtype="float32")

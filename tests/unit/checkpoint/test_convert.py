@@ -14,12 +14,12 @@ import pytest
 import safetensors
 
 from ms_deepseek import cli
-from ms_deepseek.spec.config import DeepseekV2Config, get_preset
-from ms_deepseek.spec.inventory import count_parameters
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf, parse_size
-from ms_deepseek.spec.inventory import expected_hf_shapes, expected_ms_shapes, zero_width_shapes
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.config.inventory import count_parameters, expected_hf_shapes, expected_ms_shapes, zero_width_shapes
+from ms_deepseek.config.model import DeepseekV2Config, get_preset
 from ms_deepseek.core.errors import UserError
+
 from repo_paths import FIXTURES, REPO
 
 VARIANTS = ("lite", "v2", "lite_yarn", "v2_yarn", "yarn_mscale")
@@ -338,6 +338,6 @@ def test_layout_module_imports_without_mindspore():
     import subprocess
     import sys
 
-    code = ("import sys, ms_deepseek.spec.inventory, ms_deepseek.spec.names, ms_deepseek.checkpoint.convert; "
+    code = ("import sys, ms_deepseek.config.inventory, ms_deepseek.config.names, ms_deepseek.checkpoint.convert; "
             "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from builders import small_config as builders_small_config
 from ms_deepseek import cli
-from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint import convert as api
+from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
+
+from builders import small_config as builders_small_config
 
 INDEX = "model.safetensors.index.json"
 # 3 layers, 2 heads, 4 routed experts, no q compression

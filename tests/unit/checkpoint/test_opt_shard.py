@@ -19,7 +19,7 @@ from builders import small_config
 
 
 def _parallel():
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     return ParallelConfig(dp=4, tp=2, ep=2, optimizer_shard=True)
 
@@ -68,7 +68,7 @@ def test_each_rank_loads_the_part_mindspores_loader_cuts_and_saving_gathers_the_
         held[rank] = {n: shards.part(n, slice_array(full[n], layout.slice_of(n, rank))) for n in layout.tensors}
         for name, t in layout.tensors.items():
             group, ranks = groups.get((name, rank), ("", (rank,)))
-            monkeypatch.setattr(ms_tensor, "get_rank", lambda g=None, ranks=ranks: ranks.index(rank))
+            monkeypatch.setattr(ms_tensor, "get_rank", lambda g=None, ranks=ranks, rank=rank: ranks.index(rank))
             monkeypatch.setattr(ms_tensor, "get_group_size", lambda g=None, ranks=ranks: len(ranks))
             entry = (list(t.dev_matrix), list(t.tensor_map), list(t.slice_shape()), 0, 1, group, list(t.shape))
             want = ms_tensor._load_tensor_by_layout(ms.Tensor(full[name]), entry, rank).asnumpy()
@@ -86,15 +86,16 @@ def test_each_rank_loads_the_part_mindspores_loader_cuts_and_saving_gathers_the_
 
 def test_restore_into_hands_a_lazily_built_rank_its_part():
     """restore_into's part hook on the lazily built model, as the trainer calls it after the compile."""
-    from mindspore.nn.utils import no_init_parameters
-
-    from ms_deepseek.checkpoint.sources import WholeSource
-    from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
-    from ms_deepseek.checkpoint.source import read_weight_files
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     import tempfile
     from pathlib import Path
+
+    from mindspore.nn.utils import no_init_parameters
+
+    from ms_deepseek.checkpoint.slice_readers import WholeSource
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
+    from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     cfg = small_config()
     layout = build_layout(cfg, _parallel())
@@ -108,7 +109,7 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
             model = DeepseekV2ForCausalLM(cfg)
         params = {n: p for n, p in model_tensors(model).items() if n in layout.tensors}
         restore_into(params, src, "model", layout=layout, rank=rank, part=shards.part)
-        from ms_deepseek.checkpoint.sources import full_slice
+        from ms_deepseek.checkpoint.slice_readers import full_slice
 
         cut = 0
         for name, param in params.items():

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from bad_input_helpers import listing
 from ms_deepseek.core.atomic import remove_stale_partials
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, check_output_file
+
+from bad_input_helpers import listing
 
 HOST = socket.gethostname().split(".")[0].replace("-", "_")
 

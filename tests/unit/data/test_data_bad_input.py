@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from bad_input_helpers import assert_refused, deep, run_cli
-from data_helpers import make_byte_tokenizer, write_jsonl
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.storage import load_lengths, load_meta
+
+from bad_input_helpers import assert_refused, deep, run_cli
+from data_helpers import make_byte_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,8 @@ def test_train_names_the_pickled_lengths_file(capsys, prepared, tmp_path):
 
 
 def test_jsonl_line_names_file_and_line(tmp_path):
-    from ms_deepseek.data.readers import read_jsonl
     from ms_deepseek.core.errors import UserError
+    from ms_deepseek.data.readers import read_jsonl
 
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": ' + deep() + "}\n")

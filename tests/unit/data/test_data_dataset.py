@@ -5,12 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from data_helpers import PAD_ID, make_byte_tokenizer, make_sentencepiece, read_rows, write_jsonl
+from ms_deepseek.config.data import DataConfig
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.spec.data import DataConfig
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.prepare import prepare_data
-from ms_deepseek.core.errors import UserError
+
+from data_helpers import PAD_ID, make_byte_tokenizer, make_sentencepiece, read_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,14 @@
 import numpy as np
 import pytest
 
-from data_helpers import write_jsonl
-from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.spec.data import DataConfig
-from ms_deepseek.data.packing import Packer, PackStats, sft_row
-from ms_deepseek.data.readers import discover_files, iter_documents
+from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import from_dict
+from ms_deepseek.data.chat import IGNORE_INDEX
+from ms_deepseek.data.packing import Packer, PackStats, sft_row
+from ms_deepseek.data.readers import discover_files, iter_documents
+
+from data_helpers import write_jsonl
 
 
 def _docs(files, fmt):
@@ -133,8 +134,9 @@ def test_packing_without_bos_and_dropping_a_lone_last_token():
 
 
 def test_sft_rows_truncate_and_drop_are_counted(tmp_path):
-    from data_helpers import make_byte_tokenizer
     from ms_deepseek.data.tokenizer import load_tokenizer
+
+    from data_helpers import make_byte_tokenizer
 
     make_byte_tokenizer(tmp_path)
     tok = load_tokenizer(tmp_path)

@@ -5,12 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from data_helpers import BOS_ID, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, read_rows, write_jsonl
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.prepare import prepare_data, prepare_embedded_default, stdlib_files
 from ms_deepseek.data.storage import load_meta
 from ms_deepseek.data.tokenizer import load_tokenizer
-from ms_deepseek.core.errors import UserError
+
+from data_helpers import BOS_ID, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, read_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from data_helpers import BOS, BOS_ID, EOS, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, make_sentencepiece
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX, encode_chat, render_chat
 from ms_deepseek.data.tokenizer import load_tokenizer
-from ms_deepseek.core.errors import UserError
+
+from data_helpers import BOS, BOS_ID, EOS, EOS_ID, PAD_ID, byte_ids, make_byte_tokenizer, make_sentencepiece
 
 # chat_template of deepseek-ai/DeepSeek-V2-Chat's tokenizer_config.json (the reference for render_chat).
 RELEASED_TEMPLATE = (

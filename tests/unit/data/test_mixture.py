@@ -6,12 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from data_helpers import make_byte_tokenizer, make_sentencepiece, write_jsonl
-from ms_deepseek.spec.data import DataConfig, DataSource
+from ms_deepseek.config.data import DataConfig, DataSource
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.mixture import CHUNK, MixtureDataset, chunk_counts
 from ms_deepseek.data.prepare import prepare_data
-from ms_deepseek.core.errors import UserError
+
+from data_helpers import make_byte_tokenizer, make_sentencepiece, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +128,7 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
     import io
 
     from ms_deepseek.cli import main
+
     from builders import SMALL_MODEL, write_recipe
 
     spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
@@ -154,8 +156,9 @@ def test_a_mixture_reports_validation_loss_per_source(folders, tmp_path):
     import math
 
     from ms_deepseek.cli import main
+    from ms_deepseek.config.data import ValidationConfig
     from ms_deepseek.data.validation import build_validation_by_source
-    from ms_deepseek.spec.data import ValidationConfig
+
     from builders import SMALL_MODEL, write_recipe
 
     cfg = mix(folders, validation=ValidationConfig(fraction=0.3))

@@ -8,12 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.diagnostics import npu_parse, pins
 from ms_deepseek.cli.doctor import exit_code, format_line, run_doctor, select_checks, to_json
-from ms_deepseek.diagnostics.doctor_core import (FAIL, PASS, REGISTRY, SKIP, WARN, CheckResult, DoctorContext,
-                                           checks_for_level, run_check)
+from ms_deepseek.diagnostics import npu_parse, pins
+from ms_deepseek.diagnostics.doctor_core import (
+    FAIL,
+    PASS,
+    REGISTRY,
+    SKIP,
+    WARN,
+    CheckResult,
+    DoctorContext,
+    checks_for_level,
+    run_check,
+)
 from ms_deepseek.diagnostics.doctor_host import parse_smoke_output, smoke_verdict
 from ms_deepseek.diagnostics.probe import CommandResult, RecordedProbe
+
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "doctor"
@@ -366,8 +376,9 @@ def test_every_recipe_key_a_fix_names_exists():
     import re
     import typing
 
+    from ms_deepseek.config.recipe import Recipe
+
     from repo_paths import REPO
-    from ms_deepseek.spec.recipe import Recipe
 
     sections = {}
     for f in dataclasses.fields(Recipe):

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics.report import CORE_PLOTS, MEMORY_PLOTS, generate, watch
 from ms_deepseek.train.alerts import RULES, Alert, AlertConfig, AlertMonitor, scan
 from ms_deepseek.train.metrics_io import read_metrics
-from ms_deepseek.diagnostics.report import CORE_PLOTS, MEMORY_PLOTS, generate, watch
+
 from repo_paths import REPO
 
 CHROMIUM = Path("/usr/bin/chromium")

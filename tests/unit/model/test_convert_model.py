@@ -16,6 +16,7 @@ import mindspore as ms  # noqa: E402
 
 from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf  # noqa: E402
 from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM  # noqa: E402
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))

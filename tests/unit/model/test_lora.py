@@ -16,8 +16,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ms_deepseek.cli import main
+from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LoraSpec
+
 from repo_paths import FIXTURES
 
 FIX = FIXTURES / "lora"
@@ -136,8 +137,8 @@ def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, e
 
 
 def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
-    from ms_deepseek.spec.config import DeepseekV2Config
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)
     other = write_random_checkpoint(tmp_path / "other", cfg, dtype="float32")
@@ -160,7 +161,7 @@ def test_adapter_with_a_missing_expert_names_it(tmp_path):
 
 
 def test_targets_and_ranks_are_checked_against_the_model():
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
@@ -178,7 +179,7 @@ def test_targets_and_ranks_are_checked_against_the_model():
                                                ({"use_dora": True}, "lora.use_dora"),
                                                ({"dropout": 1.0}, "lora.dropout")])
 def test_recipe_lora_section_refusals(lora_section, key):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     with pytest.raises(UserError) as info:
         load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": lora_section})
@@ -190,7 +191,7 @@ def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
     assert main(["convert", "hf-to-ms", str(FIX / "base"), str(tmp_path / "ms")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "a"), "--merge", str(FIX / "base")]) == 0
     assert main(["export-lora", str(FIX / "ours_adapter"), str(tmp_path / "b"), "--merge", str(tmp_path / "ms")]) == 0
-    from ms_deepseek.checkpoint.source import read_weight_files
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
 
     def tensors(folder):  # name -> raw bytes (the output mirrors the base's files: one file, or shards + index)
         ckpt = read_weight_files(folder)
@@ -208,7 +209,7 @@ def test_merge_into_a_stacked_ms_layout_base_gives_the_same_hf_folder(tmp_path):
 def test_export_notes_what_peft_on_transformers_5_ignores(tmp_path, capsys):
     """PEFT 0.21.2 on transformers 5.24 applies gate/up/down_proj only to the fused routed experts
     (checked in the reference env): the export says so for dense-MLP / shared-expert adapters."""
-    from ms_deepseek.train.lora_run import compatibility_notes
+    from ms_deepseek.model.lora_export import compatibility_notes
 
     names = load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")).keys()
     assert compatibility_notes(names) == []
@@ -232,7 +233,7 @@ def test_export_of_a_full_training_run_or_a_missing_folder_is_one_line(tmp_path,
 def test_saved_recipe_round_trips_with_and_without_lora():
     import yaml
 
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     full = load_recipe_dict({"data": {"embedded_vocab_size": 4096}})
     assert "lora" not in full.to_dict() and load_recipe_dict(yaml.safe_load(full.to_yaml())).lora is None
@@ -246,11 +247,11 @@ def test_saved_recipe_round_trips_with_and_without_lora():
 def test_adapters_shard_with_their_base_layers(layout):
     """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
     that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
-    from ms_deepseek.spec.config import DeepseekV2Config
+    from ms_deepseek.config.model import DeepseekV2Config
+    from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.model import lora
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
     model = DeepseekV2ForCausalLM(cfg)
@@ -277,7 +278,7 @@ def test_a_lone_routed_gate_adapter_is_exported_with_a_zero_up_partner(tmp_path)
     """PEFT on transformers 5 fuses gate/up_proj and refuses half a pair: the export adds B = 0 partners."""
     import yaml
 
-    from ms_deepseek.train.lora_run import checkpoint_adapter
+    from ms_deepseek.model.lora_export import checkpoint_adapter
 
     step = tmp_path / "run" / "checkpoints" / "step_00000001"
     step.mkdir(parents=True)

@@ -16,8 +16,9 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from ms_deepseek.spec.config import DeepseekV2Config
-from ms_deepseek.spec.lora import LoraSpec, lora_inventory
+from ms_deepseek.config.lora import LoraSpec, lora_inventory
+from ms_deepseek.config.model import DeepseekV2Config
+
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "lora"

@@ -9,11 +9,11 @@ max), and the original code's aux loss, sequence-level and token-level.
 
 import sys
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))

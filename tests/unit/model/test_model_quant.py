@@ -1,15 +1,15 @@
 """Quantized frozen layers (model/quant.py): the CPU reference is dequantise-then-matmul bit for bit,
 gradients reach x and the adapters, never the quantized weights; a quantized checkpoint loads."""
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor, ops
 
 from ms_deepseek.checkpoint.quant_format import dequantize_array, stored_array
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.quant import QuantLinear, QuantStackedWeight, quantize_model
-from ms_deepseek.spec.quant import QuantSpec
 
 SMALL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
@@ -71,8 +71,8 @@ def test_gradients_reach_x_and_the_adapter_never_the_quantized_weights():
 
 
 def test_quantize_model_swaps_the_base_layers_and_keeps_embeddings_norms_routers_and_head():
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.config import get_preset
 
     model = DeepseekV2ForCausalLM(get_preset("tiny", **SMALL))
     model.set_train(False)
@@ -95,10 +95,10 @@ def test_quantize_model_swaps_the_base_layers_and_keeps_embeddings_norms_routers
 def test_quantized_weights_and_scales_shard_by_the_same_plan(group):
     """apply_plan covers every quantized parameter: the scales split like the weight's output (and expert)
     axis, and the dequantisation Mul keeps the weight's split of ``in``."""
+    from ms_deepseek.config.model import get_preset
+    from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
-    from ms_deepseek.spec.config import get_preset
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.parallel_apply.apply import apply_plan
 
     cfg = get_preset("tiny", **SMALL)
     model = DeepseekV2ForCausalLM(cfg)

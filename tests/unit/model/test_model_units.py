@@ -6,19 +6,19 @@ import math
 import shutil
 import sys
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402
-from ms_deepseek.spec.config import get_preset  # noqa: E402
+from ms_deepseek.config.model import get_preset  # noqa: E402
 from ms_deepseek.core.errors import UserError  # noqa: E402
 from ms_deepseek.model.moe import DeepseekV2MoE  # noqa: E402
 
@@ -225,7 +225,7 @@ def test_from_pretrained_skips_zero_width_tensors(broken_copy):
 
 
 def test_capacity_rule_is_dispatch_shapes():
-    from ms_deepseek.spec import dispatch_shapes
+    from ms_deepseek.config import dispatch_shapes
 
     moe = DeepseekV2MoE(small_cfg(capacity_factor=1.5))
     moe.set_train(True)

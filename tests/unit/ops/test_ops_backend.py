@@ -7,10 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
 from mindspore.common import dtype as mstype
 
@@ -54,8 +53,8 @@ def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
     Softmax), CANN's Softmax on Ascend (no custom operator needed), the reference when forced."""
     from mindspore.ops import operations as P
 
+    from ms_deepseek.config.model import DeepseekV2Config
     from ms_deepseek.model.router import Router
-    from ms_deepseek.spec.config import DeepseekV2Config
 
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     assert FP32Softmax(float32_input=True).impl.kind == "cpu"

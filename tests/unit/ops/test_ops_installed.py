@@ -9,13 +9,13 @@ installer writes them (tests/helpers/cann_stub.py builds them for real in tests/
 import json
 import logging
 
+import mindspore.ops.operations._custom_ops_utils as custom_utils
 import pytest
 
-import mindspore.ops.operations._custom_ops_utils as custom_utils
-
-from cann_stub import FakeAscendContext
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.ops import ascend, backend
+
+from cann_stub import FakeAscendContext
 
 OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 

@@ -6,10 +6,9 @@ gradients, PyNative and graph mode (ms.jit), and shrunken core / UB settings tha
 force tail tiles and the column-tile softmax path.
 """
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.common import dtype as mstype
 

@@ -180,7 +180,7 @@ def test_repetition_penalty_tiling_covers_logits_once(problem):
     t = tiling("repetition_penalty", **kw)
     assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["id_tile"] % 8 == 0
     # one tile of float32, its "done" mask (a bit per element, int32 words, block aligned), one id load
-    mask_bytes = -(-(-(-t["tile"] // 32)) // 8) * 8 * 4
+    mask_bytes = -(-(-(-t["tile"] // 32)) // 8) * 8 * 4  # noqa: B002 (ceiling divisions)
     assert t["tile"] * 4 + mask_bytes + t["id_tile"] * 4 <= ub - RESERVE
     covered = np.zeros(b * v, np.int32)
     for tile in schedule("repetition_penalty", **kw):

@@ -12,18 +12,18 @@ PyNative runs with ``launch_blocking`` (synchronous op launch), which on a busy
 
 import sys
 
+import mindspore as ms
 import numpy as np
 import pytest
-
-import mindspore as ms
 from mindspore import Tensor
+
 from repo_paths import FIXTURES
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR, VARIANTS, load_reference  # noqa: E402
 
 from ms_deepseek import DeepseekV2ForCausalLM  # noqa: E402
-from ms_deepseek.spec.config import get_preset  # noqa: E402
+from ms_deepseek.config.model import get_preset  # noqa: E402
 from ms_deepseek.core.errors import UserError  # noqa: E402
 from ms_deepseek.generate import generate, generate_batch, process_logits, sample  # noqa: E402
 from ms_deepseek.model.decode import CachedDecoder, cache_figures  # noqa: E402

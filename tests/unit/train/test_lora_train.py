@@ -11,8 +11,9 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from builders import SMALL_MODEL, kill_during_save_then_resume
 from ms_deepseek.cli import main
+
+from builders import SMALL_MODEL, kill_during_save_then_resume
 from repo_paths import FIXTURES, REPO
 
 FIX = FIXTURES / "lora"
@@ -46,7 +47,7 @@ def _fixture_recipe(data_dir, **changes):
 
 
 def _run(recipe_dict, run_dir: Path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import Trainer
 
     trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, None, False, False, None)
@@ -54,7 +55,7 @@ def _run(recipe_dict, run_dir: Path):
 
 
 def _base_params(model):
-    from ms_deepseek.spec import names
+    from ms_deepseek.config import names
 
     E = model.config.n_routed_experts
     out = {}
@@ -85,8 +86,8 @@ def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_r
     moments = [n for n in opt if n.startswith(("adam_m.", "adam_v.", "moment1.", "moment2."))]
     assert moments and all(".lora_" in n for n in moments), sorted(opt)[:6]
     # every base weight in memory after training equals the base file, bit for bit (bfloat16 widened)
+    from ms_deepseek.checkpoint.weight_files import read_weight_files
     from ms_deepseek.model.loading import read_tensor
-    from ms_deepseek.checkpoint.source import read_weight_files
 
     base = read_weight_files(FIX / "base")
     got = _base_params(trainer.model)
@@ -145,8 +146,8 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     with lora.train_router."""
     import mindspore as ms
 
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.spec.recipe import load_recipe
 
     sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
             "optim.warmup_steps=2", "optim.lr=0.02",
@@ -195,7 +196,7 @@ SHARDED = ["--dp", "2", "--tp", "2", "--pp", "2", "--ep", "2"]
 
 
 def _parallel(**degrees):
-    from ms_deepseek.spec.parallel import ParallelConfig
+    from ms_deepseek.config.parallel import ParallelConfig
 
     return ParallelConfig(**{"micro_batches": degrees.get("pp", 1), **degrees})
 
@@ -208,7 +209,7 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     import filecmp
 
     from ms_deepseek.checkpoint.layout import build_layout, read_layout
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     _trainer, ref = fixture_run
     whole = ref.run_dir / "checkpoints" / "step_00000002"
@@ -298,18 +299,18 @@ def test_sharded_lora_model_builds_lazily_and_saves_what_its_layout_lists(data_d
 
     from ms_deepseek.checkpoint.layout import build_layout, slice_array
     from ms_deepseek.checkpoint.opener import open_checkpoint
-    from ms_deepseek.checkpoint.sources import full_slice, to_float32
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.train import lora_run
-    from ms_deepseek.spec.recipe import load_recipe_dict
 
     recipe = load_recipe_dict(_fixture_recipe(data_dir, lora={"train_router": True}))
     cfg, par = recipe.model_config, _parallel(dp=2, tp=2, pp=2, ep=2)
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(cfg)
     lora_run.prepare(model, recipe, Path("unused"), write_base=False)
-    saved = lora_run.checkpoint_tensors(model)
+    saved = lora_run.LoraModel().checkpoint_tensors(model)
     adapters = {n: p for n, p in saved.items() if ".lora_" in n}
     assert adapters and all(not p.has_init for p in adapters.values()), "adapters without data"
     layout = build_layout(cfg, par, lora=recipe.lora)
@@ -355,7 +356,7 @@ def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_
 
     from ms_deepseek.core.errors import UserError
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.train.lora_run import model_with_adapters
+    from ms_deepseek.model.lora_export import model_with_adapters
 
     _trainer, result = fixture_run
     ref = load_file(str(FIX / "reference.safetensors"))

@@ -30,8 +30,8 @@ def _compare(param_dtype, mode, atol):
     import mindspore as ms
     from mindformers.core.optim.adamw import AdamW as MFAdamW
 
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
-    from ms_deepseek.spec.recipe import OptimSection
 
     cfg = OptimSection(lr=2e-2, min_lr=1e-3, schedule="cosine", warmup_steps=2, weight_decay=0.1,
                        beta1=0.9, beta2=0.95, eps=1e-8)

@@ -2,7 +2,7 @@
 
 MindSpore compiles sharded graphs only on Ascend; what is ours is checked here:
 
-* the rank geometry (``ms_deepseek.parallel.ranks``): which rows every rank reads, and the
+* the rank geometry (``ms_deepseek.parallel_plan.ranks``): which rows every rank reads, and the
   dataset strategy MindSpore is told, from the same rule (issue 10 item 3);
 * the pipeline step's ``accu_grads`` Parameters and its gradient hand-off (item 4);
 * the global gradient norm in MindSpore's ``grad_scale`` marker pattern (item 5);
@@ -14,11 +14,16 @@ import numpy as np
 import pytest
 from mindspore import ops
 
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.recipe import TrainSection
-from ms_deepseek.parallel.ms_oracle import batch_row_of_rank, slice_of_rank
-from ms_deepseek.parallel.ranks import (data_coordinates, data_slice, dataset_strategy, rows_of_rank,
-                                        reads_full_batch, stage_of_rank)
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.recipe import TrainSection
+from ms_deepseek.parallel_plan.ms_oracle import batch_row_of_rank, slice_of_rank
+from ms_deepseek.parallel_plan.ranks import (
+    data_coordinates,
+    dataset_strategy,
+    reads_full_batch,
+    rows_of_rank,
+    stage_of_rank,
+)
 
 LAYOUTS = [
     ParallelConfig(dp=2, tp=2, pp=2, ep=2, micro_batches=2),
@@ -70,7 +75,7 @@ def test_tp_peers_read_the_whole_micro_batch():
 
 
 def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
-    from ms_deepseek.sharding.apply import context_kwargs
+    from ms_deepseek.parallel_apply.apply import context_kwargs
 
     par = ParallelConfig(dp=4, tp=1, pp=2, ep=4, micro_batches=4)
     assert context_kwargs(par)["dataset_strategy"] == ((4, 1), (4, 1))
@@ -87,7 +92,7 @@ def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
     real = AutoParallel.dataset_strategy
     try:
         AutoParallel.dataset_strategy = lambda self, config: (seen.append(config), real(self, config))[1]
-        from ms_deepseek.sharding.apply import auto_parallel_wrap
+        from ms_deepseek.parallel_apply.apply import auto_parallel_wrap
 
         wrapped = auto_parallel_wrap(nn.Dense(2, 2), par)
     finally:
@@ -99,7 +104,7 @@ def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
 def test_ranks_read_disjoint_rows_of_the_real_dataset(tmp_path):
     """The dataset each rank builds from data_coordinates: tp peers identical, data slices disjoint,
     together the single reader's global batch."""
-    from ms_deepseek.spec.data import DataConfig
+    from ms_deepseek.config.data import DataConfig
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.prepare import prepare_embedded_default
 
@@ -230,7 +235,7 @@ def test_norm_marker_is_the_one_mindspore_completes():
 # ------------------------------------------------------------------------ pipeline step (item 4)
 @pytest.fixture(scope="module")
 def tiny_model():
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     cfg = get_preset("tiny", num_hidden_layers=2)
@@ -239,8 +244,8 @@ def tiny_model():
 
 
 def _optimizer(model):
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
-    from ms_deepseek.spec.recipe import OptimSection
 
     return optim.build_optimizer(model.trainable_params(), OptimSection(lr=1e-3, schedule="constant"), 10)
 
@@ -251,7 +256,7 @@ def test_pipeline_step_has_accu_grads_for_every_optimizer_parameter(tiny_model, 
     accu_grads.<name> clones of the optimizer's parameters (what MindSpore's pipeline pass fills)."""
     from mindspore.parallel.nn import Pipeline
 
-    from ms_deepseek.sharding.apply import apply_plan, pipeline_wrap
+    from ms_deepseek.parallel_apply.apply import apply_plan, pipeline_wrap
     from ms_deepseek.train.step import PipelineGrads, build_step
 
     cfg, model = tiny_model
@@ -347,7 +352,7 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
     from mindspore import Parameter, Tensor, nn
     from mindspore.parallel.nn import Pipeline
 
-    from ms_deepseek.spec.config import get_preset
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.train.step import StepOutputs, Update, build_step, output_width
 

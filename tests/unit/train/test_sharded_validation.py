@@ -1,7 +1,7 @@
 """Validation under sharding (issue 17, defect 5), on emulated ranks: what can run on CPU.
 
 * each rank reads its rows of every validation batch by the training rule (ranks.data_coordinates),
-  checked against MindSpore's own placement (``_utils._to_full_tensor``, parallel/ms_oracle.py): the
+  checked against MindSpore's own placement (``_utils._to_full_tensor``, parallel_plan/ms_oracle.py): the
   global batches MindSpore assembles are the single worker's batches;
 * eval batches are one micro-batch [rows, seq_len] on every rank (static shapes); SFT training
   batches of a sharded run too (no per-rank length buckets); SFT mixtures work and are static;
@@ -9,7 +9,7 @@
   also when (without the pipeline's output broadcast) the first stage holds no loss;
 * the trainer's own _build_data / Evaluator take these paths for a sharded layout;
 * the planner counts the eval graph's dropless MoE buffers; a stated eval capacity makes it fit.
-The compiled sharded eval (AutoParallel, Ascend) cannot run here (sharding/apply.eval_parallel_wrap).
+The compiled sharded eval (AutoParallel, Ascend) cannot run here (parallel_apply/apply.eval_parallel_wrap).
 """
 
 from types import SimpleNamespace
@@ -17,17 +17,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data_helpers import make_byte_tokenizer, write_jsonl
+from ms_deepseek.config.data import DataConfig, DataSource, ValidationConfig
+from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.prepare import prepare_data
 from ms_deepseek.data.validation import build_validation
-from ms_deepseek.parallel import ms_oracle
-from ms_deepseek.parallel.ranks import data_coordinates, dataset_strategy
-from ms_deepseek.spec.data import DataConfig, DataSource, ValidationConfig
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.parallel_plan import ms_oracle
+from ms_deepseek.parallel_plan.ranks import data_coordinates, dataset_strategy
 from ms_deepseek.train.evaluate import reduce_validation, scored_tokens
+
+from data_helpers import make_byte_tokenizer, write_jsonl
 from repo_paths import REPO
 
 SEQ = 64
@@ -181,7 +182,7 @@ def test_sft_mixture_is_allowed_and_static(folders):
 
 
 def _recipe(folders, tmp_path, par, **data):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
 
     spec = {"model": {"source": "tiny"},
             "data": dict({"path": str(folders / "a"), "format": "sft", "num_workers": 1,
@@ -234,7 +235,7 @@ def test_trainer_refuses_length_buckets_for_a_sharded_layout(folders, tmp_path):
 def test_evaluator_wraps_the_eval_cell_with_the_plan_and_counts_replicas(monkeypatch):
     import mindspore.ops
 
-    import ms_deepseek.sharding.apply as apply_mod
+    import ms_deepseek.parallel_apply.apply as apply_mod
     from ms_deepseek.train.evaluate import Evaluator
 
     par = LAYOUTS[1]
@@ -251,9 +252,9 @@ def test_evaluator_wraps_the_eval_cell_with_the_plan_and_counts_replicas(monkeyp
 def test_planner_counts_the_eval_graph_and_a_stated_capacity(tmp_path):
     import dataclasses
 
-    from ms_deepseek.parallel.costs import GB
-    from ms_deepseek.parallel.planner import check_recipe_fits, recipe_workload
-    from ms_deepseek.spec.recipe import load_recipe, planning_config_path
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
+    from ms_deepseek.parallel_plan.costs import GB
+    from ms_deepseek.parallel_plan.planner import check_recipe_fits, recipe_workload
 
     path = REPO / "recipes" / "v2-sft-64npu.yaml"
     recipe = load_recipe(path, [], planning_config_path(path))
@@ -272,9 +273,9 @@ def test_planner_counts_the_eval_graph_and_a_stated_capacity(tmp_path):
 
 
 def test_moe_layer_evaluates_at_the_stated_capacity():
+    from ms_deepseek.config.dispatch_shapes import capacity, dispatch_buffers
+    from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.moe import DeepseekV2MoE
-    from ms_deepseek.spec.config import get_preset
-    from ms_deepseek.spec.dispatch_shapes import capacity, dispatch_buffers
 
     cfg = get_preset("tiny").replace(capacity_factor=1.0, eval_capacity_factor=2.0)
     moe = DeepseekV2MoE(cfg)

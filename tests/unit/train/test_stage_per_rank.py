@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 from safetensors import safe_open
 
-from builders import attach_save_state
 from ms_deepseek.checkpoint.layout import build_layout
-from ms_deepseek.spec.config import get_preset
-from ms_deepseek.spec.parallel import ParallelConfig
+from ms_deepseek.config.model import get_preset
+from ms_deepseek.config.parallel import ParallelConfig
+
+from builders import attach_save_state
 
 TINY = get_preset("tiny")
 PAR = ParallelConfig(dp=1, tp=2, pp=2, micro_batches=2)
@@ -22,7 +23,7 @@ def _trainer(tmp_path, lazy=True, weights=None):
 
     from ms_deepseek.checkpoint.tensors import model_tensors
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.train.trainer import Trainer
 
     if lazy:

@@ -14,8 +14,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from ms_deepseek.cli import main
-from builders import SMALL_MODEL, write_recipe
 from ms_deepseek.core.errors import UserError
+
+from builders import SMALL_MODEL, write_recipe
 
 STEPS = 4
 
@@ -107,9 +108,9 @@ def test_checkpoint_holds_the_models_own_names_and_optimizer_state(reference):
 
 
 def test_metrics_records(reference):
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train.metrics import RECORD_KEYS
     from ms_deepseek.train.optim import lr_fn
-    from ms_deepseek.spec.recipe import OptimSection
 
     run_dir, _ = reference
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -131,8 +132,8 @@ def test_metrics_records(reference):
 
 
 def test_non_finite_numbers_are_written_as_strings(tmp_path):
-    from ms_deepseek.train.metrics_io import read_metrics
     from ms_deepseek.train.metrics import MetricsWriter, json_number
+    from ms_deepseek.train.metrics_io import read_metrics
 
     assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == \
         {"a": "NaN", "b": ["Infinity", "-Infinity", 1.5]}
@@ -168,7 +169,7 @@ def test_crash_during_save_then_resume_continues_exactly(reference, data_dir, tm
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
     # the half-written folder is hidden (a killed process leaves it; an interrupted one removes it)
     assert all(p.name.startswith((".step_00000004.partial-", "step_", "latest")) for p in ckpts.iterdir())
-    assert ckpt_mod.resolve_resume("latest", run_dir) == ckpts / "step_00000002"
+    assert ckpt_mod.resolve_checkpoint("latest", ckpt_mod.RESUME, run_dir) == ckpts / "step_00000002"
     (ckpts / ".step_00000004.partial-killed").mkdir()  # what a SIGKILL mid-save leaves
 
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
@@ -188,7 +189,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
     """2 micro-steps of batch 2 == 1 step of batch 4 (same samples, same update).
 
     Run with selective recompute, which must not change the math either."""
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -207,8 +208,8 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     import mindspore as ms
     from mindspore import Parameter, Tensor, nn
 
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
-    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.step import Update
 
     ms.set_seed(0)
@@ -316,13 +317,13 @@ def test_flash_attention_on_cpu_stops_with_one_line_before_anything_is_built(dat
 
 
 def test_resume_errors_are_clear(tmp_path, data_dir):
-    from ms_deepseek.checkpoint.training import resolve_resume
+    from ms_deepseek.checkpoint.training import RESUME, resolve_checkpoint
 
     with pytest.raises(UserError, match="no complete checkpoint"):
-        resolve_resume("latest", tmp_path)
+        resolve_checkpoint("latest", RESUME, tmp_path)
     (tmp_path / "step_00000002").mkdir()
     with pytest.raises(UserError, match="incomplete checkpoint"):
-        resolve_resume(str(tmp_path / "step_00000002"), tmp_path)
+        resolve_checkpoint(str(tmp_path / "step_00000002"), RESUME, tmp_path)
 
 
 def test_a_fresh_run_never_overwrites_a_run_with_checkpoints(reference, capsys):
@@ -361,15 +362,15 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto"]) == 0
     assert capsys.readouterr().out.startswith("run complete:")
     with pytest.raises(UserError, match="checkpoint.resume: must be 'auto' or null"):
-        from ms_deepseek.spec.recipe import load_recipe_dict
+        from ms_deepseek.config.recipe import load_recipe_dict
 
         load_recipe_dict(recipe_dict(data_dir, checkpoint={"resume": "latest"}))
 
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
-    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train import trainer
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -387,7 +388,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
 
 def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
     """model.source = a checkpoint folder: its weights are loaded (not a random init), overrides still apply."""
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -424,7 +425,7 @@ def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
 
 
 def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -439,8 +440,8 @@ def test_weight_decay_skips_norms_biases_and_routers():
     import mindspore as ms
     from mindspore import Parameter, Tensor
 
+    from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
-    from ms_deepseek.spec.recipe import OptimSection
     from ms_deepseek.train.step import Update
 
     names = ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from builders import kill_during_save_then_resume
 from ms_deepseek.cli import main
 
+from builders import kill_during_save_then_resume
 from repo_paths import REPO
+
 SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
                "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
@@ -37,7 +38,7 @@ def _sets(data_dir, steps, **extra):
 
 
 def _recipe_file(tmp_path, data_dir, steps, **extra):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml", _sets(data_dir, steps, **extra))
     path = tmp_path / "recipe.yaml"
@@ -51,7 +52,7 @@ def _losses(run_dir):
 
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, data_dir):
-    from ms_deepseek.spec.recipe import load_recipe
+    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("qlora")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.parallel import ParallelConfig
+from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.spec.lora import LoraSpec
-from ms_deepseek.spec.parallel import ParallelConfig
-from ms_deepseek.spec.quant import QuantSpec
 
 from builders import attach_save_state, small_config
 
@@ -44,9 +44,10 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
     from mindspore.nn.utils import no_init_parameters
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-    from ms_deepseek.sharding.apply import apply_plan
+    from ms_deepseek.model.lora import trainable_tensors as lora_checkpoint_tensors
+    from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.train import lora_run
-    from ms_deepseek.train.trainer import Trainer, lora_checkpoint_tensors
+    from ms_deepseek.train.trainer import Trainer
 
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(CFG)
@@ -66,7 +67,7 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
 
 def _whole(folder, layout):
     from ms_deepseek.checkpoint.opener import open_checkpoint
-    from ms_deepseek.checkpoint.sources import full_slice
+    from ms_deepseek.checkpoint.slice_readers import full_slice
 
     src = open_checkpoint(folder).model
     return {n: src.read(n, full_slice(t.shape, t.experts is not None)) for n, t in layout.tensors.items()}

@@ -6,11 +6,11 @@ refused in one line naming each field and its consequence (unless --allow-change
 and applied, and a LoRA run resumed without `lora:` (or the reverse) says so."""
 
 import pytest
-
 from test_train import data_dir, losses_of, recipe_dict, write_recipe  # noqa: F401 (fixtures)
 
-from builders import SMALL_MODEL, main_captured
 from ms_deepseek.core.errors import UserError
+
+from builders import SMALL_MODEL, main_captured
 
 
 def test_a_resume_without_the_runs_settings_is_refused_naming_them(data_dir, tmp_path):
@@ -44,7 +44,7 @@ def test_a_resume_without_the_runs_settings_is_refused_naming_them(data_dir, tmp
 
 
 def test_changes_that_keep_the_run_exact_are_named_and_applied(data_dir, tmp_path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.resume import check_settings
 
     saved = load_recipe_dict(recipe_dict(data_dir)).to_dict()
@@ -84,7 +84,7 @@ def test_changes_that_keep_the_run_exact_are_named_and_applied(data_dir, tmp_pat
 
 
 def test_lora_and_full_runs_are_not_resumed_as_each_other(data_dir, tmp_path):
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.resume import check_settings
 
     full = load_recipe_dict(recipe_dict(data_dir))

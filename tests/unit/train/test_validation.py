@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from ms_deepseek.cli import main
-from ms_deepseek.spec.data import DataConfig, ValidationConfig
+from ms_deepseek.config.data import DataConfig, ValidationConfig
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.dataset import build_train_dataset
 from ms_deepseek.data.validation import build_validation
-from ms_deepseek.core.errors import UserError
+
 from builders import SMALL_MODEL, write_recipe
 
 
@@ -61,9 +62,9 @@ def test_held_out_tail_is_never_trained_on_and_the_order_is_fixed(corpus):
 
 
 def test_bad_validation_inputs_are_one_line(corpus, tmp_path):
-    from ms_deepseek.data.prepare import prepare_embedded_default
+    from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.core.schema import from_dict
-    from ms_deepseek.spec.recipe import load_recipe_dict
+    from ms_deepseek.data.prepare import prepare_embedded_default
 
     with pytest.raises(UserError, match="set exactly one of path"):
         from_dict(DataConfig, {"validation": {}}, "data")

@@ -1,0 +1,573 @@
+"""Parallel-rules lint over a BUILT network with its applied plan (no compile, runs on CPU).
+
+``lint_model(model, applied, mesh) -> LintReport`` checks three rules and names the
+primitive (and axis) of every violation:
+
+1. **Coverage**: every primitive a model Cell holds as an attribute has a strategy. The
+   model keeps in attributes exactly the primitives that move sharded data (matmuls, the
+   gathers, top-k, fused attention) and our custom operators (``ops.Custom`` inside the op
+   Cells of ``ms_deepseek.ops``, reached as ``<op cell>.impl.op``); a strategy is not
+   enough for a Custom op: MindSpore 2.9 compiles one only when ``shard()`` was given
+   ``mindspore.parallel.Layout`` objects for its inputs and outputs (``SelfDefineShardInfo``;
+   found by compiling, :mod:`ms_deepseek.parallel_plan.custom_shard`); the lint checks the layouts are
+   there and split each input as its strategy says.
+2. **Unsplittable axes**: no strategy splits an axis MindSpore (or our kernel) cannot split
+   for that op. The table ``UNSPLITTABLE`` cites the MindSpore source of each rule
+   (``mindspore/ccsrc/frontend/parallel/ops_info/``).
+3. **Producer -> consumer layouts**: each declared edge of the model's dataflow compares the
+   producer's output layout (inferred from its strategy, e.g. MatMul(transpose_b) gives
+   rows of x and rows of the weight) with the consumer's input strategy, through the
+   reshape/transpose between them; a mismatch is a redistribution MindSpore would insert
+   silently, allowed only when :func:`ms_deepseek.parallel_plan.plan.deliberate_redistributions`
+   lists it (e.g. the MoE dp -> ep exchange, which is the AllToAll).
+
+How the edges are found, and the limits: the graph cannot be compiled here, so the edges
+are a declared table (``EDGES``), one per data path in ``construct`` of the attention, MLP,
+router, MoE and the residual stream, written from the model code. An edge applies in a
+layer when its ``requires`` primitive exists there (attention variants, dense vs MoE), and
+then both of its ends must exist, so a renamed primitive fails the lint instead of being
+skipped; an MoE layer that matches none of the MoE edge groups fails too. Functional
+operators inside ``construct`` (reshape, elementwise, ``ops.concat`` ...) are not
+attributes: the lint does not see them, and they get their layouts from MindSpore's
+sharding propagation between the strategies checked here. Shapes are not traced: the
+validator (:mod:`ms_deepseek.parallel_plan.validate`) and ``apply_plan`` check divisibility.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ms_deepseek.parallel_plan.custom_shard import check_custom_layouts
+from ms_deepseek.parallel_plan.plan import Mesh
+
+Layout = Tuple[int, ...]
+
+# --------------------------------------------------------------- unsplittable axes
+# Primitive type (or our op Cell type for a Custom op) -> (rule text, source). The function
+# in _AXIS_RULES returns the (input index, axis) pairs that must not be split.
+UNSPLITTABLE: Dict[str, Tuple[str, str]] = {
+    "Concat": ("the concat axis of every input", "concat_info.cc ConcatInfo::CheckStrategy: 'The axis can not be split'"),
+    "GatherD": ("the gather dim of input and index", "gatherd_info.cc GatherDInfo::CheckStrategy: "
+                "'The dimension of dim can not be split'"),
+    "CumSum": ("the cumulated axis", "activation_info.cc CumOpBase::CheckStrategy: 'CumSum does not support the "
+               "sharding strategies which splits axis'"),
+    "TopK": ("the last axis", "topk_info.cc TopKInfo::CheckStrategy: 'can not support to split last dimension'"),
+    "Softmax": ("the softmax axis", "activation_info.cc Softmax::CheckStrategy: 'The strategy corresponding to axis "
+                "dimension is not 1'"),
+    "LogSoftmax": ("the softmax axis", "activation_info.cc (LogSoftmax shares Softmax::CheckStrategy)"),
+    "Gather": ("the gather axis of a parameter with more than 2 dims", "gather_info.cc GatherInfo::CheckStrategy: "
+               "a split gather axis is supported only for 1-D and 2-D parameters"),
+    "FlashAttentionScore": ("the head dim of q/k/v and the key sequence of k/v",
+                            "flash_attention_score_info.cc: D is contracted; the KV sequence splits only under "
+                            "context-parallel sparse modes this plan does not use"),
+    # our custom operators (the op Cell type owning the ops.Custom)
+    "FP32Softmax": ("the last axis", "ms_deepseek.ops.FP32Softmax normalises over the last axis: a split would "
+                    "normalise each slice on its own"),
+    "ExpertLookup": ("every axis of the k-major ids [G, k*N] but the group axis, and the placement table",
+                     "ms_deepseek.ops.ExpertLookup counts capacity positions over all tokens of a group"),
+    "Sort": ("the sorted axis", "a sort along a split axis would order each slice on its own (no SortInfo rule "
+             "was found in MindSpore's ops_info; the plan keeps the axis whole)"),
+}
+
+# Gather, GatherD and CumSum take their axis as a call argument: every such call in the model
+# uses the axis below (Embedding: gather(weight, ids, 0); MoE gathers: axis 0 / batch dims).
+_CALL_AXIS = {"Gather": 0, "GatherD": 1, "CumSum": 1}
+
+
+def _axis(prim, name: str, default: int, ndim: int) -> int:
+    value = prim.attrs.get(name, default) if hasattr(prim, "attrs") else default
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else default
+    value = int(value)
+    return value + ndim if value < 0 else value
+
+
+def _unsplittable(kind: str, prim, in_strategy) -> List[Tuple[int, int]]:
+    """(input index, axis) pairs of ``in_strategy`` that the rule for ``kind`` forbids splitting."""
+    s0 = tuple(in_strategy[0]) if in_strategy else ()
+    n0 = len(s0)
+    if kind == "Concat":
+        axis = _axis(prim, "axis", 0, n0)
+        return [(i, axis) for i in range(len(in_strategy))]
+    if kind == "GatherD":
+        axis = _CALL_AXIS["GatherD"]
+        return [(0, axis), (1, axis)] if len(in_strategy) > 1 else [(0, axis)]
+    if kind == "CumSum":
+        return [(0, _CALL_AXIS["CumSum"])]
+    if kind in ("TopK", "FP32Softmax"):
+        return [(0, n0 - 1)]
+    if kind in ("Softmax", "LogSoftmax"):
+        return [(0, _axis(prim, "axis", -1, n0))]
+    if kind == "Gather":
+        batch_dims = int(prim.attrs.get("batch_dims", 0) or 0)
+        if batch_dims:  # our batched gathers take axis = batch_dims: a per-group local gather
+            return [(0, batch_dims)] + [(1, a) for a in range(batch_dims, len(in_strategy[1]))]
+        return [(0, _CALL_AXIS["Gather"])] if n0 > 2 else []
+    if kind == "Sort":
+        return [(0, _axis(prim, "axis", -1, n0))]
+    if kind == "FlashAttentionScore":
+        pairs = [(i, 3) for i in range(min(3, len(in_strategy)))]   # BNSD head dim
+        return pairs + [(1, 2), (2, 2)]                              # key / value sequence
+    if kind == "ExpertLookup":
+        pairs = [(0, a) for a in range(1, n0)]   # only the group axis G may split
+        if len(in_strategy) > 1:
+            pairs += [(1, a) for a in range(len(in_strategy[1]))]
+        return pairs
+    return []
+
+
+# ------------------------------------------------------------ output layouts
+def output_layouts(kind: str, prim, in_strategy, out_strategy=None) -> List[Layout]:
+    """The layout of each output of a primitive from its strategy (MindSpore's tensor maps)."""
+    s = [tuple(int(k) for k in x) for x in in_strategy]
+    if out_strategy is not None:
+        return [tuple(int(k) for k in x) for x in out_strategy]
+    attrs = getattr(prim, "attrs", {}) or {}
+    if kind == "MatMul":
+        x, w = s[0], s[1]
+        rows = x[1] if attrs.get("transpose_a") else x[0]
+        cols = w[0] if attrs.get("transpose_b") else w[1]
+        return [(rows, cols)]          # a split contraction axis is all-reduced: no split in the output
+    if kind == "BatchMatMul":
+        x, w = s[0], s[1]
+        rows = x[-1] if attrs.get("transpose_a") else x[-2]
+        cols = w[-2] if attrs.get("transpose_b") else w[-1]
+        return [tuple(x[:-2]) + (rows, cols)]
+    if kind == "Gather":
+        b = int(attrs.get("batch_dims", 0) or 0)
+        axis = b if b else _CALL_AXIS["Gather"]
+        return [s[0][:axis] + s[1][b:] + s[0][axis + 1:]]   # params[:axis] + indices[batch_dims:] + params[axis+1:]
+    if kind == "TopK":
+        return [s[0], s[0]]
+    if kind == "FlashAttentionScore":
+        return [s[0], s[0], s[0], s[0]]   # softmax max / sum / (unused) / attention_out, BNSD like q
+    if kind == "Add":
+        a, b = s[0], s[1] if len(s) > 1 else ()
+        n = max(len(a), len(b))
+        a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+        return [tuple(max(p, q) for p, q in zip(a, b))]
+    return [s[0]] * 4                 # elementwise / custom ops: like the first input
+
+
+# ------------------------------------------------------------ layout transforms
+def _same(layout: Layout, mesh: Mesh) -> Layout:
+    return layout
+
+
+def _rows_to_heads(layout: Layout, mesh: Mesh) -> Layout:
+    # [N, nh*d] -> reshape [B, T, nh, d] -> transpose(0, 2, 1, 3) [B, nh, T, d]; N is rank-major over B
+    return (layout[0], layout[1], 1, 1)
+
+
+def _heads_to_rows(layout: Layout, mesh: Mesh) -> Layout:
+    # [B, nh, T, d] -> transpose(0, 2, 1, 3) [B, T, nh, d] -> reshape [B*T, nh*d]
+    b, h, t, d = layout
+    if t != 1 or d != 1:
+        raise _NotExpressible(f"a split of T ({t}) or d ({d}) does not survive the merge into rows")
+    return (b, h)
+
+
+def _tokens_to_rows(layout: Layout, mesh: Mesh) -> Layout:
+    # [B, T, H] -> reshape [B*T, H]
+    b, t, h = layout
+    if t != 1:
+        raise _NotExpressible(f"a split of T ({t}) does not survive the merge into rows")
+    return (b, h)
+
+
+class _NotExpressible(Exception):
+    pass
+
+
+TRANSFORMS: Dict[str, Callable[[Layout, Mesh], Layout]] = {
+    "same": _same, "rows_to_heads": _rows_to_heads, "heads_to_rows": _heads_to_rows,
+    "tokens_to_rows": _tokens_to_rows,
+}
+
+
+# ------------------------------------------------------------------ the edges
+@dataclass(frozen=True)
+class Edge:
+    """``producer`` output ``out`` feeds ``consumer`` input ``inp`` through ``transform``.
+
+    Paths are relative to ``scope`` (a cell path pattern, ``*`` = the layer index); the edge
+    applies where the ``requires`` primitive exists (a variant of the model); ``group``
+    names the variant for the MoE coverage rule.
+    """
+    producer: str
+    out: int
+    consumer: str
+    inp: int
+    transform: str = "same"
+    requires: str = ""
+    scope: str = "model.layers.*"
+    group: str = ""
+
+
+def _attention_edges() -> List[Edge]:
+    a = "self_attn."
+    edges = []
+    for q in ("q_proj.matmul", "q_b_proj.matmul"):  # without / with the q low-rank compression
+        edges += [Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=f"{a}{q}&{a}qk_bmm"),
+                  Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=f"{a}{q}&{a}flash_attention")]
+    edges += [
+        Edge(a + "q_a_proj.matmul", 0, a + "q_b_proj.matmul", 0, requires=a + "q_a_proj.matmul"),
+        Edge(a + "kv_a_proj_with_mqa.matmul", 0, a + "kv_b_proj.matmul", 0, requires=a + "kv_b_proj.matmul"),
+        # eager attention: scores -> fp32 softmax (custom op) -> probabilities @ v -> o_proj
+        Edge(a + "kv_b_proj.matmul", 0, a + "qk_bmm", 1, "rows_to_heads", requires=a + "qk_bmm"),
+        Edge(a + "kv_b_proj.matmul", 0, a + "pv_bmm", 1, "rows_to_heads", requires=a + "pv_bmm"),
+        Edge(a + "qk_bmm", 0, a + "softmax.impl.op", 0, requires=a + "qk_bmm"),
+        Edge(a + "softmax.impl.op", 0, a + "pv_bmm", 0, requires=a + "qk_bmm"),
+        Edge(a + "pv_bmm", 0, a + "o_proj.matmul", 0, "heads_to_rows", requires=a + "pv_bmm"),
+        # fused attention (Ascend)
+        Edge(a + "kv_b_proj.matmul", 0, a + "flash_attention", 1, "rows_to_heads", requires=a + "flash_attention"),
+        Edge(a + "kv_b_proj.matmul", 0, a + "flash_attention", 2, "rows_to_heads", requires=a + "flash_attention"),
+        Edge(a + "flash_attention", 3, a + "o_proj.matmul", 0, "heads_to_rows", requires=a + "flash_attention"),
+    ]
+    return edges
+
+
+def _mlp_edges() -> List[Edge]:
+    m = "mlp."
+    dense = [Edge(m + "gate_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "gate_proj.matmul"),
+             Edge(m + "up_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "up_proj.matmul")]
+    shared = [Edge(m + "shared_experts.gate_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
+                   requires=m + "shared_experts.gate_proj.matmul"),
+              Edge(m + "shared_experts.up_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
+                   requires=m + "shared_experts.up_proj.matmul")]
+    router = [Edge(m + "gate.matmul", 0, m + "gate.softmax.impl.op", 0, requires=m + "gate.matmul"),
+              Edge(m + "gate.softmax.impl.op", 0, m + "gate.topk", 0, requires=m + "gate.matmul"),
+              Edge(m + "gate.softmax.impl.op", 0, m + "gate.group_topk", 0, requires=m + "gate.group_topk")]
+    return dense + shared + router
+
+
+def _moe_edges() -> List[Edge]:
+    """The MoE dataflow as built (one group per dispatch design; an MoE layer must match one)."""
+    m = "mlp."
+    edges: List[Edge] = []
+    # Per-group dispatch (MindFormers MoE v1, ms_deepseek/config/dispatch_shapes.py): tokens [G, N, H],
+    # buffer [G, E, C, H] viewed [G/ep, ep, E, C, H], transposed (0, 2, 1, 3, 4) to [G/ep, E, ep, C, H]
+    # and read as the 4-D expert input [G/ep, E, ep*C, H]; the same way back before the combine gather.
+    grouped = "per-group"
+    req = m + "to_experts"
+    edges += [
+        Edge(m + "gate.topk", 1, m + "lookup.impl.op", 0, "rows_to_kmajor", requires=req, group=grouped),
+        Edge(m + "pad_tokens", 0, m + "dispatch_gather", 0, requires=req, group=grouped),
+        Edge(m + "dispatch_gather", 0, m + "to_experts", 0, "groups_to_view", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.gate_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "to_experts", 0, m + "experts.up_bmm", 0, "view_to_experts", requires=req, group=grouped),
+        Edge(m + "experts.gate_bmm", 0, m + "experts.down_bmm", 0, requires=req, group=grouped),
+        Edge(m + "experts.down_bmm", 0, m + "from_experts", 0, "experts_to_view", requires=req, group=grouped),
+        Edge(m + "from_experts", 0, m + "combine_gather", 0, "view_to_groups", requires=req, group=grouped),
+    ]
+    return edges
+
+
+def _rows_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # [G*N, X] -> reshape [G, N, X]: a row split by dp lands on G (rank-major rows)
+    return (layout[0], 1, layout[1])
+
+
+def _rows_to_kmajor(layout: Layout, mesh: Mesh) -> Layout:
+    # topk ids [G*N, k] -> [G, N, k] -> transpose [G, k, N] -> reshape [G, k*N] (the lookup's k-major input)
+    if layout[1] != 1:
+        raise _NotExpressible(f"a split of k ({layout[1]}) does not survive the k-major merge")
+    return (layout[0], 1)
+
+
+# How the layouts below are derived (MindSpore's rules, read in its sources, not run here):
+# * a Reshape keeps each device's slice: a split of a merged axis lands on its major (leftmost) part
+#   first, and an axis split by the reshape's output must be the input's split (reshape_info.cc
+#   ReshapeInfo::InferTensorMap / tensor_layout's ExpandTensorShape; MindFormers' MoEV2 reshapes
+#   [dp, E, C, H] -> (dp_moe, ep, E, C, H) on exactly this rule);
+# * a Transpose's output layout is its input strategy permuted (transpose_info.cc
+#   TransposeInfo::InferTensorMap / GetOutputsStrategy: output[i] = input[perm[i]]); the primitive
+#   carries the strategy of its input, so the edge transform applies the permutation;
+# * a BatchMatMul of a 4-D x on a 3-D weight keeps x's leading axis (matmul_info.cc SetDevMatrixShape,
+#   its example [2,4,8,16] x [4,16,32] -> [2,4,8,16,32]); the output is x's batch axes, rows, columns.
+# The reshape rule is read from MindFormers' use of it and MindSpore's docs (the C++ snapshot of
+# reshape_info.cc was not read here); transpose_info.cc and matmul_info.cc were read.
+
+
+def _split_major(split: int, sizes: Sequence[int], what: str) -> Tuple[int, ...]:
+    """The split of an axis merged from ``sizes`` (major first) spread over them, major part first."""
+    out, left = [], split
+    for size in sizes:
+        k = left if size % left == 0 else size
+        if left % k:
+            raise _NotExpressible(f"a split {split} of {what} does not map onto its parts {tuple(sizes)}")
+        out.append(k)
+        left //= k
+    if left != 1:
+        raise _NotExpressible(f"a split {split} of {what} does not map onto its parts {tuple(sizes)}")
+    return tuple(out)
+
+
+def _groups_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [G, E, C, H] -> reshape [G/ep, ep, E, C, H] (G = dp): a G split by dp lands on (dp/ep, ep)
+    ep = mesh.ep if mesh.dp % mesh.ep == 0 else 1
+    return _split_major(layout[0], (mesh.dp // ep, ep), "G") + tuple(layout[1:])
+
+
+def _merge(splits: Sequence[int]) -> int:
+    out = 1
+    for k in splits:
+        out *= k
+    return out
+
+
+def _view_to_experts(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (0, 2, 1, 3, 4): [G/ep, ep, E, C, H] -> [G/ep, E, ep, C, H]; reshape -> [G/ep, E, ep*C, H]
+    u, a, e, c, h = layout
+    return (u, e, _merge((a, c)), h)
+
+
+def _experts_to_view(layout: Layout, mesh: Mesh) -> Layout:
+    # [G/ep, E, ep*C, H] -> reshape [G/ep, E, ep, C, H]: a split of ep*C lands on ep first
+    u, e, m, h = layout
+    ep = mesh.ep if mesh.dp % mesh.ep == 0 else 1
+    if m % ep and ep % m:
+        raise _NotExpressible(f"a split {m} of ep*C does not map onto [ep, C] (ep {ep})")
+    a = ep if m % ep == 0 else m
+    return (u, e, a, m // a, h)
+
+
+def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
+    # transpose (0, 2, 1, 3, 4): [G/ep, E, ep, C, H] -> [G/ep, ep, E, C, H]; reshape -> [G, E*C, H]
+    u, e, a, c, h = layout
+    return (u * a, e * c, h)
+
+
+TRANSFORMS.update({"rows_to_groups": _rows_to_groups, "rows_to_kmajor": _rows_to_kmajor,
+                   "groups_to_view": _groups_to_view, "view_to_experts": _view_to_experts,
+                   "experts_to_view": _experts_to_view, "view_to_groups": _view_to_groups})
+
+
+# The residual stream [B*T, H]: every producer's output and every consumer's input share one layout.
+RESIDUAL_PRODUCERS = ("model.embed_tokens.gather:0>tokens_to_rows", "model.layers.*.self_attn.o_proj.matmul:0",
+                      "model.layers.*.mlp.down_proj.matmul:0", "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
+                      )
+RESIDUAL_CONSUMERS = ("model.layers.*.self_attn.q_proj.matmul:0", "model.layers.*.self_attn.q_a_proj.matmul:0",
+                      "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0", "model.layers.*.mlp.gate_proj.matmul:0",
+                      "model.layers.*.mlp.up_proj.matmul:0", "model.layers.*.mlp.gate.matmul:0",
+                      "model.layers.*.mlp.shared_experts.gate_proj.matmul:0",
+                      "model.layers.*.mlp.shared_experts.up_proj.matmul:0",
+                      "model.layers.*.mlp.pad_tokens:0>rows_to_groups", "lm_head.matmul:0")
+
+EDGES: List[Edge] = _attention_edges() + _mlp_edges() + _moe_edges()
+
+
+# ------------------------------------------------------------------- the lint
+@dataclass
+class LintReport:
+    problems: List[str] = field(default_factory=list)
+    primitives: int = 0      # primitives with a strategy
+    edges: int = 0           # producer -> consumer pairs compared
+    allowed: int = 0         # mismatches accepted as listed redistributions
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _primitive_table(model) -> Dict[str, Tuple[str, object]]:
+    """primitive path -> (kind, primitive); kind is the op Cell type for a Custom inside our op Cells."""
+    from ms_deepseek.parallel_apply.apply import join_path, primitives_of
+
+    cells = dict(model.cells_and_names())
+    out = {}
+    for path, cell in cells.items():
+        for attr, prim in primitives_of(cell):
+            ppath = join_path(path, attr)
+            kind = type(prim).__name__
+            if kind == "Custom":
+                owner = cells.get(ppath.rsplit(".impl.op", 1)[0]) if ppath.endswith(".impl.op") else None
+                kind = type(owner).__name__ if owner is not None else "Custom"
+            out[ppath] = (kind, prim)
+    return out
+
+
+def _fmt(layout) -> str:
+    return "(" + ", ".join(str(int(k)) for k in layout) + ("," if len(layout) == 1 else "") + ")"
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+
+
+def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = None,
+               allowed: Optional[Dict[str, str]] = None) -> LintReport:
+    """Run the three rules (module doc) on ``model`` with ``applied`` (``apply_plan``'s result)."""
+    from ms_deepseek.parallel_plan.plan import deliberate_redistributions
+
+    lint = _Linter(_primitive_table(model), applied.strategies, mesh,
+                   deliberate_redistributions(mesh) if allowed is None else allowed)
+    lint.coverage()
+    lint.custom_ops()
+    lint.axes()
+    lint.layer_edges(EDGES if edges is None else list(edges))
+    lint.residual_stream()
+    return lint.report
+
+
+class _Linter:
+    """The lint's state: the model's primitives, their strategies, the redistributions the plan allows."""
+
+    def __init__(self, table, strategies, mesh: Mesh, allowed: Dict[str, str]):
+        self.table, self.strategies, self.mesh = table, strategies, mesh
+        self.allow_rx = [(re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p)
+                                                 for p in k.split(":")[0].split(".")) + ":" + re.escape(k.split(":")[1])),
+                          why) for k, why in allowed.items()]
+        self.report = LintReport()
+
+    # 1. coverage
+    def coverage(self) -> None:
+        for path, (kind, _) in sorted(self.table.items()):
+            if path not in self.strategies:
+                self.report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds "
+                                            f"carries sharded data; add a rule to the plan)")
+        self.report.primitives = sum(1 for p in self.table if p in self.strategies)
+
+    # 1b. a Custom op is sharded only in the form MindSpore 2.9 compiles: Layout objects
+    # (custom_shard; ops_info/self_define_shard_info.cc; the compile tier, tests/compile, is the judge)
+    def custom_ops(self) -> None:
+        for path, (_kind, prim) in sorted(self.table.items()):
+            if type(prim).__name__ == "Custom" and path in self.strategies:
+                why = check_custom_layouts(path, getattr(prim, "attrs", {}) or {}, self.strategies[path][0],
+                                           self.mesh.stage_devices)
+                if why:
+                    self.report.problems.append(why)
+
+    # 2. unsplittable axes, and matmul axes that must be split alike
+    def axes(self) -> None:
+        for path, (kind, prim) in sorted(self.table.items()):
+            if path not in self.strategies:
+                continue
+            in_s = self.strategies[path][0]
+            try:
+                forbidden = _unsplittable(kind, prim, in_s)
+            except (IndexError, ValueError, TypeError):
+                self.report.problems.append(f"{path} ({kind}): strategy {in_s} does not have the op's inputs and axes")
+                continue
+            for index, axis in forbidden:
+                if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
+                    rule, source = UNSPLITTABLE[kind]
+                    self.report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split "
+                                                f"{in_s[index][axis]} ways in {_fmt(in_s[index])}; MindSpore cannot "
+                                                f"split {rule} ({source})")
+            if kind in ("MatMul", "BatchMatMul") and len(in_s) == 2:
+                self._matmul_axes(path, kind, prim.attrs, tuple(in_s[0]), tuple(in_s[1]))
+
+    def _matmul_axes(self, path: str, kind: str, attrs, x, w) -> None:
+        # matmul contraction axes must be split alike (matmul_info.cc CheckStrategy)
+        kx = x[-2] if attrs.get("transpose_a") else x[-1]
+        kw = w[-1] if attrs.get("transpose_b") else w[-2]
+        if kx != kw:
+            self.report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but "
+                                        f"{kw} in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split "
+                                        f"alike)")
+        # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
+        # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
+        nb = min(len(x), len(w)) - 2
+        if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
+            self.report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
+                                        f"{_fmt(w[-2 - nb:-2])}")
+
+    # 3. the layout each consumer reads equals what its producer gives, or the plan lists the redistribution
+    def _out_layout(self, path: str, index: int) -> Layout:
+        kind, prim = self.table[path]
+        in_s, out_s = self.strategies[path]
+        return output_layouts(kind, prim, in_s, out_s)[index]
+
+    def _allowed(self, key: str) -> bool:
+        return any(rx.fullmatch(key) for rx, _ in self.allow_rx)
+
+    def _check(self, src: str, out: int, dst: str, inp: int, got: Layout) -> None:
+        want = tuple(int(k) for k in self.strategies[dst][0][inp])
+        self.report.edges += 1
+        if tuple(got) == want:
+            return
+        if self._allowed(f"{dst}:{inp}"):
+            self.report.allowed += 1
+            return
+        self.report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output "
+                                    f"{out} gives {_fmt(got)}: MindSpore would redistribute here and the plan does "
+                                    f"not list it (plan.deliberate_redistributions)")
+
+    def _compare(self, src: str, out: int, dst: str, inp: int, transform: str) -> None:
+        if src not in self.strategies or dst not in self.strategies:
+            return  # reported by the coverage rule
+        try:
+            got = TRANSFORMS[transform](self._out_layout(src, out), self.mesh)
+            tuple(int(k) for k in self.strategies[dst][0][inp])  # the consumer's strategy fits the edge
+        except _NotExpressible as exc:
+            self.report.problems.append(f"{src} output {out} -> {dst} input {inp}: {exc}")
+            return
+        except (ValueError, IndexError, TypeError):
+            # e.g. a 3-axis strategy on a 5-D tensor: the strategy does not fit the edge's tensor
+            self.report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
+                                        f"{self.strategies[src][0]} / {self.strategies[dst][0]} do not fit this "
+                                        f"edge's tensor (wrong number of axes or inputs)")
+            return
+        self._check(src, out, dst, inp, got)
+
+    # 3a. declared edges, per layer
+    def layer_edges(self, edges: Sequence[Edge]) -> None:
+        table = self.table
+        layers = sorted({m.group(0) for p in table for m in [re.match(r"model\.layers\.\d+", p)] if m})
+        for layer in layers:
+            is_moe = f"{layer}.mlp.gate.matmul" in table
+            groups_seen = set()
+            for e in edges:
+                if e.scope != "model.layers.*" or not all(f"{layer}.{r}" in table for r in e.requires.split("&") if r):
+                    continue
+                src, dst = f"{layer}.{e.producer}", f"{layer}.{e.consumer}"
+                missing = [p for p in (src, dst) if p not in table]
+                if missing:
+                    self.report.problems.append(f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in "
+                                                f"the model (the lint's edge table is stale)")
+                    continue
+                if e.group:
+                    groups_seen.add(e.group)
+                self._compare(src, e.out, dst, e.inp, e.transform)
+            if is_moe and not groups_seen:
+                self.report.problems.append(f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
+                                            f"(the lint's MoE edges are stale)")
+
+    # 3b. the residual stream: all producers and consumers agree with the embedding's output layout
+    def _expand(self, spec: str):
+        ref, _, transform = spec.partition(">")
+        pattern, port = ref.split(":")
+        rx = _compile(pattern)
+        return [(p, int(port), transform or "same") for p in self.table if rx.fullmatch(p)]
+
+    def residual_stream(self) -> None:
+        producers = [x for s in RESIDUAL_PRODUCERS for x in self._expand(s)]
+        consumers = [x for s in RESIDUAL_CONSUMERS for x in self._expand(s)]
+        if not producers:
+            return
+        head = producers[0]
+        for src, out, transform in producers + consumers:
+            is_producer = (src, out, transform) in producers
+            if (is_producer and src == head[0]) or head[0] not in self.strategies or src not in self.strategies:
+                continue
+            try:
+                stream = TRANSFORMS[head[2]](self._out_layout(head[0], head[1]), self.mesh)  # rows [B*T, H]
+            except _NotExpressible as exc:
+                self.report.problems.append(f"{head[0]}: {exc}")
+                continue
+            if is_producer:  # its output must equal the stream's layout
+                got = self._out_layout(src, out)
+                self.report.edges += 1
+                if tuple(got) == tuple(stream):
+                    continue
+                if self._allowed(f"{src}:out"):
+                    self.report.allowed += 1
+                else:
+                    self.report.problems.append(f"{src} output {out} gives {_fmt(got)} to the residual stream, which "
+                                                f"is {_fmt(stream)} ({head[0]}): not listed in "
+                                                f"plan.deliberate_redistributions")
+            else:  # a consumer: the stream seen through its transform
+                self._check(f"{head[0]} (residual stream)", head[1], src, out, TRANSFORMS[transform](stream, self.mesh))

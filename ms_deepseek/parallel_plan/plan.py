@@ -1,0 +1,547 @@
+"""The sharding plan for DeepSeek-V2, kept as data.
+
+``DEEPSEEK_V2_PLAN`` maps module-path patterns (``*`` = one path component, e.g. a
+layer index) to a style name. A path names either a Cell (a Linear, the embedding,
+the routed experts, a norm, the router) or a primitive attribute of a Cell (the
+attention batch matmuls, the MoE dispatch gathers). A style turns the parallel
+degrees into
+
+* ``prims``: primitive attribute -> (in_strategy, out_strategy or None), given to
+  ``Primitive.shard`` by :func:`ms_deepseek.parallel_apply.apply.apply_plan`;
+* ``params``: parameter suffix -> tensor layout (how many ways each axis is split),
+  which must equal the strategy of the primitive input that consumes the parameter.
+
+This module is pure Python (no MindSpore import): the planner reads the same table
+to size every parameter's per-NPU shard from the model's name/shape table
+(:func:`ms_deepseek.config.inventory.parameter_inventory`, re-exported here).
+
+Strategy conventions (MindSpore: one integer per tensor axis, the number of slices):
+
+* Linear: ``matmul`` is MatMul(transpose_b) on x [N, in] (N = batch * seq, split dp)
+  and weight [out, in]. colwise splits ``out`` by tp, rowwise splits ``in`` by tp
+  (partial sums are all-reduced; under sequence parallel the out_strategy
+  ``(dp * tp, 1)`` turns that into a reduce-scatter over tokens).
+* Attention batch matmuls on [B, nh, T, d]: batch by dp, heads by tp.
+* Routed experts: stacked weights [E, out, in], experts by ep, the expert
+  intermediate size by tp. The MoE dispatch is per data-parallel group (MindFormers
+  MoE v1, ``ms_deepseek/model/moe.py``): everything up to the capacity buffer
+  [G, E, C, H] and back from it is split by dp on G (local); the buffer is viewed
+  [G/ep, ep, E, C, H] (ep the inner factor of dp, :func:`ms_deepseek.parallel_plan.ranks.exchange_view`;
+  validator rule ``ep | dp``) and the exchange transposes read it split (dp/ep, 1, ep, 1, 1)
+  (the AllToAll); the 4-D expert input [G/ep, E, ep*C, H] splits (dp/ep, ep, 1, 1), so the
+  expert matmuls' device matrix is (dp/ep, ep, ..., tp) and an ep group is adjacent ranks.
+* Vocabulary-parallel embedding / lm_head: the vocabulary axis by tp; the loss
+  (``loss_fn``, ``ms_deepseek.model.loss``) keeps the logits [N, V] split (dp, tp).
+* Norm weights, the router and the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa``
+  are replicated (small, and their outputs feed every head).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ms_deepseek.core.errors import UserError
+
+Strategy = Tuple[Tuple[int, ...], ...]
+
+# Path pattern -> style. Exactly one pattern may match any path.
+DEEPSEEK_V2_PLAN: Dict[str, str] = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.rotary_emb": "rotary_table",
+    "model.layers.*.input_layernorm": "norm",
+    "model.layers.*.post_attention_layernorm": "norm",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.q_a_proj": "replicate",
+    "model.layers.*.self_attn.q_a_layernorm": "norm",
+    "model.layers.*.self_attn.q_b_proj": "colwise",
+    "model.layers.*.self_attn.kv_a_proj_with_mqa": "replicate",
+    "model.layers.*.self_attn.kv_a_layernorm": "norm",
+    "model.layers.*.self_attn.kv_b_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.qk_bmm": "head_bmm",
+    "model.layers.*.self_attn.pv_bmm": "head_bmm",
+    "model.layers.*.self_attn.flash_attention": "flash_attention",
+    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",     # FP32Softmax custom op
+    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",       # the router's FP32Softmax (ops.Softmax on Ascend)
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.mlp.shared_experts.gate_proj": "colwise",
+    "model.layers.*.mlp.shared_experts.up_proj": "colwise",
+    "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "model.layers.*.mlp.gate": "router",
+    "model.layers.*.mlp.experts": "experts",
+    "model.layers.*.mlp.pad_tokens": "moe_pad_tokens",
+    "model.layers.*.mlp.lookup.impl.op": "expert_lookup",        # ExpertLookup custom op
+    "model.layers.*.mlp.slot_sort": "moe_slot_sort",
+    "model.layers.*.mlp.dispatch_gather": "dispatch_gather",
+    "model.layers.*.mlp.to_experts": "moe_exchange",
+    "model.layers.*.mlp.from_experts": "moe_exchange",
+    "model.layers.*.mlp.combine_gather": "combine_gather",
+    "model.layers.*.mlp.expert_placement": "placement_table",
+    # a quantized base (model/quant.py QuantStackedWeight): the dequantisation Mul of each expert stack
+    "model.layers.*.mlp.experts.gate_proj.dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.gate_proj.group_dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.up_proj.dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.up_proj.group_dequant_mul": "expert_dequant_colwise",
+    "model.layers.*.mlp.experts.down_proj.dequant_mul": "expert_dequant_rowwise",
+    "model.layers.*.mlp.experts.down_proj.group_dequant_mul": "expert_group_dequant_rowwise",
+    "model.norm": "norm",
+    "lm_head": "vocab_head",
+    "loss_fn": "vocab_cross_entropy",
+}
+
+# Primitive types that must receive a strategy (the rest follow by sharding propagation).
+# Custom ops (our kernels) included: without a strategy MindSpore splits a custom op on its first
+# input only and leaves its other outputs full-size.
+STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort",
+                        "Transpose", "Concat")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees a style needs. ``dp``/``tp`` are per pipeline stage."""
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    vocab_parallel: bool = True
+
+    @classmethod
+    def from_parallel(cls, parallel) -> "Mesh":
+        return cls(dp=parallel.dp, tp=parallel.tp, ep=parallel.ep,
+                   sequence_parallel=parallel.sequence_parallel, vocab_parallel=parallel.vocab_parallel)
+
+    @property
+    def stage_devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass
+class StyleSpec:
+    # primitive attribute -> (in_strategy, out_strategy or None)
+    prims: Dict[str, Tuple[Strategy, Optional[Strategy]]] = field(default_factory=dict)
+    # parameter suffix (relative to the cell path) -> layout
+    params: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    # parameter suffix -> (primitive attribute, input index) that consumes it
+    consumers: Dict[str, Tuple[str, int]] = field(default_factory=dict)
+    # True when the path names a primitive (the spec then has one entry under "")
+    is_primitive: bool = False
+
+
+def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...],
+            out: Optional[Strategy] = None) -> StyleSpec:
+    out_rows = x[0] if out is None else out[0][0]
+    bias_cols = weight[0]
+    # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
+    # (a rowwise layer's partial sums are reduced after x A^T), B [out, r] splits ``out``.
+    lora_a, lora_b = (1, weight[1]), (weight[0], 1)
+    # A quantized base layer (model/quant.py): scale / offset [out, in/G] split like the weight [out, in]
+    # on both axes: the dequantisation Mul on [out, in/G, G] keeps the weight's split of ``in`` (group-wise:
+    # on the groups, which the scale shares; per channel: on G = in, against a scale [out, 1, 1] whose
+    # one-group axis stays whole, see ``fit_layout``). Ascend's WeightQuantBatchMatmul gets x, weight
+    # [out, in] (transpose_weight) and the 1-D scale / offset [out], which MindSpore's
+    # WeightQuantBatchMatmulInfo::InferTensorMap (ops_info/weight_quant_batch_matmul_info.cc) maps to
+    # the weight's output axis.
+    scale = (weight[0], weight[1])
+    return StyleSpec(
+        prims={"matmul": ((x, weight), out),
+               "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
+               "dequant_mul": (((weight[0], 1, weight[1]), (weight[0], 1, 1)), None),
+               "group_dequant_mul": (((weight[0], weight[1], 1), (weight[0], weight[1], 1)), None),
+               "add_bias": (((out_rows, bias_cols), bias), None),
+               "lora_a_matmul": ((x, lora_a), None),
+               "lora_b_matmul": (((x[0], 1), lora_b), None)},
+        params={"weight": weight, "bias": bias, "lora_A.weight": lora_a, "lora_B.weight": lora_b,
+                "weight_scale": scale, "weight_offset": scale},
+        consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1),
+                   "lora_A.weight": ("lora_a_matmul", 1), "lora_B.weight": ("lora_b_matmul", 1)},
+    )
+
+
+def _expert_lora_layouts(ep: int, tp: int) -> Dict[str, Tuple[int, ...]]:
+    """Layouts of the stacked expert adapters: E by ep; the intermediate size by tp, as in the weights."""
+    return {"gate_proj.lora_A.weight": (ep, 1, 1), "gate_proj.lora_B.weight": (ep, tp, 1),
+            "up_proj.lora_A.weight": (ep, 1, 1), "up_proj.lora_B.weight": (ep, tp, 1),
+            "down_proj.lora_A.weight": (ep, 1, tp), "down_proj.lora_B.weight": (ep, 1, 1)}
+
+
+def _colwise(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    return _linear(mesh, weight=(tp, 1), x=(dp, 1), bias=(tp,))
+
+
+def _rowwise(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    out = ((dp * tp, 1),) if mesh.sequence_parallel and tp > 1 else None
+    return _linear(mesh, weight=(1, tp), x=(dp, tp), bias=(1,), out=out)
+
+
+def _replicate(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    return _linear(mesh, weight=(1, 1), x=(dp, 1), bias=(1,))
+
+
+def _vocab_head(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    v = tp if mesh.vocab_parallel else 1
+    return _linear(mesh, weight=(v, 1), x=(dp, 1), bias=(v,))
+
+
+def _vocab_cross_entropy(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # logits [N, V] as lm_head leaves them: tokens by dp, vocabulary by the head's split. Every
+    # reduction over V is partial per device and all-reduced (MindFormers' CrossEntropyLoss
+    # strategies); OneHot builds each device's vocabulary slice of the targets.
+    v = tp if mesh.vocab_parallel else 1
+    nv = ((dp, v),)
+    return StyleSpec(prims={"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
+                            "sum_exp": (nv, None), "log": (((dp,),), None),
+                            "onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None),
+                            "pick": (nv, None)})
+
+
+def _vocab_embedding(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    v = tp if mesh.vocab_parallel else 1
+    # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.
+    return StyleSpec(prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)},
+                     consumers={"weight": ("gather", 0)})
+
+
+def _rotary_table(mesh: Mesh) -> StyleSpec:
+    # cos / sin [T, dim] from the positions [T]: small, position-only, replicated on every device
+    # (MindFormers' rotary ops carry explicit replicated strategies too)
+    one = ((1, 1),)
+    return StyleSpec(prims={"freq_mul": (((1, 1), (1, 1)), None), "concat": (((1, 1), (1, 1)), None),
+                            "cos": (one, None), "sin": (one, None)})
+
+
+def _norm(mesh: Mesh) -> StyleSpec:
+    return StyleSpec(params={"weight": (1,)})
+
+
+def _router(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # fp32 scores [N, E] replicated over tp; top-k per token row.
+    return StyleSpec(prims={"matmul": (((dp, 1), (1, 1)), None),
+                            "topk": (((dp, 1),), None),
+                            "group_topk": (((dp, 1),), None)},
+                     params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
+
+
+def _experts(mesh: Mesh) -> StyleSpec:
+    dp, tp, ep = mesh.dp, mesh.tp, mesh.ep
+    # MindFormers llama_layer.py LlamaFeedForward._shard_semi_auto_parallel (MoE branch): x [D, E, M, in]
+    # split (dp_moe, ep, 1, 1) against weights [E, out, in] split (ep, mp, 1); D = dp/ep (the outer factor).
+    outer = dp // ep if dp % ep == 0 else 1
+    rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
+    return StyleSpec(
+        prims={"gate_bmm": ((rows, (ep, tp, 1)), None),   # [D, E, M, H] x [E, I, H]^T
+               "up_bmm": ((rows, (ep, tp, 1)), None),
+               "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
+               # stacked adapters, split like the expert weights they adapt:
+               # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
+               "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+               "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+               "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+               "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+               "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
+               "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
+        params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
+                "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
+                # a quantized base (model/quant.py): scales / offsets [E, out, in/G] split like the weights
+                # [E, out, in] (a per-channel scale's one-group axis stays whole: fit_layout)
+                **{f"{p}_proj.{s}": ((ep, 1, tp) if p == "down" else (ep, tp, 1))
+                   for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
+        consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
+                   "down_proj.weight": ("down_bmm", 1),
+                   **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
+                      for p in ("gate", "up", "down") for ab in ("A", "B")}})
+
+
+def _expert_dequant(weight_of) -> Callable[[Mesh], StyleSpec]:
+    """The dequantisation Mul of a quantized stacked expert projection (model/quant.py), split like its
+    weight: q [E, out, in/G, G] * scale [E, out, in/G, 1] (group-wise: ``in`` split on the groups axis;
+    per channel, in/G = 1: on G, against a whole scale axis). ``weight_of(mesh)`` -> the
+    4-D split of q and of the scale."""
+    def build(mesh: Mesh) -> StyleSpec:
+        q, scale = weight_of(mesh)
+        return StyleSpec(prims={"": ((q, scale), None)}, is_primitive=True)
+    return build
+
+
+# gate / up [E, I, H] split (ep, tp, 1); down [E, H, I] split (ep, 1, tp), as the weights (_experts)
+_EXPERT_DEQUANT = {
+    "expert_dequant_colwise": lambda m: ((m.ep, m.tp, 1, 1), (m.ep, m.tp, 1, 1)),
+    "expert_dequant_rowwise": lambda m: ((m.ep, 1, 1, m.tp), (m.ep, 1, 1, 1)),          # per channel
+    "expert_group_dequant_rowwise": lambda m: ((m.ep, 1, m.tp, 1), (m.ep, 1, m.tp, 1)),  # group-wise
+}
+
+
+def fit_layout(shape: Tuple[int, ...], layout: Tuple[int, ...]) -> Tuple[int, ...]:
+    """A layout on a tensor's actual shape: an axis of length 1 (a per-channel scale's one group) is whole.
+
+    As MindSpore sees it: the dequantisation Mul's scale input is split (.., 1) on that axis."""
+    return tuple(1 if d == 1 else k for d, k in zip(shape, layout))
+
+
+def _head_bmm(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
+
+
+def _head_softmax(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
+    return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
+
+
+def _row_softmax(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # FP32Softmax on router logits [N, E] (ops.Custom; on Ascend ops.Softmax, float32 input): tokens by dp,
+    # the expert axis whole.
+    return StyleSpec(prims={"": (((dp, 1),), None)}, is_primitive=True)
+
+
+def _flash_attention(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # FlashAttentionScore(q, k, v [B, nh, T, D] BNSD, ..., compressed causal mask [2048, 2048]):
+    # batch by dp, heads by tp; the mask is replicated.
+    heads = ((dp, tp, 1, 1),) * 3
+    return StyleSpec(prims={"": ((heads + ((1, 1),)), None)}, is_primitive=True)
+
+
+# MoE dispatch per data-parallel group G = dp (ms_deepseek/model/moe.py, dispatch_shapes.py).
+def _moe_pad_tokens(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # Concat(tokens [G, N, H], zero row [G, 1, H]) on axis 1: the concat axis stays whole.
+    return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+
+
+def _expert_lookup(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # ExpertLookup custom op on the k-major ids [G, k*N] and the placement [E, 2]: each device
+    # counts positions for its own group (the op's groups are independent); the placement is
+    # replicated. apply_plan appends the impl's strategy_tail (e.g. the CPU config tensor).
+    return StyleSpec(prims={"": (((dp, 1), (1, 1)), None)}, is_primitive=True)
+
+
+def _moe_slot_sort(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # Sort of the keys [G, E, k*N] along the last axis (which cannot be split).
+    return StyleSpec(prims={"": (((dp, 1, 1),), None)}, is_primitive=True)
+
+
+def _batch_local_gather(mesh: Mesh) -> StyleSpec:
+    dp = mesh.dp
+    # dispatch_gather: Gather(batch_dims=1)(padded tokens [G, N+1, H], dispatch_index [G, E, C], axis 1);
+    # combine_gather: Gather(batch_dims=1)(expert out [G, E*C, H], combine_index [G, N, k], axis 1).
+    # Local per group, batch axis by dp (MindFormers TopkRouterV2's dispatch_gather strategy). Legal in
+    # MindSpore's gather_info.cc BatchImpl (batch_dims > 0): the gather axis unsplit, equal batch-dim splits.
+    return StyleSpec(prims={"": (((dp, 1, 1), (dp, 1, 1)), None)}, is_primitive=True)
+
+
+def _moe_exchange(mesh: Mesh) -> StyleSpec:
+    dp, ep = mesh.dp, mesh.ep
+    # Transpose (0, 2, 1, 3, 4) of [G/ep, ep, E, C, H] (to_experts) or [G/ep, E, ep, C, H] (from_experts),
+    # split (dp/ep, 1, ep, 1, 1) as MindFormers' MoEV2.transpose_5dim_ep2: to_experts reads the view with
+    # E split by ep (it arrives with the ep axis split: the AllToAll at its input) and gives E split;
+    # from_experts reads the expert output with the ep axis split (the AllToAll back) and gives G split.
+    outer = dp // ep if dp % ep == 0 else 1
+    return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
+
+
+def _placement_table(mesh: Mesh) -> StyleSpec:
+    # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
+    return StyleSpec(params={"": (1, 1)})
+
+
+# style name -> its strategies on a mesh (the plan's table values)
+STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
+    "colwise": _colwise,
+    "rowwise": _rowwise,
+    "replicate": _replicate,
+    "vocab_head": _vocab_head,
+    "vocab_cross_entropy": _vocab_cross_entropy,
+    "vocab_embedding": _vocab_embedding,
+    "norm": _norm,
+    "rotary_table": _rotary_table,
+    "router": _router,
+    "experts": _experts,
+    "head_bmm": _head_bmm,
+    "head_softmax": _head_softmax,
+    "row_softmax": _row_softmax,
+    "flash_attention": _flash_attention,
+    "moe_pad_tokens": _moe_pad_tokens,
+    "expert_lookup": _expert_lookup,
+    "moe_slot_sort": _moe_slot_sort,
+    "dispatch_gather": _batch_local_gather,
+    "moe_exchange": _moe_exchange,
+    "combine_gather": _batch_local_gather,
+    "placement_table": _placement_table,
+    **{name: _expert_dequant(rule) for name, rule in _EXPERT_DEQUANT.items()},
+}
+
+
+def style_spec(style: str, mesh: Mesh) -> StyleSpec:
+    """The strategies and parameter layouts a style stands for on ``mesh``."""
+    build = STYLES.get(style)
+    if build is None:
+        raise UserError(f"parallel plan: unknown style {style!r}")
+    return build(mesh)
+
+
+# --------------------------------------------------------------------------- patterns
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    parts = [r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+class Plan:
+    """A pattern table with lookups for cell paths and parameter names."""
+
+    def __init__(self, table: Optional[Dict[str, str]] = None):
+        self.table = dict(DEEPSEEK_V2_PLAN if table is None else table)
+        self._compiled = [(p, _compile(p), s) for p, s in self.table.items()]
+        self._cache: Dict[tuple, Tuple[str, Tuple[int, ...]]] = {}
+        self._layer_generic = not any(re.search(r"(^|\.)\d+(\.|$)", p) for p in self.table)
+
+    def match(self, path: str) -> Optional[Tuple[str, str]]:
+        """(pattern, style) for a cell or primitive path, None when nothing matches."""
+        hits = [(p, s) for p, rx, s in self._compiled if rx.fullmatch(path)]
+        if len(hits) > 1:
+            raise UserError(f"parallel plan: path {path!r} matches several patterns: "
+                            f"{', '.join(p for p, _ in hits)}")
+        return hits[0] if hits else None
+
+    def param_layout(self, name: str, mesh: Mesh) -> Tuple[str, Tuple[int, ...]]:
+        """(matched pattern, layout) for a full parameter name; UserError when no rule covers it."""
+        # Layers share rules: look each kind up once per mesh (unless a pattern names one layer).
+        kind = _LAYER_INDEX.sub(".*.", name) if self._layer_generic else name
+        key = (kind, mesh)
+        if key not in self._cache:
+            self._cache[key] = self._param_layout(kind, name, mesh)
+        return self._cache[key]
+
+    def _param_layout(self, kind: str, name: str, mesh: Mesh) -> Tuple[str, Tuple[int, ...]]:
+        found = []
+        for pattern, rx, style in self._compiled:
+            spec = style_spec(style, mesh)
+            for suffix, layout in spec.params.items():
+                full = rx.pattern + (r"\." + re.escape(suffix) if suffix else "")
+                if re.fullmatch(full, name):
+                    found.append((pattern, layout))
+        if not found:
+            raise UserError(f"parallel plan: no rule covers parameter {name!r}")
+        if len(found) > 1:
+            raise UserError(f"parallel plan: parameter {name!r} is covered by several rules: "
+                            f"{', '.join(p for p, _ in found)}")
+        return found[0]
+
+
+# ------------------------------------------------------------------- parameter inventory
+# The model's name/shape table lives in ms_deepseek.config.inventory (shared with the converter and loaders).
+from ms_deepseek.config.inventory import ParamInfo, parameter_inventory  # noqa: E402,F401
+
+
+# ------------------------------------------------------------------------ pipeline stages
+def stage_layer_counts(num_layers: int, pp: int, stage_layers: Optional[List[int]] = None) -> List[int]:
+    """Layers per stage: the recipe's ``stage_layers`` or as even a cut as possible.
+
+    With an uneven cut the first stages take one layer fewer: they already hold the
+    embedding and keep the most micro-batches in flight under 1F1B.
+    """
+    if stage_layers is not None:
+        return list(stage_layers)
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+
+
+def layer_stages(num_layers: int, pp: int, stage_layers: Optional[List[int]] = None) -> List[int]:
+    """Stage of each decoder layer."""
+    stages: List[int] = []
+    for s, n in enumerate(stage_layer_counts(num_layers, pp, stage_layers)):
+        stages.extend([s] * n)
+    return stages
+
+
+def stage_of_param(info: ParamInfo, pp: int, stages: List[int]) -> int:
+    if info.layer is not None:
+        return stages[info.layer]
+    return 0 if info.name.startswith("model.embed_tokens") else pp - 1
+
+
+def shard_numel(shape: Tuple[int, ...], layout: Tuple[int, ...]) -> int:
+    """Elements of one device's slice (layouts always divide the shape after validation)."""
+    n = 1
+    for d, k in zip(shape, layout):
+        n *= -(-d // k)
+    return n
+
+
+def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage_devices: int,
+                          itemsize: int, threshold_kb: int = 64) -> int:
+    """How many ways MindSpore's parallel optimizer splits one parameter's slice.
+
+    The slice is replicated on ``stage_devices / prod(layout)`` devices; the optimizer
+    shards it over that group along its first axis when the first axis divides and the
+    whole parameter is at least ``threshold_kb`` (MindSpore's ``parallel_optimizer_threshold``:
+    ``parallel_optimizer/opt_param_mgr.cc`` ``OptParamMgrImpl::SplitParam`` skips a parameter whose
+    ``ComputeMemorySize``, its full shape times its element size, is smaller; found by compiling,
+    where a [512, 32] float32 embedding split 2 ways, 32 KB a slice and 64 KB whole, was sharded).
+    Otherwise it stays whole (group 1).
+    """
+    split = 1
+    for k in layout:
+        split *= k
+    group = stage_devices // split
+    if group <= 1:
+        return 1
+    first = -(-shape[0] // layout[0]) if shape else 1
+    if first % group:
+        return 1
+    full = 1
+    for d in shape:
+        full *= int(d)
+    if full * itemsize < threshold_kb * 1024:
+        return 1
+    return group
+
+
+# ------------------------------------------------------------- listed redistributions
+def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
+    """Layout changes the plan relies on, which the parallel-rules lint accepts (``ms_deepseek.parallel_apply.lint``).
+
+    Key: ``"<primitive path pattern>:<input index>"`` (a consumer whose input strategy differs from
+    its producer's layout) or ``"<primitive path pattern>:out"`` (a residual-stream producer whose
+    output differs from the stream's layout). Value: why the redistribution is wanted.
+    """
+    out: Dict[str, str] = {}
+    if mesh.ep > 1 or mesh.dp > 1:
+        # MindFormers MoE v1 (MoEV2._ffn_forward): the view [G/ep, ep, E, C, H] of the dp-split buffer is
+        # split (dp/ep, ep, 1, 1, 1); the exchange transposes read it (dp/ep, 1, ep, 1, 1): MindSpore lowers
+        # the change to one AllToAll inside each group of ep adjacent data-parallel ranks (enable_alltoall),
+        # and the same way back at from_experts.
+        out["model.layers.*.mlp.to_experts:0"] = \
+            "MoE dispatch: the dp -> ep exchange of the capacity buffer (AllToAll, enable_alltoall)"
+        out["model.layers.*.mlp.from_experts:0"] = \
+            "MoE combine: the ep -> dp exchange of the expert output (AllToAll, enable_alltoall)"
+    if mesh.sequence_parallel and mesh.tp > 1:
+        why = ("sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
+               "(dp*tp) and all-gathered again before the column-parallel matmuls")
+        for p in ("model.layers.*.self_attn.o_proj.matmul", "model.layers.*.mlp.down_proj.matmul",
+                  "model.layers.*.mlp.shared_experts.down_proj.matmul"):
+            out[p + ":out"] = why
+        for p in ("model.layers.*.self_attn.q_proj.matmul", "model.layers.*.self_attn.q_a_proj.matmul",
+                  "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul", "model.layers.*.mlp.gate_proj.matmul",
+                  "model.layers.*.mlp.up_proj.matmul", "model.layers.*.mlp.gate.matmul",
+                  "model.layers.*.mlp.shared_experts.gate_proj.matmul",
+                  "model.layers.*.mlp.shared_experts.up_proj.matmul", "lm_head.matmul"):
+            out[p + ":0"] = why
+    return out
