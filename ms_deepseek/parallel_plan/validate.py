@@ -83,6 +83,16 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
             what = "dp*micro_batch_size*micro_batches" if pp > 1 else "dp*micro_batch_size"
             parts = f"{dp}*{micro_batch_size}*{p.micro_batches}" if pp > 1 else f"{dp}*{micro_batch_size}"
             out.append(f"train.global_batch_size: {global_batch_size} is not divisible by {what} = {parts} = {unit}")
+
+    # --- devices of a sharded layout (last: a specific rule above names the cause first).
+    # MindSpore's SEMI_AUTO_PARALLEL initialises only on 1, 2 or 4 devices or a multiple of 8
+    # (frontend/parallel/device_manager.cc CheckDeviceConfig: "device_num' must be divisible by 8, or
+    # equal to 1, 2 or 4"; HCCL's CheckDevCount has the same rule). The compile check of a dp=3 layout
+    # stopped there ("Parallel init failed"). Plain data parallel (no sharding) does not use that mode.
+    world = p.world_size
+    if p.uses_semi_auto and not (world in (1, 2, 4) or world % 8 == 0):
+        out.append(f"parallel: a sharded layout needs 1, 2 or 4 devices or a multiple of 8 (MindSpore's "
+                   f"semi-auto parallel), got dp*tp*pp = {dp}*{tp}*{pp} = {world}")
     return out
 
 

@@ -76,7 +76,7 @@ def test_group_limited_routing_groups_match_ep():
     _fails("parallel.ep: group-limited routing maps n_group=10 expert groups to devices; ep=4 must divide "
            "n_group or be a multiple of it", ParallelConfig(dp=4, ep=4), cfg)
     assert layout_problems(ParallelConfig(dp=16, ep=16), V2) == []      # 16 is a multiple of n_group 8
-    assert layout_problems(ParallelConfig(dp=20, ep=20), cfg) == []     # 20 is a multiple of 10
+    assert layout_problems(ParallelConfig(dp=40, ep=20), cfg) == []     # 20 is a multiple of 10
 
 
 def test_custom_placement_checked():
@@ -133,4 +133,17 @@ def test_section_own_checks():
 def test_all_problems_listed_together():
     problems = layout_problems(ParallelConfig(dp=3, tp=3, ep=3), V2, world_size=10)
     assert [p.split(":")[0] for p in problems] == ["parallel", "parallel.tp", "parallel.tp", "parallel.ep",
-                                                   "parallel.ep"]
+                                                   "parallel.ep", "parallel"]
+
+
+def test_sharded_world_is_one_two_four_or_a_multiple_of_eight():
+    """MindSpore's semi-auto parallel refuses other device counts at init (device_manager.cc
+    CheckDeviceConfig; the compile check of dp=3 stopped at "Parallel init failed"). Plain data
+    parallel does not use that mode and keeps any world size."""
+    _fails("parallel: a sharded layout needs 1, 2 or 4 devices or a multiple of 8 (MindSpore's semi-auto "
+           "parallel), got dp*tp*pp = 3*1*1 = 3", ParallelConfig(dp=3, optimizer_shard=True), LITE)
+    _fails("parallel: a sharded layout needs 1, 2 or 4 devices or a multiple of 8 (MindSpore's semi-auto "
+           "parallel), got dp*tp*pp = 3*2*1 = 6", ParallelConfig(dp=3, tp=2), LITE)
+    assert layout_problems(ParallelConfig(dp=3), LITE) == []  # plain data parallel
+    for dp, tp, pp in [(2, 1, 1), (4, 1, 1), (1, 2, 4), (3, 8, 1), (5, 8, 2)]:
+        assert layout_problems(ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batches=pp), LITE) == []
