@@ -303,6 +303,11 @@ def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: L
     par = recipe.parallel
     world = par.world_size
     overrides = list(user_overrides) + layout_overrides(par) + reduction.overrides()
+    # the recipe each worker will load, checked once here: a refusal (e.g. --pp 2 on a recipe that
+    # accumulates) is one UserError line before any compile, not the same line from every worker
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
+
+    load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
     _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()))
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(work)

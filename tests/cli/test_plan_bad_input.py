@@ -69,6 +69,9 @@ LORA16 = str(RECIPES / "v2-lora-16npu.yaml")
     (["--model", "tiny", "--compile"], ["--compile: needs --recipe"]),
     (["--recipe", SFT8, "--compile", "--simulate"], ["--compile and --simulate"]),
     (["--recipe", SFT8, "--compile", "--cann", "/nonexistent/cann"], ["--cann", "/nonexistent/cann"]),
+    # what every worker would refuse, refused once up front: a pipeline over a recipe that accumulates
+    (["--recipe", SFT8, "--compile", "--pp", "2", "--dp", "4", "--ep", "4"], ["train.grad_accum_steps", "pipeline"]),
+    (["--recipe", SFT8, "--compile", "--dp", "3", "--ep", "1"], ["parallel", "multiple of 8", "= 3"]),
 ])
 def test_plan_compile_bad_input(capsys, argv, names):
     code, out, err = run_cli(capsys, ["plan", *argv])
