@@ -100,6 +100,8 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
                     continue  # e.g. a router without group top-k
                 prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
                 applied.strategies[_join(path, attr)] = (in_s, out_s)
+            for attr, value in spec.attrs.items():  # the cell's form for this layout (e.g. loss split_vocab)
+                setattr(cell, attr, value)
         for attr, prim in _primitives_of(cell):
             ppath = _join(path, attr)
             if ppath in applied.strategies:
