@@ -55,14 +55,25 @@ class VocabParallelCrossEntropy(nn.Cell):
         self.exp = P.Exp()
         self.sum_exp = P.ReduceSum(keep_dims=False)
         self.log = P.Log()
-        self.onehot = P.OneHot()
-        self.onehot.recompute()  # rebuilt in backward: no second [N, V] fp32 tensor kept alive
-        self.mul = P.Mul()
-        self.pick = P.ReduceSum(keep_dims=False)
         self.on_value = Tensor(1.0, ms.float32)
         self.off_value = Tensor(0.0, ms.float32)
-        self.gather_target = P.GatherD()
-        self.split_vocab = False  # True: the one-hot form (set by the plan when the vocabulary is split over tp)
+        self.set_split_vocab(False)
+
+    def set_split_vocab(self, split: bool) -> None:
+        """The target logit's form: the one-hot slice (``True``: the plan's choice when the vocabulary is
+        split over tp) or GatherD. The cell then holds only that form's primitives: the plan gives every
+        primitive a cell holds a strategy (``sharding.lint``'s coverage rule)."""
+        self.split_vocab = bool(split)
+        for name in ("onehot", "mul", "pick", "gather_target"):
+            self.__dict__.pop(name, None)
+            getattr(self, "_primitives", {}).pop(name, None)
+        if self.split_vocab:
+            self.onehot = P.OneHot()
+            self.onehot.recompute()  # rebuilt in backward: no second [N, V] fp32 tensor kept alive
+            self.mul = P.Mul()
+            self.pick = P.ReduceSum(keep_dims=False)
+        else:
+            self.gather_target = P.GatherD()
 
     def construct(self, logits, labels):
         B, T = labels.shape

@@ -172,7 +172,7 @@ def test_vocab_parallel_cross_entropy_equals_the_gather_form(mode, split_vocab):
                 return _gather_cross_entropy(x, y)
 
         loss = VocabParallelCrossEntropy(logits.shape[-1])
-        loss.split_vocab = split_vocab  # both forms of the target logit (the plan chooses by the vocabulary split)
+        loss.set_split_vocab(split_vocab)  # both forms of the target logit (the plan chooses by the vocabulary split)
         got = ms.value_and_grad(loss)(Tensor(logits), Tensor(labels))
         want = ms.value_and_grad(Ref())(Tensor(logits), Tensor(labels))
     finally:
@@ -194,7 +194,7 @@ def test_vocab_parallel_cross_entropy_splits_over_the_vocabulary():
     logits, labels = _ce_inputs(V=240)
     B, T, V = logits.shape
     loss = VocabParallelCrossEntropy(V)
-    loss.split_vocab = True  # the form the plan uses on a split vocabulary
+    loss.set_split_vocab(True)  # the form the plan uses on a split vocabulary
     full = float(loss(Tensor(logits), Tensor(labels)).asnumpy())
     flat = logits.reshape(B * T, V).astype(np.float64)
     nxt = np.concatenate([labels[:, 1:], np.full((B, 1), -100)], 1).reshape(-1)
