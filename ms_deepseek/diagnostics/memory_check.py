@@ -181,11 +181,11 @@ def extrapolate(points: Sequence[Tuple[int, float]], to_layers: int) -> Optional
 
 
 def format_comparison(c: Comparison) -> List[str]:
-    lines = [f"    {'':28s} {'planner':>9s} {'MindSpore':>10s} {'diff':>8s}"]
+    lines = [f"    {'GB (GiB)':28s} {'planner':>9s} {'MindSpore':>10s} {'diff':>8s}"]
     for row, p, m in c.rows:
-        lines.append(f"    {row:28s} {p:8.2f}G {m:9.2f}G {p - m:+7.2f}G")
-    lines.append(f"    {'total (what both count)':28s} {c.planner_total:8.2f}G {c.ms_total:9.2f}G "
-                 f"{c.planner_total - c.ms_total:+7.2f}G  planner/MindSpore {c.ratio:.2f}")
+        lines.append(f"    {row:28s} {p:9.3f} {m:10.3f} {p - m:+8.3f}")
+    lines.append(f"    {'total (what both count)':28s} {c.planner_total:9.3f} {c.ms_total:10.3f} "
+                 f"{c.planner_total - c.ms_total:+8.3f}  planner/MindSpore {c.ratio:.2f}")
     if c.ms_actual:
         lines.append(f"    MindSpore with fragments {c.ms_actual:.2f}G; planner's own margin (HCCL buffers, "
                      f"workspace) {c.margin:.2f}G, not counted by MindSpore's level 1")
