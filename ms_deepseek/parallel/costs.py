@@ -193,6 +193,8 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
             _quantized_bytes(slot, info, layout, local, quant)
             continue
         slot["weights"] += local * size / group
+        if not info.trainable and info.name.startswith("model.embed_tokens"):
+            slot["frozen_embedding"] = local * size
         if not info.trainable:
             # A frozen weight wider than the compute dtype is still cast for the matmul, and the
             # cast is kept for the activation gradient.
@@ -430,6 +432,13 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
             # the loss's backward is the peak; the all-to-all buffers are transients of the MoE layers, not
             # live then (level 1: no AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
             working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
+        gradients = held[s]["gradients"]
+        k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
+        if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("frozen_embedding"):
+            # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
+            # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
+            # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
+            gradients += held[s]["frozen_embedding"]
         unordered = unordered_micro_batches(parallel, w)
         if s == parallel.pp - 1 and unordered > 1:
             # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts
@@ -450,7 +459,7 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
         mem = StageMemory(
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
-            gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
+            gradients=gradients, optimizer=held[s]["optimizer"],
             activations=kept * in_flight(parallel, s) * unordered, working_set=working, comm_buffers=comm, hccl_buffers=hccl,
             workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
             dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"]))
