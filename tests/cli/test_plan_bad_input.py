@@ -69,6 +69,10 @@ LORA16 = str(RECIPES / "v2-lora-16npu.yaml")
     (["--model", "tiny", "--compile"], ["--compile: needs --recipe"]),
     (["--recipe", SFT8, "--compile", "--simulate"], ["--compile and --simulate"]),
     (["--recipe", SFT8, "--compile", "--cann", "/nonexistent/cann"], ["--cann", "/nonexistent/cann"]),
+    (["--recipe", SFT8, "--memory"], ["--memory: only with --compile"]),
+    (["--recipe", SFT8, "--compile", "--tolerance", "0.2"], ["--tolerance: only with --compile --memory"]),
+    (["--recipe", SFT8, "--compile", "--memory", "--layers", "99"], ["--layers", "more than the model's 27 layers"]),
+    (["--recipe", SFT8, "--compile", "--memory", "--ranks", "9"], ["--ranks", "outside the world of 8 ranks"]),
 ])
 def test_plan_compile_bad_input(capsys, argv, names):
     code, out, err = run_cli(capsys, ["plan", *argv])
