@@ -15,7 +15,9 @@ several GB of host memory.
 
 What a compile proves: MindSpore's parallel frontend accepts every strategy, layout, redistribution,
 the pipeline and accumulation passes, and lays the parameters out as the plan says. What it does
-not: Ascend kernels (ours and CANN's), HCCL, device memory at run time, speed.
+not: Ascend kernels (ours and CANN's), HCCL, speed. Device memory: ``plan --compile --memory`` runs the
+workers at ``MS_SIMULATION_LEVEL=1`` instead (the step runs once without kernels and MindSpore accounts
+its memory pool; :mod:`ms_deepseek.diagnostics.memory_check`).
 """
 
 from __future__ import annotations
