@@ -391,7 +391,10 @@ def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
     assert best.fits and best.layout.world_size == 8
     full = estimate(cfg, best.layout, dataclasses.replace(w, lora=None), world_size=8)
     lo, fu = best.memory_gb, full.memory_gb
-    assert lo["gradients"] < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
+    # LoRA's gradients: the adapters', plus the frozen embedding's one accumulation buffer MindSpore's pass
+    # takes under accumulation in a sharded layout (measured at level 1: costs.stage_memory)
+    embedding_gb = cfg.vocab_size * cfg.hidden_size * 2 / 1024 ** 3
+    assert lo["gradients"] - embedding_gb < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
     assert best.peak_gb < full.peak_gb - 15
     assert best.comm_gb["dp_sync"] < 0.05 * full.comm_gb["dp_sync"]          # only adapter gradients sync
     assert best.tokens_per_s_per_npu > full.tokens_per_s_per_npu            # no base weight gradients
