@@ -379,18 +379,18 @@ def in_flight(parallel: ParallelConfig, stage: int) -> int:
 
 
 def unordered_micro_batches(parallel: ParallelConfig, w: Workload) -> int:
-    """Micro-batches whose kept activations are alive together when nothing orders the accumulation.
+    """Micro-batches whose kept activations may be alive together when nothing orders the accumulation.
 
     In a sharded layout (semi-auto parallel) MindSpore's accumulation pass runs each micro-batch's
-    forward and backward in turn, and pipelines are 1F1B (:func:`in_flight`). On one NPU or in plain
-    data parallel the step's ``GradAccumulation`` is the unrolled sum alone, and MindSpore ran the
-    micro-batches' forwards ahead of the backwards: level 1 of v2-lite-lora-1npu at 2 layers held 1, then
-    3 of the loss's [n, V] float32 Exp (and as many GatherD gradients) at 2, then 4 micro-batches
-    (8.9 GB, then 15.5 GB). Counted: ``k - 1`` micro-batches' kept activations."""
+    forward and backward in turn (one loss ``Exp`` at the peak of v2-lite-sft-8npu), and pipelines are
+    1F1B (:func:`in_flight`). On one NPU or in plain data parallel the step's ``GradAccumulation`` is the
+    unrolled sum alone and MindSpore's scheduler decides: at level 1 it held the loss's [n, V] float32
+    ``Exp`` and ``GatherD`` gradient of 1 of 2 micro-batches (v2-lite-lora-1npu, 4096 tokens), 3 of 4
+    (the same), 2 of 2 (v2-lite-qlora-1npu, 16384 tokens). Counted: all ``k`` (the bound; over by one
+    micro-batch where MindSpore kept one fewer)."""
     if parallel.pp > 1 or parallel.uses_semi_auto:
         return 1
-    k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
-    return max(1, k - 1)
+    return max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
 
 
 def comm_groups(parallel: ParallelConfig) -> int:
