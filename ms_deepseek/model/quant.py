@@ -68,10 +68,9 @@ class _Dequant:
         self.dequant_mul = ops.Mul()
         self.group_dequant_mul = ops.Mul()
 
-    def _int_values(self, after=None):
-        """The weight's integers as float32 [..., out, in] (int4: nibbles sign-extended and interleaved);
-        computed only once ``after`` (the layer's input) exists."""
-        w = self.weight if after is None else ops.depend(self.weight, after)
+    def _int_values(self):
+        """The weight's integers as float32 [..., out, in] (int4: nibbles sign-extended and interleaved)."""
+        w = self.weight
         if self.bits == 8:
             return w.astype(ms.float32)
         u = w.astype(ms.int32)  # [..., out, in/2]
@@ -82,16 +81,10 @@ class _Dequant:
         shape = self.dense_shape
         return both.reshape(shape).astype(ms.float32)  # [..., out, in/2, 2] -> [..., out, in]
 
-    def dequantized(self, after=None):
-        """float32 [..., out, in]: q * scale per group of ``self.group`` input columns.
-
-        ``after``: the layer's input. The dequantisation depends on the frozen weights only, so without
-        it MindSpore ran every layer's (recomputed) dequantisation ahead and held all the dequantised
-        weights at once: level 1 of v2-qlora-8npu (``plan --compile --memory``) had +2.5 GiB of them per
-        MoE layer at the loss's backward (191 GiB extrapolated to 60 layers). Tied to the input
-        (``ops.depend``), each layer's is made when the layer runs and freed after its backward."""
+    def dequantized(self):
+        """float32 [..., out, in]: q * scale per group of ``self.group`` input columns."""
         shape = self.dense_shape
-        q = self._int_values(after).reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
+        q = self._int_values().reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
         scale = self.weight_scale.reshape(shape[:-1] + (self.groups, 1))  # [..., out, in/G, 1]
         mul = self.dequant_mul if self.groups == 1 else self.group_dequant_mul
         return mul(q, scale).reshape(shape)  # -> [..., out, in]
@@ -132,7 +125,7 @@ class QuantLinear(_Dequant, Linear):
             y = self.qmatmul(x2, self.weight, self.weight_scale.reshape(-1).astype(cdt),
                              self.weight_offset.reshape(-1).astype(cdt))
         else:
-            y = self.matmul(x2, self.dequantized(x2).astype(cdt))  # [N, out]
+            y = self.matmul(x2, self.dequantized().astype(cdt))  # [N, out]
         if self.lora_A is not None:
             h = x2 if self.lora_dropout is None else self.lora_dropout(x2)
             h = self.lora_a_matmul(h, self.lora_A.weight.astype(cdt))  # [N, r]
@@ -154,7 +147,7 @@ class QuantStackedWeight(_Dequant, StackedWeight):
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""
-        return stacked_project(self, self.dequantized(x), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
+        return stacked_project(self, self.dequantized(), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
 
 # ------------------------------------------------------------------------------ building
