@@ -233,6 +233,12 @@ def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec
     slot["weights"] += local * quant.bits / 8
     slot["scales"] += scales * SCALE_BYTES
     slot["dequant"] = max(slot["dequant"], local * DEQUANT_BYTES)
+    # the unpacking's images of the weight (model/quant.py _int_values: the packed bytes cast to int32, 2
+    # bytes per int4 element): built from the Parameter alone, so under MindSpore's accumulation pass they
+    # are held all step; level 1 of v2-qlora-8npu held two per weight at the loss's backward (300 MiB
+    # blocks of [20, 1536, 2560] int32, six per MoE layer): 4 bytes per element, int8 (a float32 image,
+    # not measured) counted the same
+    slot["unpacked"] = slot.get("unpacked", 0.0) + local * 4
 
 
 def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, quant: QuantSpec) -> List[str]:
@@ -439,6 +445,12 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
             # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
             # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
             gradients += held[s]["frozen_embedding"]
+        dequant = held[s].get("dequant", 0.0)
+        if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("unpacked"):
+            # level 1 of v2-qlora-8npu (2 and 3 layers, 2 micro-steps): every quantized weight's int32 and
+            # float32 unpacking images alive at the loss's backward, +2.5 GiB per MoE layer (the Casts of
+            # model/quant.py _int_values, one per weight, shared by the micro-steps)
+            dequant += held[s]["unpacked"]
         unordered = unordered_micro_batches(parallel, w)
         if s == parallel.pp - 1 and unordered > 1:
             # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts
@@ -462,7 +474,7 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
             gradients=gradients, optimizer=held[s]["optimizer"],
             activations=kept * in_flight(parallel, s) * unordered, working_set=working, comm_buffers=comm, hccl_buffers=hccl,
             workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
-            dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"]))
+            dequant_workspace=dequant, params=int(held[s]["params"]))
         if w.validation:
             mem.eval_peak = _eval_peak(cfg, parallel, w, c, layers, s, mem, held[s])
         result.append(mem)
