@@ -446,11 +446,12 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
             # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
             gradients += held[s]["frozen_embedding"]
         dequant = held[s].get("dequant", 0.0)
-        if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("unpacked"):
-            # level 1 of v2-qlora-8npu (2 and 3 layers, 2 micro-steps): every quantized weight's int32 and
-            # float32 unpacking images alive at the loss's backward, +2.5 GiB per MoE layer (the Casts of
-            # model/quant.py _int_values, one per weight, shared by the micro-steps)
-            dequant += held[s]["unpacked"]
+        if parallel.pp == 1 and parallel.uses_semi_auto and held[s].get("unpacked"):
+            # level 1 of v2-qlora-8npu (2 and 3 layers): every quantized weight's int32 unpacking images
+            # alive at the loss's backward (the Casts of model/quant.py _int_values): one per weight with one
+            # micro-step (+1.3 GiB per MoE layer), two with two (+2.5 GiB); held[s]["unpacked"] counts two.
+            # Not seen on one NPU (v2-lite-qlora-1npu: 21 MiB of Casts at its peak); pipelines not measured.
+            dequant += held[s]["unpacked"] * (1.0 if k > 1 else 0.5)
         unordered = unordered_micro_batches(parallel, w)
         if s == parallel.pp - 1 and unordered > 1:
             # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts
