@@ -66,6 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cann", metavar="PATH", help="CANN install to use (default: $ASCEND_HOME_PATH, else stubs)")
     c.add_argument("--no-eval", action="store_true", help="compile the training step only")
     c.add_argument("--keep", metavar="DIR", help="keep each rank's log and result under DIR")
+    c.add_argument("--memory", action="store_true",
+                   help="with --compile: MindSpore's dry run at level 1 (MS_SIMULATION_LEVEL=1) compiles the training "
+                        "step and runs it once without kernels; prints, per selected rank, MindSpore's device-memory "
+                        "peak and its blocks at the peak beside the planner's estimate for the same reduced model "
+                        "(weights, optimizer states, gradients, activations, communication), and a linear "
+                        "extrapolation to the recipe's depth from a second compile one layer per stage deeper; "
+                        "nothing is saved; exit 1 if a total differs from the planner's by more than --tolerance")
+    c.add_argument("--tolerance", type=positive_float, default=0.10, metavar="FRACTION",
+                   help="with --memory: the largest |planner / MindSpore - 1| on what both count (default 0.10)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="recipe override (with --recipe)")
     parser.add_argument("--npus", type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"),
@@ -235,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     if args.simulate and not args.recipe:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
+    if args.memory and not args.compile:
+        raise UserError("--memory: only with --compile (MindSpore's level-1 dry run of the recipe's step)")
+    if args.tolerance != 0.10 and not args.memory:
+        raise UserError("--tolerance: only with --compile --memory")
     if not args.compile:
         for flag in ("layers", "cann", "keep"):
             if getattr(args, flag) is not None:
@@ -426,8 +439,10 @@ def _compile(args, hw) -> int:
     if not cann:
         from ms_deepseek.diagnostics.cann_stubs import cache_key, cache_root
 
-        if not (cache_root() / cache_key() / "MANIFEST").is_file():
+        if not (cache_root() / cache_key(level=1 if args.memory else 0) / "MANIFEST").is_file():
             say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
+    if args.memory:
+        return _memory(args, hw, result, recipe, reduction, ranks, cann, say)
     report = cc.compile_recipe(args.recipe, recipe, list(args.overrides) + _recipe_overrides(args), ranks, reduction,
                                cann=cann, work=Path(args.keep) if args.keep else None,
                                eval_graph=not args.no_eval, progress=say)
@@ -438,6 +453,96 @@ def _compile(args, hw) -> int:
     else:
         print(cc.format_report(report))
     return 0 if report.ok else 1
+
+
+def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
+    """``--compile --memory``: each rank at two depths under MindSpore's level-1 dry run, beside the planner."""
+    import dataclasses
+
+    from ms_deepseek.diagnostics import compile_check as cc
+    from ms_deepseek.diagnostics import memory_check as mc
+    from ms_deepseek.parallel_plan.ranks import stage_of_rank
+
+    par = recipe.parallel
+    step = max(1, par.pp)  # one more layer per pipeline stage
+    depths = [reduction.layers] + ([reduction.layers + step] if reduction.layers + step <= reduction.full_layers
+                                   else [])
+    keep = Path(args.keep) if args.keep else None
+    saved = list(args.overrides)
+    out = {"recipe": args.recipe, "world_size": par.world_size, "layout": par.describe(), "depths": [],
+           "micro_batches": reduction.micro_batches, "micro_batches_kind": reduction.what,
+           "full_micro_batches": reduction.full_micro_batches, "full_layers": reduction.full_layers,
+           "tolerance": args.tolerance}
+    lines = [f"memory {args.recipe}: {par.describe()}, world {par.world_size}; MindSpore's dry run at level 1 "
+             "(MS_SIMULATION_LEVEL=1: the step runs once without kernels; nothing is saved)"]
+    ok, points = True, {}
+    for layers in depths:
+        red = dataclasses.replace(reduction, layers=layers)
+        try:  # the planner on the same reduced model
+            args.overrides = saved + red.overrides()
+            reduced, _, _ = _check_recipe(args, hw)
+        finally:
+            args.overrides = saved
+        report = cc.compile_recipe(args.recipe, recipe, list(saved) + _recipe_overrides(args), ranks, red, cann=cann,
+                                   work=keep / f"layers_{layers}" if keep else None, eval_graph=False,
+                                   progress=say, memory=True)
+        lines.append(f"  {red.describe()} ({report.provider})")
+        entry = {"layers": layers, "ranks": []}
+        for r in report.ranks:
+            step_graph = r.graphs.get("step", {})
+            acct = step_graph.get("memory")
+            if not r.ok or not acct or acct.get("error"):
+                ok = False
+                failed = next((g for g in r.graphs.values() if not g.get("ok")), {})
+                why = (acct or {}).get("error") or failed.get("error", "no accounting")
+                lines.append(f"  rank {r.rank}: FAILED: {why}" + (f"\n      log: {r.log}" if r.log else ""))
+                entry["ranks"].append({"rank": r.rank, "ok": False, "error": why, "log": r.log})
+                continue
+            stage = stage_of_rank(r.rank, par) if par.pp > 1 else 0
+            comp = mc.compare(reduced.stages[stage], acct, r.rank, layers)
+            within = abs(comp.ratio - 1.0) <= args.tolerance
+            ok = ok and within
+            points.setdefault(r.rank, []).append((layers, comp.planner_total, comp.ms_total))
+            lines.append(f"  rank {r.rank} (stage {stage}), {layers} layers: step ran in {step_graph.get('seconds', 0):.0f} s"
+                         f", peak host memory {r.peak_rss_mb / 1024:.1f} GB")
+            lines += mc.format_comparison(comp)
+            lines.append("    " + ("within" if within else "OUTSIDE") + f" the tolerance {args.tolerance:.0%}")
+            big = ", ".join(f"{b['name']} x{b['blocks']} {b['mb'] / 1024:.2f}G ({b['category']})"
+                            for b in acct.get("largest_at_peak", [])[:6])
+            lines.append(f"    largest at MindSpore's peak: {big}")
+            entry["ranks"].append({"rank": r.rank, "stage": stage, "ok": True, "within_tolerance": within,
+                                   "planner_gb": round(comp.planner_total, 3), "mindspore_gb": round(comp.ms_total, 3),
+                                   "mindspore_with_fragments_gb": round(comp.ms_actual, 3),
+                                   "ratio": round(comp.ratio, 3), "planner_margin_gb": round(comp.margin, 3),
+                                   "rows": [{"row": n, "planner_gb": round(p, 3), "mindspore_gb": round(m, 3)}
+                                            for n, p, m in comp.rows],
+                                   "accounting": acct, "log": r.log})
+        out["depths"].append(entry)
+    out["extrapolated"] = []
+    full = reduction.full_layers
+    for rank, pts in sorted(points.items()):
+        ms_fit = mc.extrapolate([(x, m) for x, _, m in pts], full)
+        pl_fit = mc.extrapolate([(x, p) for x, p, _ in pts], full)
+        if ms_fit is None:
+            lines.append(f"  rank {rank}: one depth only: no extrapolation to {full} layers")
+            continue
+        stage = stage_of_rank(rank, par) if par.pp > 1 else 0
+        lines.append(f"  rank {rank}, extrapolated to {full} layers ({reduction.micro_batches} "
+                     f"{'micro-batches' if reduction.what == 'micro_batches' else 'accumulation steps'}): "
+                     f"MindSpore {ms_fit[0]:.1f} GB ({ms_fit[1]:+.2f} GB per layer), planner {pl_fit[0]:.1f} GB "
+                     f"({pl_fit[1]:+.2f} GB per layer); the planner for the recipe as written: "
+                     f"{result.stages[stage].total / mc.GB:.1f} GB of {result.usable_gb:.1f} GB usable")
+        out["extrapolated"].append({"rank": rank, "layers": full, "mindspore_gb": round(ms_fit[0], 2),
+                                    "mindspore_gb_per_layer": round(ms_fit[1], 3), "planner_gb": round(pl_fit[0], 2),
+                                    "planner_gb_per_layer": round(pl_fit[1], 3),
+                                    "planner_recipe_gb": round(result.stages[stage].total / mc.GB, 2)})
+    out["ok"] = ok
+    lines.append("planner and MindSpore agree within the tolerance" if ok else
+                 "planner and MindSpore disagree (or a rank failed): see above")
+    lines.append("  (MindSpore's level 1 does not count kernel workspaces, HCCL buffers or the runtime's reserve: "
+                 "the planner's margin)")
+    print(json.dumps(out, indent=2) if args.json else "\n".join(lines))
+    return 0 if ok else 1
 
 
 def _simulate(args, recipe, result) -> int:

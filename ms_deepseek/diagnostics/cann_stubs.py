@@ -22,6 +22,22 @@ cache folder, from the installed wheel itself:
 
 Nothing is downloaded: gcc and readelf (binutils) do the work in a few seconds. On a host with
 CANN (``ASCEND_HOME_PATH``) none of this is needed.
+
+``ensure_stubs(level=1)`` builds a second folder for ``MS_SIMULATION_LEVEL=1`` (compile, then run one
+step without kernels and account its device memory), which needs three more things (design.md
+section 8, measured here):
+
+* a CANN tree MindSpore can find: it takes the file that defines ``aclrtMalloc`` (``dladdr``), cuts its
+  path after the rightmost ``cann`` or ``latest`` and dlopen()s ``lib64/libascendcl.so``,
+  ``lib64/libacl_op_compiler.so``, ... under it (MindSpore
+  ``plugin/ascend/res_manager/symbol_interface/symbol_utils.cc`` ``GetAscendPath`` /
+  ``LoadAscendApiSymbols``). So the level-1 libraries live in ``<folder>/latest/lib64/`` and the core's
+  own name holds neither word;
+* the ACL names it then looks up with ``dlsym`` (``acl*``, ``aclrt*``, ``aclnn*``, ``aclop*``, ``aclmdl*``,
+  ``aclprof*``, ``acltdt*``, ``rt*``, ``Hccl*``: every such name in the plugin's strings), each returning 0;
+  under simulation MindSpore replaces the ``aclrt`` calls with its own (``LoadSimulationApiSymbols``);
+* ``ge::OperatorFactory::CreateOperator`` returns a 24-byte ``ge::Operator`` by value (through the
+  hidden result pointer): its stub zero-fills it, else MindSpore crashes setting up aclop kernels.
 """
 
 from __future__ import annotations
@@ -39,7 +55,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ms_deepseek.core.errors import UserError
 
-STUB_VERSION = 2  # bump when what is built changes: the cache key includes it
+STUB_VERSION = 3  # bump when what is built changes: the cache key includes it
+SIM_STUB_VERSION = 2  # the level-1 folder's own version (bump when what it holds changes)
 HCCL_VERSION = "8.1.0"  # what mindspore.communication's _check_version reads from hccl.sys_version
 
 
@@ -50,13 +67,14 @@ class StubSet:
     missing: List[str] = field(default_factory=list)   # library names given a stub
     symbols: int = 0             # function symbols defined by the stub core
     built: bool = False          # built by this call (False: taken from the cache)
+    root: Optional[Path] = None  # the folder holding opp/, include/, py/ (default: ``folder``)
 
     def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         """``base`` (default: this process's environment) with the stubs found first."""
         env = dict(os.environ if base is None else base)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(self.folder), env.get("LD_LIBRARY_PATH", "")) if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.python_path), env.get("PYTHONPATH", "")) if p)
-        env.setdefault("ASCEND_OPP_PATH", str(self.folder / "opp"))
+        env.setdefault("ASCEND_OPP_PATH", str((self.root or self.folder) / "opp"))
         return env
 
 
@@ -80,10 +98,11 @@ def _mindspore_version(ms_dir: Path) -> str:
     return m.group(1) if m else "unknown"
 
 
-def cache_key(ms_dir: Optional[Path] = None) -> str:
+def cache_key(ms_dir: Optional[Path] = None, level: int = 0) -> str:
     ms_dir = ms_dir or _mindspore_dir()
-    return (f"ms{_mindspore_version(ms_dir)}-{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
-            f"-v{STUB_VERSION}")
+    key = (f"ms{_mindspore_version(ms_dir)}-{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
+           f"-v{STUB_VERSION}")
+    return key if level == 0 else f"{key}-level1-v{SIM_STUB_VERSION}"
 
 
 def plugin_roots(ms_dir: Path) -> List[Path]:
@@ -211,9 +230,10 @@ def walk_closure(roots: Iterable[Path], ms_dir: Path) -> Closure:
     return Closure(found, sorted(missing), own)
 
 
-def stub_symbols(closure: Closure) -> Dict[str, str]:
-    """Undefined non-weak symbols of the wheel's libraries that nothing in the closure defines."""
-    defined: Set[str] = set()
+def stub_symbols(closure: Closure, defined_out: Optional[Set[str]] = None) -> Dict[str, str]:
+    """Undefined non-weak symbols of the wheel's libraries that nothing in the closure defines (the defined
+    names are added to ``defined_out`` when given)."""
+    defined: Set[str] = set() if defined_out is None else defined_out
     wanted: Dict[str, str] = {}
     for path in closure.found.values():
         d, u = _symbols(path)
@@ -227,11 +247,37 @@ def stub_symbols(closure: Closure) -> Dict[str, str]:
     return {n: k for n, k in sorted(wanted.items()) if n not in defined}
 
 
+# functions that return a C++ object by value: the caller passes the result's address (x86-64: first
+# argument; AArch64: x8) and reads the object after the call; a stub must hand back a zeroed object
+# (ge::Operator, 24 bytes: measured at level 1, design.md section 8)
+BY_VALUE = {"_ZN2ge15OperatorFactory14CreateOperatorEPKcS2_": 24,
+            "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,
+            "_ZN2ge15OperatorFactory14CreateOperatorERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEES8_": 24}
+# what MindSpore's plugin dlsym()s from the CANN tree it found: ACL, ACLNN, runtime and HCCL entry points
+_ACL_NAME = re.compile(rb"(?<![A-Za-z0-9_])((?:acl|aclrt|aclnn|aclop|aclmdl|aclprof|acltdt|rt|Hccl|mstx)[A-Z][A-Za-z0-9_]*)")
+# and the libraries it dlopen()s under that tree (``<ascend path>/lib64/...``)
+_ACL_LIB = re.compile(rb"lib64/((?:driver/)?lib[A-Za-z0-9_]+\.so)(?![A-Za-z0-9_.])")
+# dlopen()ed under <ascend path>/lib64 by its bare name (measured: symbol_utils.cc GetLibHandler's "Dlopen ... failed")
+_ACL_LIB_BARE = ("libacl_tdt_queue.so",)
+
+
+def _by_value_stub(i: int, name: str, size: int) -> str:
+    if platform.machine() == "aarch64":
+        take = "void *ret; __asm__ volatile(\"mov %0, x8\" : \"=r\"(ret));"
+        return (f'void *f_{i}(void) __asm__("{name}");\n'
+                f"void *f_{i}(void) {{ {take} memset(ret, 0, {size}); return ret; }}")
+    return (f'void *f_{i}(void *ret) __asm__("{name}");\n'
+            f"void *f_{i}(void *ret) {{ memset(ret, 0, {size}); return ret; }}")
+
+
 def _c_source(symbols: Dict[str, str]) -> str:
     lines = ["/* generated by ms_deepseek.diagnostics.cann_stubs: every CANN symbol MindSpore's Ascend plugin",
-             "   needs, returning 0 (compile-only dry run: none of them is called but static registrations) */"]
+             "   needs, returning 0 (compile-only dry run: none of them is called but static registrations) */",
+             "#include <string.h>"]
     for i, (name, kind) in enumerate(symbols.items()):
-        if kind == "OBJECT":
+        if name in BY_VALUE:
+            lines.append(_by_value_stub(i, name, BY_VALUE[name]))
+        elif kind == "OBJECT":
             lines.append(f'char o_{i}[256] __asm__("{name}");')
         else:
             lines.append(f'long f_{i}(void) __asm__("{name}");\nlong f_{i}(void) {{ return 0; }}')
@@ -255,56 +301,128 @@ def build_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
         for name in closure.missing:
             _run([cc, "-shared", "-fPIC", "-o", str(tmp / name), str(empty), f"-Wl,-soname,{name}",
                   "-Wl,--no-as-needed", f"-L{tmp}", "-lcann_stub_core", "-Wl,-rpath,$ORIGIN"])
-        # what MindSpore's custom-op path reads from a CANN tree (mindspore/ops/operations/custom_ops.py
-        # _compile_aot: the generated aclnn callback is compiled with -I<ASCEND_OPP_PATH before "opp">/include;
-        # _custom_ops_utils.py CustomInfoGenerator lists <ASCEND_OPP_PATH>/built-in/.../config/<soc>)
-        acl = tmp / "include" / "acl"
-        acl.mkdir(parents=True)
-        (acl / "acl_base.h").write_text("/* stub of CANN's acl/acl_base.h for the compile-only dry run */\n"
-                                        "#pragma once\n#include <stdint.h>\n#include <stddef.h>\n"
-                                        "typedef int aclError;\ntypedef void *aclrtStream;\n")
-        (tmp / "opp" / "built-in" / "op_impl" / "ai_core" / "tbe" / "config").mkdir(parents=True)
-        hccl = tmp / "py" / "hccl"
-        hccl.mkdir(parents=True)
-        (hccl / "__init__.py").write_text("")
-        (hccl / "sys_version.py").write_text(f'__sys_version__ = "{HCCL_VERSION}"  # read by mindspore.communication\n')
+        _write_support(tmp, ms_dir)
         (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", f"symbols {len(symbols)}",
                                                  *(f"missing {n}" for n in closure.missing)]) + "\n")
-        if dest.exists() and _read_manifest(dest) is None:
-            shutil.rmtree(dest)  # an incomplete folder (an older layout): replaced
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if _read_manifest(dest) is None:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process built it meanwhile: theirs serves
-            return _read_manifest(dest)
+        return _install(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return StubSet(dest, dest / "py", list(closure.missing), len(symbols), built=True)
+
+
+def acl_names(roots: Iterable[Path], defined: Set[str]) -> Tuple[List[str], List[str]]:
+    """(ACL function names, library paths under the CANN tree) named in the plugin's strings, minus the names
+    a library of the closure defines (a stub must not interpose on MindSpore's own)."""
+    names: Set[str] = set()
+    libs: Set[str] = set()
+    for lib in roots:
+        data = lib.read_bytes()
+        names.update(m.decode() for m in _ACL_NAME.findall(data))
+        libs.update(m.decode() for m in _ACL_LIB.findall(data))
+    return sorted(n for n in names if n not in defined), sorted(libs | set(_ACL_LIB_BARE))
+
+
+def build_level1_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
+    """The stub folder for ``MS_SIMULATION_LEVEL=1``: everything of :func:`build_stubs`, plus the ACL names
+    MindSpore dlsym()s, in ``dest/latest/lib64`` (found by MindSpore's ``GetAscendPath``)."""
+    ms_dir = ms_dir or _mindspore_dir()
+    roots = plugin_roots(ms_dir)
+    closure = walk_closure(roots, ms_dir)
+    defined: Set[str] = set()
+    symbols = stub_symbols(closure, defined)
+    names, acl_libs = acl_names(roots, defined)
+    for n in names:
+        symbols.setdefault(n, "FUNC")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        lib64 = tmp / "latest" / "lib64"
+        lib64.mkdir(parents=True)
+        core = "libacl_stub_core.so"  # neither "cann" nor "latest" in its name: GetAscendPath cuts at the rightmost
+        (tmp / "acl_stub_core.c").write_text(_c_source(symbols))
+        cc = os.environ.get("CC", "gcc")
+        _run([cc, "-shared", "-fPIC", "-O0", "-w", "-o", str(lib64 / core), str(tmp / "acl_stub_core.c"),
+              f"-Wl,-soname,{core}"])
+        empty = tmp / "empty.c"
+        empty.write_text("/* a CANN library: its symbols come from libacl_stub_core.so */\n")
+        for name in sorted(set(closure.missing) | set(acl_libs)):
+            target = lib64 / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            rpath = "$ORIGIN" if target.parent == lib64 else "$ORIGIN/.."
+            _run([cc, "-shared", "-fPIC", "-o", str(target), str(empty), f"-Wl,-soname,{Path(name).name}",
+                  "-Wl,--no-as-needed", f"-L{lib64}", "-l" + core[3:-3], f"-Wl,-rpath,{rpath}"])
+        _write_support(tmp, ms_dir)
+        (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", "level 1",
+                                                 f"symbols {len(symbols)}", "libdir latest/lib64",
+                                                 *(f"missing {n}" for n in sorted(set(closure.missing) |
+                                                                                  set(acl_libs)))]) + "\n")
+        return _install(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_support(tmp: Path, ms_dir: Path) -> None:
+    """The non-library parts of a stub folder: CANN's acl header, the opp folder, ``hccl.sys_version``."""
+    # what MindSpore's custom-op path reads from a CANN tree (mindspore/ops/operations/custom_ops.py
+    # _compile_aot: the generated aclnn callback is compiled with -I<ASCEND_OPP_PATH before "opp">/include;
+    # _custom_ops_utils.py CustomInfoGenerator lists <ASCEND_OPP_PATH>/built-in/.../config/<soc>)
+    acl = tmp / "include" / "acl"
+    acl.mkdir(parents=True)
+    (acl / "acl_base.h").write_text("/* stub of CANN's acl/acl_base.h for the compile-only dry run */\n"
+                                    "#pragma once\n#include <stdint.h>\n#include <stddef.h>\n"
+                                    "typedef int aclError;\ntypedef void *aclrtStream;\n")
+    (tmp / "opp" / "built-in" / "op_impl" / "ai_core" / "tbe" / "config").mkdir(parents=True)
+    hccl = tmp / "py" / "hccl"
+    hccl.mkdir(parents=True)
+    (hccl / "__init__.py").write_text("")
+    (hccl / "sys_version.py").write_text(f'__sys_version__ = "{HCCL_VERSION}"  # read by mindspore.communication\n')
+
+
+def _install(tmp: Path, dest: Path) -> StubSet:
+    if dest.exists() and _read_manifest(dest) is None:
+        shutil.rmtree(dest)  # an incomplete folder (an older layout): replaced
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if _read_manifest(dest) is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process built it meanwhile: theirs serves
+        return _read_manifest(dest)
+    made = _read_manifest(dest)
+    made.built = True
+    return made
 
 
 def _read_manifest(folder: Path) -> Optional[StubSet]:
     manifest = folder / "MANIFEST"
-    if not manifest.is_file() or not (folder / "libcann_stub_core.so").is_file():
+    if not manifest.is_file():
         return None
-    missing, symbols = [], 0
+    missing, symbols, libdir = [], 0, folder
     for line in manifest.read_text().splitlines():
         key, _, value = line.partition(" ")
         if key == "missing":
             missing.append(value)
         elif key == "symbols":
             symbols = int(value)
-    return StubSet(folder, folder / "py", missing, symbols)
+        elif key == "libdir":
+            libdir = folder / value
+    if not any(libdir.glob("lib*_stub_core.so")):
+        return None
+    stubs = StubSet(libdir, folder / "py", missing, symbols)
+    stubs.root = folder
+    return stubs
 
 
-def ensure_stubs(root: Optional[Path] = None) -> StubSet:
-    """The stub folder for the installed MindSpore, built on first use into ``root`` (default: the
-    user's cache folder, keyed by MindSpore version, machine and Python)."""
+def ensure_stubs(root: Optional[Path] = None, level: int = 0) -> StubSet:
+    """The stub folder for the installed MindSpore and dry-run level (0: compile only; 1: compile and run
+    one step without kernels), built on first use into ``root`` (default: the user's cache folder, keyed by
+    MindSpore version, machine, Python and level)."""
+    if level not in (0, 1):
+        raise UserError(f"MS_SIMULATION_LEVEL {level}: the CANN stubs serve levels 0 and 1 only")
     ms_dir = _mindspore_dir()
-    folder = (root or cache_root()) / cache_key(ms_dir)
+    folder = (root or cache_root()) / cache_key(ms_dir, level)
     existing = _read_manifest(folder)
     if existing is not None:
         return existing
-    return build_stubs(folder, ms_dir)
+    return build_stubs(folder, ms_dir) if level == 0 else build_level1_stubs(folder, ms_dir)

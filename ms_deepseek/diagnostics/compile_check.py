@@ -15,7 +15,9 @@ several GB of host memory.
 
 What a compile proves: MindSpore's parallel frontend accepts every strategy, layout, redistribution,
 the pipeline and accumulation passes, and lays the parameters out as the plan says. What it does
-not: Ascend kernels (ours and CANN's), HCCL, device memory at run time, speed.
+not: Ascend kernels (ours and CANN's), HCCL, speed. Device memory: ``plan --compile --memory`` runs the
+workers at ``MS_SIMULATION_LEVEL=1`` instead (the step runs once without kernels and MindSpore accounts
+its memory pool; :mod:`ms_deepseek.diagnostics.memory_check`).
 """
 
 from __future__ import annotations
@@ -208,8 +210,9 @@ class RankResult:
         return bool(self.graphs) and all(g.get("ok") for g in self.graphs.values())
 
 
-def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path, base_env=None):
-    """(environment, how the Ascend libraries are provided) for one simulated rank."""
+def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path, base_env=None, level: int = 0):
+    """(environment, how the Ascend libraries are provided) for one simulated rank at dry-run ``level`` (0: compile
+    only; 1: compile and run one step without kernels, with MindSpore's memory accounting)."""
     env = dict(os.environ if base_env is None else base_env)
     how = ""
     if cann:
@@ -223,29 +226,39 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
     else:
         from ms_deepseek.diagnostics.cann_stubs import ensure_stubs
 
-        stubs = ensure_stubs()
+        stubs = ensure_stubs(level=level)
         env = stubs.env(env)
         how = (f"CANN stubs ({len(stubs.missing)} libraries, {stubs.symbols} symbols"
                f"{', built now' if stubs.built else ''}) in {stubs.folder}")
-    env.update({"MS_SIMULATION_LEVEL": "0", "RANK_SIZE": str(world), "RANK_ID": str(rank),
-                "MS_DEEPSEEK_DEVICE": "Ascend", "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate",
-                "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)})
-    env.setdefault("GLOG_v", "3")
+    env.update({"MS_SIMULATION_LEVEL": str(level), "RANK_SIZE": str(world), "RANK_ID": str(rank),
+                "MS_DEEPSEEK_DEVICE": "Ascend"})
+    if level == 0:
+        env.update({"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)})
+        env.setdefault("GLOG_v", "3")
+    else:
+        # MindSpore prints its pool's peak at WARNING level when the process ends (ascend_dynamic_mem_adapter.cc
+        # AscendDynamicMemAdapter::DevMemStatistics: "Used peak memory usage (without fragments): NM"); the
+        # memory tracker writes every block to rank_<id>/memory_block.csv in the working folder
+        # (MS_ALLOC_CONF=memory_tracker:True, mem_pool/mem_tracker.cc)
+        env["GLOG_v"] = "2"
+        env["MS_ALLOC_CONF"] = "memory_tracker:True"
     for key in ("MS_WORKER_NUM", "MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT"):  # not an msrun worker
         env.pop(key, None)
     return env, how
 
 
 def run_rank(recipe_path: str, overrides: List[str], rank: int, world: int, cann: Optional[str], work: Path,
-             eval_graph: bool = True, timeout: float = WORKER_TIMEOUT_S) -> RankResult:
-    """Compile one rank in its own process; its folder under ``work`` holds request, log and result."""
+             eval_graph: bool = True, timeout: float = WORKER_TIMEOUT_S, memory: bool = False) -> RankResult:
+    """Compile one rank in its own process; its folder under ``work`` holds request, log and result. With
+    ``memory`` the process runs at ``MS_SIMULATION_LEVEL=1``: the step runs once without kernels and
+    ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`)."""
     folder = work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
     request.write_text(json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides,
-                                   "eval": eval_graph}))
+                                   "eval": eval_graph, "memory": memory}))
     ir_dir = folder / "ir"
-    env, _ = compile_environment(rank, world, cann, ir_dir)
+    env, _ = compile_environment(rank, world, cann, ir_dir, level=1 if memory else 0)
     log = folder / "worker.log"
     start = time.time()
     with open(log, "wb") as out:
@@ -264,6 +277,11 @@ def run_rank(recipe_path: str, overrides: List[str], rank: int, world: int, cann
     data = json.loads(result_file.read_text())
     result = RankResult(rank, data.get("stage"), data.get("graphs", {}), data.get("seconds", 0.0),
                         data.get("peak_rss_mb", 0.0), str(log))
+    if memory and result.graphs.get("step", {}).get("ok"):
+        from ms_deepseek.diagnostics.memory_check import read_accounting
+
+        result.graphs["step"]["memory"] = read_accounting(log, folder / f"rank_{rank}")
+        return result
     compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
     for name, path in zip(compiled, _ir_files(ir_dir)):
         result.graphs[name]["communication"] = communication_from_ir(path)
@@ -298,7 +316,7 @@ class CompileReport:
 
 def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: List[int], reduction: Reduction,
                    cann: Optional[str] = None, work: Optional[Path] = None, eval_graph: bool = True,
-                   progress=None) -> CompileReport:
+                   progress=None, memory: bool = False) -> CompileReport:
     """Compile the recipe (already loaded with ``user_overrides`` and any layout flags applied) for ``ranks``."""
     par = recipe.parallel
     world = par.world_size
@@ -308,15 +326,16 @@ def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: L
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
-    _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()))
+    _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()), level=1 if memory else 0)
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(work)
     results = []
     try:
         for rank in ranks:
             if progress is not None:
-                progress(f"compiling rank {rank} of {world} ...")
-            results.append(run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph))
+                progress(f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
+                         f"{reduction.describe()} ...")
+            results.append(run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory))
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
             shutil.rmtree(work, ignore_errors=True)  # kept when something failed: the logs are there

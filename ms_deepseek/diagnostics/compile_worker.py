@@ -13,8 +13,12 @@ shape a rank reads, ``[k * rows, seq_len]`` for the step, ``[rows, seq_len]`` fo
 no weights (the model is built unallocated, ``no_init_parameters``, also for LoRA and QLoRA bases;
 nothing is read or initialised, since a compile needs shapes only). Then it compiles the training
 step and the validation graph, checks the compiled parameter layouts against the plan
-(:mod:`ms_deepseek.parallel_apply.compiled_check`) and writes ``result.json`` beside the request. It never
-runs a step: under the dry run a compiled step returns placeholders.
+(:mod:`ms_deepseek.parallel_apply.compiled_check`) and writes ``result.json`` beside the request. At
+``MS_SIMULATION_LEVEL=0`` it never runs a step: under the dry run a compiled step returns placeholders.
+With ``"memory": true`` in the request (``plan --compile --memory``, ``MS_SIMULATION_LEVEL=1``) it calls the
+compiled step once, which MindSpore runs without kernels while accounting every device allocation (its
+peak is 0 if the step is only compiled: design.md section 8), and skips the validation graph; nothing is
+saved and the process ends after that step.
 """
 
 from __future__ import annotations
@@ -150,6 +154,17 @@ class CompileOnlyTrainer(Trainer):
             cc.compiled_strategies(self.step_cell), cc.planned_primitives(self.model, self.applied.strategies))
         return compared, self.strategies_compared
 
+    def run_step(self) -> None:
+        """Call the compiled step once (``MS_SIMULATION_LEVEL=1``: no kernels run; MindSpore's memory pool
+        accounts each allocation and prints its peak when the process ends). The outputs are placeholders."""
+        from mindspore import Tensor
+
+        if os.environ.get("MS_SIMULATION_LEVEL") != "1":
+            raise UserError("run_step: only under MS_SIMULATION_LEVEL=1 (a dry run that runs the step without "
+                            f"kernels); this process has MS_SIMULATION_LEVEL={os.environ.get('MS_SIMULATION_LEVEL')!r}")
+        shape = (self.k * self.rows, self.seq_len)
+        self.step_cell(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+
     def compile_eval(self) -> None:
         """Compile the validation graph as the trainer's first validation would (one micro-batch)."""
         from mindspore import Tensor
@@ -207,8 +222,11 @@ def run(request_path: str) -> int:
             result["graphs"]["setup"] = {"ok": False, **describe_failure(e)}
         else:
             result["stage"] = trainer.rank // (trainer.par.dp * trainer.par.tp)
-            if _graph(result, "train", trainer.compile_train) and request.get("eval", True):
-                _graph(result, "eval", trainer.compile_eval)
+            if _graph(result, "train", trainer.compile_train):
+                if request.get("memory"):
+                    _graph(result, "step", trainer.run_step)
+                elif request.get("eval", True):
+                    _graph(result, "eval", trainer.compile_eval)
     finally:
         result["seconds"] = round(time.time() - start, 1)
         result["peak_rss_mb"] = round(peak_rss_mb(), 0)

@@ -94,6 +94,9 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
             spec = style_spec(hit[1], mesh)
             if spec.is_primitive:
                 raise UserError(f"parallel plan: {hit[0]!r} ({hit[1]}) names a primitive but {path!r} is a Cell")
+            for attr, value in spec.attrs.items():  # the cell's form for this layout (the loss's split_vocab)
+                setter = getattr(cell, f"set_{attr}", None)
+                setter(value) if callable(setter) else setattr(cell, attr, value)
             for attr, (in_s, out_s) in spec.prims.items():
                 prim = getattr(cell, attr, None)
                 if prim is None or not _is_primitive(prim):

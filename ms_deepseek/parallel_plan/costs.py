@@ -182,8 +182,8 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     mesh = Mesh.from_parallel(parallel)
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, params=0, largest_grad=0, scales=0.0,
-                dequant=0.0) for _ in range(parallel.pp)]
+    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, casts=0.0, params=0, largest_grad=0,
+                scales=0.0, dequant=0.0) for _ in range(parallel.pp)]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
         layout = param_layout(plan, info.name, mesh)
@@ -200,6 +200,8 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
             _quantized_bytes(slot, info, layout, local, quant)
             continue
         slot["weights"] += local * size / group
+        if not info.trainable and info.name.startswith("model.embed_tokens"):
+            slot["frozen_embedding"] = local * size
         if not info.trainable:
             # A frozen weight wider than the compute dtype is still cast for the matmul, and the
             # cast is kept for the activation gradient.
@@ -211,9 +213,14 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
         slot["largest_grad"] = max(slot["largest_grad"], local)
         slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
         # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
-        # all-gathered full slice of an optimizer-sharded parameter.
-        if (size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight")) or group > 1:
-            slot["copies"] += local * precision.compute_bytes
+        # all-gathered full slice of an optimizer-sharded parameter. The embedding table is gathered in its
+        # own dtype (the Gather reads the table, the cast comes after): MindSpore's level-1 dump of
+        # v2-lite-sft-8npu held its AllGather output, [102400, 2048] float32, through the micro-step.
+        if group > 1:
+            gathered_bytes = size if info.name.startswith("model.embed_tokens") else precision.compute_bytes
+            slot["copies"] += local * gathered_bytes
+        elif size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
+            slot["casts"] += local * precision.compute_bytes
     return out
 
 
@@ -233,6 +240,12 @@ def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec
     slot["weights"] += local * quant.bits / 8
     slot["scales"] += scales * SCALE_BYTES
     slot["dequant"] = max(slot["dequant"], local * DEQUANT_BYTES)
+    # the unpacking's images of the weight (model/quant.py _int_values: the packed bytes cast to int32, 2
+    # bytes per int4 element): built from the Parameter alone, so under MindSpore's accumulation pass they
+    # are held all step; level 1 of v2-qlora-8npu held two per weight at the loss's backward (300 MiB
+    # blocks of [20, 1536, 2560] int32, six per MoE layer): 4 bytes per element, int8 (a float32 image,
+    # not measured) counted the same
+    slot["unpacked"] = slot.get("unpacked", 0.0) + local * 4
 
 
 def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, quant: QuantSpec) -> List[str]:
@@ -346,13 +359,29 @@ def eval_layer_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int)
     return a
 
 
+def vocab_split(parallel: ParallelConfig) -> int:
+    """How many ways the loss's vocabulary axis is split (the plan's ``vocab_cross_entropy`` style)."""
+    return parallel.tp if parallel.vocab_parallel else 1
+
+
 def head_activation_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """Final norm, head input and the vocab-parallel loss's [n, V/tp] float32 temporaries kept
-    for backward: the logits, exp(logits - max) and the one-hot target (MindFormers'
-    CrossEntropyLoss pattern: no gather over the split vocabulary axis)."""
+    """Final norm, head input and the loss's [n, V/tp] float32 tensors kept for backward. On a whole
+    vocabulary (model/loss.py: the target logit by GatherD) only exp(logits - max): MindSpore's level-1
+    accounting of v2-lite-lora-1npu (``plan --compile --memory``) held one [n, V] float32 Exp per
+    micro-batch in backward and nothing else of the loss's forward. On a split vocabulary also the logits
+    and the one-hot slice (MindFormers' CrossEntropyLoss pattern; not measured: no such recipe compiles)."""
     n = w.micro_batch_size * w.seq_len
-    V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
-    return n * (cfg.hidden_size * (4 + 2 * c) + V * 12)
+    V = cfg.vocab_size / vocab_split(parallel)
+    return n * (cfg.hidden_size * (4 + 2 * c) + V * (12 if vocab_split(parallel) > 1 else 4))
+
+
+def head_backward_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
+    """The loss's backward at its peak, besides the kept Exp: three [n, V/tp] float32 tensors at once
+    (MindSpore's level-1 per-block dump of v2-lite-lora-1npu: the ReduceSum gradient's Tile, the Exp
+    gradient's Mul and the GatherD gradient), then the logits' gradient cast to the compute dtype."""
+    n = w.micro_batch_size * w.seq_len
+    V = cfg.vocab_size / vocab_split(parallel)
+    return n * V * max(12, 4 + c)
 
 
 def in_flight(parallel: ParallelConfig, stage: int) -> int:
@@ -360,6 +389,21 @@ def in_flight(parallel: ParallelConfig, stage: int) -> int:
     if parallel.pp == 1:
         return 1
     return min(parallel.pp - stage, parallel.micro_batches)
+
+
+def unordered_micro_batches(parallel: ParallelConfig, w: Workload) -> int:
+    """Micro-batches whose kept activations may be alive together when nothing orders the accumulation.
+
+    In a sharded layout (semi-auto parallel) MindSpore's accumulation pass runs each micro-batch's
+    forward and backward in turn (one loss ``Exp`` at the peak of v2-lite-sft-8npu), and pipelines are
+    1F1B (:func:`in_flight`). On one NPU or in plain data parallel the step's ``GradAccumulation`` is the
+    unrolled sum alone and MindSpore's scheduler decides: at level 1 it held the loss's [n, V] float32
+    ``Exp`` and ``GatherD`` gradient of 1 of 2 micro-batches (v2-lite-lora-1npu, 4096 tokens), 3 of 4
+    (the same), 2 of 2 (v2-lite-qlora-1npu, 16384 tokens). Counted: all ``k`` (the bound; over by one
+    micro-batch where MindSpore kept one fewer)."""
+    if parallel.pp > 1 or parallel.uses_semi_auto:
+        return 1
+    return max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
 
 
 def comm_groups(parallel: ParallelConfig) -> int:
@@ -394,28 +438,51 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
         if moe_layers:
             working += moe_transient_bytes(cfg, parallel, n, c)
-        if s == parallel.pp - 1:
-            # the logits' float32 gradient and its cast to the compute dtype, [n, V/tp] each
-            V = cfg.vocab_size / (parallel.tp if parallel.vocab_parallel else 1)
-            working = max(working, n * V * (4 + c))
+        comm = 0.0
+        if cfg.has_moe and parallel.ep > 1 and moe_layers:
+            comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
+        if s == parallel.pp - 1 and head_backward_bytes(cfg, parallel, w, c) >= working + comm:
+            # the loss's backward is the peak; the all-to-all buffers are transients of the MoE layers, not
+            # live then (level 1: no AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
+            working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
+        gradients = held[s]["gradients"]
+        k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
+        if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("frozen_embedding"):
+            # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
+            # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
+            # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
+            gradients += held[s]["frozen_embedding"]
+        dequant = held[s].get("dequant", 0.0)
+        if parallel.pp == 1 and parallel.uses_semi_auto and held[s].get("unpacked"):
+            # level 1 of v2-qlora-8npu (2 and 3 layers): every quantized weight's int32 unpacking images
+            # alive at the loss's backward (the Casts of model/quant.py _int_values): one per weight with one
+            # micro-step (+1.3 GiB per MoE layer), two with two (+2.5 GiB); held[s]["unpacked"] counts two.
+            # Not seen on one NPU (v2-lite-qlora-1npu: 21 MiB of Casts at its peak); pipelines not measured.
+            dequant += held[s]["unpacked"] * (1.0 if k > 1 else 0.5)
+        unordered = unordered_micro_batches(parallel, w)
+        if s == parallel.pp - 1 and unordered > 1:
+            # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts
+            working += (unordered - 1) * n * cfg.vocab_size / vocab_split(parallel) * 4
         # Clipping: the global norm's square sums run one gradient at a time with float32
         # accumulation (train/step.py), at most a float32 image of the largest local gradient;
         # activations are freed by then, so it competes with the working set, not with them.
         working = max(working, held[s]["largest_grad"] * 4)
+        # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
+        # held each layer's all-gathered weights from its forward to the end of the step (+60 MiB per MoE
+        # layer at the peak, from 2 to 3 layers), not one layer's at a time
         copies = held[s]["copies"]
+        casts = held[s].get("casts", 0.0)  # compute-dtype casts of wider, not gathered, weights
         if parallel.recompute == "full" and layers:
-            working += copies / max(1, len(layers))    # one layer's weight copies, recast when recomputed
-            copies = 0.0
+            working += casts / max(1, len(layers))     # one layer's casts, recast when recomputed
+        else:
+            copies += casts
         hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
-        comm = 0.0
-        if cfg.has_moe and parallel.ep > 1 and moe_layers:
-            comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
         mem = StageMemory(
             stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
-            gradients=held[s]["gradients"], optimizer=held[s]["optimizer"],
-            activations=kept * in_flight(parallel, s), working_set=working, comm_buffers=comm, hccl_buffers=hccl,
+            gradients=gradients, optimizer=held[s]["optimizer"],
+            activations=kept * in_flight(parallel, s) * unordered, working_set=working, comm_buffers=comm, hccl_buffers=hccl,
             workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
-            dequant_workspace=held[s].get("dequant", 0.0), params=int(held[s]["params"]))
+            dequant_workspace=dequant, params=int(held[s]["params"]))
         if w.validation:
             mem.eval_peak = _eval_peak(cfg, parallel, w, c, layers, s, mem, held[s])
         result.append(mem)

@@ -129,6 +129,9 @@ class StyleSpec:
     consumers: Dict[str, Tuple[str, int]] = field(default_factory=dict)
     # True when the path names a primitive (the spec then has one entry under "")
     is_primitive: bool = False
+    # cell attribute -> value, set on the matched cell (a form that depends on the layout, e.g. the loss's
+    # ``split_vocab``)
+    attrs: Dict[str, object] = field(default_factory=dict)
 
 
 def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...],
@@ -194,13 +197,18 @@ def _vocab_cross_entropy(mesh: Mesh) -> StyleSpec:
     dp, tp = mesh.dp, mesh.tp
     # logits [N, V] as lm_head leaves them: tokens by dp, vocabulary by the head's split. Every
     # reduction over V is partial per device and all-reduced (MindFormers' CrossEntropyLoss
-    # strategies); OneHot builds each device's vocabulary slice of the targets.
+    # strategies). The target logit: on a split vocabulary OneHot builds each device's slice of the
+    # targets (GatherD cannot split its gather axis: gather_d_info.cc GatherDInfo::CheckStrategy); on a
+    # whole vocabulary GatherD picks it per token, no [N, V] one-hot (model/loss.py).
     v = tp if mesh.vocab_parallel else 1
     nv = ((dp, v),)
-    return StyleSpec(prims={"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
-                            "sum_exp": (nv, None), "log": (((dp,),), None),
-                            "onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None),
-                            "pick": (nv, None)})
+    prims = {"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
+             "sum_exp": (nv, None), "log": (((dp,),), None)}
+    if v > 1:
+        prims.update({"onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None), "pick": (nv, None)})
+    else:
+        prims["gather_target"] = (((dp, 1), (dp, 1)), None)
+    return StyleSpec(prims=prims, attrs={"split_vocab": v > 1})
 
 
 def _vocab_embedding(mesh: Mesh) -> StyleSpec:

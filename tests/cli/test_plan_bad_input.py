@@ -72,6 +72,10 @@ LORA16 = str(RECIPES / "v2-lora-16npu.yaml")
     # what every worker would refuse, refused once up front: a pipeline over a recipe that accumulates
     (["--recipe", SFT8, "--compile", "--pp", "2", "--dp", "4", "--ep", "4"], ["train.grad_accum_steps", "pipeline"]),
     (["--recipe", SFT8, "--compile", "--dp", "3", "--ep", "1"], ["parallel", "multiple of 8", "= 3"]),
+    (["--recipe", SFT8, "--memory"], ["--memory: only with --compile"]),
+    (["--recipe", SFT8, "--compile", "--tolerance", "0.2"], ["--tolerance: only with --compile --memory"]),
+    (["--recipe", SFT8, "--compile", "--memory", "--layers", "99"], ["--layers", "more than the model's 27 layers"]),
+    (["--recipe", SFT8, "--compile", "--memory", "--ranks", "9"], ["--ranks", "outside the world of 8 ranks"]),
 ])
 def test_plan_compile_bad_input(capsys, argv, names):
     code, out, err = run_cli(capsys, ["plan", *argv])

@@ -31,3 +31,32 @@ def test_mindspore_imports_its_ascend_plugin_against_the_stubs(tmp_path):
     code = "import mindspore as ms; ms.set_device('Ascend'); print(ms.get_context('device_target'))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("Ascend"), proc.stderr[-2000:]
+
+
+def test_level1_stubs_sit_where_mindspore_looks_for_cann_and_fill_by_value_results(tmp_path):
+    """MS_SIMULATION_LEVEL=1 dlopen()s <ascend path>/lib64/libascendcl.so ..., the ascend path cut from the
+    file defining aclrtMalloc after its rightmost "cann" or "latest" (MindSpore symbol_utils.cc
+    GetAscendPath); ge::OperatorFactory::CreateOperator returns a 24-byte object by value (design.md 8)."""
+    import ctypes
+    import platform
+
+    stubs = cann_stubs.ensure_stubs(tmp_path, level=1)
+    assert stubs.folder.name == "lib64" and stubs.folder.parent.name == "latest"
+    core = stubs.folder / "libacl_stub_core.so"
+    path = str(core)
+    cut = max(path.rfind("cann"), path.rfind("latest"))  # what GetAscendPath does with this file's path
+    assert path[:cut] + "latest/" == str(stubs.folder.parent) + "/"
+    for name in ("libascendcl.so", "libacl_op_compiler.so", "libacl_tdt_channel.so", "libmsprofiler.so",
+                 "libopapi.so", "libacl_tdt_queue.so"):
+        assert (stubs.folder / name).is_file(), name
+    lib = ctypes.CDLL(path)
+    for name in ("aclrtMalloc", "aclInit", "aclnnInit", "aclopCreateAttr", "HcclCommInitRootInfo"):
+        assert getattr(lib, name)() == 0, name
+    assert stubs.symbols > cann_stubs.ensure_stubs(tmp_path).symbols + 500  # the ~700 ACL names besides
+    if platform.machine() == "x86_64":  # the caller's result buffer comes as the first argument
+        buf = ctypes.create_string_buffer(32)
+        ctypes.memset(buf, 0xFF, 32)
+        fn = lib._ZN2ge15OperatorFactory14CreateOperatorEPKcS2_
+        fn.restype = ctypes.c_void_p
+        assert fn(buf, None, None) == ctypes.addressof(buf)
+        assert buf.raw[:24] == b"\0" * 24 and buf.raw[24:32] == b"\xff" * 8  # 24 bytes, not one more

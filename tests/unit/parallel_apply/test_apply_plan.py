@@ -158,15 +158,22 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
     assert model.model.embed_tokens.gather.attrs["in_strategy"] == ((vocab, 1), (dp, 1))
     assert model.lm_head.matmul.attrs["in_strategy"] == ((dp, 1), (vocab, 1))
     # the loss keeps the logits [N, V] as lm_head leaves them, (dp, vocab split): every op over V
-    # is a partial reduction (no GatherD, which cannot split its gather axis)
+    # is a partial reduction; the target logit by a one-hot slice on a split vocabulary (GatherD cannot
+    # split its gather axis), by GatherD on a whole one (no [N, V] one-hot)
     loss = model.loss_fn
     head_out = (dp, model.lm_head.matmul.attrs["in_strategy"][1][0])
-    for attr in ("row_max", "exp", "sum_exp", "pick"):
+    for attr in ("row_max", "exp", "sum_exp"):
         assert getattr(loss, attr).attrs["in_strategy"] == (head_out,), attr
     assert loss.sub.attrs["in_strategy"] == (head_out, (dp, 1))
-    assert loss.mul.attrs["in_strategy"] == (head_out, head_out)
-    assert loss.onehot.attrs["in_strategy"] == (head_out, (), ())
-    assert not [p for p in prims if p.startswith("loss_fn.") and type(prims[p]).__name__ == "GatherD"]
+    assert loss.split_vocab == (vocab > 1)
+    if vocab > 1:
+        assert loss.pick.attrs["in_strategy"] == (head_out,)
+        assert loss.mul.attrs["in_strategy"] == (head_out, head_out)
+        assert loss.onehot.attrs["in_strategy"] == (head_out, (), ())
+        assert "loss_fn.gather_target" not in applied.strategies
+    else:
+        assert loss.gather_target.attrs["in_strategy"] == ((dp, 1), (dp, 1))
+        assert "loss_fn.onehot" not in applied.strategies
     if parallel.pp > 1:
         assert loss.pipeline_stage == model.lm_head.pipeline_stage == parallel.pp - 1
     # each strategy uses at most the stage's devices and divides every axis it splits

@@ -145,7 +145,11 @@ def _load(name, overrides=()):
     return load_recipe(REPO / "recipes" / f"{name}.yaml", base + list(overrides))
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+_DOES_NOT_FIT = {"v2-qlora-8npu": pytest.mark.xfail(strict=True, reason="MindSpore's level-1 accounting (docs/planner.md): the int32 unpacking images of the int4 base, held all step, ~190 GB per NPU; the planner counts them now")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[_DOES_NOT_FIT[n]] if n in _DOES_NOT_FIT else [])
+                                  for n in sorted(RECIPES)])
 def test_recipes_validate_and_fit(name):
     from ms_deepseek.parallel_plan.planner import recipe_workload
     from ms_deepseek.parallel_plan.validate import validate_layout
@@ -392,7 +396,10 @@ def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
     assert best.fits and best.layout.world_size == 8
     full = estimate(cfg, best.layout, dataclasses.replace(w, lora=None), world_size=8)
     lo, fu = best.memory_gb, full.memory_gb
-    assert lo["gradients"] < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
+    # LoRA's gradients: the adapters', plus the frozen embedding's one accumulation buffer MindSpore's pass
+    # takes under accumulation in a sharded layout (measured at level 1: costs.stage_memory)
+    embedding_gb = cfg.vocab_size * cfg.hidden_size * 2 / 1024 ** 3
+    assert lo["gradients"] - embedding_gb < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
     assert best.peak_gb < full.peak_gb - 15
     assert best.comm_gb["dp_sync"] < 0.05 * full.comm_gb["dp_sync"]          # only adapter gradients sync
     assert best.tokens_per_s_per_npu > full.tokens_per_s_per_npu            # no base weight gradients
@@ -442,11 +449,13 @@ def test_recipe_comments_state_the_planners_figures(path, capsys):
     stated = comment.split("Planner (`ms-deepseek plan --recipe", 1)[1]
     import re
 
-    gb = float(re.search(r"FITS at ([\d.]+) GB per NPU", stated).group(1))
+    verdict = re.search(r"(DOES NOT FIT|FITS) at ([\d.]+) GB per NPU", stated)
+    gb = float(verdict.group(2))
     lo, hi = (int(x) for x in re.search(r"(\d+)-(\d+) tokens/s per NPU", stated).groups())
     code, out = _cli(capsys, "--recipe", str(path), "--json")
     data = json.loads(out.out)
-    assert code == 0 and data["fits"]
+    # a recipe the planner finds too large says so in its comment (and plan exits 1 for it)
+    assert (code, data["fits"]) == ((0, True) if verdict.group(1) == "FITS" else (1, False))
     # the peak over both graphs: the training step and, with data.validation, the eval graph
     assert gb == round(max(data["memory_gb"]["total"], data["memory_gb"].get("eval_total", 0.0)), 1)
     assert (lo, hi) == tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
