@@ -39,13 +39,13 @@ class GenerationResult:
 
     ids: List[int]
     prompt_length: int
-    finish_reason: str                 # "eos" or "length"
+    finish_reason: str  # "eos" or "length"
     use_cache: bool
-    mode: str                          # "graph" or "pynative"
-    cache: Optional[dict] = None       # latent-cache figures (see model.decode.CacheFigures.as_dict)
+    mode: str  # "graph" or "pynative"
+    cache: Optional[dict] = None  # latent-cache figures (see model.decode.CacheFigures.as_dict)
     timings: dict = field(default_factory=dict)
-    text: Optional[str] = None         # prompt + completion, filled by callers that hold a tokenizer
-    completion: Optional[str] = None   # the new tokens' text
+    text: Optional[str] = None  # prompt + completion, filled by callers that hold a tokenizer
+    completion: Optional[str] = None  # the new tokens' text
 
     @property
     def prompt_ids(self) -> List[int]:
@@ -53,12 +53,18 @@ class GenerationResult:
 
     @property
     def new_ids(self) -> List[int]:
-        return self.ids[self.prompt_length:]
+        return self.ids[self.prompt_length :]
 
     def as_dict(self) -> dict:
-        out = {"prompt_ids": self.prompt_ids, "ids": self.ids, "new_ids": self.new_ids,
-               "finish_reason": self.finish_reason, "use_cache": self.use_cache, "mode": self.mode,
-               "timings": self.timings}
+        out = {
+            "prompt_ids": self.prompt_ids,
+            "ids": self.ids,
+            "new_ids": self.new_ids,
+            "finish_reason": self.finish_reason,
+            "use_cache": self.use_cache,
+            "mode": self.mode,
+            "timings": self.timings,
+        }
         if self.text is not None:
             out["text"], out["completion"] = self.text, self.completion
         if self.cache is not None:
@@ -86,8 +92,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> np.ndarr
                 raise UserError(f"prompt token {tok!r} at position {t} is not an integer id")
             if not 0 <= tok < vocab_size:
                 where = f"prompt {b} position {t}" if len(prompts) > 1 else f"position {t}"
-                raise UserError(f"prompt token id {int(tok)} at {where} is outside the model's vocabulary "
-                                f"[0, {vocab_size})")
+                raise UserError(
+                    f"prompt token id {int(tok)} at {where} is outside the model's vocabulary [0, {vocab_size})"
+                )
     return np.asarray(prompts, dtype=np.int32)
 
 
@@ -96,16 +103,22 @@ def check_length(prompt_length: int, max_new_tokens: int, cfg) -> int:
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     total = prompt_length + max_new_tokens
     if total > cfg.max_position_embeddings:
-        raise UserError(f"prompt length {prompt_length} + max_new_tokens {max_new_tokens} = {total} exceeds the "
-                        f"model's max_position_embeddings {cfg.max_position_embeddings}")
+        raise UserError(
+            f"prompt length {prompt_length} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+            f"model's max_position_embeddings {cfg.max_position_embeddings}"
+        )
     return total
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> None:
     from ms_deepseek.ops.reference import check_penalty
 
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
-            or math.isinf(temperature):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not temperature >= 0
+        or math.isinf(temperature)
+    ):
         raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     _check_int("top_k", top_k, 0)
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
@@ -134,8 +147,7 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     return x
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k: int,
-           top_p: float) -> np.ndarray:
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Next ids [B] from float32 logits [B, V]: argmax when temperature == 0, else a draw."""
     if temperature == 0:
         return logits.argmax(-1).astype(np.int32)
@@ -265,8 +277,13 @@ def _timings(token_s: List[float], batch_size: int) -> dict:
     """prefill_s: time to the first new token; decode: every later token (one forward + sampling each);
     steady: without the first decode step (in graph mode that one includes compiling the step)."""
     decode = token_s[1:]
-    out = {"new_tokens": len(token_s), "prefill_s": round(token_s[0], 4), "decode_s": round(sum(decode), 4),
-           "decode_tokens_per_s": None, "steady_tokens_per_s": None}
+    out = {
+        "new_tokens": len(token_s),
+        "prefill_s": round(token_s[0], 4),
+        "decode_s": round(sum(decode), 4),
+        "decode_tokens_per_s": None,
+        "steady_tokens_per_s": None,
+    }
     if decode and sum(decode) > 0:
         out["decode_tokens_per_s"] = round(len(decode) * batch_size / sum(decode), 3)
     if len(decode) > 1 and sum(decode[1:]) > 0:
@@ -274,10 +291,20 @@ def _timings(token_s: List[float], batch_size: int) -> dict:
     return out
 
 
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                   repetition_penalty: float = 1.0, eos_ids: Optional[Iterable[int]] = None,
-                   use_cache: bool = True, progress: bool = False) -> List[GenerationResult]:
+def generate_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    eos_ids: Optional[Iterable[int]] = None,
+    use_cache: bool = True,
+    progress: bool = False,
+) -> List[GenerationResult]:
     """Generate for several equal-length prompts at once (one batch); see :func:`generate`."""
     cfg = model.config
     check_sampling(temperature, top_k, top_p, repetition_penalty)
@@ -329,17 +356,38 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     figures = None
     if use_cache:
         fig = cache_figures(cfg)
-        figures = dict(fig.as_dict(), buffer_rows=rows, buffer_bytes=fig.latent_bytes_per_token * B * rows,
-                       summary=fig.describe())
+        figures = dict(
+            fig.as_dict(), buffer_rows=rows, buffer_bytes=fig.latent_bytes_per_token * B * rows, summary=fig.describe()
+        )
     timings = _timings(token_s, B)
-    return [GenerationResult(ids=out[b], prompt_length=T, finish_reason=reason[b], use_cache=use_cache,
-                             mode=_mode_name(), cache=figures, timings=timings) for b in range(B)]
+    return [
+        GenerationResult(
+            ids=out[b],
+            prompt_length=T,
+            finish_reason=reason[b],
+            use_cache=use_cache,
+            mode=_mode_name(),
+            cache=figures,
+            timings=timings,
+        )
+        for b in range(B)
+    ]
 
 
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: Optional[int] = None, repetition_penalty: float = 1.0,
-             eos_ids: Optional[Iterable[int]] = None, use_cache: bool = True,
-             progress: bool = False) -> GenerationResult:
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    repetition_penalty: float = 1.0,
+    eos_ids: Optional[Iterable[int]] = None,
+    use_cache: bool = True,
+    progress: bool = False,
+) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` with ``model`` (a DeepseekV2ForCausalLM).
 
     temperature 0 (default) is greedy; otherwise sampling with ``top_k`` (0 = off) and ``top_p``
@@ -348,9 +396,22 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperatu
     early). ``use_cache=False`` recomputes the full forward for every token (the reference path).
     Bad input raises :class:`~ms_deepseek.core.errors.UserError` before any compute.
     """
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence) and \
-            not isinstance(prompt_ids, np.ndarray):
+    if (
+        isinstance(prompt_ids, (str, bytes))
+        or not isinstance(prompt_ids, Sequence)
+        and not isinstance(prompt_ids, np.ndarray)
+    ):
         raise UserError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
-    return generate_batch(model, [list(prompt_ids)], max_new_tokens, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed, repetition_penalty=repetition_penalty, eos_ids=eos_ids,
-                          use_cache=use_cache, progress=progress)[0]
+    return generate_batch(
+        model,
+        [list(prompt_ids)],
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        eos_ids=eos_ids,
+        use_cache=use_cache,
+        progress=progress,
+    )[0]

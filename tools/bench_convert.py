@@ -51,31 +51,37 @@ from ms_deepseek.config.model import get_preset  # noqa: E402
 
 # The child reports its own peak RSS (VmHWM: high-water mark of this process image, all threads, since exec;
 # ru_maxrss would also count the benchmark's memory inherited at fork).
-_CONVERT = ("import sys; from ms_deepseek.checkpoint.convert import {fn}; "
-            "{fn}(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), shard_size=sys.argv[4], progress=False); "
-            "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+_CONVERT = (
+    "import sys; from ms_deepseek.checkpoint.convert import {fn}; "
+    "{fn}(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), shard_size=sys.argv[4], progress=False); "
+    "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+)
 
 
-_LOAD_RANK = ("import sys, resource; from pathlib import Path; "
-              "from ms_deepseek.checkpoint.sharded import load_rank, target_layout; "
-              "from ms_deepseek.checkpoint.slice_readers import WholeSource; "
-              "from ms_deepseek.checkpoint.weight_files import read_weight_files; "
-              "from ms_deepseek.config.parallel import ParallelConfig; "
-              "dp, tp, pp, ep, rank = map(int, sys.argv[2:7]); "
-              "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
-              "base = int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:'))); "
-              "src = WholeSource.of(read_weight_files(Path(sys.argv[1]))); "
-              "lay = target_layout(src.cfg, par, src); "
-              "mine = load_rank(src, lay, lay.world_size - 1 - rank); "
-              "print('SLICES', sum(v.nbytes for v in mine.values()), 'BASE', base); "
-              "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
-_SHARDED = ("import sys; from ms_deepseek.checkpoint.sharded import write_sharded, merge_to_hf; "
-            "from ms_deepseek.config.parallel import ParallelConfig; "
-            "dp, tp, pp, ep = map(int, sys.argv[3:7]); "
-            "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
-            "(write_sharded(sys.argv[1], sys.argv[2], par) if sys.argv[7] == 'split' else "
-            "merge_to_hf(sys.argv[1], sys.argv[2], shard_size=sys.argv[8], progress=False)); "
-            "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+_LOAD_RANK = (
+    "import sys, resource; from pathlib import Path; "
+    "from ms_deepseek.checkpoint.sharded import load_rank, target_layout; "
+    "from ms_deepseek.checkpoint.slice_readers import WholeSource; "
+    "from ms_deepseek.checkpoint.weight_files import read_weight_files; "
+    "from ms_deepseek.config.parallel import ParallelConfig; "
+    "dp, tp, pp, ep, rank = map(int, sys.argv[2:7]); "
+    "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
+    "base = int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:'))); "
+    "src = WholeSource.of(read_weight_files(Path(sys.argv[1]))); "
+    "lay = target_layout(src.cfg, par, src); "
+    "mine = load_rank(src, lay, lay.world_size - 1 - rank); "
+    "print('SLICES', sum(v.nbytes for v in mine.values()), 'BASE', base); "
+    "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+)
+_SHARDED = (
+    "import sys; from ms_deepseek.checkpoint.sharded import write_sharded, merge_to_hf; "
+    "from ms_deepseek.config.parallel import ParallelConfig; "
+    "dp, tp, pp, ep = map(int, sys.argv[3:7]); "
+    "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "
+    "(write_sharded(sys.argv[1], sys.argv[2], par) if sys.argv[7] == 'split' else "
+    "merge_to_hf(sys.argv[1], sys.argv[2], shard_size=sys.argv[8], progress=False)); "
+    "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+)
 
 
 def _child(code: str, *argv):
@@ -113,10 +119,12 @@ def bench_layouts(args, cfg, work: Path) -> int:
         base = int(out.split("BASE")[1].split()[0]) * 1024
         bound = slices + largest + base
         ok &= rss <= bound
-        print(f"per-rank load (rank {dp * tp * pp - 1 - rank}): {secs:.1f} s, {slices / 1e6:.0f} MB of slices; "
-              f"peak RSS {rss / 1e6:.0f} MB = slices + {(rss - slices) / 1e6:.0f} MB "
-              f"(bound slices + largest tensor + interpreter {base / 1e6:.0f} MB = {bound / 1e6:.0f} MB: "
-              f"{'ok' if rss <= bound else 'OVER'})")
+        print(
+            f"per-rank load (rank {dp * tp * pp - 1 - rank}): {secs:.1f} s, {slices / 1e6:.0f} MB of slices; "
+            f"peak RSS {rss / 1e6:.0f} MB = slices + {(rss - slices) / 1e6:.0f} MB "
+            f"(bound slices + largest tensor + interpreter {base / 1e6:.0f} MB = {bound / 1e6:.0f} MB: "
+            f"{'ok' if rss <= bound else 'OVER'})"
+        )
     copy_s = min(timed_copy(work / "hf", work / f"copy{k}") for k in range(args.repeat))
     for k in range(args.repeat):
         shutil.rmtree(work / f"copy{k}")
@@ -133,11 +141,13 @@ def bench_layouts(args, cfg, work: Path) -> int:
         ok &= rss <= largest * 2 + 200e6
         rows.append(what)
         written = sum(f.stat().st_size for f in all_files(dst))  # rank folders repeat replicated slices
-        print(f"{'hf-to-ms --dp/--tp/--pp/--ep' if what == 'split' else 'ms-to-hf (merge)'}: {secs:.1f} s, "
-              f"{total / 1e9:.2f} GB of model, {written / 1e9:.2f} GB written ({written / secs / 1e9:.2f} GB/s "
-              f"written) = {copy_s / secs:.2f}x the time-rate of copying the model once "
-              f"({total / copy_s / 1e9:.2f} GB/s); peak RSS {rss / 1e6:.0f} MB = {rss / largest:.2f}x the largest "
-              "tensor")
+        print(
+            f"{'hf-to-ms --dp/--tp/--pp/--ep' if what == 'split' else 'ms-to-hf (merge)'}: {secs:.1f} s, "
+            f"{total / 1e9:.2f} GB of model, {written / 1e9:.2f} GB written ({written / secs / 1e9:.2f} GB/s "
+            f"written) = {copy_s / secs:.2f}x the time-rate of copying the model once "
+            f"({total / copy_s / 1e9:.2f} GB/s); peak RSS {rss / 1e6:.0f} MB = {rss / largest:.2f}x the largest "
+            "tensor"
+        )
     same = tensor_digests(work / "hf") == tensor_digests(work / "merged")
     print(f"merged folder byte-identical to the source tensors: {same}")
     return 0 if ok and same else 1
@@ -204,8 +214,12 @@ def timed_convert(fn: str, src: Path, dst: Path, workers: int, shard_size: str):
     """(seconds, peak RSS bytes) of one conversion in a child process."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CONVERT.format(fn=fn), str(src), str(dst), str(workers),
-                           shard_size], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT.format(fn=fn), str(src), str(dst), str(workers), shard_size],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     seconds = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"{fn} failed with exit code {proc.returncode}")
@@ -230,28 +244,39 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="converter workers (default 4)")
     parser.add_argument("--src-shards", type=int, default=4, help="shards of the random HF checkpoint (default 4)")
     parser.add_argument("--shard-size", default="1GB", help="converter output shard size (default 1GB)")
-    parser.add_argument("--repeat", type=int, default=2, help="copy/convert pairs per direction, best kept "
-                                                                "(default 2; the disk may be shared)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="copy/convert pairs per direction, best kept (default 2; the disk may be shared)",
+    )
     parser.add_argument("--workdir", default=None, help="where to write (default: a temporary folder in /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact round-trip check")
-    parser.add_argument("--mode", choices=("convert", "layouts"), default="convert",
-                        help="convert: hf-to-ms / ms-to-hf vs copy (default); layouts: per-rank loading, "
-                             "pre-sharded conversion and the merge")
+    parser.add_argument(
+        "--mode",
+        choices=("convert", "layouts"),
+        default="convert",
+        help="convert: hf-to-ms / ms-to-hf vs copy (default); layouts: per-rank loading, "
+        "pre-sharded conversion and the merge",
+    )
     parser.add_argument("--layout", default="2,2,2,2", help="dp,tp,pp,ep for --mode layouts (default 2,2,2,2)")
     args = parser.parse_args(argv)
 
     cfg = bench_config(args.size_gb)
     total, largest = nbytes(cfg), largest_layer_bytes(cfg)
     work = Path(tempfile.mkdtemp(prefix="bench_convert_", dir=args.workdir))
-    print(f"config: V2-Lite shapes, {cfg.num_hidden_layers} layers ({len(cfg.moe_layer_indices)} MoE, 64 experts "
-          f"of 1408), bf16: {total / 1e9:.2f} GB; largest layer {largest / 1e9:.3f} GB")
-    print(f"work dir: {work}; copy_file_range: "
-          f"{'off' if os.environ.get('MS_DEEPSEEK_NO_COPY_FILE_RANGE') == '1' else 'on'}")
+    print(
+        f"config: V2-Lite shapes, {cfg.num_hidden_layers} layers ({len(cfg.moe_layer_indices)} MoE, 64 experts "
+        f"of 1408), bf16: {total / 1e9:.2f} GB; largest layer {largest / 1e9:.3f} GB"
+    )
+    print(
+        f"work dir: {work}; copy_file_range: "
+        f"{'off' if os.environ.get('MS_DEEPSEEK_NO_COPY_FILE_RANGE') == '1' else 'on'}"
+    )
     try:
         t0 = time.perf_counter()
-        write_random_checkpoint(work / "hf", cfg, dtype="bfloat16", num_shards=args.src_shards, seed=0,
-                                progress=True)
+        write_random_checkpoint(work / "hf", cfg, dtype="bfloat16", num_shards=args.src_shards, seed=0, progress=True)
         print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s")
         if args.mode == "layouts":
             return bench_layouts(args, cfg, work)
@@ -270,11 +295,13 @@ def main(argv=None) -> int:
             conv_s, rss = min(r[0] for r in runs), max(r[1] for r in runs)
             copy_rate, conv_rate = total / copy_s, total / conv_s
             rows.append((fn, copy_rate, conv_rate, rss))
-            print(f"{fn}: copy {copy_s:.2f} s ({copy_rate / 1e9:.2f} GB/s), convert {conv_s:.2f} s "
-                  f"({conv_rate / 1e9:.2f} GB/s) = {conv_rate / copy_rate:.2f}x the copy rate; "
-                  f"peak RSS {rss / 1e6:.0f} MB = {rss / largest:.3f}x the largest layer  "
-                  f"[copy runs {', '.join(f'{c:.1f}' for c in copies)} s; "
-                  f"convert runs {', '.join(f'{r[0]:.1f}' for r in runs)} s]")
+            print(
+                f"{fn}: copy {copy_s:.2f} s ({copy_rate / 1e9:.2f} GB/s), convert {conv_s:.2f} s "
+                f"({conv_rate / 1e9:.2f} GB/s) = {conv_rate / copy_rate:.2f}x the copy rate; "
+                f"peak RSS {rss / 1e6:.0f} MB = {rss / largest:.3f}x the largest layer  "
+                f"[copy runs {', '.join(f'{c:.1f}' for c in copies)} s; "
+                f"convert runs {', '.join(f'{r[0]:.1f}' for r in runs)} s]"
+            )
         if not args.no_verify:
             same = tensor_digests(work / "hf") == tensor_digests(work / "hf2")
             print(f"round trip byte-exact: {same}")
@@ -283,8 +310,10 @@ def main(argv=None) -> int:
         worst_rate = min(r[2] / r[1] for r in rows)
         worst_mem = max(r[3] / largest for r in rows)
         ok = worst_rate >= 0.5 and worst_mem < 3.0
-        print(f"summary: worst throughput {worst_rate:.2f}x copy (target >= 0.5), worst peak memory "
-              f"{worst_mem:.3f}x largest layer (target < 3): {'PASS' if ok else 'FAIL'}")
+        print(
+            f"summary: worst throughput {worst_rate:.2f}x copy (target >= 0.5), worst peak memory "
+            f"{worst_mem:.3f}x largest layer (target < 3): {'PASS' if ok else 'FAIL'}"
+        )
         return 0 if ok else 1
     finally:
         if args.keep:

@@ -50,8 +50,9 @@ def bench_mode(mode: str, model, prompt, new_tokens: int):
         res = generate(model, prompt, new_tokens, eos_ids=(), use_cache=use_cache)
         t = res.timings
         tps = t["decode_tokens_per_s"]  # every decode step of the warm run (one forward + sampling each)
-        rows.append((mode, "latent cache" if use_cache else "no cache (recompute)", warm, t["prefill_s"],
-                     tps, 1000.0 / tps))
+        rows.append(
+            (mode, "latent cache" if use_cache else "no cache (recompute)", warm, t["prefill_s"], tps, 1000.0 / tps)
+        )
         ids[use_cache] = res.ids
     return rows, ids[True] == ids[False]
 
@@ -80,9 +81,11 @@ def main(argv=None) -> int:
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).tolist()
     modes = ("graph", "pynative") if args.mode == "both" else (args.mode,)
 
-    print(f"{args.preset} preset (random weights, {cfg.compute_dtype}), prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, batch 1, {ms.get_context('device_target')}, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.preset} preset (random weights, {cfg.compute_dtype}), prompt {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens, batch 1, {ms.get_context('device_target')}, "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+    )
     header = f"{'mode':<9} {'path':<22} {'warm-up s':>9} {'prefill s':>9} {'decode tok/s':>12} {'ms/token':>9}"
     print(header)
     print("-" * len(header))
@@ -91,21 +94,27 @@ def main(argv=None) -> int:
         for m, path, warm, prefill, tps, ms_tok in rows:
             print(f"{m:<9} {path:<22} {warm:>9.2f} {prefill:>9.3f} {tps:>12.1f} {ms_tok:>9.1f}")
         speedup = rows[0][4] / rows[1][4]
-        print(f"{mode:<9} cache speed-up {speedup:.2f}x; identical greedy ids with and without the cache: "
-              f"{'yes' if same else 'NO'}")
+        print(
+            f"{mode:<9} cache speed-up {speedup:.2f}x; identical greedy ids with and without the cache: "
+            f"{'yes' if same else 'NO'}"
+        )
     tiny = cache_figures(cfg)
     print(f"\n{args.preset}: {tiny.describe()}")
 
-    print("\nKV cache per token, bfloat16 (latent = kv_lora_rank + qk_rope_head_dim per layer; "
-          "full = heads x (qk_head_dim + v_head_dim) per layer):")
+    print(
+        "\nKV cache per token, bfloat16 (latent = kv_lora_rank + qk_rope_head_dim per layer; "
+        "full = heads x (qk_head_dim + v_head_dim) per layer):"
+    )
     for name in ("deepseek-v2", "deepseek-v2-lite"):
         p = get_preset(name)
         f = cache_figures(p, "bfloat16")
         ctx = p.max_position_embeddings
-        print(f"  {name:<17} latent {f.latent_bytes_per_token:>9,} B ({_human(f.latent_bytes_per_token)})  "
-              f"full {f.full_bytes_per_token:>11,} B ({_human(f.full_bytes_per_token)})  {f.ratio:.1f}x; "
-              f"one {ctx:,}-token sequence: {_human(f.latent_bytes_per_token * ctx)} vs "
-              f"{_human(f.full_bytes_per_token * ctx)}")
+        print(
+            f"  {name:<17} latent {f.latent_bytes_per_token:>9,} B ({_human(f.latent_bytes_per_token)})  "
+            f"full {f.full_bytes_per_token:>11,} B ({_human(f.full_bytes_per_token)})  {f.ratio:.1f}x; "
+            f"one {ctx:,}-token sequence: {_human(f.latent_bytes_per_token * ctx)} vs "
+            f"{_human(f.full_bytes_per_token * ctx)}"
+        )
     return 0
 
 

@@ -49,12 +49,35 @@ BATCH, SEQ = 2, 512
 
 # The benchmark config (HF field names); everything not listed takes DeepseekV2Config's default.
 BENCH_CONFIG = dict(
-    vocab_size=16384, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=8, n_shared_experts=2, n_routed_experts=16,
-    routed_scaling_factor=1.0, kv_lora_rank=256, q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
-    v_head_dim=64, topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-    norm_topk_prob=False, aux_loss_alpha=0.001, seq_aux=True, max_position_embeddings=2048, rope_scaling=None,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.02,
+    vocab_size=16384,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_shared_experts=2,
+    n_routed_experts=16,
+    routed_scaling_factor=1.0,
+    kv_lora_rank=256,
+    q_lora_rank=256,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=False,
+    aux_loss_alpha=0.001,
+    seq_aux=True,
+    max_position_embeddings=2048,
+    rope_scaling=None,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.02,
 )
 
 
@@ -120,8 +143,7 @@ def _ms_worker(case: str, args) -> None:
     model = DeepseekV2ForCausalLM(cfg)
     model.set_train(True)
     params = model.trainable_params()
-    optimizer = optim.build_optimizer(params, OptimSection(lr=3e-4, schedule="constant"), 1000,
-                                      Path.cwd() / "logs")
+    optimizer = optim.build_optimizer(params, OptimSection(lr=3e-4, schedule="constant"), 1000, Path.cwd() / "logs")
     ms.set_context(mode=ms.PYNATIVE_MODE if pynative else ms.GRAPH_MODE)
     if case == "moe_pynative_blocking":
         ms.runtime.launch_blocking()
@@ -142,9 +164,16 @@ def _ms_worker(case: str, args) -> None:
     warmup = max(1, args.warmup // 2) if pynative else args.warmup
     times, warm = _time_steps(one_step, warmup, steps)
     vec = last["vec"]
-    result = {"case": case, "times": times, "warm_s": warm, "loss": float(vec[1]),
-              "grad_norm": last["grad_norm"], "params": count.total, "activated": count.activated,
-              "tokens": BATCH * SEQ}
+    result = {
+        "case": case,
+        "times": times,
+        "warm_s": warm,
+        "loss": float(vec[1]),
+        "grad_norm": last["grad_norm"],
+        "params": count.total,
+        "activated": count.activated,
+        "tokens": BATCH * SEQ,
+    }
     if moe_layers:
         stats = vec[3:].reshape(len(moe_layers), E + 4)  # [L_moe, E + 4]: load..., dropped, l_exp, l_dev, l_com
         result["dropped"] = {str(i): float(stats[j, E]) for j, i in enumerate(moe_layers)}
@@ -213,8 +242,9 @@ def _torch_worker(case: str, args) -> None:
     hf_cfg = DeepseekV2Config(**values)
     attn, experts = ("eager", "eager") if case == "hf_eager" else ("sdpa", "grouped_mm")
     try:
-        model = DeepseekV2ForCausalLM._from_config(hf_cfg, attn_implementation=attn, experts_implementation=experts,
-                                                   torch_dtype=torch.float32)
+        model = DeepseekV2ForCausalLM._from_config(
+            hf_cfg, attn_implementation=attn, experts_implementation=experts, torch_dtype=torch.float32
+        )
     except (ValueError, ImportError) as exc:  # an implementation this build lacks
         _emit({"case": case, "error": f"{attn}/{experts}: {exc}".splitlines()[0]})
         return
@@ -234,8 +264,18 @@ def _torch_worker(case: str, args) -> None:
 
     times, warm = _time_steps(one_step, args.warmup, args.steps)
     impl = f"{model.config._attn_implementation}/{model.config._experts_implementation}"
-    _emit({"case": case, "times": times, "warm_s": warm, "loss": last["loss"], "grad_norm": last["grad_norm"],
-           "params": sum(p.numel() for p in model.parameters()), "tokens": BATCH * SEQ, "impl": impl})
+    _emit(
+        {
+            "case": case,
+            "times": times,
+            "warm_s": warm,
+            "loss": last["loss"],
+            "grad_norm": last["grad_norm"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "tokens": BATCH * SEQ,
+            "impl": impl,
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- driver
@@ -251,8 +291,20 @@ LABELS = {
 
 
 def _run_case(case: str, python: str, args, hf_config: str, workdir: Path) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "--worker", case, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--hf-config", hf_config]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        case,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--hf-config",
+        hf_config,
+    ]
     if args.breakdown:
         cmd.append("--breakdown")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), GLOG_v="3")
@@ -264,7 +316,7 @@ def _run_case(case: str, python: str, args, hf_config: str, workdir: Path) -> di
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
-            result = json.loads(line[len(MARK):])
+            result = json.loads(line[len(MARK) :])
             result["wall_s"] = wall
             # 1-minute load average before / after: other processes on the host skew the timing
             result["load"] = (load_before, os.getloadavg()[0])
@@ -305,19 +357,32 @@ def _table(results, tokens: int) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Time the ms_deepseek training step (forward + backward + AdamW) on the 43.6M-parameter "
-                    "benchmark config (hidden 512, 4 layers, 16 experts top-2 + 2 shared, 2 x 512 tokens, fp32) "
-                    "against a dense baseline of equal activated FLOPs, PyNative, and optionally transformers.",
+        "benchmark config (hidden 512, 4 layers, 16 experts top-2 + 2 shared, 2 x 512 tokens, fp32) "
+        "against a dense baseline of equal activated FLOPs, PyNative, and optionally transformers.",
         epilog="Rows: moe cf=2.0 / cf=1.0 graph, dense graph, moe pynative (async and blocking launch), "
-               "transformers eager and sdpa+grouped_mm (--torch-python). Ratios are s/step over the dense row "
-               "and over each transformers row. Each row runs in its own subprocess.")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per graph-mode row; PyNative rows time "
-                   "steps//3 (at least 2) (default 8)")
+        "transformers eager and sdpa+grouped_mm (--torch-python). Ratios are s/step over the dense row "
+        "and over each transformers row. Each row runs in its own subprocess.",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="timed steps per graph-mode row; PyNative rows time steps//3 (at least 2) (default 8)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first, the first compiles (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for MindSpore kernels and torch "
-                   "(0 = each framework's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for MindSpore kernels and torch (0 = each framework's default)",
+    )
     p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up, no per-part breakdown")
-    p.add_argument("--torch-python", metavar="PYTHON", help="a Python with torch + transformers >= 5.15 "
-                   "(e.g. /work/.venv-ref/bin/python): adds transformers rows measured in this run")
+    p.add_argument(
+        "--torch-python",
+        metavar="PYTHON",
+        help="a Python with torch + transformers >= 5.15 "
+        "(e.g. /work/.venv-ref/bin/python): adds transformers rows measured in this run",
+    )
     p.add_argument("--only", metavar="CASES", help="comma-separated subset of: " + ",".join(LABELS))
     p.add_argument("--json", metavar="PATH", help="also write the raw results (every step time) here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -357,11 +422,14 @@ def main(argv=None) -> int:
 
     cfg = DeepseekV2Config(**BENCH_CONFIG)
     count = count_parameters(cfg)
-    print(f"config: {count.total / 1e6:.2f}M parameters ({count.activated / 1e6:.2f}M activated per token), "
-          f"hidden 512, 4 layers (MoE {cfg.moe_layer_indices}), 16 experts top-2 + 2 shared (I=256), "
-          f"MLA 8 heads kv_lora 256 q_lora 256, vocab 16384; batch {BATCH} x {SEQ} tokens, float32; "
-          f"{args.steps} timed steps (median), {args.warmup} warm-up; threads "
-          f"{args.threads or 'default'}", flush=True)
+    print(
+        f"config: {count.total / 1e6:.2f}M parameters ({count.activated / 1e6:.2f}M activated per token), "
+        f"hidden 512, 4 layers (MoE {cfg.moe_layer_indices}), 16 experts top-2 + 2 shared (I=256), "
+        f"MLA 8 heads kv_lora 256 q_lora 256, vocab 16384; batch {BATCH} x {SEQ} tokens, float32; "
+        f"{args.steps} timed steps (median), {args.warmup} warm-up; threads "
+        f"{args.threads or 'default'}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         workdir = Path(tmp)
@@ -380,15 +448,19 @@ def main(argv=None) -> int:
             result = _run_case(case, python, args, str(hf_config), workdir)
             results.append(result)
             if "times" in result:
-                bar.write(f"  {LABELS[case]}: median {statistics.median(result['times']):.3f} s/step "
-                          f"(process {result['wall_s']:.0f} s)")
+                bar.write(
+                    f"  {LABELS[case]}: median {statistics.median(result['times']):.3f} s/step "
+                    f"(process {result['wall_s']:.0f} s)"
+                )
             else:
                 bar.write(f"  {LABELS[case]}: FAILED {result['error']}")
         bar.close()
     print()
     print(_table(results, BATCH * SEQ))
-    print(f"(host: {os.cpu_count()} CPUs; 'load' is the 1-minute load average before -> after each row: "
-          f"above ~{os.cpu_count()} means other processes shared the cores)")
+    print(
+        f"(host: {os.cpu_count()} CPUs; 'load' is the 1-minute load average before -> after each row: "
+        f"above ~{os.cpu_count()} means other processes shared the cores)"
+    )
     for r in results:
         if "parts" in r:
             full = statistics.median(r["times"])
@@ -396,12 +468,13 @@ def main(argv=None) -> int:
             for name, s in r["parts"].items():
                 print(f"  {name:28s} {s:7.3f} s  ({s / full:5.1%} of the full step {full:.3f} s)")
             rest = full - r["parts"]["forward+backward"] - r["parts"]["update (clip + AdamW)"]
-            print(f"  {'full - (fwd+bwd) - update':28s} {rest:7.3f} s  (the step's extra forward output and "
-                  "glue)")
+            print(f"  {'full - (fwd+bwd) - update':28s} {rest:7.3f} s  (the step's extra forward output and glue)")
         if "dropped" in r:
-            print(f"dropped fraction ({LABELS[r['case']]}), per MoE layer, step 1 (random init) -> last step "
-                  "(the same batch every step, so routing drifts as the model fits it): "
-                  + ", ".join(f"layer {k}: {r['dropped_init'][k]:.1%} -> {v:.1%}" for k, v in r["dropped"].items()))
+            print(
+                f"dropped fraction ({LABELS[r['case']]}), per MoE layer, step 1 (random init) -> last step "
+                "(the same batch every step, so routing drifts as the model fits it): "
+                + ", ".join(f"layer {k}: {r['dropped_init'][k]:.1%} -> {v:.1%}" for k, v in r["dropped"].items())
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0 if all("times" in r for r in results) else 1

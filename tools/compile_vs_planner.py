@@ -27,16 +27,37 @@ import sys
 from pathlib import Path
 
 EP_KINDS = ("AlltoAll", "AlltoAllV")
-DP_KINDS = ("AllGather", "ReduceScatter", "AllReduce", "_MicroStepAllGather", "_MirrorOperator",
-            "_MirrorMicroStepOperator")
+DP_KINDS = (
+    "AllGather",
+    "ReduceScatter",
+    "AllReduce",
+    "_MicroStepAllGather",
+    "_MirrorOperator",
+    "_MirrorMicroStepOperator",
+)
 
 
 def planner(recipe: str, layers: int, micro: int, kind: str) -> dict:
     key = "parallel.micro_batches" if kind == "micro_batches" else "train.grad_accum_steps"
-    out = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "plan", "--recipe", recipe, "--json",
-                          "--set", f"model.overrides.num_hidden_layers={layers}",
-                          "--set", "parallel.stage_layers=null", "--set", f"{key}={micro}"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "plan",
+            "--recipe",
+            recipe,
+            "--json",
+            "--set",
+            f"model.overrides.num_hidden_layers={layers}",
+            "--set",
+            "parallel.stage_layers=null",
+            "--set",
+            f"{key}={micro}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if not out.stdout.strip():
         raise SystemExit(f"plan failed for {recipe}: {out.stderr.strip()[-300:]}")
     return json.loads(out.stdout)["communication_gb_per_step"]
@@ -51,20 +72,24 @@ def row(report: dict) -> str:
     ep_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in EP_KINDS) / 1024  # GiB sent on a ring
     dp_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in DP_KINDS) / 1024
     plan = planner(report["recipe"], report["layers"], report["micro_batches"], report["micro_batches_kind"])
-    ep_pl = plan["ep_alltoall"] * 1e9 / 2 ** 30
-    dp_pl = (plan["dp_sync"] + plan["tp_allreduce"]) * 1e9 / 2 ** 30
-    ratio = (lambda a, b: f"{a / b:.2f}" if b else "—")
+    ep_pl = plan["ep_alltoall"] * 1e9 / 2**30
+    dp_pl = (plan["dp_sync"] + plan["tp_allreduce"]) * 1e9 / 2**30
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "—"
     counts = ", ".join(f"{k} {v['count']}" for k, v in sorted(comm.items()))
-    return (f"| `{name}` | {report['layout']}, {report['layers']} layers, {report['micro_batches']} micro | {counts} | "
-            f"{ep_ms:.2f} / {ep_pl:.2f} ({ratio(ep_pl, ep_ms)}) | {dp_ms:.2f} / {dp_pl:.2f} ({ratio(dp_pl, dp_ms)}) |")
+    return (
+        f"| `{name}` | {report['layout']}, {report['layers']} layers, {report['micro_batches']} micro | {counts} | "
+        f"{ep_ms:.2f} / {ep_pl:.2f} ({ratio(ep_pl, ep_ms)}) | {dp_ms:.2f} / {dp_pl:.2f} ({ratio(dp_pl, dp_ms)}) |"
+    )
 
 
 def main(argv) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    print("| recipe | compiled | MindSpore's communication operators per step (rank of the last stage) | "
-          "expert all-to-all GiB: MindSpore / planner (ratio) | dp + tp GiB: MindSpore / planner (ratio) |")
+    print(
+        "| recipe | compiled | MindSpore's communication operators per step (rank of the last stage) | "
+        "expert all-to-all GiB: MindSpore / planner (ratio) | dp + tp GiB: MindSpore / planner (ratio) |"
+    )
     print("|---|---|---|---|---|")
     for path in argv:
         try:

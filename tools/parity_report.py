@@ -43,11 +43,13 @@ def measure(folder: Path, mode: str) -> dict:
         got = np.sort(out.routing[slot][1].asnumpy(), 1)
         same_sets &= bool((got == np.sort(routing(ref, layer)[1], 1)).all())
     aux_ref = sum(ref["summary"]["aux"][str(i)]["seq"] for i in cfg.moe_layer_indices)
-    return {"logits": float(np.abs(out.logits.asnumpy() - ref["logits"]).max()),
-            "loss": abs(float(out.loss.asnumpy()) - float(ref["loss"])),
-            "grad": max(gradient_errors(model, ref, mode).values()),
-            "aux": abs(float(out.aux_loss.asnumpy()) - aux_ref) / max(abs(aux_ref), 1e-12),
-            "routing": same_sets}
+    return {
+        "logits": float(np.abs(out.logits.asnumpy() - ref["logits"]).max()),
+        "loss": abs(float(out.loss.asnumpy()) - float(ref["loss"])),
+        "grad": max(gradient_errors(model, ref, mode).values()),
+        "aux": abs(float(out.aux_loss.asnumpy()) - aux_ref) / max(abs(aux_ref), 1e-12),
+        "routing": same_sets,
+    }
 
 
 def main() -> int:
@@ -64,8 +66,10 @@ def main() -> int:
             m = measure(folder, mode)
             good = m["routing"] and all(m[k] <= TOL[k] for k in TOL)
             ok &= good
-            print(f"{folder.name:<14}{mode:<10}{m['logits']:>10.2e}{m['loss']:>10.2e}{m['grad']:>10.2e}"
-                  f"{m['aux']:>10.2e}  {'same sets' if m['routing'] else 'DIFFERENT'}{'' if good else '  FAIL'}")
+            print(
+                f"{folder.name:<14}{mode:<10}{m['logits']:>10.2e}{m['loss']:>10.2e}{m['grad']:>10.2e}"
+                f"{m['aux']:>10.2e}  {'same sets' if m['routing'] else 'DIFFERENT'}{'' if good else '  FAIL'}"
+            )
     return 0 if ok else 1
 
 

@@ -55,8 +55,10 @@ def logit_errors(name: str, cfg, schemes, seed: int = 0) -> None:
             continue
         q.set_train(False)
         mx, mean = _rel_errors(q(ids).logits.asnumpy(), ref)
-        print(f"{name:10s} int{bits} group {str(group or 'channel'):>7}: logits max rel err {mx:.4f}, "
-              f"mean rel err {mean:.4f}  ({time.perf_counter() - t0:.1f} s)")
+        print(
+            f"{name:10s} int{bits} group {str(group or 'channel'):>7}: logits max rel err {mx:.4f}, "
+            f"mean rel err {mean:.4f}  ({time.perf_counter() - t0:.1f} s)"
+        )
 
 
 def _val_loss(model, batches) -> float:
@@ -79,32 +81,63 @@ def lora_transfer(steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         prepare_embedded_default(tmp / "data", seq_len=128, vocab_size=4096, max_bytes=400_000, progress=False)
-        sets = [f"data.path={tmp / 'data'}", "data.seq_len=null", f"train.steps={steps}", "train.micro_batch_size=4",
-                "optim.warmup_steps=5", "checkpoint.save_interval=0", "logging.tensorboard=false",
-                "train.mode=pynative", "data.validation.fraction=0.1", "train.eval_batches=4",
-                "model.overrides.num_hidden_layers=2", "model.overrides.initializer_range=0.2"]
+        sets = [
+            f"data.path={tmp / 'data'}",
+            "data.seq_len=null",
+            f"train.steps={steps}",
+            "train.micro_batch_size=4",
+            "optim.warmup_steps=5",
+            "checkpoint.save_interval=0",
+            "logging.tensorboard=false",
+            "train.mode=pynative",
+            "data.validation.fraction=0.1",
+            "train.eval_batches=4",
+            "model.overrides.num_hidden_layers=2",
+            "model.overrides.initializer_range=0.2",
+        ]
         recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml", sets)
         trainer = Trainer(recipe, tmp / "run", None, False, False, None)
         result = trainer.run()
         batches = trainer.validation.batches
-        print(f"tiny-qlora-cpu ({recipe.quant.bits}-bit, group {recipe.quant.group_size}), {steps} steps: "
-              f"train loss {np.mean(result.losses[:5]):.3f} -> {np.mean(result.losses[-5:]):.3f}")
+        print(
+            f"tiny-qlora-cpu ({recipe.quant.bits}-bit, group {recipe.quant.group_size}), {steps} steps: "
+            f"train loss {np.mean(result.losses[:5]):.3f} -> {np.mean(result.losses[-5:]):.3f}"
+        )
         assert main(["export-lora", str(tmp / "run"), str(tmp / "adapter")]) == 0
         base = tmp / "run" / "base"
-        assert main(["convert", "quantize", str(base), str(tmp / "q"), "--bits", str(recipe.quant.bits),
-                     "--group-size", str(recipe.quant.group_size), "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    "quantize",
+                    str(base),
+                    str(tmp / "q"),
+                    "--bits",
+                    str(recipe.quant.bits),
+                    "--group-size",
+                    str(recipe.quant.group_size),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         ms.set_context(mode=ms.PYNATIVE_MODE)
         rows = {}
         for label, folder in (("original (float) base", base), ("quantized base", tmp / "q")):
             plain = _val_loss(DeepseekV2ForCausalLM.from_pretrained(str(folder), show_progress=False), batches)
-            adapted = _val_loss(DeepseekV2ForCausalLM.from_pretrained(str(folder), adapter=str(tmp / "adapter"),
-                                                                      show_progress=False), batches)
+            adapted = _val_loss(
+                DeepseekV2ForCausalLM.from_pretrained(str(folder), adapter=str(tmp / "adapter"), show_progress=False),
+                batches,
+            )
             rows[label] = (plain, adapted)
-            print(f"  {label:22s}: held-out loss {plain:.4f} -> {adapted:.4f} with the adapter "
-                  f"(-{plain - adapted:.4f})")
+            print(
+                f"  {label:22s}: held-out loss {plain:.4f} -> {adapted:.4f} with the adapter (-{plain - adapted:.4f})"
+            )
         (p0, a0), (p1, a1) = rows.values()
-        print(f"  the adapter's gain on the original base is {100 * (p0 - a0) / (p1 - a1):.1f}% of its gain on the "
-              "quantized base it was trained on")
+        print(
+            f"  the adapter's gain on the original base is {100 * (p0 - a0) / (p1 - a1):.1f}% of its gain on the "
+            "quantized base it was trained on"
+        )
 
 
 def main() -> None:
@@ -120,8 +153,15 @@ def main() -> None:
     schemes = [(8, None), (4, None), (4, 128), (4, 64), (4, 32)]
     logit_errors("tiny", get_preset("tiny", capacity_factor=None), schemes)
     if not args.skip_lite:
-        lite = get_preset("deepseek-v2-lite", num_hidden_layers=2, n_routed_experts=8, vocab_size=4096,
-                          capacity_factor=None, rope_scaling=None, max_position_embeddings=4096)
+        lite = get_preset(
+            "deepseek-v2-lite",
+            num_hidden_layers=2,
+            n_routed_experts=8,
+            vocab_size=4096,
+            capacity_factor=None,
+            rope_scaling=None,
+            max_position_embeddings=4096,
+        )
         logit_errors("v2-lite-2L", lite, schemes)
     lora_transfer(args.steps)
 

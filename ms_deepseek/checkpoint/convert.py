@@ -33,14 +33,33 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import created_parents, remove_empty_dirs
 
 # Files carried along from the source folder when present (tokenizer, generation defaults).
-CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                 "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                 "generation_config.json")
+CARRIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 DEFAULT_SHARD_SIZE = "5GB"
 DEFAULT_WORKERS = 4
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(value: Union[int, str], what: str = "--shard-size") -> int:
@@ -80,12 +99,21 @@ _install = install
 def _progress(total: int, desc: str, enabled: bool):
     from ms_deepseek.core.progress import progress_bar
 
-    return progress_bar(total=total, enabled=enabled, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                        dynamic_ncols=True, smoothing=0.1)
+    return progress_bar(
+        total=total,
+        enabled=enabled,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        dynamic_ncols=True,
+        smoothing=0.1,
+    )
 
 
-def _write_shards(plan: ByteMap, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int,
-                  bar, fsync: bool) -> None:
+def _write_shards(
+    plan: ByteMap, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int, bar, fsync: bool
+) -> None:
     lock = threading.Lock()
     cancelled = threading.Event()
 
@@ -131,10 +159,10 @@ class WriteOptions:
     """How a converted folder is written (the converter's command-line options)."""
 
     shard_size: Union[int, str] = DEFAULT_SHARD_SIZE  # bytes per output file, or "5GB"
-    workers: int = DEFAULT_WORKERS                    # files written in parallel
-    overwrite: bool = False                           # replace a non-empty destination
-    progress: bool = True                             # a progress bar (on a terminal)
-    fsync: bool = True                                # fsync every file and folder before the rename
+    workers: int = DEFAULT_WORKERS  # files written in parallel
+    overwrite: bool = False  # replace a non-empty destination
+    progress: bool = True  # a progress bar (on a terminal)
+    fsync: bool = True  # fsync every file and folder before the rename
 
 
 def _convert(src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], options: WriteOptions) -> ConvertResult:
@@ -149,8 +177,9 @@ def _check_workers(workers) -> None:
         raise UserError(f"--workers {workers!r}: must be an integer >= 1")
 
 
-def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles], list],
-                 options: WriteOptions) -> ConvertResult:
+def convert_with(
+    ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], options: WriteOptions
+) -> ConvertResult:
     """Write the planned HF / ms folder for an opened source (``ckpt``: folder, config, config_path)."""
     workers, overwrite, progress, fsync = options.workers, options.overwrite, options.progress, options.fsync
     shard_size = options.shard_size
@@ -174,8 +203,11 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles]
             if [(t.name, t.dtype, t.shape) for t in tensors] != [(i.name, i.dtype, i.shape) for i in written.values()]:
                 raise RuntimeError(f"internal: {file_names[k]} does not hold the planned tensors")
         weight_map = {t.name: file_names[k] for k, tensors in enumerate(plan.shards) for t in tensors}
-        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes},
-                                       "weight_map": dict(sorted(weight_map.items()))}, fsync)
+        _write_json(
+            tmp / INDEX_NAME,
+            {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+            fsync,
+        )
         for name in CARRIED_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
@@ -196,18 +228,39 @@ def convert_with(ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles]
         shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_dirs(new_dirs)
         raise
-    return ConvertResult(dst=dst, files=file_names, num_tensors=plan.num_tensors, total_bytes=plan.total_bytes,
-                         seconds=time.perf_counter() - start)
+    return ConvertResult(
+        dst=dst,
+        files=file_names,
+        num_tensors=plan.num_tensors,
+        total_bytes=plan.total_bytes,
+        seconds=time.perf_counter() - start,
+    )
 
 
-def hf_to_ms(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
-             overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
+def hf_to_ms(
+    src,
+    dst,
+    *,
+    shard_size: Union[int, str] = DEFAULT_SHARD_SIZE,
+    workers: int = DEFAULT_WORKERS,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+) -> ConvertResult:
     """HuggingFace folder -> ms_deepseek folder (routed experts stacked per layer, dtype and bytes unchanged)."""
     return _convert(src, dst, "hf-to-ms", map_hf_to_ms, WriteOptions(shard_size, workers, overwrite, progress, fsync))
 
 
-def ms_to_hf(src, dst, *, shard_size: Union[int, str] = DEFAULT_SHARD_SIZE, workers: int = DEFAULT_WORKERS,
-             overwrite: bool = False, progress: bool = True, fsync: bool = True) -> ConvertResult:
+def ms_to_hf(
+    src,
+    dst,
+    *,
+    shard_size: Union[int, str] = DEFAULT_SHARD_SIZE,
+    workers: int = DEFAULT_WORKERS,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+) -> ConvertResult:
     """ms_deepseek folder or training checkpoint -> HuggingFace folder (per-expert tensors, release config)."""
     from ms_deepseek.checkpoint.opener import lora_not_a_model, lora_of
 

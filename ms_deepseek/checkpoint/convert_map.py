@@ -26,9 +26,9 @@ from ms_deepseek.core.errors import UserError
 
 @dataclass
 class ByteMap:
-    shards: List[List[OutTensor]]   # each already in on-disk order
+    shards: List[List[OutTensor]]  # each already in on-disk order
     total_bytes: int
-    dtype: str                      # the dtype holding most bytes ("BF16", ...), for config.json's torch_dtype
+    dtype: str  # the dtype holding most bytes ("BF16", ...), for config.json's torch_dtype
 
     @property
     def num_tensors(self) -> int:
@@ -39,8 +39,12 @@ def _fmt(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_tensors(ckpt: WeightFiles, expected: Dict[str, Tuple[int, ...]], layout: str,
-                  optional: Optional[Dict[str, Tuple[int, ...]]] = None) -> None:
+def check_tensors(
+    ckpt: WeightFiles,
+    expected: Dict[str, Tuple[int, ...]],
+    layout: str,
+    optional: Optional[Dict[str, Tuple[int, ...]]] = None,
+) -> None:
     """Names, shapes and dtypes of ``ckpt`` against ``expected``; UserError naming file and tensor.
 
     ``optional`` names non-weight tensors that may be present (shape checked, any dtype).
@@ -50,8 +54,9 @@ def check_tensors(ckpt: WeightFiles, expected: Dict[str, Tuple[int, ...]], layou
     for name, shape in optional.items():
         info = ckpt.tensors.get(name)
         if info is not None and info.shape != shape:
-            raise UserError(f"{info.file}: tensor {name} has shape {_fmt(info.shape)}, {ckpt.config_path} implies "
-                            f"{_fmt(shape)}")
+            raise UserError(
+                f"{info.file}: tensor {name} has shape {_fmt(info.shape)}, {ckpt.config_path} implies {_fmt(shape)}"
+            )
     unexpected = [n for n in ckpt.tensors if n not in expected and n not in optional]
     if unexpected:
         unexpected.sort(key=lambda n: (layer_key(n), n))
@@ -62,8 +67,10 @@ def check_tensors(ckpt: WeightFiles, expected: Dict[str, Tuple[int, ...]], layou
             hint = "; this looks like an ms_deepseek checkpoint: use ms-to-hf"
         elif layout == "ms_deepseek" and names.hf_to_ms(name)[1] is not None:
             hint = "; this looks like a HuggingFace checkpoint: use hf-to-ms"
-        raise UserError(f"{ckpt.where(name)}: unexpected tensor {name}{more} (not in the {layout} layout that "
-                        f"{ckpt.config_path} describes{hint})")
+        raise UserError(
+            f"{ckpt.where(name)}: unexpected tensor {name}{more} (not in the {layout} layout that "
+            f"{ckpt.config_path} describes{hint})"
+        )
     missing = [n for n in expected if n not in ckpt.tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -72,11 +79,13 @@ def check_tensors(ckpt: WeightFiles, expected: Dict[str, Tuple[int, ...]], layou
     for name, shape in expected.items():
         info = ckpt.tensors[name]
         if info.shape != shape:
-            raise UserError(f"{info.file}: tensor {name} has shape {_fmt(info.shape)}, {ckpt.config_path} implies "
-                            f"{_fmt(shape)}")
+            raise UserError(
+                f"{info.file}: tensor {name} has shape {_fmt(info.shape)}, {ckpt.config_path} implies {_fmt(shape)}"
+            )
         if info.dtype not in FLOAT_DTYPES:
-            raise UserError(f"{info.file}: tensor {name} has dtype {info.dtype}; weights must be one of "
-                            f"{', '.join(FLOAT_DTYPES)}")
+            raise UserError(
+                f"{info.file}: tensor {name} has dtype {info.dtype}; weights must be one of {', '.join(FLOAT_DTYPES)}"
+            )
 
 
 def _carry_zero_width(ckpt: WeightFiles, out: List[OutTensor]) -> List[OutTensor]:
@@ -101,8 +110,10 @@ def map_hf_to_ms(ckpt: WeightFiles) -> List[OutTensor]:
         first = parts[0]
         for part in parts:
             if part.dtype != first.dtype:
-                raise UserError(f"{part.file}: tensor {part.name} is {part.dtype} but {first.name} "
-                                f"({first.file.name}) is {first.dtype}: the experts of one layer must share a dtype")
+                raise UserError(
+                    f"{part.file}: tensor {part.name} is {part.dtype} but {first.name} "
+                    f"({first.file.name}) is {first.dtype}: the experts of one layer must share a dtype"
+                )
         out.append(OutTensor(name, first.dtype, shape, tuple((p.file, p.offset, p.nbytes) for p in parts)))
     return _carry_zero_width(ckpt, out)
 

@@ -59,8 +59,8 @@ from ms_deepseek.core.safe_io import json_loads
 LAYOUT_FILE = "layout.json"
 RANK_DIR_GLOB = "rank_[0-9][0-9][0-9][0-9][0-9]"
 FORMAT = "ms_deepseek.sharded"
-VERSION = 1            # every rank folder stores all of its slices
-VERSION_DISTINCT = 2   # each distinct slice stored once ("slices": "distinct", convert's pre-sharded output)
+VERSION = 1  # every rank folder stores all of its slices
+VERSION_DISTINCT = 2  # each distinct slice stored once ("slices": "distinct", convert's pre-sharded output)
 
 Slice = Tuple[object, ...]  # per axis: (start, stop) or a tuple of expert ids (axis 0 of stacked experts)
 
@@ -79,10 +79,10 @@ def is_sharded(folder) -> bool:
 class TensorLayout:
     name: str
     shape: Tuple[int, ...]
-    dtype: str                                  # safetensors dtype ("BF16", "F32", ...)
+    dtype: str  # safetensors dtype ("BF16", "F32", ...)
     stage: int
-    dev_matrix: Tuple[int, ...]                 # over the stage's dp * tp devices, last axis fastest
-    tensor_map: Tuple[int, ...]                 # per tensor axis, device-matrix axis from the right; -1 = whole
+    dev_matrix: Tuple[int, ...]  # over the stage's dp * tp devices, last axis fastest
+    tensor_map: Tuple[int, ...]  # per tensor axis, device-matrix axis from the right; -1 = whole
     experts: Optional[Tuple[Tuple[int, ...], ...]] = None  # stacked experts: expert ids per axis-0 coordinate
 
     @property
@@ -98,7 +98,7 @@ class TensorLayout:
             return 0
         n = len(self.dev_matrix)
         stride = 1
-        for size in self.dev_matrix[n - m:]:
+        for size in self.dev_matrix[n - m :]:
             stride *= size
         return (device // stride) % self.dev_matrix[n - 1 - m]
 
@@ -116,8 +116,13 @@ class TensorLayout:
         return tuple(d // k for d, k in zip(self.shape, self.split))
 
     def to_json(self) -> Dict:
-        d = {"shape": list(self.shape), "dtype": self.dtype, "stage": self.stage,
-             "dev_matrix": list(self.dev_matrix), "tensor_map": list(self.tensor_map)}
+        d = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "stage": self.stage,
+            "dev_matrix": list(self.dev_matrix),
+            "tensor_map": list(self.tensor_map),
+        }
         if self.experts is not None:
             d["experts"] = [list(e) for e in self.experts]
         return d
@@ -170,13 +175,22 @@ class ShardLayout:
         return f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep}" + (" opt-shard" if self.optimizer_shard else "")
 
     def same_geometry(self, other: "ShardLayout") -> bool:
-        return self.to_json()["parallel"] == other.to_json()["parallel"] and \
-            {n: t.to_json() for n, t in self.tensors.items()} == {n: t.to_json() for n, t in other.tensors.items()}
+        return self.to_json()["parallel"] == other.to_json()["parallel"] and {
+            n: t.to_json() for n, t in self.tensors.items()
+        } == {n: t.to_json() for n, t in other.tensors.items()}
 
     def for_optimizer(self) -> "ShardLayout":
         """The layout of the optimizer file (same degrees)."""
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, dict(self.optimizer or {}),
-                           lora=self.lora, distinct_only=self.distinct_only)
+        return ShardLayout(
+            self.dp,
+            self.tp,
+            self.pp,
+            self.ep,
+            self.optimizer_shard,
+            dict(self.optimizer or {}),
+            lora=self.lora,
+            distinct_only=self.distinct_only,
+        )
 
     def with_optimizer(self, tensors: Dict[str, Tuple[Tuple[int, ...], str]]) -> "ShardLayout":
         """This layout plus the optimizer file's (name -> (shape, dtype)): ``adam_m.X`` / ``adam_v.X`` are
@@ -188,15 +202,16 @@ class ShardLayout:
             if t is not None and tuple(shape) == t.shape:
                 opt[name] = TensorLayout(name, t.shape, dtype, t.stage, t.dev_matrix, t.tensor_map, t.experts)
             else:
-                opt[name] = TensorLayout(name, tuple(shape), dtype, -1, (self.stage_devices,),
-                                         tuple(-1 for _ in shape))
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt, self.lora,
-                           self.distinct_only)
+                opt[name] = TensorLayout(name, tuple(shape), dtype, -1, (self.stage_devices,), tuple(-1 for _ in shape))
+        return ShardLayout(
+            self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, opt, self.lora, self.distinct_only
+        )
 
     def storing_distinct(self) -> "ShardLayout":
         """This layout with each distinct slice stored once (see :attr:`distinct_only`)."""
-        return ShardLayout(self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, self.optimizer,
-                           self.lora, True)
+        return ShardLayout(
+            self.dp, self.tp, self.pp, self.ep, self.optimizer_shard, self.tensors, self.optimizer, self.lora, True
+        )
 
     def stored_in(self, rank: int) -> List[str]:
         """The tensors ``rank``'s file holds: all of its slices, or (distinct_only) those it owns."""
@@ -233,20 +248,31 @@ class ShardLayout:
         return [(r, sl) for sl, r in seen.items()]
 
     def to_json(self) -> Dict:
-        return {"format": FORMAT, "version": VERSION_DISTINCT if self.distinct_only else VERSION,
-                **({"slices": "distinct"} if self.distinct_only else {}), "world_size": self.world_size,
-                "parallel": {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
-                             "optimizer_shard": self.optimizer_shard},
-                "tensors": {n: t.to_json() for n, t in self.tensors.items()},
-                **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {}),
-                **({"lora": self.lora.settings()} if self.lora else {})}
+        return {
+            "format": FORMAT,
+            "version": VERSION_DISTINCT if self.distinct_only else VERSION,
+            **({"slices": "distinct"} if self.distinct_only else {}),
+            "world_size": self.world_size,
+            "parallel": {
+                "dp": self.dp,
+                "tp": self.tp,
+                "pp": self.pp,
+                "ep": self.ep,
+                "optimizer_shard": self.optimizer_shard,
+            },
+            "tensors": {n: t.to_json() for n, t in self.tensors.items()},
+            **({"optimizer": {n: t.to_json() for n, t in self.optimizer.items()}} if self.optimizer else {}),
+            **({"lora": self.lora.settings()} if self.lora else {}),
+        }
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------- derivation
-def _dev_matrix_for(spec, suffix: str, layout: Tuple[int, ...], devices: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+def _dev_matrix_for(
+    spec, suffix: str, layout: Tuple[int, ...], devices: int
+) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """(device matrix, tensor map) of a parameter from the primitive that consumes it."""
     consumer = spec.consumers.get(suffix)
     if consumer is None or all(k == 1 for k in layout):
@@ -297,8 +323,9 @@ def checkpoint_inventory(cfg, lora: Optional[LoraSpec] = None):
     return [info for info in lora_inventory(cfg, lora, rows) if info.trainable]
 
 
-def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None,
-                 quant=None) -> ShardLayout:
+def build_layout(
+    cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=None, lora=None, quant=None
+) -> ShardLayout:
     """Every weight's layout for ``parallel`` (a ParallelConfig), from the plan and the model's name table.
 
     ``dtypes``: tensor name -> safetensors dtype (default: the config's parameter dtype, routers F32).
@@ -318,8 +345,9 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
     experts = None
     if cfg.n_routed_experts:
         table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
-        experts = tuple(ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r)
-                        for r in range(parallel.ep))
+        experts = tuple(
+            ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r) for r in range(parallel.ep)
+        )
     out: Dict[str, TensorLayout] = {}
     for info in checkpoint_inventory(cfg, lora):
         pattern, layout = plan.param_layout(info.name, mesh)
@@ -327,25 +355,35 @@ def build_layout(cfg, parallel, dtypes: Optional[Dict[str, str]] = None, plan=No
         spec = style_spec(style, mesh)
         rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
         match = rx.match(info.name)
-        suffix = info.name[match.end() + 1:] if match else ""
+        suffix = info.name[match.end() + 1 :] if match else ""
         for axis, (dim, k) in enumerate(zip(info.shape, layout)):
             if dim % k:
-                raise UserError(f"parallel: {info.name} axis {axis} ({dim}) is not divisible by {k} "
-                                f"({parallel.describe()})")
+                raise UserError(
+                    f"parallel: {info.name} axis {axis} ({dim}) is not divisible by {k} ({parallel.describe()})"
+                )
         dev, tmap = _dev_matrix_for(spec, suffix, layout, devices)
         stacked = info.kind == "routed_experts"
         dtype = (dtypes or {}).get(info.name, safetensors_code(info.dtype))
-        t = TensorLayout(info.name, info.shape, dtype, stage_of_param(info, parallel.pp, stages), dev, tmap,
-                         experts if stacked and tmap[0] >= 0 else None)
+        t = TensorLayout(
+            info.name,
+            info.shape,
+            dtype,
+            stage_of_param(info, parallel.pp, stages),
+            dev,
+            tmap,
+            experts if stacked and tmap[0] >= 0 else None,
+        )
         if stacked and t.split[0] != parallel.ep:
-            raise UserError(f"checkpoint layout: {info.name} splits experts {t.split[0]} ways, parallel.ep is "
-                            f"{parallel.ep}")
+            raise UserError(
+                f"checkpoint layout: {info.name} splits experts {t.split[0]} ways, parallel.ep is {parallel.ep}"
+            )
         if quant is not None and lora is None and is_quantized_weight(info.name) and 0 not in info.shape:
             out.update(quantized_layouts(t, quant, parallel))
         else:
             out[info.name] = t
-    return ShardLayout(parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out,
-                       lora=lora)
+    return ShardLayout(
+        parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out, lora=lora
+    )
 
 
 def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayout]:
@@ -362,15 +400,21 @@ def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayou
     width, groups = t.shape[-1], s_shape[-1]
     if k > 1:
         if quant.bits == 4 and (width // k) % 2:
-            raise UserError(f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
-                            f"({parallel.describe()}) cuts a byte of int4 pairs")
+            raise UserError(
+                f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
+                f"({parallel.describe()}) cuts a byte of int4 pairs"
+            )
         if groups > 1 and groups % k:
-            raise UserError(f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
-                            f"({parallel.describe()}) cuts a scale group of {width // groups} columns")
+            raise UserError(
+                f"checkpoint layout: {t.name}: a {k}-way split of its input width {width} "
+                f"({parallel.describe()}) cuts a scale group of {width // groups} columns"
+            )
     s_map = t.tensor_map if groups > 1 else t.tensor_map[:-1] + (-1,)
-    return {q_name: TensorLayout(q_name, q_shape, q_dtype, t.stage, t.dev_matrix, t.tensor_map, t.experts),
-            s_name: TensorLayout(s_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts),
-            o_name: TensorLayout(o_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts)}
+    return {
+        q_name: TensorLayout(q_name, q_shape, q_dtype, t.stage, t.dev_matrix, t.tensor_map, t.experts),
+        s_name: TensorLayout(s_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts),
+        o_name: TensorLayout(o_name, s_shape, "F32", t.stage, t.dev_matrix, s_map, t.experts),
+    }
 
 
 def cuts_scale_groups(t: TensorLayout, groups: int) -> bool:
@@ -387,19 +431,25 @@ def read_layout(folder: Path) -> ShardLayout:
     try:
         data = json_loads(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
-        raise UserError(f"{path}: missing (a sharded checkpoint folder holds rank_RRRRR/ folders and "
-                        f"{LAYOUT_FILE})") from None
+        raise UserError(
+            f"{path}: missing (a sharded checkpoint folder holds rank_RRRRR/ folders and {LAYOUT_FILE})"
+        ) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path}: not a readable layout file ({exc})") from None
     try:
         version = int(data.get("version", 0))
         if data.get("format") != FORMAT or version not in (VERSION, VERSION_DISTINCT):
-            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} "
-                             f"version {VERSION} or {VERSION_DISTINCT}")
-        if data.get("slices", "distinct" if version == VERSION_DISTINCT else None) != \
-                ("distinct" if version == VERSION_DISTINCT else None):
-            raise ValueError(f"\"slices\": {data.get('slices')!r} does not go with version {version} "
-                             f"(version {VERSION_DISTINCT} has \"slices\": \"distinct\", version {VERSION} none)")
+            raise ValueError(
+                f"format {data.get('format')!r} version {data.get('version')!r}, expected {FORMAT!r} "
+                f"version {VERSION} or {VERSION_DISTINCT}"
+            )
+        if data.get("slices", "distinct" if version == VERSION_DISTINCT else None) != (
+            "distinct" if version == VERSION_DISTINCT else None
+        ):
+            raise ValueError(
+                f'"slices": {data.get("slices")!r} does not go with version {version} '
+                f'(version {VERSION_DISTINCT} has "slices": "distinct", version {VERSION} none)'
+            )
         par = data["parallel"]
         dp, tp, pp, ep = (int(par[k]) for k in ("dp", "tp", "pp", "ep"))
         if min(dp, tp, pp, ep) < 1 or int(data["world_size"]) != dp * tp * pp:
@@ -407,8 +457,17 @@ def read_layout(folder: Path) -> ShardLayout:
         tensors = _read_tensors(data["tensors"], dp, tp, pp)
         optimizer = _read_tensors(data["optimizer"], dp, tp, pp) if data.get("optimizer") else None
         lora = _lora_entry(data.get("lora"))
-        return ShardLayout(dp, tp, pp, ep, bool(par.get("optimizer_shard", False)), tensors, optimizer, lora,
-                           version == VERSION_DISTINCT)
+        return ShardLayout(
+            dp,
+            tp,
+            pp,
+            ep,
+            bool(par.get("optimizer_shard", False)),
+            tensors,
+            optimizer,
+            lora,
+            version == VERSION_DISTINCT,
+        )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # int(Infinity): Overflow
         raise UserError(f"{path}: malformed layout file ({exc})") from None
 
@@ -428,19 +487,28 @@ def _read_tensors(entries: Dict, dp: int, tp: int, pp: int) -> Dict[str, TensorL
         prod = 1
         for d in dev:
             prod *= d
-        if prod != dp * tp or len(tmap) != len(shape) or not -1 <= stage < pp or \
-                any(m >= len(dev) or m < -1 for m in tmap):
-            raise ValueError(f"tensor {name}: dev_matrix {list(dev)} / tensor_map {list(tmap)} / stage {stage} "
-                             f"do not fit dp*tp = {dp * tp} devices, pp = {pp}")
+        if (
+            prod != dp * tp
+            or len(tmap) != len(shape)
+            or not -1 <= stage < pp
+            or any(m >= len(dev) or m < -1 for m in tmap)
+        ):
+            raise ValueError(
+                f"tensor {name}: dev_matrix {list(dev)} / tensor_map {list(tmap)} / stage {stage} "
+                f"do not fit dp*tp = {dp * tp} devices, pp = {pp}"
+            )
         exp = tuple(ExpertIds(int(e) for e in ids) for ids in t["experts"]) if t.get("experts") else None
         lay = TensorLayout(name, shape, str(t["dtype"]), stage, dev, tmap, exp)
         for axis, (d, k) in enumerate(zip(shape, lay.split)):
             if d % k:
                 raise ValueError(f"tensor {name}: axis {axis} ({d}) is not divisible by {k}")
-        if exp is not None and (len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids)
-                                != list(range(shape[0]))):
-            raise ValueError(f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
-                             f"{shape[0]} experts over {lay.split[0]} ranks")
+        if exp is not None and (
+            len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids) != list(range(shape[0]))
+        ):
+            raise ValueError(
+                f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
+                f"{shape[0]} experts over {lay.split[0]} ranks"
+            )
         tensors[name] = lay
     return tensors
 
@@ -465,8 +533,12 @@ def check_strategy_file(layout: ShardLayout, strategy_path: Path, rank: int) -> 
         dev = tuple(int(x) for x in entry.dev_matrix[0].dim)
         tmap = tuple(int(x) for x in entry.tensor_map[0].dim)
         mine = TensorLayout(plain, want.shape, want.dtype, want.stage, dev, tmap)
-        if mine.split != want.split or any(mine.slice_of(rank % layout.stage_devices)[a] !=
-                                           want.slice_of(rank % layout.stage_devices)[a]
-                                           for a in range(len(want.shape)) if want.experts is None or a > 0):
-            raise UserError(f"{strategy_path}: tensor {name} has dev_matrix {list(dev)} tensor_map {list(tmap)}; "
-                            f"{LAYOUT_FILE} says {list(want.dev_matrix)} / {list(want.tensor_map)}")
+        if mine.split != want.split or any(
+            mine.slice_of(rank % layout.stage_devices)[a] != want.slice_of(rank % layout.stage_devices)[a]
+            for a in range(len(want.shape))
+            if want.experts is None or a > 0
+        ):
+            raise UserError(
+                f"{strategy_path}: tensor {name} has dev_matrix {list(dev)} tensor_map {list(tmap)}; "
+                f"{LAYOUT_FILE} says {list(want.dev_matrix)} / {list(want.tensor_map)}"
+            )

@@ -63,11 +63,11 @@ class Opened:
     kind: CheckpointKind
     config: DeepseekV2Config
     config_path: Path
-    model: Source                        # the model tensors (or a LoRA run's adapters)
-    optimizer: Optional[Source] = None   # the optimizer state of a training checkpoint
-    lora: Optional[LoraSpec] = None      # a LoRA run's checkpoint: its adapters' settings
+    model: Source  # the model tensors (or a LoRA run's adapters)
+    optimizer: Optional[Source] = None  # the optimizer state of a training checkpoint
+    lora: Optional[LoraSpec] = None  # a LoRA run's checkpoint: its adapters' settings
     weights: Optional[WeightFiles] = None  # a whole folder's weight files (the converter's view)
-    quant: Optional[QuantSpec] = None    # a quantized base (``convert quantize``): its bits and group size
+    quant: Optional[QuantSpec] = None  # a quantized base (``convert quantize``): its bits and group size
 
     @property
     def sharded(self) -> bool:
@@ -92,8 +92,15 @@ def open_checkpoint(folder) -> Opened:
         model = WholeSource.of(weights)
         expected = expected_hf_shapes(weights.config) if model.hf else expected_ms_shapes(weights.config)
         check_quantized(weights, expected, quant, optional=zero_width_shapes(weights.config))
-        return Opened(folder=folder, kind=CheckpointKind.HF if model.hf else CheckpointKind.MS, config=weights.config,
-                      config_path=weights.config_path, model=model, weights=weights, quant=quant)
+        return Opened(
+            folder=folder,
+            kind=CheckpointKind.HF if model.hf else CheckpointKind.MS,
+            config=weights.config,
+            config_path=weights.config_path,
+            model=model,
+            weights=weights,
+            quant=quant,
+        )
     if lora is not None:  # adapters (+ routers), by our names
         model = WholeSource.of(weights, hf=False)
         check_tensors(weights, {i.name: i.shape for i in checkpoint_inventory(weights.config, lora)}, "LoRA")
@@ -103,10 +110,21 @@ def open_checkpoint(folder) -> Opened:
     optimizer = None
     if (folder / OPTIMIZER_FILE).is_file():
         optimizer = WholeSource(read_header(folder / OPTIMIZER_FILE).tensors, weights.config, folder, hf=False)
-    kind = CheckpointKind.TRAINING if (folder / "state.json").is_file() else (
-        CheckpointKind.HF if model.hf else CheckpointKind.MS)
-    return Opened(folder=folder, kind=kind, config=weights.config, config_path=weights.config_path, model=model,
-                  optimizer=optimizer, lora=lora, weights=weights)
+    kind = (
+        CheckpointKind.TRAINING
+        if (folder / "state.json").is_file()
+        else (CheckpointKind.HF if model.hf else CheckpointKind.MS)
+    )
+    return Opened(
+        folder=folder,
+        kind=kind,
+        config=weights.config,
+        config_path=weights.config_path,
+        model=model,
+        optimizer=optimizer,
+        lora=lora,
+        weights=weights,
+    )
 
 
 def open_for_resume(folder) -> Opened:
@@ -131,14 +149,24 @@ def _open_sharded(folder: Path) -> Opened:
     optimizer = None
     if model.layout.optimizer:
         optimizer = ShardedSource(folder, OPTIMIZER_FILE, layout=model.layout.for_optimizer())
-    return Opened(folder=folder, kind=CheckpointKind.SHARDED, config=cfg, config_path=config_path, model=model,
-                  optimizer=optimizer, lora=lora, quant=quant)
+    return Opened(
+        folder=folder,
+        kind=CheckpointKind.SHARDED,
+        config=cfg,
+        config_path=config_path,
+        model=model,
+        optimizer=optimizer,
+        lora=lora,
+        quant=quant,
+    )
 
 
 def lora_not_a_model(folder) -> UserError:
     """What converting a LoRA checkpoint (whole or sharded) to a model says: use export-lora."""
-    return UserError(f"{folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
-                     f"merged HF folder with `ms-deepseek export-lora {folder} OUT [--merge BASE]`")
+    return UserError(
+        f"{folder}: a LoRA checkpoint holds adapters, not a model; write a PEFT adapter or a "
+        f"merged HF folder with `ms-deepseek export-lora {folder} OUT [--merge BASE]`"
+    )
 
 
 def lora_of(folder: Path) -> Optional[LoraSpec]:
@@ -155,12 +183,17 @@ def _check_whole(src: WholeSource, weights: WeightFiles) -> None:
     if src.hf:
         check_tensors(weights, expected_hf_shapes(cfg), "HuggingFace", optional=zero_width_shapes(cfg))
     else:
-        check_tensors(weights, expected_ms_shapes(cfg), "ms_deepseek",
-                      optional={**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)})
+        check_tensors(
+            weights,
+            expected_ms_shapes(cfg),
+            "ms_deepseek",
+            optional={**zero_width_shapes(cfg), **ms_buffer_shapes(cfg)},
+        )
 
 
-def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path, lora: Optional[LoraSpec],
-                                 quant: Optional[QuantSpec] = None) -> None:
+def _check_layout_matches_config(
+    layout: ShardLayout, cfg, folder: Path, lora: Optional[LoraSpec], quant: Optional[QuantSpec] = None
+) -> None:
     expected = {info.name: info.shape for info in checkpoint_inventory(cfg, lora)}
     if quant is not None:  # the quantized tensors (quant_format.py) in place of each quantized weight
         expected = {n: shape for n, (shape, _) in expected_quantized(expected, quant).items()}
@@ -169,9 +202,11 @@ def _check_layout_matches_config(layout: ShardLayout, cfg, folder: Path, lora: O
         if t is None:
             raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} is missing (config.json requires it)")
         if t.shape != tuple(shape):
-            raise UserError(f"{folder / LAYOUT_FILE}: tensor {name} has shape {list(t.shape)}, config.json implies "
-                            f"{list(shape)}")
+            raise UserError(
+                f"{folder / LAYOUT_FILE}: tensor {name} has shape {list(t.shape)}, config.json implies {list(shape)}"
+            )
     extra = [n for n in layout.tensors if n not in expected]
     if extra:
-        raise UserError(f"{folder / LAYOUT_FILE}: unexpected tensor {extra[0]} (not in the model config.json "
-                        "describes)")
+        raise UserError(
+            f"{folder / LAYOUT_FILE}: unexpected tensor {extra[0]} (not in the model config.json describes)"
+        )

@@ -37,10 +37,12 @@ def own_part(value: np.ndarray, size: int, index: int, name: str = "") -> np.nda
     if size <= 1:
         return value
     if value.ndim == 0 or value.shape[0] % size:
-        raise UserError(f"optimizer sharding: {name} slice {list(value.shape)} does not split {size} ways along "
-                        "axis 0, which MindSpore's parallel optimizer requires")
+        raise UserError(
+            f"optimizer sharding: {name} slice {list(value.shape)} does not split {size} ways along "
+            "axis 0, which MindSpore's parallel optimizer requires"
+        )
     rows = value.shape[0] // size
-    return value[index * rows:(index + 1) * rows]
+    return value[index * rows : (index + 1) * rows]
 
 
 def join_parts(parts: Iterable[np.ndarray]) -> np.ndarray:
@@ -52,8 +54,13 @@ class OptimizerShards:
     """Per parameter name: its optimizer-shard group (``groups``), that group's size and this rank's
     index in it (``group_size`` / ``group_rank``), and ``gather(group, value) -> joined value``."""
 
-    def __init__(self, groups: Dict[str, str], group_size: Callable[[str], int], group_rank: Callable[[str], int],
-                 gather: Callable[[str, object], object]):
+    def __init__(
+        self,
+        groups: Dict[str, str],
+        group_size: Callable[[str], int],
+        group_rank: Callable[[str], int],
+        gather: Callable[[str, object], object],
+    ):
         self.groups = {name: group for name, group in groups.items() if group}
         self.group_size, self.group_rank, self.gather = group_size, group_rank, gather
 
@@ -82,8 +89,11 @@ class OptimizerShards:
             from mindspore.graph.api import _get_parameter_layout
 
             layouts = _get_parameter_layout() or {}
-        groups = {name: str(entry[LAYOUT_GROUP]) for name, entry in layouts.items()
-                  if len(entry) > LAYOUT_GROUP and entry[LAYOUT_GROUP]}
+        groups = {
+            name: str(entry[LAYOUT_GROUP])
+            for name, entry in layouts.items()
+            if len(entry) > LAYOUT_GROUP and entry[LAYOUT_GROUP]
+        }
         cells: Dict[str, object] = {}
 
         def gather(group: str, param):

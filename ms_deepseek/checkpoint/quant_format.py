@@ -51,8 +51,11 @@ def quantized_entries(name: str, shape: Tuple[int, ...], spec: QuantSpec) -> Lis
     stem = name[: -len(".weight")]
     q_shape = tuple(lead) + (out_f, in_f if spec.bits == 8 else in_f // 2)
     s_shape = tuple(lead) + (out_f, groups)
-    return [(f"{stem}.weight", "I8" if spec.bits == 8 else "U8", q_shape),
-            (f"{stem}.weight_scale", "F32", s_shape), (f"{stem}.weight_offset", "F32", s_shape)]
+    return [
+        (f"{stem}.weight", "I8" if spec.bits == 8 else "U8", q_shape),
+        (f"{stem}.weight_scale", "F32", s_shape),
+        (f"{stem}.weight_offset", "F32", s_shape),
+    ]
 
 
 def group_of(spec: QuantSpec, in_features: int) -> int:
@@ -129,8 +132,10 @@ def read_quant_config(folder: Path) -> Optional[Tuple[QuantSpec, Dict]]:
         return None
     if not isinstance(section, dict) or section.get("quant_method") != QUANT_METHOD:
         method = section.get("quant_method") if isinstance(section, dict) else section
-        raise UserError(f"{path}: quantization_config.quant_method {method!r} is not supported (only checkpoints "
-                        f"written by `ms-deepseek convert quantize`, quant_method {QUANT_METHOD!r})")
+        raise UserError(
+            f"{path}: quantization_config.quant_method {method!r} is not supported (only checkpoints "
+            f"written by `ms-deepseek convert quantize`, quant_method {QUANT_METHOD!r})"
+        )
     try:
         spec = QuantSpec(bits=section.get("bits"), group_size=section.get("group_size"))
     except UserError as exc:
@@ -163,16 +168,17 @@ def check_quantized(weights, expected: Dict[str, Tuple[int, ...]], spec: QuantSp
     want = expected_quantized(expected, spec)
     for name, info in weights.tensors.items():
         if name not in want and name not in optional:
-            raise UserError(f"{info.file}: unexpected tensor {name} (not in the quantized layout {weights.config_path} "
-                            "describes)")
+            raise UserError(
+                f"{info.file}: unexpected tensor {name} (not in the quantized layout {weights.config_path} describes)"
+            )
     for name, (shape, dtype) in want.items():
         info = weights.tensors.get(name)
         if info is None:
-            raise UserError(f"{weights.index_path or weights.files[0]}: missing tensor {name} (a quantized checkpoint "
-                            f"with bits {spec.bits}, group_size {spec.group_size})")
+            raise UserError(
+                f"{weights.index_path or weights.files[0]}: missing tensor {name} (a quantized checkpoint "
+                f"with bits {spec.bits}, group_size {spec.group_size})"
+            )
         if tuple(info.shape) != shape:
             raise UserError(f"{info.file}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
         if (dtype is not None and info.dtype != dtype) or (dtype is None and info.dtype not in FLOAT_DTYPES):
             raise UserError(f"{info.file}: tensor {name} has dtype {info.dtype}, expected {dtype or 'a float dtype'}")
-
-

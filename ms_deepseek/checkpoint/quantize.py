@@ -31,8 +31,17 @@ from ms_deepseek.core.errors import UserError
 
 
 # ------------------------------------------------------------------------------ the converter
-def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *, shard_size="5GB",
-                        overwrite: bool = False, progress: bool = True, fsync: bool = True):
+def quantize_checkpoint(
+    src,
+    dst,
+    bits: int,
+    group_size: Optional[int] = None,
+    *,
+    shard_size="5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+):
     """Quantize an HF or ms_deepseek folder into ``dst`` (same layout), one tensor in memory at a time."""
     from tqdm import tqdm
 
@@ -65,11 +74,17 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
             planned.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
             planned.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
             planned.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
-            kinds.update({q_name: kinds["model_quant_type"], s_name: kinds["model_quant_type"],
-                          o_name: kinds["model_quant_type"]})
+            kinds.update(
+                {
+                    q_name: kinds["model_quant_type"],
+                    s_name: kinds["model_quant_type"],
+                    o_name: kinds["model_quant_type"],
+                }
+            )
         else:
-            planned.append(OutTensor(info.name, info.dtype, tuple(info.shape),
-                                     ((info.file, info.offset, info.nbytes),)))
+            planned.append(
+                OutTensor(info.name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),))
+            )
             kinds[info.name] = "FLOAT"
     shards: List[List[OutTensor]] = [[]]
     used = 0
@@ -83,17 +98,29 @@ def quantize_checkpoint(src, dst, bits: int, group_size: Optional[int] = None, *
     names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)] if n > 1 else ["model.safetensors"]
     total = sum(t.nbytes for t in planned)
     with atomic_folder(dst, fsync=fsync) as tmp:
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize",
-                  disable=not progress or not os.isatty(2), dynamic_ncols=True) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="quantize",
+            disable=not progress or not os.isatty(2),
+            dynamic_ncols=True,
+        ) as bar:
             for name, shard in zip(names, shards):
                 write_file(tmp / name, order_for_alignment(shard), {"format": "pt"}, on_bytes=bar.update, fsync=fsync)
         if n > 1:
             weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+            (tmp / INDEX_NAME).write_text(
+                json.dumps(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
+                )
+                + "\n"
+            )
         _write_metadata(tmp, opened, src, spec, kinds)
-    return ConvertResult(dst=dst, files=names, num_tensors=len(planned), total_bytes=total,
-                         seconds=time.perf_counter() - start)
+    return ConvertResult(
+        dst=dst, files=names, num_tensors=len(planned), total_bytes=total, seconds=time.perf_counter() - start
+    )
 
 
 def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[str, str]) -> None:
@@ -101,8 +128,13 @@ def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[s
     from ms_deepseek.checkpoint.convert import CARRIED_FILES
 
     config = json.loads(opened.config_path.read_text(encoding="utf-8"))
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": spec.bits, "group_size": spec.group_size,
-                                     "symmetric": True, "original": str(src.resolve())}
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "symmetric": True,
+        "original": str(src.resolve()),
+    }
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / DESCRIPTION_FILE).write_text(json.dumps(kinds, indent=2) + "\n")
     for extra in CARRIED_FILES:
@@ -151,8 +183,17 @@ class QuantizedView:
         return np.ascontiguousarray(value[..., lo:hi])
 
 
-def quantize_sharded(src, dst, bits: int, group_size: Optional[int], parallel, *, overwrite: bool = False,
-                     fsync: bool = True, progress: bool = False):
+def quantize_sharded(
+    src,
+    dst,
+    bits: int,
+    group_size: Optional[int],
+    parallel,
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+    progress: bool = False,
+):
     """``convert quantize --recipe / --dp/--tp/--ep/--pp``: every rank's slices of the quantized base,
     ``DST/rank_RRRRR/model.safetensors`` + layout.json (as ``convert hf-to-ms --recipe``), the metadata
     of :func:`quantize_checkpoint`. A split of ``in`` that cuts an int4 byte or a scale group is refused
@@ -193,11 +234,15 @@ def _float_source(src: Path):
 
     opened = open_checkpoint(src)
     if opened.quant is not None:
-        raise UserError(f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
-                        "quantize the original checkpoint")
+        raise UserError(
+            f"{src}: already quantized (bits {opened.quant.bits}, group_size {opened.quant.group_size}); "
+            "quantize the original checkpoint"
+        )
     if opened.kind not in (CheckpointKind.HF, CheckpointKind.MS):
-        raise UserError(f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
-                        "(convert a training checkpoint with `convert ms-to-hf` first)")
+        raise UserError(
+            f"{src}: a {opened.kind} checkpoint; quantize an HF or ms_deepseek model folder "
+            "(convert a training checkpoint with `convert ms-to-hf` first)"
+        )
     return opened
 
 

@@ -36,7 +36,7 @@ FLOAT_DTYPES = FLOAT_SAFETENSORS
 DTYPE_NAMES = {code: BY_SAFETENSORS[code].name for code in FLOAT_SAFETENSORS}
 
 MAX_HEADER_BYTES = 100 * 1000 * 1000  # the reference implementation's limit
-_COPY_CHUNK = 64 * 1024 * 1024         # bytes per copy call (progress granularity, bounded buffer)
+_COPY_CHUNK = 64 * 1024 * 1024  # bytes per copy call (progress granularity, bounded buffer)
 _FALLBACK_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
 
 
@@ -56,9 +56,9 @@ class TensorInfo:
 class FileHeader:
     path: Path
     size: int
-    data_start: int                      # 8 + header length
+    data_start: int  # 8 + header length
     metadata: Optional[Dict[str, str]]
-    tensors: Dict[str, TensorInfo]       # in data-offset order
+    tensors: Dict[str, TensorInfo]  # in data-offset order
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -76,8 +76,10 @@ def read_header(path: Path) -> FileHeader:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise UserError(f"{path}: truncated or not a safetensors file ({size} bytes; "
-                                "a safetensors file starts with an 8-byte header length)")
+                raise UserError(
+                    f"{path}: truncated or not a safetensors file ({size} bytes; "
+                    "a safetensors file starts with an 8-byte header length)"
+                )
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
                 raise UserError(f"{path}: corrupt safetensors header (header length {n} bytes is implausible)")
@@ -93,8 +95,9 @@ def read_header(path: Path) -> FileHeader:
     if not isinstance(header, dict):
         raise UserError(f"{path}: corrupt safetensors header (expected a JSON object)")
     metadata = header.pop("__metadata__", None)
-    if metadata is not None and (not isinstance(metadata, dict)
-                                 or not all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
         raise UserError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
     data_start = 8 + n
     data_len = size - data_start
@@ -109,8 +112,10 @@ def read_header(path: Path) -> FileHeader:
             what = "overlaps the previous tensor" if start < expected_start else "leaves a gap before it"
             raise UserError(f"{path}: corrupt safetensors header: tensor {name} data_offsets [{start}, {end}] {what}")
         if end > data_len:
-            raise UserError(f"{path}: truncated safetensors file: tensor {name} needs bytes up to {data_start + end}, "
-                            f"the file holds {size}")
+            raise UserError(
+                f"{path}: truncated safetensors file: tensor {name} needs bytes up to {data_start + end}, "
+                f"the file holds {size}"
+            )
         expected_start = end
         tensors[name] = TensorInfo(name, dtype, shape, path, data_start + start, end - start)
     if expected_start != data_len:
@@ -125,12 +130,14 @@ def _check_entry(path: Path, name: str, info) -> Tuple[str, str, Tuple[int, ...]
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list / object is unhashable
         raise UserError(f"{bad}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise UserError(f"{bad}: bad shape {shape!r}")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[1] < offsets[0]):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+        or offsets[1] < offsets[0]
+    ):
         raise UserError(f"{bad}: bad data_offsets {offsets!r}")
     start, end = offsets
     want = numel(shape) * DTYPE_SIZES[dtype]
@@ -197,7 +204,8 @@ def array_tensor(name: str, array) -> OutTensor:
 
     array = np.ascontiguousarray(array)
     code = {"<f4": "F32", "<f2": "F16", "<f8": "F64", "<i4": "I32", "<i8": "I64", "|i1": "I8", "|u1": "U8"}.get(
-        array.dtype.str)
+        array.dtype.str
+    )
     if code is None:
         raise AssertionError(f"{name}: cannot write numpy dtype {array.dtype} as a safetensors tensor")
     return OutTensor(name, code, tuple(array.shape), produce=lambda: array)
@@ -222,8 +230,9 @@ def encode_array(values, sf_dtype: str) -> bytes:
     return data
 
 
-def write_arrays(path: Path, tensors: Mapping[str, Tuple[object, str]],
-                 metadata: Optional[Mapping[str, str]] = None) -> int:
+def write_arrays(
+    path: Path, tensors: Mapping[str, Tuple[object, str]], metadata: Optional[Mapping[str, str]] = None
+) -> int:
     """A safetensors file from host arrays: ``{name: (array, safetensors dtype code)}``, each encoded to
     its code by :func:`encode_array`; or ``{name: (produce, code, shape)}`` where ``produce()`` returns
     the array when the file is written (one tensor on the host at a time). Returns the file size."""
@@ -236,8 +245,11 @@ def write_arrays(path: Path, tensors: Mapping[str, Tuple[object, str]],
         else:
             array, code = entry
             produce, shape = (lambda a=array: a), tuple(np.shape(array))
-        planned.append(OutTensor(name, code, tuple(shape),
-                                 produce=lambda p=produce, c=code: encode_array(np.ascontiguousarray(p()), c)))
+        planned.append(
+            OutTensor(
+                name, code, tuple(shape), produce=lambda p=produce, c=code: encode_array(np.ascontiguousarray(p()), c)
+            )
+        )
     return write_file(path, order_for_alignment(planned), {"format": "pt"} if metadata is None else metadata)
 
 
@@ -246,8 +258,15 @@ def kernel_copy_enabled() -> bool:
     return hasattr(os, "copy_file_range") and os.environ.get("MS_DEEPSEEK_NO_COPY_FILE_RANGE", "") != "1"
 
 
-def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int,
-               on_bytes: Callable[[int], None], state: Dict[str, object]) -> int:
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    src_off: int,
+    dst_off: int,
+    count: int,
+    on_bytes: Callable[[int], None],
+    state: Dict[str, object],
+) -> int:
     """Copy ``count`` bytes; returns how many were copied (fewer only if the source ended early).
 
     Uses ``os.copy_file_range`` (in-kernel, no user-space buffer) and falls back to a
@@ -280,8 +299,13 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, count: int,
     return done
 
 
-def write_file(path: Path, tensors: Sequence[OutTensor], metadata: Optional[Mapping[str, str]],
-               on_bytes: Callable[[int], None] = lambda n: None, fsync: bool = True) -> int:
+def write_file(
+    path: Path,
+    tensors: Sequence[OutTensor],
+    metadata: Optional[Mapping[str, str]],
+    on_bytes: Callable[[int], None] = lambda n: None,
+    fsync: bool = True,
+) -> int:
     """Write one safetensors file from byte ranges of other files; returns the file size."""
     header = build_header(tensors, metadata)
     state: Dict[str, object] = {}

@@ -49,8 +49,9 @@ def target_layout(cfg, parallel, src, lora: Optional[LoraSpec] = None) -> ShardL
     """The layout for ``parallel``, with each tensor's dtype as the source stores it (a LoRA
     checkpoint's, ``lora``: the layout of its adapters)."""
     validate_layout(parallel, cfg)
-    return build_layout(cfg, parallel, dtypes={i.name: src.dtype(i.name) for i in checkpoint_inventory(cfg, lora)},
-                        lora=lora)
+    return build_layout(
+        cfg, parallel, dtypes={i.name: src.dtype(i.name) for i in checkpoint_inventory(cfg, lora)}, lora=lora
+    )
 
 
 # ----------------------------------------------------------------------------- per-rank loading
@@ -107,8 +108,14 @@ def rank_entries(src, layout: ShardLayout, rank: int) -> List[OutTensor]:
     for name in layout.stored_in(rank):
         t = layout.tensors[name]
         sl = layout.slice_of(name, rank)
-        entries.append(OutTensor(name, t.dtype, t.slice_shape(),
-                                 produce=lambda name=name, sl=sl: np.ascontiguousarray(src.read(name, sl))))
+        entries.append(
+            OutTensor(
+                name,
+                t.dtype,
+                t.slice_shape(),
+                produce=lambda name=name, sl=sl: np.ascontiguousarray(src.read(name, sl)),
+            )
+        )
     return order_for_alignment(entries)
 
 
@@ -116,8 +123,9 @@ def _whole_entries(src, layout_tensors) -> List[OutTensor]:
     entries = []
     for name, t in layout_tensors.items():
         sl = full_slice(t.shape, t.experts is not None)
-        entries.append(OutTensor(name, t.dtype, t.shape,
-                                 produce=lambda name=name, sl=sl: np.ascontiguousarray(src.read(name, sl))))
+        entries.append(
+            OutTensor(name, t.dtype, t.shape, produce=lambda name=name, sl=sl: np.ascontiguousarray(src.read(name, sl)))
+        )
     return order_for_alignment(entries)
 
 
@@ -141,8 +149,9 @@ def _optimizer_layout(layout: ShardLayout, opt_src) -> ShardLayout:
     return layout.with_optimizer(infos)
 
 
-def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: bool = True,
-                  progress: bool = False) -> ShardLayout:
+def write_sharded(
+    src_folder, dst, parallel, *, overwrite: bool = False, fsync: bool = True, progress: bool = False
+) -> ShardLayout:
     """Every rank's slices of ``src_folder`` (any checkpoint) under ``parallel``: ``DST/rank_RRRRR/`` + layout.json.
 
     A training checkpoint's optimizer state is sliced the same way and its state.json /
@@ -161,11 +170,14 @@ def write_sharded(src_folder, dst, parallel, *, overwrite: bool = False, fsync: 
         for rank in range(layout.world_size):
             folder = tmp / rank_dir_name(rank)
             folder.mkdir()
-            write_file(folder / "model.safetensors", rank_entries(model, layout, rank), {"format": "ms"},
-                       fsync=False)
+            write_file(folder / "model.safetensors", rank_entries(model, layout, rank), {"format": "ms"}, fsync=False)
             if opt is not None:
-                write_file(folder / "optimizer.safetensors", rank_entries(opt, layout.for_optimizer(), rank),
-                           {"format": "ms"}, fsync=False)
+                write_file(
+                    folder / "optimizer.safetensors",
+                    rank_entries(opt, layout.for_optimizer(), rank),
+                    {"format": "ms"},
+                    fsync=False,
+                )
             if progress:
                 print(f"rank {rank + 1}/{layout.world_size} written", flush=True)
         layout.write(tmp / LAYOUT_FILE)
@@ -184,8 +196,12 @@ def write_whole(src_folder, dst, *, overwrite: bool = False, fsync: bool = True)
     with atomic_folder(dst, fsync=fsync) as tmp:
         write_file(tmp / "model.safetensors", _whole_entries(model, layout.tensors), {"format": "ms"}, fsync=False)
         if opt is not None:
-            write_file(tmp / "optimizer.safetensors", _whole_entries(opt, _optimizer_layout(layout, opt).optimizer),
-                       {"format": "ms"}, fsync=False)
+            write_file(
+                tmp / "optimizer.safetensors",
+                _whole_entries(opt, _optimizer_layout(layout, opt).optimizer),
+                {"format": "ms"},
+                fsync=False,
+            )
         _carry(src_folder, tmp, cfg_path, extra=TRAINING_FILES if opt is not None else ())
         _update_state(tmp, None)
 
@@ -204,8 +220,16 @@ def _update_state(tmp: Path, world: Optional[int]) -> None:
 
 
 # ----------------------------------------------------------------------------- merge to HF
-def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrite: bool = False,
-                progress: bool = True, fsync: bool = True):
+def merge_to_hf(
+    src_folder,
+    dst,
+    *,
+    shard_size="5GB",
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+    fsync: bool = True,
+):
     """A sharded checkpoint -> one HF folder, tensor by tensor (see module doc); returns a ConvertResult."""
     from ms_deepseek.checkpoint import convert as api
 
@@ -224,19 +248,32 @@ def merge_to_hf(src_folder, dst, *, shard_size="5GB", workers: int = 1, overwrit
             t = model.layout.tensors[name]
             if not names.is_stacked_expert(name):
                 sl = full_slice(t.shape)
-                out.append(OutTensor(name, t.dtype, t.shape,
-                                     produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl))))
+                out.append(
+                    OutTensor(
+                        name,
+                        t.dtype,
+                        t.shape,
+                        produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl)),
+                    )
+                )
                 continue
             from ms_deepseek.checkpoint.layout import ExpertIds
 
             for e, hf_name in enumerate(names.ms_to_hf(name, cfg.n_routed_experts)):
                 sl = (ExpertIds([e]),) + full_slice(t.shape)[1:]
-                out.append(OutTensor(hf_name, t.dtype, t.shape[1:],
-                                     produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl)[0])))
+                out.append(
+                    OutTensor(
+                        hf_name,
+                        t.dtype,
+                        t.shape[1:],
+                        produce=lambda name=name, sl=sl: np.ascontiguousarray(model.read(name, sl)[0]),
+                    )
+                )
         return out
 
-    return api.convert_with(opened, src_folder, dst, "ms-to-hf", plan_fn,
-                            api.WriteOptions(shard_size, workers, overwrite, progress, fsync))
+    return api.convert_with(
+        opened, src_folder, dst, "ms-to-hf", plan_fn, api.WriteOptions(shard_size, workers, overwrite, progress, fsync)
+    )
 
 
 def _check_strategy_files(folder: Path, layout: ShardLayout) -> None:
@@ -247,4 +284,3 @@ def _check_strategy_files(folder: Path, layout: ShardLayout) -> None:
         path = folder / rank_dir_name(rank) / "strategy.ckpt"
         if path.is_file():
             check_strategy_file(layout, path, rank)
-

@@ -54,8 +54,7 @@ def memmap(info: TensorInfo) -> np.ndarray:
 
 def _rows_only(sl, shape) -> bool:
     """The request is a row range of axis 0 with every other axis whole: contiguous bytes on disk."""
-    return bool(sl) and not isinstance(sl[0], ExpertIds) and all(
-        tuple(s) == (0, d) for s, d in zip(sl[1:], shape[1:]))
+    return bool(sl) and not isinstance(sl[0], ExpertIds) and all(tuple(s) == (0, d) for s, d in zip(sl[1:], shape[1:]))
 
 
 def pread_rows(info: TensorInfo, lo: int, hi: int, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -105,8 +104,11 @@ class WholeSource:
     def has(self, name: str) -> bool:
         if name in self.tensors:
             return True
-        return self.hf and names.is_stacked_expert(name) and \
-            names.ms_to_hf(name, self.cfg.n_routed_experts)[0] in self.tensors
+        return (
+            self.hf
+            and names.is_stacked_expert(name)
+            and names.ms_to_hf(name, self.cfg.n_routed_experts)[0] in self.tensors
+        )
 
     def dtype(self, name: str) -> str:
         if name in self.tensors:
@@ -132,8 +134,13 @@ class WholeSource:
 class ShardedSource:
     """``rank_RRRRR/<file>`` slices described by ``layout.json`` (a sharded training or converted checkpoint)."""
 
-    def __init__(self, folder: Path, file_name: str = "model.safetensors", layout: Optional[ShardLayout] = None,
-                 check_shapes: bool = True):
+    def __init__(
+        self,
+        folder: Path,
+        file_name: str = "model.safetensors",
+        layout: Optional[ShardLayout] = None,
+        check_shapes: bool = True,
+    ):
         self.folder = Path(folder)
         self.layout = layout or read_layout(self.folder)
         self.file_name = file_name
@@ -148,13 +155,20 @@ class ShardedSource:
                 raise UserError(f"{path}: rank folder lies outside the checkpoint folder (-> {real})")
         missing = [r for r in range(self.layout.world_size) if not (self.folder / rank_dir_name(r)).is_dir()]
         if missing:
-            raise UserError(f"{self.folder / rank_dir_name(missing[0])}: missing rank folder (layout.json "
-                            f"describes {self.layout.world_size} ranks, {self.layout.describe()})")
-        extra = sorted(int(p.name[5:]) for p in self.folder.glob("rank_*") if p.name[5:].isdigit()
-                       and int(p.name[5:]) >= self.layout.world_size)
+            raise UserError(
+                f"{self.folder / rank_dir_name(missing[0])}: missing rank folder (layout.json "
+                f"describes {self.layout.world_size} ranks, {self.layout.describe()})"
+            )
+        extra = sorted(
+            int(p.name[5:])
+            for p in self.folder.glob("rank_*")
+            if p.name[5:].isdigit() and int(p.name[5:]) >= self.layout.world_size
+        )
         if extra:
-            raise UserError(f"{self.folder / rank_dir_name(extra[0])}: rank folder of another layout "
-                            f"(layout.json describes {self.layout.world_size} ranks, {self.layout.describe()})")
+            raise UserError(
+                f"{self.folder / rank_dir_name(extra[0])}: rank folder of another layout "
+                f"(layout.json describes {self.layout.world_size} ranks, {self.layout.describe()})"
+            )
         if check_shapes:
             for r in range(self.layout.world_size):
                 self.check_rank(r)
@@ -177,13 +191,17 @@ class ShardedSource:
             if info is None:
                 raise UserError(f"{path}: tensor {name} is missing (layout.json puts it on rank {rank})")
             if tuple(info.shape) != lay.slice_shape() or info.dtype != lay.dtype:
-                raise UserError(f"{path}: tensor {name} is {info.dtype} {list(info.shape)}, layout.json says "
-                                f"{lay.dtype} {list(lay.slice_shape())}: the layout file does not match the tensors")
+                raise UserError(
+                    f"{path}: tensor {name} is {info.dtype} {list(info.shape)}, layout.json says "
+                    f"{lay.dtype} {list(lay.slice_shape())}: the layout file does not match the tensors"
+                )
         if self.layout.distinct_only:  # a copy the layout does not know of would never be read
             extra = sorted(set(held) - set(self.layout.stored_in(rank)))
             if extra:
-                raise UserError(f"{path}: tensor {extra[0]} is stored here, layout.json (slices: distinct) stores "
-                                f"it with another rank: the layout file does not match the tensors")
+                raise UserError(
+                    f"{path}: tensor {extra[0]} is stored here, layout.json (slices: distinct) stores "
+                    f"it with another rank: the layout file does not match the tensors"
+                )
 
     def has(self, name: str) -> bool:
         return name in self.layout.tensors
@@ -220,9 +238,14 @@ class ShardedSource:
             if empty:
                 continue
             info = self.rank_tensors(rank)[name]
-            whole_rows = bool(src_index) and not isinstance(src_index[0], list) and all(
-                d.start == 0 and d.stop == n and s.start == 0 and s.stop == m
-                for d, s, n, m in zip(dst_index[1:], src_index[1:], out.shape[1:], info.shape[1:]))
+            whole_rows = (
+                bool(src_index)
+                and not isinstance(src_index[0], list)
+                and all(
+                    d.start == 0 and d.stop == n and s.start == 0 and s.stop == m
+                    for d, s, n, m in zip(dst_index[1:], src_index[1:], out.shape[1:], info.shape[1:])
+                )
+            )
             if whole_rows and info.nbytes:  # rows of the stored slice land on rows of the request: read in place
                 target = out[dst_index[0]]
                 pread_rows(info, src_index[0].start, src_index[0].stop, target)
@@ -234,8 +257,9 @@ class ShardedSource:
             _put(out, dst_index, piece)
             covered += piece.size
         if covered != out.size:
-            raise UserError(f"{self.folder / 'layout.json'}: the slices of {name} do not cover it "
-                            f"({covered} of {out.size} values)")
+            raise UserError(
+                f"{self.folder / 'layout.json'}: the slices of {name} do not cover it ({covered} of {out.size} values)"
+            )
         return out
 
 

@@ -19,12 +19,21 @@ from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import safetensors_code
 
 _CHUNK = 1 << 22  # elements encoded at a time
-_POOL = 1 << 24   # normal values drawn up front
+_POOL = 1 << 24  # normal values drawn up front
 
 
-def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bfloat16", layout: str = "hf",
-                            num_shards: int = 1, seed: int = 0, std: float = 0.02,
-                            dtype_overrides: Optional[Dict[str, str]] = None, progress: bool = False) -> Path:
+def write_random_checkpoint(
+    folder,
+    cfg: DeepseekV2Config,
+    *,
+    dtype: str = "bfloat16",
+    layout: str = "hf",
+    num_shards: int = 1,
+    seed: int = 0,
+    std: float = 0.02,
+    dtype_overrides: Optional[Dict[str, str]] = None,
+    progress: bool = False,
+) -> Path:
     """Write ``config.json`` and random weights to ``folder``; returns ``folder``.
 
     ``num_shards == 1`` writes ``model.safetensors``; more writes ``model-XXXXX-of-YYYYY.safetensors``
@@ -40,7 +49,8 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
     shapes = expected_hf_shapes(cfg) if layout == "hf" else expected_ms_shapes(cfg)
     overrides = {k: safetensors_code(v) for k, v in (dtype_overrides or {}).items()}
     entries: List[Tuple[str, str, Tuple[int, ...]]] = [
-        (name, overrides.get(name, safetensors_code(dtype)), shape) for name, shape in shapes.items()]
+        (name, overrides.get(name, safetensors_code(dtype)), shape) for name, shape in shapes.items()
+    ]
     total = sum(numel(s) * DTYPE_SIZES[d] for _, d, s in entries)
     target = -(-total // num_shards)
     shards: List[List[Tuple[str, str, Tuple[int, ...]]]] = [[]]
@@ -58,8 +68,9 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
     # benchmarks, and several GB are written in seconds instead of minutes.
     pool = rng.standard_normal(min(sum(numel(e[2]) for e in entries), _POOL), dtype=np.float32) * np.float32(std)
     weight_map = {}
-    with progress_bar(total=total, enabled=progress, unit="B", unit_scale=True, unit_divisor=1024,
-                      desc="random checkpoint") as bar:
+    with progress_bar(
+        total=total, enabled=progress, unit="B", unit_scale=True, unit_divisor=1024, desc="random checkpoint"
+    ) as bar:
         for file_name, tensors in zip(names, shards):
             tensors = sorted(tensors, key=lambda e: -DTYPE_SIZES[e[1]])  # keep every tensor aligned
             weight_map.update({name: file_name for name, _, _ in tensors})
@@ -70,12 +81,13 @@ def write_random_checkpoint(folder, cfg: DeepseekV2Config, *, dtype: str = "bflo
                     while left:
                         step = min(left, _CHUNK)
                         start = int(rng.integers(0, len(pool) - step + 1))
-                        data = encode_array(pool[start:start + step], sf_dtype)
+                        data = encode_array(pool[start : start + step], sf_dtype)
                         f.write(data)
                         bar.update(len(data))
                         left -= step
     if n > 1:
-        (folder / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                     "weight_map": weight_map}, indent=2) + "\n")
+        (folder / INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
     cfg.save(folder / "config.json", dtype=dtype)
     return folder

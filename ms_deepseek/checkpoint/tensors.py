@@ -89,8 +89,9 @@ def to_buffer_order(name: str, array: np.ndarray, applied) -> np.ndarray:
     return array if order is None else array[order]
 
 
-def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None,
-                 part=None) -> None:
+def restore_into(
+    params: Dict[str, object], src, what: str, layout=None, rank: int = 0, applied=None, part=None
+) -> None:
     """Copy tensors of ``src`` (a :mod:`.slice_readers` source) into ``params``: all must be present, shapes equal.
 
     With ``layout`` each parameter receives this rank's slice (the parameters of a compiled sharded
@@ -103,9 +104,11 @@ def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: i
     missing = [n for n in params if not src.has(n)]
     if missing:
         where = getattr(src, "folder", "")
-        raise UserError(f"{where}: {what} tensor {missing[0]} is missing"
-                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                        + "; the checkpoint does not match this recipe's model")
+        raise UserError(
+            f"{where}: {what} tensor {missing[0]} is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; the checkpoint does not match this recipe's model"
+        )
     for name, param in params.items():
         if layout is not None and name in layout.tensors:
             sl = layout.slice_of(name, rank)
@@ -120,14 +123,19 @@ def restore_into(params: Dict[str, object], src, what: str, layout=None, rank: i
         # a lazily built, not yet compiled parameter still has the full shape: it takes the slice as its data
         as_slice = layout is not None and name in layout.tensors and tuple(param.shape) == layout.tensors[name].shape
         if tuple(value.shape) != tuple(param.shape) and not as_slice:
-            raise UserError(f"{getattr(src, 'folder', '')}: {what} tensor {name} has shape {list(value.shape)}, "
-                            f"the model has {list(param.shape)}")
-        np_dtype = {"Int32": np.int32, "Int64": np.int64, "Int8": np.int8,  # dtype table (int8 / uint8: a
-                    "UInt8": np.uint8}.get(str(param.dtype), np.float32)        # quantized base, bits unchanged)
+            raise UserError(
+                f"{getattr(src, 'folder', '')}: {what} tensor {name} has shape {list(value.shape)}, "
+                f"the model has {list(param.shape)}"
+            )
+        np_dtype = {
+            "Int32": np.int32,
+            "Int64": np.int64,
+            "Int8": np.int8,  # dtype table (int8 / uint8: a
+            "UInt8": np.uint8,
+        }.get(str(param.dtype), np.float32)  # quantized base, bits unchanged)
         # np.ascontiguousarray returns at least 1-D: keep a scalar (loss_scale, global_step) a scalar
         value = np.ascontiguousarray(value, dtype=np_dtype).reshape(value.shape)
-        param.set_data(Tensor(value, dtype=param.dtype),
-                       slice_shape=tuple(value.shape) != tuple(param.shape))
+        param.set_data(Tensor(value, dtype=param.dtype), slice_shape=tuple(value.shape) != tuple(param.shape))
 
 
 def _stored_shape(src, name: str, param):
@@ -144,9 +152,11 @@ def rng_state() -> Dict:
     import mindspore as ms
 
     np_state = np.random.get_state()
-    return {"numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-            "mindspore_seed": ms.get_seed(),
-            "mindspore_generator": ms.get_rng_state().asnumpy().tolist()}
+    return {
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "mindspore_seed": ms.get_seed(),
+        "mindspore_generator": ms.get_rng_state().asnumpy().tolist(),
+    }
 
 
 def restore_rng(state: Dict) -> None:

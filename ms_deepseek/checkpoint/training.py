@@ -108,8 +108,15 @@ class CheckpointManager:
         """Delete temporary folders left by a save that crashed; return what was removed."""
         return remove_partials(self.folder)
 
-    def save(self, step: int, model_tensors: Dict[str, object], optimizer_tensors: Dict[str, object],
-             config, state: Dict, recipe_yaml: str) -> Path:
+    def save(
+        self,
+        step: int,
+        model_tensors: Dict[str, object],
+        optimizer_tensors: Dict[str, object],
+        config,
+        state: Dict,
+        recipe_yaml: str,
+    ) -> Path:
         """Write one whole checkpoint atomically, then prune to ``keep_last``."""
         final = self.folder / step_dir_name(step)
         with atomic_folder(final) as tmp:
@@ -123,7 +130,7 @@ class CheckpointManager:
     def prune(self) -> None:
         keep = self.protected and Path(self.protected).resolve()
         done = [(s, f) for s, f in self.complete() if f.resolve() != keep]
-        for _, folder in done[:-self.keep_last]:
+        for _, folder in done[: -self.keep_last]:
             shutil.rmtree(folder, ignore_errors=True)
 
     def newer_than(self, step: int, resumed: Optional[Path] = None) -> List[Path]:
@@ -159,8 +166,18 @@ def barrier() -> None:
     ops.AllReduce()(ms.Tensor([1.0], ms.float32)).asnumpy()
 
 
-def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: ShardLayout, model_tensors: Dict,
-                 optimizer_tensors: Dict, config, state: Dict, recipe_yaml: str, strategy_file: Path) -> Path:
+def save_sharded(
+    manager: CheckpointManager,
+    step: int,
+    rank: int,
+    layout: ShardLayout,
+    model_tensors: Dict,
+    optimizer_tensors: Dict,
+    config,
+    state: Dict,
+    recipe_yaml: str,
+    strategy_file: Path,
+) -> Path:
     """Every rank writes its slices into a shared temporary folder; rank 0 completes it and swaps it in.
 
     The ranks need one shared file system (as the msrun log folder does); the temporary folder's
@@ -204,8 +221,10 @@ def resolve_checkpoint(spec, use: str, run_dir: Optional[Path] = None) -> Path:
       sharded; a run folder means its newest."""
     if use == RESUME and spec == "latest":
         if not Path(run_dir).exists():
-            raise UserError(f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
-                            "(name the run with --output RUN_DIR, or leave out --resume to start it)")
+            raise UserError(
+                f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
+                "(name the run with --output RUN_DIR, or leave out --resume to start it)"
+            )
         found = CheckpointManager(Path(run_dir) / "checkpoints").latest()
         if found is None:
             raise UserError(f"--resume: no complete checkpoint in {Path(run_dir) / 'checkpoints'}")
@@ -223,16 +242,21 @@ def resolve_checkpoint(spec, use: str, run_dir: Optional[Path] = None) -> Path:
     if use == GENERATE:
         found = path if (path / "config.json").is_file() else latest_in(path)
         if found is None:
-            raise UserError(f"{path}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint "
-                            "inside")
+            raise UserError(
+                f"{path}: not a checkpoint (no config.json) and no complete step_NNNNNNNN checkpoint inside"
+            )
         return found
-    found = path if (path / "state.json").is_file() else (
-        latest_in(path / "checkpoints") if (path / "checkpoints").is_dir() else None)
+    found = (
+        path
+        if (path / "state.json").is_file()
+        else (latest_in(path / "checkpoints") if (path / "checkpoints").is_dir() else None)
+    )
     if found is not None and is_sharded(found):
         return found  # a tp / pp / ep run's rank_*/ slices, put together by the reader
     if found is None or not (found / "model.safetensors").is_file():
-        raise UserError(f"{path}: neither a checkpoint (state.json + model.safetensors) nor a run folder with "
-                        "complete checkpoints")
+        raise UserError(
+            f"{path}: neither a checkpoint (state.json + model.safetensors) nor a run folder with complete checkpoints"
+        )
     return found
 
 

@@ -38,8 +38,8 @@ class WeightFiles:
     folder: Path
     config_path: Path
     config: DeepseekV2Config
-    files: List[Path]                 # weight files, in index order
-    tensors: Dict[str, TensorInfo]    # name -> where its bytes are
+    files: List[Path]  # weight files, in index order
+    tensors: Dict[str, TensorInfo]  # name -> where its bytes are
     index_path: Optional[Path]
 
     def where(self, name: str) -> Path:
@@ -79,8 +79,7 @@ def _read_index(folder: Path, index_path: Path) -> Dict[str, Path]:
             if not _is_local_name(rel):
                 raise UserError(f"{index_path}: weight_map[{name!r}] = {rel!r} lies outside the checkpoint folder")
             if not is_file(path, f"{index_path}: weight_map[{name!r}]"):
-                raise UserError(f"{index_path}: weight_map[{name!r}] names {rel!r}, which is missing "
-                                f"(no file {path})")
+                raise UserError(f"{index_path}: weight_map[{name!r}] names {rel!r}, which is missing (no file {path})")
             checked[rel] = path
         out[name] = checked[rel]
     return out
@@ -91,8 +90,10 @@ def read_weight_files(folder) -> WeightFiles:
     if not folder.exists():
         raise UserError(f"{folder}: no such folder")
     if not folder.is_dir():
-        raise UserError(f"{folder}: not a checkpoint folder (expected a folder holding config.json and "
-                        f"{INDEX_NAME} or {SINGLE_NAME})")
+        raise UserError(
+            f"{folder}: not a checkpoint folder (expected a folder holding config.json and "
+            f"{INDEX_NAME} or {SINGLE_NAME})"
+        )
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise UserError(f"{folder}: not a checkpoint (no config.json)")
@@ -123,8 +124,9 @@ def read_weight_files(folder) -> WeightFiles:
     if not tensors:
         raise UserError(f"{folder}: not a checkpoint (its weight files hold no tensors)")
     check_config_scale(config, tensors, config_path, "the weight files")
-    return WeightFiles(folder=folder, config_path=config_path, config=config, files=files, tensors=tensors,
-                      index_path=index_path)
+    return WeightFiles(
+        folder=folder, config_path=config_path, config=config, files=files, tensors=tensors, index_path=index_path
+    )
 
 
 def check_config_scale(cfg: DeepseekV2Config, tensor_names, config_path: Path, held_by: str) -> None:
@@ -143,8 +145,12 @@ def check_config_scale(cfg: DeepseekV2Config, tensor_names, config_path: Path, h
         if expert is not None and expert > last_expert:
             last_expert = expert
     if cfg.num_hidden_layers > last_layer + 1:
-        raise UserError(f"{config_path}: num_hidden_layers = {cfg.num_hidden_layers}, {held_by} hold "
-                        f"{last_layer + 1} decoder layer(s): the config does not match the tensors")
+        raise UserError(
+            f"{config_path}: num_hidden_layers = {cfg.num_hidden_layers}, {held_by} hold "
+            f"{last_layer + 1} decoder layer(s): the config does not match the tensors"
+        )
     if last_expert >= 0 and (cfg.n_routed_experts or 0) > last_expert + 1:
-        raise UserError(f"{config_path}: n_routed_experts = {cfg.n_routed_experts}, {held_by} hold "
-                        f"{last_expert + 1} routed expert(s) per layer: the config does not match the tensors")
+        raise UserError(
+            f"{config_path}: n_routed_experts = {cfg.n_routed_experts}, {held_by} hold "
+            f"{last_expert + 1} routed expert(s) per layer: the config does not match the tensors"
+        )

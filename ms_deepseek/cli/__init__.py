@@ -84,8 +84,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"ms-deepseek {name}", description=help_[0].upper() + help_[1:] + ".")
     module.add_arguments(parser)
-    parser.add_argument("--verbose", action="store_true",
-                        help="show MindSpore's warnings and MindFormers' output (default: errors only)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show MindSpore's warnings and MindFormers' output (default: errors only)",
+    )
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
@@ -108,8 +111,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         _close_progress_bars()
         shown = str(exc.filename or "")
         shown = shown if len(shown) <= 120 else shown[:60] + "..." + shown[-40:]
-        print(f"ms-deepseek {name}: error: {shown}: file name too long for the file system "
-              f"(a name from an input file?)", file=sys.stderr)
+        print(
+            f"ms-deepseek {name}: error: {shown}: file name too long for the file system (a name from an input file?)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"ms-deepseek {name}: interrupted", file=sys.stderr)

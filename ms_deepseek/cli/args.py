@@ -43,11 +43,13 @@ def positive_int(text: str) -> int:
 
 def positive_int_at_most(limit: int, what: str):
     """A ``type=`` for a whole number in 1..limit (ms_deepseek.core.schema's sane bounds), named in the error."""
+
     def parse(text: str) -> int:
         value = positive_int(text)
         if value > limit:
-            raise argparse.ArgumentTypeError(f"{text if len(text) <= 20 else text[:20] + '...'} is more than "
-                                             f"{limit} ({what})")
+            raise argparse.ArgumentTypeError(
+                f"{text if len(text) <= 20 else text[:20] + '...'} is more than {limit} ({what})"
+            )
         return value
 
     parse.__name__ = "positive_int"
@@ -68,7 +70,9 @@ def port(text: str) -> int:
     return value
 
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
 
 
 def host(text: str) -> str:

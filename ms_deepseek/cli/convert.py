@@ -27,51 +27,79 @@ from ms_deepseek.core.errors import UserError
 
 _HELP = {
     "hf-to-ms": "HuggingFace folder (index + shards, or model.safetensors) -> ms_deepseek layout (routed experts "
-                "stacked per layer); with --recipe or --dp/--tp/--pp/--ep: one rank_RRRRR/ folder of slices per rank",
+    "stacked per layer); with --recipe or --dp/--tp/--pp/--ep: one rank_RRRRR/ folder of slices per rank",
     "ms-to-hf": "ms_deepseek folder or training checkpoint (step_XXXXXXXX/, whole or rank_RRRRR/ slices, or a run "
-                "folder) -> HuggingFace layout (per-expert tensors, release config.json); optimizer state is dropped",
+    "folder) -> HuggingFace layout (per-expert tensors, release config.json); optimizer state is dropped",
     "reshard": "checkpoint of one layout (whole or sharded, model and optimizer) -> another layout (--recipe or "
-               "--dp/--tp/--pp/--ep); data-parallel targets are written whole",
+    "--dp/--tp/--pp/--ep); data-parallel targets are written whole",
     "quantize": "HuggingFace or ms_deepseek folder -> the same layout with int8 / int4 weights and float32 scales "
-                "for the Linear layers and routed experts (embeddings, norms, routers, lm_head unchanged): a "
-                "frozen base for QLoRA",
+    "for the Linear layers and routed experts (embeddings, norms, routers, lm_head unchanged): a "
+    "frozen base for QLoRA",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Convert checkpoints between the HuggingFace and ms_deepseek layouts, and between "
-                          "parallel layouts. Streams tensor by tensor (memory stays bounded), keeps the dtype, "
-                          "writes into a temporary sibling of DST and renames it into place at the end.")
+    parser.description = (
+        "Convert checkpoints between the HuggingFace and ms_deepseek layouts, and between "
+        "parallel layouts. Streams tensor by tensor (memory stays bounded), keeps the dtype, "
+        "writes into a temporary sibling of DST and renames it into place at the end."
+    )
     sub = parser.add_subparsers(dest="direction", metavar="{hf-to-ms,ms-to-hf,reshard,quantize}", required=True)
     for name, help_ in _HELP.items():
         p = sub.add_parser(name, help=help_, description=help_ + ".")
         p.add_argument("src", metavar="SRC", help="source checkpoint folder (holds config.json)")
-        p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, "
-                                                  "unless --overwrite)")
+        p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, unless --overwrite)")
         if name == "quantize":
-            p.add_argument("--bits", type=int, choices=(8, 4), required=True,
-                           help="8: int8, one scale per output channel; 4: int4, two values per byte")
-            p.add_argument("--group-size", type=positive_int, default=None, metavar="G",
-                           help="one scale per G input columns (default: one per output channel); G must divide "
-                                "every quantized layer's input width")
+            p.add_argument(
+                "--bits",
+                type=int,
+                choices=(8, 4),
+                required=True,
+                help="8: int8, one scale per output channel; 4: int4, two values per byte",
+            )
+            p.add_argument(
+                "--group-size",
+                type=positive_int,
+                default=None,
+                metavar="G",
+                help="one scale per G input columns (default: one per output channel); G must divide "
+                "every quantized layer's input width",
+            )
         if name != "reshard":
-            p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
-                           help=f"output shards written in parallel (default {DEFAULT_WORKERS})")
-            p.add_argument("--shard-size", default=DEFAULT_SHARD_SIZE,
-                           help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
-                                f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own")
+            p.add_argument(
+                "--workers",
+                type=int,
+                default=DEFAULT_WORKERS,
+                help=f"output shards written in parallel (default {DEFAULT_WORKERS})",
+            )
+            p.add_argument(
+                "--shard-size",
+                default=DEFAULT_SHARD_SIZE,
+                help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
+                f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own",
+            )
         if name != "ms-to-hf":
             g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name != "reshard" else ""))
             g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
-            g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                           help="recipe override (with --recipe)")
+            g.add_argument(
+                "--set",
+                dest="overrides",
+                action="append",
+                default=[],
+                metavar="SECTION.KEY=VALUE",
+                help="recipe override (with --recipe)",
+            )
             for flag in ("dp", "tp", "pp", "ep"):
                 g.add_argument(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
-        p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST (only once the new "
-                                                                "folder is complete)")
+        p.add_argument(
+            "--overwrite", action="store_true", help="replace a non-empty DST (only once the new folder is complete)"
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        p.add_argument("--no-fsync", action="store_true",
-                       help="skip flushing output files to disk before the final rename (faster, less safe)")
+        p.add_argument(
+            "--no-fsync",
+            action="store_true",
+            help="skip flushing output files to disk before the final rename (faster, less safe)",
+        )
 
 
 def layout_from_args(args):
@@ -125,31 +153,67 @@ def run(args: argparse.Namespace) -> int:
 
         par = layout_from_args(args)
         if par is not None:
-            layout = quantize_sharded(args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite,
-                                      fsync=fsync)
-            print(f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                  f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}")
+            layout = quantize_sharded(
+                args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite, fsync=fsync
+            )
+            print(
+                f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
+                f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}"
+            )
             return 0
-        result = quantize_checkpoint(args.src, args.dst, args.bits, args.group_size, shard_size=args.shard_size,
-                                     overwrite=args.overwrite, progress=progress, fsync=fsync)
+        result = quantize_checkpoint(
+            args.src,
+            args.dst,
+            args.bits,
+            args.group_size,
+            shard_size=args.shard_size,
+            overwrite=args.overwrite,
+            progress=progress,
+            fsync=fsync,
+        )
     elif args.direction == "hf-to-ms":
         par = layout_from_args(args)
         if par is not None:
             layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
-            print(f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                  f"{len(layout.tensors)} tensors) to {args.dst}")
+            print(
+                f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
+                f"{len(layout.tensors)} tensors) to {args.dst}"
+            )
             return 0
-        result = hf_to_ms(args.src, args.dst, shard_size=args.shard_size, workers=args.workers,
-                          overwrite=args.overwrite, progress=progress, fsync=fsync)
+        result = hf_to_ms(
+            args.src,
+            args.dst,
+            shard_size=args.shard_size,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress=progress,
+            fsync=fsync,
+        )
     else:
         src = _resolve_source(args.src)
         if is_sharded(src):
-            result = sharded.merge_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
-                                         overwrite=args.overwrite, progress=progress, fsync=fsync)
+            result = sharded.merge_to_hf(
+                src,
+                args.dst,
+                shard_size=args.shard_size,
+                workers=args.workers,
+                overwrite=args.overwrite,
+                progress=progress,
+                fsync=fsync,
+            )
         else:
-            result = ms_to_hf(src, args.dst, shard_size=args.shard_size, workers=args.workers,
-                              overwrite=args.overwrite, progress=progress, fsync=fsync)
+            result = ms_to_hf(
+                src,
+                args.dst,
+                shard_size=args.shard_size,
+                workers=args.workers,
+                overwrite=args.overwrite,
+                progress=progress,
+                fsync=fsync,
+            )
     rate = result.total_bytes / max(result.seconds, 1e-9) / 1e9
-    print(f"{args.direction}: wrote {result.num_tensors} tensors, {result.total_bytes / 1e9:.3f} GB in "
-          f"{len(result.files)} file(s) to {result.dst} in {result.seconds:.1f} s ({rate:.2f} GB/s)")
+    print(
+        f"{args.direction}: wrote {result.num_tensors} tensors, {result.total_bytes / 1e9:.3f} GB in "
+        f"{len(result.files)} file(s) to {result.dst} in {result.seconds:.1f} s ({rate:.2f} GB/s)"
+    )
     return 0

@@ -38,9 +38,14 @@ _TAG = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", SKIP: "SKIP"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--level", type=int, choices=LEVELS, default=1,
-                        help="1: this host and one device; 8: the whole node; 16 / 64: a cluster of 2 / 8 nodes "
-                             "(run the same command on every node)")
+    parser.add_argument(
+        "--level",
+        type=int,
+        choices=LEVELS,
+        default=1,
+        help="1: this host and one device; 8: the whole node; 16 / 64: a cluster of 2 / 8 nodes "
+        "(run the same command on every node)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--checkpoint-dir", default="runs", help="where checkpoints will be written (free disk check)")
     parser.add_argument("--need-gb", type=positive_float, default=None, help="checkpoint space the run needs, GiB")
@@ -49,10 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=port, default=8118, help="level 16/64: msrun scheduler port")
     parser.add_argument("--node-rank", type=non_negative_int, default=None, help="level 16/64: this node's rank")
     parser.add_argument("--no-smoke", action="store_true", help="skip the 10-step tiny training run")
-    parser.add_argument("--bench-mb", type=positive_float, default=64.0, help="all-reduce payload in MB (CPU: at most 8)")
-    parser.add_argument("--bench-workers", type=positive_int, default=None,
-                        help="msrun workers per node for the bandwidth test (default: the NPUs, 2 on CPU)")
-    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds allowed for the smoke run / msrun job")
+    parser.add_argument(
+        "--bench-mb", type=positive_float, default=64.0, help="all-reduce payload in MB (CPU: at most 8)"
+    )
+    parser.add_argument(
+        "--bench-workers",
+        type=positive_int,
+        default=None,
+        help="msrun workers per node for the bandwidth test (default: the NPUs, 2 on CPU)",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds allowed for the smoke run / msrun job"
+    )
     parser.add_argument("--only", default=None, help="comma-separated check ids to run (see --list)")
     parser.add_argument("--list", action="store_true", help="list the check ids and exit")
 
@@ -68,10 +81,20 @@ def context_from_args(args: argparse.Namespace, probe: Optional[SystemProbe] = N
         from ms_deepseek.diagnostics.pins import read_pins
 
         read_pins(args.requirements)
-    return DoctorContext(probe=probe or SystemProbe(), level=args.level, checkpoint_dir=args.checkpoint_dir,
-                         need_gb=args.need_gb, requirements=args.requirements, master_addr=args.master_addr,
-                         master_port=args.master_port, node_rank=args.node_rank, smoke=not args.no_smoke,
-                         bench_mb=args.bench_mb, bench_workers=args.bench_workers, timeout=args.timeout)
+    return DoctorContext(
+        probe=probe or SystemProbe(),
+        level=args.level,
+        checkpoint_dir=args.checkpoint_dir,
+        need_gb=args.need_gb,
+        requirements=args.requirements,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        node_rank=args.node_rank,
+        smoke=not args.no_smoke,
+        bench_mb=args.bench_mb,
+        bench_workers=args.bench_workers,
+        timeout=args.timeout,
+    )
 
 
 def select_checks(level: int, only: Optional[str]) -> List[Check]:
@@ -92,8 +115,9 @@ def format_line(chk: Check, result: CheckResult) -> str:
     return line
 
 
-def run_doctor(ctx: DoctorContext, checks: List[Check], echo=None,
-               before=None) -> List[Tuple[Check, CheckResult, float]]:
+def run_doctor(
+    ctx: DoctorContext, checks: List[Check], echo=None, before=None
+) -> List[Tuple[Check, CheckResult, float]]:
     """Run ``checks`` in order; ``before(check)`` is called as each starts, ``echo(line)`` as it finishes."""
     results = []
     for chk in checks:
@@ -117,8 +141,19 @@ def to_json(ctx: DoctorContext, results) -> dict:
         "level": ctx.level,
         "ok": counts[FAIL] == 0,
         "counts": counts,
-        "checks": [{"id": c.id, "level": c.level, "title": c.title, "status": r.status, "message": r.message,
-                    "fix": r.fix, "seconds": round(sec, 3), "details": r.details} for c, r, sec in results],
+        "checks": [
+            {
+                "id": c.id,
+                "level": c.level,
+                "title": c.title,
+                "status": r.status,
+                "message": r.message,
+                "fix": r.fix,
+                "seconds": round(sec, 3),
+                "details": r.details,
+            }
+            for c, r, sec in results
+        ],
     }
 
 
@@ -131,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
     checks = select_checks(args.level, args.only)
     if any(c.level >= 16 for c in checks) and not (args.master_addr or ctx.probe.env("MS_SCHED_HOST")):
         # a usage error, said before the node checks spend their time (they took 23 s here)
-        raise UserError(f"--level {args.level}: a cluster check needs node 0's address: pass --master-addr <node 0 "
-                        "IP> --node-rank <this node's rank> (the same command on every node), or export "
-                        "MS_SCHED_HOST")
+        raise UserError(
+            f"--level {args.level}: a cluster check needs node 0's address: pass --master-addr <node 0 "
+            "IP> --node-rank <this node's rank> (the same command on every node), or export "
+            "MS_SCHED_HOST"
+        )
     if not args.json:
         print(f"ms-deepseek doctor --level {args.level}: {len(checks)} checks", flush=True)
     if args.json:
@@ -145,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         from ms_deepseek.core.progress import progress_bar
 
         with progress_bar(total=len(checks), unit="check", leave=False) as bar:
+
             def before(chk):
                 bar.set_description_str(chk.id)
 

@@ -16,14 +16,25 @@ from pathlib import Path
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                        help="a LoRA run folder (its newest checkpoint), a checkpoint folder (whole or sharded), "
-                        "or a PEFT adapter folder")
+    parser.add_argument(
+        "source",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a LoRA run folder (its newest checkpoint), a checkpoint folder (whole or sharded), "
+        "or a PEFT adapter folder",
+    )
     parser.add_argument("out", metavar="OUT", help="the folder to write")
-    parser.add_argument("--merge", metavar="BASE", default=None,
-                        help="write a full HF folder: BASE (an HF checkpoint folder) with the adapters folded in")
-    parser.add_argument("--base", metavar="FOLDER", default=None,
-                        help="base_model_name_or_path to record (default: the run's base folder)")
+    parser.add_argument(
+        "--merge",
+        metavar="BASE",
+        default=None,
+        help="write a full HF folder: BASE (an HF checkpoint folder) with the adapters folded in",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="FOLDER",
+        default=None,
+        help="base_model_name_or_path to record (default: the run's base folder)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
 
@@ -35,8 +46,7 @@ def run(args) -> int:
     from ms_deepseek.core.atomic import check_apart
 
     # OUT replaced with --overwrite must never be (or hold, or lie in) what this command reads
-    check_apart(Path(args.out), [src, args.merge and Path(args.merge), args.base and Path(args.base)],
-                "output folder")
+    check_apart(Path(args.out), [src, args.merge and Path(args.merge), args.base and Path(args.base)], "output folder")
     if args.merge is None:
         if (src / CONFIG_NAME).is_file():
             from ms_deepseek.core.errors import UserError

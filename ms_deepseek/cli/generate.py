@@ -36,9 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma separated, e.g. 1,2,3")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap --prompt in the chat template (one user turn, then the assistant prefix), as "
-                             "prepare-data --format sft renders conversations")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap --prompt in the chat template (one user turn, then the assistant prefix), as "
+        "prepare-data --format sft renders conversations",
+    )
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user turn")
     parser.add_argument("--tokenizer", help="tokenizer file or folder (default: found next to the checkpoint)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
@@ -47,13 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HuggingFace rule; 1 = off")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="recompute the full forward for every token (reference path, slow)")
+    parser.add_argument(
+        "--no-cache", action="store_true", help="recompute the full forward for every token (reference path, slow)"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos ids")
     parser.add_argument("--no-bos", action="store_true", help="do not put the tokenizer's bos id before --prompt")
-    parser.add_argument("--mode", choices=("pynative", "graph"), default="pynative",
-                        help="MindSpore execution mode (graph compiles two graphs first, then decodes "
-                             "faster; pynative starts at once; default pynative)")
+    parser.add_argument(
+        "--mode",
+        choices=("pynative", "graph"),
+        default="pynative",
+        help="MindSpore execution mode (graph compiles two graphs first, then decodes "
+        "faster; pynative starts at once; default pynative)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (ids, text, cache figures)")
 
 
@@ -117,10 +125,19 @@ def parse_prompt_ids(text: str) -> List[int]:
 
 
 # ------------------------------------------------------------------ entry points
-def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Optional[List[int]] = None, *,
-                             tokenizer: Optional[str] = None, max_new_tokens: int = 64, add_bos: bool = True,
-                             ignore_eos: bool = False, chat: bool = False, system: Optional[str] = None,
-                             **kwargs):
+def generate_from_checkpoint(
+    path,
+    prompt: Optional[str] = None,
+    prompt_ids: Optional[List[int]] = None,
+    *,
+    tokenizer: Optional[str] = None,
+    max_new_tokens: int = 64,
+    add_bos: bool = True,
+    ignore_eos: bool = False,
+    chat: bool = False,
+    system: Optional[str] = None,
+    **kwargs,
+):
     """Load a checkpoint (or a run's newest) and generate; returns a GenerationResult with ``text`` filled
     when a tokenizer was found. ``chat``: the prompt as one user turn of the chat template (after a
     ``system`` message when given). ``kwargs`` go to :func:`ms_deepseek.generate.generate`."""
@@ -132,8 +149,12 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
         raise UserError("--system: a system message is part of the chat template; add --chat")
     if chat and prompt is None:
         raise UserError("--chat: the template wraps text; give --prompt TEXT (--prompt-ids are used as given)")
-    check_sampling(kwargs.get("temperature", 0.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0),
-                   kwargs.get("repetition_penalty", 1.0))  # fail before loading anything
+    check_sampling(
+        kwargs.get("temperature", 0.0),
+        kwargs.get("top_k", 0),
+        kwargs.get("top_p", 1.0),
+        kwargs.get("repetition_penalty", 1.0),
+    )  # fail before loading anything
     from ms_deepseek.checkpoint.training import GENERATE, resolve_checkpoint
 
     folder = resolve_checkpoint(path, GENERATE)
@@ -143,12 +164,16 @@ def generate_from_checkpoint(path, prompt: Optional[str] = None, prompt_ids: Opt
     tok = find_tokenizer(folder, tokenizer)
     if prompt is not None:
         if tok is None:
-            raise UserError(f"{folder}: no tokenizer found for a text prompt (no tokenizer.json / tokenizer.model "
-                            f"here or in the folders above, no recipe.yaml naming one); pass --tokenizer PATH "
-                            f"or use --prompt-ids")
+            raise UserError(
+                f"{folder}: no tokenizer found for a text prompt (no tokenizer.json / tokenizer.model "
+                f"here or in the folders above, no recipe.yaml naming one); pass --tokenizer PATH "
+                f"or use --prompt-ids"
+            )
         if tok.vocab_size > cfg.vocab_size:
-            raise UserError(f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
-                            f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)")
+            raise UserError(
+                f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
+                f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)"
+            )
         prompt_ids = _chat_ids(tok, prompt, system, add_bos) if chat else tok.encode(prompt, add_bos=add_bos)
         if not prompt_ids:
             raise UserError("--prompt: the text encodes to no tokens")
@@ -175,8 +200,9 @@ def _chat_ids(tok, prompt: str, system: Optional[str], add_bos: bool) -> List[in
     """One user turn (after a system message) and the assistant prefix, as prepare-data's SFT rows start."""
     from ms_deepseek.data.chat import encode_chat
 
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
-        [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}
+    ]
     ids, _ = encode_chat(tok, messages, add_generation_prompt=True)
     if not add_bos and tok.bos_id is not None and ids[:1] == [tok.bos_id]:
         ids = ids[1:]  # --no-bos
@@ -200,11 +226,23 @@ def run(args) -> int:
         ms.runtime.launch_blocking()  # synchronous launch: several times faster op by op on a CPU host
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     result = generate_from_checkpoint(
-        args.path, args.prompt, prompt_ids, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-        add_bos=not args.no_bos, ignore_eos=args.ignore_eos, chat=args.chat, system=args.system,
-        temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-        use_cache=not args.no_cache, progress=not args.json)
+        args.path,
+        args.prompt,
+        prompt_ids,
+        tokenizer=args.tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        add_bos=not args.no_bos,
+        ignore_eos=args.ignore_eos,
+        chat=args.chat,
+        system=args.system,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        use_cache=not args.no_cache,
+        progress=not args.json,
+    )
     if args.json:
         print(json.dumps(result.as_dict()))
         return 0
@@ -212,8 +250,11 @@ def run(args) -> int:
     t = result.timings
     tps = t.get("steady_tokens_per_s") or t.get("decode_tokens_per_s")
     speed = f", {tps:.1f} tokens/s" if tps else ""
-    print(f"[{len(result.new_ids)} new tokens ({result.finish_reason}), {result.mode}, "
-          f"{'latent cache' if result.use_cache else 'no cache'}{speed}]", file=sys.stderr)
+    print(
+        f"[{len(result.new_ids)} new tokens ({result.finish_reason}), {result.mode}, "
+        f"{'latent cache' if result.use_cache else 'no cache'}{speed}]",
+        file=sys.stderr,
+    )
     if result.cache:
         print(f"[{result.cache['summary']}]", file=sys.stderr)
     return 0

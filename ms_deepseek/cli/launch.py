@@ -28,38 +28,83 @@ from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_e
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a recipe field (passed on to every worker; repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe field (passed on to every worker; repeatable)",
+    )
     parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
     parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
     parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
     parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
     parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
-    parser.add_argument("--stop-grace", type=positive_int, default=30, metavar="SECONDS",
-                        help="on SIGTERM / SIGHUP / SIGINT: seconds the workers get to save a checkpoint at their "
-                             "next step and exit before every process of the job is killed (default 30)")
-    parser.add_argument("--watchdog-factor", type=float, default=10.0, metavar="F",
-                        help="stop the job (with every worker's Python stacks) when no step finished within F x "
-                             "the median step time, after the first step; 0: off (default 10)")
-    parser.add_argument("--watchdog-min", type=positive_int, default=120, metavar="SECONDS",
-                        help="the watchdog never fires sooner than this after the last step (default 120)")
-    parser.add_argument("--cluster-time-out", type=positive_int, default=600,
-                        help="seconds msrun waits for all workers to join (default 600)")
-    parser.add_argument("--hccl-connect-timeout", type=positive_int, default=None,
-                        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default: the environment's "
-                             "HCCL_CONNECT_TIMEOUT, else 600)")
-    parser.add_argument("--hccl-exec-timeout", type=positive_int, default=None,
-                        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default: the environment's "
-                             "HCCL_EXEC_TIMEOUT, else 1800)")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                        help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
-                             "the run folder holds a complete checkpoint, else start fresh")
-    parser.add_argument("--force", action="store_true",
-                        help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
-                             "set the run's newer ones aside (passed on to train)")
-    parser.add_argument("--allow-changes", action="store_true",
-                        help="with --resume: accept settings that differ from the run's (passed on to train)")
+    parser.add_argument(
+        "--stop-grace",
+        type=positive_int,
+        default=30,
+        metavar="SECONDS",
+        help="on SIGTERM / SIGHUP / SIGINT: seconds the workers get to save a checkpoint at their "
+        "next step and exit before every process of the job is killed (default 30)",
+    )
+    parser.add_argument(
+        "--watchdog-factor",
+        type=float,
+        default=10.0,
+        metavar="F",
+        help="stop the job (with every worker's Python stacks) when no step finished within F x "
+        "the median step time, after the first step; 0: off (default 10)",
+    )
+    parser.add_argument(
+        "--watchdog-min",
+        type=positive_int,
+        default=120,
+        metavar="SECONDS",
+        help="the watchdog never fires sooner than this after the last step (default 120)",
+    )
+    parser.add_argument(
+        "--cluster-time-out",
+        type=positive_int,
+        default=600,
+        help="seconds msrun waits for all workers to join (default 600)",
+    )
+    parser.add_argument(
+        "--hccl-connect-timeout",
+        type=positive_int,
+        default=None,
+        help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default: the environment's "
+        "HCCL_CONNECT_TIMEOUT, else 600)",
+    )
+    parser.add_argument(
+        "--hccl-exec-timeout",
+        type=positive_int,
+        default=None,
+        help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default: the environment's "
+        "HCCL_EXEC_TIMEOUT, else 1800)",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
+        "the run folder holds a complete checkpoint, else start fresh",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
+        "set the run's newer ones aside (passed on to train)",
+    )
+    parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: accept settings that differ from the run's (passed on to train)",
+    )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -82,8 +127,9 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank: must be in [0, {args.nnodes - 1}], got {args.node_rank}")
     if world_size % args.nnodes:
-        raise UserError(f"--nnodes: {args.nnodes} does not divide the recipe's world size {world_size} "
-                        "(parallel.dp x tp x pp)")
+        raise UserError(
+            f"--nnodes: {args.nnodes} does not divide the recipe's world size {world_size} (parallel.dp x tp x pp)"
+        )
     if not 1024 <= args.master_port <= 65535:
         raise UserError(f"--master-port: must be in 1024..65535, got {args.master_port}")
     for key in ("cluster_time_out", "hccl_connect_timeout", "hccl_exec_timeout"):
@@ -93,11 +139,23 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
     env = hccl_env(args, os.environ)
     cmd = msrun_executable() + [
-        f"--worker_num={world_size}", f"--local_worker_num={local}", f"--master_addr={args.master_addr}",
-        f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", f"--log_dir={log_dir}",
-        "--join=True", f"--cluster_time_out={args.cluster_time_out}",
+        f"--worker_num={world_size}",
+        f"--local_worker_num={local}",
+        f"--master_addr={args.master_addr}",
+        f"--master_port={args.master_port}",
+        f"--node_rank={args.node_rank}",
+        f"--log_dir={log_dir}",
+        "--join=True",
+        f"--cluster_time_out={args.cluster_time_out}",
         # msrun runs "python ..." from PATH; run() puts this interpreter's folder first
-        "python", "-m", "ms_deepseek.cli", "train", str(args.recipe), "--output", str(run_dir), "--quiet",
+        "python",
+        "-m",
+        "ms_deepseek.cli",
+        "train",
+        str(args.recipe),
+        "--output",
+        str(run_dir),
+        "--quiet",
     ]
     for text in args.overrides:
         cmd += ["--set", text]
@@ -120,8 +178,10 @@ def hccl_env(args: argparse.Namespace, environ) -> Dict[str, str]:
     """HCCL timeouts for the workers: the flag, else the value already exported (what doctor and
     docs/troubleshooting.md advise raising), else launch's default."""
     flags = {"HCCL_CONNECT_TIMEOUT": args.hccl_connect_timeout, "HCCL_EXEC_TIMEOUT": args.hccl_exec_timeout}
-    return {key: str(flag) if flag is not None else environ.get(key) or str(HCCL_DEFAULTS[key])
-            for key, flag in flags.items()}
+    return {
+        key: str(flag) if flag is not None else environ.get(key) or str(HCCL_DEFAULTS[key])
+        for key, flag in flags.items()
+    }
 
 
 def interpreter_dir() -> str:
@@ -136,8 +196,10 @@ def worker_python() -> str:
     found = shutil.which("python", path=interpreter_dir() + os.pathsep + os.environ.get("PATH", ""))
     if found and Path(found).resolve() == Path(sys.executable).resolve():
         return f"{found} (this interpreter)"
-    return (f"{found or 'none found'}, not this interpreter {sys.executable}: put a `python` next to it "
-            "(msrun starts workers as `python`)")
+    return (
+        f"{found or 'none found'}, not this interpreter {sys.executable}: put a `python` next to it "
+        "(msrun starts workers as `python`)"
+    )
 
 
 def format_command(env: Dict[str, str], cmd: List[str]) -> str:
@@ -167,8 +229,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"# not checked on this machine (train checks it on every node before it starts): {line}")
         return 0
     if args.resume == "latest" and not run_dir.exists():  # said here, not by every worker of a folder launch made
-        raise UserError(f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
-                        "(name the run with --output RUN_DIR, or leave out --resume to start it)")
+        raise UserError(
+            f"--resume: the run folder {run_dir} does not exist, so there is nothing to resume "
+            "(name the run with --output RUN_DIR, or leave out --resume to start it)"
+        )
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
@@ -191,9 +255,16 @@ def run(args: argparse.Namespace) -> int:
     # a previous job's progress is not this one's; on a shared run folder the other nodes' entries are theirs
     job_start, local = time.time(), recipe.parallel.world_size // args.nnodes
     clear_node_entries(run_dir / HEARTBEAT_DIR, range(args.node_rank * local, (args.node_rank + 1) * local), job_start)
-    code, failure = run_supervised(cmd, full_env, log_dir, stop_grace_s=args.stop_grace,
-                                   heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=args.watchdog_factor,
-                                   watchdog_min_s=args.watchdog_min, job_start=job_start)
+    code, failure = run_supervised(
+        cmd,
+        full_env,
+        log_dir,
+        stop_grace_s=args.stop_grace,
+        heartbeat_dir=run_dir / HEARTBEAT_DIR,
+        watchdog_factor=args.watchdog_factor,
+        watchdog_min_s=args.watchdog_min,
+        job_start=job_start,
+    )
     if failure is not None:
         print(f"ms-deepseek launch: {failure}", file=sys.stderr, flush=True)
     elif code != 0:

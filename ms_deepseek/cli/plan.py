@@ -50,82 +50,151 @@ from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="preset name, config.json or checkpoint folder (e.g. deepseek-v2)")
     parser.add_argument("--recipe", help="check a training recipe's layout instead of --model/--npus")
-    parser.add_argument("--simulate", action="store_true",
-                        help="with --recipe: run the CPU simulation of the sharded layout (reduced model, same "
-                             "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails")
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="with --recipe: run the CPU simulation of the sharded layout (reduced model, same "
+        "dp/tp/ep/pp) and the parallel-rules lint; exit 1 if any check fails",
+    )
     c = parser.add_argument_group("compile (with --recipe): MindSpore's own compiler on the recipe's sharded graphs")
-    c.add_argument("--compile", action="store_true",
-                   help="compile the training step and the validation graph of the selected ranks with MindSpore's "
-                        "dry run (no NPU, weights or data needed; CANN stubs are built on a host without CANN); "
-                        "exit 1 if a graph does not compile or its layouts differ from the plan")
-    c.add_argument("--ranks", default="default", metavar="SPEC",
-                   help="ranks to compile: default (the first rank of every pipeline stage and the last rank), "
-                        "all, last, or a list such as 0,7 or 0-3")
-    c.add_argument("--layers", type=positive_int, metavar="N",
-                   help="decoder layers to compile (default: one per pipeline stage, at least two: a 24 GB host)")
+    c.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the training step and the validation graph of the selected ranks with MindSpore's "
+        "dry run (no NPU, weights or data needed; CANN stubs are built on a host without CANN); "
+        "exit 1 if a graph does not compile or its layouts differ from the plan",
+    )
+    c.add_argument(
+        "--ranks",
+        default="default",
+        metavar="SPEC",
+        help="ranks to compile: default (the first rank of every pipeline stage and the last rank), "
+        "all, last, or a list such as 0,7 or 0-3",
+    )
+    c.add_argument(
+        "--layers",
+        type=positive_int,
+        metavar="N",
+        help="decoder layers to compile (default: one per pipeline stage, at least two: a 24 GB host)",
+    )
     c.add_argument("--cann", metavar="PATH", help="CANN install to use (default: $ASCEND_HOME_PATH, else stubs)")
     c.add_argument("--no-eval", action="store_true", help="compile the training step only")
     c.add_argument("--keep", metavar="DIR", help="keep each rank's log and result under DIR")
-    c.add_argument("--memory", action="store_true",
-                   help="with --compile: MindSpore's dry run at level 1 (MS_SIMULATION_LEVEL=1) compiles the training "
-                        "step and runs it once without kernels; prints, per selected rank, MindSpore's device-memory "
-                        "peak and its blocks at the peak beside the planner's estimate for the same reduced model "
-                        "(weights, optimizer states, gradients, activations, communication), and a linear "
-                        "extrapolation to the recipe's depth from a second compile one layer per stage deeper; "
-                        "nothing is saved; exit 1 if a total differs from the planner's by more than --tolerance")
-    c.add_argument("--tolerance", type=positive_float, default=0.10, metavar="FRACTION",
-                   help="with --memory: the largest |planner / MindSpore - 1| on what both count (default 0.10)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="recipe override (with --recipe)")
-    parser.add_argument("--npus", type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"),
-                        help="number of NPUs (world size)")
-    parser.add_argument("--seq-len", type=positive_int_at_most(MAX_TOKENS, "tokens of one sequence"),
-                        help="training sequence length")
-    parser.add_argument("--global-batch", type=positive_int_at_most(MAX_BATCH * MAX_DEVICES, "sequences per step"),
-                        help="sequences per optimizer step")
-    parser.add_argument("--micro-batch-size", type=positive_int_at_most(MAX_BATCH, "sequences per micro-batch"),
-                        help="sequences per micro-batch (default 1)")
+    c.add_argument(
+        "--memory",
+        action="store_true",
+        help="with --compile: MindSpore's dry run at level 1 (MS_SIMULATION_LEVEL=1) compiles the training "
+        "step and runs it once without kernels; prints, per selected rank, MindSpore's device-memory "
+        "peak and its blocks at the peak beside the planner's estimate for the same reduced model "
+        "(weights, optimizer states, gradients, activations, communication), and a linear "
+        "extrapolation to the recipe's depth from a second compile one layer per stage deeper; "
+        "nothing is saved; exit 1 if a total differs from the planner's by more than --tolerance",
+    )
+    c.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=0.10,
+        metavar="FRACTION",
+        help="with --memory: the largest |planner / MindSpore - 1| on what both count (default 0.10)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="recipe override (with --recipe)",
+    )
+    parser.add_argument(
+        "--npus", type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"), help="number of NPUs (world size)"
+    )
+    parser.add_argument(
+        "--seq-len", type=positive_int_at_most(MAX_TOKENS, "tokens of one sequence"), help="training sequence length"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int_at_most(MAX_BATCH * MAX_DEVICES, "sequences per step"),
+        help="sequences per optimizer step",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=positive_int_at_most(MAX_BATCH, "sequences per micro-batch"),
+        help="sequences per micro-batch (default 1)",
+    )
     g = parser.add_argument_group("layout (check one layout instead of searching; with --recipe: replace its degrees)")
     for flag in ("--dp", "--tp", "--pp", "--ep"):
         g.add_argument(flag, type=positive_int_at_most(MAX_DEVICES, "NPUs in one job"))
-    g.add_argument("--micro-batches", type=positive_int_at_most(MAX_BATCH, "pipeline micro-batches"),
-                   help="pipeline micro-batches (default: all of a dp rank's); with --compile: the micro-batches "
-                        "(pipeline) or accumulation steps compiled (default: pp, or 2)")
+    g.add_argument(
+        "--micro-batches",
+        type=positive_int_at_most(MAX_BATCH, "pipeline micro-batches"),
+        help="pipeline micro-batches (default: all of a dp rank's); with --compile: the micro-batches "
+        "(pipeline) or accumulation steps compiled (default: pp, or 2)",
+    )
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-vocab-parallel", action="store_true", help="replicate the embedding and lm_head")
     g.add_argument("--stage-layers", help="layers per pipeline stage, comma-separated")
     m = parser.add_argument_group("model and precision")
-    m.add_argument("--compute-dtype", choices=("bfloat16", "float16", "float32"),
-                   help="activation / matmul dtype (default bfloat16; with --recipe: the recipe's)")
-    m.add_argument("--param-dtype", choices=("bfloat16", "float16", "float32"),
-                   help="parameter dtype (default: the model config's)")
-    m.add_argument("--capacity-factor", type=positive_float,
-                   help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)")
+    m.add_argument(
+        "--compute-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="activation / matmul dtype (default bfloat16; with --recipe: the recipe's)",
+    )
+    m.add_argument(
+        "--param-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="parameter dtype (default: the model config's)",
+    )
+    m.add_argument(
+        "--capacity-factor",
+        type=positive_float,
+        help="expert capacity factor (default: the model's, else 1.0 as in the paper's training)",
+    )
     m.add_argument("--grad-bytes", type=positive_int, help="bytes per gradient element (default: the parameter's)")
     m.add_argument("--optimizer-bytes", type=positive_int, help="optimizer state bytes per element (AdamW fp32: 8)")
     m.add_argument("--master-bytes", type=non_negative_int, help="extra master-weight bytes per element (default 0)")
     m.add_argument("--optimizer-level", choices=("level1", "level2", "level3"), help="default level1")
-    m.add_argument("--lora-r", type=int, help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
-                   "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r")
-    m.add_argument("--lora-targets", help="comma-separated PEFT target modules (default with --lora-r: the "
-                   "recipe's, else q_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj)")
+    m.add_argument(
+        "--lora-r",
+        type=int,
+        help="plan LoRA fine-tuning with adapters of this rank (frozen base: "
+        "no gradients or optimizer state for it); with --recipe, replaces the recipe's lora.r",
+    )
+    m.add_argument(
+        "--lora-targets",
+        help="comma-separated PEFT target modules (default with --lora-r: the "
+        "recipe's, else q_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj)",
+    )
     m.add_argument("--train-router", action="store_true", help="LoRA: the router weights are trained too")
-    m.add_argument("--quant-bits", type=int, choices=(4, 8), help="plan QLoRA: the frozen base stored as int8 (8) "
-                   "or int4 (4) with scales (needs LoRA); with --recipe, replaces the recipe's quant.bits")
-    m.add_argument("--quant-group-size", type=positive_int, metavar="G",
-                   help="with --quant-bits: one scale per G input columns (default: the recipe's quant.group_size, "
-                        "else one scale per output channel)")
-    m.add_argument("--flash-attention", action="store_true",
-                   help="assume fused attention (no [T, T] scores kept); the model's default path is eager")
+    m.add_argument(
+        "--quant-bits",
+        type=int,
+        choices=(4, 8),
+        help="plan QLoRA: the frozen base stored as int8 (8) "
+        "or int4 (4) with scales (needs LoRA); with --recipe, replaces the recipe's quant.bits",
+    )
+    m.add_argument(
+        "--quant-group-size",
+        type=positive_int,
+        metavar="G",
+        help="with --quant-bits: one scale per G input columns (default: the recipe's quant.group_size, "
+        "else one scale per output channel)",
+    )
+    m.add_argument(
+        "--flash-attention",
+        action="store_true",
+        help="assume fused attention (no [T, T] scores kept); the model's default path is eager",
+    )
     h = parser.add_argument_group("hardware (Ascend 910B defaults)")
     h.add_argument("--hbm-gb", type=positive_float, help="HBM per NPU (default 64; with --recipe: parallel.hbm_gb)")
     h.add_argument("--peak-tflops", type=positive_float, default=313.0)
     e = parser.add_argument_group("efficiencies: LOW,HIGH ends of the tokens/s range (docs/planner.md)")
-    e.add_argument("--compute-efficiency", metavar="LOW[,HIGH]",
-                   help="fraction of the peak achieved on executed FLOPs (default: calibrated, "
-                        "costs.LOW / costs.HIGH)")
+    e.add_argument(
+        "--compute-efficiency",
+        metavar="LOW[,HIGH]",
+        help="fraction of the peak achieved on executed FLOPs (default: calibrated, costs.LOW / costs.HIGH)",
+    )
     e.add_argument("--comm-efficiency", metavar="LOW[,HIGH]", help="fraction of nominal link bandwidth achieved")
     e.add_argument("--overlap", metavar="LOW[,HIGH]", help="fraction of tp/ep communication hidden under compute")
     h.add_argument("--hbm-tbps", type=positive_float, default=1.6)
@@ -140,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool):
-    """"a" or "a,b" -> (low, high); each in (0, 1] ([0, 1) for the overlap)."""
+    """ "a" or "a,b" -> (low, high); each in (0, 1] ([0, 1) for the overlap)."""
     if text is None:
         return low, high
     try:
@@ -165,19 +234,32 @@ def _hardware(args):
     overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
     low = dataclasses.replace(LOW, compute=compute[0], comm=comm[0], overlap=overlap[0])
     high = dataclasses.replace(HIGH, compute=compute[1], comm=comm[1], overlap=overlap[1])
-    return Hardware(hbm_gb=args.hbm_gb or 64.0, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps,
-                    hccs_gbps=args.hccs_gbps, roce_gbps=args.roce_gbps, npus_per_node=args.npus_per_node,
-                    runtime_reserved_gb=args.runtime_reserved_gb, hccl_buffer_mb=args.hccl_buffer_mb,
-                    workspace_gb=args.workspace_gb, low=low, high=high)
+    return Hardware(
+        hbm_gb=args.hbm_gb or 64.0,
+        peak_tflops=args.peak_tflops,
+        hbm_tbps=args.hbm_tbps,
+        hccs_gbps=args.hccs_gbps,
+        roce_gbps=args.roce_gbps,
+        npus_per_node=args.npus_per_node,
+        runtime_reserved_gb=args.runtime_reserved_gb,
+        hccl_buffer_mb=args.hccl_buffer_mb,
+        workspace_gb=args.workspace_gb,
+        low=low,
+        high=high,
+    )
 
 
 def _precision(args, cfg):
     from ms_deepseek.core.dtypes import itemsize
     from ms_deepseek.parallel_plan.costs import Precision
 
-    return Precision(compute_bytes=itemsize(cfg.compute_dtype), grad_bytes=args.grad_bytes,
-                     optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
-                     master_bytes=args.master_bytes or 0, optimizer_level=args.optimizer_level or "level1")
+    return Precision(
+        compute_bytes=itemsize(cfg.compute_dtype),
+        grad_bytes=args.grad_bytes,
+        optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
+        master_bytes=args.master_bytes or 0,
+        optimizer_level=args.optimizer_level or "level1",
+    )
 
 
 def _model(args):
@@ -209,10 +291,19 @@ def _layout(args, npus: int, global_batch: int):
         per_rank = global_batch // max(1, dp * (args.micro_batch_size or 1))
         micro = per_rank if pp > 1 else 1
     stage_layers = _stage_layers(args.stage_layers) if args.stage_layers else None
-    return ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, micro),
-                          recompute=args.recompute or "none", optimizer_shard=args.optimizer_shard,
-                          sequence_parallel=args.sequence_parallel, vocab_parallel=not args.no_vocab_parallel,
-                          stage_layers=stage_layers, hbm_gb=args.hbm_gb or 64.0)
+    return ParallelConfig(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        micro_batches=max(1, micro),
+        recompute=args.recompute or "none",
+        optimizer_shard=args.optimizer_shard,
+        sequence_parallel=args.sequence_parallel,
+        vocab_parallel=not args.no_vocab_parallel,
+        stage_layers=stage_layers,
+        hbm_gb=args.hbm_gb or 64.0,
+    )
 
 
 def _stage_layers(text: str) -> List[int]:
@@ -276,18 +367,30 @@ def run(args: argparse.Namespace) -> int:
     cfg = _model(args)
     precision = _precision(args, cfg)
     lora = _lora(args, None)
-    workload = Workload(seq_len=args.seq_len, global_batch_size=args.global_batch,
-                        micro_batch_size=args.micro_batch_size, flash_attention=args.flash_attention,
-                        lora=lora, quant=_quant(args, None, lora))
+    workload = Workload(
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch_size,
+        flash_attention=args.flash_attention,
+        lora=lora,
+        quant=_quant(args, None, lora),
+    )
     if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
         layout = _layout(args, args.npus, args.global_batch)
         result = estimate(cfg, layout, workload, precision, hw, world_size=args.npus)
         _refuse_invalid(result)
         _emit(args, result, None)
         return 0 if result.fits else 1
-    ranked = search(cfg, args.npus, workload, precision, hw, top=max(1, args.top or 5), progress=True,
-                    announce=lambda n: print(f"plan: estimating {n} layouts of {args.npus} NPUs ...", file=sys.stderr,
-                                             flush=True))
+    ranked = search(
+        cfg,
+        args.npus,
+        workload,
+        precision,
+        hw,
+        top=max(1, args.top or 5),
+        progress=True,
+        announce=lambda n: print(f"plan: estimating {n} layouts of {args.npus} NPUs ...", file=sys.stderr, flush=True),
+    )
     _emit(args, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 
@@ -356,7 +459,7 @@ _REFUSED_WITH_RECIPE = {
     "npus": "the world size is the recipe's dp x tp x pp (--dp/--tp/--pp, or --set parallel.dp=...)",
     "seq_len": "the recipe's data.seq_len is used (--set data.seq_len=N)",
     "global_batch": "the global batch is train.micro_batch_size x grad_accum_steps (or micro_batches) x dp "
-                    "(--set train.grad_accum_steps=N)",
+    "(--set train.grad_accum_steps=N)",
     "micro_batch_size": "the recipe's train.micro_batch_size is used (--set train.micro_batch_size=N)",
     "top": "only when searching layouts (--model/--npus without --dp/--tp/--pp/--ep)",
 }
@@ -392,19 +495,28 @@ def _check_recipe(args, hw):
     note = None
     before = recipe_workload(as_written).global_batch_size
     if before != workload.global_batch_size:
-        changed = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("dp", "pp", "micro_batches")
-                   if getattr(args, k) is not None]
+        changed = [
+            f"--{k.replace('_', '-')} {getattr(args, k)}"
+            for k in ("dp", "pp", "micro_batches")
+            if getattr(args, k) is not None
+        ]
         par, mbs = recipe.parallel, workload.micro_batch_size
         per_replica, rest = divmod(before, par.dp * mbs)
-        keep = ("" if rest else f"; {before} needs --micro-batches {per_replica}" if par.pp > 1
-                else f"; {before} needs --set train.grad_accum_steps={per_replica}")
-        note = (f"note: {' '.join(changed) or 'the overrides'} change{'s' if len(changed) == 1 else ''} the "
-                f"recipe's global batch from {before} to {workload.global_batch_size} sequences per step "
-                f"(dp x train.micro_batch_size x {'parallel.micro_batches' if par.pp > 1 else 'train.grad_accum_steps'})"
-                f"{keep}")
+        keep = (
+            ""
+            if rest
+            else f"; {before} needs --micro-batches {per_replica}"
+            if par.pp > 1
+            else f"; {before} needs --set train.grad_accum_steps={per_replica}"
+        )
+        note = (
+            f"note: {' '.join(changed) or 'the overrides'} change{'s' if len(changed) == 1 else ''} the "
+            f"recipe's global batch from {before} to {workload.global_batch_size} sequences per step "
+            f"(dp x train.micro_batch_size x {'parallel.micro_batches' if par.pp > 1 else 'train.grad_accum_steps'})"
+            f"{keep}"
+        )
     # The precision flags are planner assumptions (no recipe key holds them); the dtypes come from the recipe.
-    result = check_recipe_fits(recipe, hardware=hw, precision=_precision(args, recipe.model_config),
-                               workload=workload)
+    result = check_recipe_fits(recipe, hardware=hw, precision=_precision(args, recipe.model_config), workload=workload)
     return result, recipe, note
 
 
@@ -443,9 +555,17 @@ def _compile(args, hw) -> int:
             say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
     if args.memory:
         return _memory(args, hw, result, recipe, reduction, ranks, cann, say)
-    report = cc.compile_recipe(args.recipe, recipe, list(args.overrides) + _recipe_overrides(args), ranks, reduction,
-                               cann=cann, work=Path(args.keep) if args.keep else None,
-                               eval_graph=not args.no_eval, progress=say)
+    report = cc.compile_recipe(
+        args.recipe,
+        recipe,
+        list(args.overrides) + _recipe_overrides(args),
+        ranks,
+        reduction,
+        cann=cann,
+        work=Path(args.keep) if args.keep else None,
+        eval_graph=not args.no_eval,
+        progress=say,
+    )
     if args.json:
         out = report.to_dict()
         out["planner"] = result.to_dict()
@@ -465,16 +585,26 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
 
     par = recipe.parallel
     step = max(1, par.pp)  # one more layer per pipeline stage
-    depths = [reduction.layers] + ([reduction.layers + step] if reduction.layers + step <= reduction.full_layers
-                                   else [])
+    depths = [reduction.layers] + (
+        [reduction.layers + step] if reduction.layers + step <= reduction.full_layers else []
+    )
     keep = Path(args.keep) if args.keep else None
     saved = list(args.overrides)
-    out = {"recipe": args.recipe, "world_size": par.world_size, "layout": par.describe(), "depths": [],
-           "micro_batches": reduction.micro_batches, "micro_batches_kind": reduction.what,
-           "full_micro_batches": reduction.full_micro_batches, "full_layers": reduction.full_layers,
-           "tolerance": args.tolerance}
-    lines = [f"memory {args.recipe}: {par.describe()}, world {par.world_size}; MindSpore's dry run at level 1 "
-             "(MS_SIMULATION_LEVEL=1: the step runs once without kernels; nothing is saved)"]
+    out = {
+        "recipe": args.recipe,
+        "world_size": par.world_size,
+        "layout": par.describe(),
+        "depths": [],
+        "micro_batches": reduction.micro_batches,
+        "micro_batches_kind": reduction.what,
+        "full_micro_batches": reduction.full_micro_batches,
+        "full_layers": reduction.full_layers,
+        "tolerance": args.tolerance,
+    }
+    lines = [
+        f"memory {args.recipe}: {par.describe()}, world {par.world_size}; MindSpore's dry run at level 1 "
+        "(MS_SIMULATION_LEVEL=1: the step runs once without kernels; nothing is saved)"
+    ]
     ok, points = True, {}
     for layers in depths:
         red = dataclasses.replace(reduction, layers=layers)
@@ -483,9 +613,18 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             reduced, _, _ = _check_recipe(args, hw)
         finally:
             args.overrides = saved
-        report = cc.compile_recipe(args.recipe, recipe, list(saved) + _recipe_overrides(args), ranks, red, cann=cann,
-                                   work=keep / f"layers_{layers}" if keep else None, eval_graph=False,
-                                   progress=say, memory=True)
+        report = cc.compile_recipe(
+            args.recipe,
+            recipe,
+            list(saved) + _recipe_overrides(args),
+            ranks,
+            red,
+            cann=cann,
+            work=keep / f"layers_{layers}" if keep else None,
+            eval_graph=False,
+            progress=say,
+            memory=True,
+        )
         lines.append(f"  {red.describe()} ({report.provider})")
         entry = {"layers": layers, "ranks": []}
         for r in report.ranks:
@@ -503,20 +642,35 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             within = abs(comp.ratio - 1.0) <= args.tolerance
             ok = ok and within
             points.setdefault(r.rank, []).append((layers, comp.planner_total, comp.ms_total))
-            lines.append(f"  rank {r.rank} (stage {stage}), {layers} layers: step ran in {step_graph.get('seconds', 0):.0f} s"
-                         f", peak host memory {r.peak_rss_mb / 1024:.1f} GB")
+            lines.append(
+                f"  rank {r.rank} (stage {stage}), {layers} layers: step ran in {step_graph.get('seconds', 0):.0f} s"
+                f", peak host memory {r.peak_rss_mb / 1024:.1f} GB"
+            )
             lines += mc.format_comparison(comp)
             lines.append("    " + ("within" if within else "OUTSIDE") + f" the tolerance {args.tolerance:.0%}")
-            big = ", ".join(f"{b['name']} x{b['blocks']} {b['mb'] / 1024:.2f}G ({b['category']})"
-                            for b in acct.get("largest_at_peak", [])[:6])
+            big = ", ".join(
+                f"{b['name']} x{b['blocks']} {b['mb'] / 1024:.2f}G ({b['category']})"
+                for b in acct.get("largest_at_peak", [])[:6]
+            )
             lines.append(f"    largest at MindSpore's peak: {big}")
-            entry["ranks"].append({"rank": r.rank, "stage": stage, "ok": True, "within_tolerance": within,
-                                   "planner_gb": round(comp.planner_total, 3), "mindspore_gb": round(comp.ms_total, 3),
-                                   "mindspore_with_fragments_gb": round(comp.ms_actual, 3),
-                                   "ratio": round(comp.ratio, 3), "planner_margin_gb": round(comp.margin, 3),
-                                   "rows": [{"row": n, "planner_gb": round(p, 3), "mindspore_gb": round(m, 3)}
-                                            for n, p, m in comp.rows],
-                                   "accounting": acct, "log": r.log})
+            entry["ranks"].append(
+                {
+                    "rank": r.rank,
+                    "stage": stage,
+                    "ok": True,
+                    "within_tolerance": within,
+                    "planner_gb": round(comp.planner_total, 3),
+                    "mindspore_gb": round(comp.ms_total, 3),
+                    "mindspore_with_fragments_gb": round(comp.ms_actual, 3),
+                    "ratio": round(comp.ratio, 3),
+                    "planner_margin_gb": round(comp.margin, 3),
+                    "rows": [
+                        {"row": n, "planner_gb": round(p, 3), "mindspore_gb": round(m, 3)} for n, p, m in comp.rows
+                    ],
+                    "accounting": acct,
+                    "log": r.log,
+                }
+            )
         out["depths"].append(entry)
     out["extrapolated"] = []
     full = reduction.full_layers
@@ -527,20 +681,34 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             lines.append(f"  rank {rank}: one depth only: no extrapolation to {full} layers")
             continue
         stage = stage_of_rank(rank, par) if par.pp > 1 else 0
-        lines.append(f"  rank {rank}, extrapolated to {full} layers ({reduction.micro_batches} "
-                     f"{'micro-batches' if reduction.what == 'micro_batches' else 'accumulation steps'}): "
-                     f"MindSpore {ms_fit[0]:.1f} GB ({ms_fit[1]:+.2f} GB per layer), planner {pl_fit[0]:.1f} GB "
-                     f"({pl_fit[1]:+.2f} GB per layer); the planner for the recipe as written: "
-                     f"{result.stages[stage].total / mc.GB:.1f} GB of {result.usable_gb:.1f} GB usable")
-        out["extrapolated"].append({"rank": rank, "layers": full, "mindspore_gb": round(ms_fit[0], 2),
-                                    "mindspore_gb_per_layer": round(ms_fit[1], 3), "planner_gb": round(pl_fit[0], 2),
-                                    "planner_gb_per_layer": round(pl_fit[1], 3),
-                                    "planner_recipe_gb": round(result.stages[stage].total / mc.GB, 2)})
+        lines.append(
+            f"  rank {rank}, extrapolated to {full} layers ({reduction.micro_batches} "
+            f"{'micro-batches' if reduction.what == 'micro_batches' else 'accumulation steps'}): "
+            f"MindSpore {ms_fit[0]:.1f} GB ({ms_fit[1]:+.2f} GB per layer), planner {pl_fit[0]:.1f} GB "
+            f"({pl_fit[1]:+.2f} GB per layer); the planner for the recipe as written: "
+            f"{result.stages[stage].total / mc.GB:.1f} GB of {result.usable_gb:.1f} GB usable"
+        )
+        out["extrapolated"].append(
+            {
+                "rank": rank,
+                "layers": full,
+                "mindspore_gb": round(ms_fit[0], 2),
+                "mindspore_gb_per_layer": round(ms_fit[1], 3),
+                "planner_gb": round(pl_fit[0], 2),
+                "planner_gb_per_layer": round(pl_fit[1], 3),
+                "planner_recipe_gb": round(result.stages[stage].total / mc.GB, 2),
+            }
+        )
     out["ok"] = ok
-    lines.append("planner and MindSpore agree within the tolerance" if ok else
-                 "planner and MindSpore disagree (or a rank failed): see above")
-    lines.append("  (MindSpore's level 1 does not count kernel workspaces, HCCL buffers or the runtime's reserve: "
-                 "the planner's margin)")
+    lines.append(
+        "planner and MindSpore agree within the tolerance"
+        if ok
+        else "planner and MindSpore disagree (or a rank failed): see above"
+    )
+    lines.append(
+        "  (MindSpore's level 1 does not count kernel workspaces, HCCL buffers or the runtime's reserve: "
+        "the planner's margin)"
+    )
     print(json.dumps(out, indent=2) if args.json else "\n".join(lines))
     return 0 if ok else 1
 
@@ -554,8 +722,9 @@ def _simulate(args, recipe, result) -> int:
     results = simulate(recipe.model_config, recipe.parallel, recipe.seq_len, recipe.train.micro_batch_size)
     if args.json:
         out = result.to_dict()
-        out["simulation"] = [{"check": r.name, "status": r.status, "max_err": r.max_err, "detail": r.detail}
-                             for r in results]
+        out["simulation"] = [
+            {"check": r.name, "status": r.status, "max_err": r.max_err, "detail": r.detail} for r in results
+        ]
         out["simulation_passed"] = all_passed(results)
         print(json.dumps(out, indent=2))
     else:
@@ -580,30 +749,48 @@ def _emit(args, result, ranked: Optional[List]) -> None:
 
 
 def format_result(result) -> str:
-    lines = [f"layout: {result.layout.describe()}  (world {result.layout.world_size}, "
-             f"global batch {result.workload.global_batch_size} sequences, "
-             f"grad accumulation {result.grad_accumulation})"]
+    lines = [
+        f"layout: {result.layout.describe()}  (world {result.layout.world_size}, "
+        f"global batch {result.workload.global_batch_size} sequences, "
+        f"grad accumulation {result.grad_accumulation})"
+    ]
     if result.problems:
         lines.append("INVALID:")
         lines += [f"  {p}" for p in result.problems]
         return "\n".join(lines)
     verdict = "FITS" if result.fits else "DOES NOT FIT"
-    lines.append(f"{verdict}: {result.peak_gb:.1f} GB per NPU (stage {result.worst.stage}) of "
-                 f"{result.usable_gb:.1f} GB usable")
+    lines.append(
+        f"{verdict}: {result.peak_gb:.1f} GB per NPU (stage {result.worst.stage}) of {result.usable_gb:.1f} GB usable"
+    )
     mem = result.memory_gb
     quant = result.workload.quant
-    keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
-            "comm_buffers", "hccl_buffers", "workspace")
+    keys = (
+        "weights",
+        "weight_copies",
+        "gradients",
+        "optimizer",
+        "activations",
+        "working_set",
+        "comm_buffers",
+        "hccl_buffers",
+        "workspace",
+    )
     if quant is not None:
-        group = "one scale per output channel" if quant.group_size is None else f"one scale per {quant.group_size} inputs"
-        lines.append(f"quantized base: int{quant.bits}, {group} (weights below hold the quantized base; float32 "
-                     "scales and offsets, one weight dequantised to float32 at a time)")
+        group = (
+            "one scale per output channel" if quant.group_size is None else f"one scale per {quant.group_size} inputs"
+        )
+        lines.append(
+            f"quantized base: int{quant.bits}, {group} (weights below hold the quantized base; float32 "
+            "scales and offsets, one weight dequantised to float32 at a time)"
+        )
         keys += ("scales", "dequant_workspace")
     for key in keys:
         lines.append(f"  {key:<18}{mem[key]:9.2f} GB")
     if "eval_total" in mem:
-        lines.append(f"  {'validation':<18}{mem['eval_total']:9.2f} GB at the eval graph's peak "
-                     f"(the training step: {mem['total']:.2f} GB)")
+        lines.append(
+            f"  {'validation':<18}{mem['eval_total']:9.2f} GB at the eval graph's peak "
+            f"(the training step: {mem['total']:.2f} GB)"
+        )
     if result.eval_note:
         lines.append(f"  ({result.eval_note})")
     comm = result.comm_gb
@@ -611,9 +798,13 @@ def format_result(result) -> str:
     t = result.time_s
     lo, hi = result.tokens_per_s_range
     sec = lambda x: f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # noqa: E731
-    lines.append(f"step {sec(t['step_high'])}-{sec(t['step'])} s (bubble {result.bubble_fraction:.1%}; at the low "
-                 f"end: pipeline {sec(t['pipeline'])} s, dp sync {sec(t['dp_sync'])} s)")
-    lines.append(f"throughput {lo:.0f}-{hi:.0f} tokens/s per NPU (MFU {result.mfu_range[0]:.1%}-"
-                 f"{result.mfu_range[1]:.1%}; low = MindFormers-calibrated efficiency, high = the DeepSeek "
-                 f"paper's, docs/planner.md)")
+    lines.append(
+        f"step {sec(t['step_high'])}-{sec(t['step'])} s (bubble {result.bubble_fraction:.1%}; at the low "
+        f"end: pipeline {sec(t['pipeline'])} s, dp sync {sec(t['dp_sync'])} s)"
+    )
+    lines.append(
+        f"throughput {lo:.0f}-{hi:.0f} tokens/s per NPU (MFU {result.mfu_range[0]:.1%}-"
+        f"{result.mfu_range[1]:.1%}; low = MindFormers-calibrated efficiency, high = the DeepSeek "
+        f"paper's, docs/planner.md)"
+    )
     return "\n".join(lines)

@@ -14,8 +14,13 @@ from ms_deepseek.diagnostics.report import generate, watch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
     parser.add_argument("-o", "--output", default=None, help="HTML file to write (default: RUN_DIR/report.html)")
-    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
-                        help="rewrite the page every SECONDS until interrupted (the page reloads itself)")
+    parser.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="rewrite the page every SECONDS until interrupted (the page reloads itself)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

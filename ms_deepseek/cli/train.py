@@ -19,23 +19,49 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML (see recipes/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a recipe field, e.g. --set train.steps=100 (repeatable)")
-    parser.add_argument("--output", "-o", default=None,
-                        help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                        help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
-                             "when --output holds a complete checkpoint, else start fresh (recipe: "
-                             "checkpoint.resume: auto)")
-    parser.add_argument("--force", action="store_true",
-                        help="run even if the memory planner says the layout does not fit; with --resume of an older "
-                             "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)")
-    parser.add_argument("--allow-changes", action="store_true",
-                        help="with --resume: accept settings that differ from the run's (each is named) even where "
-                             "the resumed run then differs from an uninterrupted one (steps of a schedule that "
-                             "depends on them, optimizer, batch, data, model, LoRA)")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop after this many steps in total (the LR schedule still spans train.steps)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
+        "when --output holds a complete checkpoint, else start fresh (recipe: "
+        "checkpoint.resume: auto)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="run even if the memory planner says the layout does not fit; with --resume of an older "
+        "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)",
+    )
+    parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: accept settings that differ from the run's (each is named) even where "
+        "the resumed run then differs from an uninterrupted one (steps of a schedule that "
+        "depends on them, optimizer, batch, data, model, LoRA)",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this many steps in total (the LR schedule still spans train.steps)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -72,8 +98,9 @@ def _remove_leftovers(run_dir: Path, before) -> None:
         return
     for child in run_dir.iterdir():
         if child.name not in entries:
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else \
-                child.unlink(missing_ok=True)
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(
+                missing_ok=True
+            )
     if not existed:
         remove_empty_dirs(new_dirs)
 
@@ -93,28 +120,44 @@ def run(args: argparse.Namespace) -> int:
 
     before = _snapshot(run_dir)
     try:
-        result = train(recipe, run_dir, resume=args.resume, force=args.force, progress=not args.quiet,
-                       max_steps=args.max_steps, allow_changes=args.allow_changes)
+        result = train(
+            recipe,
+            run_dir,
+            resume=args.resume,
+            force=args.force,
+            progress=not args.quiet,
+            max_steps=args.max_steps,
+            allow_changes=args.allow_changes,
+        )
     except UserError:
         _remove_leftovers(run_dir, before)
         raise
     if result.complete:
-        print(f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
-              "nothing to do (to train further: --set train.steps=N, with --allow-changes when the learning-rate "
-              "schedule depends on train.steps)", flush=True)
+        print(
+            f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "
+            "nothing to do (to train further: --set train.steps=N, with --allow-changes when the learning-rate "
+            "schedule depends on train.steps)",
+            flush=True,
+        )
         return 0
     if result.preempted:  # SIGTERM: a checkpoint of the last finished step on every rank, then a non-zero exit
         import signal
 
         if result.metrics_path is not None:
-            print(f"ms-deepseek train: stopped by {result.preempted} after step {result.steps}: saved checkpoint "
-                  f"{result.checkpoint} (every rank); continue with --resume auto and the same recipe and --set "
-                  f"options (the run's settings: {result.run_dir / 'recipe.yaml'})", file=sys.stderr, flush=True)
+            print(
+                f"ms-deepseek train: stopped by {result.preempted} after step {result.steps}: saved checkpoint "
+                f"{result.checkpoint} (every rank); continue with --resume auto and the same recipe and --set "
+                f"options (the run's settings: {result.run_dir / 'recipe.yaml'})",
+                file=sys.stderr,
+                flush=True,
+            )
         return 128 + int(signal.Signals[result.preempted])
     if result.metrics_path is not None:  # the main worker (rank 0) reports
         first = f" (first {result.losses[0]:.4f})" if result.losses else ""
-        print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
-              f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s")
+        print(
+            f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
+            f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s"
+        )
         if result.checkpoint is not None:
             print(f"checkpoint: {result.checkpoint}")
         print(f"metrics:    {result.metrics_path}")

@@ -65,8 +65,10 @@ class ValidationConfig:
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.fraction is None):
-            raise UserError("data.validation: set exactly one of path (a prepared folder) or fraction "
-                            "(held out of the training data)")
+            raise UserError(
+                "data.validation: set exactly one of path (a prepared folder) or fraction "
+                "(held out of the training data)"
+            )
         if self.path is not None and not self.path.strip():
             raise UserError("data.validation.path: empty string")
         if self.fraction is not None and not 0 < self.fraction < 0.5:
@@ -126,7 +128,7 @@ class DataConfig:
         check_at_most("data.seq_len", self.seq_len, MAX_TOKENS, "tokens of one sequence")
         check_at_most("data.seed", self.seed, MAX_SEED, "numpy's seed range")
         check_at_most("data.bucket_boundaries", self.bucket_boundaries, MAX_TOKENS, "tokens of one sequence")
-        check_at_most("data.embedded_max_bytes", self.embedded_max_bytes, 2 ** 40, "bytes of text")
+        check_at_most("data.embedded_max_bytes", self.embedded_max_bytes, 2**40, "bytes of text")
         if self.seed < 0:
             raise UserError(f"data.seed: must be >= 0, got {self.seed}")
         if not 1 <= self.num_workers <= 64:
@@ -144,22 +146,30 @@ class DataConfig:
             # left out with a folder: checked against the folder's format when it is read; the embedded
             # default (no data.path) is pretraining text
             if self.format == "pretrain" or (self.format is None and self.path is None):
-                raise UserError("data.bucket_boundaries: only used with data.format 'sft' "
-                                "(pretraining windows all have length seq_len)")
+                raise UserError(
+                    "data.bucket_boundaries: only used with data.format 'sft' "
+                    "(pretraining windows all have length seq_len)"
+                )
             if isinstance(self.path, list):
-                raise UserError("data.bucket_boundaries: a weighted mixture pads every sample to seq_len "
-                                "(no length buckets); leave it out")
+                raise UserError(
+                    "data.bucket_boundaries: a weighted mixture pads every sample to seq_len "
+                    "(no length buckets); leave it out"
+                )
         if not 512 <= self.embedded_vocab_size <= 65536:
             raise UserError(f"data.embedded_vocab_size: must be between 512 and 65536, got {self.embedded_vocab_size}")
         if self.embedded_max_bytes < 10_000:
             raise UserError(f"data.embedded_max_bytes: must be at least 10000, got {self.embedded_max_bytes}")
         if self.path is None:
             if self.format == "sft":
-                raise UserError("data.path: format 'sft' needs a prepared SFT folder "
-                                "(the embedded default corpus is pretraining text)")
+                raise UserError(
+                    "data.path: format 'sft' needs a prepared SFT folder "
+                    "(the embedded default corpus is pretraining text)"
+                )
             if not self.embedded_default:
-                raise UserError("data.path: not set and data.embedded_default is false; "
-                                "prepare a folder with `ms-deepseek prepare-data` and set data.path")
+                raise UserError(
+                    "data.path: not set and data.embedded_default is false; "
+                    "prepare a folder with `ms-deepseek prepare-data` and set data.path"
+                )
         elif isinstance(self.path, str) and not self.path.strip():
             raise UserError("data.path: empty string (leave it out to use the embedded default)")
 

@@ -31,7 +31,7 @@ import math
 from typing import Dict, Optional, Tuple
 
 # The dispatch sorts float32 keys up to 3*k*N - 1 (see DeepseekV2MoE.dispatch_index): exact below 2**24.
-SORT_KEY_LIMIT = 2 ** 24
+SORT_KEY_LIMIT = 2**24
 
 
 def max_tokens_per_group(k: int) -> int:
@@ -39,8 +39,7 @@ def max_tokens_per_group(k: int) -> int:
     return (SORT_KEY_LIMIT - 1) // (3 * k)
 
 
-def capacity(tokens_per_group: int, k: int, num_experts: int, factor: Optional[float],
-             multiple: int = 1) -> int:
+def capacity(tokens_per_group: int, k: int, num_experts: int, factor: Optional[float], multiple: int = 1) -> int:
     """Per-expert buffer rows of one group.
 
     ``factor`` None (dropless, evaluation): ``tokens_per_group`` (an expert receives a token
@@ -90,12 +89,12 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     table = {
         "tokens": ((G, N, H), (dp, 1, 1)),
         "topk_ids": ((G, N, k), (dp, 1, 1)),
-        "slot_keys": ((G, E, k * N), (dp, 1, 1)),            # float32 sort keys that give dispatch_index
+        "slot_keys": ((G, E, k * N), (dp, 1, 1)),  # float32 sort keys that give dispatch_index
         "dispatch_index": ((G, E, C), (dp, 1, 1)),
         "combine_index": ((G, N, k), (dp, 1, 1)),
         "dispatch_buffer": ((G, E, C, H), (dp, 1, 1, 1)),
         "expert_input": ((outer, E, ep * C, H), (outer, ep, 1, 1)),
-        "expert_hidden": ((outer, E, ep * C, I), (outer, ep, 1, tp)),   # gate, up and silu(gate)*up: three
+        "expert_hidden": ((outer, E, ep * C, I), (outer, ep, 1, tp)),  # gate, up and silu(gate)*up: three
         "expert_output": ((outer, E, ep * C, H), (outer, ep, 1, 1)),
         "combine_buffer": ((G, E, C, H), (dp, 1, 1, 1)),
         "combined": ((G, N, k, H), (dp, 1, 1, 1)),
@@ -103,7 +102,11 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     buffers = {}
     for name, (shape, strategy) in table.items():
         local = _split(shape, strategy)
-        buffers[name] = {"global": shape, "strategy": strategy, "per_device": local,
-                         "elements_per_device": _numel(local)}
+        buffers[name] = {
+            "global": shape,
+            "strategy": strategy,
+            "per_device": local,
+            "elements_per_device": _numel(local),
+        }
     alltoall = (E * C * H * (ep - 1)) // ep if ep > 1 else 0
     return {"capacity": C, "buffers": buffers, "alltoall_elements_per_device": alltoall}

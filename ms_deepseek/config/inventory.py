@@ -40,10 +40,10 @@ _MS_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.((?:gate|up|dow
 class ParamInfo:
     name: str
     shape: Shape
-    dtype: str            # "float32" | "bfloat16" | "float16" | "int32"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int32"
     trainable: bool
     layer: Optional[int]  # decoder layer index, None for embedding / final norm / head
-    kind: str = "other"   # embedding | attention | norm | dense_mlp | router | routed_experts | shared_experts |
+    kind: str = "other"  # embedding | attention | norm | dense_mlp | router | routed_experts | shared_experts |
     #                       lm_head | buffer
 
     @property
@@ -91,8 +91,7 @@ def parameter_inventory(cfg) -> List[ParamInfo]:
         if cfg.attention_bias:
             add(a + "kv_a_proj_with_mqa.bias", (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), i, "attention")
         add(a + "kv_a_layernorm.weight", (cfg.kv_lora_rank,), i, "attention")
-        add(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), i,
-            "attention")
+        add(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), i, "attention")
         add(a + "o_proj.weight", (H, nh * cfg.v_head_dim), i, "attention")
         if cfg.attention_bias:
             add(a + "o_proj.bias", (H,), i, "attention")
@@ -189,8 +188,7 @@ def count_parameters(cfg) -> ParamCount:
 
     Attention layer norms (``q_a_layernorm``, ``kv_a_layernorm``) count as attention, the decoder
     and final norms as norms; a token activates ``num_experts_per_tok`` of the routed experts."""
-    kinds = dict(embedding=0, attention=0, dense_mlp=0, routed_experts=0, shared_experts=0, router=0, norm=0,
-                 lm_head=0)
+    kinds = dict(embedding=0, attention=0, dense_mlp=0, routed_experts=0, shared_experts=0, router=0, norm=0, lm_head=0)
     check_model_size(cfg)
     per_layer = [0] * cfg.num_hidden_layers
     for p in parameter_inventory(cfg):
@@ -200,10 +198,20 @@ def count_parameters(cfg) -> ParamCount:
         if p.layer is not None:
             per_layer[p.layer] += p.numel
     total = sum(kinds.values())
-    routed_active = (kinds["routed_experts"] * cfg.num_experts_per_tok // cfg.n_routed_experts
-                     if cfg.n_routed_experts else 0)
+    routed_active = (
+        kinds["routed_experts"] * cfg.num_experts_per_tok // cfg.n_routed_experts if cfg.n_routed_experts else 0
+    )
     activated = total - kinds["embedding"] - kinds["routed_experts"] + routed_active
-    return ParamCount(total=total, activated=activated, embedding=kinds["embedding"], attention=kinds["attention"],
-                      dense_mlp=kinds["dense_mlp"], routed_experts=kinds["routed_experts"],
-                      shared_experts=kinds["shared_experts"], routers=kinds["router"], norms=kinds["norm"],
-                      lm_head=kinds["lm_head"], per_layer=per_layer)
+    return ParamCount(
+        total=total,
+        activated=activated,
+        embedding=kinds["embedding"],
+        attention=kinds["attention"],
+        dense_mlp=kinds["dense_mlp"],
+        routed_experts=kinds["routed_experts"],
+        shared_experts=kinds["shared_experts"],
+        routers=kinds["router"],
+        norms=kinds["norm"],
+        lm_head=kinds["lm_head"],
+        per_layer=per_layer,
+    )

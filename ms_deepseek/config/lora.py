@@ -22,8 +22,17 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import check_at_most, from_dict
 
 # the module leaves LoRA can adapt (attention, dense MLP, shared and routed experts; never lm_head)
-LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 DEFAULT_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 Q_VARIANTS = ("q_proj", "q_a_proj", "q_b_proj")  # a model has either q_proj or q_a_proj + q_b_proj
 PEFT_PREFIX = "base_model.model."
@@ -33,16 +42,16 @@ PEFT_PREFIX = "base_model.model."
 class LoraSpec:
     """LoRA fine-tuning (``lora:`` in the recipe; absent = full fine-tuning)."""
 
-    r: int = 8                            # adapter rank
-    alpha: float = 16.0                   # scaling alpha / r (PEFT's lora_alpha)
-    dropout: float = 0.0                  # dropout on the adapter input, training only
+    r: int = 8  # adapter rank
+    alpha: float = 16.0  # scaling alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter input, training only
     target_modules: List[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    train_router: bool = False            # also train mlp.gate.weight (saved with the adapter)
+    train_router: bool = False  # also train mlp.gate.weight (saved with the adapter)
 
     def __post_init__(self):
         if self.r < 1:
             raise UserError(f"lora.r: must be >= 1, got {self.r}")
-        check_at_most("lora.r", self.r, 2 ** 17, "an adapter's rank; DeepSeek-V2's hidden size is 5120")
+        check_at_most("lora.r", self.r, 2**17, "an adapter's rank; DeepSeek-V2's hidden size is 5120")
         if self.alpha <= 0:
             raise UserError(f"lora.alpha: must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
@@ -52,14 +61,19 @@ class LoraSpec:
         for i, name in enumerate(self.target_modules):
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in LORA_TARGETS or not name.strip():
-                raise UserError(f"lora.target_modules[{i}]: unknown target module {name!r}; "
-                                f"known: {', '.join(LORA_TARGETS)} (optionally prefixed: experts., "
-                                f"shared_experts., mlp., self_attn.)")
+                raise UserError(
+                    f"lora.target_modules[{i}]: unknown target module {name!r}; "
+                    f"known: {', '.join(LORA_TARGETS)} (optionally prefixed: experts., "
+                    f"shared_experts., mlp., self_attn.)"
+                )
 
     def settings(self) -> Dict:
         """What a checkpoint records of it (``layout.json``'s ``lora`` entry): what decides its tensors."""
-        return {"r": int(self.r), "target_modules": [str(t) for t in self.target_modules],
-                "train_router": bool(self.train_router)}
+        return {
+            "r": int(self.r),
+            "target_modules": [str(t) for t in self.target_modules],
+            "train_router": bool(self.train_router),
+        }
 
     @classmethod
     def from_settings(cls, data: Optional[Dict], where: str) -> Optional["LoraSpec"]:
@@ -85,8 +99,11 @@ def lora_inventory(cfg, lora: LoraSpec, inventory: Optional[List[ParamInfo]] = N
     ``train_router``), plus the float32 adapters of each targeted module, named as model/lora.py
     names them (``<module>.lora_A.weight`` [.., r, in] / ``.lora_B.weight`` [.., out, r])."""
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
-    modules = [i.name[:-len(".weight")] for i in inventory
-               if i.name.endswith(".weight") and i.name.rsplit(".", 2)[-2] in LORA_TARGETS]
+    modules = [
+        i.name[: -len(".weight")]
+        for i in inventory
+        if i.name.endswith(".weight") and i.name.rsplit(".", 2)[-2] in LORA_TARGETS
+    ]
     for k, target in enumerate(lora.target_modules):
         if not any(target_matches(m, target) for m in modules):
             # naming the q variant this model does not have is not an error (the default list names both)

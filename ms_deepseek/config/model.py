@@ -32,34 +32,36 @@ MAX_EXPERTS = 65_536  # routed experts (DeepSeek-V2: 160)
 # The other sizes of a model config ms_deepseek lists, plans or builds (each far beyond DeepSeek-V2's, in the
 # comment): a config.json or a recipe asking for more is refused before a loop or an allocation trusts it.
 MODEL_LIMITS = {
-    "vocab_size": (2 ** 24, "tokens of a vocabulary; DeepSeek-V2 has 102,400"),
-    "hidden_size": (2 ** 17, "DeepSeek-V2: 5120"),
-    "intermediate_size": (2 ** 20, "DeepSeek-V2: 12,288"),
-    "moe_intermediate_size": (2 ** 20, "DeepSeek-V2: 1536"),
-    "num_attention_heads": (2 ** 14, "DeepSeek-V2: 128"),
-    "num_key_value_heads": (2 ** 14, "DeepSeek-V2: 128"),
-    "n_shared_experts": (2 ** 10, "DeepSeek-V2: 2"),
+    "vocab_size": (2**24, "tokens of a vocabulary; DeepSeek-V2 has 102,400"),
+    "hidden_size": (2**17, "DeepSeek-V2: 5120"),
+    "intermediate_size": (2**20, "DeepSeek-V2: 12,288"),
+    "moe_intermediate_size": (2**20, "DeepSeek-V2: 1536"),
+    "num_attention_heads": (2**14, "DeepSeek-V2: 128"),
+    "num_key_value_heads": (2**14, "DeepSeek-V2: 128"),
+    "n_shared_experts": (2**10, "DeepSeek-V2: 2"),
     "n_routed_experts": (MAX_EXPERTS, "DeepSeek-V2: 160"),
     "num_experts_per_tok": (MAX_EXPERTS, "DeepSeek-V2: 6"),
     "n_group": (MAX_EXPERTS, "DeepSeek-V2: 8"),
     "topk_group": (MAX_EXPERTS, "DeepSeek-V2: 3"),
     "ep_size": (65_536, "NPUs"),
-    "kv_lora_rank": (2 ** 17, "DeepSeek-V2: 512"),
-    "q_lora_rank": (2 ** 17, "DeepSeek-V2: 1536"),
-    "qk_rope_head_dim": (2 ** 14, "DeepSeek-V2: 64"),
-    "qk_nope_head_dim": (2 ** 14, "DeepSeek-V2: 128"),
-    "v_head_dim": (2 ** 14, "DeepSeek-V2: 128"),
+    "kv_lora_rank": (2**17, "DeepSeek-V2: 512"),
+    "q_lora_rank": (2**17, "DeepSeek-V2: 1536"),
+    "qk_rope_head_dim": (2**14, "DeepSeek-V2: 64"),
+    "qk_nope_head_dim": (2**14, "DeepSeek-V2: 128"),
+    "v_head_dim": (2**14, "DeepSeek-V2: 128"),
     "moe_layer_freq": (MAX_LAYERS, "layers"),
     "first_k_dense_replace": (MAX_LAYERS, "layers"),
-    "max_position_embeddings": (2 ** 24, "positions; DeepSeek-V2: 163,840"),
+    "max_position_embeddings": (2**24, "positions; DeepSeek-V2: 163,840"),
 }
 
 
 def check_layer_count(cfg) -> None:
     if cfg.num_hidden_layers > MAX_LAYERS:
-        shown = cfg.num_hidden_layers if cfg.num_hidden_layers < 10 ** 20 else f"{float(cfg.num_hidden_layers):.3g}"
-        raise UserError(f"model config num_hidden_layers: {shown} is more than {MAX_LAYERS} "
-                        f"(DeepSeek-V2 has 60); not a model ms_deepseek can list, plan or build")
+        shown = cfg.num_hidden_layers if cfg.num_hidden_layers < 10**20 else f"{float(cfg.num_hidden_layers):.3g}"
+        raise UserError(
+            f"model config num_hidden_layers: {shown} is more than {MAX_LAYERS} "
+            f"(DeepSeek-V2 has 60); not a model ms_deepseek can list, plan or build"
+        )
 
 
 def check_model_size(cfg, where: str = "model config ") -> None:
@@ -71,19 +73,45 @@ def check_model_size(cfg, where: str = "model config ") -> None:
     for key, (limit, what) in MODEL_LIMITS.items():
         check_at_most(f"{where}{key}", getattr(cfg, key), limit, what)
     rope = cfg.rope_scaling or {}
-    check_at_most(f"{where}rope_scaling.original_max_position_embeddings",
-                  rope.get("original_max_position_embeddings"), 2 ** 24, "positions")
+    check_at_most(
+        f"{where}rope_scaling.original_max_position_embeddings",
+        rope.get("original_max_position_embeddings"),
+        2**24,
+        "positions",
+    )
 
 
 # Keys of HF config files that carry no information for this port (or are derived).
 _IGNORED_HF_KEYS = {
-    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "pretraining_tp", "use_cache", "attention_dropout",
-    "mlp_bias", "head_dim", "output_router_logits", "qk_head_dim", "_name_or_path",
-    "rope_interleave", "quantization_config", "num_nextn_predict_layers", "output_attentions",
-    "output_hidden_states", "return_dict", "use_return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "tie_encoder_decoder", "problem_type", "id2label", "label2id",
-    "_attn_implementation_autoset", "layer_types",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "pretraining_tp",
+    "use_cache",
+    "attention_dropout",
+    "mlp_bias",
+    "head_dim",
+    "output_router_logits",
+    "qk_head_dim",
+    "_name_or_path",
+    "rope_interleave",
+    "quantization_config",
+    "num_nextn_predict_layers",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "use_return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "problem_type",
+    "id2label",
+    "label2id",
+    "_attn_implementation_autoset",
+    "layer_types",
 }
 
 _DTYPES = FLOAT_NAMES
@@ -131,13 +159,13 @@ class DeepseekV2Config:
     pad_token_id: Optional[int] = None
     # --- ours (not in HF files) ---
     expert_aux_loss_alpha: Optional[float] = None  # expert-level balance; None -> aux_loss_alpha
-    device_aux_loss_alpha: float = 0.0             # device-level balance (paper's alpha2)
-    comm_aux_loss_alpha: float = 0.0               # communication balance (paper's alpha3)
-    capacity_factor: Optional[float] = None        # per-expert capacity in training; None = dropless
-    eval_capacity_factor: Optional[float] = None   # in evaluation (set_train(False)); None = dropless
-    compute_dtype: str = "float32"                 # float32 on CPU, bfloat16 on Ascend
-    param_dtype: str = "float32"                   # master weights
-    use_flash_attention: bool = False              # Ascend FlashAttentionScore instead of the composite
+    device_aux_loss_alpha: float = 0.0  # device-level balance (paper's alpha2)
+    comm_aux_loss_alpha: float = 0.0  # communication balance (paper's alpha3)
+    capacity_factor: Optional[float] = None  # per-expert capacity in training; None = dropless
+    eval_capacity_factor: Optional[float] = None  # in evaluation (set_train(False)); None = dropless
+    compute_dtype: str = "float32"  # float32 on CPU, bfloat16 on Ascend
+    param_dtype: str = "float32"  # master weights
+    use_flash_attention: bool = False  # Ascend FlashAttentionScore instead of the composite
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -161,8 +189,7 @@ class DeepseekV2Config:
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """The original rule: MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
-        return (self.has_moe and layer_index >= self.first_k_dense_replace
-                and layer_index % self.moe_layer_freq == 0)
+        return self.has_moe and layer_index >= self.first_k_dense_replace and layer_index % self.moe_layer_freq == 0
 
     @property
     def moe_layer_indices(self) -> List[int]:
@@ -180,9 +207,20 @@ class DeepseekV2Config:
         def fail(key: str, msg: str):
             raise UserError(f"config {key}: {msg}")
 
-        positive = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim",
-                    "v_head_dim", "max_position_embeddings", "moe_layer_freq", "ep_size"]
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
+            "moe_layer_freq",
+            "ep_size",
+        ]
         for key in positive:
             if getattr(self, key) <= 0:
                 fail(key, f"must be > 0, got {getattr(self, key)}")
@@ -193,8 +231,10 @@ class DeepseekV2Config:
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             fail("q_lora_rank", f"must be > 0 or null, got {self.q_lora_rank}")
         if self.num_attention_heads % self.num_key_value_heads:
-            fail("num_key_value_heads", f"{self.num_key_value_heads} does not divide num_attention_heads "
-                 f"{self.num_attention_heads}")
+            fail(
+                "num_key_value_heads",
+                f"{self.num_key_value_heads} does not divide num_attention_heads {self.num_attention_heads}",
+            )
         if self.hidden_act != "silu":
             fail("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
@@ -202,8 +242,10 @@ class DeepseekV2Config:
         if self.rope_theta <= 0:
             fail("rope_theta", f"must be > 0, got {self.rope_theta}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            fail("first_k_dense_replace", f"must be in [0, num_hidden_layers={self.num_hidden_layers}], "
-                 f"got {self.first_k_dense_replace}")
+            fail(
+                "first_k_dense_replace",
+                f"must be in [0, num_hidden_layers={self.num_hidden_layers}], got {self.first_k_dense_replace}",
+            )
         for key in ("compute_dtype", "param_dtype"):
             if getattr(self, key) not in _DTYPES:
                 fail(key, f"must be one of {', '.join(_DTYPES)}, got {getattr(self, key)!r}")
@@ -234,8 +276,11 @@ class DeepseekV2Config:
             if not self.topk_group or not 1 <= self.topk_group <= self.n_group:
                 fail("topk_group", f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
             if self.topk_group * (E // self.n_group) < k:
-                fail("topk_group", f"{self.topk_group} groups of {E // self.n_group} experts cannot hold "
-                     f"num_experts_per_tok={k} choices")
+                fail(
+                    "topk_group",
+                    f"{self.topk_group} groups of {E // self.n_group} experts cannot hold "
+                    f"num_experts_per_tok={k} choices",
+                )
         if self.routed_scaling_factor <= 0:
             fail("routed_scaling_factor", f"must be > 0, got {self.routed_scaling_factor}")
 
@@ -275,8 +320,16 @@ class DeepseekV2Config:
 
     def to_hf_dict(self, dtype: str = "bfloat16") -> Dict[str, Any]:
         """The release-format ``config.json`` contents."""
-        ours = {"expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha",
-                "capacity_factor", "eval_capacity_factor", "compute_dtype", "param_dtype", "use_flash_attention"}
+        ours = {
+            "expert_aux_loss_alpha",
+            "device_aux_loss_alpha",
+            "comm_aux_loss_alpha",
+            "capacity_factor",
+            "eval_capacity_factor",
+            "compute_dtype",
+            "param_dtype",
+            "use_flash_attention",
+        }
         out: Dict[str, Any] = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
         for f in dataclasses.fields(self):
             if f.name not in ours:
@@ -295,8 +348,16 @@ class DeepseekV2Config:
         return dataclasses.replace(self, **changes)
 
 
-_YARN_KEY_TYPES = {"factor": float, "original_max_position_embeddings": int, "beta_fast": float, "beta_slow": float,
-                   "mscale": float, "mscale_all_dim": float, "attention_factor": float, "truncate": bool}
+_YARN_KEY_TYPES = {
+    "factor": float,
+    "original_max_position_embeddings": int,
+    "beta_fast": float,
+    "beta_slow": float,
+    "mscale": float,
+    "mscale_all_dim": float,
+    "attention_factor": float,
+    "truncate": bool,
+}
 
 
 def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
@@ -316,14 +377,19 @@ def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
         if value is None:
             scaling.pop(key, None)  # null = absent: RoPE takes the key's default
             continue
-        ok = isinstance(value, bool) if kind is bool else (
-            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        ok = (
+            isinstance(value, bool)
+            if kind is bool
+            else (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        )
         if not ok:
             expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
             raise UserError(f"config rope_scaling.{key}: expected {expected}, got {value!r}")
     if scaling["original_max_position_embeddings"] <= 0:
-        raise UserError("config rope_scaling.original_max_position_embeddings: must be > 0, got "
-                        f"{scaling['original_max_position_embeddings']}")
+        raise UserError(
+            "config rope_scaling.original_max_position_embeddings: must be > 0, got "
+            f"{scaling['original_max_position_embeddings']}"
+        )
     if scaling["factor"] <= 0:
         raise UserError(f"config rope_scaling.factor: must be > 0, got {scaling['factor']}")
     out = {"type": "yarn"}
@@ -332,33 +398,97 @@ def _normalise_rope_scaling(scaling: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- presets
-_RELEASE_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                 "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+_RELEASE_YARN = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 _PRESETS: Dict[str, Dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V2 (and -Chat: same architecture, same config)
-    "deepseek-v2": dict(vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
-                        num_hidden_layers=60, num_attention_heads=128, num_key_value_heads=128,
-                        n_shared_experts=2, n_routed_experts=160, routed_scaling_factor=16.0, kv_lora_rank=512,
-                        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-                        topk_method="group_limited_greedy", n_group=8, topk_group=3, num_experts_per_tok=6,
-                        first_k_dense_replace=1, max_position_embeddings=163840, rope_scaling=_RELEASE_YARN),
+    "deepseek-v2": dict(
+        vocab_size=102400,
+        hidden_size=5120,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=60,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=2,
+        n_routed_experts=160,
+        routed_scaling_factor=16.0,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="group_limited_greedy",
+        n_group=8,
+        topk_group=3,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        rope_scaling=_RELEASE_YARN,
+    ),
     # deepseek-ai/DeepSeek-V2-Lite (and -Lite-Chat)
-    "deepseek-v2-lite": dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
-                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
-                             num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
-                             routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                             v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
-                             num_experts_per_tok=6, first_k_dense_replace=1, max_position_embeddings=163840,
-                             rope_scaling=_RELEASE_YARN),
+    "deepseek-v2-lite": dict(
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        rope_scaling=_RELEASE_YARN,
+    ),
     # A few million parameters: the CPU default (MLA with q compression, group-limited MoE, YaRN).
-    "tiny": dict(vocab_size=4096, hidden_size=192, intermediate_size=512, moe_intermediate_size=128,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                 n_routed_experts=8, routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=96,
-                 qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, topk_method="group_limited_greedy",
-                 n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-                 max_position_embeddings=2048, rope_scaling=None, bos_token_id=1, eos_token_id=2,
-                 pad_token_id=0, capacity_factor=2.0, initializer_range=0.02),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=192,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        qk_nope_head_dim=32,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=2048,
+        rope_scaling=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        capacity_factor=2.0,
+        initializer_range=0.02,
+    ),
 }
 _PRESETS["deepseek-v2-chat"] = dict(_PRESETS["deepseek-v2"])
 _PRESETS["deepseek-v2-lite-chat"] = dict(_PRESETS["deepseek-v2-lite"])
@@ -387,4 +517,3 @@ def load_model_config(spec: Union[str, Path]) -> DeepseekV2Config:
     if path.is_file():
         return DeepseekV2Config.from_json(path)
     raise UserError(f"model {text!r}: not a preset ({', '.join(PRESET_NAMES)}), config.json or checkpoint folder")
-

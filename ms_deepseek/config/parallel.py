@@ -70,20 +70,27 @@ class ParallelConfig:
             check_at_most(f"parallel.{key}", getattr(self, key), MAX_DEVICES, "NPUs in one job")
         check_at_most("parallel.micro_batches", self.micro_batches, MAX_BATCH, "pipeline micro-batches per step")
         if self.dp * self.tp * self.pp > MAX_DEVICES:
-            raise UserError(f"parallel: dp x tp x pp = {self.dp * self.tp * self.pp} NPUs, more than {MAX_DEVICES} "
-                            f"(NPUs in one job)")
+            raise UserError(
+                f"parallel: dp x tp x pp = {self.dp * self.tp * self.pp} NPUs, more than {MAX_DEVICES} "
+                f"(NPUs in one job)"
+            )
         check_at_most("parallel.stage_layers", self.stage_layers, MAX_LAYERS, "decoder layers")
         if self.expert_placement is not None and len(self.expert_placement) > MAX_EXPERTS:
-            raise UserError(f"parallel.expert_placement: {len(self.expert_placement)} entries, more than "
-                            f"{MAX_EXPERTS} (routed experts)")
+            raise UserError(
+                f"parallel.expert_placement: {len(self.expert_placement)} entries, more than "
+                f"{MAX_EXPERTS} (routed experts)"
+            )
         check_at_most("parallel.hbm_gb", self.hbm_gb, 65536, "GB of one device's memory")
         check_at_most("parallel.memory_headroom_gb", self.memory_headroom_gb, 65536, "GB of one device's memory")
         if self.recompute not in RECOMPUTE_POLICIES:
-            raise UserError(f"parallel.recompute: must be one of {', '.join(RECOMPUTE_POLICIES)}, "
-                            f"got {self.recompute!r}")
+            raise UserError(
+                f"parallel.recompute: must be one of {', '.join(RECOMPUTE_POLICIES)}, got {self.recompute!r}"
+            )
         if self.pp > 1 and self.micro_batches < self.pp:
-            raise UserError(f"parallel.micro_batches: {self.micro_batches} is fewer than pp={self.pp} "
-                            f"(1F1B needs at least one micro-batch per stage)")
+            raise UserError(
+                f"parallel.micro_batches: {self.micro_batches} is fewer than pp={self.pp} "
+                f"(1F1B needs at least one micro-batch per stage)"
+            )
         if self.stage_layers is not None:
             if len(self.stage_layers) != self.pp:
                 raise UserError(f"parallel.stage_layers: has {len(self.stage_layers)} entries, expected pp={self.pp}")
@@ -117,5 +124,6 @@ class ParallelConfig:
             extras.append("opt-shard")
         if self.sequence_parallel:
             extras.append("seq-par")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep} mb{self.micro_batches} "
-                f"recompute={self.recompute}" + (" " + " ".join(extras) if extras else ""))
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep} mb{self.micro_batches} recompute={self.recompute}" + (
+            " " + " ".join(extras) if extras else ""
+        )

@@ -65,9 +65,9 @@ class ModelSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 100                      # optimizer steps
-    micro_batch_size: int = 8             # sequences per worker per micro-step
-    grad_accum_steps: int = 1             # micro-steps per optimizer step
+    steps: int = 100  # optimizer steps
+    micro_batch_size: int = 8  # sequences per worker per micro-step
+    grad_accum_steps: int = 1  # micro-steps per optimizer step
     seed: int = 1234
     clip_grad_norm: Optional[float] = 1.0  # global-norm clipping; null = off
     mode: Literal["graph", "pynative"] = "graph"
@@ -98,13 +98,16 @@ class TrainSection:
             raise UserError(f"train.loss_scale_factor: must be > 1, got {self.loss_scale_factor}")
         if self.loss_scale_window < 1:
             raise UserError(f"train.loss_scale_window: must be >= 1, got {self.loss_scale_window}")
-        for key, limit, what in (("steps", MAX_STEPS, "optimizer steps"), ("eval_interval", MAX_STEPS, "steps"),
-                                 ("loss_scale_window", MAX_STEPS, "steps"),
-                                 ("micro_batch_size", MAX_BATCH, "sequences per micro-batch"),
-                                 ("grad_accum_steps", MAX_BATCH, "micro-steps per optimizer step"),
-                                 ("eval_batches", MAX_BATCH, "validation micro-batches"),
-                                 ("seed", MAX_SEED, "numpy's and MindSpore's seed range"),
-                                 ("loss_scale_init", 2.0 ** 64, "a loss scale")):
+        for key, limit, what in (
+            ("steps", MAX_STEPS, "optimizer steps"),
+            ("eval_interval", MAX_STEPS, "steps"),
+            ("loss_scale_window", MAX_STEPS, "steps"),
+            ("micro_batch_size", MAX_BATCH, "sequences per micro-batch"),
+            ("grad_accum_steps", MAX_BATCH, "micro-steps per optimizer step"),
+            ("eval_batches", MAX_BATCH, "validation micro-batches"),
+            ("seed", MAX_SEED, "numpy's and MindSpore's seed range"),
+            ("loss_scale_init", 2.0**64, "a loss scale"),
+        ):
             check_at_most(f"train.{key}", getattr(self, key), limit, what)
 
 
@@ -113,11 +116,11 @@ class OptimSection:
     """AdamW and its learning-rate schedule."""
 
     lr: float = 3e-4
-    min_lr: float = 0.0                   # cosine floor
+    min_lr: float = 0.0  # cosine floor
     schedule: Literal["cosine", "step", "constant"] = "cosine"
     warmup_steps: int = 0
     milestones: List[float] = field(default_factory=lambda: [0.6, 0.9])  # step schedule: fractions of the run
-    decay_factor: float = 0.316           # step schedule: lr multiplier at each milestone
+    decay_factor: float = 0.316  # step schedule: lr multiplier at each milestone
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -146,9 +149,9 @@ class OptimSection:
 
 @dataclass
 class CheckpointSection:
-    save_interval: int = 0    # optimizer steps between checkpoints; 0 = only at the end
-    keep_last: int = 3        # complete checkpoints kept (older ones deleted)
-    save_final: bool = True   # also save after the last step
+    save_interval: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 3  # complete checkpoints kept (older ones deleted)
+    save_final: bool = True  # also save after the last step
     # What `train` does with an existing run folder when --resume is not given: null = fresh runs
     # only (a folder with checkpoints is refused); "auto" = resume its newest complete checkpoint
     # when there is one, else start fresh (a scheduler can re-run the same command after a failure).
@@ -156,8 +159,10 @@ class CheckpointSection:
 
     def __post_init__(self):
         if self.resume is not None and self.resume != "auto":
-            raise UserError(f"checkpoint.resume: must be 'auto' or null, got {self.resume!r} (a checkpoint path "
-                            "goes on the command line: --resume PATH)")
+            raise UserError(
+                f"checkpoint.resume: must be 'auto' or null, got {self.resume!r} (a checkpoint path "
+                "goes on the command line: --resume PATH)"
+            )
         if self.save_interval < 0:
             raise UserError(f"checkpoint.save_interval: must be >= 0 (0 = only at the end), got {self.save_interval}")
         if self.keep_last < 1:
@@ -168,10 +173,10 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    log_interval: int = 10    # optimizer steps between metrics records
+    log_interval: int = 10  # optimizer steps between metrics records
     tensorboard: bool = True  # event files under RUN_DIR/tb
     progress_bar: bool = True
-    alerts: bool = True       # print ms_deepseek.train.alerts warnings as they happen
+    alerts: bool = True  # print ms_deepseek.train.alerts warnings as they happen
 
     def __post_init__(self):
         if self.log_interval < 1:
@@ -188,8 +193,8 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    lora: Optional[LoraSpec] = None       # LoRA fine-tuning (ms_deepseek.config.lora); null = full fine-tuning
-    quant: Optional[QuantSpec] = None     # a quantized frozen base under LoRA (ms_deepseek.config.quant)
+    lora: Optional[LoraSpec] = None  # LoRA fine-tuning (ms_deepseek.config.lora); null = full fine-tuning
+    quant: Optional[QuantSpec] = None  # a quantized frozen base under LoRA (ms_deepseek.config.quant)
     # filled by load_recipe (not YAML keys)
     source_path: Optional[str] = field(default=None, init=False, repr=False)
     model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)
@@ -240,8 +245,10 @@ def effective_seq_len(data: DataConfig) -> int:
     except (OSError, ValueError, AttributeError):
         value = None
     if not isinstance(value, int):
-        raise UserError(f"data.path: {meta} is missing or has no seq_len; prepare the folder with "
-                        f"`ms-deepseek prepare-data` (or set data.seq_len)")
+        raise UserError(
+            f"data.path: {meta} is missing or has no seq_len; prepare the folder with "
+            f"`ms-deepseek prepare-data` (or set data.seq_len)"
+        )
     return value
 
 
@@ -252,8 +259,7 @@ def planning_config_path(recipe_path: Union[str, Path]) -> List[Path]:
     return [recipe_path.with_name(recipe_path.stem + ".config.json"), recipe_path.with_name("config.json")]
 
 
-def build_model_config(section: ModelSection,
-                       config_fallbacks: Sequence[Union[str, Path]] = ()) -> DeepseekV2Config:
+def build_model_config(section: ModelSection, config_fallbacks: Sequence[Union[str, Path]] = ()) -> DeepseekV2Config:
     """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*).
 
     ``config_fallbacks``: when the source cannot be read, the first of these files that exists
@@ -263,8 +269,11 @@ def build_model_config(section: ModelSection,
     except UserError as exc:
         beside = [Path(p) for p in config_fallbacks if Path(p).is_file()]
         if not beside:
-            hint = (f"; to plan without it put its config.json beside the recipe as "
-                    f"{config_fallbacks[0]}" if config_fallbacks else "")
+            hint = (
+                f"; to plan without it put its config.json beside the recipe as {config_fallbacks[0]}"
+                if config_fallbacks
+                else ""
+            )
             raise UserError(f"model.source: {exc}{hint}") from None
         cfg = load_model_config(beside[0])
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -299,25 +308,34 @@ def validate(recipe: Recipe) -> None:
     cfg = recipe.model_config
     seq_len = recipe.seq_len
     if seq_len > cfg.max_position_embeddings:
-        raise UserError(f"data.seq_len: {seq_len} is longer than the model's max_position_embeddings "
-                        f"{cfg.max_position_embeddings}")
+        raise UserError(
+            f"data.seq_len: {seq_len} is longer than the model's max_position_embeddings {cfg.max_position_embeddings}"
+        )
     if cfg.n_routed_experts:
         # each data-parallel rank routes its micro-batch's tokens in one call of every MoE layer
         tokens, limit = recipe.train.micro_batch_size * seq_len, max_tokens_per_group(cfg.num_experts_per_tok)
         if tokens > limit:
-            raise UserError(f"train.micro_batch_size: {recipe.train.micro_batch_size} x {seq_len} = {tokens} tokens "
-                            f"per data-parallel rank exceed the {limit} the MoE dispatch orders exactly with top-"
-                            f"{cfg.num_experts_per_tok} routing (float32 sort keys); use a smaller micro-batch")
+            raise UserError(
+                f"train.micro_batch_size: {recipe.train.micro_batch_size} x {seq_len} = {tokens} tokens "
+                f"per data-parallel rank exceed the {limit} the MoE dispatch orders exactly with top-"
+                f"{cfg.num_experts_per_tok} routing (float32 sort keys); use a smaller micro-batch"
+            )
     if recipe.parallel.pp > 1 and recipe.train.grad_accum_steps != 1:
-        raise UserError(f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
-                        f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
-                        f"{recipe.parallel.micro_batches} are the accumulation")
+        raise UserError(
+            f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="
+            f"{recipe.parallel.pp}); the pipeline's parallel.micro_batches="
+            f"{recipe.parallel.micro_batches} are the accumulation"
+        )
     if recipe.quant is not None and recipe.lora is None:
-        raise UserError("quant: a quantized base is frozen, so it needs a lora: section (LoRA fine-tuning); "
-                        "remove quant: for full fine-tuning")
+        raise UserError(
+            "quant: a quantized base is frozen, so it needs a lora: section (LoRA fine-tuning); "
+            "remove quant: for full fine-tuning"
+        )
     if recipe.train.eval_interval and recipe.data.validation is None:
-        raise UserError("train.eval_interval: validation needs data.validation (a prepared folder, or a "
-                        "fraction of the training data held out: data.validation.fraction=0.02)")
+        raise UserError(
+            "train.eval_interval: validation needs data.validation (a prepared folder, or a "
+            "fraction of the training data held out: data.validation.fraction=0.02)"
+        )
 
 
 def recipe_warnings(recipe: Recipe) -> List[str]:
@@ -325,13 +343,19 @@ def recipe_warnings(recipe: Recipe) -> List[str]:
     out = []
     steps, warmup = recipe.train.steps, recipe.optim.warmup_steps
     if warmup >= steps:
-        out.append(f"optim.warmup_steps: {warmup} warmup steps but train.steps is {steps}: the learning rate never "
-                   f"reaches optim.lr={recipe.optim.lr:g} (lower it, e.g. --set optim.warmup_steps={steps // 10})")
+        out.append(
+            f"optim.warmup_steps: {warmup} warmup steps but train.steps is {steps}: the learning rate never "
+            f"reaches optim.lr={recipe.optim.lr:g} (lower it, e.g. --set optim.warmup_steps={steps // 10})"
+        )
     return out
 
 
-def load_recipe_dict(data: Dict[str, Any], overrides: Sequence[str] = (), source: str = "recipe",
-                     config_fallbacks: Sequence[Union[str, Path]] = ()) -> Recipe:
+def load_recipe_dict(
+    data: Dict[str, Any],
+    overrides: Sequence[str] = (),
+    source: str = "recipe",
+    config_fallbacks: Sequence[Union[str, Path]] = (),
+) -> Recipe:
     data = copy.deepcopy(data) if data else {}
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a YAML mapping of sections (model, data, train, ...)")
@@ -360,8 +384,9 @@ def _nearest_recipe(path: Path) -> str:
     return f" (did you mean {path.parent / close[0]}?)" if close else ""
 
 
-def load_recipe(path: Union[str, Path], overrides: Sequence[str] = (),
-                config_fallbacks: Sequence[Union[str, Path]] = ()) -> Recipe:
+def load_recipe(
+    path: Union[str, Path], overrides: Sequence[str] = (), config_fallbacks: Sequence[Union[str, Path]] = ()
+) -> Recipe:
     """Read, override, type-check and cross-check a recipe file; raise UserError naming the key.
 
     ``config_fallbacks``: config.json files to read the architecture from when ``model.source``

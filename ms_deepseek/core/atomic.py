@@ -112,7 +112,7 @@ def install(tmp: Path, dst: Path) -> None:
         if dst.is_dir() and any(dst.iterdir()):
             # the id of the temporary folder, so restore_interrupted can pair the two after a crash
             prefix = f".{dst.name}{PARTIAL}"
-            tag = tmp.name[len(prefix):] if tmp.name.startswith(prefix) else uuid.uuid4().hex[:12]
+            tag = tmp.name[len(prefix) :] if tmp.name.startswith(prefix) else uuid.uuid4().hex[:12]
             old = dst.parent / f".{dst.name}{OLD}{tag}"
             os.rename(dst, old)
             fsync_path(dst.parent)
@@ -162,8 +162,13 @@ def restore_interrupted(folder: Path, name: Optional[str] = None) -> list:
         if name is not None and dst_name != name:
             continue
         parts = tag.split("-")
-        if len(parts) == 3 and parts[1].isdigit() and int(parts[1]) != os.getpid() and _pid_alive(int(parts[1])) \
-                and parts[0] == _owner_tag().rsplit("-", 1)[0]:
+        if (
+            len(parts) == 3
+            and parts[1].isdigit()
+            and int(parts[1]) != os.getpid()
+            and _pid_alive(int(parts[1]))
+            and parts[0] == _owner_tag().rsplit("-", 1)[0]
+        ):
             continue  # its writer is still at work between the two renames
         dst = old.parent / dst_name
         new = old.parent / f".{dst_name}{PARTIAL}{tag}"
@@ -195,7 +200,7 @@ def remove_stale_partials(dst: Path) -> list:
     for child in children:
         if not child.name.startswith(prefix) or not child.is_dir() or child.is_symlink():
             continue
-        parts = child.name[len(prefix):].split("-")
+        parts = child.name[len(prefix) :].split("-")
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
         if int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1])):
@@ -251,8 +256,11 @@ def remove_partials(folder: Path) -> list:
     restore_interrupted(folder)
     if Path(folder).is_dir():
         for child in Path(folder).iterdir():
-            if child.is_dir() and child.name.startswith(".") and (PARTIAL in child.name or OLD in child.name
-                                                                  or child.name.startswith(".tmp_")):
+            if (
+                child.is_dir()
+                and child.name.startswith(".")
+                and (PARTIAL in child.name or OLD in child.name or child.name.startswith(".tmp_"))
+            ):
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
     return removed

@@ -14,10 +14,10 @@ from typing import Dict, Tuple
 
 @dataclass(frozen=True)
 class DType:
-    name: str          # ours / config.json's: "bfloat16"
-    safetensors: str   # the safetensors header's code: "BF16"
-    itemsize: int      # bytes per element
-    raw: str           # numpy dtype of the stored bits (little-endian): "<u2" for bfloat16
+    name: str  # ours / config.json's: "bfloat16"
+    safetensors: str  # the safetensors header's code: "BF16"
+    itemsize: int  # bytes per element
+    raw: str  # numpy dtype of the stored bits (little-endian): "<u2" for bfloat16
 
 
 TABLE: Tuple[DType, ...] = (
@@ -46,12 +46,12 @@ FLOAT_SAFETENSORS = tuple(BY_NAME[n].safetensors for n in FLOAT_NAMES)
 
 
 def safetensors_code(name: str) -> str:
-    """"bfloat16" -> "BF16"."""
+    """ "bfloat16" -> "BF16"."""
     return BY_NAME[name].safetensors
 
 
 def name_of(code: str) -> str:
-    """"BF16" -> "bfloat16"."""
+    """ "BF16" -> "bfloat16"."""
     return BY_SAFETENSORS[code].name
 
 

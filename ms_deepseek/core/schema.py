@@ -120,11 +120,11 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 # ------------------------------------------------------------------------------- sane upper bounds
 # What a recipe, a config or a command line may ask for. Past these no loop, allocation or plan is attempted
 # (``parallel.dp: 10**30`` once made `plan` spin for minutes); each is far beyond any real job.
-MAX_DEVICES = 65_536        # NPUs in one job: 8,192 Atlas 800T A2 nodes
-MAX_STEPS = 10 ** 9         # optimizer steps, and intervals counted in steps
-MAX_BATCH = 2 ** 20         # sequences of a (micro-)batch, accumulation steps, pipeline micro-batches
-MAX_TOKENS = 2 ** 20        # tokens of one sequence (DeepSeek-V2's context: 128K)
-MAX_SEED = 2 ** 32 - 1      # numpy's and MindSpore's seed range
+MAX_DEVICES = 65_536  # NPUs in one job: 8,192 Atlas 800T A2 nodes
+MAX_STEPS = 10**9  # optimizer steps, and intervals counted in steps
+MAX_BATCH = 2**20  # sequences of a (micro-)batch, accumulation steps, pipeline micro-batches
+MAX_TOKENS = 2**20  # tokens of one sequence (DeepSeek-V2's context: 128K)
+MAX_SEED = 2**32 - 1  # numpy's and MindSpore's seed range
 
 
 def _shown(value: Any) -> str:
@@ -143,8 +143,11 @@ def _unknown_key_message(where: str, key: str, known: Iterable[str]) -> str:
     known = sorted(known)
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"{where}.{key}: unknown key{hint}; known keys: {', '.join(known)}" if where else \
-        f"{key}: unknown key{hint}; known keys: {', '.join(known)}"
+    return (
+        f"{where}.{key}: unknown key{hint}; known keys: {', '.join(known)}"
+        if where
+        else f"{key}: unknown key{hint}; known keys: {', '.join(known)}"
+    )
 
 
 def from_dict(cls: Type[T], data: Mapping[str, Any], where: str = "") -> T:
@@ -158,9 +161,11 @@ def from_dict(cls: Type[T], data: Mapping[str, Any], where: str = "") -> T:
         if key not in fields:
             raise UserError(_unknown_key_message(where, str(key), fields))
         kwargs[key] = coerce(value, hints[key], f"{where}.{key}" if where else key)
-    missing = [name for name, f in fields.items()
-               if name not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]  # type: ignore[misc]
     if missing:
         raise UserError(f"{where or cls.__name__}: missing required key(s): {', '.join(missing)}")
     try:

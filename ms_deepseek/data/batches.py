@@ -24,10 +24,8 @@ def stack_micro_batches(parts: List[Dict[str, np.ndarray]], pad_id: int):
     for p in parts:
         extra = width - p["input_ids"].shape[1]
         # pads go after the real tokens: causal attention keeps them invisible, -100 keeps them out of the loss
-        ids.append(np.pad(p["input_ids"], ((0, 0), (0, extra)), constant_values=pad_id) if extra
-                   else p["input_ids"])
-        labels.append(np.pad(p["labels"], ((0, 0), (0, extra)), constant_values=IGNORE_INDEX) if extra
-                      else p["labels"])
+        ids.append(np.pad(p["input_ids"], ((0, 0), (0, extra)), constant_values=pad_id) if extra else p["input_ids"])
+        labels.append(np.pad(p["labels"], ((0, 0), (0, extra)), constant_values=IGNORE_INDEX) if extra else p["labels"])
     return np.concatenate(ids), np.concatenate(labels)
 
 
@@ -44,6 +42,8 @@ def first_batch_checked(dataset):
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         # the report's "Dataset Pipeline Error Message" section holds the reason, e.g. "Failed to read file."
         reason = next((ln for ln in lines if ln.startswith("[ERROR]")), lines[0] if lines else type(exc).__name__)
-        raise UserError(f"data.path: {dataset.data_dir}: cannot read the training samples "
-                        f"({reason[:300]}); prepare the folder again with `ms-deepseek prepare-data`") from None
+        raise UserError(
+            f"data.path: {dataset.data_dir}: cannot read the training samples "
+            f"({reason[:300]}); prepare the folder again with `ms-deepseek prepare-data`"
+        ) from None
     return itertools.chain([first], it)

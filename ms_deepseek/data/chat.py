@@ -66,8 +66,9 @@ def render_chat(messages: Sequence[dict], bos_token: str, eos_token: str, add_ge
     return out
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict],
-                add_generation_prompt: bool = False) -> Tuple[List[int], List[int]]:
+def encode_chat(
+    tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False
+) -> Tuple[List[int], List[int]]:
     """Token ids and labels of a conversation in the DeepSeek-V2-Chat template.
 
     ``labels`` is aligned with ``ids`` (HuggingFace convention: the model shifts

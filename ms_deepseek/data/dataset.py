@@ -51,8 +51,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MS_DEEPSEEK_CACHE", "~/.cache/ms_deepseek")).expanduser()
 
 
-def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] = None,
-                            progress: bool = True) -> Path:
+def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] = None, progress: bool = True) -> Path:
     """The embedded default corpus for ``cfg``, built under ``cache_dir/data/`` if not there yet.
 
     Safe to call from every rank at once: the folder is installed by one atomic
@@ -76,9 +75,13 @@ def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] =
         if find_meta(dest):
             return dest
         try:
-            _, summary = prepare_embedded_default(dest, seq_len=cfg.embedded_seq_len,
-                                                  vocab_size=cfg.embedded_vocab_size,
-                                                  max_bytes=cfg.embedded_max_bytes, progress=progress)
+            _, summary = prepare_embedded_default(
+                dest,
+                seq_len=cfg.embedded_seq_len,
+                vocab_size=cfg.embedded_vocab_size,
+                max_bytes=cfg.embedded_max_bytes,
+                progress=progress,
+            )
             if progress:
                 print(f"embedded default corpus: {summary}")
         except (DestinationRaced, UserError):
@@ -125,10 +128,22 @@ class TrainDataset:
     (pretraining; None for SFT where it differs per rank and epoch).
     """
 
-    def __init__(self, data_dir: Path, meta: Dict, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, buckets: Optional[List[int]] = None, num_workers: int = 2,
-                 state: Optional[Dict] = None, holdout_fraction: Optional[float] = None,
-                 order_key: Sequence[int] = ()):
+    def __init__(
+        self,
+        data_dir: Path,
+        meta: Dict,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        buckets: Optional[List[int]] = None,
+        num_workers: int = 2,
+        state: Optional[Dict] = None,
+        holdout_fraction: Optional[float] = None,
+        order_key: Sequence[int] = (),
+    ):
         self.data_dir, self.meta = data_dir, meta
         self.format, self.seq_len = meta["format"], int(meta["seq_len"])
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -138,14 +153,16 @@ class TrainDataset:
         self.lengths = load_lengths(data_dir, meta)
         # data.validation.fraction: this folder's last samples are held out and never trained on
         self.holdout, self.order_key = holdout_count(int(self.lengths.size), holdout_fraction), tuple(order_key)
-        self.lengths = self.lengths[:self.lengths.size - self.holdout]
+        self.lengths = self.lengths[: self.lengths.size - self.holdout]
         self.num_samples = int(self.lengths.size)
         if self.num_samples == 0:
             raise UserError(f"data.path: {data_dir} holds no samples")
         global_batch = batch_size * world_size
         if self.num_samples < global_batch:
-            raise UserError(f"data.path: {data_dir} holds {self.num_samples} samples, fewer than one global batch "
-                            f"({batch_size} per rank x {world_size} ranks)")
+            raise UserError(
+                f"data.path: {data_dir} holds {self.num_samples} samples, fewer than one global batch "
+                f"({batch_size} per rank x {world_size} ranks)"
+            )
         self.buckets = buckets if self.format == "sft" else None
         self.steps_per_epoch = self.num_samples // global_batch if self.format == "pretrain" else None
         self.epoch, self.samples_in_epoch, self.batches_in_epoch, self.steps = 0, 0, 0, 0
@@ -162,24 +179,38 @@ class TrainDataset:
         Any rank's dict restores every rank: pretraining positions are global,
         SFT resumes from ``steps`` (its epoch / batches_in_epoch are this rank's own).
         """
-        return {"steps": self.steps, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
-                "batches_in_epoch": self.batches_in_epoch, "seed": self.seed, "shuffle": self.shuffle,
-                "num_samples": self.num_samples, "format": self.format, "batch_size": self.batch_size,
-                "world_size": self.world_size, "buckets": self.buckets, "holdout": self.holdout}
+        return {
+            "steps": self.steps,
+            "epoch": self.epoch,
+            "samples_in_epoch": self.samples_in_epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+            "format": self.format,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "buckets": self.buckets,
+            "holdout": self.holdout,
+        }
 
     def _restore(self, state: Dict) -> None:
         missing = [k for k in ("steps", "epoch", "samples_in_epoch", "batches_in_epoch") if k not in state]
         if missing:
             raise UserError(f"resume: the saved data position has no {', '.join(missing)}")
         if state.get("holdout", 0) != self.holdout:
-            raise UserError(f"resume: the run held out {state.get('holdout', 0)} validation samples of "
-                            f"{self.data_dir}, now {self.holdout} (data.validation changed); the same split is "
-                            "needed to continue exactly")
+            raise UserError(
+                f"resume: the run held out {state.get('holdout', 0)} validation samples of "
+                f"{self.data_dir}, now {self.holdout} (data.validation changed); the same split is "
+                "needed to continue exactly"
+            )
         for key in ("seed", "shuffle", "num_samples", "format"):
             if state.get(key) != getattr(self, key):
-                raise UserError(f"resume: the data position was saved with {key}={state.get(key)!r}, "
-                                f"now {getattr(self, key)!r} ({self.data_dir}); the same data and seed are needed "
-                                "to continue exactly")
+                raise UserError(
+                    f"resume: the data position was saved with {key}={state.get(key)!r}, "
+                    f"now {getattr(self, key)!r} ({self.data_dir}); the same data and seed are needed "
+                    "to continue exactly"
+                )
         self.steps = int(state["steps"])
         if self.format == "pretrain":
             self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
@@ -187,8 +218,10 @@ class TrainDataset:
             return
         for key in ("batch_size", "world_size", "buckets"):
             if state.get(key) != getattr(self, key):
-                raise UserError(f"resume: SFT data position was saved with {key}={state.get(key)}, now "
-                                f"{getattr(self, key)}; length bucketing continues exactly only with the same value")
+                raise UserError(
+                    f"resume: SFT data position was saved with {key}={state.get(key)}, now "
+                    f"{getattr(self, key)}; length bucketing continues exactly only with the same value"
+                )
         # Each rank maps the shared step count to its own (epoch, batch in epoch).
         epoch, left = 0, self.steps
         while True:
@@ -213,13 +246,15 @@ class TrainDataset:
 
     def _sft_batches(self, epoch: int) -> int:
         """Full batches this rank gets in ``epoch`` (bucketing keeps only full batches per bucket)."""
-        mine = self.epoch_order(epoch)[self.rank::self.world_size]
+        mine = self.epoch_order(epoch)[self.rank :: self.world_size]
         counts = np.bincount(self._bucket_of(self.lengths[mine]), minlength=len(self.buckets))
         n = int((counts // self.batch_size).sum())
         if n == 0:
-            raise UserError(f"data.path: rank {self.rank} gets no full batch of {self.batch_size} in epoch {epoch} "
-                            f"({mine.size} samples spread over length buckets {self.buckets}); use fewer buckets "
-                            "(data.bucket_boundaries) or a smaller batch")
+            raise UserError(
+                f"data.path: rank {self.rank} gets no full batch of {self.batch_size} in epoch {epoch} "
+                f"({mine.size} samples spread over length buckets {self.buckets}); use fewer buckets "
+                "(data.bucket_boundaries) or a smaller batch"
+            )
         return n
 
     # ------------------------------------------------------------------ iteration
@@ -229,8 +264,9 @@ class TrainDataset:
 
         # MindSpore refuses more reader threads than CPUs; the setting is a ceiling.
         workers = max(1, min(self.num_workers, os.cpu_count() or 1))
-        return ds.MindDataset(self.files, columns_list=columns, sampler=ds.SubsetSampler(indices.tolist()),
-                              num_parallel_workers=workers)
+        return ds.MindDataset(
+            self.files, columns_list=columns, sampler=ds.SubsetSampler(indices.tolist()), num_parallel_workers=workers
+        )
 
     def _pretrain_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
         step_samples = self.batch_size * self.world_size
@@ -238,8 +274,8 @@ class TrainDataset:
         steps = (self.num_samples - start) // step_samples
         if steps <= 0:
             return
-        block = self.epoch_order(self.epoch)[start: start + steps * step_samples]
-        mine = block[self.rank::self.world_size]  # rank r: positions r, r+W, ... of the block
+        block = self.epoch_order(self.epoch)[start : start + steps * step_samples]
+        mine = block[self.rank :: self.world_size]  # rank r: positions r, r+W, ... of the block
         pipe = self._mind_dataset(mine, ["input_ids", "labels"]).batch(self.batch_size, drop_remainder=True)
         it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
         try:
@@ -252,17 +288,20 @@ class TrainDataset:
             it.stop()
 
     def _sft_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
-        mine = self.epoch_order(self.epoch)[self.rank::self.world_size]
+        mine = self.epoch_order(self.epoch)[self.rank :: self.world_size]
         total = self._sft_batches(self.epoch)
         if self.batches_in_epoch >= total:
             return
         pipe = self._mind_dataset(mine, ["input_ids", "labels", "length"])
         # MindSpore buckets are [0, b0), [b0, b1), ...: boundary = padded length + 1.
         pipe = pipe.bucket_batch_by_length(
-            ["length"], [b + 1 for b in self.buckets], [self.batch_size] * (len(self.buckets) + 1),
+            ["length"],
+            [b + 1 for b in self.buckets],
+            [self.batch_size] * (len(self.buckets) + 1),
             element_length_function=_length_of,
             pad_info={"input_ids": (None, self.pad_id), "labels": (None, IGNORE_INDEX)},
-            drop_remainder=True)
+            drop_remainder=True,
+        )
         if self.batches_in_epoch:
             pipe = pipe.skip(self.batches_in_epoch)
         it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
@@ -282,8 +321,8 @@ class TrainDataset:
         width = self.buckets[int(self._bucket_of(np.asarray([ids.shape[1]]))[0])]
         extra = width - ids.shape[1]
         if extra:
-            ids = np.pad(ids, ((0, 0), (0, extra)), constant_values=self.pad_id)          # [B, width]
-            labels = np.pad(labels, ((0, 0), (0, extra)), constant_values=IGNORE_INDEX)   # [B, width]
+            ids = np.pad(ids, ((0, 0), (0, extra)), constant_values=self.pad_id)  # [B, width]
+            labels = np.pad(labels, ((0, 0), (0, extra)), constant_values=IGNORE_INDEX)  # [B, width]
         return {"input_ids": ids.astype(np.int32, copy=False), "labels": labels.astype(np.int32, copy=False)}
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
@@ -300,34 +339,52 @@ def holdout_count(num_samples: int, fraction: Optional[float]) -> int:
     return 0 if not fraction else min(num_samples - 1, max(1, math.ceil(fraction * num_samples)))
 
 
-def checked_meta(data_dir: Path, data_cfg: DataConfig, key: str, *, max_positions: Optional[int] = None,
-                 vocab_size: Optional[int] = None) -> Dict:
+def checked_meta(
+    data_dir: Path,
+    data_cfg: DataConfig,
+    key: str,
+    *,
+    max_positions: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> Dict:
     """A prepared folder's meta.json, checked against the recipe and the model (errors name ``key``)."""
     meta = load_meta(data_dir, key)
     where = f"{key}: {data_dir}"
     if data_cfg.format is not None and meta["format"] != data_cfg.format:
-        raise UserError(f"data.format: '{data_cfg.format}' but {data_dir} was prepared as '{meta['format']}' "
-                        "(leave data.format out to use the folder's)")
+        raise UserError(
+            f"data.format: '{data_cfg.format}' but {data_dir} was prepared as '{meta['format']}' "
+            "(leave data.format out to use the folder's)"
+        )
     if data_cfg.bucket_boundaries is not None and meta["format"] != "sft":
-        raise UserError(f"data.bucket_boundaries: only used with SFT data, and {data_dir} was prepared as "
-                        f"'{meta['format']}' (pretraining windows all have length seq_len)")
+        raise UserError(
+            f"data.bucket_boundaries: only used with SFT data, and {data_dir} was prepared as "
+            f"'{meta['format']}' (pretraining windows all have length seq_len)"
+        )
     seq_len = int(meta["seq_len"])
     if data_cfg.seq_len is not None and data_cfg.seq_len != seq_len:
-        raise UserError(f"data.seq_len: {data_cfg.seq_len} but {data_dir} was prepared with seq_len {seq_len} "
-                        "(re-run prepare-data, or leave data.seq_len out)")
+        raise UserError(
+            f"data.seq_len: {data_cfg.seq_len} but {data_dir} was prepared with seq_len {seq_len} "
+            "(re-run prepare-data, or leave data.seq_len out)"
+        )
     if max_positions is not None and seq_len > max_positions:
-        raise UserError(f"{where}: sequences of {seq_len} tokens are longer than the model's "
-                        f"max_position_embeddings {max_positions}")
+        raise UserError(
+            f"{where}: sequences of {seq_len} tokens are longer than the model's "
+            f"max_position_embeddings {max_positions}"
+        )
     max_id = int(meta["counts"]["max_token_id"])
     if vocab_size is not None and max_id >= vocab_size:
-        raise UserError(f"{where}: holds token id {max_id} but the model's vocab_size is {vocab_size} "
-                        f"(the data's tokenizer has {meta['tokenizer']['vocab_size']} tokens)")
+        raise UserError(
+            f"{where}: holds token id {max_id} but the model's vocab_size is {vocab_size} "
+            f"(the data's tokenizer has {meta['tokenizer']['vocab_size']} tokens)"
+        )
     if data_cfg.tokenizer is not None:
         from ms_deepseek.data.tokenizer import load_tokenizer
 
         if load_tokenizer(data_cfg.tokenizer).sha256() != meta["tokenizer"]["sha256"]:
-            raise UserError(f"data.tokenizer: {data_cfg.tokenizer} is not the tokenizer {data_dir} was prepared with "
-                            f"({meta['tokenizer']['source']})")
+            raise UserError(
+                f"data.tokenizer: {data_cfg.tokenizer} is not the tokenizer {data_dir} was prepared with "
+                f"({meta['tokenizer']['source']})"
+            )
     return meta
 
 
@@ -335,16 +392,22 @@ def check_same_preparation(first: Tuple[str, Path, Dict], other: Tuple[str, Path
     """Two folders read into one model must share tokenizer, sequence length and format."""
     (key0, dir0, meta0), (key, folder, meta) = first, other
     if meta["format"] != meta0["format"]:
-        raise UserError(f"{key}: {folder} was prepared as '{meta['format']}', {key0} {dir0} as "
-                        f"'{meta0['format']}'; all folders must share one format")
+        raise UserError(
+            f"{key}: {folder} was prepared as '{meta['format']}', {key0} {dir0} as "
+            f"'{meta0['format']}'; all folders must share one format"
+        )
     if int(meta["seq_len"]) != int(meta0["seq_len"]):
-        raise UserError(f"{key}: {folder} was prepared with seq_len {meta['seq_len']}, {key0} {dir0} with "
-                        f"{meta0['seq_len']}; all folders must share one sequence length")
+        raise UserError(
+            f"{key}: {folder} was prepared with seq_len {meta['seq_len']}, {key0} {dir0} with "
+            f"{meta0['seq_len']}; all folders must share one sequence length"
+        )
     if meta["tokenizer"]["sha256"] != meta0["tokenizer"]["sha256"]:
-        raise UserError(f"{key}: {folder} was prepared with tokenizer {meta['tokenizer']['source']} "
-                        f"({meta['tokenizer']['vocab_size']} tokens), {key0} {dir0} with "
-                        f"{meta0['tokenizer']['source']} ({meta0['tokenizer']['vocab_size']} tokens); "
-                        "all folders must share one tokenizer")
+        raise UserError(
+            f"{key}: {folder} was prepared with tokenizer {meta['tokenizer']['source']} "
+            f"({meta['tokenizer']['vocab_size']} tokens), {key0} {dir0} with "
+            f"{meta0['tokenizer']['source']} ({meta0['tokenizer']['vocab_size']} tokens); "
+            "all folders must share one tokenizer"
+        )
 
 
 def source_folders(data_cfg: DataConfig, cache_dir=None, progress: bool = True) -> List[Tuple[str, Path, float]]:
@@ -356,10 +419,20 @@ def source_folders(data_cfg: DataConfig, cache_dir=None, progress: bool = True) 
     return [(f"data.path[{i}]", Path(s.path).expanduser(), s.weight) for i, s in enumerate(data_cfg.path)]
 
 
-def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, world_size: int = 1, *,
-                        state: Optional[Dict] = None, max_positions: Optional[int] = None,
-                        vocab_size: Optional[int] = None, cache_dir: Union[str, Path, None] = None,
-                        seed: Optional[int] = None, progress: bool = True, static_shapes: bool = False):
+def build_train_dataset(
+    data_cfg: DataConfig,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    *,
+    state: Optional[Dict] = None,
+    max_positions: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    cache_dir: Union[str, Path, None] = None,
+    seed: Optional[int] = None,
+    progress: bool = True,
+    static_shapes: bool = False,
+):
     """The training batches for one data-parallel rank: a :class:`TrainDataset`, or for a weighted
     mixture (``data.path`` a list) a :class:`ms_deepseek.data.mixture.MixtureDataset`.
 
@@ -383,8 +456,10 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
     seed = data_cfg.seed if seed is None else seed
     fraction = data_cfg.validation.fraction if data_cfg.validation is not None else None
     folders = source_folders(data_cfg, cache_dir, progress)
-    metas = [checked_meta(folder, data_cfg, key, max_positions=max_positions, vocab_size=vocab_size)
-             for key, folder, _ in folders]
+    metas = [
+        checked_meta(folder, data_cfg, key, max_positions=max_positions, vocab_size=vocab_size)
+        for key, folder, _ in folders
+    ]
     for (key, folder, _), meta in zip(folders[1:], metas[1:]):
         check_same_preparation((folders[0][0], folders[0][1], metas[0]), (key, folder, meta))
     seq_len = int(metas[0]["seq_len"])
@@ -393,10 +468,20 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
         buckets = [seq_len] if static_shapes else bucket_lengths(seq_len, data_cfg.bucket_boundaries)
 
     def part(i, b, r, w, part_state=None):
-        return TrainDataset(folders[i][1], metas[i], batch_size=b, rank=r, world_size=w, seed=seed,
-                            shuffle=data_cfg.shuffle, buckets=buckets, num_workers=data_cfg.num_workers,
-                            state=part_state, holdout_fraction=fraction,
-                            order_key=(i,) if len(folders) > 1 else ())
+        return TrainDataset(
+            folders[i][1],
+            metas[i],
+            batch_size=b,
+            rank=r,
+            world_size=w,
+            seed=seed,
+            shuffle=data_cfg.shuffle,
+            buckets=buckets,
+            num_workers=data_cfg.num_workers,
+            state=part_state,
+            holdout_fraction=fraction,
+            order_key=(i,) if len(folders) > 1 else (),
+        )
 
     if len(folders) == 1:
         return part(0, batch_size, rank, world_size, state)
@@ -404,5 +489,13 @@ def build_train_dataset(data_cfg: DataConfig, batch_size: int, rank: int = 0, wo
 
     # each source is read sample by sample in its own seeded order; the mixture batches them
     parts = [part(i, 1, 0, 1) for i in range(len(folders))]
-    return MixtureDataset(parts, [str(f) for _, f, _ in folders], [w for _, _, w in folders],
-                          batch_size=batch_size, rank=rank, world_size=world_size, seed=seed, state=state)
+    return MixtureDataset(
+        parts,
+        [str(f) for _, f, _ in folders],
+        [w for _, _, w in folders],
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        state=state,
+    )

@@ -33,8 +33,8 @@ import numpy as np
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
 
-CHUNK = 4096   # stream positions per exact-proportion chunk
-WINDOW = 16    # steps read per batch of MindDataset readers
+CHUNK = 4096  # stream positions per exact-proportion chunk
+WINDOW = 16  # steps read per batch of MindDataset readers
 
 
 # More repetitions of a source than this get a warning at start: repeating data up to ~4 epochs is worth
@@ -49,7 +49,7 @@ def chunk_counts(weights: List[float], chunk: int = CHUNK) -> np.ndarray:
     exact = w / w.sum() * chunk
     counts = np.floor(exact).astype(np.int64)
     order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[:chunk - int(counts.sum())]] += 1
+    counts[order[: chunk - int(counts.sum())]] += 1
     return counts
 
 
@@ -60,8 +60,18 @@ class MixtureDataset:
         validation hold-out and its seeded epoch order; names / weights: per source.
     """
 
-    def __init__(self, parts, names: List[str], weights: List[float], *, batch_size: int, rank: int,
-                 world_size: int, seed: int, state: Optional[Dict] = None):
+    def __init__(
+        self,
+        parts,
+        names: List[str],
+        weights: List[float],
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        state: Optional[Dict] = None,
+    ):
         self.parts, self.names, self.weights = parts, list(names), [float(w) for w in weights]
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.data_dir = parts[0].data_dir
@@ -72,8 +82,9 @@ class MixtureDataset:
         self.counts = chunk_counts(self.weights)
         if (self.counts == 0).any():
             i = int(np.argmin(self.counts))
-            raise UserError(f"data.path[{i}]: weight {self.weights[i]} is too small to draw even once in "
-                            f"{CHUNK} samples")
+            raise UserError(
+                f"data.path[{i}]: weight {self.weights[i]} is too small to draw even once in {CHUNK} samples"
+            )
         self.samples, self.steps = 0, 0
         self._chunk_cache: Dict[int, np.ndarray] = {}
         self._order_cache: Dict[tuple, np.ndarray] = {}
@@ -88,9 +99,11 @@ class MixtureDataset:
         for i, (name, n) in enumerate(zip(self.names, self.num_samples)):
             epochs = share[i] * total_samples / max(n, 1)
             if epochs > max_epochs:
-                out.append(f"data.path[{i}]: {name} ({n} samples, weight {self.weights[i]:g}) is read about "
-                           f"{epochs:.1f} times over this run's {total_samples} samples, more than {max_epochs:g} "
-                           f"epochs (lower its weight or add data)")
+                out.append(
+                    f"data.path[{i}]: {name} ({n} samples, weight {self.weights[i]:g}) is read about "
+                    f"{epochs:.1f} times over this run's {total_samples} samples, more than {max_epochs:g} "
+                    f"epochs (lower its weight or add data)"
+                )
         return out
 
     # ------------------------------------------------------------------ position
@@ -101,19 +114,35 @@ class MixtureDataset:
         return dict(zip(self.names, (int(c) for c in self._drawn_before(self.samples))))
 
     def state_dict(self) -> Dict:
-        return {"mixture": True, "steps": self.steps, "samples": self.samples, "seed": self.seed,
-                "sources": self.names, "weights": self.weights, "num_samples": self.num_samples,
-                "holdout": [p.holdout for p in self.parts], "source_counts": self.source_counts}
+        return {
+            "mixture": True,
+            "steps": self.steps,
+            "samples": self.samples,
+            "seed": self.seed,
+            "sources": self.names,
+            "weights": self.weights,
+            "num_samples": self.num_samples,
+            "holdout": [p.holdout for p in self.parts],
+            "source_counts": self.source_counts,
+        }
 
     def _restore(self, state: Dict) -> None:
         if not state.get("mixture"):
-            raise UserError("resume: the checkpoint was trained on one data folder, the recipe now lists a "
-                            "mixture in data.path; the same data is needed to continue exactly")
-        for key, now in (("seed", self.seed), ("weights", self.weights), ("num_samples", self.num_samples),
-                         ("holdout", [p.holdout for p in self.parts])):
+            raise UserError(
+                "resume: the checkpoint was trained on one data folder, the recipe now lists a "
+                "mixture in data.path; the same data is needed to continue exactly"
+            )
+        for key, now in (
+            ("seed", self.seed),
+            ("weights", self.weights),
+            ("num_samples", self.num_samples),
+            ("holdout", [p.holdout for p in self.parts]),
+        ):
             if state.get(key) != now:
-                raise UserError(f"resume: the mixture's data position was saved with {key}={state.get(key)!r}, "
-                                f"now {now!r}; the same sources, weights and seed are needed to continue exactly")
+                raise UserError(
+                    f"resume: the mixture's data position was saved with {key}={state.get(key)!r}, "
+                    f"now {now!r}; the same sources, weights and seed are needed to continue exactly"
+                )
         self.samples, self.steps = int(state["samples"]), int(state["steps"])
 
     # ------------------------------------------------------------------ order
@@ -141,7 +170,7 @@ class MixtureDataset:
         while pos < start + n:
             c, off = divmod(pos, CHUNK)
             take = min(CHUNK - off, start + n - pos)
-            out.append(self._chunk(c)[off:off + take])
+            out.append(self._chunk(c)[off : off + take])
             pos += take
         return np.concatenate(out)
 
@@ -158,26 +187,26 @@ class MixtureDataset:
         """For ``steps`` steps from stream position ``start``: (source, sample index) of this rank's rows,
         in batch order [steps * B] each."""
         G = self.world_size * self.batch_size
-        src = self._sources(start, steps * G)                       # [steps * G]
+        src = self._sources(start, steps * G)  # [steps * G]
         # draw number of each position within its source: draws before the window + running count
         onehot = src[:, None] == np.arange(len(self.parts))[None, :]  # [steps * G, S]
         draw = (np.cumsum(onehot, axis=0) - 1)[np.arange(src.size), src] + self._drawn_before(start)[src]
-        mine = np.arange(self.rank, steps * G, self.world_size)       # rank r: positions r, r+W, ...
+        mine = np.arange(self.rank, steps * G, self.world_size)  # rank r: positions r, r+W, ...
         return src[mine], np.asarray([self._sample(s, d) for s, d in zip(src[mine], draw[mine])], np.int64)
 
     # ------------------------------------------------------------------ iteration
 
     def _read(self, src: np.ndarray, idx: np.ndarray) -> Dict[str, np.ndarray]:
-        ids = np.empty((src.size, self.seq_len), np.int32)      # [rows, T]
-        labels = np.empty((src.size, self.seq_len), np.int32)   # [rows, T]
+        ids = np.empty((src.size, self.seq_len), np.int32)  # [rows, T]
+        labels = np.empty((src.size, self.seq_len), np.int32)  # [rows, T]
         for s in np.unique(src):
             rows = np.nonzero(src == s)[0]
             # MindRecord's sampler takes each index at most once (and no more than the folder holds):
             # read the distinct samples, then place them (a small source may repeat within a window)
             uniq, where = np.unique(idx[rows], return_inverse=True)
             # SFT samples are shorter than seq_len: padded (pretraining windows fill the row)
-            got_ids = np.full((uniq.size, self.seq_len), self.pad_id, np.int32)          # [distinct, T]
-            got_labels = np.full((uniq.size, self.seq_len), IGNORE_INDEX, np.int32)      # [distinct, T]
+            got_ids = np.full((uniq.size, self.seq_len), self.pad_id, np.int32)  # [distinct, T]
+            got_labels = np.full((uniq.size, self.seq_len), IGNORE_INDEX, np.int32)  # [distinct, T]
             pipe = self.parts[s]._mind_dataset(uniq, ["input_ids", "labels"])
             it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
             try:
@@ -197,4 +226,4 @@ class MixtureDataset:
             for t in range(WINDOW):
                 self.samples += G
                 self.steps += 1
-                yield {k: v[t * B:(t + 1) * B] for k, v in rows.items()}
+                yield {k: v[t * B : (t + 1) * B] for k, v in rows.items()}

@@ -32,14 +32,14 @@ Row = Dict[str, np.ndarray]
 class PackStats:
     """Counts written to meta.json and printed in the summary line."""
 
-    documents: int = 0          # documents (or conversations) tokenized
-    skipped_empty: int = 0      # empty / whitespace-only documents skipped
-    samples: int = 0            # rows written
-    tokens: int = 0             # real (non-padding) tokens in the rows
-    target_tokens: int = 0      # labels != -100
-    truncated: int = 0          # SFT conversations cut at seq_len
-    dropped: int = 0            # rows with no prediction to make (see module doc)
-    max_length: int = 0         # longest row (real tokens)
+    documents: int = 0  # documents (or conversations) tokenized
+    skipped_empty: int = 0  # empty / whitespace-only documents skipped
+    samples: int = 0  # rows written
+    tokens: int = 0  # real (non-padding) tokens in the rows
+    target_tokens: int = 0  # labels != -100
+    truncated: int = 0  # SFT conversations cut at seq_len
+    dropped: int = 0  # rows with no prediction to make (see module doc)
+    max_length: int = 0  # longest row (real tokens)
     max_token_id: int = -1
 
     def to_dict(self) -> Dict[str, int]:
@@ -56,8 +56,11 @@ class PackStats:
 
 
 def make_row(ids: np.ndarray, labels: np.ndarray, length: int) -> Row:
-    return {"input_ids": ids.astype(np.int32, copy=False), "labels": labels.astype(np.int32, copy=False),
-            "length": np.int32(length)}
+    return {
+        "input_ids": ids.astype(np.int32, copy=False),
+        "labels": labels.astype(np.int32, copy=False),
+        "length": np.int32(length),
+    }
 
 
 class Packer:
@@ -81,7 +84,7 @@ class Packer:
         stream = np.concatenate(self._parts)
         n_full = stream.size // self.seq_len
         windows = stream[: n_full * self.seq_len].reshape(n_full, self.seq_len)  # [n_full, seq_len]
-        rest = stream[n_full * self.seq_len:]
+        rest = stream[n_full * self.seq_len :]
         self._parts, self._count = [rest], rest.size
         for w in windows:
             row = make_row(w, w.copy(), self.seq_len)

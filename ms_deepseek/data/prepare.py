@@ -51,8 +51,9 @@ def _batched(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
-def _pack_pretrain(docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, writer: ShardWriter,
-                   stats: PackStats) -> None:
+def _pack_pretrain(
+    docs: Iterable[str], tokenizer: Tokenizer, seq_len: int, writer: ShardWriter, stats: PackStats
+) -> None:
     packer = Packer(seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, stats)
     for batch in _batched(docs, _ENCODE_BATCH):
         texts = [d for d in batch if d.strip()]
@@ -92,9 +93,11 @@ def _summary(stats: PackStats, writer: ShardWriter, seconds: float) -> str:
     if stats.skipped_empty:
         extra.append(f"{stats.skipped_empty} empty skipped")
     more = f"; {', '.join(extra)}" if extra else ""
-    return (f"wrote {stats.samples} samples ({stats.tokens} tokens, {stats.target_tokens} trained on) from "
-            f"{stats.documents} documents{more} in {writer.num_shards} shard(s) to {writer.output} "
-            f"in {seconds:.1f} s")
+    return (
+        f"wrote {stats.samples} samples ({stats.tokens} tokens, {stats.target_tokens} trained on) from "
+        f"{stats.documents} documents{more} in {writer.num_shards} shard(s) to {writer.output} "
+        f"in {seconds:.1f} s"
+    )
 
 
 def _check_inputs_apart(inputs, output) -> None:
@@ -109,9 +112,16 @@ def _check_inputs_apart(inputs, output) -> None:
             raise UserError(f"--output {output}: lies inside the input folder {item}; choose a folder outside it")
 
 
-def prepare_data(inputs: Sequence[Union[str, Path]], output: Union[str, Path], tokenizer: Union[str, Path],
-                 seq_len: int, fmt: str = "pretrain", num_shards: int = 1, overwrite: bool = False,
-                 progress: bool = True) -> Tuple[Dict, str]:
+def prepare_data(
+    inputs: Sequence[Union[str, Path]],
+    output: Union[str, Path],
+    tokenizer: Union[str, Path],
+    seq_len: int,
+    fmt: str = "pretrain",
+    num_shards: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Tuple[Dict, str]:
     """Tokenize ``inputs`` (files or folders) into ``output``; returns (meta, summary line).
 
     Fails with a UserError (and leaves ``output`` untouched) on any bad input.
@@ -135,16 +145,24 @@ def prepare_data(inputs: Sequence[Union[str, Path]], output: Union[str, Path], t
                     writer.write(row)
         _check_not_empty(stats, inputs, num_shards)
         _write_tokenizer_files(tok, writer.tmp)
-        meta = _meta(fmt, seq_len, tok, str(Path(tokenizer).expanduser().absolute()), stats,
-                     [str(Path(i).expanduser().absolute()) for i in inputs])
+        meta = _meta(
+            fmt,
+            seq_len,
+            tok,
+            str(Path(tokenizer).expanduser().absolute()),
+            stats,
+            [str(Path(i).expanduser().absolute()) for i in inputs],
+        )
         meta = writer.install(meta)
     return meta, _summary(stats, writer, time.time() - start)
 
 
 def _check_not_empty(stats: PackStats, inputs, num_shards: int) -> None:
     if stats.samples == 0:
-        raise UserError(f"{', '.join(str(i) for i in inputs)}: no samples produced "
-                        f"({stats.documents} documents, {stats.skipped_empty} empty, {stats.dropped} dropped)")
+        raise UserError(
+            f"{', '.join(str(i) for i in inputs)}: no samples produced "
+            f"({stats.documents} documents, {stats.skipped_empty} empty, {stats.dropped} dropped)"
+        )
     if stats.samples < num_shards:
         raise UserError(f"--num-shards: {num_shards} shards for only {stats.samples} samples")
 
@@ -192,7 +210,7 @@ def _tokenizer_sample(docs: List[str], sample_bytes: int) -> List[str]:
     for d in docs[::stride]:
         lines = d.split("\n")
         for i in range(0, len(lines), 8):
-            chunk = "\n".join(lines[i:i + 8]) + "\n"
+            chunk = "\n".join(lines[i : i + 8]) + "\n"
             out.append(chunk)
             size += len(chunk)
         if size >= sample_bytes:
@@ -200,9 +218,15 @@ def _tokenizer_sample(docs: List[str], sample_bytes: int) -> List[str]:
     return out
 
 
-def prepare_embedded_default(output_dir: Union[str, Path], seq_len: int = 256, vocab_size: int = 8192,
-                             max_bytes: int = 12_000_000, num_shards: int = 1, overwrite: bool = False,
-                             progress: bool = True) -> Tuple[Dict, str]:
+def prepare_embedded_default(
+    output_dir: Union[str, Path],
+    seq_len: int = 256,
+    vocab_size: int = 8192,
+    max_bytes: int = 12_000_000,
+    num_shards: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Tuple[Dict, str]:
     """Build the embedded default pretraining corpus in ``output_dir``; returns (meta, summary line).
 
     The Python standard library's source files (this interpreter's), at most
@@ -226,8 +250,13 @@ def prepare_embedded_default(output_dir: Union[str, Path], seq_len: int = 256, v
         _pack_pretrain(_progress(docs, progress, total=len(docs)), tok, seq_len, writer, stats)
         _check_not_empty(stats, [root], num_shards)
         meta = _meta("pretrain", seq_len, tok, "embedded-default", stats, [str(root)])
-        meta["embedded_default"] = {"python": platform.python_version(), "stdlib": str(root),
-                                    "files": len(docs), "max_bytes": max_bytes, "vocab_size": vocab_size,
-                                    "implementation": sys.implementation.name}
+        meta["embedded_default"] = {
+            "python": platform.python_version(),
+            "stdlib": str(root),
+            "files": len(docs),
+            "max_bytes": max_bytes,
+            "vocab_size": vocab_size,
+            "implementation": sys.implementation.name,
+        }
         meta = writer.install(meta)
     return meta, _summary(stats, writer, time.time() - start)

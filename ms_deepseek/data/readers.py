@@ -75,8 +75,10 @@ def _text(where: str, value: Any, key: str) -> str:
     try:  # JSON may escape a lone surrogate ("\ud800"): not text any tokenizer can take
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UserError(f"{where}: {key!r} holds a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
-                        f"{exc.start}; not valid Unicode text") from None
+        raise UserError(
+            f"{where}: {key!r} holds a lone surrogate (U+{ord(value[exc.start]):04X}) at character "
+            f"{exc.start}; not valid Unicode text"
+        ) from None
     return value
 
 
@@ -106,16 +108,20 @@ def _conversation(where: str, record: Any) -> List[dict]:
         messages.append({"role": "user", "content": _text(where, record["prompt"], "prompt")})
         messages.append({"role": "assistant", "content": _text(where, record["response"], "response")})
         return messages
-    raise UserError(f"{where}: SFT records need 'messages' or 'prompt' and 'response' "
-                    f"(keys found: {', '.join(sorted(record)) or 'none'})")
+    raise UserError(
+        f"{where}: SFT records need 'messages' or 'prompt' and 'response' "
+        f"(keys found: {', '.join(sorted(record)) or 'none'})"
+    )
 
 
 def _pretrain_text(where: str, record: Any) -> str:
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "text" not in record:
-        raise UserError(f"{where}: no 'text' field (pretraining records are {{\"text\": ...}}; "
-                        f"keys found: {', '.join(sorted(record)) or 'none'})")
+        raise UserError(
+            f"{where}: no 'text' field (pretraining records are {{\"text\": ...}}; "
+            f"keys found: {', '.join(sorted(record)) or 'none'})"
+        )
     return _text(where, record["text"], "text")
 
 
@@ -163,8 +169,9 @@ def read_parquet(path: Path, fmt: str) -> Iterator[Tuple[str, Document]]:
     elif {"prompt", "response"} <= names:
         columns = [c for c in ("system", "prompt", "response") if c in names]
     else:
-        raise UserError(f"{path}: SFT parquet needs a 'messages' column or 'prompt' and 'response' columns "
-                        f"(columns: {found})")
+        raise UserError(
+            f"{path}: SFT parquet needs a 'messages' column or 'prompt' and 'response' columns (columns: {found})"
+        )
     row = 0
     try:
         for batch in pf.iter_batches(batch_size=1024, columns=columns):
@@ -196,7 +203,9 @@ def iter_documents(files: Sequence[Path], fmt: str) -> Iterator[Tuple[str, Docum
         elif kind == "parquet":
             yield from read_parquet(path, fmt)
         elif fmt == "sft":
-            raise UserError(f"{path}: plain text files are pretraining documents; "
-                            "--format sft reads .jsonl or .parquet conversations")
+            raise UserError(
+                f"{path}: plain text files are pretraining documents; "
+                "--format sft reads .jsonl or .parquet conversations"
+            )
         else:
             yield str(path), read_text_file(path)

@@ -150,8 +150,7 @@ def load_meta(folder: Union[str, Path], key: str = "data.path") -> Dict:
         raise UserError(f"{key}: {folder} does not exist (create it with `ms-deepseek prepare-data`)")
     path = folder / META_NAME
     if not path.is_file():
-        raise UserError(f"{key}: {folder} has no {META_NAME}; it is not a folder written by "
-                        "`ms-deepseek prepare-data`")
+        raise UserError(f"{key}: {folder} has no {META_NAME}; it is not a folder written by `ms-deepseek prepare-data`")
     try:
         meta = json_loads(path.read_text(encoding="utf-8"), path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -177,16 +176,20 @@ def load_lengths(folder: Union[str, Path], meta: Dict) -> np.ndarray:
     """The per-sample token counts named by ``meta['lengths_file']``: a 1-D integer array read without
     pickle (a pickled .npy could run code), from inside ``folder`` only."""
     folder = Path(folder).expanduser()
-    path = regular_file(confined(folder, meta.get("lengths_file", LENGTHS_NAME),
-                                 f"{folder / META_NAME}: lengths_file"), "lengths file")
+    path = regular_file(
+        confined(folder, meta.get("lengths_file", LENGTHS_NAME), f"{folder / META_NAME}: lengths_file"), "lengths file"
+    )
     try:
         lengths = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise UserError(f"{path}: not a plain .npy array of sample lengths ({str(exc).splitlines()[0][:160]})") \
-            from None
+        raise UserError(
+            f"{path}: not a plain .npy array of sample lengths ({str(exc).splitlines()[0][:160]})"
+        ) from None
     if not isinstance(lengths, np.ndarray) or lengths.ndim != 1 or lengths.dtype.kind not in "iu":
-        raise UserError(f"{path}: expected a 1-D integer array of sample lengths, got "
-                        f"{getattr(lengths, 'dtype', type(lengths))} {getattr(lengths, 'shape', '')}")
+        raise UserError(
+            f"{path}: expected a 1-D integer array of sample lengths, got "
+            f"{getattr(lengths, 'dtype', type(lengths))} {getattr(lengths, 'shape', '')}"
+        )
     return lengths
 
 

@@ -84,8 +84,14 @@ class Tokenizer(ABC):
         return [self.canonical_name] + [f.name for f in self.files[1:]]
 
     def describe(self) -> Dict[str, object]:
-        return {"kind": self.kind, "files": self.saved_names(), "vocab_size": self.vocab_size,
-                "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        return {
+            "kind": self.kind,
+            "files": self.saved_names(),
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
 
 
 def _token_name(value) -> Optional[str]:
@@ -247,13 +253,28 @@ def train_sentencepiece(texts: Sequence[str], vocab_size: int, out_file: Path) -
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-            byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True,
-            allow_whitespace_only_pieces=True, user_defined_symbols=["\n", "\t"],
-            unk_id=0, bos_id=1, eos_id=2, pad_id=3, num_threads=2, max_sentence_length=1 << 16,
-            minloglevel=2)
+            sentence_iterator=iter(texts),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            character_coverage=1.0,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n", "\t"],
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            num_threads=2,
+            max_sentence_length=1 << 16,
+            minloglevel=2,
+        )
     except RuntimeError as exc:
-        raise UserError(f"vocab size {vocab_size}: sentencepiece training failed "
-                        f"({str(exc).splitlines()[-1][:200]})") from None
+        raise UserError(
+            f"vocab size {vocab_size}: sentencepiece training failed ({str(exc).splitlines()[-1][:200]})"
+        ) from None
     out_file.write_bytes(model.getvalue())

@@ -36,9 +36,9 @@ from ms_deepseek.data.storage import load_lengths, shard_paths
 @dataclass
 class ValidationSet:
     batches: List[Dict[str, np.ndarray]]  # this rank's, [B, T] each
-    total_samples: int                     # samples in the validation set
-    used_samples: int                      # samples evaluated per validation (all ranks)
-    description: str                       # for the start line
+    total_samples: int  # samples in the validation set
+    used_samples: int  # samples evaluated per validation (all ranks)
+    description: str  # for the start line
 
 
 def _lengths(folder: Path, meta: Dict) -> np.ndarray:
@@ -49,12 +49,16 @@ def _read(folder: Path, meta: Dict, indices: np.ndarray, seq_len: int, pad_id: i
     """Rows ``indices`` of a folder, padded to seq_len: ([n, T] ids, [n, T] labels)."""
     import mindspore.dataset as ds
 
-    ids = np.full((indices.size, seq_len), pad_id, np.int32)          # [n, T]
+    ids = np.full((indices.size, seq_len), pad_id, np.int32)  # [n, T]
     labels = np.full((indices.size, seq_len), IGNORE_INDEX, np.int32)  # [n, T]
     if indices.size == 0:
         return ids, labels
-    pipe = ds.MindDataset(shard_paths(folder, meta), columns_list=["input_ids", "labels"],
-                          sampler=ds.SubsetSampler(indices.tolist()), num_parallel_workers=1)
+    pipe = ds.MindDataset(
+        shard_paths(folder, meta),
+        columns_list=["input_ids", "labels"],
+        sampler=ds.SubsetSampler(indices.tolist()),
+        num_parallel_workers=1,
+    )
     it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
     try:
         for row, sample in enumerate(it):
@@ -78,23 +82,32 @@ def _enough_hint(val, pieces, per_step: int) -> str:
     return f"the training data is too small to hold a batch out: {folder}, or lower train.micro_batch_size"
 
 
-def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_size: int, eval_batches: int, *,
-                     max_positions: Optional[int] = None, vocab_size: Optional[int] = None,
-                     seed: Optional[int] = None, cache_dir=None) -> Optional[ValidationSet]:
+def build_validation(
+    data_cfg: DataConfig,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    eval_batches: int,
+    *,
+    max_positions: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    cache_dir=None,
+) -> Optional[ValidationSet]:
     """This rank's validation batches (see module doc), or None without ``data.validation``."""
     val = data_cfg.validation
     if val is None:
         return None
     seed = data_cfg.seed if seed is None else seed
     train = source_folders(data_cfg, cache_dir, progress=False)
-    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions,
-                              vocab_size=vocab_size)
+    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions, vocab_size=vocab_size)
     seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
     pieces = []  # (folder, meta, storage indices)
     if val.path is not None:
         folder = Path(val.path).expanduser()
-        meta = checked_meta(folder, data_cfg, "data.validation.path", max_positions=max_positions,
-                            vocab_size=vocab_size)
+        meta = checked_meta(
+            folder, data_cfg, "data.validation.path", max_positions=max_positions, vocab_size=vocab_size
+        )
         check_same_preparation((train[0][0], train[0][1], train_meta), ("data.validation.path", folder, meta))
         pieces.append((folder, meta, np.arange(_lengths(folder, meta).size)))
         what = f"{folder}"
@@ -107,8 +120,10 @@ def build_validation(data_cfg: DataConfig, batch_size: int, rank: int, world_siz
     per_step = batch_size * world_size
     total = int(sum(p[2].size for p in pieces))
     if total < per_step:
-        raise UserError(f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
-                        f"({batch_size} x {world_size} workers); {_enough_hint(val, pieces, per_step)}")
+        raise UserError(
+            f"data.validation: {what} holds {total} samples, fewer than one batch per worker "
+            f"({batch_size} x {world_size} workers); {_enough_hint(val, pieces, per_step)}"
+        )
     return _assemble(pieces, what, [seed, 0x76616C], batch_size, rank, world_size, eval_batches, seq_len, pad_id)
 
 
@@ -120,10 +135,18 @@ def source_names(data_cfg: DataConfig) -> List[str]:
     return [n if base.count(n) == 1 else f"{n}-{i}" for i, n in enumerate(base)]
 
 
-def build_validation_by_source(data_cfg: DataConfig, batch_size: int, rank: int, world_size: int,
-                               eval_batches: int, *, max_positions: Optional[int] = None,
-                               vocab_size: Optional[int] = None, seed: Optional[int] = None,
-                               cache_dir=None) -> Tuple[Dict[str, ValidationSet], List[str]]:
+def build_validation_by_source(
+    data_cfg: DataConfig,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    eval_batches: int,
+    *,
+    max_positions: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    cache_dir=None,
+) -> Tuple[Dict[str, ValidationSet], List[str]]:
     """A weighted mixture (``data.path`` a list) with ``data.validation.fraction``: every source's own held-out
     tail as a validation set of its own (``eval_batches`` batches at most, seeded per source), for
     ``val_loss/<source>`` beside the overall ``val_loss``. Returns ({name: set}, notes): a source whose tail
@@ -134,8 +157,7 @@ def build_validation_by_source(data_cfg: DataConfig, batch_size: int, rank: int,
         return {}, []
     seed = data_cfg.seed if seed is None else seed
     train = source_folders(data_cfg, cache_dir, progress=False)
-    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions,
-                              vocab_size=vocab_size)
+    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions, vocab_size=vocab_size)
     seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
     sets, notes = {}, []
     for i, ((key, folder, _), name) in enumerate(zip(train, source_names(data_cfg))):
@@ -143,16 +165,28 @@ def build_validation_by_source(data_cfg: DataConfig, batch_size: int, rank: int,
         n = _lengths(folder, meta).size
         piece = (folder, meta, np.arange(n - holdout_count(n, val.fraction), n))
         if piece[2].size < batch_size * world_size:
-            notes.append(f"val_loss/{name}: not logged: {key} holds out {piece[2].size} samples, fewer than one "
-                         f"batch per worker ({batch_size} x {world_size})")
+            notes.append(
+                f"val_loss/{name}: not logged: {key} holds out {piece[2].size} samples, fewer than one "
+                f"batch per worker ({batch_size} x {world_size})"
+            )
             continue
-        sets[name] = _assemble([piece], f"{name}'s held-out tail", [seed, 0x76616C, i + 1], batch_size, rank,
-                               world_size, eval_batches, seq_len, pad_id)
+        sets[name] = _assemble(
+            [piece],
+            f"{name}'s held-out tail",
+            [seed, 0x76616C, i + 1],
+            batch_size,
+            rank,
+            world_size,
+            eval_batches,
+            seq_len,
+            pad_id,
+        )
     return sets, notes
 
 
-def _assemble(pieces, what: str, seed, batch_size: int, rank: int, world_size: int, eval_batches: int,
-              seq_len: int, pad_id: int) -> ValidationSet:
+def _assemble(
+    pieces, what: str, seed, batch_size: int, rank: int, world_size: int, eval_batches: int, seq_len: int, pad_id: int
+) -> ValidationSet:
     """The seeded order over ``pieces`` ((folder, meta, storage indices)), the first whole batches for every
     rank, this rank's rows read."""
     # one list of (piece, storage index), then the seeded order
@@ -163,11 +197,13 @@ def _assemble(pieces, what: str, seed, batch_size: int, rank: int, world_size: i
     order = np.random.default_rng(seed).permutation(total)
     used = min(eval_batches, total // per_step) * per_step
     mine = order[:used][rank::world_size]  # rank r: positions r, r+W, ...
-    ids = np.empty((mine.size, seq_len), np.int32)     # [rows, T]
+    ids = np.empty((mine.size, seq_len), np.int32)  # [rows, T]
     labels = np.empty((mine.size, seq_len), np.int32)  # [rows, T]
     for i, (folder, meta, _) in enumerate(pieces):
         rows = np.nonzero(where[mine] == i)[0]
         ids[rows], labels[rows] = _read(folder, meta, index[mine][rows], seq_len, pad_id)
-    batches = [{"input_ids": ids[j:j + batch_size], "labels": labels[j:j + batch_size]}
-               for j in range(0, mine.size, batch_size)]
+    batches = [
+        {"input_ids": ids[j : j + batch_size], "labels": labels[j : j + batch_size]}
+        for j in range(0, mine.size, batch_size)
+    ]
     return ValidationSet(batches, total, used, f"{what}: {used} of {total} samples per validation")

@@ -62,11 +62,11 @@ HCCL_VERSION = "8.1.0"  # what mindspore.communication's _check_version reads fr
 
 @dataclass
 class StubSet:
-    folder: Path                 # put on LD_LIBRARY_PATH
-    python_path: Path            # put on PYTHONPATH (the hccl.sys_version module)
-    missing: List[str] = field(default_factory=list)   # library names given a stub
-    symbols: int = 0             # function symbols defined by the stub core
-    built: bool = False          # built by this call (False: taken from the cache)
+    folder: Path  # put on LD_LIBRARY_PATH
+    python_path: Path  # put on PYTHONPATH (the hccl.sys_version module)
+    missing: List[str] = field(default_factory=list)  # library names given a stub
+    symbols: int = 0  # function symbols defined by the stub core
+    built: bool = False  # built by this call (False: taken from the cache)
     root: Optional[Path] = None  # the folder holding opp/, include/, py/ (default: ``folder``)
 
     def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -100,8 +100,10 @@ def _mindspore_version(ms_dir: Path) -> str:
 
 def cache_key(ms_dir: Optional[Path] = None, level: int = 0) -> str:
     ms_dir = ms_dir or _mindspore_dir()
-    key = (f"ms{_mindspore_version(ms_dir)}-{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
-           f"-v{STUB_VERSION}")
+    key = (
+        f"ms{_mindspore_version(ms_dir)}-{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
+        f"-v{STUB_VERSION}"
+    )
     return key if level == 0 else f"{key}-level1-v{SIM_STUB_VERSION}"
 
 
@@ -120,11 +122,13 @@ def _run(argv: List[str]) -> str:
     try:
         return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     except FileNotFoundError:
-        raise UserError(f"{argv[0]}: not found; the CANN stubs need gcc and readelf "
-                        "(Debian: apt-get install gcc binutils)") from None
+        raise UserError(
+            f"{argv[0]}: not found; the CANN stubs need gcc and readelf (Debian: apt-get install gcc binutils)"
+        ) from None
     except subprocess.CalledProcessError as e:
-        raise UserError(f"{' '.join(argv[:3])}...: failed ({e.stderr.strip().splitlines()[-1:] or e.returncode})") \
-            from None
+        raise UserError(
+            f"{' '.join(argv[:3])}...: failed ({e.stderr.strip().splitlines()[-1:] or e.returncode})"
+        ) from None
 
 
 def _same_machine(lib: Path) -> bool:
@@ -187,9 +191,9 @@ def _symbols(lib: Path) -> Tuple[Set[str], Dict[str, str]]:
 
 @dataclass
 class Closure:
-    found: Dict[str, Path]       # library name -> path (the wheel's and the system's)
-    missing: List[str]           # NEEDED names found nowhere (CANN's)
-    own: List[Path]              # the wheel's own libraries in the closure (whose undefined symbols count)
+    found: Dict[str, Path]  # library name -> path (the wheel's and the system's)
+    missing: List[str]  # NEEDED names found nowhere (CANN's)
+    own: List[Path]  # the wheel's own libraries in the closure (whose undefined symbols count)
 
 
 def walk_closure(roots: Iterable[Path], ms_dir: Path) -> Closure:
@@ -198,8 +202,13 @@ def walk_closure(roots: Iterable[Path], ms_dir: Path) -> Closure:
     system = _system_libs()
     arch = f"{platform.machine()}-linux-gnu"
     system_dirs = [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib"]
-    wheel_dirs = [ms_dir, ms_dir / "lib", ms_dir / "lib" / "plugin", ms_dir / "lib" / "plugin" / "ascend",
-                  ms_dir / "lib" / "plugin" / "cpu"]
+    wheel_dirs = [
+        ms_dir,
+        ms_dir / "lib",
+        ms_dir / "lib" / "plugin",
+        ms_dir / "lib" / "plugin" / "ascend",
+        ms_dir / "lib" / "plugin" / "cpu",
+    ]
     found: Dict[str, Path] = {}
     missing: Set[str] = set()
     own: List[Path] = []
@@ -218,9 +227,11 @@ def walk_closure(roots: Iterable[Path], ms_dir: Path) -> Closure:
         for dep in needed:
             if dep in found or dep in missing:
                 continue
-            hit = next((Path(d) / dep for d in rpaths + [str(w) for w in wheel_dirs] if (Path(d) / dep).is_file()),
-                       None) or system.get(dep) \
+            hit = (
+                next((Path(d) / dep for d in rpaths + [str(w) for w in wheel_dirs] if (Path(d) / dep).is_file()), None)
+                or system.get(dep)
                 or next((Path(d) / dep for d in system_dirs if (Path(d) / dep).is_file()), None)
+            )
             if hit is None:
                 missing.add(dep)
             elif is_own or str(hit).startswith(str(ms_dir)):
@@ -250,11 +261,15 @@ def stub_symbols(closure: Closure, defined_out: Optional[Set[str]] = None) -> Di
 # functions that return a C++ object by value: the caller passes the result's address (x86-64: first
 # argument; AArch64: x8) and reads the object after the call; a stub must hand back a zeroed object
 # (ge::Operator, 24 bytes: measured at level 1, design.md section 8)
-BY_VALUE = {"_ZN2ge15OperatorFactory14CreateOperatorEPKcS2_": 24,
-            "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,
-            "_ZN2ge15OperatorFactory14CreateOperatorERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEES8_": 24}
+BY_VALUE = {
+    "_ZN2ge15OperatorFactory14CreateOperatorEPKcS2_": 24,
+    "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,
+    "_ZN2ge15OperatorFactory14CreateOperatorERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEES8_": 24,
+}
 # what MindSpore's plugin dlsym()s from the CANN tree it found: ACL, ACLNN, runtime and HCCL entry points
-_ACL_NAME = re.compile(rb"(?<![A-Za-z0-9_])((?:acl|aclrt|aclnn|aclop|aclmdl|aclprof|acltdt|rt|Hccl|mstx)[A-Z][A-Za-z0-9_]*)")
+_ACL_NAME = re.compile(
+    rb"(?<![A-Za-z0-9_])((?:acl|aclrt|aclnn|aclop|aclmdl|aclprof|acltdt|rt|Hccl|mstx)[A-Z][A-Za-z0-9_]*)"
+)
 # and the libraries it dlopen()s under that tree (``<ascend path>/lib64/...``)
 _ACL_LIB = re.compile(rb"lib64/((?:driver/)?lib[A-Za-z0-9_]+\.so)(?![A-Za-z0-9_.])")
 # dlopen()ed under <ascend path>/lib64 by its bare name (measured: symbol_utils.cc GetLibHandler's "Dlopen ... failed")
@@ -263,17 +278,21 @@ _ACL_LIB_BARE = ("libacl_tdt_queue.so",)
 
 def _by_value_stub(i: int, name: str, size: int) -> str:
     if platform.machine() == "aarch64":
-        take = "void *ret; __asm__ volatile(\"mov %0, x8\" : \"=r\"(ret));"
-        return (f'void *f_{i}(void) __asm__("{name}");\n'
-                f"void *f_{i}(void) {{ {take} memset(ret, 0, {size}); return ret; }}")
-    return (f'void *f_{i}(void *ret) __asm__("{name}");\n'
-            f"void *f_{i}(void *ret) {{ memset(ret, 0, {size}); return ret; }}")
+        take = 'void *ret; __asm__ volatile("mov %0, x8" : "=r"(ret));'
+        return (
+            f'void *f_{i}(void) __asm__("{name}");\nvoid *f_{i}(void) {{ {take} memset(ret, 0, {size}); return ret; }}'
+        )
+    return (
+        f'void *f_{i}(void *ret) __asm__("{name}");\nvoid *f_{i}(void *ret) {{ memset(ret, 0, {size}); return ret; }}'
+    )
 
 
 def _c_source(symbols: Dict[str, str]) -> str:
-    lines = ["/* generated by ms_deepseek.diagnostics.cann_stubs: every CANN symbol MindSpore's Ascend plugin",
-             "   needs, returning 0 (compile-only dry run: none of them is called but static registrations) */",
-             "#include <string.h>"]
+    lines = [
+        "/* generated by ms_deepseek.diagnostics.cann_stubs: every CANN symbol MindSpore's Ascend plugin",
+        "   needs, returning 0 (compile-only dry run: none of them is called but static registrations) */",
+        "#include <string.h>",
+    ]
     for i, (name, kind) in enumerate(symbols.items()):
         if name in BY_VALUE:
             lines.append(_by_value_stub(i, name, BY_VALUE[name]))
@@ -294,16 +313,48 @@ def build_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
     try:
         (tmp / "cann_stub_core.c").write_text(_c_source(symbols))
         cc = os.environ.get("CC", "gcc")
-        _run([cc, "-shared", "-fPIC", "-O0", "-w", "-o", str(tmp / "libcann_stub_core.so"), str(tmp / "cann_stub_core.c"),
-              "-Wl,-soname,libcann_stub_core.so"])
+        _run(
+            [
+                cc,
+                "-shared",
+                "-fPIC",
+                "-O0",
+                "-w",
+                "-o",
+                str(tmp / "libcann_stub_core.so"),
+                str(tmp / "cann_stub_core.c"),
+                "-Wl,-soname,libcann_stub_core.so",
+            ]
+        )
         empty = tmp / "empty.c"
         empty.write_text("/* a missing CANN library: its symbols come from libcann_stub_core.so */\n")
         for name in closure.missing:
-            _run([cc, "-shared", "-fPIC", "-o", str(tmp / name), str(empty), f"-Wl,-soname,{name}",
-                  "-Wl,--no-as-needed", f"-L{tmp}", "-lcann_stub_core", "-Wl,-rpath,$ORIGIN"])
+            _run(
+                [
+                    cc,
+                    "-shared",
+                    "-fPIC",
+                    "-o",
+                    str(tmp / name),
+                    str(empty),
+                    f"-Wl,-soname,{name}",
+                    "-Wl,--no-as-needed",
+                    f"-L{tmp}",
+                    "-lcann_stub_core",
+                    "-Wl,-rpath,$ORIGIN",
+                ]
+            )
         _write_support(tmp, ms_dir)
-        (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", f"symbols {len(symbols)}",
-                                                 *(f"missing {n}" for n in closure.missing)]) + "\n")
+        (tmp / "MANIFEST").write_text(
+            "\n".join(
+                [
+                    f"mindspore {_mindspore_version(ms_dir)}",
+                    f"symbols {len(symbols)}",
+                    *(f"missing {n}" for n in closure.missing),
+                ]
+            )
+            + "\n"
+        )
         return _install(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -341,21 +392,53 @@ def build_level1_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
         core = "libacl_stub_core.so"  # neither "cann" nor "latest" in its name: GetAscendPath cuts at the rightmost
         (tmp / "acl_stub_core.c").write_text(_c_source(symbols))
         cc = os.environ.get("CC", "gcc")
-        _run([cc, "-shared", "-fPIC", "-O0", "-w", "-o", str(lib64 / core), str(tmp / "acl_stub_core.c"),
-              f"-Wl,-soname,{core}"])
+        _run(
+            [
+                cc,
+                "-shared",
+                "-fPIC",
+                "-O0",
+                "-w",
+                "-o",
+                str(lib64 / core),
+                str(tmp / "acl_stub_core.c"),
+                f"-Wl,-soname,{core}",
+            ]
+        )
         empty = tmp / "empty.c"
         empty.write_text("/* a CANN library: its symbols come from libacl_stub_core.so */\n")
         for name in sorted(set(closure.missing) | set(acl_libs)):
             target = lib64 / name
             target.parent.mkdir(parents=True, exist_ok=True)
             rpath = "$ORIGIN" if target.parent == lib64 else "$ORIGIN/.."
-            _run([cc, "-shared", "-fPIC", "-o", str(target), str(empty), f"-Wl,-soname,{Path(name).name}",
-                  "-Wl,--no-as-needed", f"-L{lib64}", "-l" + core[3:-3], f"-Wl,-rpath,{rpath}"])
+            _run(
+                [
+                    cc,
+                    "-shared",
+                    "-fPIC",
+                    "-o",
+                    str(target),
+                    str(empty),
+                    f"-Wl,-soname,{Path(name).name}",
+                    "-Wl,--no-as-needed",
+                    f"-L{lib64}",
+                    "-l" + core[3:-3],
+                    f"-Wl,-rpath,{rpath}",
+                ]
+            )
         _write_support(tmp, ms_dir)
-        (tmp / "MANIFEST").write_text("\n".join([f"mindspore {_mindspore_version(ms_dir)}", "level 1",
-                                                 f"symbols {len(symbols)}", "libdir latest/lib64",
-                                                 *(f"missing {n}" for n in sorted(set(closure.missing) |
-                                                                                  set(acl_libs)))]) + "\n")
+        (tmp / "MANIFEST").write_text(
+            "\n".join(
+                [
+                    f"mindspore {_mindspore_version(ms_dir)}",
+                    "level 1",
+                    f"symbols {len(symbols)}",
+                    "libdir latest/lib64",
+                    *(f"missing {n}" for n in sorted(set(closure.missing) | set(acl_libs))),
+                ]
+            )
+            + "\n"
+        )
         return _install(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -369,9 +452,11 @@ def _write_support(tmp: Path, ms_dir: Path) -> None:
     # _custom_ops_utils.py CustomInfoGenerator lists <ASCEND_OPP_PATH>/built-in/.../config/<soc>)
     acl = tmp / "include" / "acl"
     acl.mkdir(parents=True)
-    (acl / "acl_base.h").write_text("/* stub of CANN's acl/acl_base.h for the compile-only dry run */\n"
-                                    "#pragma once\n#include <stdint.h>\n#include <stddef.h>\n"
-                                    "typedef int aclError;\ntypedef void *aclrtStream;\n")
+    (acl / "acl_base.h").write_text(
+        "/* stub of CANN's acl/acl_base.h for the compile-only dry run */\n"
+        "#pragma once\n#include <stdint.h>\n#include <stddef.h>\n"
+        "typedef int aclError;\ntypedef void *aclrtStream;\n"
+    )
     (tmp / "opp" / "built-in" / "op_impl" / "ai_core" / "tbe" / "config").mkdir(parents=True)
     hccl = tmp / "py" / "hccl"
     hccl.mkdir(parents=True)

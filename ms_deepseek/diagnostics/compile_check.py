@@ -38,8 +38,19 @@ from ms_deepseek.core.errors import UserError
 
 # a full-width compile of one rank takes ~1-3 minutes here; a hung compile is stopped
 WORKER_TIMEOUT_S = 1800
-COMM_KINDS = ("AlltoAll", "AlltoAllV", "AllGather", "AllReduce", "ReduceScatter", "Send", "Receive", "Broadcast",
-              "_MicroStepAllGather", "_MirrorOperator", "_MirrorMicroStepOperator")
+COMM_KINDS = (
+    "AlltoAll",
+    "AlltoAllV",
+    "AllGather",
+    "AllReduce",
+    "ReduceScatter",
+    "Send",
+    "Receive",
+    "Broadcast",
+    "_MicroStepAllGather",
+    "_MirrorOperator",
+    "_MirrorMicroStepOperator",
+)
 _ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2, "Int32": 4, "Int64": 8, "Int8": 1, "UInt8": 1, "Bool": 1}
 
 
@@ -87,8 +98,10 @@ class Reduction:
         return sets + [f"{key}={self.micro_batches}"]
 
     def describe(self) -> str:
-        return (f"{self.layers} of {self.full_layers} layers, {self.micro_batches} of {self.full_micro_batches} "
-                f"{'pipeline micro-batches' if self.what == 'micro_batches' else 'accumulation steps'}")
+        return (
+            f"{self.layers} of {self.full_layers} layers, {self.micro_batches} of {self.full_micro_batches} "
+            f"{'pipeline micro-batches' if self.what == 'micro_batches' else 'accumulation steps'}"
+        )
 
 
 def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None) -> Reduction:
@@ -118,8 +131,10 @@ def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optio
 def layout_overrides(par) -> List[str]:
     """The --set strings that give a worker this exact parallel section (plan's --dp/--tp/... applied)."""
     out = [f"parallel.{k}={getattr(par, k)}" for k in ("dp", "tp", "pp", "ep", "micro_batches")]
-    out += [f"parallel.{k}={str(getattr(par, k)).lower()}" for k in ("optimizer_shard", "sequence_parallel",
-                                                                      "vocab_parallel")]
+    out += [
+        f"parallel.{k}={str(getattr(par, k)).lower()}"
+        for k in ("optimizer_shard", "sequence_parallel", "vocab_parallel")
+    ]
     out += [f"parallel.recompute={par.recompute}", f"parallel.dataset_strategy={par.dataset_strategy}"]
     if par.expert_placement is None:
         out.append("parallel.expert_placement=null")
@@ -148,7 +163,7 @@ def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
             for d in t.group(2).split(","):
                 if d.strip():
                     n *= int(d)
-            mb = n * _ITEMSIZE.get(t.group(1), 4) / 2 ** 20
+            mb = n * _ITEMSIZE.get(t.group(1), 4) / 2**20
             entry["mb"] += mb
             entry["wire_mb"] += mb * _wire_factor(kind, _group_size(line))
     for entry in out.values():
@@ -218,7 +233,9 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
     if cann:
         root = Path(cann)
         if not root.is_dir():
-            raise UserError(f"--cann: {cann} is not a folder (CANN's install, e.g. /usr/local/Ascend/ascend-toolkit/latest)")
+            raise UserError(
+                f"--cann: {cann} is not a folder (CANN's install, e.g. /usr/local/Ascend/ascend-toolkit/latest)"
+            )
         libs = [str(p) for p in (root / "lib64", root / "compiler" / "lib64", root / "runtime" / "lib64") if p.is_dir()]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
         env["ASCEND_HOME_PATH"] = str(root)
@@ -228,12 +245,22 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
 
         stubs = ensure_stubs(level=level)
         env = stubs.env(env)
-        how = (f"CANN stubs ({len(stubs.missing)} libraries, {stubs.symbols} symbols"
-               f"{', built now' if stubs.built else ''}) in {stubs.folder}")
-    env.update({"MS_SIMULATION_LEVEL": str(level), "RANK_SIZE": str(world), "RANK_ID": str(rank),
-                "MS_DEEPSEEK_DEVICE": "Ascend"})
+        how = (
+            f"CANN stubs ({len(stubs.missing)} libraries, {stubs.symbols} symbols"
+            f"{', built now' if stubs.built else ''}) in {stubs.folder}"
+        )
+    env.update(
+        {
+            "MS_SIMULATION_LEVEL": str(level),
+            "RANK_SIZE": str(world),
+            "RANK_ID": str(rank),
+            "MS_DEEPSEEK_DEVICE": "Ascend",
+        }
+    )
     if level == 0:
-        env.update({"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)})
+        env.update(
+            {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)}
+        )
         env.setdefault("GLOG_v", "3")
     else:
         # MindSpore prints its pool's peak at WARNING level when the process ends (ascend_dynamic_mem_adapter.cc
@@ -247,36 +274,67 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
     return env, how
 
 
-def run_rank(recipe_path: str, overrides: List[str], rank: int, world: int, cann: Optional[str], work: Path,
-             eval_graph: bool = True, timeout: float = WORKER_TIMEOUT_S, memory: bool = False) -> RankResult:
+def run_rank(
+    recipe_path: str,
+    overrides: List[str],
+    rank: int,
+    world: int,
+    cann: Optional[str],
+    work: Path,
+    eval_graph: bool = True,
+    timeout: float = WORKER_TIMEOUT_S,
+    memory: bool = False,
+) -> RankResult:
     """Compile one rank in its own process; its folder under ``work`` holds request, log and result. With
     ``memory`` the process runs at ``MS_SIMULATION_LEVEL=1``: the step runs once without kernels and
     ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`)."""
     folder = work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
-    request.write_text(json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides,
-                                   "eval": eval_graph, "memory": memory}))
+    request.write_text(
+        json.dumps(
+            {"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "eval": eval_graph, "memory": memory}
+        )
+    )
     ir_dir = folder / "ir"
     env, _ = compile_environment(rank, world, cann, ir_dir, level=1 if memory else 0)
     log = folder / "worker.log"
     start = time.time()
     with open(log, "wb") as out:
         try:
-            subprocess.run([sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
-                           cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+            subprocess.run(
+                [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
+                cwd=folder,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
-            return RankResult(rank, graphs={"setup": {"ok": False, "error": f"no answer after {timeout:.0f} s "
-                                                      "(stopped)", "where": ""}}, seconds=time.time() - start,
-                              log=str(log))
+            return RankResult(
+                rank,
+                graphs={"setup": {"ok": False, "error": f"no answer after {timeout:.0f} s (stopped)", "where": ""}},
+                seconds=time.time() - start,
+                log=str(log),
+            )
     result_file = folder / "result.json"
     if not result_file.is_file():
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        return RankResult(rank, graphs={"setup": {"ok": False, "error": "the worker died: " + " | ".join(tail),
-                                                  "where": ""}}, seconds=time.time() - start, log=str(log))
+        return RankResult(
+            rank,
+            graphs={"setup": {"ok": False, "error": "the worker died: " + " | ".join(tail), "where": ""}},
+            seconds=time.time() - start,
+            log=str(log),
+        )
     data = json.loads(result_file.read_text())
-    result = RankResult(rank, data.get("stage"), data.get("graphs", {}), data.get("seconds", 0.0),
-                        data.get("peak_rss_mb", 0.0), str(log))
+    result = RankResult(
+        rank,
+        data.get("stage"),
+        data.get("graphs", {}),
+        data.get("seconds", 0.0),
+        data.get("peak_rss_mb", 0.0),
+        str(log),
+    )
     if memory and result.graphs.get("step", {}).get("ok"):
         from ms_deepseek.diagnostics.memory_check import read_accounting
 
@@ -305,18 +363,43 @@ class CompileReport:
         return all(r.ok for r in self.ranks)
 
     def to_dict(self) -> Dict:
-        return {"recipe": self.recipe, "world_size": self.world, "layout": self.layout,
-                "layers": self.reduction.layers, "full_layers": self.reduction.full_layers,
-                "micro_batches": self.reduction.micro_batches, "micro_batches_kind": self.reduction.what,
-                "full_micro_batches": self.reduction.full_micro_batches, "ascend_libraries": self.provider,
-                "compiled": self.ok,
-                "ranks": [{"rank": r.rank, "stage": r.stage, "ok": r.ok, "seconds": r.seconds,
-                           "peak_rss_mb": r.peak_rss_mb, "graphs": r.graphs} for r in self.ranks]}
+        return {
+            "recipe": self.recipe,
+            "world_size": self.world,
+            "layout": self.layout,
+            "layers": self.reduction.layers,
+            "full_layers": self.reduction.full_layers,
+            "micro_batches": self.reduction.micro_batches,
+            "micro_batches_kind": self.reduction.what,
+            "full_micro_batches": self.reduction.full_micro_batches,
+            "ascend_libraries": self.provider,
+            "compiled": self.ok,
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "stage": r.stage,
+                    "ok": r.ok,
+                    "seconds": r.seconds,
+                    "peak_rss_mb": r.peak_rss_mb,
+                    "graphs": r.graphs,
+                }
+                for r in self.ranks
+            ],
+        }
 
 
-def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: List[int], reduction: Reduction,
-                   cann: Optional[str] = None, work: Optional[Path] = None, eval_graph: bool = True,
-                   progress=None, memory: bool = False) -> CompileReport:
+def compile_recipe(
+    recipe_path: str,
+    recipe,
+    user_overrides: List[str],
+    ranks: List[int],
+    reduction: Reduction,
+    cann: Optional[str] = None,
+    work: Optional[Path] = None,
+    eval_graph: bool = True,
+    progress=None,
+    memory: bool = False,
+) -> CompileReport:
     """Compile the recipe (already loaded with ``user_overrides`` and any layout flags applied) for ``ranks``."""
     par = recipe.parallel
     world = par.world_size
@@ -333,8 +416,10 @@ def compile_recipe(recipe_path: str, recipe, user_overrides: List[str], ranks: L
     try:
         for rank in ranks:
             if progress is not None:
-                progress(f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
-                         f"{reduction.describe()} ...")
+                progress(
+                    f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
+                    f"{reduction.describe()} ..."
+                )
             results.append(run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory))
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
@@ -349,22 +434,35 @@ def _comm_text(comm: Dict[str, Dict[str, float]]) -> str:
 
 
 def format_report(report: CompileReport) -> str:
-    lines = [f"compile {report.recipe}: {report.layout}, world {report.world}; {report.reduction.describe()}",
-             f"  MindSpore dry run (MS_SIMULATION_LEVEL=0), {report.provider}"]
+    lines = [
+        f"compile {report.recipe}: {report.layout}, world {report.world}; {report.reduction.describe()}",
+        f"  MindSpore dry run (MS_SIMULATION_LEVEL=0), {report.provider}",
+    ]
     for r in report.ranks:
         head = f"  rank {r.rank}" + (f" (stage {r.stage})" if r.stage is not None else "")
         for name, g in r.graphs.items():
             if g.get("ok"):
-                check = (f"layouts match the plan ({g['layouts_compared']} parameters, "
-                         f"{g.get('strategies_compared', 0)} primitive strategies)" if g.get("layouts_compared") else "")
-                lines.append(f"{head} {name}: compiled in {g.get('seconds', 0):.0f} s, peak host memory "
-                             f"{g.get('peak_rss_mb', 0) / 1024:.1f} GB" + (f"; {check}" if check else ""))
+                check = (
+                    f"layouts match the plan ({g['layouts_compared']} parameters, "
+                    f"{g.get('strategies_compared', 0)} primitive strategies)"
+                    if g.get("layouts_compared")
+                    else ""
+                )
+                lines.append(
+                    f"{head} {name}: compiled in {g.get('seconds', 0):.0f} s, peak host memory "
+                    f"{g.get('peak_rss_mb', 0) / 1024:.1f} GB" + (f"; {check}" if check else "")
+                )
                 if "communication" in g:
                     lines.append(f"      communication per step: {_comm_text(g['communication'])}")
                 if "global_norm_allreduce" in g:
-                    lines.append("      gradient norm: " + ("all-reduced across the slices (PARALLEL_GLOBALNORM)"
-                                                           if g["global_norm_allreduce"] else
-                                                           "NOT all-reduced: each rank would clip by its own norm"))
+                    lines.append(
+                        "      gradient norm: "
+                        + (
+                            "all-reduced across the slices (PARALLEL_GLOBALNORM)"
+                            if g["global_norm_allreduce"]
+                            else "NOT all-reduced: each rank would clip by its own norm"
+                        )
+                    )
             else:
                 lines.append(f"{head} {name}: FAILED: {g.get('error', '')}")
                 if g.get("where"):

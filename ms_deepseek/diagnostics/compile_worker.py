@@ -128,8 +128,12 @@ class CompileOnlyTrainer(Trainer):
         model.set_train(True)
         self.applied = apply_plan(model, self.par, self.cfg)
         if self.par.reserve_memory:
-            reserve_device_memory(self.plan, self.par.memory_headroom_gb, hbm_gb=self.par.hbm_gb,
-                                  stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None)
+            reserve_device_memory(
+                self.plan,
+                self.par.memory_headroom_gb,
+                hbm_gb=self.par.hbm_gb,
+                stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None,
+            )
         self.model = model
 
     def _build_step(self) -> None:
@@ -148,10 +152,12 @@ class CompileOnlyTrainer(Trainer):
         self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
         if not self.sharded:
             return 0, 0
-        compared = cc.check_parameter_layouts(cc.compiled_layouts(self.step_cell), self._layout(), self.rank,
-                                              self.par.optimizer_shard)
+        compared = cc.check_parameter_layouts(
+            cc.compiled_layouts(self.step_cell), self._layout(), self.rank, self.par.optimizer_shard
+        )
         self.strategies_compared = cc.check_compiled_strategies(
-            cc.compiled_strategies(self.step_cell), cc.planned_primitives(self.model, self.applied.strategies))
+            cc.compiled_strategies(self.step_cell), cc.planned_primitives(self.model, self.applied.strategies)
+        )
         return compared, self.strategies_compared
 
     def run_step(self) -> None:
@@ -160,8 +166,10 @@ class CompileOnlyTrainer(Trainer):
         from mindspore import Tensor
 
         if os.environ.get("MS_SIMULATION_LEVEL") != "1":
-            raise UserError("run_step: only under MS_SIMULATION_LEVEL=1 (a dry run that runs the step without "
-                            f"kernels); this process has MS_SIMULATION_LEVEL={os.environ.get('MS_SIMULATION_LEVEL')!r}")
+            raise UserError(
+                "run_step: only under MS_SIMULATION_LEVEL=1 (a dry run that runs the step without "
+                f"kernels); this process has MS_SIMULATION_LEVEL={os.environ.get('MS_SIMULATION_LEVEL')!r}"
+            )
         shape = (self.k * self.rows, self.seq_len)
         self.step_cell(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
 
@@ -190,8 +198,9 @@ def _graph(result: Dict, name: str, fn) -> bool:
         if isinstance(value, tuple):  # compile_train: (parameter layouts, primitive strategies) compared
             entry["layouts_compared"], entry["strategies_compared"] = value
     except UserError as e:  # ours: the layout check, or a refusal of the recipe
-        entry.update({"error": str(e), "where": "", "kind": "layout" if str(e).startswith("compiled layout") else
-                      "refused"})
+        entry.update(
+            {"error": str(e), "where": "", "kind": "layout" if str(e).startswith("compiled layout") else "refused"}
+        )
     except Exception as e:  # MindSpore's compiler
         entry.update(describe_failure(e))
     entry["seconds"] = round(time.time() - start, 1)
@@ -208,8 +217,9 @@ def run(request_path: str) -> int:
         from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
         try:
-            recipe = load_recipe(request["recipe"], request.get("overrides", []),
-                                 planning_config_path(request["recipe"]))
+            recipe = load_recipe(
+                request["recipe"], request.get("overrides", []), planning_config_path(request["recipe"])
+            )
             trainer = CompileOnlyTrainer(recipe, out, None, True, False, None)
             trainer._check_layout()
             trainer._setup_run()

@@ -133,8 +133,10 @@ def run_check(chk: Check, ctx: DoctorContext) -> CheckResult:
     except UserError as exc:  # bad input the check depends on (e.g. no requirements file)
         return failed(str(exc), "fix the file or option named in the message")
     except Exception as exc:  # noqa: BLE001 - a broken check must not hide the others
-        return failed(f"the check itself crashed: {type(exc).__name__}: {exc}",
-                      "report this as a bug in ms-deepseek doctor (run with --json for details)")
+        return failed(
+            f"the check itself crashed: {type(exc).__name__}: {exc}",
+            "report this as a bug in ms-deepseek doctor (run with --json for details)",
+        )
     if not isinstance(result, CheckResult):
         return failed(f"the check returned {result!r}", "report this as a bug in ms-deepseek doctor")
     return result

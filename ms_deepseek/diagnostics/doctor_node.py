@@ -53,11 +53,15 @@ def check_device_count(ctx: DoctorContext) -> CheckResult:
     sick = [f"NPU {d.npu_id}: {d.health}" for d in devices if d.health.upper() != "OK"]
     if len(devices) != DEVICES_PER_NODE:
         missing = sorted(set(range(DEVICES_PER_NODE)) - set(ids))
-        return failed(f"{len(devices)} of {DEVICES_PER_NODE} NPUs visible (ids {ids}; missing {missing})",
-                      "check `npu-smi info` on the host and, in a container, pass every /dev/davinciN with --device")
+        return failed(
+            f"{len(devices)} of {DEVICES_PER_NODE} NPUs visible (ids {ids}; missing {missing})",
+            "check `npu-smi info` on the host and, in a container, pass every /dev/davinciN with --device",
+        )
     if sick:
-        return failed("not all NPUs healthy: " + ", ".join(sick),
-                      "see doctor:npu_health; take the node out of the job until every device reports OK")
+        return failed(
+            "not all NPUs healthy: " + ", ".join(sick),
+            "see doctor:npu_health; take the node out of the job until every device reports OK",
+        )
     return passed(f"{DEVICES_PER_NODE} NPUs visible, all Health OK")
 
 
@@ -74,8 +78,10 @@ def check_hccn_conf(ctx: DoctorContext) -> CheckResult:
     if text is None:
         if not has_npu(ctx):
             return skipped(NO_NPU)
-        return failed("/etc/hccn.conf is missing",
-                      "configure the device NICs: for i in 0..7: hccn_tool -i $i -ip -s address <ip> netmask <mask>")
+        return failed(
+            "/etc/hccn.conf is missing",
+            "configure the device NICs: for i in 0..7: hccn_tool -i $i -ip -s address <ip> netmask <mask>",
+        )
     entries, malformed = npu_parse.parse_hccn_conf(text)
     problems: List[str] = []
     if malformed:
@@ -106,11 +112,15 @@ def check_hccn_conf(ctx: DoctorContext) -> CheckResult:
                 hint = f" (hccn.conf gives that address to device {owner[0]})" if owner else ""
                 problems.append(f"device_id {dev}: hccn.conf address_{dev}={want} but its NIC has {have}{hint}")
     if problems:
-        return failed("/etc/hccn.conf inconsistent: " + "; ".join(problems),
-                      "rewrite address_N/netmask_N so N is the device id whose NIC carries that address "
-                      "(`hccn_tool -i N -ip -g` shows it), or reset the NIC with `hccn_tool -i N -ip -s ...`")
-    return passed(f"/etc/hccn.conf has address/netmask for devices {devices}, all distinct"
-                  + (" and matching the NICs" if ctx.probe.which("hccn_tool") else ""))
+        return failed(
+            "/etc/hccn.conf inconsistent: " + "; ".join(problems),
+            "rewrite address_N/netmask_N so N is the device id whose NIC carries that address "
+            "(`hccn_tool -i N -ip -g` shows it), or reset the NIC with `hccn_tool -i N -ip -s ...`",
+        )
+    return passed(
+        f"/etc/hccn.conf has address/netmask for devices {devices}, all distinct"
+        + (" and matching the NICs" if ctx.probe.which("hccn_tool") else "")
+    )
 
 
 @check("nic_mtu", 8, "RoCE NIC MTU")
@@ -124,8 +134,10 @@ def check_nic_mtu(ctx: DoctorContext) -> CheckResult:
             hosts = f" (host NICs: {', '.join(up) or 'none up'})"
         if not has_npu(ctx):
             return skipped(NO_NPU + hosts)
-        return failed("hccn_tool not found: cannot read the device NICs' MTU" + hosts,
-                      "install the Ascend driver tools (/usr/local/Ascend/driver/tools/hccn_tool)")
+        return failed(
+            "hccn_tool not found: cannot read the device NICs' MTU" + hosts,
+            "install the Ascend driver tools (/usr/local/Ascend/driver/tools/hccn_tool)",
+        )
     devices = [d.npu_id for d in npu_state(ctx)[2]] or list(range(DEVICES_PER_NODE))
     mtus: Dict[int, Optional[int]] = {}
     for dev in devices:
@@ -134,16 +146,20 @@ def check_nic_mtu(ctx: DoctorContext) -> CheckResult:
     unread = [d for d, m in mtus.items() if m is None]
     values = sorted({m for m in mtus.values() if m is not None})
     listing = ", ".join(f"{d}:{m}" for d, m in mtus.items())
-    fix = (f"for i in 0..7: hccn_tool -i $i -mtu -s size {ROCE_MIN_MTU} (or more; the same value on every NIC "
-           "and switch port)")
+    fix = (
+        f"for i in 0..7: hccn_tool -i $i -mtu -s size {ROCE_MIN_MTU} (or more; the same value on every NIC "
+        "and switch port)"
+    )
     if unread:
         return warned(f"could not read the MTU of device(s) {unread}", "run `hccn_tool -i N -mtu -g` by hand")
     if len(values) > 1:
         return failed(f"device NIC MTUs differ ({listing})", fix)
     mtu = values[0]
     if mtu < ROCE_MIN_MTU:
-        msg = f"device NIC MTU is {mtu} on all {len(devices)} NICs: RoCE runs with small frames and " \
-              "cross-node bandwidth drops"
+        msg = (
+            f"device NIC MTU is {mtu} on all {len(devices)} NICs: RoCE runs with small frames and "
+            "cross-node bandwidth drops"
+        )
         return failed(msg, fix) if ctx.level >= 16 else warned(msg, fix)
     return passed(f"device NIC MTU {mtu} on all {len(devices)} NICs")
 
@@ -164,8 +180,10 @@ def check_hccl_timeouts(ctx: DoctorContext) -> CheckResult:
     raw, value = _timeout_value(ctx, "HCCL_CONNECT_TIMEOUT")
     lo, hi = HCCL_CONNECT_RANGE
     if value is None:
-        warnings.append(f"HCCL_CONNECT_TIMEOUT unset (default {lo} s: ranks that finish compiling minutes "
-                        "apart fail at communicator init)")
+        warnings.append(
+            f"HCCL_CONNECT_TIMEOUT unset (default {lo} s: ranks that finish compiling minutes "
+            "apart fail at communicator init)"
+        )
     elif value == "bad" or not float(value).is_integer():
         errors.append(f"HCCL_CONNECT_TIMEOUT={raw!r} is not an integer number of seconds")
     elif not lo <= value <= hi:
@@ -182,8 +200,7 @@ def check_hccl_timeouts(ctx: DoctorContext) -> CheckResult:
     elif value == 0:
         warnings.append("HCCL_EXEC_TIMEOUT=0 disables the timeout: a hung collective never fails")
     elif value < 600:
-        warnings.append(f"HCCL_EXEC_TIMEOUT={raw} s: a rank that saves a checkpoint while others wait "
-                        "can exceed it")
+        warnings.append(f"HCCL_EXEC_TIMEOUT={raw} s: a rank that saves a checkpoint while others wait can exceed it")
     else:
         notes.append(f"HCCL_EXEC_TIMEOUT={raw}")
     fix = f"export HCCL_CONNECT_TIMEOUT={HCCL_CONNECT_RECOMMENDED} HCCL_EXEC_TIMEOUT=3600 (the Docker image sets both)"
@@ -226,29 +243,54 @@ def run_collective_job(ctx: DoctorContext, scope: str) -> dict:
         mb = ctx.bench_mb if npu else min(ctx.bench_mb, 8.0)
         script = Path(__file__).with_name("collective_bench.py")
         repo = str(Path(__file__).resolve().parents[2])
-        env = {"PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-               "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p),
-               "GLOG_v": os.environ.get("GLOG_v", "3")}
+        env = {
+            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+            "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p),
+            "GLOG_v": os.environ.get("GLOG_v", "3"),
+        }
         with tempfile.TemporaryDirectory(prefix="ms_deepseek_bench_") as tmp:
             out, logs = Path(tmp) / "out", Path(tmp) / "logs"
-            argv = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={world}",
-                    f"--local_worker_num={local}", f"--master_addr={addr}", f"--master_port={port}",
-                    f"--node_rank={node_rank}", f"--log_dir={logs}", "--join=True",
-                    f"--cluster_time_out={int(min(ctx.timeout, 600))}",
-                    str(script), "--out", str(out), "--device", device, "--mb", str(mb),
-                    "--iters", "20" if npu else "5"]
+            argv = [
+                sys.executable,
+                "-m",
+                "mindspore.parallel.cluster.run",
+                f"--worker_num={world}",
+                f"--local_worker_num={local}",
+                f"--master_addr={addr}",
+                f"--master_port={port}",
+                f"--node_rank={node_rank}",
+                f"--log_dir={logs}",
+                "--join=True",
+                f"--cluster_time_out={int(min(ctx.timeout, 600))}",
+                str(script),
+                "--out",
+                str(out),
+                "--device",
+                device,
+                "--mb",
+                str(mb),
+                "--iters",
+                "20" if npu else "5",
+            ]
             result = ctx.probe.run(argv, timeout=ctx.timeout, env=env, cwd=tmp)
-            files = sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.split("rank")[1])) \
-                if out.exists() else []
+            files = (
+                sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.split("rank")[1]))
+                if out.exists()
+                else []
+            )
             if files:
                 data = json.loads(files[0].read_text())
                 data["local_workers"] = local
                 return data
-            reason = "msrun did not start" if result is None else \
-                ("timed out" if result.returncode == 124 else f"msrun exit code {result.returncode}")
+            reason = (
+                "msrun did not start"
+                if result is None
+                else ("timed out" if result.returncode == 124 else f"msrun exit code {result.returncode}")
+            )
             for log in sorted(logs.glob("worker_*.log")) if logs.exists() else []:
-                errs = [ln for ln in log.read_text(errors="replace").splitlines()
-                        if "Error" in ln or "error" in ln.lower()]
+                errs = [
+                    ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln.lower()
+                ]
                 if errs:
                     reason += f"; {log.name}: {errs[-1].strip()[:200]}"
                     break
@@ -258,17 +300,21 @@ def run_collective_job(ctx: DoctorContext, scope: str) -> dict:
 
 
 def _bw_text(res: dict) -> str:
-    return (f"AllReduce {res['bytes'] / 2 ** 20:.0f} MiB over {res['world']} {res['device']} ranks: "
-            f"{res['seconds'] * 1e3:.1f} ms, algbw {res['algbw_gbps']:.2f} GB/s, busbw {res['busbw_gbps']:.2f} GB/s")
+    return (
+        f"AllReduce {res['bytes'] / 2**20:.0f} MiB over {res['world']} {res['device']} ranks: "
+        f"{res['seconds'] * 1e3:.1f} ms, algbw {res['algbw_gbps']:.2f} GB/s, busbw {res['busbw_gbps']:.2f} GB/s"
+    )
 
 
 @check("allreduce_bw", 8, "all-reduce bandwidth inside the node (msrun)", heavy=True)
 def check_allreduce_bw(ctx: DoctorContext) -> CheckResult:
     res = run_collective_job(ctx, "node")
     if not res.get("ok"):
-        return failed(f"all-reduce test failed: {res.get('error', 'wrong result')}",
-                      "run `msrun --worker_num=8 --local_worker_num=8 ms_deepseek/diagnostics/collective_bench.py "
-                      "--out /tmp/bench --device Ascend` and read its worker logs; see doctor:hccl_timeouts")
+        return failed(
+            f"all-reduce test failed: {res.get('error', 'wrong result')}",
+            "run `msrun --worker_num=8 --local_worker_num=8 ms_deepseek/diagnostics/collective_bench.py "
+            "--out /tmp/bench --device Ascend` and read its worker logs; see doctor:hccl_timeouts",
+        )
     text = _bw_text(res)
     if res["device"] != "Ascend":
         return passed(text + " (CPU/mccl: informational, no HCCS target)", **_public(res))
@@ -276,8 +322,12 @@ def check_allreduce_bw(ctx: DoctorContext) -> CheckResult:
     per_peer = res["busbw_gbps"] / max(1, res["world"] - 1)
     text += f", {per_peer:.1f} GB/s per peer (HCCS: {HCCS_GBPS_PER_PEER:.0f} GB/s per peer)"
     if per_peer < 0.5 * HCCS_GBPS_PER_PEER:
-        return warned(text, "check `npu-smi info -t topo` (all pairs HCCS), that no other job shares the "
-                            "devices, and CPU/NUMA binding (msrun --bind_core=True)", **_public(res))
+        return warned(
+            text,
+            "check `npu-smi info -t topo` (all pairs HCCS), that no other job shares the "
+            "devices, and CPU/NUMA binding (msrun --bind_core=True)",
+            **_public(res),
+        )
     return passed(text, **_public(res))
 
 
@@ -293,24 +343,30 @@ def _public(res: dict) -> dict:
 def check_master_reachable(ctx: DoctorContext) -> CheckResult:
     addr = ctx.master_addr or ctx.probe.env("MS_SCHED_HOST")
     if not addr:
-        return failed(f"level {ctx.level} needs the master node's address",
-                      "pass --master-addr <node 0 IP> --node-rank <this node's rank> (same on every node)")
+        return failed(
+            f"level {ctx.level} needs the master node's address",
+            "pass --master-addr <node 0 IP> --node-rank <this node's rank> (same on every node)",
+        )
     if addr in ctx.probe.local_addresses():
         return passed(f"this node is the master ({addr})")
     state = ctx.probe.tcp_probe(addr, ctx.master_port)
     if state in ("open", "refused"):  # a refused connection is an answer from the host
         return passed(f"master {addr} answers on the network (port {ctx.master_port}: {state})")
-    return failed(f"master {addr}:{ctx.master_port} not reachable ({state})",
-                  "check the address, routes and firewall between the nodes (`ping`, `ip route get <addr>`); "
-                  "the master port must be open for msrun's scheduler")
+    return failed(
+        f"master {addr}:{ctx.master_port} not reachable ({state})",
+        "check the address, routes and firewall between the nodes (`ping`, `ip route get <addr>`); "
+        "the master port must be open for msrun's scheduler",
+    )
 
 
 @check("version_consistency", 16, "identical versions on every node (msrun)", heavy=True)
 def check_version_consistency(ctx: DoctorContext) -> CheckResult:
     res = run_collective_job(ctx, "cluster")
     if not res.get("ranks"):
-        return failed(f"could not gather versions: {res.get('error', 'no result')}",
-                      "run the same doctor command on every node at the same time; see doctor:master_reachable")
+        return failed(
+            f"could not gather versions: {res.get('error', 'no result')}",
+            "run the same doctor command on every node at the same time; see doctor:master_reachable",
+        )
     groups: Dict[str, List[str]] = {}
     for rank, info in sorted(res["ranks"].items(), key=lambda kv: int(kv[0])):
         groups.setdefault(info["versions"], []).append(f"{info['host']}/{rank}")
@@ -318,24 +374,32 @@ def check_version_consistency(ctx: DoctorContext) -> CheckResult:
         (versions,) = groups
         return passed(f"all {res['world']} ranks run {versions}")
     common = max(groups, key=lambda v: len(groups[v]))
-    odd = [f"{', '.join(sorted(set(r.split('/')[0] for r in ranks)))}: {v}"
-           for v, ranks in groups.items() if v != common]
-    return failed(f"versions differ from the majority ({common}): " + "; ".join(odd),
-                  "deploy the same image (or pip install -r requirements.txt and the same CANN) on every node")
+    odd = [
+        f"{', '.join(sorted(set(r.split('/')[0] for r in ranks)))}: {v}" for v, ranks in groups.items() if v != common
+    ]
+    return failed(
+        f"versions differ from the majority ({common}): " + "; ".join(odd),
+        "deploy the same image (or pip install -r requirements.txt and the same CANN) on every node",
+    )
 
 
 @check("cross_node_bw", 16, "all-reduce bandwidth across nodes (msrun)", heavy=True)
 def check_cross_node_bw(ctx: DoctorContext) -> CheckResult:
     res = run_collective_job(ctx, "cluster")
     if not res.get("ok"):
-        return failed(f"cross-node all-reduce failed: {res.get('error', 'wrong result')}",
-                      "check doctor:hccn_conf, doctor:nic_mtu and doctor:hccl_timeouts on every node")
+        return failed(
+            f"cross-node all-reduce failed: {res.get('error', 'wrong result')}",
+            "check doctor:hccn_conf, doctor:nic_mtu and doctor:hccl_timeouts on every node",
+        )
     text = _bw_text(res) + f" across {ctx.nodes} nodes"
     if res["device"] != "Ascend":
         return passed(text + " (CPU/mccl: informational, no RoCE target)", **_public(res))
     # Across nodes each NPU's RoCE NIC is the narrow link: busbw approaches its line rate.
     text += f" (RoCE: ~{ROCE_GBPS_PER_NPU:.0f} GB/s per NPU)"
     if res["busbw_gbps"] < 0.5 * ROCE_GBPS_PER_NPU:
-        return warned(text, "check NIC MTU (doctor:nic_mtu), switch PFC/ECN settings and link speed "
-                            "(`hccn_tool -i N -speed -g`)", **_public(res))
+        return warned(
+            text,
+            "check NIC MTU (doctor:nic_mtu), switch PFC/ECN settings and link speed (`hccn_tool -i N -speed -g`)",
+            **_public(res),
+        )
     return passed(text, **_public(res))

@@ -31,14 +31,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.core.errors import UserError
 
-MIB = 2 ** 20
-GB = 1024 ** 3  # the planner's "GB" (parallel.costs.GB): GiB, as MindSpore's "M" are MiB
+MIB = 2**20
+GB = 1024**3  # the planner's "GB" (parallel.costs.GB): GiB, as MindSpore's "M" are MiB
 
-_PEAK_LINES = {"used_peak_mb": re.compile(r"Used peak memory usage \(without fragments\): (\d+)M"),
-               "actual_peak_mb": re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M")}
+_PEAK_LINES = {
+    "used_peak_mb": re.compile(r"Used peak memory usage \(without fragments\): (\d+)M"),
+    "actual_peak_mb": re.compile(r"Actual peak memory usage \(with fragments\): (\d+)M"),
+}
 _OPTIMIZER_STATE = re.compile(r"^(adam_m|adam_v|moments|moment1|moment2|exp_avg|exp_avg_sq)\.")
-_COMM_OP = re.compile(r"(AllGather|AllReduce|AlltoAll|AlltoAllV|ReduceScatter|Send|Receive|Broadcast|"
-                      r"MicroStepAllGather|MirrorMicroStep)")
+_COMM_OP = re.compile(
+    r"(AllGather|AllReduce|AlltoAll|AlltoAllV|ReduceScatter|Send|Receive|Broadcast|"
+    r"MicroStepAllGather|MirrorMicroStep)"
+)
 CATEGORIES = ("weights", "optimizer", "accumulated_gradients", "activations", "backward", "communication", "other")
 
 
@@ -99,11 +103,15 @@ def blocks_at_peak(csv_path: Path, top: int = 12) -> Dict:
         entry[0] += size
         entry[1] += 1
     largest = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"tracker_peak_mb": round(int(peak_row["actual_used_memory"]) / MIB, 1),
-            "at_peak_mb": {k: round(v / MIB, 1) for k, v in groups.items()},
-            "largest_at_peak": [{"category": c, "name": n, "blocks": b, "mb": round(s / MIB, 1)}
-                                for (c, n), (s, b) in largest],
-            "blocks": len(rows), "csv": str(csv_path)}
+    return {
+        "tracker_peak_mb": round(int(peak_row["actual_used_memory"]) / MIB, 1),
+        "at_peak_mb": {k: round(v / MIB, 1) for k, v in groups.items()},
+        "largest_at_peak": [
+            {"category": c, "name": n, "blocks": b, "mb": round(s / MIB, 1)} for (c, n), (s, b) in largest
+        ],
+        "blocks": len(rows),
+        "csv": str(csv_path),
+    }
 
 
 def read_accounting(log: Path, folder: Path) -> Dict:
@@ -116,8 +124,10 @@ def read_accounting(log: Path, folder: Path) -> Dict:
             out.update(blocks_at_peak(candidate))
             break
     if "used_peak_mb" not in out:
-        out["error"] = (f"{log}: no 'Used peak memory usage' line: MindSpore printed no pool peak "
-                        "(did the step run under MS_SIMULATION_LEVEL=1?)")
+        out["error"] = (
+            f"{log}: no 'Used peak memory usage' line: MindSpore printed no pool peak "
+            "(did the step run under MS_SIMULATION_LEVEL=1?)"
+        )
     return out
 
 
@@ -140,10 +150,10 @@ class Comparison:
     stage: int
     layers: int
     rows: List[Tuple[str, float, float]] = field(default_factory=list)  # (row, planner GB, MindSpore GB)
-    planner_total: float = 0.0     # GB, what both count
-    ms_total: float = 0.0          # GB, MindSpore's peak (the tracker's; the printed one when no dump)
-    ms_actual: float = 0.0         # GB, with fragments
-    margin: float = 0.0            # GB, the planner's parts MindSpore does not count
+    planner_total: float = 0.0  # GB, what both count
+    ms_total: float = 0.0  # GB, MindSpore's peak (the tracker's; the printed one when no dump)
+    ms_actual: float = 0.0  # GB, with fragments
+    margin: float = 0.0  # GB, the planner's parts MindSpore does not count
 
     @property
     def ratio(self) -> float:
@@ -184,9 +194,13 @@ def format_comparison(c: Comparison) -> List[str]:
     lines = [f"    {'GB (GiB)':28s} {'planner':>9s} {'MindSpore':>10s} {'diff':>8s}"]
     for row, p, m in c.rows:
         lines.append(f"    {row:28s} {p:9.3f} {m:10.3f} {p - m:+8.3f}")
-    lines.append(f"    {'total (what both count)':28s} {c.planner_total:9.3f} {c.ms_total:10.3f} "
-                 f"{c.planner_total - c.ms_total:+8.3f}  planner/MindSpore {c.ratio:.2f}")
+    lines.append(
+        f"    {'total (what both count)':28s} {c.planner_total:9.3f} {c.ms_total:10.3f} "
+        f"{c.planner_total - c.ms_total:+8.3f}  planner/MindSpore {c.ratio:.2f}"
+    )
     if c.ms_actual:
-        lines.append(f"    MindSpore with fragments {c.ms_actual:.2f}G; planner's own margin (HCCL buffers, "
-                     f"workspace) {c.margin:.2f}G, not counted by MindSpore's level 1")
+        lines.append(
+            f"    MindSpore with fragments {c.ms_actual:.2f}G; planner's own margin (HCCL buffers, "
+            f"workspace) {c.margin:.2f}G, not counted by MindSpore's level 1"
+        )
     return lines

@@ -72,8 +72,9 @@ def read_pins(path: Optional[str] = None) -> Tuple[str, Dict[str, Pin]]:
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise UserError(f"--requirements {path}: not a text requirements file (byte {exc.start} is not "
-                            "UTF-8)") from None
+            raise UserError(
+                f"--requirements {path}: not a text requirements file (byte {exc.start} is not UTF-8)"
+            ) from None
         except OSError as exc:
             raise UserError(f"--requirements {path}: cannot read ({exc.strerror or exc})") from None
         return str(p), parse_requirement_lines(text.splitlines())
@@ -89,8 +90,9 @@ def read_pins(path: Optional[str] = None) -> Tuple[str, Dict[str, Pin]]:
     runtime = [r for r in requires if "extra ==" not in r]
     if runtime:
         return f"{DIST_NAME} package metadata", parse_requirement_lines(runtime)
-    raise UserError("requirements.txt not found next to the package and ms-deepseek is not installed; "
-                    "pass --requirements PATH")
+    raise UserError(
+        "requirements.txt not found next to the package and ms-deepseek is not installed; pass --requirements PATH"
+    )
 
 
 def python_requires() -> Optional[str]:
@@ -134,8 +136,15 @@ def satisfies(version: str, spec: str) -> bool:
         if not m:
             return False
         op, other = m.group(1), _num(m.group(2))
-        ok = {"==": v == other, ">=": v >= other, "<=": v <= other, ">": v > other, "<": v < other,
-              "!=": v != other, "~=": v >= other}[op]
+        ok = {
+            "==": v == other,
+            ">=": v >= other,
+            "<=": v <= other,
+            ">": v > other,
+            "<": v < other,
+            "!=": v != other,
+            "~=": v >= other,
+        }[op]
         if not ok:
             return False
     return True

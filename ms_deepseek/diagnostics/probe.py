@@ -60,8 +60,13 @@ class SystemProbe:
                 return candidate
         return None
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, env: Optional[Mapping[str, str]] = None,
-            cwd: Optional[str] = None) -> Optional[CommandResult]:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+    ) -> Optional[CommandResult]:
         """Run ``argv``; None when the program does not exist. A timeout is returncode 124."""
         exe = self.which(argv[0]) if not os.path.isabs(argv[0]) else argv[0]
         if exe is None or not os.path.exists(exe):
@@ -71,8 +76,15 @@ class SystemProbe:
             full_env = dict(os.environ)
             full_env.update(env)
         try:
-            proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
-                                  env=full_env, cwd=cwd, errors="replace")
+            proc = subprocess.run(
+                [exe, *argv[1:]],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=full_env,
+                cwd=cwd,
+                errors="replace",
+            )
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             return CommandResult(124, out, f"timed out after {timeout:.0f} s")
@@ -140,12 +152,19 @@ class RecordedProbe(SystemProbe):
     counts as installed when some recorded command starts with it.
     """
 
-    def __init__(self, files: Optional[Dict[str, str]] = None, commands: Optional[Dict[str, object]] = None,
-                 env: Optional[Dict[str, str]] = None, disk: Optional[Dict[str, int]] = None,
-                 tcp: Optional[Dict[str, str]] = None, addresses: Sequence[str] = ("127.0.0.1",)):
+    def __init__(
+        self,
+        files: Optional[Dict[str, str]] = None,
+        commands: Optional[Dict[str, object]] = None,
+        env: Optional[Dict[str, str]] = None,
+        disk: Optional[Dict[str, int]] = None,
+        tcp: Optional[Dict[str, str]] = None,
+        addresses: Sequence[str] = ("127.0.0.1",),
+    ):
         self.files = dict(files or {})
-        self.commands = {k: (v if isinstance(v, CommandResult) else CommandResult(0, str(v)))
-                         for k, v in (commands or {}).items()}
+        self.commands = {
+            k: (v if isinstance(v, CommandResult) else CommandResult(0, str(v))) for k, v in (commands or {}).items()
+        }
         self.environ = dict(env or {})
         self.disk = dict(disk or {})
         self.tcp = dict(tcp or {})
@@ -158,10 +177,14 @@ class RecordedProbe(SystemProbe):
         "env": {...}, "disk": {...}, "tcp": {...}}) from ``folder``, over the contents of ``base``."""
         folder = Path(folder)
         spec = json.loads((folder / "probe.json").read_text())
-        probe = cls(files=dict(base.files) if base else None, commands=dict(base.commands) if base else None,
-                    env=dict(base.environ) if base else None, disk=dict(base.disk) if base else None,
-                    tcp=dict(base.tcp) if base else None,
-                    addresses=base.addresses if base else ("127.0.0.1",))
+        probe = cls(
+            files=dict(base.files) if base else None,
+            commands=dict(base.commands) if base else None,
+            env=dict(base.environ) if base else None,
+            disk=dict(base.disk) if base else None,
+            tcp=dict(base.tcp) if base else None,
+            addresses=base.addresses if base else ("127.0.0.1",),
+        )
 
         def text(ref: str) -> str:
             return (folder / ref).read_text()
@@ -204,8 +227,13 @@ class RecordedProbe(SystemProbe):
             return f"/usr/local/bin/{tool}"
         return None
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, env: Optional[Mapping[str, str]] = None,
-            cwd: Optional[str] = None) -> Optional[CommandResult]:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+    ) -> Optional[CommandResult]:
         words = [str(a) for a in argv]
         if words and words[0] == sys.executable:  # recorded as plain "python"
             words[0] = "python"

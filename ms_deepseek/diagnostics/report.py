@@ -23,8 +23,15 @@ from ms_deepseek.diagnostics.report_svg import Band, Chart, Series, ema, esc, re
 from ms_deepseek.train.alerts import GRAD_NORM_HIGH, GRAD_NORM_LOW, RULES, Alert, scan
 from ms_deepseek.train.metrics_io import MetricsFile, number, read_metrics
 
-CORE_PLOTS = ("plot-loss", "plot-lr", "plot-grad-norm", "plot-tokens-per-s", "plot-expert-load",
-              "plot-dropped-fraction", "plot-balance-losses")
+CORE_PLOTS = (
+    "plot-loss",
+    "plot-lr",
+    "plot-grad-norm",
+    "plot-tokens-per-s",
+    "plot-expert-load",
+    "plot-dropped-fraction",
+    "plot-balance-losses",
+)
 MEMORY_PLOTS = ("plot-memory", "plot-fragmentation")
 
 CSS = """
@@ -57,7 +64,9 @@ def _alerts_html(alerts: List[Alert]) -> str:
     items = "".join(
         f'<div class="alert" data-rule="{esc(a.rule)}"><span class="rule">{esc(a.rule)}</span>'
         f'<span class="steps">{esc(a.steps)}</span>{esc(a.message)} <span class="why">(rule: {esc(RULES[a.rule])})'
-        f'</span></div>' for a in alerts)
+        f"</span></div>"
+        for a in alerts
+    )
     return f'<section id="alerts" class="has"><h2>Alerts ({len(alerts)})</h2>{items}</section>'
 
 
@@ -91,21 +100,52 @@ def build_plots(records) -> List[str]:
     parts = []
     steps, loss = xy(records, "loss")
     ts, total = xy(records, "total_loss")
-    per_source = [Series(f"validation loss: {key.split('/', 1)[1]}", *xy(records, key),
-                         _SOURCE_COLORS[i % len(_SOURCE_COLORS)], 1.5, dash="6 3")
-                  for i, key in enumerate(_per_source_validation(records))]
-    parts.append(render_chart(Chart("plot-loss", "Loss", [
-        Series("total loss (with balance losses)", ts, total, "#ff7f0e", 1.0, dash="4 3"),
-        Series("loss", steps, loss, "#9ec5e8", 1.0),
-        Series("loss (smoothed)", steps, ema(loss), "#1f77b4", 2.0),
-        Series("validation loss (held-out, eval mode)", *xy(records, "val_loss"), "#d62728", 2.0),
-    ] + per_source)))
+    per_source = [
+        Series(
+            f"validation loss: {key.split('/', 1)[1]}",
+            *xy(records, key),
+            _SOURCE_COLORS[i % len(_SOURCE_COLORS)],
+            1.5,
+            dash="6 3",
+        )
+        for i, key in enumerate(_per_source_validation(records))
+    ]
+    parts.append(
+        render_chart(
+            Chart(
+                "plot-loss",
+                "Loss",
+                [
+                    Series("total loss (with balance losses)", ts, total, "#ff7f0e", 1.0, dash="4 3"),
+                    Series("loss", steps, loss, "#9ec5e8", 1.0),
+                    Series("loss (smoothed)", steps, ema(loss), "#1f77b4", 2.0),
+                    Series("validation loss (held-out, eval mode)", *xy(records, "val_loss"), "#d62728", 2.0),
+                ]
+                + per_source,
+            )
+        )
+    )
     parts.append(render_chart(Chart("plot-lr", "Learning rate", [Series("lr", *xy(records, "lr"))])))
-    parts.append(render_chart(Chart(
-        "plot-grad-norm", "Gradient norm (log scale)", [Series("grad norm", *xy(records, "grad_norm"), "#9467bd")],
-        log_y=True, band=Band(GRAD_NORM_LOW, GRAD_NORM_HIGH, f"healthy band [{GRAD_NORM_LOW:g}, {GRAD_NORM_HIGH:g}]"))))
-    parts.append(render_chart(Chart("plot-tokens-per-s", "Throughput (tokens/s)",
-                                    [Series("tokens/s", *xy(records, "tokens_per_s"), "#2ca02c")])))
+    parts.append(
+        render_chart(
+            Chart(
+                "plot-grad-norm",
+                "Gradient norm (log scale)",
+                [Series("grad norm", *xy(records, "grad_norm"), "#9467bd")],
+                log_y=True,
+                band=Band(GRAD_NORM_LOW, GRAD_NORM_HIGH, f"healthy band [{GRAD_NORM_LOW:g}, {GRAD_NORM_HIGH:g}]"),
+            )
+        )
+    )
+    parts.append(
+        render_chart(
+            Chart(
+                "plot-tokens-per-s",
+                "Throughput (tokens/s)",
+                [Series("tokens/s", *xy(records, "tokens_per_s"), "#2ca02c")],
+            )
+        )
+    )
     layers = _moe_layers(records)
     heat = []
     for layer in layers:
@@ -117,13 +157,14 @@ def build_plots(records) -> List[str]:
                 hs.append(int(r.get("step", 0)))
                 rows.append([float(x) * n if isinstance(x, (int, float)) else float("nan") for x in load])
         if rows and len({len(r) for r in rows}) == 1:
-            heat.append(render_heatmap(f"plot-expert-load-layer-{layer}", f"Expert load, MoE layer {layer}",
-                                       hs, rows))
+            heat.append(render_heatmap(f"plot-expert-load-layer-{layer}", f"Expert load, MoE layer {layer}", hs, rows))
     if not heat:
         heat.append('<p class="empty">no expert load logged (dense model or no MoE layer)</p>')
-    parts.append(f'<div class="plot-group" id="plot-expert-load"><h2>Expert load per MoE layer (share of routed '
-                 f'slots / fair share; bright = overloaded, dark = starved)</h2><div class="grid-plots">'
-                 f'{"".join(heat)}</div></div>')
+    parts.append(
+        f'<div class="plot-group" id="plot-expert-load"><h2>Expert load per MoE layer (share of routed '
+        f'slots / fair share; bright = overloaded, dark = starved)</h2><div class="grid-plots">'
+        f"{''.join(heat)}</div></div>"
+    )
     dropped = []
     for layer in layers:
         xs, ys = [], []
@@ -135,37 +176,77 @@ def build_plots(records) -> List[str]:
         if xs:
             dropped.append(Series(f"layer {layer}", xs, ys))
     parts.append(render_chart(Chart("plot-dropped-fraction", "Dropped fraction of routed slots", dropped)))
-    parts.append(render_chart(Chart("plot-balance-losses", "Balance losses (unweighted, summed over MoE layers)", [
-        Series("expert", *xy(records, "balance_expert")),
-        Series("device", *xy(records, "balance_device")),
-        Series("communication", *xy(records, "balance_comm")),
-    ])))
-    sources = sorted({name for r in records for name in (r.get("samples_by_source") or {})
-                      if isinstance(r.get("samples_by_source"), dict)})
+    parts.append(
+        render_chart(
+            Chart(
+                "plot-balance-losses",
+                "Balance losses (unweighted, summed over MoE layers)",
+                [
+                    Series("expert", *xy(records, "balance_expert")),
+                    Series("device", *xy(records, "balance_device")),
+                    Series("communication", *xy(records, "balance_comm")),
+                ],
+            )
+        )
+    )
+    sources = sorted(
+        {
+            name
+            for r in records
+            for name in (r.get("samples_by_source") or {})
+            if isinstance(r.get("samples_by_source"), dict)
+        }
+    )
     if sources:  # a weighted mixture: samples drawn from each source so far
         series = []
         for name in sources:
             xs, ys = [], []
             for r in records:
-                v = (r.get("samples_by_source") or {}).get(name) if isinstance(r.get("samples_by_source"), dict) \
+                v = (
+                    (r.get("samples_by_source") or {}).get(name)
+                    if isinstance(r.get("samples_by_source"), dict)
                     else None
+                )
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     xs.append(int(r.get("step", 0)))
                     ys.append(float(v))
             series.append(Series(name, xs, ys))
         parts.append(render_chart(Chart("plot-samples-by-source", "Samples drawn per data source", series)))
     if any(number(r, "data_wait_s") is not None for r in records):
-        parts.append(render_chart(Chart("plot-data-wait", "Data wait per step (s)",
-                                        [Series("waiting for the batch", *xy(records, "data_wait_s"), "#9467bd")])))
-    if any(number(r, "memory_allocated_gb") is not None or number(r, "memory_reserved_gb") is not None
-           for r in records):
-        parts.append(render_chart(Chart("plot-memory", "Device memory (GB)", [
-            Series("allocated", *xy(records, "memory_allocated_gb")),
-            Series("reserved", *xy(records, "memory_reserved_gb")),
-        ])))
+        parts.append(
+            render_chart(
+                Chart(
+                    "plot-data-wait",
+                    "Data wait per step (s)",
+                    [Series("waiting for the batch", *xy(records, "data_wait_s"), "#9467bd")],
+                )
+            )
+        )
+    if any(
+        number(r, "memory_allocated_gb") is not None or number(r, "memory_reserved_gb") is not None for r in records
+    ):
+        parts.append(
+            render_chart(
+                Chart(
+                    "plot-memory",
+                    "Device memory (GB)",
+                    [
+                        Series("allocated", *xy(records, "memory_allocated_gb")),
+                        Series("reserved", *xy(records, "memory_reserved_gb")),
+                    ],
+                )
+            )
+        )
     if any(number(r, "memory_fragmentation") is not None for r in records):
-        parts.append(render_chart(Chart("plot-fragmentation", "Memory fragmentation",
-                                        [Series("fragmentation", *xy(records, "memory_fragmentation"), "#8c564b")])))
+        parts.append(
+            render_chart(
+                Chart(
+                    "plot-fragmentation",
+                    "Memory fragmentation",
+                    [Series("fragmentation", *xy(records, "memory_fragmentation"), "#8c564b")],
+                )
+            )
+        )
     return parts
 
 
@@ -179,18 +260,24 @@ def render_page(run_dir: Path, metrics: MetricsFile, alerts: List[Alert], refres
         lines = ", ".join(map(str, metrics.skipped_lines[:10]))
         notes.append(f"{len(metrics.skipped_lines)} unreadable line(s) skipped: {lines}")
     elapsed = number(last, "elapsed_s")
-    meta = (f"{len(records)} logged steps" + (f", last step {last.get('step')}" if records else "")
-            + (f", {elapsed / 3600:.2f} h elapsed" if elapsed is not None and elapsed == elapsed else "")
-            + f" &middot; generated {_dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}")
+    meta = (
+        f"{len(records)} logged steps"
+        + (f", last step {last.get('step')}" if records else "")
+        + (f", {elapsed / 3600:.2f} h elapsed" if elapsed is not None and elapsed == elapsed else "")
+        + f" &middot; generated {_dt.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}"
+    )
     head_refresh = f'<meta http-equiv="refresh" content="{int(max(1, refresh))}">' if refresh else ""
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>ms-deepseek report: {esc(run_dir.name)}</title>{head_refresh}<style>{CSS}</style></head><body>"
-        f"<h1>Training report: {esc(run_dir.resolve())}</h1><div class=\"meta\">{meta}</div>"
+        f'<h1>Training report: {esc(run_dir.resolve())}</h1><div class="meta">{meta}</div>'
         + "".join(f'<div class="note">Note: {esc(n)}</div>' for n in notes)
         + _alerts_html(alerts)
-        + '<h2>Metrics</h2><div class="grid-plots">' + "".join(build_plots(records)) + "</div>"
-        + "</body></html>\n")
+        + '<h2>Metrics</h2><div class="grid-plots">'
+        + "".join(build_plots(records))
+        + "</div>"
+        + "</body></html>\n"
+    )
 
 
 def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str, object]:
@@ -200,9 +287,13 @@ def generate(run_dir, output=None, refresh: Optional[float] = None) -> Dict[str,
         raise UserError(f"{run_dir}: not a folder (expected a run folder holding metrics.jsonl)")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     if not metrics.records:  # an empty page would read as "no alerts": say there is nothing to report
-        why = (f"{len(metrics.skipped_lines)} unreadable line(s), first at line {metrics.skipped_lines[0]}"
-               if metrics.skipped_lines else "an incomplete last line only" if metrics.truncated_tail
-               else "the file is empty")
+        why = (
+            f"{len(metrics.skipped_lines)} unreadable line(s), first at line {metrics.skipped_lines[0]}"
+            if metrics.skipped_lines
+            else "an incomplete last line only"
+            if metrics.truncated_tail
+            else "the file is empty"
+        )
         raise UserError(f"{run_dir / 'metrics.jsonl'}: no valid step record ({why}); nothing to report")
     alerts = scan(metrics.records)
     out = Path(output) if output else run_dir / "report.html"

@@ -16,8 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 W, H = 640, 230
 PAD_L, PAD_R, PAD_T, PAD_B = 62, 16, 26, 34
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf")
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 MAX_POINTS = 1200
 
 
@@ -140,7 +139,7 @@ def render_chart(chart: Chart) -> str:
 
     # grid and y ticks
     if chart.log_y:
-        yticks = [10.0 ** e for e in range(int(y0), int(y1) + 1)]
+        yticks = [10.0**e for e in range(int(y0), int(y1) + 1)]
     else:
         yticks = nice_ticks(y0, y1)
     for t in yticks:
@@ -154,9 +153,11 @@ def render_chart(chart: Chart) -> str:
         body.append(f'<text x="{x:.1f}" y="{PAD_T + ph + 17}" text-anchor="middle" class="tick">{fmt(t)}</text>')
     if chart.band is not None:
         top, bottom = sy(chart.band.high), sy(chart.band.low)
-        body.append(f'<rect x="{PAD_L}" y="{top:.1f}" width="{pw}" height="{max(0.0, bottom - top):.1f}" '
-                    f'fill="{chart.band.color}" fill-opacity="0.12" class="band"><title>{esc(chart.band.label)}'
-                    f'</title></rect>')
+        body.append(
+            f'<rect x="{PAD_L}" y="{top:.1f}" width="{pw}" height="{max(0.0, bottom - top):.1f}" '
+            f'fill="{chart.band.color}" fill-opacity="0.12" class="band"><title>{esc(chart.band.label)}'
+            f"</title></rect>"
+        )
     # series
     legend, marks = [], []
     for i, s in enumerate(chart.series):
@@ -181,26 +182,33 @@ def render_chart(chart: Chart) -> str:
                 cx, cy = run[0].split(",")
                 body.append(f'<circle cx="{cx}" cy="{cy}" r="1.8" fill="{color}"/>')
             else:
-                body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{color}" '
-                            f'stroke-width="{s.width}" stroke-opacity="{s.opacity}"{dash}/>')
+                body.append(
+                    f'<polyline points="{" ".join(run)}" fill="none" stroke="{color}" '
+                    f'stroke-width="{s.width}" stroke-opacity="{s.opacity}"{dash}/>'
+                )
         legend.append(f'<span class="key"><i style="background:{color}"></i>{esc(s.label)}</span>')
     for x, y in marks:
-        body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + 8}" class="nonfinite">'
-                    f'<title>{esc(y)}</title></line>')
+        body.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T}" y2="{PAD_T + 8}" class="nonfinite">'
+            f"<title>{esc(y)}</title></line>"
+        )
     if marks:
         legend.append('<span class="key"><i style="background:#d62728"></i>NaN / Inf</span>')
     if chart.band is not None:
-        legend.append(f'<span class="key"><i style="background:{chart.band.color};opacity:.3"></i>'
-                      f'{esc(chart.band.label)}</span>')
+        legend.append(
+            f'<span class="key"><i style="background:{chart.band.color};opacity:.3"></i>{esc(chart.band.label)}</span>'
+        )
     body.append(f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="frame"/>')
     body.append(f'<text x="{PAD_L + pw / 2}" y="{H - 4}" text-anchor="middle" class="label">step</text>')
     return _frame(chart, "".join(body), "".join(legend))
 
 
 def _frame(chart: Chart, body: str, legend: str) -> str:
-    return (f'<figure class="plot" id="{esc(chart.id)}"><figcaption>{esc(chart.title)}</figcaption>'
-            f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{esc(chart.title)}">'
-            f'{body}</svg><div class="legend">{legend}</div></figure>')
+    return (
+        f'<figure class="plot" id="{esc(chart.id)}"><figcaption>{esc(chart.title)}</figcaption>'
+        f'<svg viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img" aria-label="{esc(chart.title)}">'
+        f'{body}</svg><div class="legend">{legend}</div></figure>'
+    )
 
 
 # viridis, 6 stops
@@ -236,8 +244,12 @@ def png_data_uri(pixels) -> str:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
@@ -252,8 +264,9 @@ def colormap_array(t):
     return np.rint(stops[i] + (stops[i + 1] - stops[i]) * f).astype(np.uint8)
 
 
-def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows, vmax: float = 2.0,
-                   max_cols: int = 400) -> str:
+def render_heatmap(
+    chart_id: str, title: str, steps: Sequence[int], rows, vmax: float = 2.0, max_cols: int = 400
+) -> str:
     """Heatmap of ``rows`` [T][E] (value / fair share) over time: x = logs (bucketed), y = expert.
 
     The cells are one small PNG (one pixel per cell) stretched over the plot area, so a
@@ -263,8 +276,11 @@ def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows, vmax: 
 
     data = np.asarray(rows, np.float64) if len(rows) else np.zeros((0, 0))
     if data.size == 0:
-        return _frame(Chart(chart_id, title), f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" '
-                                              f'class="empty">no data logged</text>', "")
+        return _frame(
+            Chart(chart_id, title),
+            f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" class="empty">no data logged</text>',
+            "",
+        )
     T, E = data.shape
     cols = min(T, max_cols)
     starts = (np.arange(cols) * T) // cols  # first log of each column bucket
@@ -276,22 +292,31 @@ def render_heatmap(chart_id: str, title: str, steps: Sequence[int], rows, vmax: 
     pixels = colormap_array(mean.T / vmax)  # [E, cols, 3]
     pixels[(counts.T == 0)] = 255  # nothing finite logged: white
     pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
-    parts = [f'<image x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" preserveAspectRatio="none" '
-             f'style="image-rendering:pixelated" href="{png_data_uri(pixels)}"/>',
-             f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="frame"/>']
+    parts = [
+        f'<image x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" preserveAspectRatio="none" '
+        f'style="image-rendering:pixelated" href="{png_data_uri(pixels)}"/>',
+        f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="frame"/>',
+    ]
     rh, cw = ph / E, pw / cols
     for t in nice_ticks(0, E - 1, min(E, 6)):
         if float(t).is_integer() and 0 <= t < E:
-            parts.append(f'<text x="{PAD_L - 6}" y="{PAD_T + (t + 0.5) * rh + 4:.1f}" text-anchor="end" '
-                         f'class="tick">{int(t)}</text>')
+            parts.append(
+                f'<text x="{PAD_L - 6}" y="{PAD_T + (t + 0.5) * rh + 4:.1f}" text-anchor="end" '
+                f'class="tick">{int(t)}</text>'
+            )
     for c in sorted({0, cols // 2, cols - 1}):
-        parts.append(f'<text x="{PAD_L + (c + 0.5) * cw:.1f}" y="{PAD_T + ph + 17}" text-anchor="middle" '
-                     f'class="tick">{steps[int(starts[c])]}</text>')
+        parts.append(
+            f'<text x="{PAD_L + (c + 0.5) * cw:.1f}" y="{PAD_T + ph + 17}" text-anchor="middle" '
+            f'class="tick">{steps[int(starts[c])]}</text>'
+        )
     parts.append(f'<text x="{PAD_L + pw / 2}" y="{H - 4}" text-anchor="middle" class="label">step</text>')
-    parts.append(f'<text x="14" y="{PAD_T + ph / 2}" transform="rotate(-90 14 {PAD_T + ph / 2})" '
-                 f'text-anchor="middle" class="label">expert</text>')
-    legend = "".join(f'<span class="key"><i style="background:{colormap(v / vmax)}"></i>{v:g}x</span>'
-                     for v in (0, 0.5, 1, 1.5, 2))
+    parts.append(
+        f'<text x="14" y="{PAD_T + ph / 2}" transform="rotate(-90 14 {PAD_T + ph / 2})" '
+        f'text-anchor="middle" class="label">expert</text>'
+    )
+    legend = "".join(
+        f'<span class="key"><i style="background:{colormap(v / vmax)}"></i>{v:g}x</span>' for v in (0, 0.5, 1, 1.5, 2)
+    )
     return _frame(Chart(chart_id, title), "".join(parts), legend + '<span class="key">load / fair share</span>')
 
 

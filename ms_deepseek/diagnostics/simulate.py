@@ -44,14 +44,14 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, parameter_inventory, stage_of_param
 
 TOLERANCE = 1e-5
-SMALL_SEQ_LEN = 8        # tokens per sequence in the reduced model (the recipe's length, cut)
+SMALL_SEQ_LEN = 8  # tokens per sequence in the reduced model (the recipe's length, cut)
 SMALL_HIDDEN = 32
 
 
 @dataclass
 class CheckResult:
     name: str
-    status: str                      # "pass" | "fail" | "unavailable"
+    status: str  # "pass" | "fail" | "unavailable"
     max_err: Optional[float] = None  # None when unavailable
     detail: str = ""
 
@@ -63,8 +63,11 @@ class CheckResult:
         if self.status == "unavailable":
             return f"  {self.name:<8} not available  {self.detail}"
         verdict = "ok  " if self.passed else "FAIL"
-        err = f"{self.max_err:.3g}" if isinstance(self.max_err, float) and not float(self.max_err).is_integer() \
+        err = (
+            f"{self.max_err:.3g}"
+            if isinstance(self.max_err, float) and not float(self.max_err).is_integer()
             else f"{int(self.max_err)}"
+        )
         return f"  {self.name:<8} {verdict} max_err {err:<10} {self.detail}"
 
 
@@ -75,11 +78,12 @@ def _result(name: str, err: float, detail: str) -> CheckResult:
 @dataclass
 class SimContext:
     """What every check sees: the reduced model with the plan applied, and the layout it stands for."""
-    full_cfg: object                  # the recipe's model config (full size)
+
+    full_cfg: object  # the recipe's model config (full size)
     full_parallel: ParallelConfig
-    cfg: object                       # the reduced config the model was built from
-    parallel: ParallelConfig          # the layout applied to the reduced model (same degrees)
-    seq_len: int                      # reduced sequence length
+    cfg: object  # the reduced config the model was built from
+    parallel: ParallelConfig  # the layout applied to the reduced model (same degrees)
+    seq_len: int  # reduced sequence length
     micro_batch_size: int
     plan: Plan
     mesh: Mesh
@@ -96,9 +100,11 @@ CHECKS: Dict[str, Callable[[SimContext], CheckResult]] = {}
 
 def register(name: str):
     """Decorator: add ``fn(ctx) -> CheckResult`` to the checks ``plan --simulate`` runs (in order)."""
+
     def wrap(fn):
         CHECKS[name] = fn
         return fn
+
     return wrap
 
 
@@ -122,14 +128,24 @@ def small_config(cfg, parallel: ParallelConfig, seq_len: int) -> Tuple[object, P
     if parallel.sequence_parallel and seq % tp:
         seq = tp * math.ceil(seq / tp)
     changes = dict(
-        hidden_size=SMALL_HIDDEN, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        intermediate_size=8 * tp, vocab_size=64 * tp, kv_lora_rank=16,
+        hidden_size=SMALL_HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=8 * tp,
+        vocab_size=64 * tp,
+        kv_lora_rank=16,
         q_lora_rank=None if cfg.q_lora_rank is None else 16,
-        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
         first_k_dense_replace=dense if cfg.has_moe else cfg.first_k_dense_replace,
         max_position_embeddings=max(cfg.max_position_embeddings, seq),
-        compute_dtype="float32", param_dtype="float32",
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        compute_dtype="float32",
+        param_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if cfg.has_moe:
         changes["moe_intermediate_size"] = 4 * tp
@@ -139,8 +155,15 @@ def small_config(cfg, parallel: ParallelConfig, seq_len: int) -> Tuple[object, P
     return small, small_parallel, seq
 
 
-def build_context(cfg, parallel: ParallelConfig, seq_len: int, micro_batch_size: int = 1,
-                  plan: Optional[Plan] = None, mesh: Optional[Mesh] = None, seed: int = 0) -> SimContext:
+def build_context(
+    cfg,
+    parallel: ParallelConfig,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    plan: Optional[Plan] = None,
+    mesh: Optional[Mesh] = None,
+    seed: int = 0,
+) -> SimContext:
     """Build the reduced model and apply ``plan`` (default: the project's) for ``parallel``.
 
     ``mesh`` (tests: a deliberately wrong one) replaces the mesh the checks compare against;
@@ -154,9 +177,18 @@ def build_context(cfg, parallel: ParallelConfig, seq_len: int, micro_batch_size:
 
     small, small_par, seq = small_config(cfg, parallel, seq_len)
     plan = plan or Plan()
-    ctx = SimContext(full_cfg=cfg, full_parallel=parallel, cfg=small, parallel=small_par, seq_len=seq,
-                     micro_batch_size=micro_batch_size, plan=plan, mesh=mesh or Mesh.from_parallel(small_par),
-                     seed=seed, full_seq_len=seq_len)
+    ctx = SimContext(
+        full_cfg=cfg,
+        full_parallel=parallel,
+        cfg=small,
+        parallel=small_par,
+        seq_len=seq,
+        micro_batch_size=micro_batch_size,
+        plan=plan,
+        mesh=mesh or Mesh.from_parallel(small_par),
+        seed=seed,
+        full_seq_len=seq_len,
+    )
     ms.set_seed(seed)
     ctx.model = DeepseekV2ForCausalLM(small)
     ctx.model.set_train(True)
@@ -176,8 +208,15 @@ def run_checks(ctx: SimContext, names: Optional[Sequence[str]] = None) -> List[C
     return out
 
 
-def simulate(cfg, parallel: ParallelConfig, seq_len: int, micro_batch_size: int = 1, plan: Optional[Plan] = None,
-             mesh: Optional[Mesh] = None, names: Optional[Sequence[str]] = None) -> List[CheckResult]:
+def simulate(
+    cfg,
+    parallel: ParallelConfig,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    plan: Optional[Plan] = None,
+    mesh: Optional[Mesh] = None,
+    names: Optional[Sequence[str]] = None,
+) -> List[CheckResult]:
     """Build the reduced model for ``parallel`` and run the registered checks (see module doc)."""
     ctx = build_context(cfg, parallel, seq_len, micro_batch_size, plan=plan, mesh=mesh)
     return run_checks(ctx, names)
@@ -218,9 +257,14 @@ def check_layout(ctx: SimContext) -> CheckResult:
 
     problems = layout_problems(ctx.full_parallel, ctx.full_cfg, seq_len=ctx.full_seq_len)
     problems += [f"reduced model: {p}" for p in layout_problems(ctx.parallel, ctx.cfg, seq_len=ctx.seq_len)]
-    return _result("layout", len(problems), problems[0] if problems else
-                   f"dp{ctx.parallel.dp} tp{ctx.parallel.tp} ep{ctx.parallel.ep} pp{ctx.parallel.pp}, "
-                   f"reduced model {ctx.cfg.num_hidden_layers} layers, {ctx.cfg.n_routed_experts or 0} experts")
+    return _result(
+        "layout",
+        len(problems),
+        problems[0]
+        if problems
+        else f"dp{ctx.parallel.dp} tp{ctx.parallel.tp} ep{ctx.parallel.ep} pp{ctx.parallel.pp}, "
+        f"reduced model {ctx.cfg.num_hidden_layers} layers, {ctx.cfg.n_routed_experts or 0} experts",
+    )
 
 
 @register("moe")
@@ -232,8 +276,9 @@ def check_moe(ctx: SimContext) -> CheckResult:
     try:
         from ms_deepseek.diagnostics.simulate_moe import simulate_moe_layer
     except ImportError:
-        return CheckResult("moe", "unavailable", None,
-                           "(ms_deepseek.diagnostics.simulate_moe.simulate_moe_layer is not in this build)")
+        return CheckResult(
+            "moe", "unavailable", None, "(ms_deepseek.diagnostics.simulate_moe.simulate_moe_layer is not in this build)"
+        )
     import mindspore as ms
 
     layers = [(i, layer) for i, layer in enumerate(ctx.model.model.layers) if layer.is_moe]
@@ -245,8 +290,13 @@ def check_moe(ctx: SimContext) -> CheckResult:
     kinds: Dict[tuple, List[int]] = {}
     for i, _ in layers:
         prefix = f"model.layers.{i}.mlp."
-        signature = tuple(sorted((path[len(prefix):], repr(strategy)) for path, strategy in
-                                 ctx.applied.strategies.items() if path.startswith(prefix)))
+        signature = tuple(
+            sorted(
+                (path[len(prefix) :], repr(strategy))
+                for path, strategy in ctx.applied.strategies.items()
+                if path.startswith(prefix)
+            )
+        )
         kinds.setdefault(signature, []).append(i)
     rng = np.random.default_rng(ctx.seed)
     batch = ctx.parallel.dp * ctx.micro_batch_size  # one micro-batch over the dp replicas
@@ -257,17 +307,23 @@ def check_moe(ctx: SimContext) -> CheckResult:
         try:
             report = simulate_moe_layer(ctx.model.model.layers[i].mlp, x, ctx.mesh)
         except Exception as exc:  # a strategy the simulator cannot even read: a failed check, never a pass
-            return CheckResult("moe", "fail", float("inf"),
-                               f"layer {i}: the simulation could not run this plan ({type(exc).__name__}: {exc})")
+            return CheckResult(
+                "moe",
+                "fail",
+                float("inf"),
+                f"layer {i}: the simulation could not run this plan ({type(exc).__name__}: {exc})",
+            )
         if report.get("problem"):
             return CheckResult("moe", "fail", float("inf"), f"layer {i}: {report['problem']}")
         fwd, bwd = float(report["forward_max_err"]), float(report["backward_max_err"])
         if max(fwd, bwd) >= worst:
             worst, where = max(fwd, bwd), f"worst layer {i}: forward {fwd:.3g}, backward {bwd:.3g}"
-    simulated = ", ".join(f"layer {m[0]}" + (f" (for {len(m)} layers with its strategies)" if len(m) > 1 else "")
-                          for m in kinds.values())
-    return _result("moe", worst, f"{batch}x{ctx.seq_len} tokens, {ctx.parallel.dp} dp ranks; simulated {simulated}; "
-                                 f"{where}")
+    simulated = ", ".join(
+        f"layer {m[0]}" + (f" (for {len(m)} layers with its strategies)" if len(m) > 1 else "") for m in kinds.values()
+    )
+    return _result(
+        "moe", worst, f"{batch}x{ctx.seq_len} tokens, {ctx.parallel.dp} dp ranks; simulated {simulated}; {where}"
+    )
 
 
 def _data_coordinates():
@@ -332,7 +388,7 @@ def check_data(ctx: SimContext) -> CheckResult:
     slices, problem = mindspore_batch_slices(strategy, D)
     if problem:
         return _result("data", 1, problem)
-    global_rows = par.dp * mbs            # one micro-batch over the data-parallel replicas
+    global_rows = par.dp * mbs  # one micro-batch over the data-parallel replicas
     errors, first = 0, ""
     for stage in range(par.pp):
         by_slice: Dict[int, np.ndarray] = {}
@@ -341,8 +397,10 @@ def check_data(ctx: SimContext) -> CheckResult:
             mine = rows_read(data_rank, data_world, rows)
             if rows * slices != global_rows:
                 errors += 1
-                first = first or (f"rank {r} reads {rows} rows but MindSpore takes its batch for 1/{slices} of "
-                                  f"{global_rows} (dataset_strategy {strategy!r})")
+                first = first or (
+                    f"rank {r} reads {rows} rows but MindSpore takes its batch for 1/{slices} of "
+                    f"{global_rows} (dataset_strategy {strategy!r})"
+                )
             k, _ = slice_of_rank(r, world, par.pp, strategy, rows)
             if k in by_slice and not np.array_equal(by_slice[k], mine):
                 errors += 1
@@ -354,12 +412,19 @@ def check_data(ctx: SimContext) -> CheckResult:
         if bad:
             errors += bad
             dup = np.flatnonzero(counts > 1)
-            first = first or (f"stage {stage}: {len(dup)} rows read by several distinct slices (e.g. row "
-                              f"{int(dup[0])}), {int((counts == 0).sum())} rows by none, under dataset_strategy "
-                              f"{strategy!r} ({slices} slices over {D} devices)" if len(dup)
-                              else f"stage {stage}: {int((counts == 0).sum())} rows of {global_rows} read by no rank")
-    return _result("data", errors, first or f"{world} ranks, {slices} MindSpore slices per stage, "
-                                            f"{global_rows} rows per micro-batch, each read once")
+            first = first or (
+                f"stage {stage}: {len(dup)} rows read by several distinct slices (e.g. row "
+                f"{int(dup[0])}), {int((counts == 0).sum())} rows by none, under dataset_strategy "
+                f"{strategy!r} ({slices} slices over {D} devices)"
+                if len(dup)
+                else f"stage {stage}: {int((counts == 0).sum())} rows of {global_rows} read by no rank"
+            )
+    return _result(
+        "data",
+        errors,
+        first
+        or f"{world} ranks, {slices} MindSpore slices per stage, {global_rows} rows per micro-batch, each read once",
+    )
 
 
 @register("stages")
@@ -375,7 +440,9 @@ def check_stages(ctx: SimContext) -> CheckResult:
     cells = dict(ctx.model.cells_and_names())
     problems: List[str] = []
     for name in sorted(set(inventory) ^ set(built)):
-        problems.append(f"parameter {name} is {'built but not in the plan inventory' if name in built else 'in the inventory but not built'}")
+        problems.append(
+            f"parameter {name} is {'built but not in the plan inventory' if name in built else 'in the inventory but not built'}"
+        )
     for name, shape in built.items():
         if name in inventory and inventory[name].shape != shape:
             problems.append(f"parameter {name}: built {shape}, inventory {inventory[name].shape}")
@@ -388,8 +455,10 @@ def check_stages(ctx: SimContext) -> CheckResult:
             continue
         got = applied.stage_of_cell[owner]
         if par.pp > 1 and getattr(cells.get(owner), "pipeline_stage", None) != got:
-            problems.append(f"cell {owner}: pipeline_stage {getattr(cells.get(owner), 'pipeline_stage', None)} "
-                            f"but the plan says {got}")
+            problems.append(
+                f"cell {owner}: pipeline_stage {getattr(cells.get(owner), 'pipeline_stage', None)} "
+                f"but the plan says {got}"
+            )
         if name in inventory:
             want = stage_of_param(inventory[name], par.pp, stages)
             if got != want:
@@ -397,8 +466,13 @@ def check_stages(ctx: SimContext) -> CheckResult:
     per_stage = [sum(1 for s in stages if s == k) for k in range(par.pp)]
     if any(n == 0 for n in per_stage):
         problems.append(f"a pipeline stage holds no decoder layer: {per_stage}")
-    return _result("stages", len(problems), problems[0] if problems else
-                   f"{par.pp} stages holding {per_stage} layers, {len(built)} parameters each on its planned stage")
+    return _result(
+        "stages",
+        len(problems),
+        problems[0]
+        if problems
+        else f"{par.pp} stages holding {per_stage} layers, {len(built)} parameters each on its planned stage",
+    )
 
 
 @register("loader")
@@ -407,8 +481,9 @@ def check_loader(ctx: SimContext) -> CheckResult:
     try:
         from ms_deepseek.checkpoint import check_loader_slices
     except ImportError:
-        return CheckResult("loader", "unavailable", None,
-                           "(ms_deepseek.checkpoint.check_loader_slices is not in this build)")
+        return CheckResult(
+            "loader", "unavailable", None, "(ms_deepseek.checkpoint.check_loader_slices is not in this build)"
+        )
     err = float(check_loader_slices(ctx.cfg, ctx.parallel))
     return _result("loader", err, f"every rank of {ctx.parallel.world_size} loaded its slices of a random checkpoint")
 
@@ -423,6 +498,11 @@ def check_lint(ctx: SimContext) -> CheckResult:
 
     report = lint_model(ctx.model, ctx.applied, ctx.mesh)
     problems = report.problems
-    return _result("lint", len(problems), problems[0] if problems else
-                   f"{report.primitives} primitives with strategies, {report.edges} producer->consumer edges "
-                   f"checked, {report.allowed} listed redistributions")
+    return _result(
+        "lint",
+        len(problems),
+        problems[0]
+        if problems
+        else f"{report.primitives} primitives with strategies, {report.edges} producer->consumer edges "
+        f"checked, {report.allowed} listed redistributions",
+    )

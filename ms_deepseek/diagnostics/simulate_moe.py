@@ -65,18 +65,23 @@ def _layout(layer, mesh) -> Dict[str, object]:
     if any(k != 1 for s in disp + comb for k in s[1:]):
         problems.append(f"dispatch/combine gathers split a non-batch axis: {disp}, {comb}")
     if G != ranks or ranks != mesh.dp:
-        problems.append(f"dispatch_gather splits the {G} token groups {ranks} ways, not one group per each of "
-                        f"the {mesh.dp} data-parallel ranks")
+        problems.append(
+            f"dispatch_gather splits the {G} token groups {ranks} ways, not one group per each of "
+            f"the {mesh.dp} data-parallel ranks"
+        )
     outer_x, ep_x = exch[0], exch[2] if len(exch) == 5 else 0
-    if exch != back or len(exch) != 5 or exch[1] != 1 or any(k != 1 for k in exch[3:]) \
-            or outer_x * ep_x != ranks:
-        problems.append(f"to_experts/from_experts {exch}/{back} do not split the exchange view [G/ep, ep, E, C, H] "
-                        f"as (dp/ep, 1, ep, 1, 1) = ({ranks // max(layer.ep, 1)}, 1, {layer.ep}, 1, 1)")
+    if exch != back or len(exch) != 5 or exch[1] != 1 or any(k != 1 for k in exch[3:]) or outer_x * ep_x != ranks:
+        problems.append(
+            f"to_experts/from_experts {exch}/{back} do not split the exchange view [G/ep, ep, E, C, H] "
+            f"as (dp/ep, 1, ep, 1, 1) = ({ranks // max(layer.ep, 1)}, 1, {layer.ep}, 1, 1)"
+        )
     elif ep_x != layer.ep:
         problems.append(f"to_experts splits the experts {ep_x} ways but the layer's ep is {layer.ep}")
     if len(gate[0]) != 4 or len(down[0]) != 4 or len(gate[1]) != 3 or len(down[1]) != 3:
-        problems.append(f"the expert matmuls {gate} / {down} do not split a 4-D input [G/ep, E, ep*C, H] and "
-                        f"3-D weights [E, out, in]")
+        problems.append(
+            f"the expert matmuls {gate} / {down} do not split a 4-D input [G/ep, E, ep*C, H] and "
+            f"3-D weights [E, out, in]"
+        )
         return {"ranks": ranks, "problems": problems}
     (outer_b, ep_b, _, _), (ep_w, tp_w, _) = gate
     if up != gate:
@@ -90,8 +95,10 @@ def _layout(layer, mesh) -> Dict[str, object]:
     if E % max(ep_b, 1) or E % max(ep_x, 1):
         problems.append(f"{E} experts do not split {ep_b} / {ep_x} ways")
     if (outer_b, ep_b) != (outer_x, ep_x):
-        problems.append(f"the expert matmuls' device grid ({outer_b} x {ep_b}) is not the exchange's "
-                        f"({outer_x} x {ep_x}) over the {ranks} dp ranks")
+        problems.append(
+            f"the expert matmuls' device grid ({outer_b} x {ep_b}) is not the exchange's "
+            f"({outer_x} x {ep_x}) over the {ranks} dp ranks"
+        )
     return {"ranks": ranks, "outer": outer_x, "ep_x": ep_x, "ep_b": ep_b, "tp": tp_w, "problems": problems}
 
 
@@ -120,7 +127,7 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
     # 1. each data-parallel rank: routing, lookup and dispatch on its own group
     buffers, routes = [], []
     for d in range(R):
-        buf, route = layer.dispatch(tokens[d:d + 1])  # [1, E, C, H]
+        buf, route = layer.dispatch(tokens[d : d + 1])  # [1, E, C, H]
         buffers.append(buf)
         routes.append(route)
 
@@ -133,7 +140,7 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
             src = [d for d in range(R) if view_block(d)[0] == u]
             src.sort(key=lambda d: view_block(d)[1])
             members[u * ep_x + a] = src
-            parts = [buffers[d][0, a * Ex:(a + 1) * Ex] for d in src]  # ep x [Ex, C, H]
+            parts = [buffers[d][0, a * Ex : (a + 1) * Ex] for d in src]  # ep x [Ex, C, H]
             # [ep, Ex, C, H] -> [Ex, ep, C, H] -> [Ex, ep*C, H]: device (u, a)'s block of [G/ep, E, ep*C, H]
             received[u * ep_x + a] = ops.stack(parts, 0).transpose(1, 0, 2, 3).reshape(Ex, ep_x * C, H)
     lay["exchange_groups"] = sorted({tuple(m) for m in members.values()})  # the AllToAll groups (dp ranks)
@@ -148,8 +155,10 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
         u, a = dev // ep_b, dev % ep_b  # the matmuls' device matrix (dp/ep, ep, ..., tp), tp apart
         got = received[dev]
         if tuple(got.shape) != (Eb, ep_x * C, H):
-            raise PlanMismatch(f"device {dev}: the AllToAll delivers {tuple(got.shape)} but the expert matmul "
-                               f"strategy expects [1, {Eb}, {ep_x * C}, {H}]")
+            raise PlanMismatch(
+                f"device {dev}: the AllToAll delivers {tuple(got.shape)} but the expert matmul "
+                f"strategy expects [1, {Eb}, {ep_x * C}, {H}]"
+            )
         e_sl = _slices(E, ep_b, a)
         h = got.astype(cdt)
         partial = None

@@ -23,11 +23,29 @@ def smoke_config():
 
     cfg = get_preset("tiny")
     return dataclasses.replace(
-        cfg, vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-        n_shared_experts=1, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=64, compute_dtype="float32", param_dtype="float32")
+        cfg,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+        compute_dtype="float32",
+        param_dtype="float32",
+    )
 
 
 def pick_device(requested: str) -> str:
@@ -38,8 +56,9 @@ def pick_device(requested: str) -> str:
     return detect_device()
 
 
-def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int = 2, lr: float = 3e-3,
-          seed: int = 0) -> dict:
+def train(
+    steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int = 2, lr: float = 3e-3, seed: int = 0
+) -> dict:
     import mindspore as ms
     import numpy as np
 
@@ -67,8 +86,14 @@ def train(steps: int = 10, device: str = "auto", seq_len: int = 32, batch: int =
     for _ in range(steps):
         outputs = step(ids, ids)[0]  # [total, loss, aux_loss, moe stats...]
         losses.append(float(outputs.asnumpy()[1]))  # host read: waits for the step
-    return {"device": device, "mode": "graph", "steps": steps, "losses": losses,
-            "seconds": time.perf_counter() - start, "params": int(sum(p.size for p in params))}
+    return {
+        "device": device,
+        "mode": "graph",
+        "steps": steps,
+        "losses": losses,
+        "seconds": time.perf_counter() - start,
+        "params": int(sum(p.size for p in params)),
+    }
 
 
 def main(argv=None) -> int:

@@ -28,8 +28,9 @@ class DecoderLayer(nn.Cell):
         if self.is_moe:
             self.mlp = DeepseekV2MoE(cfg)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
-                           to_ms_dtype(cfg.compute_dtype), pdt)
+            self.mlp = MLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, to_ms_dtype(cfg.compute_dtype), pdt
+            )
 
     def construct(self, x, cos, sin, mask, cache=None, cache_index=None, prefill=False):
         """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None).

@@ -133,8 +133,11 @@ class DeepseekV2ForCausalLM(nn.Cell):
             raise UserError("config tie_word_embeddings: true is not supported (no DeepSeek-V2 release ties them)")
         self.config = config
         self.model = DeepseekV2Model(config)
-        kw = dict(init_std=config.initializer_range, compute_dtype=to_ms_dtype(config.compute_dtype),
-                  param_dtype=to_ms_dtype(config.param_dtype))
+        kw = dict(
+            init_std=config.initializer_range,
+            compute_dtype=to_ms_dtype(config.compute_dtype),
+            param_dtype=to_ms_dtype(config.param_dtype),
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **kw)
         self.loss_fn = VocabParallelCrossEntropy(config.vocab_size)  # no parameters
         self.output_routing = output_routing
@@ -158,8 +161,9 @@ class DeepseekV2ForCausalLM(nn.Cell):
 
     def __call__(self, *args, **kwargs):
         if self.config.use_flash_attention and ms.get_context("device_target") != "Ascend":
-            raise UserError("config use_flash_attention: FlashAttentionScore runs only on Ascend; "
-                            "set it to false on this device")
+            raise UserError(
+                "config use_flash_attention: FlashAttentionScore runs only on Ascend; set it to false on this device"
+            )
         out = super().__call__(*args, **kwargs)
         if isinstance(out, CausalLMOutput) or not isinstance(out, (tuple, list)):
             return out

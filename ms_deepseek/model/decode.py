@@ -40,10 +40,10 @@ class CacheFigures:
     """Per-token KV-cache size of a config: the latent cache against a full per-head K/V cache."""
 
     layers: int
-    latent_elements_per_layer: int   # kv_lora_rank + qk_rope_head_dim
-    full_elements_per_layer: int     # num_heads * (qk_head_dim + v_head_dim)
+    latent_elements_per_layer: int  # kv_lora_rank + qk_rope_head_dim
+    full_elements_per_layer: int  # num_heads * (qk_head_dim + v_head_dim)
     dtype: str
-    latent_bytes_per_token: int      # all layers
+    latent_bytes_per_token: int  # all layers
     full_bytes_per_token: int
 
     @property
@@ -51,18 +51,23 @@ class CacheFigures:
         return self.full_bytes_per_token / self.latent_bytes_per_token
 
     def as_dict(self) -> dict:
-        return {"layers": self.layers, "dtype": self.dtype,
-                "latent_elements_per_layer": self.latent_elements_per_layer,
-                "full_elements_per_layer": self.full_elements_per_layer,
-                "latent_bytes_per_token": self.latent_bytes_per_token,
-                "full_kv_bytes_per_token": self.full_bytes_per_token,
-                "full_over_latent": round(self.ratio, 3)}
+        return {
+            "layers": self.layers,
+            "dtype": self.dtype,
+            "latent_elements_per_layer": self.latent_elements_per_layer,
+            "full_elements_per_layer": self.full_elements_per_layer,
+            "latent_bytes_per_token": self.latent_bytes_per_token,
+            "full_kv_bytes_per_token": self.full_bytes_per_token,
+            "full_over_latent": round(self.ratio, 3),
+        }
 
     def describe(self) -> str:
-        return (f"latent KV cache {_human(self.latent_bytes_per_token)}/token "
-                f"({self.layers} layers x {self.latent_elements_per_layer} {self.dtype}); "
-                f"a full per-head K/V cache would take {_human(self.full_bytes_per_token)}/token "
-                f"({self.layers} x {self.full_elements_per_layer}), {self.ratio:.1f}x more")
+        return (
+            f"latent KV cache {_human(self.latent_bytes_per_token)}/token "
+            f"({self.layers} layers x {self.latent_elements_per_layer} {self.dtype}); "
+            f"a full per-head K/V cache would take {_human(self.full_bytes_per_token)}/token "
+            f"({self.layers} x {self.full_elements_per_layer}), {self.ratio:.1f}x more"
+        )
 
 
 def _human(n: float) -> str:
@@ -79,8 +84,14 @@ def cache_figures(cfg: DeepseekV2Config, dtype: str = None) -> CacheFigures:
     latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     full = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     L, size = cfg.num_hidden_layers, itemsize(dtype)
-    return CacheFigures(layers=L, latent_elements_per_layer=latent, full_elements_per_layer=full, dtype=dtype,
-                        latent_bytes_per_token=L * latent * size, full_bytes_per_token=L * full * size)
+    return CacheFigures(
+        layers=L,
+        latent_elements_per_layer=latent,
+        full_elements_per_layer=full,
+        dtype=dtype,
+        latent_bytes_per_token=L * latent * size,
+        full_bytes_per_token=L * full * size,
+    )
 
 
 class CachedDecoder(nn.Cell):
@@ -97,10 +108,16 @@ class CachedDecoder(nn.Cell):
         self.batch_size, self.max_len = batch_size, max_len
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         dtype = to_ms_dtype(cfg.compute_dtype)
-        self.caches = ParameterTuple(tuple(
-            Parameter(Tensor(np.zeros((batch_size, max_len, width), np.float32), dtype),
-                      name=f"latent_cache.{i}", requires_grad=False)
-            for i in range(cfg.num_hidden_layers)))
+        self.caches = ParameterTuple(
+            tuple(
+                Parameter(
+                    Tensor(np.zeros((batch_size, max_len, width), np.float32), dtype),
+                    name=f"latent_cache.{i}",
+                    requires_grad=False,
+                )
+                for i in range(cfg.num_hidden_layers)
+            )
+        )
         self.figures = cache_figures(cfg)
 
     def construct(self, input_ids, start_pos, prefill=False):
@@ -111,4 +128,4 @@ class CachedDecoder(nn.Cell):
         """
         B, T = input_ids.shape
         hidden = self.lm.model(input_ids, start_pos.astype(ms.int32), self.caches, prefill)[0]  # [B, T, H]
-        return self.lm.lm_head(hidden[:, T - 1:, :]).astype(ms.float32).reshape(B, -1)  # [B, V]
+        return self.lm.lm_head(hidden[:, T - 1 :, :]).astype(ms.float32).reshape(B, -1)  # [B, V]

@@ -20,12 +20,18 @@ class Linear(nn.Cell):
     Primitive: ``matmul`` (MatMul, transpose_b) on 2-D input [N, in].
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
-                 compute_dtype=ms.float32, param_dtype=ms.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        init_std: float = 0.02,
+        compute_dtype=ms.float32,
+        param_dtype=ms.float32,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(initializer(Normal(init_std), [out_features, in_features], param_dtype),
-                                name="weight")
+        self.weight = Parameter(initializer(Normal(init_std), [out_features, in_features], param_dtype), name="weight")
         self.bias = Parameter(initializer("zeros", [out_features], param_dtype), name="bias") if bias else None
         self.compute_dtype = compute_dtype
         self.matmul = ops.MatMul(transpose_b=True)
@@ -87,4 +93,3 @@ class MLP(nn.Cell):
 
     def construct(self, x):
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
-

@@ -26,7 +26,11 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.progress import progress_bar
 
 _READABLE = FLOAT_SAFETENSORS + ("F64",)  # what read_tensor widens to float32
-_NP_OF_PARAM = {ms.float32: np.float32, ms.float16: np.float16, ms.bfloat16: np.float32}  # set_data: numpy has no bfloat16, MindSpore casts float32
+_NP_OF_PARAM = {
+    ms.float32: np.float32,
+    ms.float16: np.float16,
+    ms.bfloat16: np.float32,
+}  # set_data: numpy has no bfloat16, MindSpore casts float32
 _NOT_IN_CHECKPOINTS = ("expert_placement",)  # derived from the parallel plan, not a weight
 
 
@@ -53,8 +57,10 @@ def _read_bytes(info: TensorInfo) -> bytes:
 def load_pretrained(cls, path, show_progress: bool = True, **config_overrides):
     opened = open_checkpoint(path)
     if opened.lora is not None:
-        raise UserError(f"{path}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
-                        f"`ms-deepseek export-lora {path} OUT` (or merge it: `export-lora {path} OUT --merge BASE`)")
+        raise UserError(
+            f"{path}: a LoRA checkpoint (adapters only); load its base with adapter=, after "
+            f"`ms-deepseek export-lora {path} OUT` (or merge it: `export-lora {path} OUT --merge BASE`)"
+        )
     if opened.quant is not None:  # int8 / int4 base (convert quantize): quantized layers, then their tensors
         from ms_deepseek.model.quant import load_quantized, quantize_model
 
@@ -83,8 +89,14 @@ def load_weights(model, ckpt, show_progress: bool = True) -> None:
     loaded = set()
     folder = ckpt.folder
     infos = sorted(ckpt.tensors.values(), key=lambda i: (str(i.file), i.offset))
-    bar = progress_bar(total=sum(i.nbytes for i in infos), enabled=show_progress, unit="B", unit_scale=True,
-                       desc=f"loading {folder.name}", leave=False)
+    bar = progress_bar(
+        total=sum(i.nbytes for i in infos),
+        enabled=show_progress,
+        unit="B",
+        unit_scale=True,
+        desc=f"loading {folder.name}",
+        leave=False,
+    )
     for info in infos:
         if info.name.split(".")[-1] in _NOT_IN_CHECKPOINTS:
             bar.update(info.nbytes)
@@ -93,19 +105,23 @@ def load_weights(model, ckpt, show_progress: bool = True) -> None:
         if ms_name not in expected and 0 in info.shape:
             continue  # e.g. shared experts of width 0 (n_shared_experts: 0) that the reference code still saves
         if ms_name not in expected:
-            raise UserError(f"{info.file}: unexpected tensor {info.name} (not part of a DeepSeek-V2 model "
-                            f"with this config.json)")
+            raise UserError(
+                f"{info.file}: unexpected tensor {info.name} (not part of a DeepSeek-V2 model with this config.json)"
+            )
         target = expected[ms_name]
         if expert is None:
             if tuple(info.shape) != tuple(target):
-                raise UserError(f"{info.file}: tensor {info.name} has shape {list(info.shape)}, "
-                                f"config.json implies {list(target)}")
+                raise UserError(
+                    f"{info.file}: tensor {info.name} has shape {list(info.shape)}, config.json implies {list(target)}"
+                )
             _assign(params[ms_name], read_tensor(info))
             loaded.add(ms_name)
         else:
             if expert >= E or tuple(info.shape) != tuple(target[1:]):
-                raise UserError(f"{info.file}: tensor {info.name} has shape {list(info.shape)} / expert {expert}, "
-                                f"config.json implies {E} experts of {list(target[1:])}")
+                raise UserError(
+                    f"{info.file}: tensor {info.name} has shape {list(info.shape)} / expert {expert}, "
+                    f"config.json implies {E} experts of {list(target[1:])}"
+                )
             if ms_name not in pending:
                 pending[ms_name] = (np.empty(target, dtype=np.float32), set())
             stack, seen = pending[ms_name]

@@ -74,8 +74,10 @@ def resolve_targets(model, targets: Sequence[str], key: str = "lora.target_modul
             other_q = [t for t in Q_VARIANTS if t != target and any(target_matches(p, t) for p in modules)]
             if target in Q_VARIANTS and other_q:
                 continue  # q_proj vs q_a_proj/q_b_proj: the default list names both variants
-            raise UserError(f"{key}[{i}]: {target!r} matches no module of this model "
-                            f"(adaptable: {', '.join(sorted({p.split('.')[-1] for p in modules}))})")
+            raise UserError(
+                f"{key}[{i}]: {target!r} matches no module of this model "
+                f"(adaptable: {', '.join(sorted({p.split('.')[-1] for p in modules}))})"
+            )
         chosen.extend(p for p in hits if p not in chosen)
     if not chosen:
         raise UserError(f"{key}: no module of this model is targeted")
@@ -153,8 +155,17 @@ class StepDropout(nn.Cell):
         return x * keep * self.scale
 
 
-def attach(holder, experts, r: int, scaling: float, dropout: float, a: np.ndarray, b: np.ndarray,
-           path: str, key: Optional[Parameter] = None) -> None:
+def attach(
+    holder,
+    experts,
+    r: int,
+    scaling: float,
+    dropout: float,
+    a: np.ndarray,
+    b: np.ndarray,
+    path: str,
+    key: Optional[Parameter] = None,
+) -> None:
     """Put one adapter (factors a, b) on a Linear or a stacked expert projection. With ``key`` (the model's
     :func:`dropout_key`) its dropout is a :class:`StepDropout` (exact on resume); without, MindSpore's own."""
     holder.lora_A = LoraWeight(a)
@@ -188,11 +199,21 @@ def add_adapters(model, spec: LoraSpec, seed: int = 0, key: str = "lora", exact_
         shape = tuple(getattr(holder, "dense_shape", holder.weight.shape))
         r = spec.r
         if r > min(shape[-2:]):
-            raise UserError(f"{key}.r: {r} is larger than {path} ({shape[-2]} x {shape[-1]}); "
-                            f"the rank must be <= {min(shape[-2:])}")
+            raise UserError(
+                f"{key}.r: {r} is larger than {path} ({shape[-2]} x {shape[-1]}); the rank must be <= {min(shape[-2:])}"
+            )
         a, b = _init_factors(shape, r, rng)
-        attach(holder, experts, r, spec.alpha / r, spec.dropout, a, b, path,
-               dropout_key(model, create=True) if exact_dropout and spec.dropout > 0 else None)
+        attach(
+            holder,
+            experts,
+            r,
+            spec.alpha / r,
+            spec.dropout,
+            a,
+            b,
+            path,
+            dropout_key(model, create=True) if exact_dropout and spec.dropout > 0 else None,
+        )
     return paths
 
 
@@ -222,4 +243,3 @@ def adapter_paths(model) -> Dict[str, Tuple[int, float]]:
         if getattr(holder, "lora_A", None) is not None:
             out[path] = (int(holder.lora_A.weight.shape[-2]), float(holder.lora_scaling))
     return out
-

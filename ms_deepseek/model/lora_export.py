@@ -36,8 +36,10 @@ def run_lora_settings(ckpt: Path) -> Tuple[Dict, Dict]:
     recipe = read_recipe(ckpt)
     section = recipe.get("lora")
     if not section:
-        raise UserError(f"{ckpt}: not a LoRA run (its recipe.yaml has no lora section); export full "
-                        "checkpoints with `ms-deepseek convert`")
+        raise UserError(
+            f"{ckpt}: not a LoRA run (its recipe.yaml has no lora section); export full "
+            "checkpoints with `ms-deepseek convert`"
+        )
     return section, recipe.get("model") or {}
 
 
@@ -53,12 +55,16 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
 
             original = original_of(source)
             if original is None:
-                raise UserError(f"{ckpt}: the run's base {source} is quantized and the float checkpoint it was "
-                                "made from is gone; pass --base FOLDER (the unquantized base)")
+                raise UserError(
+                    f"{ckpt}: the run's base {source} is quantized and the float checkpoint it was "
+                    "made from is gone; pass --base FOLDER (the unquantized base)"
+                )
             return original.resolve()
         return source.resolve()
-    raise UserError(f"{ckpt}: cannot find the run's base model ({run_dir / BASE_DIR} or model.source "
-                    f"{str(source)!r}); pass --base FOLDER")
+    raise UserError(
+        f"{ckpt}: cannot find the run's base model ({run_dir / BASE_DIR} or model.source "
+        f"{str(source)!r}); pass --base FOLDER"
+    )
 
 
 def checkpoint_arrays(ckpt: Path):
@@ -67,16 +73,19 @@ def checkpoint_arrays(ckpt: Path):
     name in errors."""
     opened = open_checkpoint(ckpt)
     if opened.lora is None:
-        raise UserError(f"{ckpt}: a checkpoint of a full model (it lists no LoRA adapters); export it with "
-                        "`ms-deepseek convert ms-to-hf`")
+        raise UserError(
+            f"{ckpt}: a checkpoint of a full model (it lists no LoRA adapters); export it with "
+            "`ms-deepseek convert ms-to-hf`"
+        )
     if opened.sharded:
         src = opened.model
-        items = ((name, to_float32(src.read(name, full_slice(t.shape, t.experts is not None)), t.dtype))
-                 for name, t in src.layout.tensors.items())
+        items = (
+            (name, to_float32(src.read(name, full_slice(t.shape, t.experts is not None)), t.dtype))
+            for name, t in src.layout.tensors.items()
+        )
         return items, ckpt / "layout.json"
     tensors = opened.model.tensors
-    return ((name, read_tensor(info).astype(np.float32)) for name, info in tensors.items()), \
-        ckpt / "model.safetensors"
+    return ((name, read_tensor(info).astype(np.float32)) for name, info in tensors.items()), ckpt / "model.safetensors"
 
 
 def checkpoint_adapter(ckpt: Path, base: Path) -> Tuple[Dict[str, np.ndarray], Dict]:
@@ -138,12 +147,18 @@ def compatibility_notes(tensor_names) -> List[str]:
     checkpoints; a ``--merge`` folder holds them in any case). (Its refusal of half a gate/up pair is
     handled by :func:`_pair_gate_up`.)"""
     notes = []
-    dense = sorted({re.sub(r"\.layers\.\d+\.", ".layers.*.", n.split(".lora_")[0]).replace("base_model.model.", "")
-                    for n in tensor_names
-                    if re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.lora_", n)})
+    dense = sorted(
+        {
+            re.sub(r"\.layers\.\d+\.", ".layers.*.", n.split(".lora_")[0]).replace("base_model.model.", "")
+            for n in tensor_names
+            if re.search(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj\.lora_", n)
+        }
+    )
     if dense:
-        notes.append(f"note: transformers >= 5 + PEFT 0.21 ignore the adapters on {', '.join(dense)} "
-                     "(they are written for the module names of the released checkpoints; --merge folds them in)")
+        notes.append(
+            f"note: transformers >= 5 + PEFT 0.21 ignore the adapters on {', '.join(dense)} "
+            "(they are written for the module names of the released checkpoints; --merge folds them in)"
+        )
     return notes
 
 
@@ -186,11 +201,15 @@ def merge(adapter_folder: Path, base: Path, out: Path, overwrite: bool = False) 
 
     base, out, adapter_folder = Path(base), Path(out), Path(adapter_folder)
     if quant_spec_of(base) is not None:
-        raise UserError(f"--merge {base}: a quantized checkpoint; merge into the unquantized base it was made "
-                        "from (its config.json's quantization_config.original)")
+        raise UserError(
+            f"--merge {base}: a quantized checkpoint; merge into the unquantized base it was made "
+            "from (its config.json's quantization_config.original)"
+        )
     ckpt = read_weight_files(base)
     E = ckpt.config.n_routed_experts or 0
-    factors, routers = group_adapter(read_adapter_tensors(adapter_folder), read_config(adapter_folder), E, adapter_folder)
+    factors, routers = group_adapter(
+        read_adapter_tensors(adapter_folder), read_config(adapter_folder), E, adapter_folder
+    )
     check_apart(out, [adapter_folder, base], "output folder")  # OUT = the adapter would delete it
     check_destination(base, out, overwrite)
     merger = _Merger(factors, routers, E, adapter_folder)
@@ -240,8 +259,10 @@ class _Merger:
             return w + s * np.matmul(b, a)  # [E, out, r] @ [E, r, in]
         a, b, s = self.deltas[name]
         if w.shape != (b.shape[0], a.shape[1]):
-            raise UserError(f"{self.adapter_folder}: adapter for {name} is {b.shape[0]} x {a.shape[1]}, "
-                            f"the base tensor is {list(w.shape)} (an adapter for another base?)")
+            raise UserError(
+                f"{self.adapter_folder}: adapter for {name} is {b.shape[0]} x {a.shape[1]}, "
+                f"the base tensor is {list(w.shape)} (an adapter for another base?)"
+            )
         return w + s * (b @ a)
 
     def plan_file(self, ckpt, src: Path, scratch: Path, scratch_file) -> list:
@@ -264,8 +285,11 @@ class _Merger:
             elif names.is_stacked_expert(name):  # our layout: unstack by byte ranges
                 per = info.nbytes // info.shape[0]
                 for e, out_name in enumerate(names.ms_to_hf(name, self.E)):
-                    planned.append(OutTensor(out_name, info.dtype, tuple(info.shape[1:]),
-                                             ((info.file, info.offset + e * per, per),)))
+                    planned.append(
+                        OutTensor(
+                            out_name, info.dtype, tuple(info.shape[1:]), ((info.file, info.offset + e * per, per),)
+                        )
+                    )
             else:
                 planned.append(OutTensor(name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),)))
         scratch_file.flush()
@@ -277,10 +301,13 @@ class _Merger:
 
         for path, (a, _b, _s) in sorted(self.factors.items()):
             stack = f"{path}.weight"
-            if stack not in self.present and not (a.ndim == 3 and all(
-                    n in self.present for n in names.ms_to_hf(stack, self.E))):
-                raise UserError(f"{self.adapter_folder}: the adapter for {path} has no base tensor in {base} "
-                                "(an adapter for another base?)")
+            if stack not in self.present and not (
+                a.ndim == 3 and all(n in self.present for n in names.ms_to_hf(stack, self.E))
+            ):
+                raise UserError(
+                    f"{self.adapter_folder}: the adapter for {path} has no base tensor in {base} "
+                    "(an adapter for another base?)"
+                )
         for name in self.routers:
             if name not in self.present:
                 raise UserError(f"{self.adapter_folder}: router {name} has no base tensor in {base}")
@@ -296,8 +323,10 @@ def _write_merged(tmp: Path, files, ckpt, base: Path) -> None:
         weight_map.update({t.name: file_name for t in planned})
     if ckpt.index_path is not None:
         total = sum((tmp / f).stat().st_size for f, _ in files)
-        (tmp / ckpt.index_path.name).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        (tmp / ckpt.index_path.name).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+            + "\n"
+        )
     for extra in base.iterdir():  # config.json, tokenizer files, generation_config.json ...
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra != ckpt.index_path:
             shutil.copy2(extra, tmp / extra.name)

@@ -27,11 +27,25 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = PEFT_PREFIX  # PEFT names the HF model's modules under it
 
 # adapter_config.json keys and the only values we implement (anything else is refused naming the key)
-_MUST_BE = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
-            "layers_to_transform": None, "layers_pattern": None, "layer_replication": None,
-            "use_qalora": False, "alora_invocation_tokens": None, "trainable_token_indices": None,
-            "velora_config": None, "kasa_config": None, "arrow_config": None, "monteclora_config": None,
-            "use_bdlora": None, "exclude_modules": None}
+_MUST_BE = {
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "layer_replication": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+    "trainable_token_indices": None,
+    "velora_config": None,
+    "kasa_config": None,
+    "arrow_config": None,
+    "monteclora_config": None,
+    "use_bdlora": None,
+    "exclude_modules": None,
+}
 _EMPTY_OK = ("loftq_config", "eva_config", "corda_config", "lora_ga_config", "megatron_config")
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.((?:gate|up|down)_proj)\.(lora_[AB])\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(base_layer\.)?(lora_[AB])\.weight$")
@@ -40,19 +54,37 @@ _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 
 
 # ------------------------------------------------------------------------------- export
-def adapter_config(r: int, alpha: float, dropout: float, targets: List[str], base: str,
-                   router: bool) -> Dict:
+def adapter_config(r: int, alpha: float, dropout: float, targets: List[str], base: str, router: bool) -> Dict:
     """adapter_config.json as PEFT 0.21 writes it for a plain LoRA (every option we do not use at its default)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "auto_mapping": None,
-        "base_model_name_or_path": base, "revision": None, "inference_mode": True,
-        "r": int(r), "lora_alpha": alpha, "lora_dropout": dropout,
-        "target_modules": sorted(set(targets)), "target_parameters": None, "exclude_modules": None,
-        "fan_in_fan_out": False, "bias": "none", "use_rslora": False, "use_dora": False, "lora_bias": False,
-        "modules_to_save": ["gate"] if router else None, "init_lora_weights": True,
-        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-        "megatron_config": None, "megatron_core": "megatron.core", "loftq_config": {},
-        "layer_replication": None, "peft_version": "0.21.2",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "auto_mapping": None,
+        "base_model_name_or_path": base,
+        "revision": None,
+        "inference_mode": True,
+        "r": int(r),
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(set(targets)),
+        "target_parameters": None,
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "modules_to_save": ["gate"] if router else None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "loftq_config": {},
+        "layer_replication": None,
+        "peft_version": "0.21.2",
     }
 
 
@@ -100,7 +132,7 @@ def read_config(folder: Path) -> Dict:
             raise UserError(f"{path}: {key}: must be a positive number, got {value!r}")
     saved = cfg.get("modules_to_save")
     if saved not in (None, [], ["gate"]):
-        raise UserError(f"{path}: modules_to_save: {saved!r} is not supported (only the routers, [\"gate\"])")
+        raise UserError(f'{path}: modules_to_save: {saved!r} is not supported (only the routers, ["gate"])')
     return cfg
 
 
@@ -136,9 +168,10 @@ def group_adapter(tensors: Dict[str, np.ndarray], cfg: Dict, num_experts: int, w
     routers: Dict[str, np.ndarray] = {}
     for full, value in tensors.items():
         if not full.startswith(PREFIX):
-            raise UserError(f"{where}: tensor {full} does not start with {PREFIX!r} (not a PEFT adapter of a "
-                            "causal LM)")
-        name = full[len(PREFIX):]
+            raise UserError(
+                f"{where}: tensor {full} does not start with {PREFIX!r} (not a PEFT adapter of a causal LM)"
+            )
+        name = full[len(PREFIX) :]
         m = _PER_EXPERT.match(name)
         if m:
             experts.setdefault((m.group(1), m.group(3)), {}).setdefault(m.group(4), {})[int(m.group(2))] = value
@@ -172,11 +205,15 @@ def group_adapter(tensors: Dict[str, np.ndarray], cfg: Dict, num_experts: int, w
             missing = sorted(set(range(num_experts)) - set(per))
             extra = sorted(set(per) - set(range(num_experts)))
             if extra:
-                raise UserError(f"{where}: tensor {PREFIX}{stack}.{extra[0]}.{proj}.{which}.weight: expert {extra[0]} "
-                                f"does not exist (the base has {num_experts} routed experts)")
+                raise UserError(
+                    f"{where}: tensor {PREFIX}{stack}.{extra[0]}.{proj}.{which}.weight: expert {extra[0]} "
+                    f"does not exist (the base has {num_experts} routed experts)"
+                )
             if missing:
-                raise UserError(f"{where}: tensor {PREFIX}{stack}.{missing[0]}.{proj}.{which}.weight is missing "
-                                f"(an adapter for {proj} must cover all {num_experts} experts)")
+                raise UserError(
+                    f"{where}: tensor {PREFIX}{stack}.{missing[0]}.{proj}.{which}.weight is missing "
+                    f"(an adapter for {proj} must cover all {num_experts} experts)"
+                )
         a = np.stack([ab["lora_A"][e] for e in range(num_experts)])  # [E, r, in]
         b = np.stack([ab["lora_B"][e] for e in range(num_experts)])  # [E, out, r]
         path = f"{stack}.{proj}"
@@ -203,8 +240,10 @@ def _split_fused(stack, parts, E, alphas, alpha0, ranks, r0, where):
             raise UserError(f"{where}: {stack} fused {which} adapter lacks {sorted(keys - have)}")
         a, b = parts[f"{which}.lora_A"], parts[f"{which}.lora_B"]
         if a.shape[0] % E or b.shape[1] % E or a.shape[0] != b.shape[1]:
-            raise UserError(f"{where}: {PREFIX}{stack}.{'base_layer.' if which == 'gate_up' else ''}lora_A.weight "
-                            f"{list(a.shape)} / lora_B {list(b.shape)} do not split into {E} experts")
+            raise UserError(
+                f"{where}: {PREFIX}{stack}.{'base_layer.' if which == 'gate_up' else ''}lora_A.weight "
+                f"{list(a.shape)} / lora_B {list(b.shape)} do not split into {E} experts"
+            )
         r = a.shape[0] // E
         a3 = a.reshape(E, r, a.shape[1])  # [E, r, in]
         b3 = np.transpose(b.reshape(b.shape[0], r, E), (2, 0, 1))  # [out, r, E] -> [E, out, r]
@@ -233,8 +272,9 @@ def load_adapter(model, folder, dropout: float = 0.0) -> Dict[str, Tuple[int, fl
     return attach_adapter(model, tensors, cfg, folder, dropout)
 
 
-def attach_adapter(model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Path,
-                   dropout: float = 0.0) -> Dict[str, Tuple[int, float]]:
+def attach_adapter(
+    model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Path, dropout: float = 0.0
+) -> Dict[str, Tuple[int, float]]:
     """:func:`load_adapter` of PEFT-named ``tensors`` and their adapter_config ``cfg`` held in memory
     (``generate`` of a LoRA run's checkpoint); ``folder`` is named in errors."""
     from mindspore import Tensor
@@ -248,8 +288,9 @@ def attach_adapter(model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Pat
     modules = lora.adaptable_modules(model)
     for path, (a, b, scale) in sorted(factors.items()):
         if path not in modules:
-            raise UserError(f"{folder / WEIGHTS_NAME}: tensor {PREFIX}{path}.lora_A.weight targets a module this "
-                            f"base does not have")
+            raise UserError(
+                f"{folder / WEIGHTS_NAME}: tensor {PREFIX}{path}.lora_A.weight targets a module this base does not have"
+            )
         holder, experts = modules[path]
         shape = tuple(getattr(holder, "dense_shape", holder.weight.shape))  # [out, in] or [E, out, in] (quantized too)
         lead = shape[:-2]
@@ -257,17 +298,24 @@ def attach_adapter(model, tensors: Dict[str, np.ndarray], cfg: Dict, folder: Pat
         want_a, want_b = lead + (r, shape[-1]), lead + (shape[-2], r)
         for tag, got, want in (("lora_A", a, want_a), ("lora_B", b, want_b)):
             if tuple(got.shape) != tuple(want):
-                shown = f"{PREFIX}{path}.{tag}.weight" if not lead else \
-                    f"{PREFIX}{path.rsplit('.', 1)[0]}.*.{path.rsplit('.', 1)[1]}.{tag}.weight"
+                shown = (
+                    f"{PREFIX}{path}.{tag}.weight"
+                    if not lead
+                    else f"{PREFIX}{path.rsplit('.', 1)[0]}.*.{path.rsplit('.', 1)[1]}.{tag}.weight"
+                )
                 got_s = list(got.shape) if not lead else list(got.shape[1:])
                 want_s = list(want) if not lead else list(want[1:])
-                raise UserError(f"{folder / WEIGHTS_NAME}: tensor {shown} has shape {got_s}, this base needs "
-                                f"{want_s} (an adapter for another base?)")
+                raise UserError(
+                    f"{folder / WEIGHTS_NAME}: tensor {shown} has shape {got_s}, this base needs "
+                    f"{want_s} (an adapter for another base?)"
+                )
         lora.attach(holder, experts, r, scale, dropout, a, b, path)
     params = {p.name: p for p in model.get_parameters()}
     for name, value in routers.items():
         if name not in params or tuple(params[name].shape) != value.shape:
-            raise UserError(f"{folder / WEIGHTS_NAME}: tensor {PREFIX}{name} has shape {list(value.shape)}, "
-                            f"this base needs {list(params[name].shape) if name in params else 'no such router'}")
+            raise UserError(
+                f"{folder / WEIGHTS_NAME}: tensor {PREFIX}{name} has shape {list(value.shape)}, "
+                f"this base needs {list(params[name].shape) if name in params else 'no such router'}"
+            )
         params[name].set_data(Tensor(value, dtype=params[name].dtype))
     return lora.adapter_paths(model)

@@ -64,9 +64,16 @@ class MLAttention(nn.Cell):
             # Causal via sparse_mode 2 (left-up causal) with the compressed 2048 x 2048 mask
             # (1 = masked); q/k/v share one head size, so v is zero-padded to it (or q/k to v's).
             self.fa_head_dim = max(self.qk_head_dim, self.v_dim)
-            self.flash_attention = FlashAttentionScore(head_num=nh, keep_prob=1.0, scale_value=self.scale,
-                                                       pre_tokens=2147483647, next_tokens=0, inner_precise=0,
-                                                       input_layout="BNSD", sparse_mode=2)
+            self.flash_attention = FlashAttentionScore(
+                head_num=nh,
+                keep_prob=1.0,
+                scale_value=self.scale,
+                pre_tokens=2147483647,
+                next_tokens=0,
+                inner_precise=0,
+                input_layout="BNSD",
+                sparse_mode=2,
+            )
             self.fa_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
 
     # ------------------------------------------------------------------ pieces
@@ -78,13 +85,13 @@ class MLAttention(nn.Cell):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(B, T, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)  # [B, nh, T, qk]
-        q_nope, q_pe = q[..., : self.qk_nope], q[..., self.qk_nope:]
+        q_nope, q_pe = q[..., : self.qk_nope], q[..., self.qk_nope :]
         return q_nope, apply_rotary(q_pe, cos, sin)
 
     def latent(self, x, cos, sin):
         """x [B, T, H] -> c_kv [B, T, kv_lora] (normed), k_pe [B, T, rope] (rotated): the latent cache entry."""
         ckv = self.kv_a_proj_with_mqa(x)  # [B, T, kv_lora + rope]
-        c_kv, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank:]
+        c_kv, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank :]
         return self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin)
 
     def expand_kv(self, c_kv, k_pe):
@@ -92,7 +99,7 @@ class MLAttention(nn.Cell):
         B, S = c_kv.shape[0], c_kv.shape[1]
         kv = self.kv_b_proj(c_kv).reshape(B, S, self.num_heads, self.qk_nope + self.v_dim)
         kv = kv.transpose(0, 2, 1, 3)  # [B, nh, S, nope + v]
-        k_nope, v = kv[..., : self.qk_nope], kv[..., self.qk_nope:]
+        k_nope, v = kv[..., : self.qk_nope], kv[..., self.qk_nope :]
         k_pe = ops.broadcast_to(k_pe.reshape(B, 1, S, self.qk_rope), (B, self.num_heads, S, self.qk_rope))
         return ops.concat((k_nope, k_pe.astype(k_nope.dtype)), -1), v
 

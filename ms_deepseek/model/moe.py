@@ -121,9 +121,15 @@ class RoutedExperts(nn.Cell):
         self.up_bmm = ops.BatchMatMul(transpose_b=True)
         self.down_bmm = ops.BatchMatMul(transpose_b=True)
         # the stacked adapters' batched matmuls (used once ms_deepseek.model.lora attaches adapters)
-        self.gate_lora_a_bmm, self.gate_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
+        self.gate_lora_a_bmm, self.gate_lora_b_bmm = (
+            ops.BatchMatMul(transpose_b=True),
+            ops.BatchMatMul(transpose_b=True),
+        )
         self.up_lora_a_bmm, self.up_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
-        self.down_lora_a_bmm, self.down_lora_b_bmm = ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_b=True)
+        self.down_lora_a_bmm, self.down_lora_b_bmm = (
+            ops.BatchMatMul(transpose_b=True),
+            ops.BatchMatMul(transpose_b=True),
+        )
         # Decided when the Cell is built (the device is chosen before the model, core/runtime.py).
         self.broadcast_weights = device_target() != "Ascend"
 
@@ -133,8 +139,9 @@ class RoutedExperts(nn.Cell):
         x = x.astype(cdt)
         gate = self.gate_proj.project(x, self.gate_bmm, self.gate_lora_a_bmm, self.gate_lora_b_bmm, cdt, b)
         up = self.up_proj.project(x, self.up_bmm, self.up_lora_a_bmm, self.up_lora_b_bmm, cdt, b)  # [D, E, C, I]
-        return self.down_proj.project(ops.silu(gate) * up, self.down_bmm, self.down_lora_a_bmm,
-                                      self.down_lora_b_bmm, cdt, b)  # [D, E, C, H]
+        return self.down_proj.project(
+            ops.silu(gate) * up, self.down_bmm, self.down_lora_a_bmm, self.down_lora_b_bmm, cdt, b
+        )  # [D, E, C, H]
 
 
 class DeepseekV2MoE(nn.Cell):
@@ -147,18 +154,21 @@ class DeepseekV2MoE(nn.Cell):
         self.capacity_multiple = 1  # rounds C up; the per-group layout needs none (G*C splits by G/ep)
         # The parallel degrees come from the plan (apply_plan), never from the config's ep_size.
         self.groups = 1  # G: token groups = the plan's dp
-        self.ep = 1      # the plan's ep (the exchange view [G/ep, ep, E, C, H])
+        self.ep = 1  # the plan's ep (the exchange view [G/ep, ep, E, C, H])
         self.alphas = (cfg.expert_alpha, cfg.device_aux_loss_alpha, cfg.comm_aux_loss_alpha)
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
-        self.expert_placement = Parameter(Tensor(default_placement(E, 1)), name="expert_placement",
-                                          requires_grad=False)
+        self.expert_placement = Parameter(Tensor(default_placement(E, 1)), name="expert_placement", requires_grad=False)
         self.lookup = ExpertLookup(num_experts=E, experts_per_rank=E)
         self.shared_experts = None
         if cfg.n_shared_experts:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                      cfg.initializer_range, to_ms_dtype(cfg.compute_dtype),
-                                      to_ms_dtype(cfg.param_dtype))
+            self.shared_experts = MLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                cfg.initializer_range,
+                to_ms_dtype(cfg.compute_dtype),
+                to_ms_dtype(cfg.param_dtype),
+            )
         self.pad_tokens = ops.Concat(1)
         self.slot_sort = ops.Sort(axis=-1)
         self.dispatch_gather = ops.Gather(batch_dims=1)
@@ -180,8 +190,7 @@ class DeepseekV2MoE(nn.Cell):
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
         (None: dropless); the rule is :func:`ms_deepseek.config.dispatch_shapes.capacity`."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor,
-                                        self.capacity_multiple)
+        return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor, self.capacity_multiple)
 
     def dispatch_index(self, buffer_row, keep, C: int):
         """[G, E, C] int32: the local token in each buffer slot (N = the zero row), from buffer_row and

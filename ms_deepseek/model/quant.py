@@ -59,10 +59,12 @@ class _Dequant:
         # initializers, not host arrays: under no_init_parameters (a sharded run) nothing of the full
         # tensors is allocated; each rank sets its slices after the compile (train/lora_run.py)
         self.weight = Parameter(initializer("zeros", q_shape, q_dtype), name="weight", requires_grad=False)
-        self.weight_scale = Parameter(initializer("ones", s_shape, ms.float32), name="weight_scale",
-                                      requires_grad=False)
-        self.weight_offset = Parameter(initializer("zeros", s_shape, ms.float32), name="weight_offset",
-                                       requires_grad=False)
+        self.weight_scale = Parameter(
+            initializer("ones", s_shape, ms.float32), name="weight_scale", requires_grad=False
+        )
+        self.weight_offset = Parameter(
+            initializer("zeros", s_shape, ms.float32), name="weight_offset", requires_grad=False
+        )
         # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
         # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
         self.dequant_mul = ops.Mul()
@@ -122,8 +124,9 @@ class QuantLinear(_Dequant, Linear):
         cdt = self.compute_dtype
         x2 = x.reshape(-1, self.in_features).astype(cdt)  # [N, in]
         if self.fused:  # Ascend W8A16: scale / offset [out, 1] -> [out], in the activation dtype
-            y = self.qmatmul(x2, self.weight, self.weight_scale.reshape(-1).astype(cdt),
-                             self.weight_offset.reshape(-1).astype(cdt))
+            y = self.qmatmul(
+                x2, self.weight, self.weight_scale.reshape(-1).astype(cdt), self.weight_offset.reshape(-1).astype(cdt)
+            )
         else:
             y = self.matmul(x2, self.dequantized().astype(cdt))  # [N, out]
         if self.lora_A is not None:
@@ -193,8 +196,9 @@ def quantize_model(model, spec: QuantSpec, from_weights: bool = True) -> int:
             raise UserError("quant: the base must be quantized before LoRA adapters are attached")
         shape = tuple(cell.weight.shape)
         if spec.group_size is not None and shape[-1] % spec.group_size:
-            raise UserError(f"quant.group_size: {spec.group_size} does not divide the input width {shape[-1]} "
-                            f"of {path}")
+            raise UserError(
+                f"quant.group_size: {spec.group_size} does not divide the input width {shape[-1]} of {path}"
+            )
         if spec.bits == 4 and group_of(spec, shape[-1]) % 2:
             raise UserError(f"quant.group_size: int4 pairs columns; {path} has an odd input width {shape[-1]}")
         if isinstance(cell, Linear):
@@ -240,8 +244,9 @@ def load_quantized(model, opened, show_progress: bool = False) -> None:
                 raise UserError(f"{opened.folder}: quantized checkpoint is missing tensor {name}")
             value = np.stack([raw(tensors[p]) for p in pieces])
         if tuple(value.shape) != tuple(param.shape):
-            raise UserError(f"{opened.folder}: tensor {name} has shape {list(value.shape)}, the model "
-                            f"expects {list(param.shape)}")
+            raise UserError(
+                f"{opened.folder}: tensor {name} has shape {list(value.shape)}, the model expects {list(param.shape)}"
+            )
         if param.dtype in (ms.int8, ms.uint8):
             param.set_data(Tensor(np.ascontiguousarray(value)))
         else:
@@ -251,5 +256,8 @@ def load_quantized(model, opened, show_progress: bool = False) -> None:
 
 def quantized_state(model) -> Dict[str, np.ndarray]:
     """name -> host array of every quantized parameter (for tests and tools)."""
-    return {n: p.asnumpy() for n, p in model.parameters_and_names()
-            if n.endswith((".weight_scale", ".weight_offset")) or p.dtype in (ms.int8, ms.uint8)}
+    return {
+        n: p.asnumpy()
+        for n, p in model.parameters_and_names()
+        if n.endswith((".weight_scale", ".weight_offset")) or p.dtype in (ms.int8, ms.uint8)
+    }

@@ -31,7 +31,7 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 
 def softmax_scale(cfg: DeepseekV2Config) -> float:
     """``qk_head_dim**-0.5``, times ``yarn_mscale(factor, mscale_all_dim)**2`` under YaRN."""
-    scale = cfg.qk_head_dim ** -0.5
+    scale = cfg.qk_head_dim**-0.5
     if cfg.rope_scaling is not None:
         mscale_all_dim = cfg.rope_scaling.get("mscale_all_dim", 0)
         if mscale_all_dim:
@@ -66,8 +66,9 @@ def rope_inv_freq(cfg: DeepseekV2Config) -> Tuple[np.ndarray, float]:
     if "attention_factor" in scaling and scaling["attention_factor"] is not None:
         mscale = float(scaling["attention_factor"])
     else:
-        mscale = yarn_get_mscale(factor, scaling.get("mscale", 1)) / \
-            yarn_get_mscale(factor, scaling.get("mscale_all_dim", 0))
+        mscale = yarn_get_mscale(factor, scaling.get("mscale", 1)) / yarn_get_mscale(
+            factor, scaling.get("mscale_all_dim", 0)
+        )
     return inv_freq, float(mscale)
 
 
@@ -103,6 +104,6 @@ def apply_rotary(x, cos, sin):
     dim = x.shape[-1]
     lead = x.shape[:-1]
     x = x.reshape(lead + (dim // 2, 2)).swapaxes(-1, -2).reshape(lead + (dim,))  # [..., (evens|odds)]
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     rotated = ops.concat((-x2, x1), -1)  # rotate_half
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)

@@ -33,8 +33,9 @@ class Router(nn.Cell):
         super().__init__()
         E = cfg.n_routed_experts
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
-        self.weight = Parameter(initializer(Normal(cfg.initializer_range), [E, cfg.hidden_size], ms.float32),
-                                name="weight")
+        self.weight = Parameter(
+            initializer(Normal(cfg.initializer_range), [E, cfg.hidden_size], ms.float32), name="weight"
+        )
         self.group_limited = cfg.topk_method == "group_limited_greedy"
         self.n_group = cfg.n_group if self.group_limited else 1
         self.topk_group = cfg.topk_group if self.group_limited else 1
@@ -65,8 +66,9 @@ class Router(nn.Cell):
             grouped = scores.reshape(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
             group_best = ops.amax(grouped, -1)  # [N, G]
             _, group_idx = self.group_topk(group_best, self.topk_group)  # [N, topk_group]
-            keep_group = ops.one_hot(group_idx, self.n_group, ops.ones((), ms.float32),
-                                     ops.zeros((), ms.float32)).sum(1)  # [N, G] in {0, 1}
+            keep_group = ops.one_hot(group_idx, self.n_group, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(
+                1
+            )  # [N, G] in {0, 1}
             keep = ops.broadcast_to(keep_group.reshape(N, self.n_group, 1), grouped.shape).reshape(N, -1)
             masked = scores * keep  # scores outside the kept groups -> 0
         weight, idx = self.topk(masked, self.top_k)

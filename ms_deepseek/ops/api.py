@@ -54,8 +54,10 @@ class ExpertLookup(nn.Cell):
                 f"ExpertLookup: placement must have shape ({self.num_experts}, 2), got {tuple(placement.shape)}"
             )
         if topk_ids.ndim not in (2, 3):
-            raise UserError(f"ExpertLookup: topk_ids must be [groups, tokens, k] (or [tokens, k]), "
-                            f"got shape {tuple(topk_ids.shape)}")
+            raise UserError(
+                f"ExpertLookup: topk_ids must be [groups, tokens, k] (or [tokens, k]), "
+                f"got shape {tuple(topk_ids.shape)}"
+            )
         return super().__call__(topk_ids, placement, capacity)
 
     def construct(self, topk_ids, placement, capacity):

@@ -78,8 +78,10 @@ def _require(op_name: str) -> str:
     soc = soc_version()
     if op_type not in installed_op_types(soc):
         if soc and soc not in SUPPORTED_SOCS:
-            raise RuntimeError(f"Ascend custom operator {op_type} is not available for this SoC ({soc}): the "
-                               f"operators are built for {' and '.join(SUPPORTED_SOCS)} only")
+            raise RuntimeError(
+                f"Ascend custom operator {op_type} is not available for this SoC ({soc}): the "
+                f"operators are built for {' and '.join(SUPPORTED_SOCS)} only"
+            )
         raise RuntimeError(
             f"Ascend custom operator {op_type} is not installed for this SoC ({soc or 'unknown'}); run "
             f"ops/build_ascend.sh --soc {soc or '<soc>'} and export ASCEND_CUSTOM_OPP_PATH as it prints"
@@ -92,7 +94,7 @@ class ExpertLookupAscend(nn.Cell):
 
     kind = "ascend"
     strategy_tail = ()  # capacity and experts_per_rank are scalars (op attributes): no strategy
-    num_outputs = 4     # dest_rank, buffer_row, position, keep (parallel_plan.custom_shard's outputs_tensor_map)
+    num_outputs = 4  # dest_rank, buffer_row, position, keep (parallel_plan.custom_shard's outputs_tensor_map)
 
     def __init__(self, num_experts: int, experts_per_rank: int):
         super().__init__()
@@ -106,15 +108,20 @@ class ExpertLookupAscend(nn.Cell):
             _require("expert_lookup"),
             out_shape=lambda ids, *rest: (ids, ids, ids, ids),
             out_dtype=lambda *args: (mstype.int32, mstype.int32, mstype.int32, mstype.float32),
-            func_type="aot", bprop=bprop,
+            func_type="aot",
+            bprop=bprop,
         )
 
     def construct(self, topk_ids, placement, capacity):
         _, t, k = topk_ids.shape
         ids_km = reference.to_kmajor(topk_ids)  # [G, k*T]
         dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), capacity, self.experts_per_rank)
-        return (reference.from_kmajor(dest, t, k), reference.from_kmajor(row, t, k),
-                reference.from_kmajor(pos, t, k), reference.from_kmajor(keep, t, k))
+        return (
+            reference.from_kmajor(dest, t, k),
+            reference.from_kmajor(row, t, k),
+            reference.from_kmajor(pos, t, k),
+            reference.from_kmajor(keep, t, k),
+        )
 
 
 class FP32SoftmaxAscend(nn.Cell):
@@ -134,8 +141,13 @@ class FP32SoftmaxAscend(nn.Cell):
             dx = out * (dy - (dy * out).sum(axis=-1, keepdims=True))
             return (dx.astype(x.dtype),)
 
-        self.op = ops.Custom(_require("fp32_softmax"), out_shape=lambda x: x,
-                             out_dtype=lambda x: mstype.float32, func_type="aot", bprop=bprop)
+        self.op = ops.Custom(
+            _require("fp32_softmax"),
+            out_shape=lambda x: x,
+            out_dtype=lambda x: mstype.float32,
+            func_type="aot",
+            bprop=bprop,
+        )
 
     def construct(self, x):
         y = self.op(x)
@@ -173,8 +185,12 @@ class RepetitionPenaltyAscend(nn.Cell):
 
     def __init__(self):
         super().__init__()
-        self.op = ops.Custom(_require("repetition_penalty"), out_shape=lambda logits, *rest: logits,
-                             out_dtype=lambda logits, *rest: logits, func_type="aot")
+        self.op = ops.Custom(
+            _require("repetition_penalty"),
+            out_shape=lambda logits, *rest: logits,
+            out_dtype=lambda logits, *rest: logits,
+            func_type="aot",
+        )
 
     def construct(self, logits, token_ids, penalty):
         # The kernel takes the penalty (a python float) as a float attribute.

@@ -50,8 +50,14 @@ class ExpertLookupCpu(nn.Cell):
     strategy_tail = ((1,),)
     num_outputs = 4  # dest_rank, buffer_row, position, keep (parallel_plan.custom_shard's outputs_tensor_map)
 
-    def __init__(self, lib: Path, num_experts: int, experts_per_rank: int, core_num: int = DEFAULT_CORE_NUM,
-                 ub_bytes: int = DEFAULT_UB_BYTES):
+    def __init__(
+        self,
+        lib: Path,
+        num_experts: int,
+        experts_per_rank: int,
+        core_num: int = DEFAULT_CORE_NUM,
+        ub_bytes: int = DEFAULT_UB_BYTES,
+    ):
         super().__init__()
         reference.check_lookup_args(num_experts, experts_per_rank)
         self.lib = Path(lib)
@@ -65,7 +71,8 @@ class ExpertLookupCpu(nn.Cell):
             return ops.zeros_like(ids), ops.zeros_like(placement), ops.zeros_like(cfg)
 
         self.op = _custom(
-            self.lib, "ExpertLookupCpu",
+            self.lib,
+            "ExpertLookupCpu",
             out_shape=lambda ids, placement, cfg: (ids, ids, ids, ids),
             out_dtype=lambda ids, placement, cfg: (mstype.int32, mstype.int32, mstype.int32, mstype.float32),
             bprop=bprop,
@@ -76,8 +83,12 @@ class ExpertLookupCpu(nn.Cell):
         ids_km = reference.to_kmajor(topk_ids)  # [G, k*T]
         cfg = ms.Tensor([capacity, self.experts_per_rank, self.core_num, self.ub_bytes], mstype.int64)
         dest, row, pos, keep = self.op(ids_km, placement.astype(mstype.int32), cfg)
-        return (reference.from_kmajor(dest, t, k), reference.from_kmajor(row, t, k),
-                reference.from_kmajor(pos, t, k), reference.from_kmajor(keep, t, k))
+        return (
+            reference.from_kmajor(dest, t, k),
+            reference.from_kmajor(row, t, k),
+            reference.from_kmajor(pos, t, k),
+            reference.from_kmajor(keep, t, k),
+        )
 
 
 class FP32SoftmaxCpu(nn.Cell):
@@ -87,22 +98,25 @@ class FP32SoftmaxCpu(nn.Cell):
     strategy_tail = ((1,),)  # the config tensor
     num_outputs = 1
 
-    def __init__(self, lib: Path, out_dtype=mstype.float32, core_num: int = DEFAULT_CORE_NUM,
-                 ub_bytes: int = DEFAULT_UB_BYTES):
+    def __init__(
+        self, lib: Path, out_dtype=mstype.float32, core_num: int = DEFAULT_CORE_NUM, ub_bytes: int = DEFAULT_UB_BYTES
+    ):
         super().__init__()
         reference.check_out_dtype(out_dtype)
         self.lib = Path(lib)
         self.out_dtype = out_dtype
         self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
-        grad = _custom(self.lib, "Fp32SoftmaxGradCpu",
-                       out_shape=lambda y, dy, cfg: y, out_dtype=lambda y, dy, cfg: mstype.float32)
+        grad = _custom(
+            self.lib, "Fp32SoftmaxGradCpu", out_shape=lambda y, dy, cfg: y, out_dtype=lambda y, dy, cfg: mstype.float32
+        )
 
         def bprop(x, cfg, out, dout):
             dx = grad(out, dout.astype(mstype.float32), cfg)  # dL/dx = y * (dy - sum(dy * y))
             return dx.astype(x.dtype), ops.zeros_like(cfg)
 
-        self.op = _custom(self.lib, "Fp32SoftmaxCpu",
-                          out_shape=lambda x, cfg: x, out_dtype=lambda x, cfg: mstype.float32, bprop=bprop)
+        self.op = _custom(
+            self.lib, "Fp32SoftmaxCpu", out_shape=lambda x, cfg: x, out_dtype=lambda x, cfg: mstype.float32, bprop=bprop
+        )
 
     def construct(self, x):
         y = self.op(x, self.cfg)
@@ -120,8 +134,12 @@ class RepetitionPenaltyCpu(nn.Cell):
         super().__init__()
         self.lib = Path(lib)
         self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
-        self.op = _custom(self.lib, "RepetitionPenaltyCpu",
-                          out_shape=lambda logits, ids, p, cfg: logits, out_dtype=lambda logits, ids, p, cfg: logits)
+        self.op = _custom(
+            self.lib,
+            "RepetitionPenaltyCpu",
+            out_shape=lambda logits, ids, p, cfg: logits,
+            out_dtype=lambda logits, ids, p, cfg: logits,
+        )
 
     def construct(self, logits, token_ids, penalty):
         # penalty: python float (validated by the public Cell)

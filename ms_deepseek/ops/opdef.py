@@ -22,10 +22,24 @@ from typing import Dict
 from ms_deepseek.core.errors import UserError
 
 # ge::DataType -> the dtype names of the ops-info file
-_DTYPES = {"DT_FLOAT": "float32", "DT_FLOAT16": "float16", "DT_BF16": "bfloat16", "DT_INT32": "int32",
-           "DT_INT64": "int64", "DT_INT8": "int8", "DT_UINT8": "uint8", "DT_BOOL": "bool"}
-_ATTR_TYPES = {"Int": "int", "Float": "float", "Bool": "bool", "String": "str", "ListInt": "listInt",
-               "ListFloat": "listFloat"}
+_DTYPES = {
+    "DT_FLOAT": "float32",
+    "DT_FLOAT16": "float16",
+    "DT_BF16": "bfloat16",
+    "DT_INT32": "int32",
+    "DT_INT64": "int64",
+    "DT_INT8": "int8",
+    "DT_UINT8": "uint8",
+    "DT_BOOL": "bool",
+}
+_ATTR_TYPES = {
+    "Int": "int",
+    "Float": "float",
+    "Bool": "bool",
+    "String": "str",
+    "ListInt": "listInt",
+    "ListFloat": "listFloat",
+}
 
 
 def sources_root() -> Path:
@@ -52,8 +66,12 @@ def op_info(source: Path) -> Dict[str, Dict]:
                     raise UserError(f"{source}: {name}.{kind}({arg}) has no DataType list")
                 names = [d.strip().split("::")[-1] for d in dt.group(1).split(",") if d.strip()]
                 dtypes = ",".join(_DTYPES.get(d, d.lower()) for d in names)
-                entry[f"{kind.lower()}{i}"] = {"name": arg, "dtype": dtypes, "format": ",".join(["ND"] * len(names)),
-                                               "paramType": "required"}
+                entry[f"{kind.lower()}{i}"] = {
+                    "name": arg,
+                    "dtype": dtypes,
+                    "format": ",".join(["ND"] * len(names)),
+                    "paramType": "required",
+                }
         attrs = re.findall(r'Attr\("(\w+)"\)\s*\.\s*(\w+)\(\)', body)
         if attrs:
             entry["attr"] = {"list": ",".join(a for a, _ in attrs)}

@@ -35,9 +35,7 @@ def check_lookup_args(num_experts, experts_per_rank) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UserError(f"ExpertLookup: {name} must be a positive int, got {value!r}")
     if num_experts % experts_per_rank != 0:
-        raise UserError(
-            f"ExpertLookup: experts_per_rank={experts_per_rank} does not divide num_experts={num_experts}"
-        )
+        raise UserError(f"ExpertLookup: experts_per_rank={experts_per_rank} does not divide num_experts={num_experts}")
 
 
 def check_capacity(capacity) -> None:

@@ -23,15 +23,41 @@ _SPECS = {
     "fp32_softmax": (
         "Fp32Softmax",
         ("rows", "cols", "in_bytes", "num_inputs", "core_num", "ub_bytes"),
-        ("rows", "cols", "in_bytes", "num_inputs", "align", "cols_aligned", "used_cores", "base_rows", "big_cores",
-         "mode", "rows_per_tile", "col_tile", "col_tiles", "col_tail"),
+        (
+            "rows",
+            "cols",
+            "in_bytes",
+            "num_inputs",
+            "align",
+            "cols_aligned",
+            "used_cores",
+            "base_rows",
+            "big_cores",
+            "mode",
+            "rows_per_tile",
+            "col_tile",
+            "col_tiles",
+            "col_tail",
+        ),
         ("core", "row_start", "rows", "col_start", "cols"),
     ),
     "expert_lookup": (
         "ExpertLookup",
         ("slots", "groups", "num_experts", "experts_per_rank", "capacity", "core_num", "ub_bytes"),
-        ("slots", "groups", "group_slots", "num_experts", "experts_per_rank", "capacity", "used_cores", "chunk",
-         "last_chunk", "tile", "hist_stride", "workspace_bytes"),
+        (
+            "slots",
+            "groups",
+            "group_slots",
+            "num_experts",
+            "experts_per_rank",
+            "capacity",
+            "used_cores",
+            "chunk",
+            "last_chunk",
+            "tile",
+            "hist_stride",
+            "workspace_bytes",
+        ),
         ("core", "start", "slots"),
     ),
     "repetition_penalty": (
@@ -88,4 +114,4 @@ def schedule(op_name: str, max_tiles: int = 1 << 16, **kwargs: int) -> List[Dict
     if n < 0:
         raise ValueError(f"{op_name}: schedule query failed (tiling error or more than {max_tiles} tiles)")
     width = len(record)
-    return [dict(zip(record, out[i * width:(i + 1) * width])) for i in range(n)]
+    return [dict(zip(record, out[i * width : (i + 1) * width])) for i in range(n)]

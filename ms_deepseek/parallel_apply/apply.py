@@ -41,10 +41,10 @@ from ms_deepseek.parallel_plan.ranks import dataset_strategy
 
 @dataclass
 class AppliedPlan:
-    strategies: Dict[str, tuple] = field(default_factory=dict)       # primitive path -> (in, out)
+    strategies: Dict[str, tuple] = field(default_factory=dict)  # primitive path -> (in, out)
     param_layouts: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
-    stage_of_cell: Dict[str, int] = field(default_factory=dict)      # cell path -> pipeline stage
-    recomputed: List[str] = field(default_factory=list)              # cell / primitive paths
+    stage_of_cell: Dict[str, int] = field(default_factory=dict)  # cell path -> pipeline stage
+    recomputed: List[str] = field(default_factory=list)  # cell / primitive paths
     placements: Dict[str, np.ndarray] = field(default_factory=dict)  # placement param name -> table
     expert_orders: Dict[str, np.ndarray] = field(default_factory=dict)  # experts path -> buffer order
 
@@ -70,8 +70,10 @@ def _shard_custom(prim, layouts) -> None:
     from mindspore.parallel import Layout
 
     layout = Layout(layouts.device_matrix, ("dp", "tp"))
-    prim.shard(in_strategy=tuple(layout(*names) for names in layouts.inputs),
-               out_strategy=tuple(layout(*names) for names in layouts.outputs))
+    prim.shard(
+        in_strategy=tuple(layout(*names) for names in layouts.inputs),
+        out_strategy=tuple(layout(*names) for names in layouts.outputs),
+    )
 
 
 def join_path(path: str, attr: str) -> str:
@@ -127,16 +129,19 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     for path, cell in cells.items():
         for attr, prim in primitives_of(cell):
             if type(prim).__name__ in STRATEGIC_PRIMITIVES and join_path(path, attr) not in applied.strategies:
-                raise UserError(f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) "
-                                f"matches no rule")
+                raise UserError(
+                    f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) matches no rule"
+                )
 
     # parameter layouts, checked against the primitive that consumes each parameter
     for name, param in params.items():
         pattern, layout = plan.param_layout(name, mesh)
         layout = fit_layout(tuple(param.shape), layout) if len(layout) == len(param.shape) else layout
         if len(layout) != len(param.shape):
-            raise UserError(f"parallel plan: {name} has shape {tuple(param.shape)} but rule {pattern!r} "
-                            f"gives a {len(layout)}-axis layout {layout}")
+            raise UserError(
+                f"parallel plan: {name} has shape {tuple(param.shape)} but rule {pattern!r} "
+                f"gives a {len(layout)}-axis layout {layout}"
+            )
         for axis, (dim, k) in enumerate(zip(param.shape, layout)):
             if dim % k:
                 raise UserError(f"parallel plan: {name} axis {axis} ({dim}) is not divisible by {k} (rule {pattern!r})")
@@ -150,8 +155,12 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     # 3. pipeline stages
     if cfg is not None:
         stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-        assignment = {"model.embed_tokens": 0, "model.norm": parallel.pp - 1, "lm_head": parallel.pp - 1,
-                      "loss_fn": parallel.pp - 1}
+        assignment = {
+            "model.embed_tokens": 0,
+            "model.norm": parallel.pp - 1,
+            "lm_head": parallel.pp - 1,
+            "loss_fn": parallel.pp - 1,
+        }
         assignment.update({f"model.layers.{i}": s for i, s in enumerate(stages)})
         for path, stage in assignment.items():
             if path in cells:
@@ -186,8 +195,10 @@ def _check_consumers(plan: Plan, mesh: Mesh, cells, applied: AppliedPlan) -> Non
                 continue
             strategy = applied.strategies[ppath][0][index]
             if tuple(strategy) != tuple(applied.param_layouts[name]):
-                raise UserError(f"parallel plan: {name} layout {applied.param_layouts[name]} differs from "
-                                f"{ppath} input {index} strategy {strategy}")
+                raise UserError(
+                    f"parallel plan: {name} layout {applied.param_layouts[name]} differs from "
+                    f"{ppath} input {index} strategy {strategy}"
+                )
 
 
 def _place_experts(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -> None:
@@ -237,8 +248,7 @@ def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
     for path, cell in cells.items():
         if parallel.recompute == "full" and path.startswith("model.layers.") and path.count(".") == 2:
             if parallel.uses_semi_auto:
-                cell.recompute(mp_comm_recompute=True,
-                               parallel_optimizer_comm_recompute=parallel.optimizer_shard)
+                cell.recompute(mp_comm_recompute=True, parallel_optimizer_comm_recompute=parallel.optimizer_shard)
             else:
                 cell.recompute()
             applied.recomputed.append(path)
@@ -254,8 +264,11 @@ def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
 def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
     """Arguments for ``mindspore.set_auto_parallel_context`` for this layout (pure, testable)."""
     if not parallel.uses_semi_auto:
-        return {"parallel_mode": "data_parallel" if parallel.dp > 1 else "stand_alone",
-                "gradients_mean": True, "device_num": parallel.world_size}
+        return {
+            "parallel_mode": "data_parallel" if parallel.dp > 1 else "stand_alone",
+            "gradients_mean": True,
+            "device_num": parallel.world_size,
+        }
     kwargs: Dict[str, object] = {
         # Key operators carry the plan's strategies; the rest follow by sharding propagation.
         "parallel_mode": "semi_auto_parallel" if search_mode(parallel) == "semi_auto" else "auto_parallel",
@@ -272,8 +285,11 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
     if parallel.pp > 1:
         kwargs["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
     if parallel.optimizer_shard:
-        kwargs["parallel_optimizer_config"] = {"parallel_optimizer_threshold": 64, "optimizer_level": "level1",
-                                               "gradient_accumulation_shard": False}
+        kwargs["parallel_optimizer_config"] = {
+            "parallel_optimizer_threshold": 64,
+            "optimizer_level": "level1",
+            "gradient_accumulation_shard": False,
+        }
     return kwargs
 
 
@@ -283,8 +299,10 @@ def set_parallel_context(parallel: ParallelConfig, strategy_dir: Optional[str] =
 
     kwargs = context_kwargs(parallel)
     if strategy_dir is not None and "strategy_ckpt_config" in kwargs:
-        kwargs["strategy_ckpt_config"] = {"save_file": f"{strategy_dir}/ckpt_strategy.ckpt",
-                                          "only_trainable_params": False}
+        kwargs["strategy_ckpt_config"] = {
+            "save_file": f"{strategy_dir}/ckpt_strategy.ckpt",
+            "only_trainable_params": False,
+        }
     ms.set_auto_parallel_context(**kwargs)
     return kwargs
 

@@ -35,8 +35,9 @@ def _fmt(dev, tmap) -> str:
     return f"dev_matrix {list(dev)} tensor_map {list(tmap)}"
 
 
-def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
-                            optimizer_shard: bool = False, threshold_kb: int = 64) -> int:
+def check_parameter_layouts(
+    compiled: Mapping[str, Sequence], layout, rank: int, optimizer_shard: bool = False, threshold_kb: int = 64
+) -> int:
     """Compare every tensor of ``rank``'s stage in ``layout`` with MindSpore's compiled entry.
 
     Returns how many parameters were compared; raises UserError naming the first mismatch."""
@@ -51,8 +52,10 @@ def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
         if t.stage < 0:
             continue
         if name not in compiled:
-            raise UserError(f"compiled layout: parameter {name} (stage {t.stage}) is not in the compiled graph of "
-                            f"rank {rank}; the plan puts it there with {_fmt(t.dev_matrix, t.tensor_map)}")
+            raise UserError(
+                f"compiled layout: parameter {name} (stage {t.stage}) is not in the compiled graph of "
+                f"rank {rank}; the plan puts it there with {_fmt(t.dev_matrix, t.tensor_map)}"
+            )
         entry = compiled[name]
         dev, tmap = [int(k) for k in entry[0]], [int(m) for m in entry[1]]
         strategy = [int(k) for k in _get_tensor_strategy(dev, tmap)]
@@ -61,19 +64,23 @@ def check_parameter_layouts(compiled: Mapping[str, Sequence], layout, rank: int,
         if len(tmap) != len(t.shape) or tuple(strategy) != tuple(t.split):
             raise UserError(f"compiled layout: parameter {name}: {theirs}, {ours}")
         for d in range(devices):
-            mine = int(np.ravel_multi_index([t.coordinate(d, a) for a in range(len(t.shape))], t.split)) \
-                if t.shape else 0
+            mine = (
+                int(np.ravel_multi_index([t.coordinate(d, a) for a in range(len(t.shape))], t.split)) if t.shape else 0
+            )
             got = int(_get_tensor_slice_index(dev, strategy, tmap, d))
             if mine != got:
-                raise UserError(f"compiled layout: parameter {name}: device {d} of the stage holds slice {got} "
-                                f"under {theirs}, slice {mine} under the {ours}")
+                raise UserError(
+                    f"compiled layout: parameter {name}: device {d} of the stage holds slice {got} "
+                    f"under {theirs}, slice {mine} under the {ours}"
+                )
         group = str(entry[5]) if len(entry) > 5 and entry[5] else ""
-        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype),
-                                                         threshold_kb) > 1
+        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype), threshold_kb) > 1
         if bool(group) != bool(want):
-            raise UserError(f"compiled layout: parameter {name}: MindSpore's optimizer-shard group is "
-                            f"{group or 'none'}, the plan {'expects one' if want else 'expects none'} "
-                            f"({theirs})")
+            raise UserError(
+                f"compiled layout: parameter {name}: MindSpore's optimizer-shard group is "
+                f"{group or 'none'}, the plan {'expects one' if want else 'expects none'} "
+                f"({theirs})"
+            )
         compared += 1
     return compared
 
@@ -87,7 +94,7 @@ def _scope_cell_path(scope: str) -> Optional[str]:
     parts = scope.split("/")[:-1]
     for i, part in enumerate(parts):
         if part.endswith("-DeepseekV2ForCausalLM"):
-            return ".".join(p.split("-", 1)[0] for p in parts[i + 1:])
+            return ".".join(p.split("-", 1)[0] for p in parts[i + 1 :])
     return None
 
 
@@ -133,9 +140,11 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
         found += len(entries) - len(missing)
         if missing and stray:
             path, want = missing[0]
-            raise UserError(f"compiled strategy: primitive {path} ({key[1]}): the plan's strategy is "
-                            f"{[list(x) for x in want]}, MindSpore compiled {[list(x) for x in stray[0]]} "
-                            f"for a {key[1]} of that cell")
+            raise UserError(
+                f"compiled strategy: primitive {path} ({key[1]}): the plan's strategy is "
+                f"{[list(x) for x in want]}, MindSpore compiled {[list(x) for x in stray[0]]} "
+                f"for a {key[1]} of that cell"
+            )
     return found
 
 

@@ -48,27 +48,48 @@ Layout = Tuple[int, ...]
 # Primitive type (or our op Cell type for a Custom op) -> (rule text, source). The function
 # in _AXIS_RULES returns the (input index, axis) pairs that must not be split.
 UNSPLITTABLE: Dict[str, Tuple[str, str]] = {
-    "Concat": ("the concat axis of every input", "concat_info.cc ConcatInfo::CheckStrategy: 'The axis can not be split'"),
-    "GatherD": ("the gather dim of input and index", "gatherd_info.cc GatherDInfo::CheckStrategy: "
-                "'The dimension of dim can not be split'"),
-    "CumSum": ("the cumulated axis", "activation_info.cc CumOpBase::CheckStrategy: 'CumSum does not support the "
-               "sharding strategies which splits axis'"),
+    "Concat": (
+        "the concat axis of every input",
+        "concat_info.cc ConcatInfo::CheckStrategy: 'The axis can not be split'",
+    ),
+    "GatherD": (
+        "the gather dim of input and index",
+        "gatherd_info.cc GatherDInfo::CheckStrategy: 'The dimension of dim can not be split'",
+    ),
+    "CumSum": (
+        "the cumulated axis",
+        "activation_info.cc CumOpBase::CheckStrategy: 'CumSum does not support the "
+        "sharding strategies which splits axis'",
+    ),
     "TopK": ("the last axis", "topk_info.cc TopKInfo::CheckStrategy: 'can not support to split last dimension'"),
-    "Softmax": ("the softmax axis", "activation_info.cc Softmax::CheckStrategy: 'The strategy corresponding to axis "
-                "dimension is not 1'"),
+    "Softmax": (
+        "the softmax axis",
+        "activation_info.cc Softmax::CheckStrategy: 'The strategy corresponding to axis dimension is not 1'",
+    ),
     "LogSoftmax": ("the softmax axis", "activation_info.cc (LogSoftmax shares Softmax::CheckStrategy)"),
-    "Gather": ("the gather axis of a parameter with more than 2 dims", "gather_info.cc GatherInfo::CheckStrategy: "
-               "a split gather axis is supported only for 1-D and 2-D parameters"),
-    "FlashAttentionScore": ("the head dim of q/k/v and the key sequence of k/v",
-                            "flash_attention_score_info.cc: D is contracted; the KV sequence splits only under "
-                            "context-parallel sparse modes this plan does not use"),
+    "Gather": (
+        "the gather axis of a parameter with more than 2 dims",
+        "gather_info.cc GatherInfo::CheckStrategy: a split gather axis is supported only for 1-D and 2-D parameters",
+    ),
+    "FlashAttentionScore": (
+        "the head dim of q/k/v and the key sequence of k/v",
+        "flash_attention_score_info.cc: D is contracted; the KV sequence splits only under "
+        "context-parallel sparse modes this plan does not use",
+    ),
     # our custom operators (the op Cell type owning the ops.Custom)
-    "FP32Softmax": ("the last axis", "ms_deepseek.ops.FP32Softmax normalises over the last axis: a split would "
-                    "normalise each slice on its own"),
-    "ExpertLookup": ("every axis of the k-major ids [G, k*N] but the group axis, and the placement table",
-                     "ms_deepseek.ops.ExpertLookup counts capacity positions over all tokens of a group"),
-    "Sort": ("the sorted axis", "a sort along a split axis would order each slice on its own (no SortInfo rule "
-             "was found in MindSpore's ops_info; the plan keeps the axis whole)"),
+    "FP32Softmax": (
+        "the last axis",
+        "ms_deepseek.ops.FP32Softmax normalises over the last axis: a split would normalise each slice on its own",
+    ),
+    "ExpertLookup": (
+        "every axis of the k-major ids [G, k*N] but the group axis, and the placement table",
+        "ms_deepseek.ops.ExpertLookup counts capacity positions over all tokens of a group",
+    ),
+    "Sort": (
+        "the sorted axis",
+        "a sort along a split axis would order each slice on its own (no SortInfo rule "
+        "was found in MindSpore's ops_info; the plan keeps the axis whole)",
+    ),
 }
 
 # Gather, GatherD and CumSum take their axis as a call argument: every such call in the model
@@ -108,10 +129,10 @@ def _unsplittable(kind: str, prim, in_strategy) -> List[Tuple[int, int]]:
     if kind == "Sort":
         return [(0, _axis(prim, "axis", -1, n0))]
     if kind == "FlashAttentionScore":
-        pairs = [(i, 3) for i in range(min(3, len(in_strategy)))]   # BNSD head dim
-        return pairs + [(1, 2), (2, 2)]                              # key / value sequence
+        pairs = [(i, 3) for i in range(min(3, len(in_strategy)))]  # BNSD head dim
+        return pairs + [(1, 2), (2, 2)]  # key / value sequence
     if kind == "ExpertLookup":
-        pairs = [(0, a) for a in range(1, n0)]   # only the group axis G may split
+        pairs = [(0, a) for a in range(1, n0)]  # only the group axis G may split
         if len(in_strategy) > 1:
             pairs += [(1, a) for a in range(len(in_strategy[1]))]
         return pairs
@@ -129,7 +150,7 @@ def output_layouts(kind: str, prim, in_strategy, out_strategy=None) -> List[Layo
         x, w = s[0], s[1]
         rows = x[1] if attrs.get("transpose_a") else x[0]
         cols = w[0] if attrs.get("transpose_b") else w[1]
-        return [(rows, cols)]          # a split contraction axis is all-reduced: no split in the output
+        return [(rows, cols)]  # a split contraction axis is all-reduced: no split in the output
     if kind == "BatchMatMul":
         x, w = s[0], s[1]
         rows = x[-1] if attrs.get("transpose_a") else x[-2]
@@ -138,17 +159,17 @@ def output_layouts(kind: str, prim, in_strategy, out_strategy=None) -> List[Layo
     if kind == "Gather":
         b = int(attrs.get("batch_dims", 0) or 0)
         axis = b if b else _CALL_AXIS["Gather"]
-        return [s[0][:axis] + s[1][b:] + s[0][axis + 1:]]   # params[:axis] + indices[batch_dims:] + params[axis+1:]
+        return [s[0][:axis] + s[1][b:] + s[0][axis + 1 :]]  # params[:axis] + indices[batch_dims:] + params[axis+1:]
     if kind == "TopK":
         return [s[0], s[0]]
     if kind == "FlashAttentionScore":
-        return [s[0], s[0], s[0], s[0]]   # softmax max / sum / (unused) / attention_out, BNSD like q
+        return [s[0], s[0], s[0], s[0]]  # softmax max / sum / (unused) / attention_out, BNSD like q
     if kind == "Add":
         a, b = s[0], s[1] if len(s) > 1 else ()
         n = max(len(a), len(b))
         a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
         return [tuple(max(p, q) for p, q in zip(a, b))]
-    return [s[0]] * 4                 # elementwise / custom ops: like the first input
+    return [s[0]] * 4  # elementwise / custom ops: like the first input
 
 
 # ------------------------------------------------------------ layout transforms
@@ -182,7 +203,9 @@ class _NotExpressible(Exception):
 
 
 TRANSFORMS: Dict[str, Callable[[Layout, Mesh], Layout]] = {
-    "same": _same, "rows_to_heads": _rows_to_heads, "heads_to_rows": _heads_to_rows,
+    "same": _same,
+    "rows_to_heads": _rows_to_heads,
+    "heads_to_rows": _heads_to_rows,
     "tokens_to_rows": _tokens_to_rows,
 }
 
@@ -196,6 +219,7 @@ class Edge:
     applies where the ``requires`` primitive exists (a variant of the model); ``group``
     names the variant for the MoE coverage rule.
     """
+
     producer: str
     out: int
     consumer: str
@@ -210,8 +234,10 @@ def _attention_edges() -> List[Edge]:
     a = "self_attn."
     edges = []
     for q in ("q_proj.matmul", "q_b_proj.matmul"):  # without / with the q low-rank compression
-        edges += [Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=f"{a}{q}&{a}qk_bmm"),
-                  Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=f"{a}{q}&{a}flash_attention")]
+        edges += [
+            Edge(a + q, 0, a + "qk_bmm", 0, "rows_to_heads", requires=f"{a}{q}&{a}qk_bmm"),
+            Edge(a + q, 0, a + "flash_attention", 0, "rows_to_heads", requires=f"{a}{q}&{a}flash_attention"),
+        ]
     edges += [
         Edge(a + "q_a_proj.matmul", 0, a + "q_b_proj.matmul", 0, requires=a + "q_a_proj.matmul"),
         Edge(a + "kv_a_proj_with_mqa.matmul", 0, a + "kv_b_proj.matmul", 0, requires=a + "kv_b_proj.matmul"),
@@ -231,15 +257,31 @@ def _attention_edges() -> List[Edge]:
 
 def _mlp_edges() -> List[Edge]:
     m = "mlp."
-    dense = [Edge(m + "gate_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "gate_proj.matmul"),
-             Edge(m + "up_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "up_proj.matmul")]
-    shared = [Edge(m + "shared_experts.gate_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
-                   requires=m + "shared_experts.gate_proj.matmul"),
-              Edge(m + "shared_experts.up_proj.matmul", 0, m + "shared_experts.down_proj.matmul", 0,
-                   requires=m + "shared_experts.up_proj.matmul")]
-    router = [Edge(m + "gate.matmul", 0, m + "gate.softmax.impl.op", 0, requires=m + "gate.matmul"),
-              Edge(m + "gate.softmax.impl.op", 0, m + "gate.topk", 0, requires=m + "gate.matmul"),
-              Edge(m + "gate.softmax.impl.op", 0, m + "gate.group_topk", 0, requires=m + "gate.group_topk")]
+    dense = [
+        Edge(m + "gate_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "gate_proj.matmul"),
+        Edge(m + "up_proj.matmul", 0, m + "down_proj.matmul", 0, requires=m + "up_proj.matmul"),
+    ]
+    shared = [
+        Edge(
+            m + "shared_experts.gate_proj.matmul",
+            0,
+            m + "shared_experts.down_proj.matmul",
+            0,
+            requires=m + "shared_experts.gate_proj.matmul",
+        ),
+        Edge(
+            m + "shared_experts.up_proj.matmul",
+            0,
+            m + "shared_experts.down_proj.matmul",
+            0,
+            requires=m + "shared_experts.up_proj.matmul",
+        ),
+    ]
+    router = [
+        Edge(m + "gate.matmul", 0, m + "gate.softmax.impl.op", 0, requires=m + "gate.matmul"),
+        Edge(m + "gate.softmax.impl.op", 0, m + "gate.topk", 0, requires=m + "gate.matmul"),
+        Edge(m + "gate.softmax.impl.op", 0, m + "gate.group_topk", 0, requires=m + "gate.group_topk"),
+    ]
     return dense + shared + router
 
 
@@ -340,21 +382,37 @@ def _view_to_groups(layout: Layout, mesh: Mesh) -> Layout:
     return (u * a, e * c, h)
 
 
-TRANSFORMS.update({"rows_to_groups": _rows_to_groups, "rows_to_kmajor": _rows_to_kmajor,
-                   "groups_to_view": _groups_to_view, "view_to_experts": _view_to_experts,
-                   "experts_to_view": _experts_to_view, "view_to_groups": _view_to_groups})
+TRANSFORMS.update(
+    {
+        "rows_to_groups": _rows_to_groups,
+        "rows_to_kmajor": _rows_to_kmajor,
+        "groups_to_view": _groups_to_view,
+        "view_to_experts": _view_to_experts,
+        "experts_to_view": _experts_to_view,
+        "view_to_groups": _view_to_groups,
+    }
+)
 
 
 # The residual stream [B*T, H]: every producer's output and every consumer's input share one layout.
-RESIDUAL_PRODUCERS = ("model.embed_tokens.gather:0>tokens_to_rows", "model.layers.*.self_attn.o_proj.matmul:0",
-                      "model.layers.*.mlp.down_proj.matmul:0", "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
-                      )
-RESIDUAL_CONSUMERS = ("model.layers.*.self_attn.q_proj.matmul:0", "model.layers.*.self_attn.q_a_proj.matmul:0",
-                      "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0", "model.layers.*.mlp.gate_proj.matmul:0",
-                      "model.layers.*.mlp.up_proj.matmul:0", "model.layers.*.mlp.gate.matmul:0",
-                      "model.layers.*.mlp.shared_experts.gate_proj.matmul:0",
-                      "model.layers.*.mlp.shared_experts.up_proj.matmul:0",
-                      "model.layers.*.mlp.pad_tokens:0>rows_to_groups", "lm_head.matmul:0")
+RESIDUAL_PRODUCERS = (
+    "model.embed_tokens.gather:0>tokens_to_rows",
+    "model.layers.*.self_attn.o_proj.matmul:0",
+    "model.layers.*.mlp.down_proj.matmul:0",
+    "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
+)
+RESIDUAL_CONSUMERS = (
+    "model.layers.*.self_attn.q_proj.matmul:0",
+    "model.layers.*.self_attn.q_a_proj.matmul:0",
+    "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0",
+    "model.layers.*.mlp.gate_proj.matmul:0",
+    "model.layers.*.mlp.up_proj.matmul:0",
+    "model.layers.*.mlp.gate.matmul:0",
+    "model.layers.*.mlp.shared_experts.gate_proj.matmul:0",
+    "model.layers.*.mlp.shared_experts.up_proj.matmul:0",
+    "model.layers.*.mlp.pad_tokens:0>rows_to_groups",
+    "lm_head.matmul:0",
+)
 
 EDGES: List[Edge] = _attention_edges() + _mlp_edges() + _moe_edges()
 
@@ -363,9 +421,9 @@ EDGES: List[Edge] = _attention_edges() + _mlp_edges() + _moe_edges()
 @dataclass
 class LintReport:
     problems: List[str] = field(default_factory=list)
-    primitives: int = 0      # primitives with a strategy
-    edges: int = 0           # producer -> consumer pairs compared
-    allowed: int = 0         # mismatches accepted as listed redistributions
+    primitives: int = 0  # primitives with a strategy
+    edges: int = 0  # producer -> consumer pairs compared
+    allowed: int = 0  # mismatches accepted as listed redistributions
 
     @property
     def ok(self) -> bool:
@@ -397,13 +455,18 @@ def _compile(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in pattern.split(".")))
 
 
-def lint_model(model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = None,
-               allowed: Optional[Dict[str, str]] = None) -> LintReport:
+def lint_model(
+    model, applied, mesh: Mesh, edges: Optional[Sequence[Edge]] = None, allowed: Optional[Dict[str, str]] = None
+) -> LintReport:
     """Run the three rules (module doc) on ``model`` with ``applied`` (``apply_plan``'s result)."""
     from ms_deepseek.parallel_plan.plan import deliberate_redistributions
 
-    lint = _Linter(_primitive_table(model), applied.strategies, mesh,
-                   deliberate_redistributions(mesh) if allowed is None else allowed)
+    lint = _Linter(
+        _primitive_table(model),
+        applied.strategies,
+        mesh,
+        deliberate_redistributions(mesh) if allowed is None else allowed,
+    )
     lint.coverage()
     lint.custom_ops()
     lint.axes()
@@ -417,17 +480,27 @@ class _Linter:
 
     def __init__(self, table, strategies, mesh: Mesh, allowed: Dict[str, str]):
         self.table, self.strategies, self.mesh = table, strategies, mesh
-        self.allow_rx = [(re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p)
-                                                 for p in k.split(":")[0].split(".")) + ":" + re.escape(k.split(":")[1])),
-                          why) for k, why in allowed.items()]
+        self.allow_rx = [
+            (
+                re.compile(
+                    r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in k.split(":")[0].split("."))
+                    + ":"
+                    + re.escape(k.split(":")[1])
+                ),
+                why,
+            )
+            for k, why in allowed.items()
+        ]
         self.report = LintReport()
 
     # 1. coverage
     def coverage(self) -> None:
         for path, (kind, _) in sorted(self.table.items()):
             if path not in self.strategies:
-                self.report.problems.append(f"{path} ({kind}): no strategy (every primitive a model Cell holds "
-                                            f"carries sharded data; add a rule to the plan)")
+                self.report.problems.append(
+                    f"{path} ({kind}): no strategy (every primitive a model Cell holds "
+                    f"carries sharded data; add a rule to the plan)"
+                )
         self.report.primitives = sum(1 for p in self.table if p in self.strategies)
 
     # 1b. a Custom op is sharded only in the form MindSpore 2.9 compiles: Layout objects
@@ -435,8 +508,9 @@ class _Linter:
     def custom_ops(self) -> None:
         for path, (_kind, prim) in sorted(self.table.items()):
             if type(prim).__name__ == "Custom" and path in self.strategies:
-                why = check_custom_layouts(path, getattr(prim, "attrs", {}) or {}, self.strategies[path][0],
-                                           self.mesh.stage_devices)
+                why = check_custom_layouts(
+                    path, getattr(prim, "attrs", {}) or {}, self.strategies[path][0], self.mesh.stage_devices
+                )
                 if why:
                     self.report.problems.append(why)
 
@@ -454,9 +528,11 @@ class _Linter:
             for index, axis in forbidden:
                 if index < len(in_s) and axis < len(in_s[index]) and int(in_s[index][axis]) != 1:
                     rule, source = UNSPLITTABLE[kind]
-                    self.report.problems.append(f"{path} ({kind}): input {index} axis {axis} is split "
-                                                f"{in_s[index][axis]} ways in {_fmt(in_s[index])}; MindSpore cannot "
-                                                f"split {rule} ({source})")
+                    self.report.problems.append(
+                        f"{path} ({kind}): input {index} axis {axis} is split "
+                        f"{in_s[index][axis]} ways in {_fmt(in_s[index])}; MindSpore cannot "
+                        f"split {rule} ({source})"
+                    )
             if kind in ("MatMul", "BatchMatMul") and len(in_s) == 2:
                 self._matmul_axes(path, kind, prim.attrs, tuple(in_s[0]), tuple(in_s[1]))
 
@@ -465,15 +541,18 @@ class _Linter:
         kx = x[-2] if attrs.get("transpose_a") else x[-1]
         kw = w[-1] if attrs.get("transpose_b") else w[-2]
         if kx != kw:
-            self.report.problems.append(f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but "
-                                        f"{kw} in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split "
-                                        f"alike)")
+            self.report.problems.append(
+                f"{path} ({kind}): contraction axis split {kx} in input 0 {_fmt(x)} but "
+                f"{kw} in input 1 {_fmt(w)} (matmul_info.cc: the reduce dims must be split "
+                f"alike)"
+            )
         # batch axes aligned from the right (a 4-D x against a 3-D weight broadcasts the leading axis)
         # must be split alike (matmul_info.cc MatMul::CheckStrategy -> CheckRelevantDimension)
         nb = min(len(x), len(w)) - 2
-        if kind == "BatchMatMul" and nb > 0 and x[-2 - nb:-2] != w[-2 - nb:-2]:
-            self.report.problems.append(f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb:-2])} vs "
-                                        f"{_fmt(w[-2 - nb:-2])}")
+        if kind == "BatchMatMul" and nb > 0 and x[-2 - nb : -2] != w[-2 - nb : -2]:
+            self.report.problems.append(
+                f"{path} ({kind}): batch axes split {_fmt(x[-2 - nb : -2])} vs {_fmt(w[-2 - nb : -2])}"
+            )
 
     # 3. the layout each consumer reads equals what its producer gives, or the plan lists the redistribution
     def _out_layout(self, path: str, index: int) -> Layout:
@@ -492,9 +571,11 @@ class _Linter:
         if self._allowed(f"{dst}:{inp}"):
             self.report.allowed += 1
             return
-        self.report.problems.append(f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output "
-                                    f"{out} gives {_fmt(got)}: MindSpore would redistribute here and the plan does "
-                                    f"not list it (plan.deliberate_redistributions)")
+        self.report.problems.append(
+            f"{dst} input {inp} has strategy {_fmt(want)} but its producer {src} output "
+            f"{out} gives {_fmt(got)}: MindSpore would redistribute here and the plan does "
+            f"not list it (plan.deliberate_redistributions)"
+        )
 
     def _compare(self, src: str, out: int, dst: str, inp: int, transform: str) -> None:
         if src not in self.strategies or dst not in self.strategies:
@@ -507,9 +588,11 @@ class _Linter:
             return
         except (ValueError, IndexError, TypeError):
             # e.g. a 3-axis strategy on a 5-D tensor: the strategy does not fit the edge's tensor
-            self.report.problems.append(f"{src} output {out} -> {dst} input {inp}: the strategies "
-                                        f"{self.strategies[src][0]} / {self.strategies[dst][0]} do not fit this "
-                                        f"edge's tensor (wrong number of axes or inputs)")
+            self.report.problems.append(
+                f"{src} output {out} -> {dst} input {inp}: the strategies "
+                f"{self.strategies[src][0]} / {self.strategies[dst][0]} do not fit this "
+                f"edge's tensor (wrong number of axes or inputs)"
+            )
             return
         self._check(src, out, dst, inp, got)
 
@@ -526,15 +609,19 @@ class _Linter:
                 src, dst = f"{layer}.{e.producer}", f"{layer}.{e.consumer}"
                 missing = [p for p in (src, dst) if p not in table]
                 if missing:
-                    self.report.problems.append(f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in "
-                                                f"the model (the lint's edge table is stale)")
+                    self.report.problems.append(
+                        f"declared edge {e.producer} -> {e.consumer}: {missing[0]} is not in "
+                        f"the model (the lint's edge table is stale)"
+                    )
                     continue
                 if e.group:
                     groups_seen.add(e.group)
                 self._compare(src, e.out, dst, e.inp, e.transform)
             if is_moe and not groups_seen:
-                self.report.problems.append(f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
-                                            f"(the lint's MoE edges are stale)")
+                self.report.problems.append(
+                    f"{layer}.mlp: no declared MoE dataflow matches this layer's primitives "
+                    f"(the lint's MoE edges are stale)"
+                )
 
     # 3b. the residual stream: all producers and consumers agree with the embedding's output layout
     def _expand(self, spec: str):
@@ -566,8 +653,10 @@ class _Linter:
                 if self._allowed(f"{src}:out"):
                     self.report.allowed += 1
                 else:
-                    self.report.problems.append(f"{src} output {out} gives {_fmt(got)} to the residual stream, which "
-                                                f"is {_fmt(stream)} ({head[0]}): not listed in "
-                                                f"plan.deliberate_redistributions")
+                    self.report.problems.append(
+                        f"{src} output {out} gives {_fmt(got)} to the residual stream, which "
+                        f"is {_fmt(stream)} ({head[0]}): not listed in "
+                        f"plan.deliberate_redistributions"
+                    )
             else:  # a consumer: the stream seen through its transform
                 self._check(f"{head[0]} (residual stream)", head[1], src, out, TRANSFORMS[transform](stream, self.mesh))

@@ -35,22 +35,23 @@ from ms_deepseek.parallel_plan.plan import (
 )
 from ms_deepseek.parallel_plan.ranks import ep_group_of_rank
 
-GB = 1024 ** 3
+GB = 1024**3
 
 
 @dataclass
 class Hardware:
     """Ascend 910B (Atlas 800T A2) figures; every one is a planner flag."""
+
     hbm_gb: float = 64.0
-    peak_tflops: float = 313.0        # bf16 dense
+    peak_tflops: float = 313.0  # bf16 dense
     hbm_tbps: float = 1.6
-    hccs_gbps: float = 56.0           # per peer, inside a node (full mesh)
-    roce_gbps: float = 25.0           # per NPU, across nodes
+    hccs_gbps: float = 56.0  # per peer, inside a node (full mesh)
+    roce_gbps: float = 25.0  # per NPU, across nodes
     npus_per_node: int = 8
     runtime_reserved_gb: float = 3.0  # CANN runtime, kernels, HCCL bookkeeping: outside MindSpore's pool
-    hccl_buffer_mb: float = 200.0     # HCCL_BUFFSIZE, one buffer per communication group
-    workspace_gb: float = 1.0         # operator workspaces and allocator slack
-    low: "Efficiency" = None          # the throughput range's ends (default LOW / HIGH below)
+    hccl_buffer_mb: float = 200.0  # HCCL_BUFFSIZE, one buffer per communication group
+    workspace_gb: float = 1.0  # operator workspaces and allocator slack
+    low: "Efficiency" = None  # the throughput range's ends (default LOW / HIGH below)
     high: "Efficiency" = None
 
     def __post_init__(self):
@@ -66,6 +67,7 @@ class Efficiency:
     capacity padding included). ``comm``: fraction of the nominal link bandwidth a collective
     achieves. ``overlap``: fraction of the tp / ep collectives hidden under compute.
     """
+
     name: str
     compute: float
     comm: float
@@ -89,12 +91,13 @@ HIGH = Efficiency("high", compute=0.449, comm=0.8, overlap=0.5)
 @dataclass
 class Precision:
     """Bytes per element. ``grad_bytes`` None: gradients in each parameter's own dtype (MindSpore)."""
-    compute_bytes: int = 2            # activations (bfloat16 on Ascend)
+
+    compute_bytes: int = 2  # activations (bfloat16 on Ascend)
     grad_bytes: Optional[int] = None
-    optimizer_bytes: int = 8          # AdamW m and v in float32 (train.optim.AdamW)
-    master_bytes: int = 0             # extra float32 master copy (0: parameters are updated in place)
-    optimizer_level: str = "level1"   # MindSpore parallel optimizer: level1 shards weights + states,
-                                      # level2/level3 also gradients
+    optimizer_bytes: int = 8  # AdamW m and v in float32 (train.optim.AdamW)
+    master_bytes: int = 0  # extra float32 master copy (0: parameters are updated in place)
+    optimizer_level: str = "level1"  # MindSpore parallel optimizer: level1 shards weights + states,
+    # level2/level3 also gradients
 
 
 @dataclass
@@ -102,10 +105,10 @@ class Workload:
     seq_len: int
     global_batch_size: int
     micro_batch_size: int = 1
-    flash_attention: bool = False     # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
-    lora: Optional[LoraSpec] = None   # None: full fine-tuning / pretraining
-    quant: Optional[QuantSpec] = None # a quantized frozen base under LoRA (None: the base in param_dtype)
-    validation: bool = False          # data.validation: the eval graph's peak counts too (eval_peak)
+    flash_attention: bool = False  # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
+    lora: Optional[LoraSpec] = None  # None: full fine-tuning / pretraining
+    quant: Optional[QuantSpec] = None  # a quantized frozen base under LoRA (None: the base in param_dtype)
+    validation: bool = False  # data.validation: the eval graph's peak counts too (eval_peak)
 
 
 def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
@@ -117,7 +120,7 @@ def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
             try:
                 return plan.param_layout(name, mesh)[1]
             except UserError:
-                base = plan.param_layout(name[:-len(part)] + ".weight", mesh)[1]
+                base = plan.param_layout(name[: -len(part)] + ".weight", mesh)[1]
                 *lead, o, i = base
                 return tuple(lead) + ((1, i) if part == ".lora_A.weight" else (o, 1))
     return plan.param_layout(name, mesh)[1]
@@ -133,20 +136,30 @@ class StageMemory:
     optimizer: float = 0.0
     activations: float = 0.0
     working_set: float = 0.0
-    comm_buffers: float = 0.0        # MoE all-to-all send / receive buffers (in MindSpore's pool)
-    hccl_buffers: float = 0.0        # HCCL's own buffers, one per communication group (outside the pool)
+    comm_buffers: float = 0.0  # MoE all-to-all send / receive buffers (in MindSpore's pool)
+    hccl_buffers: float = 0.0  # HCCL's own buffers, one per communication group (outside the pool)
     workspace: float = 0.0
-    scales: float = 0.0               # quantized base: the float32 scales and offsets
-    dequant_workspace: float = 0.0    # quantized base: the largest weight dequantised at once
-    params: int = 0                   # elements held (before optimizer sharding of weights)
-    eval_peak: float = 0.0            # the whole device at the validation graph's peak (0: no validation)
+    scales: float = 0.0  # quantized base: the float32 scales and offsets
+    dequant_workspace: float = 0.0  # quantized base: the largest weight dequantised at once
+    params: int = 0  # elements held (before optimizer sharding of weights)
+    eval_peak: float = 0.0  # the whole device at the validation graph's peak (0: no validation)
 
     @property
     def total(self) -> float:
         """The training step's peak."""
-        return (self.weights + self.weight_copies + self.gradients + self.optimizer + self.activations
-                + self.working_set + self.comm_buffers + self.hccl_buffers + self.workspace + self.scales
-                + self.dequant_workspace)
+        return (
+            self.weights
+            + self.weight_copies
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.working_set
+            + self.comm_buffers
+            + self.hccl_buffers
+            + self.workspace
+            + self.scales
+            + self.dequant_workspace
+        )
 
     @property
     def peak(self) -> float:
@@ -159,8 +172,19 @@ class StageMemory:
         return self.peak - self.hccl_buffers
 
     def gb(self) -> Dict[str, float]:
-        keys = ("weights", "weight_copies", "gradients", "optimizer", "activations", "working_set",
-                "comm_buffers", "hccl_buffers", "workspace", "scales", "dequant_workspace")
+        keys = (
+            "weights",
+            "weight_copies",
+            "gradients",
+            "optimizer",
+            "activations",
+            "working_set",
+            "comm_buffers",
+            "hccl_buffers",
+            "workspace",
+            "scales",
+            "dequant_workspace",
+        )
         out = {k: round(getattr(self, k) / GB, 3) for k in keys}
         out["total"] = round(self.total / GB, 3)
         if self.eval_peak:
@@ -169,9 +193,15 @@ class StageMemory:
 
 
 # ----------------------------------------------------------------------------- bytes held
-def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
-                inventory: Optional[List[ParamInfo]] = None, plan: Optional[Plan] = None,
-                threshold_kb: int = 64, quant: Optional[QuantSpec] = None) -> List[Dict[str, float]]:
+def param_bytes(
+    cfg,
+    parallel: ParallelConfig,
+    precision: Precision,
+    inventory: Optional[List[ParamInfo]] = None,
+    plan: Optional[Plan] = None,
+    threshold_kb: int = 64,
+    quant: Optional[QuantSpec] = None,
+) -> List[Dict[str, float]]:
     """Per stage: weight / gradient / optimizer bytes and element counts of one NPU's slices.
 
     With ``quant`` the base weights :func:`ms_deepseek.config.quant.is_quantized` names count
@@ -182,8 +212,20 @@ def param_bytes(cfg, parallel: ParallelConfig, precision: Precision,
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     mesh = Mesh.from_parallel(parallel)
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    out = [dict(weights=0.0, gradients=0.0, optimizer=0.0, copies=0.0, casts=0.0, params=0, largest_grad=0,
-                scales=0.0, dequant=0.0) for _ in range(parallel.pp)]
+    out = [
+        dict(
+            weights=0.0,
+            gradients=0.0,
+            optimizer=0.0,
+            copies=0.0,
+            casts=0.0,
+            params=0,
+            largest_grad=0,
+            scales=0.0,
+            dequant=0.0,
+        )
+        for _ in range(parallel.pp)
+    ]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
         layout = param_layout(plan, info.name, mesh)
@@ -235,7 +277,7 @@ def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec
     """One NPU's slice of a quantized weight [.., out, in]: int8 1 byte / int4 half a byte per element;
     scales and offsets [.., out] per output channel or [.., in / g, out] per group, split like the
     weight; the whole slice dequantised once is the workspace (docs/planner.md, "Quantized base")."""
-    local_in = info.shape[-1] // layout[-1]   # quant_layout_problems has checked the group divides it
+    local_in = info.shape[-1] // layout[-1]  # quant_layout_problems has checked the group divides it
     scales = local // (local_in if quant.group_size is None else quant.group_size)
     slot["weights"] += local * quant.bits / 8
     slot["scales"] += scales * SCALE_BYTES
@@ -258,8 +300,10 @@ def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, qu
             continue
         split = param_layout(plan, info.name, mesh)[-1]
         if (info.shape[-1] // split) % quant.group_size:
-            return [f"quant.group_size: {quant.group_size} does not divide the {info.shape[-1] // split} input "
-                    f"columns of {info.name} on one NPU (input width {info.shape[-1]} split {split} ways)"]
+            return [
+                f"quant.group_size: {quant.group_size} does not divide the {info.shape[-1] // split} input "
+                f"columns of {info.name} on one NPU (input width {info.shape[-1]} split {split} ways)"
+            ]
     return []
 
 
@@ -271,9 +315,19 @@ def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) ->
     built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements.
     ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n).
     Memoised on what the dispatch reads (a search asks it hundreds of thousands of times)."""
-    key = (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-           cfg.capacity_factor, getattr(cfg, "eval_capacity_factor", None), parallel.dp, parallel.ep, parallel.tp,
-           int(n), bool(training))
+    key = (
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.capacity_factor,
+        getattr(cfg, "eval_capacity_factor", None),
+        parallel.dp,
+        parallel.ep,
+        parallel.tp,
+        int(n),
+        bool(training),
+    )
     found = _MOE_BUFFERS.get(key)
     if found is None:
         built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
@@ -305,8 +359,9 @@ def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
     return max(forward, backward)
 
 
-def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int,
-                           policy: str, training: bool = True) -> float:
+def layer_activation_bytes(
+    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str, training: bool = True
+) -> float:
     """Bytes one decoder layer keeps for backward, for one micro-batch on one NPU (``training``
     False: the same tensors at the evaluation capacity, see :func:`eval_layer_bytes`)."""
     n = w.micro_batch_size * w.seq_len
@@ -314,28 +369,28 @@ def layer_activation_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c
     sp = t if parallel.sequence_parallel else 1
     H = cfg.hidden_size
     if policy == "full":
-        return n * H * c / sp                      # only the layer input
+        return n * H * c / sp  # only the layer input
     nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
-    a = norm(H, sp) * 2                            # input_layernorm, post_attention_layernorm
+    a = norm(H, sp) * 2  # input_layernorm, post_attention_layernorm
     if cfg.q_lora_rank is not None:
         a += norm(cfg.q_lora_rank)
-    a += norm(cfg.kv_lora_rank) + n * rope * c     # latent norm, k_pe before rotary
-    a += n * nh * (2 * qk + 2 * v + rope) * c      # q, k, v for the score / value matmuls, o_proj input, q_pe
+    a += norm(cfg.kv_lora_rank) + n * rope * c  # latent norm, k_pe before rotary
+    a += n * nh * (2 * qk + 2 * v + rope) * c  # q, k, v for the score / value matmuls, o_proj input, q_pe
     scores = w.micro_batch_size * nh * w.seq_len * w.seq_len
     if w.flash_attention:
-        a += scores / w.seq_len * 8                # FlashAttentionScore keeps max and sum per row
+        a += scores / w.seq_len * 8  # FlashAttentionScore keeps max and sum per row
     elif policy == "selective":
-        a += scores * (4 + c)                      # softmax input (float32) and probs; exp is replayed
+        a += scores * (4 + c)  # softmax input (float32) and probs; exp is replayed
     else:
-        a += scores * (8 + c)                      # float32 scores and exp, probs in compute dtype
+        a += scores * (8 + c)  # float32 scores and exp, probs in compute dtype
     if cfg.is_moe_layer(i):
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        a += n * (4 * H + 8 * E)                   # float32 router input, scores / softmax
+        a += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
         b = moe_buffers(cfg, parallel, n, training)  # the dispatch as built, per device
-        a += b["expert_input"] * c                 # expert inputs (after the AllToAll), for the weight grads
-        a += 4 * b["expert_hidden"] * c            # gate, up, silu(gate), product
-        a += b["combined"] * 4                     # float32 combined outputs, for the routing-weight grad
+        a += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
+        a += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
+        a += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
         a += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
         if cfg.n_shared_experts:
             a += 4 * n * c * I * cfg.n_shared_experts / t
@@ -407,18 +462,19 @@ def unordered_micro_batches(parallel: ParallelConfig, w: Workload) -> int:
 
 
 def comm_groups(parallel: ParallelConfig) -> int:
-    groups = 1                                           # world
+    groups = 1  # world
     groups += parallel.tp > 1
     groups += parallel.dp > 1
     groups += parallel.ep > 1
     groups += parallel.ep > 1 and parallel.dp // parallel.ep > 1
-    groups += 2 * (parallel.pp > 1)                      # send / receive neighbours
+    groups += 2 * (parallel.pp > 1)  # send / receive neighbours
     groups += parallel.dp * parallel.tp > max(parallel.dp, parallel.tp)  # whole stage (replicated params)
     return groups
 
 
-def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precision, hw: Hardware,
-                 held: List[Dict[str, float]]) -> List[StageMemory]:
+def stage_memory(
+    cfg, parallel: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held: List[Dict[str, float]]
+) -> List[StageMemory]:
     c = precision.compute_bytes
     counts = [0] * parallel.pp
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
@@ -432,9 +488,9 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         if s == parallel.pp - 1:
             kept += head_activation_bytes(cfg, parallel, w, c)
         full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
-        working = n * cfg.hidden_size * 4 * 4          # activation gradients in flight
+        working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
         if parallel.recompute != "none":
-            working += max(full)                       # the layer being recomputed
+            working += max(full)  # the layer being recomputed
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
         if moe_layers:
             working += moe_transient_bytes(cfg, parallel, n, c)
@@ -473,24 +529,42 @@ def stage_memory(cfg, parallel: ParallelConfig, w: Workload, precision: Precisio
         copies = held[s]["copies"]
         casts = held[s].get("casts", 0.0)  # compute-dtype casts of wider, not gathered, weights
         if parallel.recompute == "full" and layers:
-            working += casts / max(1, len(layers))     # one layer's casts, recast when recomputed
+            working += casts / max(1, len(layers))  # one layer's casts, recast when recomputed
         else:
             copies += casts
-        hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024 ** 2
+        hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024**2
         mem = StageMemory(
-            stage=s, layers=len(layers), weights=held[s]["weights"], weight_copies=copies,
-            gradients=gradients, optimizer=held[s]["optimizer"],
-            activations=kept * in_flight(parallel, s) * unordered, working_set=working, comm_buffers=comm, hccl_buffers=hccl,
-            workspace=hw.workspace_gb * GB, scales=held[s].get("scales", 0.0),
-            dequant_workspace=dequant, params=int(held[s]["params"]))
+            stage=s,
+            layers=len(layers),
+            weights=held[s]["weights"],
+            weight_copies=copies,
+            gradients=gradients,
+            optimizer=held[s]["optimizer"],
+            activations=kept * in_flight(parallel, s) * unordered,
+            working_set=working,
+            comm_buffers=comm,
+            hccl_buffers=hccl,
+            workspace=hw.workspace_gb * GB,
+            scales=held[s].get("scales", 0.0),
+            dequant_workspace=dequant,
+            params=int(held[s]["params"]),
+        )
         if w.validation:
             mem.eval_peak = _eval_peak(cfg, parallel, w, c, layers, s, mem, held[s])
         result.append(mem)
     return result
 
 
-def _eval_peak(cfg, parallel: ParallelConfig, w: Workload, c: int, layers: List[int], s: int,
-               mem: StageMemory, held: Dict[str, float]) -> float:
+def _eval_peak(
+    cfg,
+    parallel: ParallelConfig,
+    w: Workload,
+    c: int,
+    layers: List[int],
+    s: int,
+    mem: StageMemory,
+    held: Dict[str, float],
+) -> float:
     """The device at the validation graph's peak: what stays allocated between the graphs (weights,
     their all-gathered / cast copies, gradients, optimizer states, HCCL, workspace) plus one
     micro-batch's forward, one layer at a time (:func:`eval_layer_bytes`), the head's [n, V/tp]
@@ -526,8 +600,8 @@ def layer_flops(cfg, i: int, parallel: ParallelConfig, w: Workload) -> Tuple[flo
     f += core
     if cfg.is_moe_layer(i):
         I = cfg.moe_intermediate_size
-        f += 2 * n * H * cfg.n_routed_experts                          # router
-        f += 2 * _expert_rows(cfg, parallel, n) * 3 * H * I / t        # every capacity slot is computed
+        f += 2 * n * H * cfg.n_routed_experts  # router
+        f += 2 * _expert_rows(cfg, parallel, n) * 3 * H * I / t  # every capacity slot is computed
         f += 2 * n * 3 * H * I * (cfg.n_shared_experts or 0) / t
     else:
         f += 2 * n * 3 * H * cfg.intermediate_size / t
@@ -547,8 +621,9 @@ def lora_adapter_dims(adapters: List[ParamInfo]) -> Dict[int, List[Tuple[bool, i
     return out
 
 
-def layer_lora_flops(cfg, i: int, parallel: ParallelConfig, w: Workload,
-                     dims: Dict[int, List[Tuple[bool, int, int, int]]]) -> float:
+def layer_lora_flops(
+    cfg, i: int, parallel: ParallelConfig, w: Workload, dims: Dict[int, List[Tuple[bool, int, int, int]]]
+) -> float:
     """Forward + backward (3x) FLOPs of layer i's adapters on one NPU for one micro-batch: each
     row passes A then B (2*r*(in+out)); a stacked routed-expert adapter sees the expert rows this
     NPU computes (every capacity slot, E*C); a tp share of each."""
@@ -566,7 +641,7 @@ def layer_tp_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -
     if t == 1:
         return 0.0
     n = w.micro_batch_size * w.seq_len
-    size = n * cfg.hidden_size * c * 2                 # o_proj + MLP / shared-expert down_proj
+    size = n * cfg.hidden_size * c * 2  # o_proj + MLP / shared-expert down_proj
     if cfg.is_moe_layer(i):
         size += _expert_rows(cfg, parallel, n) * cfg.hidden_size * c  # expert down_bmm partial sums
     return 2 * (t - 1) / t * size
@@ -577,7 +652,7 @@ def layer_ep_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -
     if not cfg.is_moe_layer(i) or parallel.ep == 1:
         return 0.0
     n = w.micro_batch_size * w.seq_len
-    return 2 * moe_buffers(cfg, parallel, n)["alltoall"] * c   # dispatch + combine exchanges
+    return 2 * moe_buffers(cfg, parallel, n)["alltoall"] * c  # dispatch + combine exchanges
 
 
 def model_flops_per_token(cfg, seq_len: int, lora: bool = False) -> float:
@@ -593,7 +668,7 @@ def model_flops_per_token(cfg, seq_len: int, lora: bool = False) -> float:
         layer, attention = layer_flops(exact, i, p, w)
         f += layer
         core += attention
-    f += 2 * seq_len * cfg.hidden_size * cfg.vocab_size       # lm_head
+    f += 2 * seq_len * cfg.hidden_size * cfg.vocab_size  # lm_head
     return ((2 * f + core) if lora else 3 * f) / seq_len
 
 
@@ -602,7 +677,7 @@ def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:
     if size <= 1:
         return float("inf")
     if size * stride <= hw.npus_per_node:
-        return hw.hccs_gbps * 1e9 * (size - 1)         # full mesh: one HCCS link per peer
+        return hw.hccs_gbps * 1e9 * (size - 1)  # full mesh: one HCCS link per peer
     return hw.roce_gbps * 1e9
 
 

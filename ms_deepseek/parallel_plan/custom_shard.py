@@ -36,8 +36,8 @@ AXES = ("dp", "tp")  # the stage's device matrix (dp, tp), tp fastest
 
 @dataclass(frozen=True)
 class CustomLayouts:
-    device_matrix: Tuple[int, int]                   # (dp, tp)
-    inputs: Tuple[Tuple[object, ...], ...]           # per input, per axis: "dp", "tp", ("dp", "tp") or "None"
+    device_matrix: Tuple[int, int]  # (dp, tp)
+    inputs: Tuple[Tuple[object, ...], ...]  # per input, per axis: "dp", "tp", ("dp", "tp") or "None"
     outputs: Tuple[Tuple[object, ...], ...]
 
 
@@ -64,8 +64,10 @@ def _axis_names(strategy: Sequence[int], dp: int, tp: int, where: str) -> Tuple[
             names.append("tp")
             used.add("tp")
         else:
-            raise UserError(f"custom op strategy {where}: a split of {k} is not dp ({dp}), tp ({tp}) or dp x tp "
-                            "on the stage's device matrix")
+            raise UserError(
+                f"custom op strategy {where}: a split of {k} is not dp ({dp}), tp ({tp}) or dp x tp "
+                "on the stage's device matrix"
+            )
     return tuple(names)
 
 
@@ -85,8 +87,9 @@ def custom_layouts(in_strategy: Sequence[Sequence[int]], num_outputs: int, dp: i
         elif s == s0:
             inputs.append(first)
         else:
-            raise UserError(f"custom op strategy {where}: input {i} {s} is neither replicated nor split like "
-                            f"input 0 {s0}")
+            raise UserError(
+                f"custom op strategy {where}: input {i} {s} is neither replicated nor split like input 0 {s0}"
+            )
     return CustomLayouts((dp, tp), tuple(inputs), tuple(first for _ in range(num_outputs)))
 
 
@@ -106,18 +109,24 @@ def check_custom_layouts(path: str, attrs: Mapping[str, object], in_strategy, st
     ``in_strategy`` says over the whole stage, else why not."""
     ins, outs = attrs.get("in_layout"), attrs.get("out_layout")
     if not ins or not outs:
-        return (f"{path} (Custom): no in/out layouts: MindSpore 2.9 compiles a Custom op only with "
-                f"mindspore.parallel.Layout objects for its inputs and outputs (SelfDefineShardInfo; "
-                f"parallel.custom_shard.custom_layouts)")
+        return (
+            f"{path} (Custom): no in/out layouts: MindSpore 2.9 compiles a Custom op only with "
+            f"mindspore.parallel.Layout objects for its inputs and outputs (SelfDefineShardInfo; "
+            f"parallel.custom_shard.custom_layouts)"
+        )
     if len(ins) != len(in_strategy):
         return f"{path} (Custom): {len(ins)} input layouts, the strategy has {len(in_strategy)} inputs"
     for i, (lay, s) in enumerate(zip(ins, in_strategy)):
         dev = tuple(int(k) for k in lay["device_matrix"])
         if _prod(dev) != stage_devices:
-            return (f"{path} (Custom): input {i}'s device matrix {dev} covers {_prod(dev)} devices, the stage has "
-                    f"{stage_devices}")
+            return (
+                f"{path} (Custom): input {i}'s device matrix {dev} covers {_prod(dev)} devices, the stage has "
+                f"{stage_devices}"
+            )
         got = splits_of(dev, lay["tensor_map"])
         if got != tuple(int(k) for k in s):
-            return (f"{path} (Custom): input {i} layout {tuple(lay['tensor_map'])} on {dev} splits it {got}, the "
-                    f"plan's strategy says {tuple(s)}")
+            return (
+                f"{path} (Custom): input {i} layout {tuple(lay['tensor_map'])} on {dev} splits it {got}, the "
+                f"plan's strategy says {tuple(s)}"
+            )
     return ""

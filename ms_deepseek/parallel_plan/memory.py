@@ -21,7 +21,7 @@ import math
 from typing import Dict, Optional
 
 LOG = logging.getLogger("ms_deepseek.parallel_plan.memory")
-GB = 1024 ** 3
+GB = 1024**3
 
 
 def _gb_string(value: float, up: bool = True) -> str:
@@ -30,8 +30,13 @@ def _gb_string(value: float, up: bool = True) -> str:
     return f"{max(0.1, tenths / 10):.1f}GB"
 
 
-def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int] = None,
-                      hbm_gb: Optional[float] = None, runtime_reserved_gb: float = 3.0) -> Dict[str, object]:
+def reservation_sizes(
+    plan_result,
+    headroom_gb: float = 2.0,
+    stage: Optional[int] = None,
+    hbm_gb: Optional[float] = None,
+    runtime_reserved_gb: float = 3.0,
+) -> Dict[str, object]:
     """The pool sizes for one rank (its pipeline ``stage``; None = the fullest stage)."""
     if headroom_gb < 0:
         from ms_deepseek.core.errors import UserError
@@ -42,16 +47,16 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
         raise ValueError("reservation_sizes: the plan result has no memory estimate (invalid layout)")
     chosen = plan_result.worst if stage is None else stages[stage]
     hbm = hbm_gb if hbm_gb is not None else plan_result.layout.hbm_gb
-    hccl = chosen.hccl_buffers / GB            # HCCL allocates its buffers itself, outside the pool
-    cap = hbm - runtime_reserved_gb - hccl     # what the device has for MindSpore's pool
+    hccl = chosen.hccl_buffers / GB  # HCCL allocates its buffers itself, outside the pool
+    cap = hbm - runtime_reserved_gb - hccl  # what the device has for MindSpore's pool
     estimate = chosen.pool / GB
     free = cap - estimate
     return {
         "stage": chosen.stage,
         "estimate_gb": round(estimate, 3),
         "cap_gb": round(cap, 3),
-        "free_gb": round(free, 3),             # what the estimate leaves of the pool
-        "headroom_gb": headroom_gb,            # the margin asked for (parallel.memory_headroom_gb)
+        "free_gb": round(free, 3),  # what the estimate leaves of the pool
+        "headroom_gb": headroom_gb,  # the margin asked for (parallel.memory_headroom_gb)
         "hccl_gb": round(hccl, 3),
         "tight": free < headroom_gb,
         "over": free < 0,
@@ -61,8 +66,13 @@ def reservation_sizes(plan_result, headroom_gb: float = 2.0, stage: Optional[int
     }
 
 
-def reserve_device_memory(plan_result, headroom_gb: float = 2.0, stage: Optional[int] = None,
-                          hbm_gb: Optional[float] = None, runtime_reserved_gb: float = 3.0) -> Dict[str, object]:
+def reserve_device_memory(
+    plan_result,
+    headroom_gb: float = 2.0,
+    stage: Optional[int] = None,
+    hbm_gb: Optional[float] = None,
+    runtime_reserved_gb: float = 3.0,
+) -> Dict[str, object]:
     """Reserve the device pool (Ascend, before compile); return the computed sizes.
 
     ``applied`` in the result says whether ``set_memory`` was called (False on CPU/GPU).
@@ -73,15 +83,24 @@ def reserve_device_memory(plan_result, headroom_gb: float = 2.0, stage: Optional
     target = ms.get_context("device_target")
     sizes["applied"] = False
     if target == "Ascend":
-        ms.runtime.set_memory(init_size=sizes["init_size"], increase_size=sizes["increase_size"],
-                              max_size=sizes["max_size"])
+        ms.runtime.set_memory(
+            init_size=sizes["init_size"], increase_size=sizes["increase_size"], max_size=sizes["max_size"]
+        )
         sizes["applied"] = True
-        LOG.info("device memory pool: %s reserved up front (the planner's estimate), up to %s (HBM minus "
-                 "runtime and HCCL)", sizes["init_size"], sizes["max_size"])
+        LOG.info(
+            "device memory pool: %s reserved up front (the planner's estimate), up to %s (HBM minus runtime and HCCL)",
+            sizes["init_size"],
+            sizes["max_size"],
+        )
         if sizes["tight"]:
-            LOG.warning("device memory: the planner's estimate %.1f GB leaves %.1f GB of the %.1f GB pool "
-                        "(parallel.memory_headroom_gb asks for %.1f GB)", sizes["estimate_gb"], sizes["free_gb"],
-                        sizes["cap_gb"], headroom_gb)
+            LOG.warning(
+                "device memory: the planner's estimate %.1f GB leaves %.1f GB of the %.1f GB pool "
+                "(parallel.memory_headroom_gb asks for %.1f GB)",
+                sizes["estimate_gb"],
+                sizes["free_gb"],
+                sizes["cap_gb"],
+                headroom_gb,
+            )
     return sizes
 
 

@@ -36,8 +36,9 @@ def batch_row_of_rank(rank: int, world: int, pipeline_stages: int, strategy, row
     finally:
         restore = {"pipeline_stages": saved["pipeline_stages"]}
         ds = saved["dataset_strategy"]
-        restore["dataset_strategy"] = ds if ds in ("data_parallel", "full_batch") else (
-            tuple(tuple(s) for s in ds) if ds else "data_parallel")
+        restore["dataset_strategy"] = (
+            ds if ds in ("data_parallel", "full_batch") else (tuple(tuple(s) for s in ds) if ds else "data_parallel")
+        )
         context.set_auto_parallel_context(**restore)
     hit = np.flatnonzero(full.reshape(full.shape[0], -1)[:, 0])
     return int(hit[0])

@@ -39,8 +39,9 @@ def check_divisible(num_experts: int, ep: int, where: str = "parallel.ep") -> No
         raise UserError(f"{where}: n_routed_experts={num_experts} is not divisible by ep={ep}")
 
 
-def placement_table(num_experts: int, ep: int, assignment: Optional[Sequence[int]] = None,
-                    where: str = "parallel.expert_placement") -> np.ndarray:
+def placement_table(
+    num_experts: int, ep: int, assignment: Optional[Sequence[int]] = None, where: str = "parallel.expert_placement"
+) -> np.ndarray:
     """The [E, 2] int32 table for ``ep`` ranks.
 
     ``assignment[e]`` is the EP rank of expert e (None: contiguous blocks). Every rank must
@@ -59,8 +60,10 @@ def placement_table(num_experts: int, ep: int, assignment: Optional[Sequence[int
     counts = Counter(int(r) for r in assignment)
     for rank in range(ep):
         if counts.get(rank, 0) != per_rank:
-            raise UserError(f"{where}: EP rank {rank} holds {counts.get(rank, 0)} experts, "
-                            f"expected n_routed_experts / ep = {per_rank}")
+            raise UserError(
+                f"{where}: EP rank {rank} holds {counts.get(rank, 0)} experts, "
+                f"expected n_routed_experts / ep = {per_rank}"
+            )
     table = np.zeros((num_experts, 2), dtype=np.int32)
     next_slot = [0] * ep
     for e, rank in enumerate(assignment):

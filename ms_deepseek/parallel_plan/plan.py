@@ -63,8 +63,8 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.qk_bmm": "head_bmm",
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
     "model.layers.*.self_attn.flash_attention": "flash_attention",
-    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",     # FP32Softmax custom op
-    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",       # the router's FP32Softmax (ops.Softmax on Ascend)
+    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",  # FP32Softmax custom op
+    "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",  # the router's FP32Softmax (ops.Softmax on Ascend)
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
@@ -74,7 +74,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.gate": "router",
     "model.layers.*.mlp.experts": "experts",
     "model.layers.*.mlp.pad_tokens": "moe_pad_tokens",
-    "model.layers.*.mlp.lookup.impl.op": "expert_lookup",        # ExpertLookup custom op
+    "model.layers.*.mlp.lookup.impl.op": "expert_lookup",  # ExpertLookup custom op
     "model.layers.*.mlp.slot_sort": "moe_slot_sort",
     "model.layers.*.mlp.dispatch_gather": "dispatch_gather",
     "model.layers.*.mlp.to_experts": "moe_exchange",
@@ -96,13 +96,23 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
 # Primitive types that must receive a strategy (the rest follow by sharding propagation).
 # Custom ops (our kernels) included: without a strategy MindSpore splits a custom op on its first
 # input only and leaves its other outputs full-size.
-STRATEGIC_PRIMITIVES = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort",
-                        "Transpose", "Concat")
+STRATEGIC_PRIMITIVES = (
+    "MatMul",
+    "BatchMatMul",
+    "Gather",
+    "TopK",
+    "FlashAttentionScore",
+    "Custom",
+    "Sort",
+    "Transpose",
+    "Concat",
+)
 
 
 @dataclass(frozen=True)
 class Mesh:
     """The degrees a style needs. ``dp``/``tp`` are per pipeline stage."""
+
     dp: int = 1
     tp: int = 1
     ep: int = 1
@@ -111,8 +121,13 @@ class Mesh:
 
     @classmethod
     def from_parallel(cls, parallel) -> "Mesh":
-        return cls(dp=parallel.dp, tp=parallel.tp, ep=parallel.ep,
-                   sequence_parallel=parallel.sequence_parallel, vocab_parallel=parallel.vocab_parallel)
+        return cls(
+            dp=parallel.dp,
+            tp=parallel.tp,
+            ep=parallel.ep,
+            sequence_parallel=parallel.sequence_parallel,
+            vocab_parallel=parallel.vocab_parallel,
+        )
 
     @property
     def stage_devices(self) -> int:
@@ -134,8 +149,9 @@ class StyleSpec:
     attrs: Dict[str, object] = field(default_factory=dict)
 
 
-def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...],
-            out: Optional[Strategy] = None) -> StyleSpec:
+def _linear(
+    mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple[int, ...], out: Optional[Strategy] = None
+) -> StyleSpec:
     out_rows = x[0] if out is None else out[0][0]
     bias_cols = weight[0]
     # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
@@ -150,25 +166,42 @@ def _linear(mesh: Mesh, weight: Tuple[int, int], x: Tuple[int, int], bias: Tuple
     # the weight's output axis.
     scale = (weight[0], weight[1])
     return StyleSpec(
-        prims={"matmul": ((x, weight), out),
-               "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
-               "dequant_mul": (((weight[0], 1, weight[1]), (weight[0], 1, 1)), None),
-               "group_dequant_mul": (((weight[0], weight[1], 1), (weight[0], weight[1], 1)), None),
-               "add_bias": (((out_rows, bias_cols), bias), None),
-               "lora_a_matmul": ((x, lora_a), None),
-               "lora_b_matmul": (((x[0], 1), lora_b), None)},
-        params={"weight": weight, "bias": bias, "lora_A.weight": lora_a, "lora_B.weight": lora_b,
-                "weight_scale": scale, "weight_offset": scale},
-        consumers={"weight": ("matmul", 1), "bias": ("add_bias", 1),
-                   "lora_A.weight": ("lora_a_matmul", 1), "lora_B.weight": ("lora_b_matmul", 1)},
+        prims={
+            "matmul": ((x, weight), out),
+            "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
+            "dequant_mul": (((weight[0], 1, weight[1]), (weight[0], 1, 1)), None),
+            "group_dequant_mul": (((weight[0], weight[1], 1), (weight[0], weight[1], 1)), None),
+            "add_bias": (((out_rows, bias_cols), bias), None),
+            "lora_a_matmul": ((x, lora_a), None),
+            "lora_b_matmul": (((x[0], 1), lora_b), None),
+        },
+        params={
+            "weight": weight,
+            "bias": bias,
+            "lora_A.weight": lora_a,
+            "lora_B.weight": lora_b,
+            "weight_scale": scale,
+            "weight_offset": scale,
+        },
+        consumers={
+            "weight": ("matmul", 1),
+            "bias": ("add_bias", 1),
+            "lora_A.weight": ("lora_a_matmul", 1),
+            "lora_B.weight": ("lora_b_matmul", 1),
+        },
     )
 
 
 def _expert_lora_layouts(ep: int, tp: int) -> Dict[str, Tuple[int, ...]]:
     """Layouts of the stacked expert adapters: E by ep; the intermediate size by tp, as in the weights."""
-    return {"gate_proj.lora_A.weight": (ep, 1, 1), "gate_proj.lora_B.weight": (ep, tp, 1),
-            "up_proj.lora_A.weight": (ep, 1, 1), "up_proj.lora_B.weight": (ep, tp, 1),
-            "down_proj.lora_A.weight": (ep, 1, tp), "down_proj.lora_B.weight": (ep, 1, 1)}
+    return {
+        "gate_proj.lora_A.weight": (ep, 1, 1),
+        "gate_proj.lora_B.weight": (ep, tp, 1),
+        "up_proj.lora_A.weight": (ep, 1, 1),
+        "up_proj.lora_B.weight": (ep, tp, 1),
+        "down_proj.lora_A.weight": (ep, 1, tp),
+        "down_proj.lora_B.weight": (ep, 1, 1),
+    }
 
 
 def _colwise(mesh: Mesh) -> StyleSpec:
@@ -202,8 +235,13 @@ def _vocab_cross_entropy(mesh: Mesh) -> StyleSpec:
     # whole vocabulary GatherD picks it per token, no [N, V] one-hot (model/loss.py).
     v = tp if mesh.vocab_parallel else 1
     nv = ((dp, v),)
-    prims = {"row_max": (nv, None), "sub": (((dp, v), (dp, 1)), None), "exp": (nv, None),
-             "sum_exp": (nv, None), "log": (((dp,),), None)}
+    prims = {
+        "row_max": (nv, None),
+        "sub": (((dp, v), (dp, 1)), None),
+        "exp": (nv, None),
+        "sum_exp": (nv, None),
+        "log": (((dp,),), None),
+    }
     if v > 1:
         prims.update({"onehot": (((dp, v), (), ()), None), "mul": (((dp, v), (dp, v)), None), "pick": (nv, None)})
     else:
@@ -215,16 +253,23 @@ def _vocab_embedding(mesh: Mesh) -> StyleSpec:
     dp, tp = mesh.dp, mesh.tp
     v = tp if mesh.vocab_parallel else 1
     # Gather(weight [V, H], ids [B, T], axis 0): vocab split by tp, ids by dp.
-    return StyleSpec(prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)},
-                     consumers={"weight": ("gather", 0)})
+    return StyleSpec(
+        prims={"gather": (((v, 1), (dp, 1)), None)}, params={"weight": (v, 1)}, consumers={"weight": ("gather", 0)}
+    )
 
 
 def _rotary_table(mesh: Mesh) -> StyleSpec:
     # cos / sin [T, dim] from the positions [T]: small, position-only, replicated on every device
     # (MindFormers' rotary ops carry explicit replicated strategies too)
     one = ((1, 1),)
-    return StyleSpec(prims={"freq_mul": (((1, 1), (1, 1)), None), "concat": (((1, 1), (1, 1)), None),
-                            "cos": (one, None), "sin": (one, None)})
+    return StyleSpec(
+        prims={
+            "freq_mul": (((1, 1), (1, 1)), None),
+            "concat": (((1, 1), (1, 1)), None),
+            "cos": (one, None),
+            "sin": (one, None),
+        }
+    )
 
 
 def _norm(mesh: Mesh) -> StyleSpec:
@@ -234,10 +279,11 @@ def _norm(mesh: Mesh) -> StyleSpec:
 def _router(mesh: Mesh) -> StyleSpec:
     dp = mesh.dp
     # fp32 scores [N, E] replicated over tp; top-k per token row.
-    return StyleSpec(prims={"matmul": (((dp, 1), (1, 1)), None),
-                            "topk": (((dp, 1),), None),
-                            "group_topk": (((dp, 1),), None)},
-                     params={"weight": (1, 1)}, consumers={"weight": ("matmul", 1)})
+    return StyleSpec(
+        prims={"matmul": (((dp, 1), (1, 1)), None), "topk": (((dp, 1),), None), "group_topk": (((dp, 1),), None)},
+        params={"weight": (1, 1)},
+        consumers={"weight": ("matmul", 1)},
+    )
 
 
 def _experts(mesh: Mesh) -> StyleSpec:
@@ -247,27 +293,43 @@ def _experts(mesh: Mesh) -> StyleSpec:
     outer = dp // ep if dp % ep == 0 else 1
     rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
     return StyleSpec(
-        prims={"gate_bmm": ((rows, (ep, tp, 1)), None),   # [D, E, M, H] x [E, I, H]^T
-               "up_bmm": ((rows, (ep, tp, 1)), None),
-               "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
-               # stacked adapters, split like the expert weights they adapt:
-               # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
-               "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
-               "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
-               "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
-               "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
-               "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
-               "down_lora_b_bmm": ((rows, (ep, 1, 1)), None)},
-        params={"gate_proj.weight": (ep, tp, 1), "up_proj.weight": (ep, tp, 1),
-                "down_proj.weight": (ep, 1, tp), **_expert_lora_layouts(ep, tp),
-                # a quantized base (model/quant.py): scales / offsets [E, out, in/G] split like the weights
-                # [E, out, in] (a per-channel scale's one-group axis stays whole: fit_layout)
-                **{f"{p}_proj.{s}": ((ep, 1, tp) if p == "down" else (ep, tp, 1))
-                   for p in ("gate", "up", "down") for s in ("weight_scale", "weight_offset")}},
-        consumers={"gate_proj.weight": ("gate_bmm", 1), "up_proj.weight": ("up_bmm", 1),
-                   "down_proj.weight": ("down_bmm", 1),
-                   **{f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
-                      for p in ("gate", "up", "down") for ab in ("A", "B")}})
+        prims={
+            "gate_bmm": ((rows, (ep, tp, 1)), None),  # [D, E, M, H] x [E, I, H]^T
+            "up_bmm": ((rows, (ep, tp, 1)), None),
+            "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
+            # stacked adapters, split like the expert weights they adapt:
+            # gate/up A [E, r, H], B [E, I, r]; down A [E, r, I], B [E, H, r]
+            "gate_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+            "gate_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+            "up_lora_a_bmm": ((rows, (ep, 1, 1)), None),
+            "up_lora_b_bmm": ((rows, (ep, tp, 1)), None),
+            "down_lora_a_bmm": ((rows_tp, (ep, 1, tp)), None),
+            "down_lora_b_bmm": ((rows, (ep, 1, 1)), None),
+        },
+        params={
+            "gate_proj.weight": (ep, tp, 1),
+            "up_proj.weight": (ep, tp, 1),
+            "down_proj.weight": (ep, 1, tp),
+            **_expert_lora_layouts(ep, tp),
+            # a quantized base (model/quant.py): scales / offsets [E, out, in/G] split like the weights
+            # [E, out, in] (a per-channel scale's one-group axis stays whole: fit_layout)
+            **{
+                f"{p}_proj.{s}": ((ep, 1, tp) if p == "down" else (ep, tp, 1))
+                for p in ("gate", "up", "down")
+                for s in ("weight_scale", "weight_offset")
+            },
+        },
+        consumers={
+            "gate_proj.weight": ("gate_bmm", 1),
+            "up_proj.weight": ("up_bmm", 1),
+            "down_proj.weight": ("down_bmm", 1),
+            **{
+                f"{p}_proj.lora_{ab}.weight": (f"{p}_lora_{ab.lower()}_bmm", 1)
+                for p in ("gate", "up", "down")
+                for ab in ("A", "B")
+            },
+        },
+    )
 
 
 def _expert_dequant(weight_of) -> Callable[[Mesh], StyleSpec]:
@@ -275,16 +337,18 @@ def _expert_dequant(weight_of) -> Callable[[Mesh], StyleSpec]:
     weight: q [E, out, in/G, G] * scale [E, out, in/G, 1] (group-wise: ``in`` split on the groups axis;
     per channel, in/G = 1: on G, against a whole scale axis). ``weight_of(mesh)`` -> the
     4-D split of q and of the scale."""
+
     def build(mesh: Mesh) -> StyleSpec:
         q, scale = weight_of(mesh)
         return StyleSpec(prims={"": ((q, scale), None)}, is_primitive=True)
+
     return build
 
 
 # gate / up [E, I, H] split (ep, tp, 1); down [E, H, I] split (ep, 1, tp), as the weights (_experts)
 _EXPERT_DEQUANT = {
     "expert_dequant_colwise": lambda m: ((m.ep, m.tp, 1, 1), (m.ep, m.tp, 1, 1)),
-    "expert_dequant_rowwise": lambda m: ((m.ep, 1, 1, m.tp), (m.ep, 1, 1, 1)),          # per channel
+    "expert_dequant_rowwise": lambda m: ((m.ep, 1, 1, m.tp), (m.ep, 1, 1, 1)),  # per channel
     "expert_group_dequant_rowwise": lambda m: ((m.ep, 1, m.tp, 1), (m.ep, 1, m.tp, 1)),  # group-wise
 }
 
@@ -424,8 +488,7 @@ class Plan:
         """(pattern, style) for a cell or primitive path, None when nothing matches."""
         hits = [(p, s) for p, rx, s in self._compiled if rx.fullmatch(path)]
         if len(hits) > 1:
-            raise UserError(f"parallel plan: path {path!r} matches several patterns: "
-                            f"{', '.join(p for p, _ in hits)}")
+            raise UserError(f"parallel plan: path {path!r} matches several patterns: {', '.join(p for p, _ in hits)}")
         return hits[0] if hits else None
 
     def param_layout(self, name: str, mesh: Mesh) -> Tuple[str, Tuple[int, ...]]:
@@ -448,8 +511,9 @@ class Plan:
         if not found:
             raise UserError(f"parallel plan: no rule covers parameter {name!r}")
         if len(found) > 1:
-            raise UserError(f"parallel plan: parameter {name!r} is covered by several rules: "
-                            f"{', '.join(p for p, _ in found)}")
+            raise UserError(
+                f"parallel plan: parameter {name!r} is covered by several rules: {', '.join(p for p, _ in found)}"
+            )
         return found[0]
 
 
@@ -493,8 +557,9 @@ def shard_numel(shape: Tuple[int, ...], layout: Tuple[int, ...]) -> int:
     return n
 
 
-def optimizer_shard_group(shape: Tuple[int, ...], layout: Tuple[int, ...], stage_devices: int,
-                          itemsize: int, threshold_kb: int = 64) -> int:
+def optimizer_shard_group(
+    shape: Tuple[int, ...], layout: Tuple[int, ...], stage_devices: int, itemsize: int, threshold_kb: int = 64
+) -> int:
     """How many ways MindSpore's parallel optimizer splits one parameter's slice.
 
     The slice is replicated on ``stage_devices / prod(layout)`` devices; the optimizer
@@ -536,20 +601,33 @@ def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
         # split (dp/ep, ep, 1, 1, 1); the exchange transposes read it (dp/ep, 1, ep, 1, 1): MindSpore lowers
         # the change to one AllToAll inside each group of ep adjacent data-parallel ranks (enable_alltoall),
         # and the same way back at from_experts.
-        out["model.layers.*.mlp.to_experts:0"] = \
+        out["model.layers.*.mlp.to_experts:0"] = (
             "MoE dispatch: the dp -> ep exchange of the capacity buffer (AllToAll, enable_alltoall)"
-        out["model.layers.*.mlp.from_experts:0"] = \
+        )
+        out["model.layers.*.mlp.from_experts:0"] = (
             "MoE combine: the ep -> dp exchange of the expert output (AllToAll, enable_alltoall)"
+        )
     if mesh.sequence_parallel and mesh.tp > 1:
-        why = ("sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
-               "(dp*tp) and all-gathered again before the column-parallel matmuls")
-        for p in ("model.layers.*.self_attn.o_proj.matmul", "model.layers.*.mlp.down_proj.matmul",
-                  "model.layers.*.mlp.shared_experts.down_proj.matmul"):
+        why = (
+            "sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
+            "(dp*tp) and all-gathered again before the column-parallel matmuls"
+        )
+        for p in (
+            "model.layers.*.self_attn.o_proj.matmul",
+            "model.layers.*.mlp.down_proj.matmul",
+            "model.layers.*.mlp.shared_experts.down_proj.matmul",
+        ):
             out[p + ":out"] = why
-        for p in ("model.layers.*.self_attn.q_proj.matmul", "model.layers.*.self_attn.q_a_proj.matmul",
-                  "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul", "model.layers.*.mlp.gate_proj.matmul",
-                  "model.layers.*.mlp.up_proj.matmul", "model.layers.*.mlp.gate.matmul",
-                  "model.layers.*.mlp.shared_experts.gate_proj.matmul",
-                  "model.layers.*.mlp.shared_experts.up_proj.matmul", "lm_head.matmul"):
+        for p in (
+            "model.layers.*.self_attn.q_proj.matmul",
+            "model.layers.*.self_attn.q_a_proj.matmul",
+            "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul",
+            "model.layers.*.mlp.gate_proj.matmul",
+            "model.layers.*.mlp.up_proj.matmul",
+            "model.layers.*.mlp.gate.matmul",
+            "model.layers.*.mlp.shared_experts.gate_proj.matmul",
+            "model.layers.*.mlp.shared_experts.up_proj.matmul",
+            "lm_head.matmul",
+        ):
             out[p + ":0"] = why
     return out

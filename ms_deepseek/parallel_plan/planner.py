@@ -42,11 +42,11 @@ class PlanResult:
     problems: List[str]
     stages: List[StageMemory] = field(default_factory=list)
     usable_gb: float = 0.0
-    comm_gb: Dict[str, float] = field(default_factory=dict)   # per NPU per step
+    comm_gb: Dict[str, float] = field(default_factory=dict)  # per NPU per step
     time_s: Dict[str, float] = field(default_factory=dict)
-    tokens_per_s_per_npu: float = 0.0                 # the low end (costs.LOW): the estimate
-    tokens_per_s_range: Tuple[float, float] = (0.0, 0.0)   # (low, high) efficiency ends
-    mfu_range: Tuple[float, float] = (0.0, 0.0)       # model FLOPs utilisation each end implies
+    tokens_per_s_per_npu: float = 0.0  # the low end (costs.LOW): the estimate
+    tokens_per_s_range: Tuple[float, float] = (0.0, 0.0)  # (low, high) efficiency ends
+    mfu_range: Tuple[float, float] = (0.0, 0.0)  # model FLOPs utilisation each end implies
     bubble_fraction: float = 0.0
     grad_accumulation: int = 1
     model: Dict[str, Any] = field(default_factory=dict)
@@ -66,9 +66,11 @@ class PlanResult:
         worst = self.worst
         if worst is None or worst.eval_peak <= worst.total:
             return None
-        return (f"the validation graph sets the peak: {worst.eval_peak / GB:.1f} GB per NPU (stage {worst.stage}; "
-                f"the training step {worst.total / GB:.1f} GB), MoE buffers at the eval capacity (dropless "
-                "unless model.overrides.eval_capacity_factor)")
+        return (
+            f"the validation graph sets the peak: {worst.eval_peak / GB:.1f} GB per NPU (stage {worst.stage}; "
+            f"the training step {worst.total / GB:.1f} GB), MoE buffers at the eval capacity (dropless "
+            "unless model.overrides.eval_capacity_factor)"
+        )
 
     @property
     def peak_gb(self) -> float:
@@ -109,17 +111,36 @@ def default_precision(cfg, compute_dtype: Optional[str] = None) -> Precision:
     return Precision(compute_bytes=itemsize(dtype))
 
 
-def estimate(cfg, parallel: ParallelConfig, workload: Workload, precision: Optional[Precision] = None,
-             hardware: Optional[Hardware] = None, world_size: Optional[int] = None,
-             plan: Optional[Plan] = None, inventory=None) -> PlanResult:
+def estimate(
+    cfg,
+    parallel: ParallelConfig,
+    workload: Workload,
+    precision: Optional[Precision] = None,
+    hardware: Optional[Hardware] = None,
+    world_size: Optional[int] = None,
+    plan: Optional[Plan] = None,
+    inventory=None,
+) -> PlanResult:
     """Memory, traffic and speed of one layout. Invalid layouts come back with ``problems`` set."""
     precision = precision or default_precision(cfg)
     hw = hardware or Hardware()
     w = workload
-    problems = layout_problems(parallel, cfg, seq_len=w.seq_len, global_batch_size=w.global_batch_size,
-                               micro_batch_size=w.micro_batch_size, world_size=world_size)
-    result = PlanResult(layout=parallel, workload=w, fits=False, problems=problems,
-                        usable_gb=hw.hbm_gb - hw.runtime_reserved_gb, model=_model_summary(cfg))
+    problems = layout_problems(
+        parallel,
+        cfg,
+        seq_len=w.seq_len,
+        global_batch_size=w.global_batch_size,
+        micro_batch_size=w.micro_batch_size,
+        world_size=world_size,
+    )
+    result = PlanResult(
+        layout=parallel,
+        workload=w,
+        fits=False,
+        problems=problems,
+        usable_gb=hw.hbm_gb - hw.runtime_reserved_gb,
+        model=_model_summary(cfg),
+    )
     if problems:
         return result
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
@@ -154,20 +175,33 @@ def _model_summary(cfg) -> Dict[str, Any]:
         count = count_parameters(cfg)
         if len(_SUMMARIES) > 64:
             _SUMMARIES.clear()
-        _SUMMARIES[key] = {"total_params_b": round(count.total / 1e9, 3),
-                           "activated_params_b": round(count.activated / 1e9, 3), "layers": cfg.num_hidden_layers,
-                           "routed_experts": cfg.n_routed_experts or 0, "capacity_factor": cfg.capacity_factor,
-                           "param_dtype": cfg.param_dtype}
+        _SUMMARIES[key] = {
+            "total_params_b": round(count.total / 1e9, 3),
+            "activated_params_b": round(count.activated / 1e9, 3),
+            "layers": cfg.num_hidden_layers,
+            "routed_experts": cfg.n_routed_experts or 0,
+            "capacity_factor": cfg.capacity_factor,
+            "param_dtype": cfg.param_dtype,
+        }
     return dict(_SUMMARIES[key])
 
 
-def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held, result: PlanResult,
-           plan: Plan, inventory):
+def _speed(
+    cfg,
+    p: ParallelConfig,
+    w: Workload,
+    precision: Precision,
+    hw: Hardware,
+    held,
+    result: PlanResult,
+    plan: Plan,
+    inventory,
+):
     """Step time and tokens/s at both ends of the efficiency range (costs.LOW / costs.HIGH)."""
-    micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)   # micro-batches per dp rank per step
+    micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)  # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
     traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
-    dp_bytes, dp_seconds = _dp_sync(cfg, p, precision, hw, plan, inventory)   # at nominal bandwidth
+    dp_bytes, dp_seconds = _dp_sync(cfg, p, precision, hw, plan, inventory)  # at nominal bandwidth
     worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
     t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
     tokens = w.global_batch_size * w.seq_len
@@ -188,23 +222,41 @@ def _speed(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardwa
             t_pipe = micro_total * t_mb
         t_dp = dp_seconds / eff.comm
         step = t_pipe + t_dp + t_opt
-        per_end[eff.name] = dict(step=step, compute=t_compute, t_mb=t_mb, pipe=t_pipe, dp=t_dp, slowest=slowest,
-                                 tokens=tokens / step / p.world_size)
+        per_end[eff.name] = dict(
+            step=step,
+            compute=t_compute,
+            t_mb=t_mb,
+            pipe=t_pipe,
+            dp=t_dp,
+            slowest=slowest,
+            tokens=tokens / step / p.world_size,
+        )
     low, high = per_end[hw.low.name], per_end[hw.high.name]
-    result.time_s = {"step": low["step"], "step_high": high["step"], "compute_per_microbatch": low["compute"],
-                     "per_microbatch": low["t_mb"], "pipeline": low["pipe"], "dp_sync": low["dp"],
-                     "optimizer": t_opt}
+    result.time_s = {
+        "step": low["step"],
+        "step_high": high["step"],
+        "compute_per_microbatch": low["compute"],
+        "per_microbatch": low["t_mb"],
+        "pipeline": low["pipe"],
+        "dp_sync": low["dp"],
+        "optimizer": t_opt,
+    }
     slowest = low["slowest"]
-    result.comm_gb = {"tp_allreduce": slowest["tp"] * micro_total / GB, "ep_alltoall": slowest["ep"] * micro_total / GB,
-                      "dp_sync": dp_bytes / GB, "pp_p2p": slowest["pp"] * micro_total / GB}
+    result.comm_gb = {
+        "tp_allreduce": slowest["tp"] * micro_total / GB,
+        "ep_alltoall": slowest["ep"] * micro_total / GB,
+        "dp_sync": dp_bytes / GB,
+        "pp_p2p": slowest["pp"] * micro_total / GB,
+    }
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
     flops_per_token = costs.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
     result.mfu_range = tuple(t * flops_per_token / (hw.peak_tflops * 1e12) for t in result.tokens_per_s_range)
 
 
-def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware,
-                   inventory) -> List[Dict[str, float]]:
+def _stage_traffic(
+    cfg, p: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, inventory
+) -> List[Dict[str, float]]:
     """Per pipeline stage and micro-batch: FLOPs executed and bytes sent (tp, ep, pp) with the
     nominal bandwidth of each group."""
     c = precision.compute_bytes
@@ -224,7 +276,7 @@ def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw
             f, core = costs.layer_flops(cfg, i, p, w)
             extra = f if p.recompute == "full" else (core if p.recompute == "selective" else 0.0)
             if w.lora is None:
-                flops += 3 * f + extra                           # forward + backward (2x) + recompute
+                flops += 3 * f + extra  # forward + backward (2x) + recompute
             else:
                 # frozen weights: the backward computes activation gradients but no weight
                 # gradients (the attention core has no weights: its backward stays 2x), plus the
@@ -240,7 +292,7 @@ def _stage_traffic(cfg, p: ParallelConfig, w: Workload, precision: Precision, hw
                 # logit ([n] float32 each), forward; the backward needs none
                 tp_b += 3 * 2 * (p.tp - 1) / p.tp * n * 4
         if s == 0 and p.tp > 1 and p.vocab_parallel:
-            tp_b += 2 * 2 * (p.tp - 1) / p.tp * n * cfg.hidden_size * c   # embedding all-reduce, fwd + bwd
+            tp_b += 2 * 2 * (p.tp - 1) / p.tp * n * cfg.hidden_size * c  # embedding all-reduce, fwd + bwd
         pp_b = 0.0
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1
@@ -279,12 +331,11 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
 
 
 # ------------------------------------------------------------------------- calibration
-MINDFORMERS_TOKENS_PER_S = 36.0                       # research/deepseek2 README, 64 x 910B
-PAPER_TOKENS_PER_S = 1e12 / (172.8e3 * 3600)          # 172.8K H800 GPU-hours per 1T tokens: 1,607
+MINDFORMERS_TOKENS_PER_S = 36.0  # research/deepseek2 README, 64 x 910B
+PAPER_TOKENS_PER_S = 1e12 / (172.8e3 * 3600)  # 172.8K H800 GPU-hours per 1T tokens: 1,607
 # H800 SXM: 989 TFLOPS bf16 dense, 80 GB at 3.35 TB/s, NVLink 400 GB/s (200 GB/s each way, spread
 # over 7 peers through NVSwitch), 8 x 400 Gb/s InfiniBand per node (50 GB/s per GPU).
-PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0 / 7, roce_gbps=50.0,
-                  npus_per_node=8)
+PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0 / 7, roce_gbps=50.0, npus_per_node=8)
 
 
 def calibration_anchors() -> Dict[str, Dict[str, Any]]:
@@ -295,21 +346,30 @@ def calibration_anchors() -> Dict[str, Dict[str, Any]]:
     return {
         # MindFormers research/deepseek2 236B fine-tune: dp4 mp8 pp2 ep4, 20 micro-batches, full
         # recompute, optimizer sharding, capacity factor 2, eager attention, seq 4096.
-        "low": dict(cfg=v2.replace(capacity_factor=2.0),
-                    layout=ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full",
-                                          optimizer_shard=True),
-                    workload=Workload(seq_len=4096, global_batch_size=80), precision=Precision(),
-                    hardware={}, world=64, published=MINDFORMERS_TOKENS_PER_S),
+        "low": dict(
+            cfg=v2.replace(capacity_factor=2.0),
+            layout=ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True),
+            workload=Workload(seq_len=4096, global_batch_size=80),
+            precision=Precision(),
+            hardware={},
+            world=64,
+            published=MINDFORMERS_TOKENS_PER_S,
+        ),
         # DeepSeek-V2 pretraining (paper, section 3.1): 16-way pipeline, 8-way EP, ZeRO-1 DP, no TP,
         # seq 4096, batch 9216 for most of the run, device-level capacity factor 1.0, recompute of
         # norms and MLA up-projections (~selective), fused attention, bf16 with fp32 master weights
         # and gradients. The cluster size is not published: 1,024 GPUs (dp 64) assumed.
-        "high": dict(cfg=v2.replace(capacity_factor=1.0),
-                     layout=ParallelConfig(dp=64, tp=1, pp=16, ep=8, micro_batches=144, recompute="selective",
-                                           optimizer_shard=True),
-                     workload=Workload(seq_len=4096, global_batch_size=9216, flash_attention=True),
-                     precision=Precision(compute_bytes=2, grad_bytes=4, master_bytes=4),
-                     hardware=PAPER_H800, world=1024, published=PAPER_TOKENS_PER_S),
+        "high": dict(
+            cfg=v2.replace(capacity_factor=1.0),
+            layout=ParallelConfig(
+                dp=64, tp=1, pp=16, ep=8, micro_batches=144, recompute="selective", optimizer_shard=True
+            ),
+            workload=Workload(seq_len=4096, global_batch_size=9216, flash_attention=True),
+            precision=Precision(compute_bytes=2, grad_bytes=4, master_bytes=4),
+            hardware=PAPER_H800,
+            world=1024,
+            published=PAPER_TOKENS_PER_S,
+        ),
     }
 
 
@@ -350,9 +410,15 @@ def _divisors(n: int) -> List[int]:
     return small + large[::-1]
 
 
-def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
-                      recompute=("none", "selective", "full"), optimizer_shard=(False, True),
-                      sequence_parallel=(False, True)):
+def candidate_layouts(
+    cfg,
+    npus: int,
+    workload: Workload,
+    hw: Hardware,
+    recompute=("none", "selective", "full"),
+    optimizer_shard=(False, True),
+    sequence_parallel=(False, True),
+):
     E = cfg.n_routed_experts or 1
     for pp in _divisors(npus):
         if pp > cfg.num_hidden_layers:
@@ -371,13 +437,22 @@ def candidate_layouts(cfg, npus: int, workload: Workload, hw: Hardware,
             for ep, rc, opt, sp in itertools.product(eps, recompute, optimizer_shard, sequence_parallel):
                 if sp and tp == 1:
                     continue
-                yield ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=m, recompute=rc,
-                                     optimizer_shard=opt, sequence_parallel=sp)
+                yield ParallelConfig(
+                    dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=m, recompute=rc, optimizer_shard=opt, sequence_parallel=sp
+                )
 
 
-def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = None,
-           hardware: Optional[Hardware] = None, top: int = 5, progress: bool = False,
-           announce: Optional[Callable[[int], None]] = None, **choices) -> List[PlanResult]:
+def search(
+    cfg,
+    npus: int,
+    workload: Workload,
+    precision: Optional[Precision] = None,
+    hardware: Optional[Hardware] = None,
+    top: int = 5,
+    progress: bool = False,
+    announce: Optional[Callable[[int], None]] = None,
+    **choices,
+) -> List[PlanResult]:
     """Valid layouts for ``npus`` ranked by fit, then tokens/s per NPU (then lower peak memory).
     ``announce(n)`` is told how many layouts will be estimated before the first one is."""
     precision = precision or default_precision(cfg)
@@ -398,8 +473,10 @@ def search(cfg, npus: int, workload: Workload, precision: Optional[Precision] = 
         if not r.problems:
             results.append(r)
     if not results:
-        raise UserError(f"plan: no valid layout of {npus} NPUs for this model, sequence length "
-                        f"{workload.seq_len} and global batch {workload.global_batch_size}")
+        raise UserError(
+            f"plan: no valid layout of {npus} NPUs for this model, sequence length "
+            f"{workload.seq_len} and global batch {workload.global_batch_size}"
+        )
     results.sort(key=lambda r: (not r.fits, -r.tokens_per_s_per_npu if r.fits else r.peak_gb, r.peak_gb))
     return results[:top]
 
@@ -425,14 +502,24 @@ def recipe_workload(recipe) -> Workload:
     # Eager attention keeps [T, T] scores; the fused Ascend path (model use_flash_attention) does not.
     model_cfg = getattr(recipe, "model_config", None)
     lora = getattr(recipe, "lora", None)
-    return Workload(seq_len=int(seq_len), global_batch_size=global_batch, micro_batch_size=mbs,
-                    flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)), lora=lora,
-                    quant=getattr(recipe, "quant", None),
-                    validation=getattr(recipe.data, "validation", None) is not None)
+    return Workload(
+        seq_len=int(seq_len),
+        global_batch_size=global_batch,
+        micro_batch_size=mbs,
+        flash_attention=bool(getattr(model_cfg, "use_flash_attention", False)),
+        lora=lora,
+        quant=getattr(recipe, "quant", None),
+        validation=getattr(recipe.data, "validation", None) is not None,
+    )
 
 
-def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = None,
-                      precision: Optional[Precision] = None, workload: Optional[Workload] = None) -> PlanResult:
+def check_recipe_fits(
+    recipe,
+    model_cfg=None,
+    hardware: Optional[Hardware] = None,
+    precision: Optional[Precision] = None,
+    workload: Optional[Workload] = None,
+) -> PlanResult:
     """The planner's verdict on a loaded recipe (``train`` / ``launch`` refuse ``fits=False``
     unless ``--force`` or ``parallel.force``).
 
@@ -444,5 +531,11 @@ def check_recipe_fits(recipe, model_cfg=None, hardware: Optional[Hardware] = Non
     if cfg is None:
         raise UserError("plan: the recipe's model config is not resolved (pass model_cfg)")
     hw = hardware or Hardware(hbm_gb=parallel.hbm_gb)
-    return estimate(cfg, parallel, workload or recipe_workload(recipe), precision or default_precision(cfg), hw,
-                    world_size=parallel.world_size)
+    return estimate(
+        cfg,
+        parallel,
+        workload or recipe_workload(recipe),
+        precision or default_precision(cfg),
+        hw,
+        world_size=parallel.world_size,
+    )

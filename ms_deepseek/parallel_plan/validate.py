@@ -16,9 +16,15 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan.placement import placement_table
 
 
-def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = None,
-                    global_batch_size: Optional[int] = None, micro_batch_size: int = 1,
-                    world_size: Optional[int] = None) -> List[str]:
+def layout_problems(
+    parallel: ParallelConfig,
+    cfg,
+    *,
+    seq_len: Optional[int] = None,
+    global_batch_size: Optional[int] = None,
+    micro_batch_size: int = 1,
+    world_size: Optional[int] = None,
+) -> List[str]:
     p = parallel
     out: List[str] = []
     dp, tp, pp, ep = p.dp, p.tp, p.pp, p.ep
@@ -31,8 +37,10 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
     if cfg.num_attention_heads % tp:
         out.append(f"parallel.tp: num_attention_heads={cfg.num_attention_heads} is not divisible by tp={tp}")
     if p.vocab_parallel and cfg.vocab_size % tp:
-        out.append(f"parallel.tp: vocab_size={cfg.vocab_size} is not divisible by tp={tp} "
-                   f"(or set parallel.vocab_parallel: false)")
+        out.append(
+            f"parallel.tp: vocab_size={cfg.vocab_size} is not divisible by tp={tp} "
+            f"(or set parallel.vocab_parallel: false)"
+        )
     check_model_size(cfg)
     dense_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     if dense_layers and cfg.intermediate_size % tp:
@@ -48,16 +56,22 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
         if E % ep:
             out.append(f"parallel.ep: n_routed_experts={E} is not divisible by ep={ep}")
         if (dp * tp) % ep:
-            out.append(f"parallel.ep: ep={ep} does not divide dp*tp = {dp}*{tp} = {dp * tp} "
-                       f"(expert groups are carved out of one pipeline stage's devices)")
+            out.append(
+                f"parallel.ep: ep={ep} does not divide dp*tp = {dp}*{tp} = {dp * tp} "
+                f"(expert groups are carved out of one pipeline stage's devices)"
+            )
         elif dp % ep:
-            out.append(f"parallel.ep: ep={ep} does not divide dp={dp} (MindSpore/MindFormers expert "
-                       f"parallelism splits the data-parallel ranks into ep groups; tp splits each expert)")
+            out.append(
+                f"parallel.ep: ep={ep} does not divide dp={dp} (MindSpore/MindFormers expert "
+                f"parallelism splits the data-parallel ranks into ep groups; tp splits each expert)"
+            )
         if cfg.topk_method == "group_limited_greedy" and ep > 1 and cfg.n_group:
             G = cfg.n_group
             if G % ep and ep % G:
-                out.append(f"parallel.ep: group-limited routing maps n_group={G} expert groups to devices; "
-                           f"ep={ep} must divide n_group or be a multiple of it")
+                out.append(
+                    f"parallel.ep: group-limited routing maps n_group={G} expert groups to devices; "
+                    f"ep={ep} must divide n_group or be a multiple of it"
+                )
         if p.expert_placement is not None and E % ep == 0:
             try:
                 placement_table(E, ep, p.expert_placement)
@@ -69,8 +83,9 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
     if pp > L:
         out.append(f"parallel.pp: num_hidden_layers={L} cannot be split into pp={pp} stages")
     if p.stage_layers is not None and sum(p.stage_layers) != L:
-        out.append(f"parallel.stage_layers: {p.stage_layers} sums to {sum(p.stage_layers)}, "
-                   f"expected num_hidden_layers={L}")
+        out.append(
+            f"parallel.stage_layers: {p.stage_layers} sums to {sum(p.stage_layers)}, expected num_hidden_layers={L}"
+        )
 
     # --- sequence parallel
     if p.sequence_parallel and seq_len is not None and seq_len % tp:
@@ -91,16 +106,30 @@ def layout_problems(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = N
     # stopped there ("Parallel init failed"). Plain data parallel (no sharding) does not use that mode.
     world = p.world_size
     if p.uses_semi_auto and not (world in (1, 2, 4) or world % 8 == 0):
-        out.append(f"parallel: a sharded layout needs 1, 2 or 4 devices or a multiple of 8 (MindSpore's "
-                   f"semi-auto parallel), got dp*tp*pp = {dp}*{tp}*{pp} = {world}")
+        out.append(
+            f"parallel: a sharded layout needs 1, 2 or 4 devices or a multiple of 8 (MindSpore's "
+            f"semi-auto parallel), got dp*tp*pp = {dp}*{tp}*{pp} = {world}"
+        )
     return out
 
 
-def validate_layout(parallel: ParallelConfig, cfg, *, seq_len: Optional[int] = None,
-                    global_batch_size: Optional[int] = None, micro_batch_size: int = 1,
-                    world_size: Optional[int] = None) -> None:
+def validate_layout(
+    parallel: ParallelConfig,
+    cfg,
+    *,
+    seq_len: Optional[int] = None,
+    global_batch_size: Optional[int] = None,
+    micro_batch_size: int = 1,
+    world_size: Optional[int] = None,
+) -> None:
     """Raise UserError with the first problem of the layout (see :func:`layout_problems`)."""
-    problems = layout_problems(parallel, cfg, seq_len=seq_len, global_batch_size=global_batch_size,
-                               micro_batch_size=micro_batch_size, world_size=world_size)
+    problems = layout_problems(
+        parallel,
+        cfg,
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        world_size=world_size,
+    )
     if problems:
         raise UserError(problems[0])

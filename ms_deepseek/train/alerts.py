@@ -28,7 +28,7 @@ RULES: Dict[str, str] = {
     "non_finite": "NaN or Inf in loss, total_loss, grad_norm, lr, balance losses or tokens/s",
     "throughput_drop": "tokens/s below half the median of the last 20 logs",
     "memory_growth": "device memory allocated (median of the last 20 logs) over 10% + 0.25 GB above its "
-                     "level after warm-up (logs 21-40)",
+    "level after warm-up (logs 21-40)",
     "memory_fragmented": "memory fragmentation above 0.3 for 10 consecutive logs",
 }
 
@@ -36,8 +36,16 @@ RULES: Dict[str, str] = {
 GRAD_NORM_HIGH = 1.0
 GRAD_NORM_LOW = 1e-4
 
-FINITE_KEYS = ("loss", "total_loss", "grad_norm", "lr", "balance_expert", "balance_device", "balance_comm",
-               "tokens_per_s")
+FINITE_KEYS = (
+    "loss",
+    "total_loss",
+    "grad_norm",
+    "lr",
+    "balance_expert",
+    "balance_device",
+    "balance_comm",
+    "tokens_per_s",
+)
 
 
 @dataclass
@@ -50,8 +58,11 @@ class Alert:
 
     @property
     def steps(self) -> str:
-        return f"step {self.first_step}" if self.first_step == self.last_step else \
-            f"steps {self.first_step}-{self.last_step}"
+        return (
+            f"step {self.first_step}"
+            if self.first_step == self.last_step
+            else f"steps {self.first_step}-{self.last_step}"
+        )
 
     def __str__(self) -> str:
         return f"[alert:{self.rule}] {self.steps}: {self.message}"
@@ -112,11 +123,17 @@ class AlertMonitor:
         self.cfg = cfg = config or AlertConfig()
         self.alerts: List[Alert] = []
         self._grad_high = _Streak(
-            "grad_norm_high", cfg.streak, lambda v: v > cfg.grad_high,
-            lambda vs: f"gradient norm above {cfg.grad_high:g} for {len(vs)} consecutive logs (max {max(vs):.3g})")
+            "grad_norm_high",
+            cfg.streak,
+            lambda v: v > cfg.grad_high,
+            lambda vs: f"gradient norm above {cfg.grad_high:g} for {len(vs)} consecutive logs (max {max(vs):.3g})",
+        )
         self._grad_low = _Streak(
-            "grad_norm_low", cfg.streak, lambda v: v < cfg.grad_low,
-            lambda vs: f"gradient norm below {cfg.grad_low:g} for {len(vs)} consecutive logs (min {min(vs):.3g})")
+            "grad_norm_low",
+            cfg.streak,
+            lambda v: v < cfg.grad_low,
+            lambda vs: f"gradient norm below {cfg.grad_low:g} for {len(vs)} consecutive logs (min {min(vs):.3g})",
+        )
         self._loads: Dict[str, Deque] = {}
         self._load_sums: Dict[str, List[float]] = {}
         self._starved_open: Dict[str, Alert] = {}
@@ -128,9 +145,14 @@ class AlertMonitor:
         self._tps_open: Optional[Alert] = None
         self._tps_baseline = 0.0
         self._fragmented = _Streak(
-            "memory_fragmented", cfg.streak, lambda v: v > cfg.fragmentation,
-            lambda vs: f"memory fragmentation above {cfg.fragmentation:g} for {len(vs)} consecutive logs "
-                       f"(max {max(vs):.2f}): the allocator holds memory it cannot reuse")
+            "memory_fragmented",
+            cfg.streak,
+            lambda v: v > cfg.fragmentation,
+            lambda vs: (
+                f"memory fragmentation above {cfg.fragmentation:g} for {len(vs)} consecutive logs "
+                f"(max {max(vs):.2f}): the allocator holds memory it cannot reuse"
+            ),
+        )
         self._mem: List[float] = []
         self._mem_baseline: Optional[float] = None
         self._mem_open: Optional[Alert] = None
@@ -140,15 +162,19 @@ class AlertMonitor:
         """Alerts opened by ``record`` (episodes that continue are updated in place, not returned)."""
         rec = record  # number() / _f() read "NaN" / "Infinity" strings too: no copy of big load lists
         step = int(number(rec, "step") or 0)
-        opened = [a for a in (
-            self._grad_high.observe(step, number(rec, "grad_norm")),
-            self._grad_low.observe(step, number(rec, "grad_norm")),
-            self._non_finite(step, rec),
-            self._loss_spike(step, number(rec, "loss")),
-            self._throughput(step, number(rec, "tokens_per_s")),
-            self._memory_growth(step, number(rec, "memory_allocated_gb")),
-            self._fragmented.observe(step, number(rec, "memory_fragmentation")),
-        ) if a is not None]
+        opened = [
+            a
+            for a in (
+                self._grad_high.observe(step, number(rec, "grad_norm")),
+                self._grad_low.observe(step, number(rec, "grad_norm")),
+                self._non_finite(step, rec),
+                self._loss_spike(step, number(rec, "loss")),
+                self._throughput(step, number(rec, "tokens_per_s")),
+                self._memory_growth(step, number(rec, "memory_allocated_gb")),
+                self._fragmented.observe(step, number(rec, "memory_fragmentation")),
+            )
+            if a is not None
+        ]
         opened += self._expert_starved(step, rec.get("expert_load"))
         self.alerts.extend(opened)
         return opened
@@ -186,8 +212,10 @@ class AlertMonitor:
             std = max(statistics.pstdev(history), self.cfg.spike_min_rel_std * abs(mean))
             sigmas = (loss - mean) / std
             if sigmas > self.cfg.spike_sigmas:
-                text = (f"loss {loss:.4g} is {sigmas:.1f} standard deviations above the mean {mean:.4g} "
-                        f"of the last {len(history)} logs")
+                text = (
+                    f"loss {loss:.4g} is {sigmas:.1f} standard deviations above the mean {mean:.4g} "
+                    f"of the last {len(history)} logs"
+                )
                 if self._spike_open is None:
                     self._spike_open = opened = Alert("loss_spike", text, step, step)
                 else:
@@ -212,9 +240,12 @@ class AlertMonitor:
             baseline = statistics.median(self._tps)
             if tps < cfg.throughput_fraction * baseline:
                 self._tps_baseline = baseline
-                self._tps_open = Alert("throughput_drop",
-                                       f"tokens/s fell to {tps:.4g} from a median of {baseline:.4g} "
-                                       f"over the last {len(self._tps)} logs", step, step)
+                self._tps_open = Alert(
+                    "throughput_drop",
+                    f"tokens/s fell to {tps:.4g} from a median of {baseline:.4g} over the last {len(self._tps)} logs",
+                    step,
+                    step,
+                )
                 return self._tps_open
         self._tps.append(tps)
         return None
@@ -228,15 +259,17 @@ class AlertMonitor:
             if len(self._mem) < 2 * w:
                 return None
             # the first window is warm-up (compilation, allocator growth); the second is the baseline
-            self._mem_baseline = statistics.median(self._mem[w:2 * w])
+            self._mem_baseline = statistics.median(self._mem[w : 2 * w])
         del self._mem[:-w]  # keep the last window only
         recent = statistics.median(self._mem)
         base = self._mem_baseline
         if recent <= base * (1 + self.cfg.memory_growth) + self.cfg.memory_slack_gb:
             self._mem_open = None
             return None
-        text = (f"device memory allocated grew from {base:.2f} GB after warm-up to {recent:.2f} GB "
-                f"(median of the last {w} logs): a leak or growing buffers end in out-of-memory")
+        text = (
+            f"device memory allocated grew from {base:.2f} GB after warm-up to {recent:.2f} GB "
+            f"(median of the last {w} logs): a leak or growing buffers end in out-of-memory"
+        )
         if self._mem_open is None:
             self._mem_open = Alert("memory_growth", text, step, step)
             return self._mem_open
@@ -278,8 +311,10 @@ class AlertMonitor:
             self._starved_seen[layer] = seen
             listing = ", ".join(f"{e} ({100 * m:.1f}%)" for e, m in sorted(seen.items())[:8])
             more = f" and {len(seen) - 8} more" if len(seen) > 8 else ""
-            text = (f"MoE layer {layer}: expert(s) {listing}{more} below {100 * cfg.expert_fraction * fair:.1f}% "
-                    f"of routed slots over {len(window)} logs (fair share {100 * fair:.1f}%)")
+            text = (
+                f"MoE layer {layer}: expert(s) {listing}{more} below {100 * cfg.expert_fraction * fair:.1f}% "
+                f"of routed slots over {len(window)} logs (fair share {100 * fair:.1f}%)"
+            )
             if layer in self._starved_open:
                 alert = self._starved_open[layer]
                 alert.last_step, alert.message = step, text

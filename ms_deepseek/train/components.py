@@ -110,8 +110,13 @@ class Checkpointer:
         self.manager, self.data, self.rng, self.counters, self.fixed = manager, data, rng, counters, fixed
 
     def state(self, step: int) -> Dict:
-        return {"step": step, "data": self.data.state_dict(), "rng": self.rng.state_dict(),
-                **self.counters.state_dict(), **self.fixed}
+        return {
+            "step": step,
+            "data": self.data.state_dict(),
+            "rng": self.rng.state_dict(),
+            **self.counters.state_dict(),
+            **self.fixed,
+        }
 
     def save(self, trainer, step: int) -> Optional[Path]:
         """Every rank takes part; the path of the checkpoint written (rank 0's), or None on other ranks."""

@@ -25,8 +25,9 @@ def replica_digests(tensors: Dict[str, object], world: int) -> List[str]:
     gathered = ops.AllGather()(ms.Tensor(mine)).asnumpy().reshape(world, -1)  # [world, 5]
     digests = [row.astype(np.int32).tobytes().hex() for row in gathered]
     if len(set(digests)) != 1:
-        raise RuntimeError(f"data-parallel replicas hold different weights (sha1 per rank: {digests}); "
-                           "gradient averaging is broken")
+        raise RuntimeError(
+            f"data-parallel replicas hold different weights (sha1 per rank: {digests}); gradient averaging is broken"
+        )
     return digests
 
 
@@ -77,7 +78,9 @@ def checked_on_every_rank(check, rank: int, world: int, any_rank_fn=None):
     except UserError as exc:
         problem = str(exc)
     if world > 1 and (any_rank_fn or any_rank)(1.0 if problem else 0.0) and problem is None:
-        raise UserError(f"rank {rank}: another rank's check before step 1 failed (its log names the parameter or "
-                        "primitive); every rank stops")
+        raise UserError(
+            f"rank {rank}: another rank's check before step 1 failed (its log names the parameter or "
+            "primitive); every rank stops"
+        )
     if problem is not None:
         raise UserError(problem)

@@ -60,8 +60,12 @@ def scored_tokens(labels: np.ndarray) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def reduce_validation(losses: Sequence[float], counts: Sequence[int],
-                      sum_over_ranks: Callable[[np.ndarray], np.ndarray], replicas: Optional[int] = None) -> float:
+def reduce_validation(
+    losses: Sequence[float],
+    counts: Sequence[int],
+    sum_over_ranks: Callable[[np.ndarray], np.ndarray],
+    replicas: Optional[int] = None,
+) -> float:
     """The token-weighted validation loss of all ranks (pure; ``sum_over_ranks`` is the AllReduce).
 
     ``losses[j]`` / ``counts[j]``: the eval Cell's loss and this rank's scored tokens of batch j.
@@ -113,8 +117,7 @@ class Evaluator:
         counts = counts if counts is not None else [scored_tokens(b["labels"]) for b in batches]
         self.cell.set_train(False)  # the model too: eval capacity (dropless by default)
         try:
-            losses = [float(self.cell(ms.Tensor(b["input_ids"]), ms.Tensor(b["labels"])).asnumpy())
-                      for b in batches]
+            losses = [float(self.cell(ms.Tensor(b["input_ids"]), ms.Tensor(b["labels"])).asnumpy()) for b in batches]
         finally:
             self.model.set_train(True)
         return float(reduce_validation(losses, counts, self._sum_over_ranks, self.replicas))

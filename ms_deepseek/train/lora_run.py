@@ -34,8 +34,15 @@ def base_folder(recipe, run_dir: Path) -> Optional[Path]:
     return saved if (saved / "model.safetensors").is_file() else None
 
 
-def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path] = None,
-            sharded: bool = False, shapes_only: bool = False) -> List[str]:
+def prepare(
+    model,
+    recipe,
+    run_dir: Path,
+    write_base: bool,
+    base: Optional[Path] = None,
+    sharded: bool = False,
+    shapes_only: bool = False,
+) -> List[str]:
     """Attach the recipe's adapters, freeze the base; a random base is saved to RUN_DIR/base first.
 
     With a ``quant:`` section the base is quantized before the adapters go on: a float base (loaded,
@@ -66,8 +73,10 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
     elif write_base:
         save_base(model, Path(run_dir) / BASE_DIR)
     if recipe.quant is None and base is not None and quant_spec_of(base) is not None:
-        raise UserError(f"model.source {base} is quantized (convert quantize); add a quant: section with its "
-                        "bits and group_size to train LoRA on it")
+        raise UserError(
+            f"model.source {base} is quantized (convert quantize); add a quant: section with its "
+            "bits and group_size to train LoRA on it"
+        )
     # exact dropout (train/resume exactness) on CPU, one device or data parallel; on Ascend and in a sharded
     # layout MindSpore's Dropout kernel, whose random state a resume does not replay: StepDropout's hash needs an
     # index tensor of each input's size, which graph mode folds into a constant per adapter (at V2-Lite width
@@ -75,8 +84,9 @@ def prepare(model, recipe, run_dir: Path, write_base: bool, base: Optional[Path]
     # memory), and its ops have no sharding strategy yet
     from ms_deepseek.core.runtime import detect_device
 
-    paths = lora.add_adapters(model, section, seed=recipe.train.seed,
-                              exact_dropout=not sharded and detect_device() == "CPU")
+    paths = lora.add_adapters(
+        model, section, seed=recipe.train.seed, exact_dropout=not sharded and detect_device() == "CPU"
+    )
     lora.freeze_base(model, section.train_router)
     return paths
 
@@ -87,8 +97,10 @@ def _quantize_base(model, spec, base: Optional[Path]) -> None:
     have = quant_spec_of(base) if base is not None else None
     if have is not None:
         if (have.bits, have.group_size) != (spec.bits, spec.group_size):
-            raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
-                            f"quantized with bits {have.bits}, group_size {have.group_size}")
+            raise UserError(
+                f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
+                f"quantized with bits {have.bits}, group_size {have.group_size}"
+            )
         if not is_quantized(model):
             raise RuntimeError("internal: a quantized source loaded into float layers")
         return
@@ -102,12 +114,16 @@ def _quantized_placeholders(model, spec, base: Optional[Path], need_base: bool =
     from ms_deepseek.model.quant import quantize_model
 
     if base is None and need_base:
-        raise UserError("quant: a tp / pp / ep run reads its frozen base from model.source (a checkpoint folder: "
-                        "`convert quantize` output, or a float one, quantized per rank as it loads)")
+        raise UserError(
+            "quant: a tp / pp / ep run reads its frozen base from model.source (a checkpoint folder: "
+            "`convert quantize` output, or a float one, quantized per rank as it loads)"
+        )
     have = quant_spec_of(base) if base is not None else None
     if have is not None and (have.bits, have.group_size) != (spec.bits, spec.group_size):
-        raise UserError(f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
-                        f"quantized with bits {have.bits}, group_size {have.group_size}")
+        raise UserError(
+            f"quant: bits {spec.bits}, group_size {spec.group_size}, but model.source {base} is "
+            f"quantized with bits {have.bits}, group_size {have.group_size}"
+        )
     with no_init_parameters():
         quantize_model(model, spec, from_weights=False)
 
@@ -129,27 +145,37 @@ def load_base_slices(params: Dict[str, object], base: Path, cfg, parallel, spec,
     opened = open_checkpoint(base)
     quantized = build_layout(cfg, parallel, quant=spec)
     if opened.quant is not None:
-        restore_into({n: p for n, p in params.items() if n in quantized.tensors}, opened.model, "model",
-                     layout=quantized, rank=rank, part=part)
+        restore_into(
+            {n: p for n, p in params.items() if n in quantized.tensors},
+            opened.model,
+            "model",
+            layout=quantized,
+            rank=rank,
+            part=part,
+        )
         return
     floats = build_layout(cfg, parallel)
-    to_quantize = {n: t for n, t in floats.tensors.items() if is_quantized_weight(n) and 0 not in t.shape
-                   and f"{n[:-len('.weight')]}.weight_scale" in params}
+    to_quantize = {
+        n: t
+        for n, t in floats.tensors.items()
+        if is_quantized_weight(n) and 0 not in t.shape and f"{n[: -len('.weight')]}.weight_scale" in params
+    }
     for name, t in to_quantize.items():
-        groups = quantized.tensors[f"{name[:-len('.weight')]}.weight_scale"].shape[-1]
+        groups = quantized.tensors[f"{name[: -len('.weight')]}.weight_scale"].shape[-1]
         if cuts_scale_groups(t, groups):
-            raise UserError(f"model.source {base}: {name} is split {t.split[-1]} ways on its input width "
-                            f"{t.shape[-1]} ({parallel.describe()}), which cuts its scale groups of "
-                            f"{t.shape[-1] // groups} columns; quantizing each slice alone would not give the "
-                            f"quantized base: run `ms-deepseek convert quantize` first and train on its output")
+            raise UserError(
+                f"model.source {base}: {name} is split {t.split[-1]} ways on its input width "
+                f"{t.shape[-1]} ({parallel.describe()}), which cuts its scale groups of "
+                f"{t.shape[-1] // groups} columns; quantizing each slice alone would not give the "
+                f"quantized base: run `ms-deepseek convert quantize` first and train on its output"
+            )
     kept = {n: p for n, p in params.items() if n in floats.tensors and n not in to_quantize}
     restore_into(kept, opened.model, "model", layout=floats, rank=rank, part=part)
     for name in to_quantize:
         stem = name[: -len(".weight")]
         w = to_float32(opened.model.read(name, floats.slice_of(name, rank)), opened.model.dtype(name))
         stored, scale = stored_array(w, spec)
-        for suffix, value in (("weight", stored), ("weight_scale", scale),
-                              ("weight_offset", np.zeros_like(scale))):
+        for suffix, value in (("weight", stored), ("weight_scale", scale), ("weight_offset", np.zeros_like(scale))):
             param = params[f"{stem}.{suffix}"]
             value = part(param.name, value) if part is not None else value
             param.set_data(Tensor(np.ascontiguousarray(value)), slice_shape=tuple(value.shape) != tuple(param.shape))
@@ -166,12 +192,17 @@ def describe(recipe) -> str:
     frozen = sum(i.numel for i in inventory if not i.trainable and not i.is_buffer)
     modules = sum(1 for i in inventory if i.name.endswith(".lora_A.weight"))
     quant = recipe.quant
-    base = "" if quant is None else (f"; int{quant.bits} base" + (f", groups of {quant.group_size}"
-                                                                  if quant.group_size else ", per channel"))
+    base = (
+        ""
+        if quant is None
+        else (f"; int{quant.bits} base" + (f", groups of {quant.group_size}" if quant.group_size else ", per channel"))
+    )
     router = " and the routers" if spec.train_router else ""
-    return (f"LoRA r={spec.r} alpha={spec.alpha:g} on {modules} modules ({len(spec.target_modules)} targets"
-            f"{router}): trains {trained:,} parameters ({100 * trained / max(1, trained + frozen):.2f}%), "
-            f"{frozen:,} frozen{base}")
+    return (
+        f"LoRA r={spec.r} alpha={spec.alpha:g} on {modules} modules ({len(spec.target_modules)} targets"
+        f"{router}): trains {trained:,} parameters ({100 * trained / max(1, trained + frozen):.2f}%), "
+        f"{frozen:,} frozen{base}"
+    )
 
 
 def save_base(model, folder: Path) -> None:
@@ -275,13 +306,21 @@ class LoraModel(FullModel):
         recipe = trainer.recipe
         if recipe.quant is None:
             base = build_layout(trainer.cfg, trainer.par)
-            trainer._load_weights_slices(base, {n: p for n, p in model_tensors(trainer.model).items()
-                                                if n in base.tensors})
+            trainer._load_weights_slices(
+                base, {n: p for n, p in model_tensors(trainer.model).items() if n in base.tensors}
+            )
             return
         quantized = build_layout(trainer.cfg, trainer.par, quant=recipe.quant)
         params = {n: p for n, p in model_tensors(trainer.model).items() if n in quantized.tensors}
-        load_base_slices(trainer._this_stage(params, quantized), base_folder(recipe, trainer.run_dir), trainer.cfg,
-                         trainer.par, recipe.quant, trainer.rank, part=trainer._opt_part)
+        load_base_slices(
+            trainer._this_stage(params, quantized),
+            base_folder(recipe, trainer.run_dir),
+            trainer.cfg,
+            trainer.par,
+            recipe.quant,
+            trainer.rank,
+            part=trainer._opt_part,
+        )
 
 
 def model_converter(recipe):

@@ -21,8 +21,20 @@ from ms_deepseek.core.atomic import atomic_write_text
 
 # tokens_per_s is measured from the end of the first step of a run (or resume), whose time (graph
 # compile + one step) is the record's compile_s: a record of that step alone has no tokens_per_s.
-RECORD_KEYS = ("step", "loss", "total_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s",
-               "balance_expert", "balance_device", "balance_comm", "expert_load", "dropped_fraction")
+RECORD_KEYS = (
+    "step",
+    "loss",
+    "total_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "elapsed_s",
+    "balance_expert",
+    "balance_device",
+    "balance_comm",
+    "expert_load",
+    "dropped_fraction",
+)
 
 
 def json_number(value: Any) -> Any:
@@ -60,8 +72,13 @@ def truncate_after(path: Path, step: int) -> None:
 def moe_fields(stats: np.ndarray, moe_layers: List[int], num_experts: int) -> Dict[str, Any]:
     """``moe_stats`` [L_moe, E + 4] -> the record's balance / load / dropped fields."""
     if stats.size == 0:
-        return {"balance_expert": 0.0, "balance_device": 0.0, "balance_comm": 0.0,
-                "expert_load": {}, "dropped_fraction": {}}
+        return {
+            "balance_expert": 0.0,
+            "balance_device": 0.0,
+            "balance_comm": 0.0,
+            "expert_load": {},
+            "dropped_fraction": {},
+        }
     E = num_experts
     return {
         "balance_expert": float(stats[:, E + 1].sum()),
@@ -129,9 +146,11 @@ def console_line(record: Dict[str, Any], total_steps: int) -> str:
         extra += f" | val {record['val_loss']:.4f}"
     if "loss_scale" in record:
         extra += f" | scale {record['loss_scale']:.0f}"
-    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"gnorm {record['grad_norm']:.3f} | {', '.join(speed)} | drop {100 * drop:.1f}% | "
-            f"{record['elapsed_s']:.0f}s{extra}")
+    return (
+        f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"gnorm {record['grad_norm']:.3f} | {', '.join(speed)} | drop {100 * drop:.1f}% | "
+        f"{record['elapsed_s']:.0f}s{extra}"
+    )
 
 
 def optional_memory(record: Dict[str, Any], memory: Optional[Dict[str, float]]) -> None:

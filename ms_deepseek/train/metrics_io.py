@@ -64,8 +64,7 @@ def read_metrics(path) -> MetricsFile:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
-        raise UserError(f"{path}: no metrics file (is this a run folder? the trainer writes metrics.jsonl)") \
-            from None
+        raise UserError(f"{path}: no metrics file (is this a run folder? the trainer writes metrics.jsonl)") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
     result = MetricsFile()
@@ -83,14 +82,24 @@ def read_metrics(path) -> MetricsFile:
                 result.truncated_tail = True
             else:
                 result.skipped_lines.append(i + 1)
-                why = "nested too deeply" if isinstance(exc, RecursionError) else \
-                    "not a step record" if str(exc) == "not a step record" else "not JSON"
+                why = (
+                    "nested too deeply"
+                    if isinstance(exc, RecursionError)
+                    else "not a step record"
+                    if str(exc) == "not a step record"
+                    else "not JSON"
+                )
                 result.problems.append(f"{path}:{i + 1}: {why}; line skipped")
             continue
         step = record["step"]
         # every consumer orders and plots by step: a record without a whole-number step is unusable
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
-                or step < 0 or step != int(step):
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, (int, float))
+            or not math.isfinite(step)
+            or step < 0
+            or step != int(step)
+        ):
             result.skipped_lines.append(i + 1)
             result.problems.append(f"{path}:{i + 1}: step {step!r} is not a whole number >= 0; line skipped")
             continue

@@ -58,7 +58,8 @@ def _redirect_handlers(stream) -> None:
             continue
         for handler in logger.handlers:
             if type(handler).__name__ == "LimitedRepeatHandler" or (
-                    isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)):
+                isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            ):
                 handler.setStream(stream)
 
 

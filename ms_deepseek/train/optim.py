@@ -36,12 +36,19 @@ def build_lr_schedule(optim_cfg, total_steps: int, log_dir: Optional[Path] = Non
     kind = optim_cfg.schedule
     if kind == "cosine":
         mf = mindformers_classes(log_dir)
-        inner = mf["CosineWithWarmUpLR"](learning_rate=float(optim_cfg.lr), warmup_steps=int(optim_cfg.warmup_steps),
-                                         total_steps=int(total_steps), lr_end=float(optim_cfg.min_lr))
+        inner = mf["CosineWithWarmUpLR"](
+            learning_rate=float(optim_cfg.lr),
+            warmup_steps=int(optim_cfg.warmup_steps),
+            total_steps=int(total_steps),
+            lr_end=float(optim_cfg.min_lr),
+        )
     elif kind == "step":
-        inner = schedules.WarmupStepDecayLR(optim_cfg.lr, optim_cfg.warmup_steps,
-                                            schedules.milestone_steps(total_steps, optim_cfg.milestones),
-                                            optim_cfg.decay_factor)
+        inner = schedules.WarmupStepDecayLR(
+            optim_cfg.lr,
+            optim_cfg.warmup_steps,
+            schedules.milestone_steps(total_steps, optim_cfg.milestones),
+            optim_cfg.decay_factor,
+        )
     elif kind == "constant":
         inner = schedules.WarmupConstantLR(optim_cfg.lr, optim_cfg.warmup_steps)
     else:  # the recipe validator only lets the three through
@@ -51,14 +58,25 @@ def build_lr_schedule(optim_cfg, total_steps: int, log_dir: Optional[Path] = Non
 
 def lr_fn(optim_cfg, total_steps: int):
     """Python mirror of the schedule: step (1-based) -> lr."""
-    return lambda step: schedules.lr_at(step, schedule=optim_cfg.schedule, lr=optim_cfg.lr, total_steps=total_steps,
-                                        warmup_steps=optim_cfg.warmup_steps, min_lr=optim_cfg.min_lr,
-                                        milestones=optim_cfg.milestones, decay_factor=optim_cfg.decay_factor)
+    return lambda step: schedules.lr_at(
+        step,
+        schedule=optim_cfg.schedule,
+        lr=optim_cfg.lr,
+        total_steps=total_steps,
+        warmup_steps=optim_cfg.warmup_steps,
+        min_lr=optim_cfg.min_lr,
+        milestones=optim_cfg.milestones,
+        decay_factor=optim_cfg.decay_factor,
+    )
 
 
 def _no_decay(name: str) -> bool:
-    return (name.endswith("layernorm.weight") or name.endswith("norm.weight") or name.endswith(".bias")
-            or name.endswith("mlp.gate.weight"))
+    return (
+        name.endswith("layernorm.weight")
+        or name.endswith("norm.weight")
+        or name.endswith(".bias")
+        or name.endswith("mlp.gate.weight")
+    )
 
 
 def zero_states(parameters, prefix: str, dtype=None) -> ParameterTuple:
@@ -136,16 +154,25 @@ class AdamW(Optimizer):
         bc2 = 1.0 - ops.pow(self.beta2, t)
         root_bc2 = ops.sqrt(bc2)
         lr_f = (lr * root_bc2 / bc1).astype(mstype.float32)  # lr'
-        eps_f = self.eps * root_bc2                          # eps'
-        wd_scale = bc1 / root_bc2                            # wd' = wd * wd_scale
+        eps_f = self.eps * root_bc2  # eps'
+        wd_scale = bc1 / root_bc2  # wd' = wd * wd_scale
         results = ()
         for i in range(len(self._parameters)):
             param, m, v, grad = self._parameters[i], self.exp_avg[i], self.exp_avg_sq[i], gradients[i]
             if not self.optim_filter[i]:  # optimizer-sharded away from this rank (Ascend layouts)
                 results = results + (grad.astype(param.dtype),)
             elif self.is_fp32[i]:
-                self.fused(param, m, v, lr_f, self.beta1, self.beta2, eps_f, weight_decay[i] * wd_scale,
-                           grad.astype(mstype.float32))
+                self.fused(
+                    param,
+                    m,
+                    v,
+                    lr_f,
+                    self.beta1,
+                    self.beta2,
+                    eps_f,
+                    weight_decay[i] * wd_scale,
+                    grad.astype(mstype.float32),
+                )
                 results = results + (param,)
             else:
                 results = results + (self._composite(param, m, v, grad, lr, weight_decay[i], bc1, bc2),)
@@ -177,8 +204,13 @@ def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int, log_di
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     groups.append({"order_params": params})
-    return AdamW(groups, learning_rate=lr, betas=(float(optim_cfg.beta1), float(optim_cfg.beta2)),
-                 eps=float(optim_cfg.eps), weight_decay=float(optim_cfg.weight_decay))
+    return AdamW(
+        groups,
+        learning_rate=lr,
+        betas=(float(optim_cfg.beta1), float(optim_cfg.beta2)),
+        eps=float(optim_cfg.eps),
+        weight_decay=float(optim_cfg.weight_decay),
+    )
 
 
 def optimizer_state(optimizer) -> Dict[str, Parameter]:

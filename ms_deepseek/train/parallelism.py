@@ -38,8 +38,7 @@ class DataParallel:
         from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
         if weights_folder is not None:
-            return DeepseekV2ForCausalLM.from_pretrained(weights_folder, show_progress=show_progress,
-                                                         **config_changes)
+            return DeepseekV2ForCausalLM.from_pretrained(weights_folder, show_progress=show_progress, **config_changes)
         return DeepseekV2ForCausalLM(cfg)
 
     def grad_reducer(self, optimizer, world: int):
@@ -73,9 +72,14 @@ class DataParallel:
         if trainer.rank != 0:
             return None
         # experts in HF order whatever the placement (a whole run's placement is contiguous today)
-        return trainer.manager.save(step, hf_ordered(trainer.model_tensors, trainer.applied),
-                                    hf_ordered(trainer.opt_tensors, trainer.applied), trainer.cfg, state,
-                                    trainer.recipe.to_yaml())
+        return trainer.manager.save(
+            step,
+            hf_ordered(trainer.model_tensors, trainer.applied),
+            hf_ordered(trainer.opt_tensors, trainer.applied),
+            trainer.cfg,
+            state,
+            trainer.recipe.to_yaml(),
+        )
 
 
 class Sharded:
@@ -87,12 +91,16 @@ class Sharded:
     def check(self, recipe, device: str) -> None:
         par = recipe.parallel
         if device == "CPU":
-            raise UserError(f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
-                            "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
-                            "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`")
+            raise UserError(
+                f"parallel: {par.describe()} shards the model (tp / pp / ep / optimizer sharding), "
+                "which MindSpore compiles only on Ascend; on CPU train data-parallel layouts "
+                "(parallel.dp only), and size this one with `ms-deepseek plan` / `launch --dry-run`"
+            )
         if recipe.data.bucket_boundaries is not None:
-            raise UserError(f"data.bucket_boundaries: {par.describe()} compiles one graph shape on every rank, so "
-                            "SFT batches are padded to seq_len (no length buckets); leave it out for this layout")
+            raise UserError(
+                f"data.bucket_boundaries: {par.describe()} compiles one graph shape on every rank, so "
+                "SFT batches are padded to seq_len (no length buckets); leave it out for this layout"
+            )
 
     def workers_message(self, par) -> str:
         return f"parallel: {par.describe()}"
@@ -150,10 +158,13 @@ class Sharded:
         from ms_deepseek.train.distributed import checked_on_every_rank
 
         def check():
-            cc.check_parameter_layouts(cc.compiled_layouts(trainer.step_cell), layout, trainer.rank,
-                                       trainer.par.optimizer_shard)
-            cc.check_compiled_strategies(cc.compiled_strategies(trainer.step_cell),
-                                         cc.planned_primitives(trainer.model, trainer.applied.strategies))
+            cc.check_parameter_layouts(
+                cc.compiled_layouts(trainer.step_cell), layout, trainer.rank, trainer.par.optimizer_shard
+            )
+            cc.check_compiled_strategies(
+                cc.compiled_strategies(trainer.step_cell),
+                cc.planned_primitives(trainer.model, trainer.applied.strategies),
+            )
 
         checked_on_every_rank(check, trainer.rank, trainer.world)
         trainer.converter.load_slices(trainer, layout)
@@ -168,8 +179,18 @@ class Sharded:
         opt = trainer._this_stage(trainer.opt_tensors, layout.for_optimizer())
         if trainer.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
             model, opt = trainer.opt_shards.gathered(model), trainer.opt_shards.gathered(opt)
-        return ckpt_mod.save_sharded(trainer.manager, step, trainer.rank, layout, model, opt, trainer.cfg, state,
-                                     trainer.recipe.to_yaml(), trainer.strategy_file)
+        return ckpt_mod.save_sharded(
+            trainer.manager,
+            step,
+            trainer.rank,
+            layout,
+            model,
+            opt,
+            trainer.cfg,
+            state,
+            trainer.recipe.to_yaml(),
+            trainer.strategy_file,
+        )
 
 
 DATA_PARALLEL, SHARDED = DataParallel(), Sharded()
@@ -190,5 +211,3 @@ def this_stage(tensors: Dict[str, object], layout, rank: int, par) -> Dict[str, 
         return tensors
     mine = set(layout.tensors_of_rank(rank))
     return {n: t for n, t in tensors.items() if n in mine or n not in layout.tensors}
-
-

@@ -42,9 +42,11 @@ def check_recipe(recipe: Recipe) -> Recipe:
     if recipe.lora is not None and recipe.parallel.uses_semi_auto and recipe.weights_folder is None:
         # every rank reads only its slices of the frozen base; a random base (written whole to
         # RUN_DIR/base by one process) is for single-device and data-parallel runs
-        raise UserError(f"lora: a sharded LoRA run ({recipe.parallel.describe()}) adapts the weights of model.source, "
-                        f"and {recipe.model.source!r} is not a checkpoint folder on this machine; set model.source "
-                        "to the base checkpoint (a random base is for single-device and data-parallel runs)")
+        raise UserError(
+            f"lora: a sharded LoRA run ({recipe.parallel.describe()}) adapts the weights of model.source, "
+            f"and {recipe.model.source!r} is not a checkpoint folder on this machine; set model.source "
+            "to the base checkpoint (a random base is for single-device and data-parallel runs)"
+        )
     data = recipe.data
     # every folder the run will read exists
     folders = [(f"data.path[{i}]", s.path) for i, s in enumerate(data.sources)] if isinstance(data.path, list) else []
@@ -52,12 +54,15 @@ def check_recipe(recipe: Recipe) -> Recipe:
         folders.append(("data.validation.path", data.validation.path))
     for key, folder in folders:
         if not (Path(folder).expanduser() / "meta.json").is_file():
-            raise UserError(f"{key}: {folder} is not a prepared folder (no meta.json; prepare it with "
-                            "`ms-deepseek prepare-data`)")
+            raise UserError(
+                f"{key}: {folder} is not a prepared folder (no meta.json; prepare it with `ms-deepseek prepare-data`)"
+            )
     key, vocab = _tokenizer_vocab(data)
     if vocab > cfg.vocab_size:
-        raise UserError(f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
-                        f"(raise model.overrides.vocab_size or use a smaller tokenizer)")
+        raise UserError(
+            f"{key}: the tokenizer has {vocab} tokens but the model's vocab_size is {cfg.vocab_size} "
+            f"(raise model.overrides.vocab_size or use a smaller tokenizer)"
+        )
     return recipe
 
 

@@ -40,16 +40,17 @@ def agree_on_resume(resume: str, existing: Optional[Path], run_dir: Path, rank: 
         return None
     parent = mine.parent if mine is not None else ckpt_mod.resume_parent(resume, run_dir)
     candidate = parent / ckpt_mod.step_dir_name(decided)
-    have = ckpt_mod.is_complete(candidate) and \
-        int(ckpt_mod.read_state(candidate).get("step", -1)) == decided
+    have = ckpt_mod.is_complete(candidate) and int(ckpt_mod.read_state(candidate).get("step", -1)) == decided
     flags = gather_ints([int(have)])[:, 0]
     lacking = [r for r, ok in enumerate(flags) if not ok]
     if lacking:
         who = ", ".join(map(str, lacking))
-        raise UserError(f"--resume {resume}: rank 0 resumes from step {decided} but rank{'s' if len(lacking) > 1 else ''} "
-                        f"{who} {'do' if len(lacking) > 1 else 'does'} not have that complete checkpoint "
-                        f"({ckpt_mod.step_dir_name(decided)} in its {parent}); copy it there or put the run on a "
-                        "shared file system")
+        raise UserError(
+            f"--resume {resume}: rank 0 resumes from step {decided} but rank{'s' if len(lacking) > 1 else ''} "
+            f"{who} {'do' if len(lacking) > 1 else 'does'} not have that complete checkpoint "
+            f"({ckpt_mod.step_dir_name(decided)} in its {parent}); copy it there or put the run on a "
+            "shared file system"
+        )
     return candidate
 
 
@@ -63,24 +64,42 @@ def set_aside_newer(run_dir: Path, start_step: int, resume_dir: Path, force: boo
         return
     names = ", ".join(p.name for p in newer)
     if not force:
-        raise UserError(f"--resume {resume_dir}: {run_dir / 'checkpoints'} holds newer checkpoints "
-                        f"({names}) that a later --resume auto would pick; pass --force to continue from step "
-                        f"{start_step} and keep them aside as step_N{ckpt_mod.ABANDONED}<time>")
+        raise UserError(
+            f"--resume {resume_dir}: {run_dir / 'checkpoints'} holds newer checkpoints "
+            f"({names}) that a later --resume auto would pick; pass --force to continue from step "
+            f"{start_step} and keep them aside as step_N{ckpt_mod.ABANDONED}<time>"
+        )
     if rank == 0:
         moved = manager.set_aside(newer)
-        print(f"set aside {len(moved)} newer checkpoint(s) as abandoned: "
-              + ", ".join(p.name for p in moved), flush=True)
+        print(
+            f"set aside {len(moved)} newer checkpoint(s) as abandoned: " + ", ".join(p.name for p in moved), flush=True
+        )
 
 
 # ------------------------------------------------------------------------- the run's settings on resume
 # changes that leave the trained steps and the ones to come as an uninterrupted run would make them
-_KEEP_EXACT = ("logging.", "checkpoint.", "train.eval_interval", "train.eval_batches", "parallel.force",
-               "parallel.reserve_memory", "parallel.memory_headroom_gb", "parallel.hbm_gb")
+_KEEP_EXACT = (
+    "logging.",
+    "checkpoint.",
+    "train.eval_interval",
+    "train.eval_batches",
+    "parallel.force",
+    "parallel.reserve_memory",
+    "parallel.memory_headroom_gb",
+    "parallel.hbm_gb",
+)
 # the layout: exact at the same global batch and sequence length (sums in another order: equal to rounding)
 _LAYOUT = ("parallel.", "train.micro_batch_size", "train.grad_accum_steps")
 # the learning-rate schedule: exact when every step already trained had the same learning rate
-_SCHEDULE = ("train.steps", "optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps", "optim.milestones",
-             "optim.decay_factor")
+_SCHEDULE = (
+    "train.steps",
+    "optim.lr",
+    "optim.min_lr",
+    "optim.schedule",
+    "optim.warmup_steps",
+    "optim.milestones",
+    "optim.decay_factor",
+)
 
 
 def _flatten(value: Any, prefix: str = "") -> Dict[str, Any]:
@@ -108,8 +127,12 @@ def _normalized(saved: Dict) -> Dict:
 def _same(a: Any, b: Any) -> bool:
     if a == b:
         return True
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-            and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return float(a) == float(b)
     if isinstance(a, str) and isinstance(b, str):  # one folder written two ways (relative / absolute)
         try:
@@ -129,11 +152,16 @@ def _show(value: Any) -> str:
 def _lr_fn(optim: Dict, steps: int):
     from ms_deepseek.train.schedules import lr_at
 
-    return lambda step: lr_at(step, schedule=optim.get("schedule", "cosine"), lr=float(optim.get("lr", 3e-4)),
-                              total_steps=steps, warmup_steps=int(optim.get("warmup_steps", 0)),
-                              min_lr=float(optim.get("min_lr", 0.0)),
-                              milestones=optim.get("milestones", (0.6, 0.9)),
-                              decay_factor=float(optim.get("decay_factor", 0.316)))
+    return lambda step: lr_at(
+        step,
+        schedule=optim.get("schedule", "cosine"),
+        lr=float(optim.get("lr", 3e-4)),
+        total_steps=steps,
+        warmup_steps=int(optim.get("warmup_steps", 0)),
+        min_lr=float(optim.get("min_lr", 0.0)),
+        milestones=optim.get("milestones", (0.6, 0.9)),
+        decay_factor=float(optim.get("decay_factor", 0.316)),
+    )
 
 
 def check_settings(recipe, saved: Dict, state: Dict, resume_dir: Path, run_dir: Path, allow: bool) -> List[str]:
@@ -152,12 +180,16 @@ def check_settings(recipe, saved: Dict, state: Dict, resume_dir: Path, run_dir: 
     if (saved.get("lora") is None) != (recipe.lora is None):
         if saved.get("lora") is not None:
             lora = saved["lora"] if isinstance(saved["lora"], dict) else {}
-            raise UserError(f"--resume {resume_dir}: a LoRA run (lora: r={lora.get('r', '?')}, its checkpoints hold "
-                            f"adapters only) but this recipe ({recipe.source_path}) has no lora: section; resume it "
-                            f"with the run's recipe ({run_recipe}), or start a full fine-tune in another --output")
-        raise UserError(f"--resume {resume_dir}: a full training run (no lora: section) but this recipe "
-                        f"({recipe.source_path}) has a lora: section; to fine-tune its weights with LoRA start a new "
-                        f"run in another --output with --set model.source={resume_dir}")
+            raise UserError(
+                f"--resume {resume_dir}: a LoRA run (lora: r={lora.get('r', '?')}, its checkpoints hold "
+                f"adapters only) but this recipe ({recipe.source_path}) has no lora: section; resume it "
+                f"with the run's recipe ({run_recipe}), or start a full fine-tune in another --output"
+            )
+        raise UserError(
+            f"--resume {resume_dir}: a full training run (no lora: section) but this recipe "
+            f"({recipe.source_path}) has a lora: section; to fine-tune its weights with LoRA start a new "
+            f"run in another --output with --set model.source={resume_dir}"
+        )
     before, now = _flatten(_normalized(saved)), _flatten(recipe.to_dict())
     changed = [k for k in sorted(set(before) | set(now)) if not _same(before.get(k), now.get(k))]
     if not changed:
@@ -165,17 +197,28 @@ def check_settings(recipe, saved: Dict, state: Dict, resume_dir: Path, run_dir: 
     step = int(state.get("step", 0))
     exact, layout, schedule, broken = [], [], [], []
     for key in changed:
-        (exact if key.startswith(_KEEP_EXACT) else layout if key.startswith(_LAYOUT) else
-         schedule if key in _SCHEDULE else broken).append(key)
+        (
+            exact
+            if key.startswith(_KEEP_EXACT)
+            else layout
+            if key.startswith(_LAYOUT)
+            else schedule
+            if key in _SCHEDULE
+            else broken
+        ).append(key)
     said = lambda keys: ", ".join(f"{k} {_show(before.get(k))} -> {_show(now.get(k))}" for k in keys)  # noqa: E731
     problems: List[str] = []
     if layout:
-        same_batch = state.get("global_batch_size") in (None, recipe.global_batch_size) and \
-            state.get("seq_len") in (None, recipe.seq_len)
+        same_batch = state.get("global_batch_size") in (None, recipe.global_batch_size) and state.get("seq_len") in (
+            None,
+            recipe.seq_len,
+        )
         if not same_batch:
-            problems.append(f"{said(layout)}: the global batch becomes {recipe.global_batch_size} x {recipe.seq_len} "
-                            f"tokens where the run trained {state.get('global_batch_size')} x {state.get('seq_len')}, "
-                            f"so each step sees other data than the run's")
+            problems.append(
+                f"{said(layout)}: the global batch becomes {recipe.global_batch_size} x {recipe.seq_len} "
+                f"tokens where the run trained {state.get('global_batch_size')} x {state.get('seq_len')}, "
+                f"so each step sees other data than the run's"
+            )
             layout = []
     if schedule:
         old = _lr_fn(dict(_normalized(saved).get("optim") or {}), int(before.get("train.steps", recipe.train.steps)))
@@ -183,28 +226,37 @@ def check_settings(recipe, saved: Dict, state: Dict, resume_dir: Path, run_dir: 
         if all(abs(old(s) - new(s)) <= 1e-12 * max(abs(old(s)), 1e-30) for s in range(1, step + 1)):
             exact += schedule  # the steps already trained had these learning rates under the new settings too
         else:
-            problems.append(f"{said(schedule)}: the learning-rate schedule is recomputed for {recipe.train.steps} "
-                            f"steps, so the learning rate goes from {old(step):.3g} at step {step} to "
-                            f"{new(step + 1):.3g} at step {step + 1} and the {step} steps already trained followed "
-                            f"another schedule")
+            problems.append(
+                f"{said(schedule)}: the learning-rate schedule is recomputed for {recipe.train.steps} "
+                f"steps, so the learning rate goes from {old(step):.3g} at step {step} to "
+                f"{new(step + 1):.3g} at step {step + 1} and the {step} steps already trained followed "
+                f"another schedule"
+            )
     if broken:
-        problems.append(f"{said(broken)}: the {step} steps already trained were made with the run's values, so "
-                        f"the result is neither this run continued nor a run of the new settings")
+        problems.append(
+            f"{said(broken)}: the {step} steps already trained were made with the run's values, so "
+            f"the result is neither this run continued nor a run of the new settings"
+        )
     lines = []
     if exact:
-        lines.append(f"resume: settings changed from the run's ({resume_dir / 'recipe.yaml'}), exactness kept: "
-                     f"{said(exact)}")
+        lines.append(
+            f"resume: settings changed from the run's ({resume_dir / 'recipe.yaml'}), exactness kept: {said(exact)}"
+        )
     if layout:
-        lines.append(f"resume: another layout at the same global batch ({said(layout)}): the same data per step, "
-                     f"sums in another order (losses equal to rounding, not bit for bit)")
+        lines.append(
+            f"resume: another layout at the same global batch ({said(layout)}): the same data per step, "
+            f"sums in another order (losses equal to rounding, not bit for bit)"
+        )
     if problems and not allow:
         kept = [said(exact)] if exact else []
         kept += [f"{said(layout)} (the same global batch)"] if layout else []
         also = f"; also changed, keeping the run exact: {', '.join(kept)}" if kept else ""
-        raise UserError(f"--resume {resume_dir}: this command changes the run's settings: {'; '.join(problems)}{also}. "
-                        f"To continue the run as it was, use its settings (they are in {run_recipe}, e.g. "
-                        f"`ms-deepseek train {run_recipe} --output {run_dir} --resume`); to train on with these "
-                        f"changes anyway, add --allow-changes")
+        raise UserError(
+            f"--resume {resume_dir}: this command changes the run's settings: {'; '.join(problems)}{also}. "
+            f"To continue the run as it was, use its settings (they are in {run_recipe}, e.g. "
+            f"`ms-deepseek train {run_recipe} --output {run_dir} --resume`); to train on with these "
+            f"changes anyway, add --allow-changes"
+        )
     if problems:
         lines.append(f"resume: --allow-changes: {'; '.join(problems)}")
     return lines

@@ -31,8 +31,17 @@ def milestone_steps(total_steps: int, milestones: Sequence[float]) -> list[int]:
     return [int(round(f * total_steps)) for f in milestones]
 
 
-def lr_at(step: int, *, schedule: str, lr: float, total_steps: int, warmup_steps: int = 0,
-          min_lr: float = 0.0, milestones: Sequence[float] = (0.6, 0.9), decay_factor: float = 0.316) -> float:
+def lr_at(
+    step: int,
+    *,
+    schedule: str,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    min_lr: float = 0.0,
+    milestones: Sequence[float] = (0.6, 0.9),
+    decay_factor: float = 0.316,
+) -> float:
     """Learning rate of optimizer step ``step`` (1-based)."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * step / warmup_steps
@@ -40,7 +49,7 @@ def lr_at(step: int, *, schedule: str, lr: float, total_steps: int, warmup_steps
         return lr
     if schedule == "step":
         passed = sum(1 for b in milestone_steps(total_steps, milestones) if step > b)
-        return lr * decay_factor ** passed
+        return lr * decay_factor**passed
     if schedule == "cosine":
         if step >= total_steps:
             return min_lr

@@ -187,10 +187,18 @@ class PipelineGrads(nn.Cell):
 class Update(nn.Cell):
     """Gradients -> (grad_norm, lr, overflow, loss_scale used): reduce, unscale, clip, AdamW."""
 
-    def __init__(self, optimizer: nn.Cell, loss_scale: Parameter, clip_norm: Optional[float],
-                 dynamic_loss_scale: bool, scale_factor: float = 2.0, scale_window: int = 1000,
-                 grad_reducer: Optional[nn.Cell] = None, dot_norm: Optional[bool] = None,
-                 pre_unscaled: bool = False):
+    def __init__(
+        self,
+        optimizer: nn.Cell,
+        loss_scale: Parameter,
+        clip_norm: Optional[float],
+        dynamic_loss_scale: bool,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        grad_reducer: Optional[nn.Cell] = None,
+        dot_norm: Optional[bool] = None,
+        pre_unscaled: bool = False,
+    ):
         super().__init__(auto_prefix=False)
         self.optimizer = optimizer
         self.loss_scale = loss_scale
@@ -247,8 +255,15 @@ class Update(nn.Cell):
 class TrainStep(nn.Cell):
     """Forward + backward over the step's micro-batches, then :class:`Update`."""
 
-    def __init__(self, net: nn.Cell, weights: ParameterTuple, update: Update, width: int,
-                 pipeline: Optional[PipelineGrads] = None, n_update: Optional[int] = None):
+    def __init__(
+        self,
+        net: nn.Cell,
+        weights: ParameterTuple,
+        update: Update,
+        width: int,
+        pipeline: Optional[PipelineGrads] = None,
+        n_update: Optional[int] = None,
+    ):
         super().__init__(auto_prefix=False)
         self.net = net
         self.weights = weights
@@ -267,7 +282,7 @@ class TrainStep(nn.Cell):
         grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
         if self.pipeline is not None:  # the micro-batches' sum, accumulated by MindSpore's pipeline pass
             grads = self.pipeline(grads, self.update.loss_scale)
-        grads = grads[:self.n_update]
+        grads = grads[: self.n_update]
         grad_norm, lr, overflow, scale = self.update(grads)
         return outputs, grad_norm, lr, overflow, scale
 
@@ -276,8 +291,16 @@ def output_width(num_moe_layers: int, num_experts: int) -> int:
     return 3 + num_moe_layers * (num_experts + 4) if num_moe_layers else 3
 
 
-def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel: ParallelConfig, *,
-               dynamic_loss_scale: bool = False, grad_reducer: Optional[nn.Cell] = None, wrap_net=None):
+def build_step(
+    model: nn.Cell,
+    optimizer: nn.Cell,
+    train: TrainSection,
+    parallel: ParallelConfig,
+    *,
+    dynamic_loss_scale: bool = False,
+    grad_reducer: Optional[nn.Cell] = None,
+    wrap_net=None,
+):
     """The step Cell and its :class:`Update`, from the recipe's ``train`` (clipping, accumulation,
     loss scale) and ``parallel`` sections. Micro-batches per step: ``parallel.micro_batches`` with
     pipeline parallelism (pp > 1), else ``train.grad_accum_steps``. ``wrap_net`` replaces the
@@ -299,10 +322,21 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel
         from mindspore.parallel.nn import GradAccumulation
 
         net = GradAccumulation(net, accum_steps)
-    scale = Parameter(Tensor(train.loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
-                      name="loss_scale", requires_grad=False)
-    update = Update(optimizer, scale, train.clip_grad_norm, dynamic_loss_scale, train.loss_scale_factor,
-                    train.loss_scale_window, grad_reducer, pre_unscaled=pipeline)
+    scale = Parameter(
+        Tensor(train.loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
+        name="loss_scale",
+        requires_grad=False,
+    )
+    update = Update(
+        optimizer,
+        scale,
+        train.clip_grad_norm,
+        dynamic_loss_scale,
+        train.loss_scale_factor,
+        train.loss_scale_window,
+        grad_reducer,
+        pre_unscaled=pipeline,
+    )
     weights = optimizer.parameters
     embedding = model.model.embed_tokens.weight
     if pipeline and parallel.pp == 1 and not embedding.requires_grad:
@@ -318,6 +352,12 @@ def build_step(model: nn.Cell, optimizer: nn.Cell, train: TrainSection, parallel
         embedding.requires_grad = True
         weights = ParameterTuple(tuple(weights) + (embedding,))
     grads = PipelineGrads(weights, parallel.optimizer_shard) if pipeline else None
-    step = TrainStep(net, weights, update, output_width(num_moe_layers, num_experts), pipeline=grads,
-                     n_update=len(optimizer.parameters))
+    step = TrainStep(
+        net,
+        weights,
+        update,
+        output_width(num_moe_layers, num_experts),
+        pipeline=grads,
+        n_update=len(optimizer.parameters),
+    )
     return step, update

@@ -77,8 +77,10 @@ def _timed_out_rank(log_dir: Path) -> Optional[int]:
 
 # A worker that died because a peer did: its collective failed (CPU mccl ring: collective_ops_impl.cc,
 # RunRingAllReduce; HCCL's notify-wait / execution timeouts) instead of failing on its own.
-_PEER_FAILED = re.compile(r"Ring \w+ wait (?:receiving|sending)[^\n]* failed|HCCL_EXEC_TIMEOUT|EI0002|"
-                          r"Notify wait|hcclCommInitRootInfo|The node: \d+ is timed out")
+_PEER_FAILED = re.compile(
+    r"Ring \w+ wait (?:receiving|sending)[^\n]* failed|HCCL_EXEC_TIMEOUT|EI0002|"
+    r"Notify wait|hcclCommInitRootInfo|The node: \d+ is timed out"
+)
 FIRST_FAILURE = "first_failure"  # RUN_DIR/.heartbeat/first_failure: the first worker that died, any node
 
 
@@ -101,8 +103,9 @@ def record_first_failure(folder: Optional[Path], rank: int, how: str, log: Path)
     tmp = folder / f".{FIRST_FAILURE}.{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"rank": rank, "how": how, "log": str(log), "time": time.time(),
-                                   "host": socket.gethostname()}))
+        tmp.write_text(
+            json.dumps({"rank": rank, "how": how, "log": str(log), "time": time.time(), "host": socket.gethostname()})
+        )
         os.link(tmp, folder / FIRST_FAILURE)
     except OSError:  # already written by another node (or no shared folder): nothing to add
         pass
@@ -170,7 +173,7 @@ def _children_map() -> Dict[int, List[int]]:
         except OSError:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1:
             out.setdefault(int(fields[1]), []).append(int(entry))
     return out
@@ -217,7 +220,7 @@ def _stat_fields(pid: int) -> Optional[List[str]]:
             stat = fh.read().decode(errors="replace")
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2:].split()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def session_members(sessions) -> List[int]:
@@ -293,10 +296,10 @@ def _failed_steps(folder: Optional[Path], since: float = 0.0) -> Dict[int, int]:
         return out
     for path in entries:
         name = path.name
-        if name.startswith("rank_") and name.endswith(FAILED_SUFFIX) and name[5:-len(FAILED_SUFFIX)].isdigit():
+        if name.startswith("rank_") and name.endswith(FAILED_SUFFIX) and name[5 : -len(FAILED_SUFFIX)].isdigit():
             try:
                 if path.stat().st_mtime >= since:
-                    out[int(name[5:-len(FAILED_SUFFIX)])] = int(path.read_text().split()[0])
+                    out[int(name[5 : -len(FAILED_SUFFIX)])] = int(path.read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 continue
     return out
@@ -385,9 +388,17 @@ class Watchdog:
         return None
 
 
-def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: float = 0.2,
-                   stop_grace_s: float = 30.0, heartbeat_dir: Optional[Path] = None, watchdog_factor: float = 10.0,
-                   watchdog_min_s: float = 120.0, job_start: Optional[float] = None) -> Tuple[int, Optional[str]]:
+def run_supervised(
+    cmd: List[str],
+    env: Dict[str, str],
+    log_dir: Path,
+    poll_s: float = 0.2,
+    stop_grace_s: float = 30.0,
+    heartbeat_dir: Optional[Path] = None,
+    watchdog_factor: float = 10.0,
+    watchdog_min_s: float = 120.0,
+    job_start: Optional[float] = None,
+) -> Tuple[int, Optional[str]]:
     """Run msrun; return (exit code, one-line failure message or None).
 
     The message names the rank that died first, how it ended, and its msrun log file. SIGTERM, SIGHUP or
@@ -424,8 +435,10 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
                 pass
         src.close()
 
-    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
-             threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
+    pumps = [
+        threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
+        threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True),
+    ]
     for t in pumps:
         t.start()
     ranks: Dict[int, int] = {}  # worker pid -> rank
@@ -492,25 +505,37 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
         signum, when = stops[0]
         name = signal.Signals(signum).name
         saved = "the workers had exited" if workers_exited or not ranks else "the workers were killed"
-        how = (f"forwarded SIGTERM to the {len(ranks)} worker(s) (each saves a checkpoint at its next step "
-               f"boundary); " if ranks else "")
-        return 128 + signum, (f"received {name}: {how}every process of the job stopped "
-                              f"{time.time() - when:.1f} s after the signal (grace {stop_grace_s:g} s; {saved})")
+        how = (
+            f"forwarded SIGTERM to the {len(ranks)} worker(s) (each saves a checkpoint at its next step boundary); "
+            if ranks
+            else ""
+        )
+        return 128 + signum, (
+            f"received {name}: {how}every process of the job stopped "
+            f"{time.time() - when:.1f} s after the signal (grace {stop_grace_s:g} s; {saved})"
+        )
     if hung is not None:
         stalled, beats = hung
         reached = max(st for st, _f in beats.values())
         behind = sorted(r for r in set(ranks.values()) | set(beats) if beats.get(r, (-1, -1))[0] < reached)
-        who = (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach step {reached}"
-               if behind else f"every rank is inside step {reached}")
-        return 1, (f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
-                   f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
-                   f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job")
+        who = (
+            f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach step {reached}"
+            if behind
+            else f"every rank is inside step {reached}"
+        )
+        return 1, (
+            f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
+            f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
+            f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job"
+        )
     if peer_record is not None and not failed:
         mine = sorted(set(ranks.values()))
-        return 1, (f"worker rank {peer_record['rank']} (on {peer_record.get('host', 'another node')}) died first: "
-                   f"it {peer_record.get('how', 'failed')}; its log: {peer_record.get('log')}; this node's "
-                   f"worker rank{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} would wait for it in "
-                   f"the next collective: stopped {'them' if len(mine) > 1 else 'it'} when that node's launch recorded it")
+        return 1, (
+            f"worker rank {peer_record['rank']} (on {peer_record.get('host', 'another node')}) died first: "
+            f"it {peer_record.get('how', 'failed')}; its log: {peer_record.get('log')}; this node's "
+            f"worker rank{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} would wait for it in "
+            f"the next collective: stopped {'them' if len(mine) > 1 else 'it'} when that node's launch recorded it"
+        )
     if not failed:
         return code, None
     pid, worker_code, when = failed[0]
@@ -521,16 +546,20 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
     first = read_first_failure(heartbeat_dir, wait_s=5.0, since=job_start) if consequence else None
     if first is not None and first["rank"] != rank:
-        return 1, (f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
-                   f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
-                   f"then {_how(worker_code)} and every other worker of this node was stopped")
+        return 1, (
+            f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
+            f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
+            f"then {_how(worker_code)} and every other worker of this node was stopped"
+        )
     lost = _timed_out_rank(log_dir)
     if lost is not None and lost not in ranks.values():
         # multi-node: a worker of another node died; MindSpore then stops the survivors here (SIGTERM,
         # ~30 s after, when the scheduler's heartbeat for the lost node times out)
-        return 1, (f"worker rank {lost} (on another node) stopped answering the scheduler; its log is in that "
-                   f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
-                   f"{_how(worker_code)} and every other worker of this node was stopped")
+        return 1, (
+            f"worker rank {lost} (on another node) stopped answering the scheduler; its log is in that "
+            f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
+            f"{_how(worker_code)} and every other worker of this node was stopped"
+        )
     who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
     beats = _read_beats(heartbeat_dir) if consequence and heartbeat_dir is not None and rank is not None else {}
     reached = answered.get(rank, beats.get(rank, (-1, -1))[0])
@@ -538,20 +567,31 @@ def run_supervised(cmd: List[str], env: Dict[str, str], log_dir: Path, poll_s: f
     if behind:  # a peer of this job stopped making progress (hung) and the collective gave up first
         ranks_ = ", ".join(map(str, behind))
         stacks = [r for r in behind if r in dumped]
-        where = (f"Python stacks of rank{'s' if len(stacks) > 1 else ''} {', '.join(map(str, stacks))} in "
-                 f"{log_dir}/worker_N.log" if stacks else f"see {log_dir}/worker_N.log")
-        return 1, (f"{who} {_how(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
-                   f"{ranks_}, which did not reach step {reached} (hung: {where}); stopped the job")
+        where = (
+            f"Python stacks of rank{'s' if len(stacks) > 1 else ''} {', '.join(map(str, stacks))} in "
+            f"{log_dir}/worker_N.log"
+            if stacks
+            else f"see {log_dir}/worker_N.log"
+        )
+        return 1, (
+            f"{who} {_how(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
+            f"{ranks_}, which did not reach step {reached} (hung: {where}); stopped the job"
+        )
     if consequence:
-        return 1, (f"a worker on another node died first (no node recorded which: the run folder is not shared "
-                   f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
-                   f"{who} then {_how(worker_code)} waiting for it; its log: {log}")
-    return 1, (f"{who} {_how(worker_code)}; its log: {log}; stopped every other worker of this node "
-               f"{time.time() - when:.1f} s after msrun reported it")
+        return 1, (
+            f"a worker on another node died first (no node recorded which: the run folder is not shared "
+            f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
+            f"{who} then {_how(worker_code)} waiting for it; its log: {log}"
+        )
+    return 1, (
+        f"{who} {_how(worker_code)}; its log: {log}; stopped every other worker of this node "
+        f"{time.time() - when:.1f} s after msrun reported it"
+    )
 
 
-def _answer_failed_steps(folder: Optional[Path], ranks: Dict[int, int], log_dir: Path,
-                         answered: Dict[int, int], since: float = 0.0) -> List[int]:
+def _answer_failed_steps(
+    folder: Optional[Path], ranks: Dict[int, int], log_dir: Path, answered: Dict[int, int], since: float = 0.0
+) -> List[int]:
     """A worker's step raised (rank_N.failed): dump the stacks of this node's live workers that had not
     started that step (a collective gave up waiting for them: they are the hung ones), then answer a
     worker of this node (rank_N.ack) so that it exits. Returns the ranks whose stacks were dumped. Only
@@ -563,8 +603,7 @@ def _answer_failed_steps(folder: Optional[Path], ranks: Dict[int, int], log_dir:
             continue
         answered[rank] = step
         beats = _read_beats(folder)
-        behind = {pid: r for pid, r in ranks.items()
-                  if r != rank and r in beats and beats[r][0] < step and _alive(pid)}
+        behind = {pid: r for pid, r in ranks.items() if r != rank and r in beats and beats[r][0] < step and _alive(pid)}
         if behind:
             dumped += _dump_stacks(behind, log_dir)
         if rank in ranks.values():

@@ -47,14 +47,14 @@ from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_
 @dataclass
 class TrainResult:
     run_dir: Path
-    steps: int                      # optimizer steps completed (total, including resumed ones)
+    steps: int  # optimizer steps completed (total, including resumed ones)
     final_loss: float
     losses: List[float] = field(default_factory=list)  # LM loss of every step run in this call
     checkpoint: Optional[Path] = None
     metrics_path: Optional[Path] = None
-    tokens_per_s: float = 0.0       # steady state: steps after the first (compile) step of this call
+    tokens_per_s: float = 0.0  # steady state: steps after the first (compile) step of this call
     wall_s: float = 0.0
-    complete: bool = False          # the resumed checkpoint had already reached train.steps: nothing was run
+    complete: bool = False  # the resumed checkpoint had already reached train.steps: nothing was run
     preempted: Optional[str] = None  # the stop signal's name: stopped early, after saving a checkpoint
 
 
@@ -73,11 +73,11 @@ def init_distributed(par):
     init()
     rank, world = get_rank(), get_group_size()
     if world != par.world_size:
-        raise UserError(f"parallel: {par.describe()} needs {par.world_size} workers (dp x tp x pp) but msrun "
-                        f"started {world}")
+        raise UserError(
+            f"parallel: {par.describe()} needs {par.world_size} workers (dp x tp x pp) but msrun started {world}"
+        )
     if not par.uses_semi_auto:  # sharded layouts get their context from the AutoParallel wrapper
-        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                     device_num=world)
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=world)
     return rank, world
 
 
@@ -88,8 +88,15 @@ def _print(msg: str, bar) -> None:
         print(msg, flush=True)
 
 
-def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = False,
-          progress: bool = True, max_steps: Optional[int] = None, allow_changes: bool = False) -> TrainResult:
+def train(
+    recipe: Recipe,
+    run_dir,
+    resume: Optional[str] = None,
+    force: bool = False,
+    progress: bool = True,
+    max_steps: Optional[int] = None,
+    allow_changes: bool = False,
+) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
     spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
     changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
@@ -100,14 +107,15 @@ def train(recipe: Recipe, run_dir, resume: Optional[str] = None, force: bool = F
 @dataclass
 class _StepOut:
     """What one optimizer step hands to logging: host floats, plus device scalars read only when logged."""
+
     loss: float
     aux: float
-    stats: np.ndarray               # [L_moe, E + 4] per-MoE-layer routing statistics
+    stats: np.ndarray  # [L_moe, E + 4] per-MoE-layer routing statistics
     grad_norm: float
-    lr: object                      # Tensor
-    overflow: object                # Tensor (bool)
-    loss_scale: object              # Tensor
-    stop: bool = False              # some rank got SIGTERM: save this step and stop (train/preempt.py)
+    lr: object  # Tensor
+    overflow: object  # Tensor (bool)
+    loss_scale: object  # Tensor
+    stop: bool = False  # some rank got SIGTERM: save this step and stop (train/preempt.py)
 
 
 class Trainer:
@@ -126,8 +134,16 @@ class Trainer:
     Refusals about the layout, the workers, the resume state and the data come before anything
     is written to the run folder."""
 
-    def __init__(self, recipe: Recipe, run_dir, resume: Optional[str], force: bool, progress: bool,
-                 max_steps: Optional[int], allow_changes: bool = False):
+    def __init__(
+        self,
+        recipe: Recipe,
+        run_dir,
+        resume: Optional[str],
+        force: bool,
+        progress: bool,
+        max_steps: Optional[int],
+        allow_changes: bool = False,
+    ):
         self.started = time.time()
         self.allow_changes = allow_changes
         self.recipe = recipe
@@ -148,7 +164,7 @@ class Trainer:
         self._setup_run()
         if self.complete:
             return self._complete_result()
-        self._build_data()    # a bad dataset stops the run before anything is compiled
+        self._build_data()  # a bad dataset stops the run before anything is compiled
         self._build_model()
         self._build_step()
         self._restore()
@@ -196,12 +212,16 @@ class Trainer:
         self.parallelism.check(self.recipe, detect_device())
         if self.cfg.use_flash_attention and detect_device() == "CPU":
             # the model refuses it too, but only when called from Python; the step calls it inside a graph
-            raise UserError("model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
-                            "set it to false to train on CPU")
+            raise UserError(
+                "model.overrides.use_flash_attention: FlashAttentionScore runs only on Ascend; "
+                "set it to false to train on CPU"
+            )
         self.plan = fit_plan(self.recipe, self.force)
         if par.world_size > 1 and not is_distributed():
-            raise UserError(f"{self.parallelism.workers_message(par)} needs {par.world_size} workers; start them with "
-                            "`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker")
+            raise UserError(
+                f"{self.parallelism.workers_message(par)} needs {par.world_size} workers; start them with "
+                "`ms-deepseek launch` (msrun), or set parallel.dp=1 for one worker"
+            )
 
     def _setup_run(self) -> None:
         use_device()
@@ -214,9 +234,18 @@ class Trainer:
         self.start_step = int(self.state.get("step", 0))
         # a resume continues the run it resumes: the command's changes to its settings are named, and
         # those that break exactness are refused unless --allow-changes
-        self.resume_notes = check_settings(self.recipe, ckpt_mod.read_recipe(self.resume_dir, missing_ok=True),
-                                           self.state, self.resume_dir, self.run_dir, self.allow_changes) \
-            if self.resume_dir is not None else []
+        self.resume_notes = (
+            check_settings(
+                self.recipe,
+                ckpt_mod.read_recipe(self.resume_dir, missing_ok=True),
+                self.state,
+                self.resume_dir,
+                self.run_dir,
+                self.allow_changes,
+            )
+            if self.resume_dir is not None
+            else []
+        )
         if self.resume_dir is not None:
             set_aside_newer(self.run_dir, self.start_step, self.resume_dir, self.force, self.rank)
         self.total = self.recipe.train.steps
@@ -235,8 +264,10 @@ class Trainer:
         else:
             found = ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, self.run_dir) if resume else None
         if found is None and existing is not None:
-            raise UserError(f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "
-                            "--resume to continue that run, or choose another --output")
+            raise UserError(
+                f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "
+                "--resume to continue that run, or choose another --output"
+            )
         return found
 
     def _build_data(self) -> None:
@@ -244,22 +275,43 @@ class Trainer:
         from ms_deepseek.data.validation import build_validation, build_validation_by_source
 
         recipe, cfg = self.recipe, self.cfg
-        data_rank, data_world, self.rows = self.parallelism.data_coordinates(self.rank, self.world, self.par,
-                                                                        recipe.train.micro_batch_size)
-        self.dataset = build_train_dataset(recipe.data, self.rows, data_rank, data_world,
-                                           state=self.state.get("data"), max_positions=cfg.max_position_embeddings,
-                                           vocab_size=cfg.vocab_size, progress=self.progress and self.is_main,
-                                           static_shapes=self.parallelism.static_shapes)
+        data_rank, data_world, self.rows = self.parallelism.data_coordinates(
+            self.rank, self.world, self.par, recipe.train.micro_batch_size
+        )
+        self.dataset = build_train_dataset(
+            recipe.data,
+            self.rows,
+            data_rank,
+            data_world,
+            state=self.state.get("data"),
+            max_positions=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            progress=self.progress and self.is_main,
+            static_shapes=self.parallelism.static_shapes,
+        )
         self.seq_len = self.dataset.seq_len
         self.batches = first_batch_checked(self.dataset)
         # read once now (a bad validation set fails before compiling); the same batches every time. A
         # sharded rank reads its rows by the training rule (data_coordinates): one micro-batch [rows, T] each
-        self.validation = build_validation(recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
-                                           max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+        self.validation = build_validation(
+            recipe.data,
+            self.rows,
+            data_rank,
+            data_world,
+            recipe.train.eval_batches,
+            max_positions=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+        )
         # a weighted mixture with a held-out fraction: val_loss/<source> beside val_loss, one set per source
         self.validation_by_source, self.validation_notes = build_validation_by_source(
-            recipe.data, self.rows, data_rank, data_world, recipe.train.eval_batches,
-            max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+            recipe.data,
+            self.rows,
+            data_rank,
+            data_world,
+            recipe.train.eval_batches,
+            max_positions=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+        )
 
     def _build_model(self) -> None:
         """Random init (or the weights folder's weights), the converter (LoRA), then the plan: strategies
@@ -278,16 +330,30 @@ class Trainer:
         np.random.seed(self.recipe.train.seed)
         weights_folder = self.converter.weights_folder(self.recipe, self.run_dir)
         load = weights_folder if self.converter.loads_weights(self.resume_dir) else None
-        model = self.parallelism.build_model(self.cfg, load, self.progress and self.is_main,
-                                        _config_changes(self.recipe, load) if load is not None else {})
-        self.converter.convert(model, self.recipe, self.run_dir, write_base=weights_folder is None and self.is_main,
-                               base=weights_folder, sharded=self.sharded)
+        model = self.parallelism.build_model(
+            self.cfg,
+            load,
+            self.progress and self.is_main,
+            _config_changes(self.recipe, load) if load is not None else {},
+        )
+        self.converter.convert(
+            model,
+            self.recipe,
+            self.run_dir,
+            write_base=weights_folder is None and self.is_main,
+            base=weights_folder,
+            sharded=self.sharded,
+        )
         model.set_train(True)
         par = self.par
         self.applied = apply_plan(model, par, self.cfg)
         if par.reserve_memory:  # Ascend: pool up to HBM - runtime - HCCL, estimate up front (no-op on CPU)
-            reserve_device_memory(self.plan, par.memory_headroom_gb, stage=stage_of_rank(self.rank, par)
-                                  if par.pp > 1 else None, hbm_gb=par.hbm_gb)
+            reserve_device_memory(
+                self.plan,
+                par.memory_headroom_gb,
+                stage=stage_of_rank(self.rank, par) if par.pp > 1 else None,
+                hbm_gb=par.hbm_gb,
+            )
         self.model = model
 
     def _build_step(self) -> None:
@@ -300,8 +366,9 @@ class Trainer:
 
         recipe, cfg, par, world = self.recipe, self.cfg, self.par, self.world
         tc = recipe.train
-        optimizer = optim.build_optimizer(self.model.trainable_params(), recipe.optim, self.total,
-                                          self.run_dir / "logs")
+        optimizer = optim.build_optimizer(
+            self.model.trainable_params(), recipe.optim, self.total, self.run_dir / "logs"
+        )
         ms.set_context(mode=ms.GRAPH_MODE if tc.mode == "graph" else ms.PYNATIVE_MODE)
         if tc.mode == "pynative" and detect_device() == "CPU":
             # asynchronous launch costs ~0.8 ms per op on 2 cores: synchronous is 2.2x faster here
@@ -315,8 +382,9 @@ class Trainer:
         wrap = (lambda net: pipeline_wrap(net, par, self.applied, model_prefix="model")) if par.pp > 1 else None
         # what a checkpoint holds (before build_step, which may mark a frozen embedding trainable for the graph)
         self.model_tensors = self.converter.checkpoint_tensors(self.model)
-        step_cell, update = build_step(self.model, optimizer, tc, par, dynamic_loss_scale=self.dynamic,
-                                       grad_reducer=reducer, wrap_net=wrap)
+        step_cell, update = build_step(
+            self.model, optimizer, tc, par, dynamic_loss_scale=self.dynamic, grad_reducer=reducer, wrap_net=wrap
+        )
         self.opt_shards = None  # sharded + parallel.optimizer_shard: set after the compile (_restore)
         self.strategy_file = self.run_dir / "strategy" / f"rank_{self.rank:05d}.ckpt"
         self.step_cell = self.parallelism.wrap_step(step_cell, par, self.strategy_file)
@@ -337,10 +405,24 @@ class Trainer:
             return
         resumed = open_for_resume(self.resume_dir)
         opt_layout = layout and layout.for_optimizer()
-        restore_into(self._this_stage(self.model_tensors, layout), resumed.model, "model", layout=layout,
-                     rank=self.rank, applied=self.applied, part=self._opt_part)
-        restore_into(self._this_stage(self.opt_tensors, opt_layout), resumed.optimizer, "optimizer",
-                     layout=opt_layout, rank=self.rank, applied=self.applied, part=self._opt_part)
+        restore_into(
+            self._this_stage(self.model_tensors, layout),
+            resumed.model,
+            "model",
+            layout=layout,
+            rank=self.rank,
+            applied=self.applied,
+            part=self._opt_part,
+        )
+        restore_into(
+            self._this_stage(self.opt_tensors, opt_layout),
+            resumed.optimizer,
+            "optimizer",
+            layout=opt_layout,
+            rank=self.rank,
+            applied=self.applied,
+            part=self._opt_part,
+        )
         RngState().load_state_dict(self.state.get("rng", {}))
 
     def _this_stage(self, tensors: Dict[str, object], layout) -> Dict[str, object]:
@@ -359,8 +441,9 @@ class Trainer:
 
         layout = build_layout(self.cfg, self.par, lora=self.recipe.lora)
         full = {n: t.shape for n, t in layout.tensors.items()}
-        return layout.with_optimizer({n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32")
-                                      for n, p in self.opt_tensors.items()})
+        return layout.with_optimizer(
+            {n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32") for n, p in self.opt_tensors.items()}
+        )
 
     def _load_base_slices(self) -> None:
         """Sharded LoRA run: this rank's slices of the frozen base (``lora_run.LoraModel.load_slices``)."""
@@ -375,16 +458,23 @@ class Trainer:
                 if param.has_init:
                     param.init_data()
             return
-        restore_into(self._this_stage(params, layout), open_checkpoint(weights).model, "model", layout=layout,
-                     rank=self.rank, part=self._opt_part)
+        restore_into(
+            self._this_stage(params, layout),
+            open_checkpoint(weights).model,
+            "model",
+            layout=layout,
+            rank=self.rank,
+            part=self._opt_part,
+        )
 
     def _open_outputs(self) -> None:
         """Run folder (main rank), metrics writer, alerts, counters, checkpointer, progress bar, start lines."""
         from ms_deepseek.core.progress import progress_bar
 
         recipe, run_dir, is_main = self.recipe, self.run_dir, self.is_main
-        self.manager = ckpt_mod.CheckpointManager(run_dir / "checkpoints", recipe.checkpoint.keep_last,
-                                                  protected=self.resume_dir)  # never pruned
+        self.manager = ckpt_mod.CheckpointManager(
+            run_dir / "checkpoints", recipe.checkpoint.keep_last, protected=self.resume_dir
+        )  # never pruned
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             self.manager.remove_partial()
@@ -397,9 +487,15 @@ class Trainer:
         self.evaluator = None  # built (and its graph compiled) at the first validation
         self.stop = StopRequest().install()  # SIGTERM: save at the next step boundary, then stop
         self.heartbeat = Heartbeat(run_dir, self.rank)
-        self.bar = progress_bar(total=self.stop_at, initial=self.start_step, desc="train", unit="step",
-                                dynamic_ncols=True, leave=False,
-                                enabled=self.progress and is_main and recipe.logging.progress_bar)
+        self.bar = progress_bar(
+            total=self.stop_at,
+            initial=self.start_step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+            enabled=self.progress and is_main and recipe.logging.progress_bar,
+        )
         if is_main:
             self._print_start()
 
@@ -410,16 +506,23 @@ class Trainer:
         self.metrics = Throughput(self.recipe.global_batch_size * self.seq_len)
         self.last_ckpt: Optional[Path] = None
         self.saved_step: Optional[int] = None
-        self.checkpointer = Checkpointer(self.manager, self.dataset, RngState(), self.counters, {
-            "world_size": self.world, "global_batch_size": self.recipe.global_batch_size, "seq_len": self.seq_len})
+        self.checkpointer = Checkpointer(
+            self.manager,
+            self.dataset,
+            RngState(),
+            self.counters,
+            {"world_size": self.world, "global_batch_size": self.recipe.global_batch_size, "seq_len": self.seq_len},
+        )
 
     def _print_start(self) -> None:
         """The start line, the resume's notes, the LoRA line, the recipe's warnings and the validation line."""
         recipe, cfg, world = self.recipe, self.cfg, self.world
         what = f"resuming {self.resume_dir} at step {self.start_step}" if self.resume_dir else "starting"
-        self._print(f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-                    f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
-                    f"({world} worker{'s' if world > 1 else ''}); output {self.run_dir}")
+        self._print(
+            f"{what}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"{self.E} routed experts; global batch {recipe.global_batch_size} x {self.seq_len} tokens "
+            f"({world} worker{'s' if world > 1 else ''}); output {self.run_dir}"
+        )
         for line in self.resume_notes:
             self._print(line)
         converted = self.converter.describe(recipe)
@@ -434,10 +537,15 @@ class Trainer:
             self._print(f"warning: {warning}")
         if self.validation is not None:
             every = recipe.train.eval_interval
-            per_source = "".join(f"; val_loss/{name}: {v.used_samples} of its {v.total_samples} held-out samples"
-                                 for name, v in self.validation_by_source.items())
-            self._print(f"validation: {self.validation.description}, "
-                        + (f"every {every} steps and at the end" if every else "at the end") + per_source)
+            per_source = "".join(
+                f"; val_loss/{name}: {v.used_samples} of its {v.total_samples} held-out samples"
+                for name, v in self.validation_by_source.items()
+            )
+            self._print(
+                f"validation: {self.validation.description}, "
+                + (f"every {every} steps and at the end" if every else "at the end")
+                + per_source
+            )
             for note in self.validation_notes:
                 self._print(f"warning: {note}")
 
@@ -483,8 +591,9 @@ class Trainer:
         if self.evaluator is None:
             from ms_deepseek.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.model, self.validation.batches, self.world,
-                                       parallel=self.parallelism.eval_parallel(self.par))
+            self.evaluator = Evaluator(
+                self.model, self.validation.batches, self.world, parallel=self.parallelism.eval_parallel(self.par)
+            )
         start = time.time()
         result = self.evaluator()
         for name, per_source in self.validation_by_source.items():  # the same compiled eval graph
@@ -495,8 +604,14 @@ class Trainer:
     def _log(self, step: int, out: _StepOut, val: Optional[Dict[str, float]] = None) -> None:
         """One metrics record (every rank computes it; the main rank writes, prints, raises alerts)."""
         now = time.time()
-        record = {"step": step, "loss": out.loss, "total_loss": out.loss + out.aux, "lr": float(out.lr.asnumpy()),
-                  "grad_norm": out.grad_norm, "elapsed_s": self.counters.elapsed(now)}
+        record = {
+            "step": step,
+            "loss": out.loss,
+            "total_loss": out.loss + out.aux,
+            "lr": float(out.lr.asnumpy()),
+            "grad_norm": out.grad_norm,
+            "elapsed_s": self.counters.elapsed(now),
+        }
         record.update(self.metrics.interval_fields(now))
         record.update(metrics_mod.moe_fields(out.stats, self.moe_layers, self.E))
         if val:
@@ -511,7 +626,7 @@ class Trainer:
         if self.is_main:
             self.writer.write(record)
             self._print(metrics_mod.console_line(record, self.total))
-            for alert in (self.monitor.observe(record) if self.monitor is not None else []):
+            for alert in self.monitor.observe(record) if self.monitor is not None else []:
                 self._print(f"ALERT {alert}")
 
     def _maybe_save(self, step: int) -> None:
@@ -533,18 +648,28 @@ class Trainer:
 
     def _complete_result(self) -> TrainResult:
         metrics = self.run_dir / "metrics.jsonl"
-        return TrainResult(run_dir=self.run_dir, steps=self.start_step, final_loss=float("nan"),
-                           checkpoint=self.resume_dir, metrics_path=metrics if metrics.is_file() else None,
-                           complete=True)
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=self.start_step,
+            final_loss=float("nan"),
+            checkpoint=self.resume_dir,
+            metrics_path=metrics if metrics.is_file() else None,
+            complete=True,
+        )
 
     def _result(self) -> TrainResult:
         losses = self.metrics.losses
-        return TrainResult(run_dir=self.run_dir, steps=self.saved_step if self.preempted else self.stop_at,
-                           final_loss=losses[-1] if losses else float("nan"), losses=losses,
-                           checkpoint=self.last_ckpt or self.manager.latest(),  # rank 0's path (shared folder)
-                           metrics_path=self.writer.path if self.is_main else None,
-                           tokens_per_s=self.metrics.steady_tokens_per_s,
-                           wall_s=time.time() - self.started, preempted=self.preempted)
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=self.saved_step if self.preempted else self.stop_at,
+            final_loss=losses[-1] if losses else float("nan"),
+            losses=losses,
+            checkpoint=self.last_ckpt or self.manager.latest(),  # rank 0's path (shared folder)
+            metrics_path=self.writer.path if self.is_main else None,
+            tokens_per_s=self.metrics.steady_tokens_per_s,
+            wall_s=time.time() - self.started,
+            preempted=self.preempted,
+        )
 
 
 def _config_changes(recipe: Recipe, folder=None) -> Dict:
@@ -565,12 +690,17 @@ def fit_plan(recipe: Recipe, force: bool = False):
 
     result = check_recipe_fits(recipe)  # its sequence length, batch, LoRA and quantized base
     if not result.fits and not (force or recipe.parallel.force):
-        why = "; ".join(result.problems) if result.problems else \
-            f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
+        why = (
+            "; ".join(result.problems)
+            if result.problems
+            else f"needs {result.peak_gb:.1f} GB per NPU of {result.usable_gb:.1f} GB usable"
+        )
         if not result.problems and result.eval_note:  # validation sets the peak: say how to lower it
             why += f"; {result.eval_note}: set it, or remove data.validation"
-        raise UserError(f"parallel: {recipe.parallel.describe()} does not fit ({why}); see `ms-deepseek plan`, "
-                        "or pass --force (parallel.force: true) to run anyway")
+        raise UserError(
+            f"parallel: {recipe.parallel.describe()} does not fit ({why}); see `ms-deepseek plan`, "
+            "or pass --force (parallel.force: true) to run anyway"
+        )
     return result
 
 

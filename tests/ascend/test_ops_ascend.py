@@ -22,15 +22,23 @@ from repo_paths import REPO
 pytestmark = pytest.mark.ascend
 
 CHILD = os.environ.get("MS_DEEPSEEK_NPU_CHILD") == "1"
-in_child = pytest.mark.skipif(not CHILD, reason="runs in the subprocess started by "
-                              "test_npu_kernels_in_their_own_process (set_device once per process)")
+in_child = pytest.mark.skipif(
+    not CHILD,
+    reason="runs in the subprocess started by test_npu_kernels_in_their_own_process (set_device once per process)",
+)
 
 
 @pytest.mark.skipif(CHILD, reason="this is the child process")
 def test_npu_kernels_in_their_own_process(tmp_path):
     env = dict(os.environ, MS_DEEPSEEK_NPU_CHILD="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-                          capture_output=True, text=True, timeout=3600, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
@@ -40,7 +48,9 @@ def ascend_ops(tmp_path_factory):
     install = tmp_path_factory.mktemp("ascend_opp")
     proc = subprocess.run(
         ["bash", str(REPO / "ops" / "build_ascend.sh"), "--install-path", str(install)],
-        capture_output=True, text=True, timeout=3600,
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     vendor = install / "vendors" / "ms_deepseek"
@@ -107,7 +117,7 @@ def test_fp32_softmax_masked_rows_on_npu(ascend_ops, cols):
 
     x = np.random.default_rng(4).standard_normal((3, cols)).astype(np.float32) * 4
     x[:, : cols * 3 // 5] = -np.inf
-    x[1, cols * 4 // 5:] = -np.inf
+    x[1, cols * 4 // 5 :] = -np.inf
     y = ascend_ops.FP32SoftmaxAscend()(Tensor(x)).asnumpy()
     np.testing.assert_allclose(y, _softmax64(x), rtol=2e-5, atol=1e-9)
 
@@ -134,8 +144,10 @@ def test_fp32_softmax_grad_on_npu(ascend_ops):
 
 
 @in_child
-@pytest.mark.parametrize("g, t, k, e, e_local, capacity",
-                         [(1, 37, 3, 8, 2, 15), (1, 4096, 6, 160, 20, 200), (3, 9, 2, 4, 4, 0), (4, 50, 2, 8, 2, 9)])
+@pytest.mark.parametrize(
+    "g, t, k, e, e_local, capacity",
+    [(1, 37, 3, 8, 2, 15), (1, 4096, 6, 160, 20, 200), (3, 9, 2, 4, 4, 0), (4, 50, 2, 8, 2, 9)],
+)
 def test_expert_lookup_on_npu(ascend_ops, g, t, k, e, e_local, capacity):
     import mindspore as ms
     from mindspore import Tensor

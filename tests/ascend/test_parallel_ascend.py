@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import mindspore as ms
@@ -59,7 +59,7 @@ WORKER = textwrap.dedent('''
         with open(sys.argv[1], "w") as f:
             json.dump({"losses": losses, "slices": slices, "reserved": sizes, "memory": memory_metrics(),
                        "layouts": {k: list(v) for k, v in applied.param_layouts.items()}}, f)
-''')
+""")
 
 
 @pytest.mark.ascend
@@ -69,8 +69,19 @@ def test_tiny_model_trains_sharded_on_4_npus(tmp_path, repo_root):
     script.write_text(WORKER)
     out = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=str(repo_root))
-    cmd = [sys.executable, "-m", "mindspore.parallel.cluster.run", "--worker_num=4", "--local_worker_num=4",
-           "--master_port=8129", f"--log_dir={tmp_path / 'logs'}", "--join=True", "python", str(script), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mindspore.parallel.cluster.run",
+        "--worker_num=4",
+        "--local_worker_num=4",
+        "--master_port=8129",
+        f"--log_dir={tmp_path / 'logs'}",
+        "--join=True",
+        "python",
+        str(script),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, timeout=1800)
     assert proc.returncode == 0, (tmp_path / "logs").glob("*")
     result = json.loads(Path(out).read_text())
@@ -102,13 +113,25 @@ def test_sharded_checkpoint_with_optimizer_sharding_resumes_exactly_on_4_npus(tm
     env = dict(os.environ, PYTHONPATH=str(repo_root))
 
     def launch(*extra):
-        cmd = [sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
-               "--master-port", str(free_port()), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "launch",
+            str(recipe),
+            "--output",
+            str(run_dir),
+            "--master-port",
+            str(free_port()),
+            *extra,
+        ]
         return subprocess.run(cmd, env=env, cwd=tmp_path, timeout=3600, capture_output=True, text=True)
 
     def losses():
-        return {json.loads(line)["step"]: json.loads(line)["loss"]
-                for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+        return {
+            json.loads(line)["step"]: json.loads(line)["loss"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        }
 
     proc = launch()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -117,9 +140,22 @@ def test_sharded_checkpoint_with_optimizer_sharding_resumes_exactly_on_4_npus(tm
 
     step2 = run_dir / "checkpoints" / "step_00000002"
     open_checkpoint(step2)  # every rank file against layout.json: model-parallel slice shapes
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf",
-                           str(run_dir / "checkpoints" / "step_00000004"), str(tmp_path / "hf")],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "convert",
+            "ms-to-hf",
+            str(run_dir / "checkpoints" / "step_00000004"),
+            str(tmp_path / "hf"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = launch("--resume", str(step2))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,16 +26,27 @@ def test_unknown_command_is_one_line(capsys):
 
 def test_every_command_has_help():
     for name in COMMANDS:
-        proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", name, "--help"], capture_output=True,
-                              text=True, timeout=120, env=ENV)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ms_deepseek.cli", name, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
+        )
         assert proc.returncode == 0, (name, proc.stderr[-500:])
         assert "usage: ms-deepseek " + name in proc.stdout
 
 
 def test_closed_pipe_is_not_a_traceback():
-    proc = subprocess.run(f"{sys.executable} -m ms_deepseek.cli plan --model deepseek-v2 --npus 64 --seq-len 4096 "
-                          f"--global-batch 64 --dp 4 --tp 8 --pp 2 --ep 4 --json | head -c 10", shell=True,
-                          capture_output=True, text=True, timeout=120, env=ENV)
+    proc = subprocess.run(
+        f"{sys.executable} -m ms_deepseek.cli plan --model deepseek-v2 --npus 64 --seq-len 4096 "
+        f"--global-batch 64 --dp 4 --tp 8 --pp 2 --ep 4 --json | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert "Traceback" not in proc.stderr and proc.stdout.startswith("{")
 
 
@@ -82,8 +93,31 @@ def test_a_closed_output_is_exit_0_in_process(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     try:
-        assert main(["plan", "--model", "deepseek-v2", "--npus", "64", "--seq-len", "4096", "--global-batch", "64",
-                     "--dp", "4", "--tp", "8", "--pp", "2", "--ep", "4", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--model",
+                    "deepseek-v2",
+                    "--npus",
+                    "64",
+                    "--seq-len",
+                    "4096",
+                    "--global-batch",
+                    "64",
+                    "--dp",
+                    "4",
+                    "--tp",
+                    "8",
+                    "--pp",
+                    "2",
+                    "--ep",
+                    "4",
+                    "--json",
+                ]
+            )
+            == 0
+        )
     finally:
         os.close(read_end)
         os.close(write_end)

@@ -14,10 +14,15 @@ import pytest
 from bad_input_helpers import DEEP, assert_refused, deep, edit_config, hf_copy, listing, run_cli
 
 
-@pytest.mark.parametrize("dst, extra, name", [("hf/sub", [], "lies inside the source"),
-                                              ("hf/a/b", [], "lies inside the source"),
-                                              ("hf", [], "is the source folder"),
-                                              (".", ["--overwrite"], "holds the source")])
+@pytest.mark.parametrize(
+    "dst, extra, name",
+    [
+        ("hf/sub", [], "lies inside the source"),
+        ("hf/a/b", [], "lies inside the source"),
+        ("hf", [], "is the source folder"),
+        (".", ["--overwrite"], "holds the source"),
+    ],
+)
 def test_convert(capsys, tmp_path, dst, extra, name):
     hf = hf_copy(tmp_path)
     (tmp_path / "other").write_text("keep")  # makes tmp_path non-empty
@@ -37,12 +42,14 @@ def test_convert_through_a_symlink_into_the_source(capsys, tmp_path):
 
 def test_sigkilled_conversion_is_cleaned_by_the_next_run(capsys, tmp_path):
     hf = hf_copy(tmp_path)
-    code = ("import os, time\n"
-            "import ms_deepseek.checkpoint.convert as api\n"
-            "def stuck(*a, **k):\n"
-            "    open(os.environ['READY'], 'w').close(); time.sleep(120)\n"
-            "api._write_shards = stuck\n"
-            f"api.hf_to_ms({str(hf)!r}, {str(tmp_path / 'out')!r}, progress=False)\n")
+    code = (
+        "import os, time\n"
+        "import ms_deepseek.checkpoint.convert as api\n"
+        "def stuck(*a, **k):\n"
+        "    open(os.environ['READY'], 'w').close(); time.sleep(120)\n"
+        "api._write_shards = stuck\n"
+        f"api.hf_to_ms({str(hf)!r}, {str(tmp_path / 'out')!r}, progress=False)\n"
+    )
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, READY=str(ready)))
     deadline = time.time() + 120
@@ -67,11 +74,16 @@ def test_failed_conversion_removes_the_parents_it_created(capsys, tmp_path):
     assert listing(tmp_path) == before
 
 
-@pytest.mark.parametrize("key, value, expected", [("hidden_size", "abc", "expected an integer"),
-                                                  ("num_hidden_layers", "2", "expected an integer"),
-                                                  ("rope_theta", "big", "expected a number"),
-                                                  ("n_routed_experts", [1], "expected"),
-                                                  ("rms_norm_eps", None, "expected a number")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("hidden_size", "abc", "expected an integer"),
+        ("num_hidden_layers", "2", "expected an integer"),
+        ("rope_theta", "big", "expected a number"),
+        ("n_routed_experts", [1], "expected"),
+        ("rms_norm_eps", None, "expected a number"),
+    ],
+)
 def test_config_value_of_the_wrong_type(capsys, tmp_path, key, value, expected):
     hf = edit_config(hf_copy(tmp_path), **{key: value})
     code, _, err = run_cli(capsys, ["convert", "hf-to-ms", hf, tmp_path / "out", "--no-progress"])
@@ -80,8 +92,9 @@ def test_config_value_of_the_wrong_type(capsys, tmp_path, key, value, expected):
 
 
 def test_string_rope_factor_names_the_key_not_a_comparison(capsys, tmp_path):
-    hf = edit_config(hf_copy(tmp_path), rope_scaling={"type": "yarn", "factor": "40",
-                                                        "original_max_position_embeddings": 4096})
+    hf = edit_config(
+        hf_copy(tmp_path), rope_scaling={"type": "yarn", "factor": "40", "original_max_position_embeddings": 4096}
+    )
     code, _, err = run_cli(capsys, ["convert", "hf-to-ms", hf, tmp_path / "out", "--no-progress"])
     assert_refused(code, err, "rope_scaling.factor: expected a number, got '40'")
 
@@ -117,14 +130,20 @@ def test_convert_inputs(capsys, tmp_path, spoil):
     assert listing(tmp_path) == before
 
 
-@pytest.mark.parametrize("scaling, key", [
-    ({"type": "yarn", "factor": "40", "original_max_position_embeddings": 4096}, "factor"),
-    ({"type": "yarn", "factor": 40, "original_max_position_embeddings": "4k"}, "original_max_position_embeddings"),
-    ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096.5}, "original_max_position_embeddings"),
-    ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": "x"}, "beta_fast"),
-    ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": [1]}, "mscale"),
-    ({"type": "yarn", "factor": True, "original_max_position_embeddings": 4096}, "factor"),
-])
+@pytest.mark.parametrize(
+    "scaling, key",
+    [
+        ({"type": "yarn", "factor": "40", "original_max_position_embeddings": 4096}, "factor"),
+        ({"type": "yarn", "factor": 40, "original_max_position_embeddings": "4k"}, "original_max_position_embeddings"),
+        (
+            {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096.5},
+            "original_max_position_embeddings",
+        ),
+        ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": "x"}, "beta_fast"),
+        ({"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": [1]}, "mscale"),
+        ({"type": "yarn", "factor": True, "original_max_position_embeddings": 4096}, "factor"),
+    ],
+)
 def test_rope_scaling_inner_keys(capsys, tmp_path, scaling, key):
     hf = edit_config(hf_copy(tmp_path), rope_scaling=scaling)
     code, _, err = run_cli(capsys, ["convert", "hf-to-ms", hf, tmp_path / "out", "--no-progress"])

@@ -6,8 +6,17 @@ import pytest
 from bad_input_helpers import assert_refused, run_cli
 
 
-@pytest.mark.parametrize("flag, value", [("--timeout", "-5"), ("--need-gb", "-1"), ("--master-port", "99999"),
-                                         ("--master-port", "0"), ("--bench-mb", "0"), ("--master-addr", "a..b")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--timeout", "-5"),
+        ("--need-gb", "-1"),
+        ("--master-port", "99999"),
+        ("--master-port", "0"),
+        ("--bench-mb", "0"),
+        ("--master-addr", "a..b"),
+    ],
+)
 def test_doctor(capsys, flag, value):
     code, _, err = run_cli(capsys, ["doctor", "--only", "python", flag, value])
     assert_refused(code, err, f"argument {flag}:")

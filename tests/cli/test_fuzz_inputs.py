@@ -16,7 +16,7 @@ import pytest
 from bad_input_helpers import assert_refused, run_cli
 from fuzz_helpers import FORMATS, build_fixtures, run_case
 
-CASES_PER_FORMAT = 300   # 9 formats: 2,700 cases, ~40 s here (printed by the fuzz test)
+CASES_PER_FORMAT = 300  # 9 formats: 2,700 cases, ~40 s here (printed by the fuzz test)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def fixtures(tmp_path_factory):
 @pytest.fixture
 def hang_guard():
     """A hang fails the test instead of stalling the suite."""
+
     def alarm(signum, frame):
         raise AssertionError("still running after 20 s: a hang")
 
@@ -78,10 +79,10 @@ def test_object_where_the_safetensors_header_wants_a_dtype_string(capsys, tmp_pa
     case = _copy(fixtures, "hf_single", tmp_path)
     raw = (case / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header["lm_head.weight"]["dtype"] = value
     body = json.dumps(header).encode()
-    (case / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n:])
+    (case / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
     code, _, err = run_cli(capsys, _hf_to_ms(case, tmp_path))
     assert_refused(code, err, "model.safetensors", "lm_head.weight", "dtype")
 
@@ -89,7 +90,7 @@ def test_object_where_the_safetensors_header_wants_a_dtype_string(capsys, tmp_pa
 def test_report_on_huge_steps_negative_grad_norm_and_no_loss(capsys, tmp_path, hang_guard):
     """Five records, one grad_norm negative, none with a loss, steps near 2**62: the x-axis ticks
     were stepped by t += 2 at 4.6e18, where the addition changes nothing (an endless loop)."""
-    rows = [{"step": 2 ** 62 + i, "grad_norm": -1.0 if i == 2 else 1.0} for i in range(5)]
+    rows = [{"step": 2**62 + i, "grad_norm": -1.0 if i == 2 else 1.0} for i in range(5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out, err = run_cli(capsys, ["report", tmp_path, "--out", tmp_path / "r.html"])
     assert code == 0, err
@@ -105,8 +106,9 @@ def test_non_finite_capacity_factor_in_a_recipe(capsys, tmp_path, fixtures, valu
     assert_refused(code, err, "r.yaml", "model.overrides.capacity_factor", "finite")
 
 
-@pytest.mark.parametrize("key,value", [("num_hidden_layers", 10 ** 30), ("num_hidden_layers", 10 ** 7),
-                                       ("n_routed_experts", 10 ** 9)])
+@pytest.mark.parametrize(
+    "key,value", [("num_hidden_layers", 10**30), ("num_hidden_layers", 10**7), ("n_routed_experts", 10**9)]
+)
 def test_config_far_bigger_than_its_tensors(capsys, tmp_path, fixtures, hang_guard, key, value):
     """Was minutes of listing the expected tensors before the comparison; now refused from the names."""
     for folder, extra in (("hf_single", ()), ("hf_index", ("--dp", "2", "--tp", "2"))):
@@ -123,14 +125,16 @@ def test_config_far_bigger_than_its_tensors(capsys, tmp_path, fixtures, hang_gua
 def test_plan_of_a_recipe_with_a_billion_layers(capsys, tmp_path, fixtures, hang_guard):
     """The planner walks each layer (10,000 took ~8 s, 10**9 never ended): more than MAX_LAYERS is refused."""
     case = _copy(fixtures, "recipe", tmp_path)
-    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.num_hidden_layers=1000000000"])
+    code, _, err = run_cli(
+        capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.num_hidden_layers=1000000000"]
+    )
     assert_refused(code, err, "num_hidden_layers", "1024")
 
 
 def test_sharded_checkpoint_config_far_bigger_than_its_layout(capsys, tmp_path, fixtures, hang_guard):
     case = _copy(fixtures, "sharded", tmp_path)
     cfg = json.loads((case / "config.json").read_text())
-    cfg["num_hidden_layers"] = 10 ** 8
+    cfg["num_hidden_layers"] = 10**8
     (case / "config.json").write_text(json.dumps(cfg))
     code, _, err = run_cli(capsys, ["convert", "ms-to-hf", case, tmp_path / "out", "--no-progress"])
     assert_refused(code, err, "config.json", "num_hidden_layers", "layout.json", "does not match")
@@ -158,7 +162,9 @@ def test_mutated_inputs_are_accepted_or_refused_in_one_line(fixtures, tmp_path, 
 def test_capacity_factor_near_float_max(capsys, tmp_path, fixtures):
     """capacity_factor 1e308 is finite, but factor x tokens overflowed to inf inside ceil(): OverflowError."""
     case = _copy(fixtures, "recipe", tmp_path)
-    code, _, err = run_cli(capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.capacity_factor=1e308"])
+    code, _, err = run_cli(
+        capsys, ["plan", "--recipe", case / "r.yaml", "--set", "model.overrides.capacity_factor=1e308"]
+    )
     assert code == 0, err
 
 

@@ -48,8 +48,9 @@ def _char_tokenizer(path: Path) -> Path:
 
 def _save_step(manager: CheckpointManager, step: int, model, recipe_yaml: str = "data: {}\n") -> Path:
     tensors = {n: p for n, p in model.parameters_and_names() if not n.endswith("expert_placement")}
-    return manager.save(step, tensors, {"global_step": ms.Tensor([step], ms.int32)}, model.config,
-                        {"step": step}, recipe_yaml)
+    return manager.save(
+        step, tensors, {"global_step": ms.Tensor([step], ms.int32)}, model.config, {"step": step}, recipe_yaml
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,9 @@ def _main(argv, capsys):
 
 
 def test_run_dir_text_prompt_json(run_dir, lite_model, capsys):
-    rc, out, err = _main([str(run_dir), "--prompt", "def f(x)", "--max-new-tokens", "6", "--ignore-eos", "--json"],
-                         capsys)
+    rc, out, err = _main(
+        [str(run_dir), "--prompt", "def f(x)", "--max-new-tokens", "6", "--ignore-eos", "--json"], capsys
+    )
     assert rc == 0, err
     result = json.loads(out)
     tok = load_tokenizer(run_dir / "tokenizer.json")
@@ -95,9 +97,13 @@ def test_run_dir_text_prompt_json(run_dir, lite_model, capsys):
 
 def test_checkpoint_folder_and_prompt_ids(run_dir, lite_model, capsys):
     step7 = run_dir / "checkpoints" / "step_00000007"
-    assert resolve_checkpoint(run_dir, GENERATE) == step7 and resolve_checkpoint(run_dir / "checkpoints", GENERATE) == step7
-    rc, out, err = _main([str(step7), "--prompt-ids", "63,167,89,141,229", "--max-new-tokens", "4",
-                          "--ignore-eos", "--no-cache"], capsys)
+    assert (
+        resolve_checkpoint(run_dir, GENERATE) == step7
+        and resolve_checkpoint(run_dir / "checkpoints", GENERATE) == step7
+    )
+    rc, out, err = _main(
+        [str(step7), "--prompt-ids", "63,167,89,141,229", "--max-new-tokens", "4", "--ignore-eos", "--no-cache"], capsys
+    )
     assert rc == 0, err
     ids = generate(lite_model, [63, 167, 89, 141, 229], 4, eos_ids=()).ids
     tok = load_tokenizer(run_dir / "tokenizer.json")
@@ -129,14 +135,17 @@ def bare_checkpoint(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", "def "], "no tokenizer found for a text prompt"),
-    (["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers"),
-    (["--prompt-ids", "1,2,999"], "prompt token id 999 at position 2 is outside the model's vocabulary [0, 256)"),
-    (["--prompt-ids", "1,2", "--repetition-penalty", "0"], "repetition penalty must be > 0"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "4095"], "prompt length 2 + max_new_tokens 4095 = 4097 exceeds"),
-    (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "def "], "no tokenizer found for a text prompt"),
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers"),
+        (["--prompt-ids", "1,2,999"], "prompt token id 999 at position 2 is outside the model's vocabulary [0, 256)"),
+        (["--prompt-ids", "1,2", "--repetition-penalty", "0"], "repetition penalty must be > 0"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "4095"], "prompt length 2 + max_new_tokens 4095 = 4097 exceeds"),
+        (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    ],
+)
 def test_cli_errors_are_one_line(bare_checkpoint, argv, message, capsys):
     rc, out, err = _main([str(bare_checkpoint), *argv], capsys)
     assert rc == 2 and out == ""

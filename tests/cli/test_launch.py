@@ -16,21 +16,63 @@ from builders import write_recipe as write
 
 def test_dry_run_prints_the_msrun_command(tmp_path):
     recipe = write(tmp_path, recipe_data(dp=16))
-    code, out, _ = run_cli(["launch", str(recipe), "--dry-run", "--nnodes", "2", "--node-rank", "1",
-                            "--master-addr", "10.1.2.3", "--master-port", "29600", "--output", "runs/x",
-                            "--set", "train.steps=7", "--cluster-time-out", "900",
-                            "--hccl-connect-timeout", "1200", "--hccl-exec-timeout", "3600"])
+    code, out, _ = run_cli(
+        [
+            "launch",
+            str(recipe),
+            "--dry-run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "10.1.2.3",
+            "--master-port",
+            "29600",
+            "--output",
+            "runs/x",
+            "--set",
+            "train.steps=7",
+            "--cluster-time-out",
+            "900",
+            "--hccl-connect-timeout",
+            "1200",
+            "--hccl-exec-timeout",
+            "3600",
+        ]
+    )
     assert code == 0
     words = shlex.split(out.strip())
-    assert words[:3] == ["HCCL_CONNECT_TIMEOUT=1200", "HCCL_EXEC_TIMEOUT=3600",
-                         f"PATH={Path(sys.executable).parent}:$PATH"]
+    assert words[:3] == [
+        "HCCL_CONNECT_TIMEOUT=1200",
+        "HCCL_EXEC_TIMEOUT=3600",
+        f"PATH={Path(sys.executable).parent}:$PATH",
+    ]
     assert Path(words[3]).name == "msrun" or words[3] == sys.executable
-    for flag in ("--worker_num=16", "--local_worker_num=8", "--master_addr=10.1.2.3", "--master_port=29600",
-                 "--node_rank=1", "--log_dir=runs/x/msrun_logs", "--join=True", "--cluster_time_out=900"):
+    for flag in (
+        "--worker_num=16",
+        "--local_worker_num=8",
+        "--master_addr=10.1.2.3",
+        "--master_port=29600",
+        "--node_rank=1",
+        "--log_dir=runs/x/msrun_logs",
+        "--join=True",
+        "--cluster_time_out=900",
+    ):
         assert flag in words, flag
-    tail = words[words.index("python"):words.index("#")]
-    assert tail == ["python", "-m", "ms_deepseek.cli", "train", str(recipe), "--output", "runs/x", "--quiet",
-                    "--set", "train.steps=7"]
+    tail = words[words.index("python") : words.index("#")]
+    assert tail == [
+        "python",
+        "-m",
+        "ms_deepseek.cli",
+        "train",
+        str(recipe),
+        "--output",
+        "runs/x",
+        "--quiet",
+        "--set",
+        "train.steps=7",
+    ]
     assert not Path("runs").exists(), "--dry-run starts nothing"
 
 
@@ -51,12 +93,15 @@ def test_dry_run_keeps_exported_hccl_timeouts_and_names_the_interpreter(tmp_path
     assert shlex.split(out)[:2] == ["HCCL_CONNECT_TIMEOUT=600", "HCCL_EXEC_TIMEOUT=1800"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nnodes", "3"], "--nnodes: 3 does not divide the recipe's world size 4"),
-    (["--node-rank", "2", "--nnodes", "2"], "--node-rank: must be in [0, 1]"),
-    (["--master-port", "80"], "--master-port: must be in 1024..65535"),
-    (["--set", "parallel.dp=0"], "parallel.dp: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nnodes", "3"], "--nnodes: 3 does not divide the recipe's world size 4"),
+        (["--node-rank", "2", "--nnodes", "2"], "--node-rank: must be in [0, 1]"),
+        (["--master-port", "80"], "--master-port: must be in 1024..65535"),
+        (["--set", "parallel.dp=0"], "parallel.dp: must be >= 1"),
+    ],
+)
 def test_launch_refuses_bad_layouts_before_starting(tmp_path, argv, message):
     recipe = write(tmp_path, recipe_data(dp=4))
     code, out, err = run_cli(["launch", str(recipe), "--dry-run"] + argv)
@@ -89,14 +134,26 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
     recipe = write(tmp_path, spec)
     dp_dir, single_dir = tmp_path / "dp2", tmp_path / "single"
 
-    code, out, err = run_cli(["launch", str(recipe), "--output", str(dp_dir), "--master-port", str(free_port()),
-                              "--cluster-time-out", "120"])
+    code, out, err = run_cli(
+        ["launch", str(recipe), "--output", str(dp_dir), "--master-port", str(free_port()), "--cluster-time-out", "120"]
+    )
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in (dp_dir / "msrun_logs").glob("worker_*.log"))
     assert code == 0, f"{err}\n{logs}"
     assert "--worker_num=2 --local_worker_num=2" in out
 
-    code, _, err = run_cli(["train", str(recipe), "--output", str(single_dir), "--quiet",
-                            "--set", "parallel.dp=1", "--set", "train.micro_batch_size=4"])
+    code, _, err = run_cli(
+        [
+            "train",
+            str(recipe),
+            "--output",
+            str(single_dir),
+            "--quiet",
+            "--set",
+            "parallel.dp=1",
+            "--set",
+            "train.micro_batch_size=4",
+        ]
+    )
     assert code == 0, err
 
     def losses(run):
@@ -112,7 +169,10 @@ def test_two_worker_data_parallel_equals_one_worker(tmp_path):
     state = json.loads((dp_dir / ckpt / "state.json").read_text())
     assert state["world_size"] == 2
     assert len(state["replica_sha1"]) == 2 and state["replica_sha1"][0] == state["replica_sha1"][1]
-    got, want = load_file(str(dp_dir / ckpt / "model.safetensors")), load_file(str(single_dir / ckpt / "model.safetensors"))
+    got, want = (
+        load_file(str(dp_dir / ckpt / "model.safetensors")),
+        load_file(str(single_dir / ckpt / "model.safetensors")),
+    )
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=2e-5, err_msg=name)
@@ -211,14 +271,34 @@ def test_a_late_node_keeps_the_heartbeats_of_the_nodes_already_running(tmp_path)
     recipe = write(tmp_path, recipe_data(dp=2))
     fake, run = tmp_path / "fake_msrun.py", tmp_path / "run"
     fake.write_text(FAKE_NODE_MSRUN)
-    starter = (f"import sys; import ms_deepseek.cli.launch as launch; launch.msrun_executable = lambda: "
-               f"[sys.executable, {str(fake)!r}]; from ms_deepseek.cli import main; sys.exit(main(sys.argv[1:]))")
+    starter = (
+        f"import sys; import ms_deepseek.cli.launch as launch; launch.msrun_executable = lambda: "
+        f"[sys.executable, {str(fake)!r}]; from ms_deepseek.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def node(rank):
-        return subprocess.Popen([sys.executable, "-c", starter, "launch", str(recipe), "--output", str(run),
-                                 "--nnodes", "2", "--node-rank", str(rank), "--master-port", str(free_port())],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                starter,
+                "launch",
+                str(recipe),
+                "--output",
+                str(run),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-port",
+                str(free_port()),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     beats, procs = run / ".heartbeat", []
     try:

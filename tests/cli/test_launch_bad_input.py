@@ -9,11 +9,19 @@ from bad_input_helpers import assert_refused, listing, run_cli
 
 def test_launch_with_an_unresolvable_master_creates_nothing(capsys, tmp_path):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"source": "tiny"}, "data": {"seq_len": 16, "embedded_vocab_size": 512},
-                                      "train": {"steps": 1, "micro_batch_size": 1}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "tiny"},
+                "data": {"seq_len": 16, "embedded_vocab_size": 512},
+                "train": {"steps": 1, "micro_batch_size": 1},
+            }
+        )
+    )
     before = listing(tmp_path)
-    code, _, err = run_cli(capsys, ["launch", recipe, "--master-addr", "no-such-host.invalid", "--output",
-                                    tmp_path / "runs" / "r"])
+    code, _, err = run_cli(
+        capsys, ["launch", recipe, "--master-addr", "no-such-host.invalid", "--output", tmp_path / "runs" / "r"]
+    )
     assert_refused(code, err, "--master-addr: cannot resolve 'no-such-host.invalid'")
     assert listing(tmp_path) == before
 
@@ -27,8 +35,15 @@ def test_launch_master_addr(capsys, tmp_path, addr):
 def test_launch_resume_into_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
     """Issue 29, item 8: launch made the run folder, then every worker said 'no complete checkpoint'."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"source": "tiny"}, "data": {"seq_len": 16, "embedded_vocab_size": 512},
-                                      "train": {"steps": 1, "micro_batch_size": 1}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "tiny"},
+                "data": {"seq_len": 16, "embedded_vocab_size": 512},
+                "train": {"steps": 1, "micro_batch_size": 1},
+            }
+        )
+    )
     before = listing(tmp_path)
     code, _, err = run_cli(capsys, ["launch", recipe, "--output", tmp_path / "runs" / "r", "--resume"])
     assert_refused(code, err, f"--resume: the run folder {tmp_path / 'runs' / 'r'} does not exist")

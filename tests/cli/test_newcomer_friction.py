@@ -27,8 +27,8 @@ def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
     for stream in (log, tty):
         with progress_bar(total=3, file=stream, desc="x") as bar:
             bar.update(3)
-    assert log.getvalue() == ""                    # a redirected log gets no \r frames
-    assert "\r" in tty.getvalue()                  # a terminal still gets its bar
+    assert log.getvalue() == ""  # a redirected log gets no \r frames
+    assert "\r" in tty.getvalue()  # a terminal still gets its bar
     off = _Terminal()
     with progress_bar(total=3, file=off, enabled=False) as bar:
         bar.update(3)
@@ -47,8 +47,10 @@ def folders(tmp_path_factory):
     write_jsonl(root / "pt.jsonl", [{"text": f"doc {i:03d} " + "abcdefg"[: i % 7]} for i in range(60)])
     prepare_data([root / "pt.jsonl"], root / "pt", root / "tok", seq_len=16, progress=False)
     # 120 short conversations: a 1% hold-out is 2 samples, fewer than one micro-batch of 4
-    write_jsonl(root / "sft.jsonl", [{"system": "be brief", "prompt": f"q{i:03d}?", "response": "r" * (1 + i % 9)}
-                                     for i in range(120)])
+    write_jsonl(
+        root / "sft.jsonl",
+        [{"system": "be brief", "prompt": f"q{i:03d}?", "response": "r" * (1 + i % 9)} for i in range(120)],
+    )
     prepare_data([root / "sft.jsonl"], root / "sft", root / "tok", seq_len=48, fmt="sft", progress=False)
     return root
 
@@ -62,22 +64,40 @@ def test_an_sft_folder_needs_no_data_format(folders):
     assert ds.format == "sft" and ds.buckets  # read from meta.json: one conversation per sample, length buckets
     assert build_train_dataset(DataConfig(path=str(folders / "pt"), num_workers=1), batch_size=2).format == "pretrain"
     # an explicit format still wins, and a mismatch is one line naming the key and the folder's format
-    with pytest.raises(UserError, match=r"^data.format: 'pretrain' but .*sft was prepared as 'sft' "
-                                        r"\(leave data.format out to use the folder's\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^data.format: 'pretrain' but .*sft was prepared as 'sft' "
+        r"\(leave data.format out to use the folder's\)$",
+    ):
         build_train_dataset(DataConfig(path=str(folders / "sft"), format="pretrain", num_workers=1), batch_size=2)
     # two folders of different formats do not mix, format given or not
     mixed = DataConfig(path=[DataSource(str(folders / "sft")), DataSource(str(folders / "pt"))], num_workers=1)
-    with pytest.raises(UserError, match=r"^data.path\[1\]: .*pt was prepared as 'pretrain', data.path\[0\] "
-                                        r".*sft as 'sft'; all folders must share one format$"):
+    with pytest.raises(
+        UserError,
+        match=r"^data.path\[1\]: .*pt was prepared as 'pretrain', data.path\[0\] "
+        r".*sft as 'sft'; all folders must share one format$",
+    ):
         build_train_dataset(mixed, batch_size=2)
     with pytest.raises(UserError, match=r"^data.bucket_boundaries: only used with SFT data, and .*pt was prepared"):
         build_train_dataset(DataConfig(path=str(folders / "pt"), bucket_boundaries=[8], num_workers=1), batch_size=2)
 
 
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": 2.0}
+SMALL_MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "max_position_embeddings": 64,
+    "capacity_factor": 2.0,
+}
 
 
 def sft_recipe(folders, **sections):
@@ -119,8 +139,9 @@ def test_a_too_small_hold_out_names_the_set_that_fixes_it(folders, tmp_path, cap
     # what the line says works: that fraction holds one batch out, and the folder form is a valid --set
     fixed = load_recipe(recipe, [fix.group(1)])
     assert build_validation(fixed.data, 4, 0, 1, 8).used_samples == 4
-    assert load_recipe(recipe, [f"data.validation={{path: {folders / 'sft'}}}"]).data.validation.path == \
-        str(folders / "sft")
+    assert load_recipe(recipe, [f"data.validation={{path: {folders / 'sft'}}}"]).data.validation.path == str(
+        folders / "sft"
+    )
 
 
 def test_a_warmup_longer_than_the_run_is_one_warning_line(folders):
@@ -129,7 +150,8 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line(folders):
     recipe = sft_recipe(folders)
     assert recipe_warnings(load_recipe(recipe)) == [
         "optim.warmup_steps: 20 warmup steps but train.steps is 3: the learning rate never reaches optim.lr=0.003 "
-        "(lower it, e.g. --set optim.warmup_steps=0)"]
+        "(lower it, e.g. --set optim.warmup_steps=0)"
+    ]
     assert recipe_warnings(load_recipe(recipe, ["train.steps=21"])) == []
 
 
@@ -151,11 +173,17 @@ def run(folders):
     import sys
 
     from repo_paths import REPO as repo
+
     env = {k: v for k, v in os.environ.items() if k != "MS_DEEPSEEK_QUIET"}
     env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
     run_dir = folders / "run"
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "train", str(sft_recipe(folders)),
-                           "--output", str(run_dir)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "train", str(sft_recipe(folders)), "--output", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return run_dir, proc.returncode, proc.stdout + proc.stderr
 
 
@@ -178,8 +206,11 @@ def test_an_sft_run_reads_its_format_and_says_it_is_lora(run):
     assert rc == 0, out[-3000:]  # no --set data.format=sft: the folder's meta.json says it
     line = next((ln for ln in out.splitlines() if ln.startswith("LoRA ")), None)
     assert line is not None, out[-3000:]
-    m = re.fullmatch(r"LoRA r=4 alpha=16 on (\d+) modules \(3 targets\): trains ([\d,]+) parameters "
-                     r"\(\d+\.\d\d%\), ([\d,]+) frozen", line)
+    m = re.fullmatch(
+        r"LoRA r=4 alpha=16 on (\d+) modules \(3 targets\): trains ([\d,]+) parameters "
+        r"\(\d+\.\d\d%\), ([\d,]+) frozen",
+        line,
+    )
     assert m, line
     modules, trained, frozen = int(m.group(1)), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", ""))
     assert modules == 2 * 3  # 2 layers x (q_b_proj, kv_b_proj, o_proj)
@@ -193,8 +224,10 @@ def test_the_run_warns_about_its_warmup(run):
     _, rc, out = run
     assert rc == 0, out[-3000:]
     warnings = [ln for ln in out.splitlines() if ln.startswith("warning: ")]
-    assert warnings == ["warning: optim.warmup_steps: 20 warmup steps but train.steps is 3: the learning rate "
-                        "never reaches optim.lr=0.003 (lower it, e.g. --set optim.warmup_steps=0)"]
+    assert warnings == [
+        "warning: optim.warmup_steps: 20 warmup steps but train.steps is 3: the learning rate "
+        "never reaches optim.lr=0.003 (lower it, e.g. --set optim.warmup_steps=0)"
+    ]
 
 
 def test_the_run_writes_no_bar_frames_into_its_log(run):
@@ -229,10 +262,10 @@ def test_generate_chat_prompts_as_prepare_data_encodes(run, folders, capsys):
     result = json.loads(capsys.readouterr().out)
     prompt = result["prompt_ids"]
     # the SFT row of that conversation: its untrained prefix (bos, system, user turn, "Assistant:") is the prompt
-    rows = [r for r in read_rows(folders / "sft") if r["input_ids"][:len(prompt)].tolist() == prompt]
+    rows = [r for r in read_rows(folders / "sft") if r["input_ids"][: len(prompt)].tolist() == prompt]
     assert len(rows) == 1
     labels = rows[0]["labels"]
-    assert (labels[:len(prompt)] == IGNORE_INDEX).all() and labels[len(prompt)] != IGNORE_INDEX
+    assert (labels[: len(prompt)] == IGNORE_INDEX).all() and labels[len(prompt)] != IGNORE_INDEX
     # --system without --chat: one line
     assert cli.main(argv + ["--system", "be brief", "--prompt", "q007?"]) == 2
     err = capsys.readouterr().err.strip()

@@ -63,23 +63,37 @@ def test_optimizer_shard_stage_layers_and_flash_attention(capsys):
     cut = _json(capsys, "--recipe", sft, "--pp", "2", "--stage-layers", "29,31", "--micro-batches", "80")
     assert cut["layout"]["stage_layers"] == [29, 31]
     pre = _json(capsys, "--recipe", PRETRAIN256, "--set", "model.overrides.use_flash_attention=false")
-    assert _json(capsys, "--recipe", PRETRAIN256, "--set", "model.overrides.use_flash_attention=false",
-                 "--flash-attention")["memory_gb"]["total"] < pre["memory_gb"]["total"]
+    assert (
+        _json(
+            capsys, "--recipe", PRETRAIN256, "--set", "model.overrides.use_flash_attention=false", "--flash-attention"
+        )["memory_gb"]["total"]
+        < pre["memory_gb"]["total"]
+    )
 
 
 def test_precision_assumptions_are_applied(capsys):
     sft8 = str(REPO / "recipes" / "v2-lite-sft-8npu.yaml")
     base = _json(capsys, "--recipe", sft8)
-    for flag in (["--optimizer-bytes", "16"], ["--master-bytes", "4"], ["--grad-bytes", "2"],
-                 ["--optimizer-level", "level3"]):
+    for flag in (
+        ["--optimizer-bytes", "16"],
+        ["--master-bytes", "4"],
+        ["--grad-bytes", "2"],
+        ["--optimizer-level", "level3"],
+    ):
         assert _json(capsys, "--recipe", sft8, *flag)["memory_gb"] != base["memory_gb"], flag
 
 
-@pytest.mark.parametrize("flag,names", [
-    (["--npus", "16"], "--set parallel.dp="), (["--seq-len", "8192"], "--set data.seq_len="),
-    (["--global-batch", "128"], "--set train.grad_accum_steps="),
-    (["--micro-batch-size", "2"], "--set train.micro_batch_size="),
-    (["--model", "deepseek-v2"], "--set model.source="), (["--top", "3"], "when searching")])
+@pytest.mark.parametrize(
+    "flag,names",
+    [
+        (["--npus", "16"], "--set parallel.dp="),
+        (["--seq-len", "8192"], "--set data.seq_len="),
+        (["--global-batch", "128"], "--set train.grad_accum_steps="),
+        (["--micro-batch-size", "2"], "--set train.micro_batch_size="),
+        (["--model", "deepseek-v2"], "--set model.source="),
+        (["--top", "3"], "when searching"),
+    ],
+)
 def test_flags_the_recipe_answers_are_refused_naming_the_set(capsys, flag, names):
     code, out, err = _plan(capsys, "--recipe", LORA8, *flag)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
@@ -91,7 +105,9 @@ def test_global_batch_printed_and_a_dp_change_said(capsys):
     assert "global batch 2304 sequences" in out.splitlines()[0] and "note:" not in out
     code, out, _ = _plan(capsys, "--recipe", PRETRAIN256, "--dp", "16")
     assert "global batch 1152 sequences" in out.splitlines()[0]
-    assert ("note: --dp 16 changes the recipe's global batch from 2304 to 1152 sequences per step"
-            in out and "2304 needs --micro-batches 144" in out)
+    assert (
+        "note: --dp 16 changes the recipe's global batch from 2304 to 1152 sequences per step" in out
+        and "2304 needs --micro-batches 144" in out
+    )
     code, out, _ = _plan(capsys, "--recipe", PRETRAIN256, "--dp", "16", "--micro-batches", "144")
     assert "global batch 2304 sequences" in out and "note:" not in out

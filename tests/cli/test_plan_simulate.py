@@ -23,8 +23,14 @@ TINY = get_preset("tiny")
 
 def _plan(tmp_path, *args):
     env = dict(os.environ, GLOG_v="3")
-    return subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "plan", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "plan", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _plan_here(tmp_path, monkeypatch, capsys, *args):
@@ -39,8 +45,9 @@ def _plan_here(tmp_path, monkeypatch, capsys, *args):
 
 @pytest.mark.parametrize("name", ATLAS)
 def test_atlas_recipe_simulation_passes(tmp_path, monkeypatch, capsys, name):
-    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
-                                "--simulate")
+    code, out, err = _plan_here(
+        tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"), "--simulate"
+    )
     assert code == 0, out + err
     assert "SIMULATION PASSED" in out
     for check in S.CHECKS:
@@ -49,8 +56,22 @@ def test_atlas_recipe_simulation_passes(tmp_path, monkeypatch, capsys, name):
 
 @pytest.mark.parametrize("name", ["v2-lite-sft-8npu", "v2-sft-64npu"])  # greedy and group-limited routing
 def test_all_four_degrees_above_one(tmp_path, monkeypatch, capsys, name):
-    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
-                                "--simulate", "--dp", "4", "--tp", "2", "--ep", "2", "--pp", "2")
+    code, out, err = _plan_here(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        "--recipe",
+        str(ROOT / "recipes" / f"{name}.yaml"),
+        "--simulate",
+        "--dp",
+        "4",
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--pp",
+        "2",
+    )
     assert code == 0, out + err
     assert "dp4 tp2 ep2 pp2" in out and "SIMULATION PASSED" in out
 
@@ -67,8 +88,16 @@ def test_broken_plan_fails_the_simulation():
 
 
 def _ctx(par, mbs=1):
-    return S.SimContext(full_cfg=TINY, full_parallel=par, cfg=TINY, parallel=par, seq_len=8, micro_batch_size=mbs,
-                        plan=Plan(), mesh=None)
+    return S.SimContext(
+        full_cfg=TINY,
+        full_parallel=par,
+        cfg=TINY,
+        parallel=par,
+        seq_len=8,
+        micro_batch_size=mbs,
+        plan=Plan(),
+        mesh=None,
+    )
 
 
 def test_data_check_follows_the_dataset_strategy(monkeypatch):
@@ -114,8 +143,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
 
 def test_recipe_without_checkpoint_reads_config_beside_it(tmp_path):
     recipe = tmp_path / "job.yaml"
-    text = (ROOT / "recipes" / "v2-lite-sft-8npu.yaml").read_text().replace(
-        "checkpoints/deepseek-v2-lite-chat", "checkpoints/not-here")
+    text = (
+        (ROOT / "recipes" / "v2-lite-sft-8npu.yaml")
+        .read_text()
+        .replace("checkpoints/deepseek-v2-lite-chat", "checkpoints/not-here")
+    )
     recipe.write_text(text)
     out = _plan(tmp_path, "--recipe", str(recipe))
     assert out.returncode == 2 and "job.config.json" in out.stderr
@@ -136,8 +168,9 @@ def test_moe_sharding_mistake_fails_the_moe_check():
 def test_simulate_json_is_one_object(tmp_path, monkeypatch, capsys):
     import json
 
-    code, out, err = _plan_here(tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / "tiny-cpu.yaml"),
-                                "--simulate", "--json")
+    code, out, err = _plan_here(
+        tmp_path, monkeypatch, capsys, "--recipe", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--simulate", "--json"
+    )
     data = json.loads(out)
     assert code == 0 and data["simulation_passed"] is True and "fits" in data
     assert [c["check"] for c in data["simulation"]] == list(S.CHECKS)

@@ -29,8 +29,14 @@ def _env():
 
 
 def _run(args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -74,4 +80,3 @@ def test_generate_at_default_verbosity_prints_no_warning(run):
     code, out = _run(["generate", "run", "--prompt-ids", "5,6,7", "--max-new-tokens", "3"], root)
     assert code == 0, out[-2000:]
     assert _bad_lines(out) == [], out[-3000:]
-

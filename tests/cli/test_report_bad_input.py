@@ -12,8 +12,9 @@ from bad_input_helpers import assert_refused, deep, listing, run_cli
 def test_metrics_bad_step_is_a_warning(capsys, tmp_path, step):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": ' + step + ', "loss": 1.0}\n'
-                                       '{"step": 2, "loss": 1.5}\n')
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0}\n{"step": ' + step + ', "loss": 1.0}\n{"step": 2, "loss": 1.5}\n'
+    )
     code, out, err = run_cli(capsys, ["report", run])
     assert code == 0 and "2 records" in out
     assert "metrics.jsonl:2: " in err and err.startswith("warning: ")
@@ -22,8 +23,9 @@ def test_metrics_bad_step_is_a_warning(capsys, tmp_path, step):
 def test_metrics_line_is_a_warning(capsys, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + deep() + "\n"
-                                       + json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.0}) + "\n" + deep() + "\n" + json.dumps({"step": 2, "loss": 1.0}) + "\n"
+    )
     code, out, err = run_cli(capsys, ["report", run])
     assert code == 0 and "2 records" in out
     assert "metrics.jsonl:2: nested too deeply" in err
@@ -36,8 +38,10 @@ def _run(tmp_path):
     return run
 
 
-@pytest.mark.parametrize("target, name", [("outdir", "outdir: is a folder"), ("/proc/r.html", "/proc/r.html"),
-                                          ("afile/r.html", "afile is a file")])
+@pytest.mark.parametrize(
+    "target, name",
+    [("outdir", "outdir: is a folder"), ("/proc/r.html", "/proc/r.html"), ("afile/r.html", "afile is a file")],
+)
 def test_report_output(capsys, tmp_path, target, name):
     run = _run(tmp_path)
     (tmp_path / "outdir").mkdir()

@@ -9,9 +9,13 @@ from data_helpers import make_byte_tokenizer, write_jsonl
 
 
 def _recipe(tmp_path, source, data):
-    recipe = {"model": {"source": str(source)}, "data": {"path": str(data), "num_workers": 1},
-              "train": {"steps": 2, "micro_batch_size": 2}, "logging": {"tensorboard": False},
-              "checkpoint": {"save_interval": 0}}
+    recipe = {
+        "model": {"source": str(source)},
+        "data": {"path": str(data), "num_workers": 1},
+        "train": {"steps": 2, "micro_batch_size": 2},
+        "logging": {"tensorboard": False},
+        "checkpoint": {"save_interval": 0},
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -20,8 +24,10 @@ def _recipe(tmp_path, source, data):
 def test_train_refused_for_a_bad_checkpoint_shape_leaves_nothing(capsys, tmp_path):
     tok = make_byte_tokenizer(tmp_path / "tok")
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "hello world " * 8}] * 20)
-    code, _, err = run_cli(capsys, ["prepare-data", src, "--tokenizer", tok, "--seq-len", "16", "--output",
-                                    tmp_path / "data", "--no-progress"])
+    code, _, err = run_cli(
+        capsys,
+        ["prepare-data", src, "--tokenizer", tok, "--seq-len", "16", "--output", tmp_path / "data", "--no-progress"],
+    )
     assert code == 0, err
     hf = edit_config(hf_copy(tmp_path), vocab_size=512)  # embed/lm_head rows (256) no longer match
     recipe = _recipe(tmp_path, hf, tmp_path / "data")
@@ -46,15 +52,20 @@ def test_train_refusal_in_an_existing_run_folder_keeps_its_files(capsys, tmp_pat
 def _recipe_tiny(tmp_path):
     import yaml
 
-    recipe = {"model": {"source": "tiny"}, "data": {"seq_len": 16, "embedded_vocab_size": 512},
-              "train": {"steps": 1, "micro_batch_size": 1}}
+    recipe = {
+        "model": {"source": "tiny"},
+        "data": {"seq_len": 16, "embedded_vocab_size": 512},
+        "train": {"steps": 1, "micro_batch_size": 1},
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 
 
-@pytest.mark.parametrize("target, name", [("runfile", "runfile: is a file"), ("/proc/run", "/proc/run"),
-                                          ("runfile/sub", "runfile is a file")])
+@pytest.mark.parametrize(
+    "target, name",
+    [("runfile", "runfile: is a file"), ("/proc/run", "/proc/run"), ("runfile/sub", "runfile is a file")],
+)
 def test_train_output(capsys, tmp_path, target, name):
     recipe = _recipe_tiny(tmp_path)
     (tmp_path / "runfile").write_text("x")

@@ -20,18 +20,35 @@ from builders import main_captured, write_recipe
 
 TOLERANCE = 0.10  # |planner / MindSpore - 1| on what both count (the command's default)
 
-MODEL = {"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64,
-         "q_lora_rank": 96, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-         "max_position_embeddings": 128, "capacity_factor": None, "n_routed_experts": 8, "num_experts_per_tok": 2}
+MODEL = {
+    "vocab_size": 32768,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 96,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "max_position_embeddings": 128,
+    "capacity_factor": None,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+}
 
 
 def _recipe(tmp_path):
-    data = {"model": {"source": "tiny", "overrides": MODEL},
-            "data": {"seq_len": 64, "embedded_vocab_size": 32768, "validation": {"fraction": 0.1}},
-            "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": 2, "eval_interval": 1},
-            "parallel": {"dp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full"},
-            "checkpoint": {"save_interval": 0}, "logging": {"tensorboard": False}}
+    data = {
+        "model": {"source": "tiny", "overrides": MODEL},
+        "data": {"seq_len": 64, "embedded_vocab_size": 32768, "validation": {"fraction": 0.1}},
+        "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": 2, "eval_interval": 1},
+        "parallel": {"dp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full"},
+        "checkpoint": {"save_interval": 0},
+        "logging": {"tensorboard": False},
+    }
     return write_recipe(tmp_path / "recipe", data)
 
 
@@ -41,8 +58,20 @@ def test_level1_peak_agrees_with_the_planner_and_a_planted_planner_error_does_no
     from ms_deepseek.parallel_plan.planner import check_recipe_fits, default_precision
 
     recipe = _recipe(tmp_path)
-    code, out, err = main_captured(["plan", "--recipe", str(recipe), "--compile", "--memory", "--ranks", "0",
-                                    "--tolerance", str(TOLERANCE), "--json"])
+    code, out, err = main_captured(
+        [
+            "plan",
+            "--recipe",
+            str(recipe),
+            "--compile",
+            "--memory",
+            "--ranks",
+            "0",
+            "--tolerance",
+            str(TOLERANCE),
+            "--json",
+        ]
+    )
     report = json.loads(out)
     [depth] = report["depths"]  # the recipe's own depth: no extrapolation needed
     [rank] = depth["ranks"]

@@ -21,11 +21,14 @@ LAYOUT = {"dp": 2, "tp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full
 
 def _recipe(tmp_path, accum=2, **parallel):
     model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
-    data = {"model": {"source": "tiny", "overrides": model},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512, "validation": {"fraction": 0.1}},
-            "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": accum, "eval_interval": 1},
-            "parallel": dict(LAYOUT, **parallel), "checkpoint": {"save_interval": 0},
-            "logging": {"tensorboard": False}}
+    data = {
+        "model": {"source": "tiny", "overrides": model},
+        "data": {"seq_len": 32, "embedded_vocab_size": 512, "validation": {"fraction": 0.1}},
+        "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": accum, "eval_interval": 1},
+        "parallel": dict(LAYOUT, **parallel),
+        "checkpoint": {"save_interval": 0},
+        "logging": {"tensorboard": False},
+    }
     return write_recipe(tmp_path / "recipe", data)
 
 
@@ -35,8 +38,10 @@ def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, accum: in
     work = tmp_path / "work"
     work.mkdir()
     (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
-    code = textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n" \
-                                    f"run({str(work / 'request.json')!r})\n"
+    code = (
+        textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
+        f"run({str(work / 'request.json')!r})\n"
+    )
     rc, out = run_dryrun(code, work, world=world, rank=rank)
     result = work / "result.json"
     assert result.is_file(), out[-3000:]
@@ -122,8 +127,9 @@ def test_lint_rules_restating_mindspore_are_refused_by_the_compiler_too(tmp_path
     assert rule in UNSPLITTABLE  # the lint's rule, checked here against MindSpore itself
     train = _graph(_compile(tmp_path, plant), "train")
     assert not train.get("ok"), train
-    assert rule.lower() in (train["error"] + train.get("where", "")).lower() or "strategy" in train["error"].lower(), \
+    assert rule.lower() in (train["error"] + train.get("where", "")).lower() or "strategy" in train["error"].lower(), (
         train
+    )
 
 
 # The compiled graph is right, the plan the check reads says otherwise (tp 1): the compiled-layout check names it

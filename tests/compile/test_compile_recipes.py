@@ -16,8 +16,10 @@ import pytest
 from builders import ATLAS_RECIPES, main_captured
 
 KNOWN = {
-    "v2-pretrain-256npu": pytest.mark.skip(reason="pp 8 at 236B width exhausts a 24 GB host (22 GB measured); "
-                                           "compile it with plan --compile on a larger host"),
+    "v2-pretrain-256npu": pytest.mark.skip(
+        reason="pp 8 at 236B width exhausts a 24 GB host (22 GB measured); "
+        "compile it with plan --compile on a larger host"
+    ),
 }
 
 
@@ -31,8 +33,9 @@ def test_recipe_compiles_and_matches_the_plan(recipe):
 
     par = yaml.safe_load(recipe.read_text())["parallel"]
     last_stage_first_rank = (par.get("pp", 1) - 1) * par.get("dp", 1) * par.get("tp", 1)
-    code, out, err = main_captured(["plan", "--recipe", str(recipe), "--compile", "--ranks",
-                                    str(last_stage_first_rank), "--json"])
+    code, out, err = main_captured(
+        ["plan", "--recipe", str(recipe), "--compile", "--ranks", str(last_stage_first_rank), "--json"]
+    )
     report = json.loads(out)
     graphs = report["ranks"][0]["graphs"]
     assert code == 0 and report["compiled"], json.dumps(graphs, indent=1)[:3000]

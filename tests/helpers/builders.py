@@ -11,10 +11,22 @@ import yaml
 from repo_paths import RECIPES
 
 # model.overrides of the small training recipes: 2 layers (hidden 32, one MoE layer with 8 experts), vocab 512
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": None}
+SMALL_MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "max_position_embeddings": 64,
+    "capacity_factor": None,
+}
 
 # every recipe meant for Atlas hardware (the *-cpu recipes run here)
 ATLAS_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if not p.stem.endswith("-cpu"))
@@ -24,11 +36,29 @@ def small_config(**over):
     """A 4-layer config with 8 routed experts (one dense layer first), small enough for every layout test."""
     from ms_deepseek.config.model import DeepseekV2Config
 
-    values = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-                  num_attention_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                  topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
-                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     values.update(over)
     return DeepseekV2Config(**values)
 
@@ -42,14 +72,17 @@ def write_recipe(folder: Path, data) -> Path:
 
 def small_recipe(data_path=None, dp=2, **parallel):
     """A 3-step recipe of the SMALL_MODEL on the embedded corpus (or DATA_PATH) with dp workers."""
-    data = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512} if data_path is None
-            else {"path": str(data_path), "num_workers": 1},
-            "train": {"steps": 3, "micro_batch_size": 2, "seed": 5},
-            "optim": {"lr": 2e-3, "warmup_steps": 1},
-            "parallel": dict({"dp": dp}, **parallel),
-            "checkpoint": {"save_interval": 0},
-            "logging": {"log_interval": 1, "tensorboard": False}}
+    data = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"seq_len": 32, "embedded_vocab_size": 512}
+        if data_path is None
+        else {"path": str(data_path), "num_workers": 1},
+        "train": {"steps": 3, "micro_batch_size": 2, "seed": 5},
+        "optim": {"lr": 2e-3, "warmup_steps": 1},
+        "parallel": dict({"dp": dp}, **parallel),
+        "checkpoint": {"save_interval": 0},
+        "logging": {"log_interval": 1, "tensorboard": False},
+    }
     return data
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 # CANN 9.0.0's env script: reads $1 unguarded (dies under `set -u` with no arguments), and its
 # last line is a probe that fails on a tree without that component (status 1).
-SET_ENV = r'''# stub of CANN's set_env.sh / setenv.bash
+SET_ENV = r"""# stub of CANN's set_env.sh / setenv.bash
 if [ "$1" = "--force" ]; then :; fi
 export LD_LIBRARY_PATH=@CANN@/lib64:$LD_LIBRARY_PATH
 export ASCEND_HOME_PATH=@CANN@
@@ -50,13 +50,13 @@ export ASCEND_TOOLKIT_HOME=@CANN@
 echo "setenv" >> "$STUB_LOG"
 @EXTRA@
 [ -d "@CANN@/tools/aoe" ] && export AOE_HOME=@CANN@/tools/aoe
-'''
+"""
 
-PRESET_PARSE = r'''import json, sys
+PRESET_PARSE = r"""import json, sys
 # stub of cmake/util/preset_parse.py: the configure preset's cache variables as -D options
 variables = json.load(open(sys.argv[1]))["configurePresets"][0]["cacheVariables"]
 print(" ".join(f"-D{k}={v['value']}" for k, v in variables.items()))
-'''
+"""
 
 # Stands in for cmake + the kernel compiler: reads the OpDef registrations, writes the installer.
 COMPILE = r'''import base64, json, os, re, sys
@@ -146,7 +146,7 @@ PY
 '''
 
 # The template's build.sh, as CANN 9.0.0's: no `set -e`, preset_parse.py first, then the build.
-BUILD_SH = r'''#!/bin/bash
+BUILD_SH = r"""#!/bin/bash
 script_path=$(realpath $(dirname $0))
 echo "build.sh ASCEND_HOME_PATH=${ASCEND_HOME_PATH:-unset} CUSTOM_OPP=${ASCEND_CUSTOM_OPP_PATH:-unset}" >> "$STUB_LOG"
 mkdir -p build_out
@@ -158,16 +158,29 @@ opts=$(python3 $script_path/cmake/util/preset_parse.py $script_path/CMakePresets
 @FAIL@
 # cmake --build: func.cmake runs the helpers in cmake/util
 python3 $script_path/cmake/util/ascendc_bin_param_build.py "$script_path" $opts
-'''
+"""
 
-PRESETS = {"version": 1, "configurePresets": [{"name": "default", "cacheVariables": {
-    "ASCEND_CANN_PACKAGE_PATH": {"type": "PATH", "value": "/usr/local/Ascend/latest"},
-    "ASCEND_COMPUTE_UNIT": {"type": "STRING", "value": "__ASCNED_COMPUTE_UNIT__"},
-    "vendor_name": {"type": "STRING", "value": "customize"}}}]}
+PRESETS = {
+    "version": 1,
+    "configurePresets": [
+        {
+            "name": "default",
+            "cacheVariables": {
+                "ASCEND_CANN_PACKAGE_PATH": {"type": "PATH", "value": "/usr/local/Ascend/latest"},
+                "ASCEND_COMPUTE_UNIT": {"type": "STRING", "value": "__ASCNED_COMPUTE_UNIT__"},
+                "vendor_name": {"type": "STRING", "value": "customize"},
+            },
+        }
+    ],
+}
 
 # A few of CANN 9.0.0's helper names (customize/cmake/util -> ../../../common/util).
-HELPERS = {"preset_parse.py": PRESET_PARSE, "ascendc_bin_param_build.py": COMPILE,
-           "const_var.py": "# stub\n", "opdesc_parser.py": "# stub\n"}
+HELPERS = {
+    "preset_parse.py": PRESET_PARSE,
+    "ascendc_bin_param_build.py": COMPILE,
+    "const_var.py": "# stub\n",
+    "opdesc_parser.py": "# stub\n",
+}
 LAYOUTS = ("cann9", "cann8", "sample")
 ENV_AT = ("cann", "toolkit", "none")
 
@@ -183,8 +196,14 @@ def _project_files(project: Path, build_fail: str) -> None:
     (project / "cmake" / "func.cmake").write_text("# template\n")
 
 
-def make_stub_cann(root: Path, layout: str = "cann9", setenv_extra: str = "", build_fail: str = "",
-                   break_link: str = "", env_at: str = "cann") -> Path:
+def make_stub_cann(
+    root: Path,
+    layout: str = "cann9",
+    setenv_extra: str = "",
+    build_fail: str = "",
+    break_link: str = "",
+    env_at: str = "cann",
+) -> Path:
     """A stub CANN tree in ``layout`` (``root/cann``, or as in the 9.0.0 image
     ``root/Ascend/cann-9.0.0`` unless ``env_at="cann"``); ``break_link`` names a cann9 helper whose link target is removed (a
     dangling link in the CANN tree itself); ``env_at``: where the env script is (module doc)."""

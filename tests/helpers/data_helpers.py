@@ -47,8 +47,13 @@ def make_byte_tokenizer(folder: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, PAD)])
     tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": {"__type": "AddedToken", "content": BOS}, "eos_token": {"__type": "AddedToken", "content": EOS},
-              "pad_token": PAD, "add_bos_token": True, "add_eos_token": False}
+    config = {
+        "bos_token": {"__type": "AddedToken", "content": BOS},
+        "eos_token": {"__type": "AddedToken", "content": EOS},
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
     return folder / "tokenizer.json"
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-PRELUDE = '''
+PRELUDE = """
 import numpy as np
 import mindspore as ms
 from mindspore import nn, ops, Tensor, Parameter
@@ -15,15 +15,22 @@ from mindspore.communication import init
 ms.set_device("Ascend")
 ms.set_context(mode=ms.GRAPH_MODE)
 init()
-'''
+"""
 
 
 def dryrun_env(world: int, rank: int = 0):
     from ms_deepseek.diagnostics.cann_stubs import ensure_stubs
 
     env = ensure_stubs().env()
-    env.update({"MS_SIMULATION_LEVEL": "0", "RANK_SIZE": str(world), "RANK_ID": str(rank),
-                "MS_DEEPSEEK_DEVICE": "Ascend", "GLOG_v": "3"})
+    env.update(
+        {
+            "MS_SIMULATION_LEVEL": "0",
+            "RANK_SIZE": str(world),
+            "RANK_ID": str(rank),
+            "MS_DEEPSEEK_DEVICE": "Ascend",
+            "GLOG_v": "3",
+        }
+    )
     return env
 
 
@@ -31,6 +38,12 @@ def run_dryrun(code: str, folder: Path, world: int = 8, rank: int = 0, timeout: 
     """(exit code, combined output) of PRELUDE + ``code`` in a fresh process under the dry run."""
     script = Path(folder) / "probe.py"
     script.write_text(PRELUDE + textwrap.dedent(code))
-    proc = subprocess.run([sys.executable, str(script)], cwd=folder, env=dryrun_env(world, rank),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        env=dryrun_env(world, rank),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr

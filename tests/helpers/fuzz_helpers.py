@@ -35,9 +35,42 @@ import yaml
 from repo_paths import REPO  # noqa: E402
 
 HOSTILE: List[Any] = [
-    float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 1e308, -1, 0, 1, 2 ** 63, -(2 ** 63) - 1, 2 ** 31,
-    0.5, -0.0, True, False, None, "", "x" * 300, "../../etc/passwd", "/abs/path", "NaN", "Infinity", "a\u00e9\u4e2d",
-    {}, [], {"a": 1}, [1, 2], [[]], [None], {"": None}, "F32", "BF16", [1e30], [-1], [2 ** 40, 2 ** 40],
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1e30,
+    -1e30,
+    1e308,
+    -1,
+    0,
+    1,
+    2**63,
+    -(2**63) - 1,
+    2**31,
+    0.5,
+    -0.0,
+    True,
+    False,
+    None,
+    "",
+    "x" * 300,
+    "../../etc/passwd",
+    "/abs/path",
+    "NaN",
+    "Infinity",
+    "a\u00e9\u4e2d",
+    {},
+    [],
+    {"a": 1},
+    [1, 2],
+    [[]],
+    [None],
+    {"": None},
+    "F32",
+    "BF16",
+    [1e30],
+    [-1],
+    [2**40, 2**40],
 ]
 
 
@@ -115,12 +148,12 @@ def mutate_text(text: str, rng: random.Random) -> Tuple[str, str]:
         return text[:at], f"cut at {at}"
     if op == "drop_char" and text:
         at = rng.randrange(len(text))
-        return text[:at] + text[at + 1:], f"drop char {at}"
+        return text[:at] + text[at + 1 :], f"drop char {at}"
     i = rng.randrange(len(lines))
     if op == "dup_line":
-        return "\n".join(lines[:i + 1] + lines[i:]), f"dup line {i}"
+        return "\n".join(lines[: i + 1] + lines[i:]), f"dup line {i}"
     if op == "drop_line":
-        return "\n".join(lines[:i] + lines[i + 1:]), f"drop line {i}"
+        return "\n".join(lines[:i] + lines[i + 1 :]), f"drop line {i}"
     j = rng.randrange(len(lines))
     lines[i], lines[j] = lines[j], lines[i]
     return "\n".join(lines), f"swap lines {i} {j}"
@@ -134,20 +167,47 @@ def _dump_json(doc) -> str:
 def tiny_config():
     from ms_deepseek.config.model import DeepseekV2Config
 
-    return DeepseekV2Config(vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
-                            num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, n_shared_experts=1,
-                            num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=8,
-                            q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
-                            first_k_dense_replace=1, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    return DeepseekV2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
 
 
 def metrics_lines() -> List[dict]:
     rows = []
     for step in range(1, 6):
-        rows.append({"step": step * 10, "loss": 5.0 - 0.3 * step, "total_loss": 5.1 - 0.3 * step,
-                     "lr": 1e-3, "grad_norm": 1.0 + 0.1 * step, "tokens_per_s": 1000.0 + step,
-                     "expert_load": {"1": [0.25, 0.25, 0.3, 0.2]}, "dropped_fraction": {"1": 0.01},
-                     "balance_loss": {"expert": 0.01}})
+        rows.append(
+            {
+                "step": step * 10,
+                "loss": 5.0 - 0.3 * step,
+                "total_loss": 5.1 - 0.3 * step,
+                "lr": 1e-3,
+                "grad_norm": 1.0 + 0.1 * step,
+                "tokens_per_s": 1000.0 + step,
+                "expert_load": {"1": [0.25, 0.25, 0.3, 0.2]},
+                "dropped_fraction": {"1": 0.01},
+                "balance_loss": {"expert": 0.01},
+            }
+        )
     rows[-1]["val_loss"] = 4.0
     return rows
 
@@ -167,8 +227,13 @@ def build_fixtures(root: Path) -> Dict[str, Path]:
     shutil.copyfile(REPO / "recipes" / "tiny-cpu.yaml", root / "recipe" / "r.yaml")
     (root / "run").mkdir()
     (root / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics_lines()))
-    return {"hf_index": root / "hf_index", "hf_single": root / "hf_single", "sharded": root / "sharded",
-            "recipe": root / "recipe", "run": root / "run"}
+    return {
+        "hf_index": root / "hf_index",
+        "hf_single": root / "hf_single",
+        "sharded": root / "sharded",
+        "recipe": root / "recipe",
+        "run": root / "run",
+    }
 
 
 def _copy_folder(src: Path, dst: Path) -> None:
@@ -199,11 +264,11 @@ def _mutate_json_file(path: Path, rng: random.Random) -> str:
 def _mutate_safetensors(path: Path, rng: random.Random) -> str:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
     if rng.random() < 0.1:
         op = rng.choice(("len", "cut"))
         if op == "len":
-            new_n = rng.choice((0, n - 1, n + 1, 2 ** 64 - 1, 2 ** 40))
+            new_n = rng.choice((0, n - 1, n + 1, 2**64 - 1, 2**40))
             _replace(path, struct.pack("<Q", new_n) + raw[8:])
             return f"header length {new_n}"
         at = rng.randrange(len(raw))
@@ -246,8 +311,18 @@ def _mutate_lines(path: Path, rng: random.Random) -> str:
     return "; ".join(said)
 
 
-CONFIG_KEYS = ("num_hidden_layers", "n_routed_experts", "hidden_size", "vocab_size", "num_attention_heads",
-               "first_k_dense_replace", "moe_layer_freq", "num_experts_per_tok", "kv_lora_rank", "capacity_factor")
+CONFIG_KEYS = (
+    "num_hidden_layers",
+    "n_routed_experts",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "capacity_factor",
+)
 
 
 def _mutate_yaml(path: Path, rng: random.Random) -> str:
@@ -258,7 +333,7 @@ def _mutate_yaml(path: Path, rng: random.Random) -> str:
         doc = yaml.safe_load(text)
         said = ""
         if rng.random() < 0.3 and isinstance(doc.get("model"), dict):  # a model.overrides key the recipe lacks
-            key, value = rng.choice(CONFIG_KEYS), rng.choice((10 ** 9, 10 ** 5, 2 ** 40, 0, -1, 3, 1e30, None))
+            key, value = rng.choice(CONFIG_KEYS), rng.choice((10**9, 10**5, 2**40, 0, -1, 3, 1e30, None))
             doc["model"].setdefault("overrides", {})[key] = value
             said = f"model.overrides.{key}={value!r}; "
         doc, more = mutate_tree(doc, rng)
@@ -271,10 +346,10 @@ def _mutate_yaml(path: Path, rng: random.Random) -> str:
 @dataclass
 class Format:
     name: str
-    fixture: str                 # key of build_fixtures
-    target: Callable[[Path, random.Random], Path]   # the file to mutate in the case folder
+    fixture: str  # key of build_fixtures
+    target: Callable[[Path, random.Random], Path]  # the file to mutate in the case folder
     mutate: Callable[[Path, random.Random], str]
-    argv: Callable[[Path], List[str]]               # the command, given the case folder
+    argv: Callable[[Path], List[str]]  # the command, given the case folder
 
 
 def _shard(folder: Path, rng: random.Random) -> Path:
@@ -286,27 +361,78 @@ def _rank_file(folder: Path, rng: random.Random) -> Path:
 
 
 def _hf_to_ms(case: Path) -> List[str]:
-    return ["convert", "hf-to-ms", str(case), str(case.parent / (case.name + "_out")), "--no-progress",
-            "--workers", "1", "--no-fsync"]
+    return [
+        "convert",
+        "hf-to-ms",
+        str(case),
+        str(case.parent / (case.name + "_out")),
+        "--no-progress",
+        "--workers",
+        "1",
+        "--no-fsync",
+    ]
 
 
 FORMATS = [
     Format("config.json", "hf_single", lambda f, r: f / "config.json", _mutate_json_file, _hf_to_ms),
-    Format("config.json/presharded", "hf_single", lambda f, r: f / "config.json", _mutate_json_file,
-           lambda c: _hf_to_ms(c) + ["--dp", "2", "--tp", "2"]),
+    Format(
+        "config.json/presharded",
+        "hf_single",
+        lambda f, r: f / "config.json",
+        _mutate_json_file,
+        lambda c: _hf_to_ms(c) + ["--dp", "2", "--tp", "2"],
+    ),
     Format("safetensors header", "hf_index", _shard, _mutate_safetensors, _hf_to_ms),
     Format("shard index", "hf_index", lambda f, r: f / "model.safetensors.index.json", _mutate_json_file, _hf_to_ms),
-    Format("layout.json", "sharded", lambda f, r: f / "layout.json", _mutate_json_file,
-           lambda c: ["convert", "ms-to-hf", str(c), str(c.parent / (c.name + "_out")), "--no-progress",
-                      "--workers", "1", "--no-fsync"]),
-    Format("layout.json/reshard", "sharded", lambda f, r: f / "layout.json", _mutate_json_file,
-           lambda c: ["convert", "reshard", str(c), str(c.parent / (c.name + "_out")), "--tp", "2", "--no-fsync"]),
-    Format("rank safetensors header", "sharded", _rank_file, _mutate_safetensors,
-           lambda c: ["convert", "ms-to-hf", str(c), str(c.parent / (c.name + "_out")), "--no-progress",
-                      "--workers", "1", "--no-fsync"]),
-    Format("recipe", "recipe", lambda f, r: f / "r.yaml", _mutate_yaml, lambda c: ["plan", "--recipe", str(c / "r.yaml")]),
-    Format("metrics.jsonl", "run", lambda f, r: f / "metrics.jsonl", _mutate_lines,
-           lambda c: ["report", str(c), "--out", str(c / "report.html")]),
+    Format(
+        "layout.json",
+        "sharded",
+        lambda f, r: f / "layout.json",
+        _mutate_json_file,
+        lambda c: [
+            "convert",
+            "ms-to-hf",
+            str(c),
+            str(c.parent / (c.name + "_out")),
+            "--no-progress",
+            "--workers",
+            "1",
+            "--no-fsync",
+        ],
+    ),
+    Format(
+        "layout.json/reshard",
+        "sharded",
+        lambda f, r: f / "layout.json",
+        _mutate_json_file,
+        lambda c: ["convert", "reshard", str(c), str(c.parent / (c.name + "_out")), "--tp", "2", "--no-fsync"],
+    ),
+    Format(
+        "rank safetensors header",
+        "sharded",
+        _rank_file,
+        _mutate_safetensors,
+        lambda c: [
+            "convert",
+            "ms-to-hf",
+            str(c),
+            str(c.parent / (c.name + "_out")),
+            "--no-progress",
+            "--workers",
+            "1",
+            "--no-fsync",
+        ],
+    ),
+    Format(
+        "recipe", "recipe", lambda f, r: f / "r.yaml", _mutate_yaml, lambda c: ["plan", "--recipe", str(c / "r.yaml")]
+    ),
+    Format(
+        "metrics.jsonl",
+        "run",
+        lambda f, r: f / "metrics.jsonl",
+        _mutate_lines,
+        lambda c: ["report", str(c), "--out", str(c / "report.html")],
+    ),
 ]
 
 
@@ -373,7 +499,9 @@ def run_case(fixtures: Dict[str, Path], work: Path, fmt: Format, seed: int, time
     return Outcome(ok, f"{name} {why}")
 
 
-def main_cli(argv=None) -> int:  # python tests/helpers/fuzz_helpers.py [N per format] [first seed]: explore beyond the test
+def main_cli(
+    argv=None,
+) -> int:  # python tests/helpers/fuzz_helpers.py [N per format] [first seed]: explore beyond the test
     import tempfile
     import time
 

@@ -25,9 +25,26 @@ ROOT = REPO
 
 def _launch(recipe, run_dir, *extra):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
-                             "--master-port", str(free_port()), "--cluster-time-out", "120", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "launch",
+            str(recipe),
+            "--output",
+            str(run_dir),
+            "--master-port",
+            str(free_port()),
+            "--cluster-time-out",
+            "120",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
 
 
 def _steps(run_dir):
@@ -117,7 +134,7 @@ def test_a_killed_worker_stops_the_job_fast_and_resume_continues_exactly(tmp_pat
         assert resumed[step] == logged[step], step  # the same data, weights and RNG: bit-identical losses
 
 
-FAKE_MSRUN = r'''
+FAKE_MSRUN = r"""
 import os, signal, subprocess, sys, time
 # a stand-in for msrun: one worker (RANK_ID as msrun exports it), then msrun's failure line, then a hang
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
@@ -128,7 +145,7 @@ worker.wait()
 print(f"[ERROR] ME(1:2,MainProcess):x [_api.py:364] Worker process {worker.pid} exit with exception. "
       f"Error code: {worker.returncode}.", file=sys.stderr, flush=True)
 time.sleep(600)  # msrun waiting for its scheduler
-'''
+"""
 
 
 @pytest.mark.parametrize("lost_elsewhere", [False, True])
@@ -142,8 +159,11 @@ def test_supervisor_names_the_rank_and_stops_a_hanging_job(tmp_path, lost_elsewh
     if lost_elsewhere:  # node 0's scheduler saw rank 1 (another node) time out; our rank 0 got SIGTERM
         (logs / "scheduler.log").write_text("[ERROR] ... UpdateTopoState] The node: 1 is timed out. It may exit\n")
     t0 = time.time()
-    code, message = run_supervised([sys.executable, str(script), "0" if lost_elsewhere else "3",
-                                    "SIGTERM" if lost_elsewhere else "SIGKILL"], dict(os.environ), logs)
+    code, message = run_supervised(
+        [sys.executable, str(script), "0" if lost_elsewhere else "3", "SIGTERM" if lost_elsewhere else "SIGKILL"],
+        dict(os.environ),
+        logs,
+    )
     assert time.time() - t0 < 15, "the hanging stand-in for msrun was not stopped"
     assert code == 1 and "\n" not in message
     if lost_elsewhere:

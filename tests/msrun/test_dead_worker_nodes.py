@@ -27,12 +27,36 @@ def test_every_node_names_the_first_dead_rank(tmp_path):
     recipe = write_recipe(tmp_path, spec)
     run_dir, port = tmp_path / "run", free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
-                               "--nnodes", "3", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "--cluster-time-out", "120",
-                               "--log-dir", str(tmp_path / f"logs{node}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-             for node in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ms_deepseek.cli",
+                "launch",
+                str(recipe),
+                "--output",
+                str(run_dir),
+                "--nnodes",
+                "3",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--cluster-time-out",
+                "120",
+                "--log-dir",
+                str(tmp_path / f"logs{node}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for node in range(3)
+    ]
     results = {}
     try:
         deadline = time.time() + 300
@@ -95,8 +119,9 @@ def test_a_survivor_names_the_rank_another_node_recorded(tmp_path, shared, monke
             return read(folder, wait_s, since)
 
         monkeypatch.setattr(supervise, "read_first_failure", recorded_late)
-    code, message = run_supervised([sys.executable, str(script), "2", "SIGTERM"], dict(os.environ), logs,
-                                   heartbeat_dir=beats, job_start=job_start)
+    code, message = run_supervised(
+        [sys.executable, str(script), "2", "SIGTERM"], dict(os.environ), logs, heartbeat_dir=beats, job_start=job_start
+    )
     assert code == 1 and "\n" not in message
     if shared in ("before", "after"):
         assert message.startswith("worker rank 4 (on ") and "died first: it was killed by SIGKILL" in message

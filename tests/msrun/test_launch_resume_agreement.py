@@ -47,11 +47,22 @@ def test_ranks_that_see_different_checkpoints_stop_naming_the_rank(tmp_path, cap
     script = tmp_path / "per_rank.py"
     script.write_text(PER_RANK)
     logs = tmp_path / "logs"
-    cmd = msrun_executable() + ["--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-                                f"--master_port={free_port()}", f"--log_dir={logs}", "--join=True",
-                                "--cluster_time_out=120", str(script), str(tmp_path), str(recipe)]
+    cmd = msrun_executable() + [
+        "--worker_num=2",
+        "--local_worker_num=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        f"--log_dir={logs}",
+        "--join=True",
+        "--cluster_time_out=120",
+        str(script),
+        str(tmp_path),
+        str(recipe),
+    ]
     # msrun runs the script with "python" from PATH, as launch arranges: this interpreter's
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
+    )
     code, failure = run_supervised(cmd, env, logs)
     assert code != 0 and failure is not None
     want = "rank 0 resumes from step 4 but rank 1 does not have that complete checkpoint (step_00000004 in its "

@@ -61,9 +61,26 @@ def start_launch(tmp_path, steps=2000, *extra):
     recipe = write(tmp_path, spec)
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "ms_deepseek.cli", "launch", str(recipe), "--output", str(run_dir),
-                             "--master-port", str(free_port()), "--cluster-time-out", "120", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "launch",
+            str(recipe),
+            "--output",
+            str(run_dir),
+            "--master-port",
+            str(free_port()),
+            "--cluster-time-out",
+            "120",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     return proc, run_dir
 
 

@@ -69,15 +69,27 @@ def test_a_hung_worker_stops_the_job_with_stacks_and_its_rank(tmp_path, factor):
     run_dir, logs = tmp_path / "run", tmp_path / "run" / "msrun_logs"
     script = tmp_path / "hang.py"
     script.write_text(HANG_RANK_1)
-    cmd = msrun_executable() + ["--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-                                f"--master_port={free_port()}", f"--log_dir={logs}", "--join=True",
-                                "--cluster_time_out=120", str(script), str(run_dir), str(recipe)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    cmd = msrun_executable() + [
+        "--worker_num=2",
+        "--local_worker_num=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        f"--log_dir={logs}",
+        "--join=True",
+        "--cluster_time_out=120",
+        str(script),
+        str(run_dir),
+        str(recipe),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
+    )
     t0 = time.time()
     # factor 2: a limit far below the CPU ring collective's own timeout (30 s; on Ascend HCCL_EXEC_TIMEOUT is
     # 1800 s); factor 0: no watchdog, the collective gives up first
-    code, message = run_supervised(cmd, env, logs, heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=factor,
-                                   watchdog_min_s=3)
+    code, message = run_supervised(
+        cmd, env, logs, heartbeat_dir=run_dir / HEARTBEAT_DIR, watchdog_factor=factor, watchdog_min_s=3
+    )
     print(f"hung job stopped after {time.time() - t0:.1f} s: {message}")
     assert code == 1, message
     if factor:
@@ -85,8 +97,11 @@ def test_a_hung_worker_stops_the_job_with_stacks_and_its_rank(tmp_path, factor):
         assert "rank 1 did not reach step 4" in message
         assert "(most recent call first)" in (logs / "worker_0.log").read_text()  # faulthandler: every worker
     else:
-        assert message.startswith("worker rank 0 (pid ") and "in a collective waiting for rank 1, which did not " \
-            "reach step 4 (hung: Python stacks of rank 1 in " in message, message
+        assert (
+            message.startswith("worker rank 0 (pid ")
+            and "in a collective waiting for rank 1, which did not reach step 4 (hung: Python stacks of rank 1 in "
+            in message
+        ), message
     stacks = (logs / "worker_1.log").read_text()
     assert "(most recent call first)" in stacks and "maybe_save" in stacks  # where the hung rank is stuck
     assert not job_processes(run_dir)

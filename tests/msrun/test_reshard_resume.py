@@ -14,13 +14,25 @@ from builders import write_recipe as write
 
 
 def losses(run):
-    return {json.loads(line)["step"]: json.loads(line)["loss"]
-            for line in (run / "metrics.jsonl").read_text().splitlines()}
+    return {
+        json.loads(line)["step"]: json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+    }
 
 
 def launch(recipe, out, *extra):
-    code, stdout, err = run_cli(["launch", str(recipe), "--output", str(out), "--master-port", str(free_port()),
-                                 "--cluster-time-out", "120", *extra])
+    code, stdout, err = run_cli(
+        [
+            "launch",
+            str(recipe),
+            "--output",
+            str(out),
+            "--master-port",
+            str(free_port()),
+            "--cluster-time-out",
+            "120",
+            *extra,
+        ]
+    )
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in (out / "msrun_logs").glob("worker_*.log"))
     assert code == 0, f"{err}\n{logs}"
 
@@ -50,10 +62,10 @@ def test_two_workers_resharded_to_one_continue_with_the_same_losses(tmp_path):
     one_worker = ["--set", "parallel.dp=1", "--set", "train.micro_batch_size=4"]
     for name, source in (("resharded", tmp_path / "one"), ("on_the_fly", saved)):
         run = tmp_path / name
-        code, _, err = run_cli(["train", str(recipe), "--output", str(run), "--quiet", "--resume", str(source),
-                                *one_worker])
+        code, _, err = run_cli(
+            ["train", str(recipe), "--output", str(run), "--quiet", "--resume", str(source), *one_worker]
+        )
         assert code == 0, err
         got = losses(run)
         assert sorted(got) == [3, 4], name
-        np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-6, atol=0,
-                                   err_msg=name)
+        np.testing.assert_allclose([got[s] for s in (3, 4)], [want[s] for s in (3, 4)], rtol=1e-6, atol=0, err_msg=name)

@@ -36,9 +36,15 @@ def run_build(tmp: Path, cann: Path, install: Path, script: Path = SCRIPT, timeo
     env.update(STUB_LOG=str(tmp / "calls.log"), STUB_DIR=str(tmp), TMPDIR=str(tmp), PYTHON=sys.executable)
     env.update(extra_env or {})
     out = open(tmp / "out.txt", "w+")
-    proc = subprocess.Popen(["bash", str(script), "--cann", str(cann), "--install-path", str(install)],
-                            stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            cwd=tmp, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(script), "--cann", str(cann), "--install-path", str(install)],
+        stdin=subprocess.PIPE,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp,
+        start_new_session=True,
+    )
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -81,7 +87,10 @@ def test_build_and_reinstall(tmp_path, layout):
     assert set(info) == OP_TYPES
     # each OpDef names its kernel file (opFile.value): op_kernel/<op>.cpp
     assert {t: info[t]["opFile"]["value"] for t in OP_TYPES} == {
-        "ExpertLookup": "expert_lookup", "Fp32Softmax": "fp32_softmax", "RepetitionPenalty": "repetition_penalty"}
+        "ExpertLookup": "expert_lookup",
+        "Fp32Softmax": "fp32_softmax",
+        "RepetitionPenalty": "repetition_penalty",
+    }
     assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
@@ -89,7 +98,7 @@ def test_build_and_reinstall(tmp_path, layout):
         assert {f"{op}.cpp", f"{op}_tiling.h", f"{op}_tiling_logic.h"} <= host
         assert {f"{op}.cpp", f"{op}_tiling_logic.h"} <= kernel
     assert "msds_kernel_common.h" in host and "msds_ascendc_sync.h" in kernel
-    assert "add_custom.cpp" not in host | kernel            # the template's demo operator is removed
+    assert "add_custom.cpp" not in host | kernel  # the template's demo operator is removed
     variables = json.loads((tmp_path / "presets.json").read_text())["configurePresets"][0]["cacheVariables"]
     assert variables["vendor_name"]["value"] == "ms_deepseek"
     assert variables["ASCEND_COMPUTE_UNIT"]["value"] == "ascend910b"
@@ -106,10 +115,20 @@ def test_cann9_template_links_are_staged_as_files(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9")
     link = cann / "tools/op_project_templates/ascendc/customize/cmake/util/preset_parse.py"
     assert link.is_symlink() and os.readlink(link) == "../../../common/util/preset_parse.py"
-    proc = subprocess.run(["bash", str(SCRIPT), "--cann", str(cann), "--install-path", str(tmp_path / "opp"),
-                           "--keep"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "STUB_LOG": str(tmp_path / "calls.log"), "STUB_DIR": str(tmp_path),
-                               "TMPDIR": str(tmp_path), "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--cann", str(cann), "--install-path", str(tmp_path / "opp"), "--keep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        env={
+            **os.environ,
+            "STUB_LOG": str(tmp_path / "calls.log"),
+            "STUB_DIR": str(tmp_path),
+            "TMPDIR": str(tmp_path),
+            "PYTHON": sys.executable,
+        },
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     util = next(tmp_path.glob("ms_deepseek_ascend_build.*")) / "project" / "cmake" / "util"
     for name in ("preset_parse.py", "ascendc_bin_param_build.py", "const_var.py", "opdesc_parser.py"):
@@ -122,8 +141,15 @@ def test_template_build_sh_fails_without_its_helpers(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9")
     project = tmp_path / "copied"
     subprocess.run(["cp", "-r", str(cann / "tools/op_project_templates/ascendc/customize"), str(project)], check=True)
-    assert (project / "cmake/util/preset_parse.py").is_symlink() and not (project / "cmake/util/preset_parse.py").exists()
-    env = {**os.environ, "STUB_LOG": str(tmp_path / "calls.log"), "STUB_DIR": str(tmp_path), "ASCEND_HOME_PATH": str(cann)}
+    assert (project / "cmake/util/preset_parse.py").is_symlink() and not (
+        project / "cmake/util/preset_parse.py"
+    ).exists()
+    env = {
+        **os.environ,
+        "STUB_LOG": str(tmp_path / "calls.log"),
+        "STUB_DIR": str(tmp_path),
+        "ASCEND_HOME_PATH": str(cann),
+    }
     proc = subprocess.run(["bash", "build.sh"], cwd=project, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode != 0
     assert "can't open file" in proc.stderr and "preset_parse.py" in proc.stderr
@@ -140,19 +166,23 @@ def test_dangling_link_in_the_cann_tree_is_reported(tmp_path):
 
 def test_env_script_that_sets_nothing_is_reported(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9", setenv_extra="return 3")
-    (cann / "set_env.sh").write_text("echo setenv >> \"$STUB_LOG\"\nreturn 3\n")
+    (cann / "set_env.sh").write_text('echo setenv >> "$STUB_LOG"\nreturn 3\n')
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1
     assert f"build_ascend.sh: sourcing {cann}/set_env.sh (status 3) set no ASCEND_OPP_PATH folder" in out
-    assert calls(tmp_path) == ["setenv"]                    # nothing built after the failure
+    assert calls(tmp_path) == ["setenv"]  # nothing built after the failure
 
 
 # The CANN 9.0.0 base image (cann-container-image, cann/9.0.0-910b-ubuntu22.04-py3.11/Dockerfile):
 # the toolkit is /usr/local/Ascend/cann-9.0.0 with no env script of its own found by the old
 # lookup; the image sources /usr/local/Ascend/ascend-toolkit/set_env.sh, and its ENV names both.
 def _image_env(cann: Path):
-    return {"ASCEND_HOME_PATH": str(cann), "ASCEND_TOOLKIT_HOME": str(cann), "ASCEND_OPP_PATH": str(cann / "opp"),
-            "ASCEND_TOOLKIT_LATEST_HOME": str(cann.parent / "ascend-toolkit" / "latest")}
+    return {
+        "ASCEND_HOME_PATH": str(cann),
+        "ASCEND_TOOLKIT_HOME": str(cann),
+        "ASCEND_OPP_PATH": str(cann / "opp"),
+        "ASCEND_TOOLKIT_LATEST_HOME": str(cann.parent / "ascend-toolkit" / "latest"),
+    }
 
 
 @pytest.mark.parametrize("with_image_env", [False, True])
@@ -162,8 +192,12 @@ def test_cann9_image_sources_the_ascend_toolkit_env_script(tmp_path, with_image_
     latest = cann.parent / "ascend-toolkit" / "latest"
     assert not (cann / "set_env.sh").exists() and latest.resolve() == cann
     # --cann .../ascend-toolkit/latest (the script's default): latest/.. is not ascend-toolkit/
-    rc, out = run_build(tmp_path, latest if via_latest else cann, tmp_path / "opp",
-                        extra_env=_image_env(cann) if with_image_env else None)
+    rc, out = run_build(
+        tmp_path,
+        latest if via_latest else cann,
+        tmp_path / "opp",
+        extra_env=_image_env(cann) if with_image_env else None,
+    )
     assert rc == 0, out
     assert calls(tmp_path)[:2] == ["setenv", f"build.sh ASCEND_HOME_PATH={cann} CUSTOM_OPP=unset"]
     assert (installed_vendor(tmp_path / "opp") / "version.info").is_file()
@@ -226,10 +260,13 @@ def _ops_copy(tmp_path: Path) -> Path:
 OP_FILE = '.ExtendCfgInfo("opFile.value", "fp32_softmax")'
 
 
-@pytest.mark.parametrize("planted, message", [
-    ("", "stub opbuild: Fp32Softmax: the OpDef sets no opFile.value"),
-    ('.ExtendCfgInfo("opFile.value", "fp32softmax")', "[ERROR]: operator: fp32softmax source file: "),
-])
+@pytest.mark.parametrize(
+    "planted, message",
+    [
+        ("", "stub opbuild: Fp32Softmax: the OpDef sets no opFile.value"),
+        ('.ExtendCfgInfo("opFile.value", "fp32softmax")', "[ERROR]: operator: fp32softmax source file: "),
+    ],
+)
 def test_every_opdef_names_its_kernel_file(tmp_path, planted, message):
     """Without opFile.value CANN's opbuild picks the kernel file name by a rule of its own (what
     does Fp32Softmax become at the digit?); a name with no op_kernel/<name>.cpp builds no kernel."""
@@ -245,15 +282,12 @@ def test_every_opdef_names_its_kernel_file(tmp_path, planted, message):
 
 
 def test_failing_compile_is_reported_and_nothing_installed(tmp_path):
-    cann = make_stub_cann(tmp_path, "cann9",
-                          build_fail='echo "error: op_kernel/expert_lookup.cpp:67 boom"; exit 2')
+    cann = make_stub_cann(tmp_path, "cann9", build_fail='echo "error: op_kernel/expert_lookup.cpp:67 boom"; exit 2')
     rc, out = run_build(tmp_path, cann, tmp_path / "opp")
     assert rc == 1
-    assert "error: op_kernel/expert_lookup.cpp:67 boom" in out   # the compiler's own lines are shown
+    assert "error: op_kernel/expert_lookup.cpp:67 boom" in out  # the compiler's own lines are shown
     assert "build_ascend.sh: build failed" in out
     assert not (tmp_path / "opp" / "vendors").exists()
-
-
 
 
 def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
@@ -281,8 +315,14 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
     reg = custom_utils.CustomInfoGenerator("RepetitionPenalty").generate_custom_reg_op()
     assert [i["name"] for i in reg["inputs"]] == ["logits", "ids"] and [o["name"] for o in reg["outputs"]] == ["y"]
     assert [(a["name"], a["type"]) for a in reg["attr"]] == [("penalty", "float")]
-    assert custom_utils.CustomInfoGenerator("RepetitionPenalty").get_aclnn_api_types() == \
-        ["aclTensor*", "aclTensor*", "double", "aclTensor*", "uint64_t*", "aclOpExecutor**"]
+    assert custom_utils.CustomInfoGenerator("RepetitionPenalty").get_aclnn_api_types() == [
+        "aclTensor*",
+        "aclTensor*",
+        "double",
+        "aclTensor*",
+        "uint64_t*",
+        "aclOpExecutor**",
+    ]
 
     # Another SoC: MindSpore reads only the running SoC's folder, and so do we.
     monkeypatch.setattr(custom_utils, "MSContext", FakeAscendContext("ascend910_93"))
@@ -294,8 +334,10 @@ def test_build_install_then_mindspore_registers_the_ops(tmp_path, monkeypatch):
 
 def _registered_socs():
     """The SoCs every OpDef registers an AICore config for (AddConfig("<soc>", ...))."""
-    per_op = [set(re.findall(r'AddConfig\("(\w+)"', path.read_text()))
-              for path in sorted((REPO / "ops").glob("*/op_host/*.cpp"))]
+    per_op = [
+        set(re.findall(r'AddConfig\("(\w+)"', path.read_text()))
+        for path in sorted((REPO / "ops").glob("*/op_host/*.cpp"))
+    ]
     assert len(per_op) == 3 and all(per_op)
     return set.intersection(*per_op), set.union(*per_op)
 
@@ -306,26 +348,37 @@ def test_soc_accepted_only_if_every_opdef_registers_it(soc):
 
     common, anywhere = _registered_socs()
     assert common == anywhere == set(SUPPORTED_SOCS) == {"ascend910b", "ascend910_93"}
-    proc = subprocess.run(["bash", str(SCRIPT), "--soc", soc, "--cann", "/nonexistent/cann"], capture_output=True,
-                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--soc", soc, "--cann", "/nonexistent/cann"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     if soc in common:
         assert lines[0] == "build_ascend.sh: CANN not found at /nonexistent/cann (pass --cann or set ASCEND_HOME_PATH)"
     else:
-        assert lines[0].startswith(f"build_ascend.sh: --soc: unsupported SoC '{soc}': the operators are registered "
-                                   "for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only")
+        assert lines[0].startswith(
+            f"build_ascend.sh: --soc: unsupported SoC '{soc}': the operators are registered "
+            "for ascend910b (Atlas 800T A2) and ascend910_93 (Atlas A3) only"
+        )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--soc", "ascend999"], "--soc: unsupported SoC 'ascend999'"),
-    (["--cann", "/nonexistent/cann"], "CANN not found at /nonexistent/cann"),
-    (["--bogus"], "unknown argument --bogus"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--soc", "ascend999"], "--soc: unsupported SoC 'ascend999'"),
+        (["--cann", "/nonexistent/cann"], "CANN not found at /nonexistent/cann"),
+        (["--bogus"], "unknown argument --bogus"),
+    ],
+)
 def test_bad_arguments(tmp_path, args, message):
-    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode != 0
     assert message in proc.stderr
 
@@ -337,8 +390,14 @@ DRYRUN = REPO / "tools" / "ascend_dryrun.sh"
 def dryrun(*args, env=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH",)}
     full_env.update(env or {})
-    return subprocess.run(["bash", str(DRYRUN), *args], capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL, env=full_env)
+    return subprocess.run(
+        ["bash", str(DRYRUN), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+    )
 
 
 def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
@@ -356,12 +415,20 @@ def test_dryrun_print_only_runs_one_rank_per_stage(tmp_path):
         assert "env MS_DEEPSEEK_DEVICE=Ascend " in line
         assert " train " in line and "--max-steps 1" in line and "num_hidden_layers=16" in line
         assert f"> {tmp_path}/dr/rank_{8 * stage}/dryrun.log" in line
-    assert not (tmp_path / "dr").exists()                    # print-only writes nothing
+    assert not (tmp_path / "dr").exists()  # print-only writes nothing
 
 
 def test_dryrun_print_only_passes_overrides_and_level(tmp_path):
-    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--print-only", "--level", "1", "--layers", "3",
-                  "--set", "train.micro_batch_size=1")
+    proc = dryrun(
+        str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"),
+        "--print-only",
+        "--level",
+        "1",
+        "--layers",
+        "3",
+        "--set",
+        "train.micro_batch_size=1",
+    )
     assert proc.returncode == 0, proc.stderr
     ranks = [line for line in proc.stdout.splitlines() if line.startswith("stage ")]
     assert len(ranks) == 1 and "MS_SIMULATION_LEVEL=1 RANK_SIZE=8 RANK_ID=0 " in ranks[0]
@@ -374,18 +441,21 @@ def test_dryrun_level_0_is_the_compile_check(tmp_path):
     assert proc.returncode == 2 and "plan --recipe" in proc.stderr and "--compile" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "RECIPE: required"),
-    (["recipes/none.yaml", "--print-only"], "RECIPE: no such file: recipes/none.yaml"),
-    (["@recipe", "--level", "7"], "--level: must be 0, 1, 2 or 3, got '7'"),
-    (["@recipe", "--layers", "0"], "--layers: must be a positive integer, got '0'"),
-    (["@recipe", "--layers", "4", "--print-only"], "--layers: 4 is fewer than the 8 pipeline stages"),
-    (["@recipe", "--layers", "99", "--print-only"], "--layers: 99 is more than the model's 60 layers"),
-    (["@recipe", "--set", "oops"], "--set: expected SECTION.KEY=VALUE, got 'oops'"),
-    (["@recipe", "--bogus"], "unknown option --bogus"),
-    (["@recipe", "--set", "parallel.tp=3", "--print-only"], "the planner refused the recipe"),
-    (["@recipe", "--cann", "/nonexistent/cann"], "CANN not found at /nonexistent/cann"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "RECIPE: required"),
+        (["recipes/none.yaml", "--print-only"], "RECIPE: no such file: recipes/none.yaml"),
+        (["@recipe", "--level", "7"], "--level: must be 0, 1, 2 or 3, got '7'"),
+        (["@recipe", "--layers", "0"], "--layers: must be a positive integer, got '0'"),
+        (["@recipe", "--layers", "4", "--print-only"], "--layers: 4 is fewer than the 8 pipeline stages"),
+        (["@recipe", "--layers", "99", "--print-only"], "--layers: 99 is more than the model's 60 layers"),
+        (["@recipe", "--set", "oops"], "--set: expected SECTION.KEY=VALUE, got 'oops'"),
+        (["@recipe", "--bogus"], "unknown option --bogus"),
+        (["@recipe", "--set", "parallel.tp=3", "--print-only"], "the planner refused the recipe"),
+        (["@recipe", "--cann", "/nonexistent/cann"], "CANN not found at /nonexistent/cann"),
+    ],
+)
 def test_dryrun_bad_arguments(args, message):
     recipe = str(REPO / "recipes" / "v2-sft-64npu.yaml")
     proc = dryrun(*[recipe if a == "@recipe" else a for a in args])
@@ -404,7 +474,7 @@ def test_dryrun_help():
 # A stand-in for the `ms-deepseek` the dry run starts: `plan` runs as is; `train` runs the real
 # command up to the two calls where MindSpore takes over (set_device, then the dry run's
 # simulated init()), records what the worker got there, and stops.
-STUB_CLI = r'''#!@PYTHON@
+STUB_CLI = r"""#!@PYTHON@
 import json, os, sys
 args = sys.argv[1:]
 if args[0] == "train":
@@ -425,7 +495,7 @@ if args[0] == "train":
     ms.set_device, comm.init = set_device, init
 from ms_deepseek.cli import main
 sys.exit(main(args))
-'''
+"""
 
 
 def test_dryrun_workers_select_ascend_on_a_host_without_npus(tmp_path):
@@ -436,17 +506,41 @@ def test_dryrun_workers_select_ascend_on_a_host_without_npus(tmp_path):
     records = tmp_path / "records"
     records.mkdir()
     path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
-    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--layers", "2",
-                  "--out", str(tmp_path / "dr"), "--set", "model.source=deepseek-v2-lite",
-                  "--set", "data.path=null", "--set", "data.format=pretrain",
-                  env={"MS_DEEPSEEK_CLI": str(cli), "RECORD_DIR": str(records), "STUB_LOG": str(tmp_path / "log"),
-                       "PYTHONPATH": str(REPO), "PATH": path, "PYTHON": sys.executable})
-    assert proc.returncode == 0, proc.stdout + proc.stderr + "".join(
-        p.read_text() for p in (tmp_path / "dr").glob("rank_*/dryrun.log"))
-    got = json.loads((records / "rank_0.json").read_text())   # one stage: rank 0
+    proc = dryrun(
+        str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"),
+        "--cann",
+        str(cann),
+        "--layers",
+        "2",
+        "--out",
+        str(tmp_path / "dr"),
+        "--set",
+        "model.source=deepseek-v2-lite",
+        "--set",
+        "data.path=null",
+        "--set",
+        "data.format=pretrain",
+        env={
+            "MS_DEEPSEEK_CLI": str(cli),
+            "RECORD_DIR": str(records),
+            "STUB_LOG": str(tmp_path / "log"),
+            "PYTHONPATH": str(REPO),
+            "PATH": path,
+            "PYTHON": sys.executable,
+        },
+    )
+    assert proc.returncode == 0, (
+        proc.stdout + proc.stderr + "".join(p.read_text() for p in (tmp_path / "dr").glob("rank_*/dryrun.log"))
+    )
+    got = json.loads((records / "rank_0.json").read_text())  # one stage: rank 0
     assert got["set_device"] == "Ascend" and got["init"]
-    assert got["env"] == {"MS_DEEPSEEK_DEVICE": "Ascend", "MS_SIMULATION_LEVEL": "1", "RANK_SIZE": "8",
-                          "RANK_ID": "0", "ASCEND_HOME_PATH": str(cann)}
+    assert got["env"] == {
+        "MS_DEEPSEEK_DEVICE": "Ascend",
+        "MS_SIMULATION_LEVEL": "1",
+        "RANK_SIZE": "8",
+        "RANK_ID": "0",
+        "ASCEND_HOME_PATH": str(cann),
+    }
     assert "model.overrides.num_hidden_layers=2" in got["argv"]
     assert (tmp_path / "dr" / "summary.json").is_file()
 
@@ -454,7 +548,15 @@ def test_dryrun_workers_select_ascend_on_a_host_without_npus(tmp_path):
 def test_dryrun_refuses_levels_that_need_npus_without_npu_smi(tmp_path):
     cann = make_stub_cann(tmp_path, "cann9")
     path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "npu-smi").exists())
-    proc = dryrun(str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"), "--cann", str(cann), "--level", "2",
-                  "--out", str(tmp_path / "dr"), env={"PATH": path, "STUB_LOG": str(tmp_path / "log")})
+    proc = dryrun(
+        str(REPO / "recipes" / "v2-lite-sft-8npu.yaml"),
+        "--cann",
+        str(cann),
+        "--level",
+        "2",
+        "--out",
+        str(tmp_path / "dr"),
+        env={"PATH": path, "STUB_LOG": str(tmp_path / "log")},
+    )
     assert proc.returncode == 2
     assert "--level 2: levels 2 and 3 need the simulated cards' compute resources (NPUs)" in proc.stderr

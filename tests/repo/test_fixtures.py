@@ -43,8 +43,11 @@ def expected_names(cfg):
             continue
         names.add(p + "mlp.gate.weight")
         names |= {f"{p}mlp.shared_experts.{m}_proj.weight" for m in ("gate", "up", "down")}
-        names |= {f"{p}mlp.experts.{e}.{m}_proj.weight"
-                  for e in range(cfg["n_routed_experts"]) for m in ("gate", "up", "down")}
+        names |= {
+            f"{p}mlp.experts.{e}.{m}_proj.weight"
+            for e in range(cfg["n_routed_experts"])
+            for m in ("gate", "up", "down")
+        }
     return names
 
 

@@ -76,15 +76,19 @@ def upward_imports(package: Path = PACKAGE) -> List[str]:
     for name, path in modules.items():
         for line, target in imports_of(path, set(modules)):
             if target.split(".")[0] == "ms_deepseek" and layer_of(target) > layer_of(name):
-                bad.append(f"{path.relative_to(package.parent)}:{line}: {name} (layer {layer_of(name)}) imports "
-                           f"{target} (layer {layer_of(target)})")
+                bad.append(
+                    f"{path.relative_to(package.parent)}:{line}: {name} (layer {layer_of(name)}) imports "
+                    f"{target} (layer {layer_of(target)})"
+                )
     return bad
 
 
 def find_cycle(package: Path = PACKAGE) -> List[str]:
     modules = all_modules(package)
-    graph = {name: {t for _, t in imports_of(path, set(modules)) if t in modules and t != name}
-             for name, path in modules.items()}
+    graph = {
+        name: {t for _, t in imports_of(path, set(modules)) if t in modules and t != name}
+        for name, path in modules.items()
+    }
     state: Dict[str, int] = {}
     stack: List[str] = []
 
@@ -93,7 +97,7 @@ def find_cycle(package: Path = PACKAGE) -> List[str]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -121,8 +125,9 @@ def private_imports(package: Path = PACKAGE) -> List[str]:
             for a in node.names:
                 private = a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__"))
                 if private and node.module != name and f"{node.module}.{a.name}" not in modules:
-                    bad.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name} imports "
-                               f"{node.module}.{a.name}")
+                    bad.append(
+                        f"{path.relative_to(package.parent)}:{node.lineno}: {name} imports {node.module}.{a.name}"
+                    )
     return bad
 
 
@@ -150,10 +155,13 @@ def test_library_packages_import_no_argparse():
     assert not bad, "argparse outside ms_deepseek.cli: " + ", ".join(bad)
 
 
-@pytest.mark.parametrize("planted, expected", [
-    ("from ms_deepseek.train import trainer\n", "imports ms_deepseek.train.trainer"),
-    ("def f():\n    from ms_deepseek.cli import main\n", "imports ms_deepseek.cli"),
-])
+@pytest.mark.parametrize(
+    "planted, expected",
+    [
+        ("from ms_deepseek.train import trainer\n", "imports ms_deepseek.train.trainer"),
+        ("def f():\n    from ms_deepseek.cli import main\n", "imports ms_deepseek.cli"),
+    ],
+)
 def test_a_planted_upward_import_fails(tmp_path, planted, expected):
     copy = tmp_path / "ms_deepseek"
     for path in PACKAGE.rglob("*.py"):
@@ -181,8 +189,9 @@ def mini_package(tmp_path: Path, **core_modules: str) -> Path:
 
 
 def test_a_planted_cycle_is_found(tmp_path):
-    copy = mini_package(tmp_path, a="def f():\n    from ms_deepseek.core import b\n",
-                        b="from ms_deepseek.core.a import f\n")
+    copy = mini_package(
+        tmp_path, a="def f():\n    from ms_deepseek.core import b\n", b="from ms_deepseek.core.a import f\n"
+    )
     assert find_cycle(copy) == ["ms_deepseek.core.a", "ms_deepseek.core.b", "ms_deepseek.core.a"]
 
 
@@ -201,8 +210,12 @@ def top_level_names(path: Path) -> Set[str]:
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, (ast.If, ast.Try)):
             names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-            names |= {(a.asname or a.name).split(".")[0] for n in ast.walk(node)
-                      if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            names |= {
+                (a.asname or a.name).split(".")[0]
+                for n in ast.walk(node)
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names
+            }
     return names
 
 
@@ -216,15 +229,21 @@ def broken_imports(package: Path = PACKAGE, others: Sequence[Path] = ()) -> List
     for name, path in list(modules.items()) + [(str(p), p) for p in others]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
-                bad += [f"{name}:{node.lineno}: no module {a.name}" for a in node.names
-                        if a.name.startswith("ms_deepseek.") and a.name not in modules]
+                bad += [
+                    f"{name}:{node.lineno}: no module {a.name}"
+                    for a in node.names
+                    if a.name.startswith("ms_deepseek.") and a.name not in modules
+                ]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ms_deepseek":
                 if node.module not in modules:
                     bad.append(f"{name}:{node.lineno}: no module {node.module}")
                     continue
                 for a in node.names:
-                    if f"{node.module}.{a.name}" not in modules and a.name not in defined[node.module] \
-                            and "*" not in defined[node.module]:
+                    if (
+                        f"{node.module}.{a.name}" not in modules
+                        and a.name not in defined[node.module]
+                        and "*" not in defined[node.module]
+                    ):
                         bad.append(f"{name}:{node.lineno}: {node.module} has no {a.name}")
     return bad
 
@@ -237,13 +256,19 @@ def test_every_import_names_something_that_exists():
 
 
 def test_a_planted_broken_import_is_found(tmp_path):
-    copy = mini_package(tmp_path, a="X = 1\n",
-                        b="def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n")
-    assert broken_imports(copy) == ["ms_deepseek.core.b:2: ms_deepseek.core has no gone",
-                                    "ms_deepseek.core.b:3: ms_deepseek.core.a has no Y"]
+    copy = mini_package(
+        tmp_path,
+        a="X = 1\n",
+        b="def f():\n    from ms_deepseek.core import gone\n    from ms_deepseek.core.a import X, Y\n",
+    )
+    assert broken_imports(copy) == [
+        "ms_deepseek.core.b:2: ms_deepseek.core has no gone",
+        "ms_deepseek.core.b:3: ms_deepseek.core.a has no Y",
+    ]
 
 
 def test_a_planted_private_import_is_found(tmp_path):
-    copy = mini_package(tmp_path, a="_X = 1\n__all__ = []\n",
-                        b="def f():\n    from ms_deepseek.core.a import _X, __all__\n")
+    copy = mini_package(
+        tmp_path, a="_X = 1\n__all__ = []\n", b="def f():\n    from ms_deepseek.core.a import _X, __all__\n"
+    )
     assert private_imports(copy) == ["ms_deepseek/core/b.py:2: ms_deepseek.core.b imports ms_deepseek.core.a._X"]

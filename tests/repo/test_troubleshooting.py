@@ -12,9 +12,21 @@ from repo_paths import REPO
 
 GUIDE = REPO / "docs" / "troubleshooting.md"
 
-FAILURES = ["OOM at start", "OOM after N steps", "OOM at checkpoint", "HCCL init failure", "HCCL timeouts",
-            "hccn.conf mismatch", "MTU", "Loss NaN", "Loss oscillation", "Loss plateau",
-            "Steps slowing down from swap", "Expert collapse", "A hang in gradient sync"]
+FAILURES = [
+    "OOM at start",
+    "OOM after N steps",
+    "OOM at checkpoint",
+    "HCCL init failure",
+    "HCCL timeouts",
+    "hccn.conf mismatch",
+    "MTU",
+    "Loss NaN",
+    "Loss oscillation",
+    "Loss plateau",
+    "Steps slowing down from swap",
+    "Expert collapse",
+    "A hang in gradient sync",
+]
 
 
 def sections():
@@ -30,15 +42,19 @@ def cited(text):
 def test_every_cited_id_exists():
     refs = cited(GUIDE.read_text())
     assert refs
-    unknown = sorted(f"{kind}:{name}" for kind, name in refs
-                     if (kind == "doctor" and name not in REGISTRY) or (kind == "alert" and name not in RULES))
+    unknown = sorted(
+        f"{kind}:{name}"
+        for kind, name in refs
+        if (kind == "doctor" and name not in REGISTRY) or (kind == "alert" and name not in RULES)
+    )
     assert unknown == [], f"the guide cites ids the code does not have: {unknown}"
 
 
 def test_every_registered_id_is_documented():
     refs = cited(GUIDE.read_text())
-    missing = sorted({f"doctor:{c}" for c in REGISTRY} - {f"{k}:{n}" for k, n in refs}) + \
-        sorted({f"alert:{r}" for r in RULES} - {f"{k}:{n}" for k, n in refs})
+    missing = sorted({f"doctor:{c}" for c in REGISTRY} - {f"{k}:{n}" for k, n in refs}) + sorted(
+        {f"alert:{r}" for r in RULES} - {f"{k}:{n}" for k, n in refs}
+    )
     assert missing == [], f"not documented in docs/troubleshooting.md: {missing}"
 
 

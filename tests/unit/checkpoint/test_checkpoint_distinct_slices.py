@@ -36,6 +36,7 @@ def _bytes(folder):
 
 def _layout_bytes(layout):
     """(bytes every rank storing its slices, bytes with each distinct slice once), by the layout alone."""
+
     def nbytes(name, sl):
         t = layout.tensors[name]
         n = DTYPE_SIZES[t.dtype]
@@ -60,9 +61,11 @@ def test_dp4_stores_each_slice_once_and_reads_back_the_same(tmp_path, capsys):
         every, once = _layout_bytes(layout)
         written, data_bytes = _bytes(dst)
         with capsys.disabled():
-            print(f"\nhf-to-ms {' '.join(flags)}: rank files {written} bytes ({data_bytes} of tensor data; the HF "
-                  f"model file {model_bytes}); by the layout, every rank storing its slices: {every} bytes of data, "
-                  f"each distinct slice once: {once}")
+            print(
+                f"\nhf-to-ms {' '.join(flags)}: rank files {written} bytes ({data_bytes} of tensor data; the HF "
+                f"model file {model_bytes}); by the layout, every rank storing its slices: {every} bytes of data, "
+                f"each distinct slice once: {once}"
+            )
         assert data_bytes == once  # was `every`: dp4 wrote 4 copies of every replicated slice
         # every rank's slices, read through the owners' files, are the whole tensors' slices
         src = open_checkpoint(dst).model
@@ -75,8 +78,9 @@ def test_dp4_stores_each_slice_once_and_reads_back_the_same(tmp_path, capsys):
         assert cli.main(["convert", "ms-to-hf", str(dst), str(dst) + "_hf", "--no-progress"]) == 0
         if flags == ["--dp", "4"]:
             assert cli.main(["convert", "hf-to-ms", str(tmp_path / "hf"), str(tmp_path / "ms"), "--no-progress"]) == 0
-            assert cli.main(["convert", "ms-to-hf", str(tmp_path / "ms"), str(tmp_path / "ms_hf"),
-                             "--no-progress"]) == 0
+            assert (
+                cli.main(["convert", "ms-to-hf", str(tmp_path / "ms"), str(tmp_path / "ms_hf"), "--no-progress"]) == 0
+            )
         names = sorted(p.name for p in (tmp_path / "ms_hf").iterdir())
         _, mismatch, errors = filecmp.cmpfiles(tmp_path / "ms_hf", str(dst) + "_hf", names, shallow=False)
         assert mismatch == [] and errors == []
@@ -92,8 +96,12 @@ def test_version_1_folders_still_read(tmp_path):
     old = tmp_path / "old"
     for rank in range(layout.world_size):
         (old / rank_dir_name(rank)).mkdir(parents=True)
-        write_file(old / rank_dir_name(rank) / "model.safetensors", rank_entries(whole.model, layout, rank),
-                   {"format": "ms"}, fsync=False)
+        write_file(
+            old / rank_dir_name(rank) / "model.safetensors",
+            rank_entries(whole.model, layout, rank),
+            {"format": "ms"},
+            fsync=False,
+        )
     layout.write(old / LAYOUT_FILE)
     (old / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
     assert json.loads((old / LAYOUT_FILE).read_text())["version"] == 1
@@ -115,6 +123,8 @@ def test_v2_lora_16npu_bytes_by_the_layout():
     names = build_layout(cfg, recipe.parallel).tensors
     layout = build_layout(cfg, recipe.parallel, dtypes={n: "BF16" for n in names})  # the base model, bf16
     every, once = _layout_bytes(layout)
-    print(f"\nv2-lora-16npu base pre-sharded ({layout.describe()}): every rank storing its slices "
-          f"{every / 1e9:.1f} GB, each distinct slice once {once / 1e9:.1f} GB ({every / once:.2f}x)")
+    print(
+        f"\nv2-lora-16npu base pre-sharded ({layout.describe()}): every rank storing its slices "
+        f"{every / 1e9:.1f} GB, each distinct slice once {once / 1e9:.1f} GB ({every / once:.2f}x)"
+    )
     assert once < every

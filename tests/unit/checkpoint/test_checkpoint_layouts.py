@@ -159,8 +159,9 @@ def test_lazy_build_allocates_nothing_then_takes_a_ranks_slices(pristine):
 def test_hf_to_per_rank_to_hf_is_byte_identical(pristine, tmp_path, capsys):
     """convert hf-to-ms --dp/--tp/--pp/--ep, then ms-to-hf of the rank folders: the same files, byte for byte,
     as converting the whole checkpoint; safetensors reads every rank file with the layout's slice shapes."""
-    code, out = run_cli(["convert", "hf-to-ms", str(pristine / "hf"), str(tmp_path / "sh"), *FLAGS,
-                         "--no-progress"], capsys)
+    code, out = run_cli(
+        ["convert", "hf-to-ms", str(pristine / "hf"), str(tmp_path / "sh"), *FLAGS, "--no-progress"], capsys
+    )
     assert code == 0, out.err
     assert "8 rank folders" in out.out
     layout = read_layout(tmp_path / "sh")
@@ -168,14 +169,25 @@ def test_hf_to_per_rank_to_hf_is_byte_identical(pristine, tmp_path, capsys):
     copies = {}
     for rank in range(8):
         stored = load_file(str(tmp_path / "sh" / f"rank_{rank:05d}" / "model.safetensors"))
-        assert {n: v.shape for n, v in stored.items()} == {n: layout.tensors[n].slice_shape()
-                                                           for n in layout.stored_in(rank)}
+        assert {n: v.shape for n, v in stored.items()} == {
+            n: layout.tensors[n].slice_shape() for n in layout.stored_in(rank)
+        }
         for n in stored:
             copies[(n, layout.slice_of(n, rank))] = copies.get((n, layout.slice_of(n, rank)), 0) + 1
     assert set(copies.values()) == {1}
     assert sorted(copies) == sorted((n, sl) for n in layout.tensors for _, sl in layout.distinct_slices(n))
-    code, out = run_cli(["convert", "ms-to-hf", str(tmp_path / "sh"), str(tmp_path / "merged"), "--no-progress",
-                         "--shard-size", "30KB"], capsys)
+    code, out = run_cli(
+        [
+            "convert",
+            "ms-to-hf",
+            str(tmp_path / "sh"),
+            str(tmp_path / "merged"),
+            "--no-progress",
+            "--shard-size",
+            "30KB",
+        ],
+        capsys,
+    )
     assert code == 0, out.err
     same_folders(tmp_path / "merged", pristine / "hf_whole")
 
@@ -183,15 +195,31 @@ def test_hf_to_per_rank_to_hf_is_byte_identical(pristine, tmp_path, capsys):
 def test_recipe_layout_and_reshard_between_layouts(pristine, tmp_path, capsys):
     """--recipe gives the layout; reshard sharded -> other sharded -> whole keeps every tensor's bytes."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model:\n  source: " + str(pristine / "hf") + "\nparallel:\n  dp: 2\n  tp: 2\n  ep: 2\n"
-                      "data:\n  seq_len: 16\n  path: " + str(tmp_path / "not-prepared") + "\n")
-    code, out = run_cli(["convert", "reshard", str(pristine / "sharded"), str(tmp_path / "dp2tp2"),
-                         "--recipe", str(recipe)], capsys)
+    recipe.write_text(
+        "model:\n  source: " + str(pristine / "hf") + "\nparallel:\n  dp: 2\n  tp: 2\n  ep: 2\n"
+        "data:\n  seq_len: 16\n  path: " + str(tmp_path / "not-prepared") + "\n"
+    )
+    code, out = run_cli(
+        ["convert", "reshard", str(pristine / "sharded"), str(tmp_path / "dp2tp2"), "--recipe", str(recipe)], capsys
+    )
     assert code == 0, out.err
     layout = read_layout(tmp_path / "dp2tp2")
     assert (layout.dp, layout.tp, layout.pp, layout.ep) == (2, 2, 1, 2)
-    code, out = run_cli(["convert", "reshard", str(tmp_path / "dp2tp2"), str(tmp_path / "whole"), "--dp", "1",
-                         "--tp", "1", "--ep", "1"], capsys)
+    code, out = run_cli(
+        [
+            "convert",
+            "reshard",
+            str(tmp_path / "dp2tp2"),
+            str(tmp_path / "whole"),
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--ep",
+            "1",
+        ],
+        capsys,
+    )
     assert code == 0, out.err
     got = load_file(str(tmp_path / "whole" / "model.safetensors"))
     want = full_tensors(pristine / "ms")
@@ -223,8 +251,8 @@ def test_training_checkpoint_with_optimizer_reshards_and_merges(pristine, tmp_pa
     assert json.loads((tmp_path / "sharded" / "state.json").read_text())["world_size"] == 8
     rank3 = load_file(str(tmp_path / "sharded" / "rank_00003" / "optimizer.safetensors"))
     name = "adam_v.model.layers.1.mlp.experts.gate_proj.weight"
-    sl = layout.slice_of(name[len("adam_v."):], 3)
-    np.testing.assert_array_equal(rank3[name], opt[name][np.asarray(sl[0])][:, sl[1][0]:sl[1][1]])
+    sl = layout.slice_of(name[len("adam_v.") :], 3)
+    np.testing.assert_array_equal(rank3[name], opt[name][np.asarray(sl[0])][:, sl[1][0] : sl[1][1]])
     assert "adam_m.model.norm.weight" not in rank3  # stage 0 holds no final norm
     # the scalars every rank holds are stored once, by rank 0 (layout.json "slices": "distinct")
     rank0 = load_file(str(tmp_path / "sharded" / "rank_00000" / "optimizer.safetensors"))
@@ -278,8 +306,12 @@ def test_rank_folder_of_another_layout(pristine, tmp_path, capsys):
     shutil.rmtree(src / "rank_00008")
     shutil.rmtree(src / "rank_00001")
     shutil.copytree(other / "rank_00001", src / "rank_00001")
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_00001/model\.safetensors: tensor .* the layout file does not match the tensors")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_00001/model\.safetensors: tensor .* the layout file does not match the tensors",
+    )
 
 
 def test_layout_file_not_matching_the_tensors(pristine, tmp_path, capsys):
@@ -287,14 +319,22 @@ def test_layout_file_not_matching_the_tensors(pristine, tmp_path, capsys):
     data = json.loads((src / "layout.json").read_text())
     data["tensors"]["model.norm.weight"]["dtype"] = "F32"
     (src / "layout.json").write_text(json.dumps(data))
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_0000\d/model\.safetensors: tensor model\.norm\.weight is BF16 .* does not match the tensors")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_0000\d/model\.safetensors: tensor model\.norm\.weight is BF16 .* does not match the tensors",
+    )
     data["tensors"]["model.norm.weight"]["dtype"] = "BF16"
     data["tensors"]["model.norm.weight"]["shape"] = [31]
     (src / "layout.json").write_text(json.dumps(data))
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_0000\d/model\.safetensors: tensor model\.norm\.weight is BF16 \[32\], layout\.json says BF16 \[31\]")
-    (src / "layout.json").write_text("{\"format\": \"ms_deepseek.sharded\", \"version\": 1}")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_0000\d/model\.safetensors: tensor model\.norm\.weight is BF16 \[32\], layout\.json says BF16 \[31\]",
+    )
+    (src / "layout.json").write_text('{"format": "ms_deepseek.sharded", "version": 1}')
     refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)], r"layout\.json: malformed layout file")
     (src / "layout.json").unlink()
     refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)], r"layout\.json: missing")
@@ -304,8 +344,12 @@ def test_truncated_slice(pristine, tmp_path, capsys):
     src = broken_copy(pristine, tmp_path)
     path = src / "rank_00002" / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-10])
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_00002/model\.safetensors: truncated safetensors file")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_00002/model\.safetensors: truncated safetensors file",
+    )
 
 
 def test_rank_folder_outside_the_checkpoint(pristine, tmp_path, capsys):
@@ -313,13 +357,16 @@ def test_rank_folder_outside_the_checkpoint(pristine, tmp_path, capsys):
     outside = tmp_path / "elsewhere"
     shutil.move(str(src / "rank_00004"), str(outside))
     (src / "rank_00004").symlink_to(outside, target_is_directory=True)
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_00004: rank folder lies outside the checkpoint folder")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_00004: rank folder lies outside the checkpoint folder",
+    )
 
 
 def test_layout_that_does_not_fit_the_model(pristine, tmp_path, capsys):
-    refuses(capsys, tmp_path, ["convert", "hf-to-ms", str(pristine / "hf"), "--tp", "3"],
-            r"parallel\.tp|not divisible")
+    refuses(capsys, tmp_path, ["convert", "hf-to-ms", str(pristine / "hf"), "--tp", "3"], r"parallel\.tp|not divisible")
     with pytest.raises(UserError, match="--set: needs --recipe"):
         from types import SimpleNamespace
 
@@ -332,10 +379,14 @@ def test_from_pretrained_reads_a_sharded_checkpoint(pristine):
     """from_pretrained on rank folders gives the same parameters as on the HF folder they came from."""
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
-    a = {p.name: p.asnumpy() for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "sharded",
-                                                                            show_progress=False).get_parameters()}
-    b = {p.name: p.asnumpy() for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "hf",
-                                                                            show_progress=False).get_parameters()}
+    a = {
+        p.name: p.asnumpy()
+        for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "sharded", show_progress=False).get_parameters()
+    }
+    b = {
+        p.name: p.asnumpy()
+        for p in DeepseekV2ForCausalLM.from_pretrained(pristine / "hf", show_progress=False).get_parameters()
+    }
     assert a.keys() == b.keys()
     for name in b:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
@@ -365,18 +416,25 @@ def test_strategy_files_must_agree_with_the_layout_file(pristine, tmp_path, caps
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     experts = "model.layers.1.mlp.experts.down_proj.weight"
     for rank in range(layout.world_size):
-        write_strategy(src / f"rank_{rank:05d}" / "strategy.ckpt",
-                       [(n, layout.tensors[n].dev_matrix, layout.tensors[n].tensor_map) for n in (o_proj, experts)]
-                       + [("adam_m." + o_proj, layout.tensors[o_proj].dev_matrix, layout.tensors[o_proj].tensor_map)])
-    code, out = run_cli(["convert", "ms-to-hf", str(src), str(tmp_path / "ok"), "--no-progress",
-                         "--shard-size", "30KB"], capsys)
+        write_strategy(
+            src / f"rank_{rank:05d}" / "strategy.ckpt",
+            [(n, layout.tensors[n].dev_matrix, layout.tensors[n].tensor_map) for n in (o_proj, experts)]
+            + [("adam_m." + o_proj, layout.tensors[o_proj].dev_matrix, layout.tensors[o_proj].tensor_map)],
+        )
+    code, out = run_cli(
+        ["convert", "ms-to-hf", str(src), str(tmp_path / "ok"), "--no-progress", "--shard-size", "30KB"], capsys
+    )
     assert code == 0, out.err
     same_folders(tmp_path / "ok", pristine / "hf_whole")
     # rank 3 was compiled with o_proj split on its rows instead of its input axis
     write_strategy(src / "rank_00003" / "strategy.ckpt", [(o_proj, (2, 2, 1), (1, -1))])
-    refuses(capsys, tmp_path, ["convert", "ms-to-hf", str(src)],
-            r"rank_00003/strategy\.ckpt: tensor model\.layers\.0\.self_attn\.o_proj\.weight has dev_matrix "
-            r"\[2, 2, 1\] tensor_map \[1, -1\]; layout\.json says")
+    refuses(
+        capsys,
+        tmp_path,
+        ["convert", "ms-to-hf", str(src)],
+        r"rank_00003/strategy\.ckpt: tensor model\.layers\.0\.self_attn\.o_proj\.weight has dev_matrix "
+        r"\[2, 2, 1\] tensor_map \[1, -1\]; layout\.json says",
+    )
 
 
 def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
@@ -417,6 +475,8 @@ def test_checkpoints_hold_experts_in_hf_order_whatever_the_placement():
     for p in live.values():
         p.set_data(ms.Tensor(np.zeros(p.shape, np.float32)))
     restore_into(live, Saved(), "model", applied=applied)
-    np.testing.assert_array_equal(live[name].asnumpy(), hf_ordered({name: live[name]}, applied)[name].asnumpy()[
-        applied.expert_orders["model.layers.1.mlp.experts"]])
+    np.testing.assert_array_equal(
+        live[name].asnumpy(),
+        hf_ordered({name: live[name]}, applied)[name].asnumpy()[applied.expert_orders["model.layers.1.mlp.experts"]],
+    )
     np.testing.assert_array_equal(hf_ordered(live, applied)[name].asnumpy(), before[name])

@@ -88,13 +88,17 @@ def test_the_plans_scale_layouts_agree_with_the_checkpoint_layout(spec):
 
 def test_a_split_that_cuts_a_scale_group_or_an_int4_byte_is_refused():
     # the dense down_proj [32, 48] split 4 ways on in: 12 columns per rank, groups of 8
-    with pytest.raises(UserError, match=r"down_proj\.weight: a 4-way split of its input width \d+ .* cuts a scale "
-                                        r"group of 8 columns"):
+    with pytest.raises(
+        UserError,
+        match=r"down_proj\.weight: a 4-way split of its input width \d+ .* cuts a scale "
+        r"group of 8 columns",
+    ):
         build_layout(small_config(), ParallelConfig(dp=1, tp=4), quant=QuantSpec(bits=4, group_size=8))
     # int4 per channel, in = 18 split 2 ways: 9 columns per rank, an odd count of nibbles
     with pytest.raises(UserError, match=r"down_proj\.weight: a 2-way split of its input width 18 .* cuts a byte"):
-        build_layout(small_config(moe_intermediate_size=18), ParallelConfig(dp=1, tp=2),
-                     quant=QuantSpec(bits=4, group_size=None))
+        build_layout(
+            small_config(moe_intermediate_size=18), ParallelConfig(dp=1, tp=2), quant=QuantSpec(bits=4, group_size=None)
+        )
     # int8 per channel: any split of in is fine (the scale is per output row)
     build_layout(small_config(), ParallelConfig(dp=1, tp=4), quant=QuantSpec(bits=8, group_size=None))
 
@@ -108,8 +112,24 @@ def test_presharded_quantize_merges_back_to_the_whole_quantized_output(tmp_path,
 
     src = quantized[4].parent / "hf"
     dst = tmp_path / "sharded"
-    assert main(["convert", "quantize", str(src), str(dst), "--bits", "4", "--group-size", "8", "--no-progress",
-                 "--no-fsync"] + flags) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "quantize",
+                str(src),
+                str(dst),
+                "--bits",
+                "4",
+                "--group-size",
+                "8",
+                "--no-progress",
+                "--no-fsync",
+            ]
+            + flags
+        )
+        == 0
+    )
     assert sorted(p.name for p in dst.glob("rank_*")) == ["rank_00000", "rank_00001"]
     sharded, whole = open_checkpoint(dst), open_checkpoint(quantized[4])
     assert sharded.kind == "sharded" and sharded.quant == whole.quant
@@ -118,15 +138,31 @@ def test_presharded_quantize_merges_back_to_the_whole_quantized_output(tmp_path,
         sl = full_slice(t.shape, t.experts is not None)
         got, want = sharded.model.read(name, sl), whole.model.read(name, sl)
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
-    assert any(layout.tensors[n].split != (1,) * len(layout.tensors[n].shape) for n in layout.tensors
-               if n.endswith(".weight_scale"))
+    assert any(
+        layout.tensors[n].split != (1,) * len(layout.tensors[n].shape)
+        for n in layout.tensors
+        if n.endswith(".weight_scale")
+    )
 
 
 def test_presharded_quantize_refuses_a_split_that_cuts_a_scale_group(tmp_path, quantized):
     from builders import main_captured
 
     src = quantized[4].parent / "hf"
-    code, _out, err = main_captured(["convert", "quantize", str(src), str(tmp_path / "out"), "--bits", "4",
-                                     "--group-size", "8", "--tp", "4", "--no-progress"])
+    code, _out, err = main_captured(
+        [
+            "convert",
+            "quantize",
+            str(src),
+            str(tmp_path / "out"),
+            "--bits",
+            "4",
+            "--group-size",
+            "8",
+            "--tp",
+            "4",
+            "--no-progress",
+        ]
+    )
     assert code != 0 and "cuts a scale group of 8 columns" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()

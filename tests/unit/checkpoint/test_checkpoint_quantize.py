@@ -63,8 +63,13 @@ def test_which_tensors_are_quantized():
     assert is_quantized_weight("model.layers.0.self_attn.q_a_proj.weight")
     assert is_quantized_weight("model.layers.1.mlp.experts.3.down_proj.weight")
     assert is_quantized_weight("model.layers.1.mlp.experts.down_proj.weight")  # stacked
-    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
+    for name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+    ):
         assert not is_quantized_weight(name), name
 
 
@@ -76,8 +81,13 @@ def test_quantize_writes_the_documented_format(hf_base, tmp_path, bits, group):
     argv = ["convert", "quantize", str(hf_base), str(out), "--bits", str(bits), "--no-progress"]
     assert main(argv + (["--group-size", str(group)] if group else [])) == 0
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg == {"quant_method": "ms_deepseek", "bits": bits, "group_size": group, "symmetric": True,
-                   "original": str(hf_base.resolve())}
+    assert cfg == {
+        "quant_method": "ms_deepseek",
+        "bits": bits,
+        "group_size": group,
+        "symmetric": True,
+        "original": str(hf_base.resolve()),
+    }
     desc = json.loads((out / "quant_model_description.json").read_text())
     assert desc["model_quant_type"] == f"W{bits}A16" and desc["lm_head.weight"] == "FLOAT"
     got, src = load_file(str(out / "model.safetensors")), load_file(str(hf_base / "model.safetensors"))
@@ -87,7 +97,7 @@ def test_quantize_writes_the_documented_format(hf_base, tmp_path, bits, group):
         if name not in quantized:
             np.testing.assert_array_equal(got[name], value, err_msg=name)  # bytes unchanged
             continue
-        stem = name[:-len(".weight")]
+        stem = name[: -len(".weight")]
         w, scale = value.astype(np.float32), got[stem + ".weight_scale"]
         q = got[name]
         assert q.dtype == (np.int8 if bits == 8 else np.uint8)
@@ -132,8 +142,12 @@ def test_bad_quantize_input_is_one_line_and_leaves_nothing(hf_base, tmp_path, ca
     assert code == 2 and "Traceback" not in "\n".join(err)
     assert len(err) == 1 or case == "bits"  # argparse prints its usage above the one error line
     line = err[-1]
-    want = {"already": "already quantized", "bits": "invalid choice: 3", "group": "group size 100 does not divide",
-            "odd_group": "group size must be even"}[case]
+    want = {
+        "already": "already quantized",
+        "bits": "invalid choice: 3",
+        "group": "group size 100 does not divide",
+        "odd_group": "group size must be even",
+    }[case]
     assert want in line, line
     assert not dst.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 

@@ -87,12 +87,32 @@ def test_fixture_round_trip_is_byte_exact(variant, tmp_path):
 # ------------------------------------------------------------------ a bfloat16 checkpoint, every layout option
 def odd_config(**over) -> DeepseekV2Config:
     """q compression + attention bias + tied embeddings + MoE every second layer + a dense first layer."""
-    values = dict(vocab_size=96, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
-                  num_hidden_layers=5, num_attention_heads=2, n_routed_experts=6, n_shared_experts=2,
-                  num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=16,
-                  q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, moe_layer_freq=2,
-                  first_k_dense_replace=1, attention_bias=True, tie_word_embeddings=True,
-                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    values = dict(
+        vocab_size=96,
+        hidden_size=40,
+        intermediate_size=56,
+        moe_intermediate_size=24,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        n_routed_experts=6,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        moe_layer_freq=2,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     values.update(over)
     return DeepseekV2Config(**values)
 
@@ -127,7 +147,7 @@ def test_output_headers_are_aligned_and_tagged(bf16_pair):
         raw = path.read_bytes()
         n = int.from_bytes(raw[:8], "little")
         assert n % 8 == 0
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         assert header.pop("__metadata__") == {"format": "ms"}
         offsets = [v["data_offsets"] for v in header.values()]
         assert offsets == sorted(offsets)  # MindSpore's reader needs the entries in data order
@@ -164,6 +184,7 @@ def test_buffered_copy_fallback(bf16_pair, tmp_path, monkeypatch, how):
         def refuse(*args):
             calls.append(args)
             raise OSError(errno.EXDEV, "Invalid cross-device link")
+
         monkeypatch.setattr(os, "copy_file_range", refuse)
     hf_to_ms(root / "hf", tmp_path / "ms", shard_size="30KB", workers=2, progress=False)
     assert read_all(tmp_path / "ms") == read_all(root / "ms")
@@ -232,21 +253,32 @@ def test_mindspore_loads_converted_files_and_trainer_checkpoints_convert_back(bf
     step.mkdir(parents=True)
     for i in cfg.moe_layer_indices:  # non-weight model state the trainer's save_checkpoint(model) also writes
         params[f"model.layers.{i}.mlp.expert_placement"] = ms.Parameter(
-            ms.Tensor(np.zeros((cfg.n_routed_experts, 2), np.int32)), requires_grad=False)
+            ms.Tensor(np.zeros((cfg.n_routed_experts, 2), np.int32)), requires_grad=False
+        )
     ms.save_checkpoint(params, str(step / "model.safetensors"), format="safetensors")
-    ms.save_checkpoint({"adam_m.x": ms.Parameter(ms.Tensor(np.ones(3, np.float32)))},
-                       str(step / "optimizer.safetensors"), format="safetensors")
+    ms.save_checkpoint(
+        {"adam_m.x": ms.Parameter(ms.Tensor(np.ones(3, np.float32)))},
+        str(step / "optimizer.safetensors"),
+        format="safetensors",
+    )
     cfg.save(step / "config.json")
     (step / "state.json").write_text('{"step": 10}\n')
     (step / "recipe.yaml").write_text("model: tiny\n")
     ms_to_hf(step, tmp_path / "hf", progress=False)
     assert read_all(tmp_path / "hf") == hf  # expert_placement and optimizer state dropped
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
     params["model.layers.2.mlp.expert_placement"] = ms.Parameter(ms.Tensor(np.zeros((5, 2), np.int32)))
     ms.save_checkpoint(params, str(step / "model.safetensors"), format="safetensors")
-    with pytest.raises(UserError, match=r"model\.safetensors: tensor model\.layers\.2\.mlp\.expert_placement has "
-                                        r"shape \[5, 2\], .*config\.json implies \[6, 2\]"):
+    with pytest.raises(
+        UserError,
+        match=r"model\.safetensors: tensor model\.layers\.2\.mlp\.expert_placement has "
+        r"shape \[5, 2\], .*config\.json implies \[6, 2\]",
+    ):
         ms_to_hf(step, tmp_path / "hf2", progress=False)
 
 
@@ -294,8 +326,19 @@ def test_tokenizer_files_are_carried_along(bf16_pair, tmp_path):
 # ------------------------------------------------------------------ CLI
 def test_cli_both_directions(bf16_pair, tmp_path, capsys):
     _, root = bf16_pair
-    rc = cli.main(["convert", "hf-to-ms", str(root / "hf"), str(tmp_path / "ms"), "--workers", "2",
-                   "--shard-size", "25KB", "--no-progress"])
+    rc = cli.main(
+        [
+            "convert",
+            "hf-to-ms",
+            str(root / "hf"),
+            str(tmp_path / "ms"),
+            "--workers",
+            "2",
+            "--shard-size",
+            "25KB",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert "hf-to-ms: wrote" in capsys.readouterr().out
     assert read_all(tmp_path / "ms") == read_all(root / "ms")
@@ -338,6 +381,8 @@ def test_layout_module_imports_without_mindspore():
     import subprocess
     import sys
 
-    code = ("import sys, ms_deepseek.config.inventory, ms_deepseek.config.names, ms_deepseek.checkpoint.convert; "
-            "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules")
+    code = (
+        "import sys, ms_deepseek.config.inventory, ms_deepseek.config.names, ms_deepseek.checkpoint.convert; "
+        "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

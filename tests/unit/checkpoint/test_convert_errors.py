@@ -19,8 +19,9 @@ from builders import small_config as builders_small_config
 
 INDEX = "model.safetensors.index.json"
 # 3 layers, 2 heads, 4 routed experts, no q compression
-small_config = functools.partial(builders_small_config, num_hidden_layers=3, num_attention_heads=2, n_routed_experts=4,
-                                 q_lora_rank=None)
+small_config = functools.partial(
+    builders_small_config, num_hidden_layers=3, num_attention_heads=2, n_routed_experts=4, q_lora_rank=None
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def single(pristine, tmp_path):
 def header_of(path: Path) -> dict:
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n])
+    return json.loads(raw[8 : 8 + n])
 
 
 def rewrite(path: Path, header: dict, data: bytes) -> None:
@@ -60,7 +61,7 @@ def rewrite(path: Path, header: dict, data: bytes) -> None:
 
 def data_of(path: Path) -> bytes:
     raw = path.read_bytes()
-    return raw[8 + struct.unpack("<Q", raw[:8])[0]:]
+    return raw[8 + struct.unpack("<Q", raw[:8])[0] :]
 
 
 def fails(src: Path, dst: Path, pattern: str, direction=hf_to_ms) -> str:
@@ -94,8 +95,12 @@ def test_truncated_shard(sharded, tmp_path, capsys):
 def test_file_cut_inside_the_header(single, tmp_path):
     path = single / "model.safetensors"
     path.write_bytes(path.read_bytes()[:100])
-    fails(single, tmp_path / "dst", r"model\.safetensors: truncated safetensors file \(header of \d+ bytes, "
-                                    r"file holds 100 bytes\)")
+    fails(
+        single,
+        tmp_path / "dst",
+        r"model\.safetensors: truncated safetensors file \(header of \d+ bytes, "
+        r"file holds 100 bytes\)",
+    )
     path.write_bytes(b"\x01\x02")
     fails(single, tmp_path / "dst", r"model\.safetensors: truncated or not a safetensors file \(2 bytes")
 
@@ -117,8 +122,12 @@ def test_wrong_offsets_and_sizes(single, tmp_path):
     good = json.loads(json.dumps(header))
     header[name]["shape"] = [48, 31]
     rewrite(path, header, data)
-    fails(single, tmp_path / "dst", rf"model\.safetensors: corrupt safetensors header: tensor {name}: \d+ bytes in "
-                                    r"data_offsets, dtype BF16 x shape \[48, 31\] needs")
+    fails(
+        single,
+        tmp_path / "dst",
+        rf"model\.safetensors: corrupt safetensors header: tensor {name}: \d+ bytes in "
+        r"data_offsets, dtype BF16 x shape \[48, 31\] needs",
+    )
     header = json.loads(json.dumps(good))
     header[name]["dtype"] = "Q9"
     rewrite(path, header, data)
@@ -135,8 +144,12 @@ def test_wrong_offsets_and_sizes(single, tmp_path):
 # ------------------------------------------------------------------ the index
 def test_index_names_a_missing_file(sharded, tmp_path, capsys):
     (sharded / "model-00003-of-00003.safetensors").unlink()
-    fails(sharded, tmp_path / "dst", r"model\.safetensors\.index\.json: weight_map\['.*'\] names "
-                                     r"'model-00003-of-00003\.safetensors', which is missing")
+    fails(
+        sharded,
+        tmp_path / "dst",
+        r"model\.safetensors\.index\.json: weight_map\['.*'\] names "
+        r"'model-00003-of-00003\.safetensors', which is missing",
+    )
     cli_fails("hf-to-ms", sharded, tmp_path / "dst", capsys, "which is missing")
 
 
@@ -150,8 +163,12 @@ def test_index_path_traversal(sharded, tmp_path, target):
     name = next(iter(index["weight_map"]))
     index["weight_map"][name] = target
     (sharded / INDEX).write_text(json.dumps(index))
-    fails(sharded, tmp_path / "dst", rf"{INDEX}: weight_map\['{name}'\] = '.*outside\.safetensors' lies outside "
-                                     "the checkpoint folder")
+    fails(
+        sharded,
+        tmp_path / "dst",
+        rf"{INDEX}: weight_map\['{name}'\] = '.*outside\.safetensors' lies outside "
+        "the checkpoint folder",
+    )
 
 
 def test_index_disagrees_with_files(sharded, tmp_path):
@@ -160,12 +177,16 @@ def test_index_disagrees_with_files(sharded, tmp_path):
     name = next(n for n, f in wm.items() if f == "model-00001-of-00003.safetensors")
     wm[name] = "model-00002-of-00003.safetensors"
     (sharded / INDEX).write_text(json.dumps(index))
-    fails(sharded, tmp_path / "dst", rf"{INDEX}: tensor {name} is mapped to model-00002-of-00003\.safetensors, "
-                                     "which does not hold it")
+    fails(
+        sharded,
+        tmp_path / "dst",
+        rf"{INDEX}: tensor {name} is mapped to model-00002-of-00003\.safetensors, "
+        "which does not hold it",
+    )
     del wm[name]
     (sharded / INDEX).write_text(json.dumps(index))
     fails(sharded, tmp_path / "dst", rf"model-00001-of-00003\.safetensors: tensor {name} is not listed")
-    (sharded / INDEX).write_text("{\"weight_map\": [1, 2]}")
+    (sharded / INDEX).write_text('{"weight_map": [1, 2]}')
     fails(sharded, tmp_path / "dst", rf"{INDEX}: no 'weight_map' object")
 
 
@@ -179,29 +200,44 @@ def test_missing_tensor(single, tmp_path):
         if isinstance(v, dict) and "data_offsets" in v and v["data_offsets"][0] >= e:
             v["data_offsets"] = [v["data_offsets"][0] - (e - s), v["data_offsets"][1] - (e - s)]
     rewrite(path, header, data[:s] + data[e:])
-    fails(single, tmp_path / "dst", rf"model\.safetensors: missing tensor {name} \(required by config\.json in the "
-                                    "HuggingFace layout\\)")
+    fails(
+        single,
+        tmp_path / "dst",
+        rf"model\.safetensors: missing tensor {name} \(required by config\.json in the "
+        "HuggingFace layout\\)",
+    )
 
 
 def test_unexpected_tensor(sharded, tmp_path):
     path = sharded / "model-00003-of-00003.safetensors"
     header, data = header_of(path), data_of(path)
-    header["model.layers.1.self_attn.q_proj.bias"] = {"dtype": "F32", "shape": [2], "data_offsets":
-                                                      [len(data), len(data) + 8]}
+    header["model.layers.1.self_attn.q_proj.bias"] = {
+        "dtype": "F32",
+        "shape": [2],
+        "data_offsets": [len(data), len(data) + 8],
+    }
     rewrite(path, header, data + b"\0" * 8)
     index = json.loads((sharded / INDEX).read_text())
     index["weight_map"]["model.layers.1.self_attn.q_proj.bias"] = path.name
     (sharded / INDEX).write_text(json.dumps(index))
-    fails(sharded, tmp_path / "dst", r"model-00003-of-00003\.safetensors: unexpected tensor "
-                                     r"model\.layers\.1\.self_attn\.q_proj\.bias \(not in the HuggingFace layout")
+    fails(
+        sharded,
+        tmp_path / "dst",
+        r"model-00003-of-00003\.safetensors: unexpected tensor "
+        r"model\.layers\.1\.self_attn\.q_proj\.bias \(not in the HuggingFace layout",
+    )
 
 
 def test_shape_contradicts_config(single, tmp_path, capsys):
     cfg = json.loads((single / "config.json").read_text())
     cfg["moe_intermediate_size"] = 20
     (single / "config.json").write_text(json.dumps(cfg))
-    fails(single, tmp_path / "dst", r"model\.safetensors: tensor model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight "
-                                    r"has shape \[16, 32\], .*config\.json implies \[20, 32\]")
+    fails(
+        single,
+        tmp_path / "dst",
+        r"model\.safetensors: tensor model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight "
+        r"has shape \[16, 32\], .*config\.json implies \[20, 32\]",
+    )
     cfg["moe_intermediate_size"] = 16
     cfg["q_lora_rank"] = 8  # q compression: q_proj is unexpected
     (single / "config.json").write_text(json.dumps(cfg))
@@ -214,11 +250,20 @@ def test_shape_contradicts_config(single, tmp_path, capsys):
 
 def test_mixed_expert_dtypes(tmp_path):
     cfg = small_config()
-    write_random_checkpoint(tmp_path / "src", cfg, dtype="bfloat16", seed=3,
-                            dtype_overrides={"model.layers.2.mlp.experts.1.up_proj.weight": "float32"})
-    fails(tmp_path / "src", tmp_path / "dst", r"model\.safetensors: tensor model\.layers\.2\.mlp\.experts\.1\.up_proj"
-                                              r"\.weight is F32 but model\.layers\.2\.mlp\.experts\.0\.up_proj\.weight "
-                                              r"\(model\.safetensors\) is BF16: the experts of one layer must share")
+    write_random_checkpoint(
+        tmp_path / "src",
+        cfg,
+        dtype="bfloat16",
+        seed=3,
+        dtype_overrides={"model.layers.2.mlp.experts.1.up_proj.weight": "float32"},
+    )
+    fails(
+        tmp_path / "src",
+        tmp_path / "dst",
+        r"model\.safetensors: tensor model\.layers\.2\.mlp\.experts\.1\.up_proj"
+        r"\.weight is F32 but model\.layers\.2\.mlp\.experts\.0\.up_proj\.weight "
+        r"\(model\.safetensors\) is BF16: the experts of one layer must share",
+    )
 
 
 def test_integer_weights(single, tmp_path):
@@ -237,8 +282,12 @@ def test_not_a_checkpoint(single, tmp_path, capsys):
     fails(tmp_path / "empty", tmp_path / "dst", r"empty: not a checkpoint \(no config\.json\)")
     (tmp_path / "conly").mkdir()
     shutil.copyfile(single / "config.json", tmp_path / "conly" / "config.json")
-    fails(tmp_path / "conly", tmp_path / "dst", r"conly: not a checkpoint \(no model\.safetensors\.index\.json or "
-                                                r"model\.safetensors\)")
+    fails(
+        tmp_path / "conly",
+        tmp_path / "dst",
+        r"conly: not a checkpoint \(no model\.safetensors\.index\.json or "
+        r"model\.safetensors\)",
+    )
     cfg = json.loads((single / "config.json").read_text())
     cfg["model_type"] = "llama"
     (single / "config.json").write_text(json.dumps(cfg))
@@ -248,10 +297,19 @@ def test_not_a_checkpoint(single, tmp_path, capsys):
 
 
 def test_wrong_direction(pristine, tmp_path):
-    fails(pristine / "ms", tmp_path / "dst", r"unexpected tensor model\.layers\.1\.mlp\.experts\.down_proj\.weight .*"
-                                             "looks like an ms_deepseek checkpoint: use ms-to-hf")
-    fails(pristine / "single", tmp_path / "dst", r"unexpected tensor model\.layers\.1\.mlp\.experts\.0\.down_proj.*"
-                                                 "looks like a HuggingFace checkpoint: use hf-to-ms", ms_to_hf)
+    fails(
+        pristine / "ms",
+        tmp_path / "dst",
+        r"unexpected tensor model\.layers\.1\.mlp\.experts\.down_proj\.weight .*"
+        "looks like an ms_deepseek checkpoint: use ms-to-hf",
+    )
+    fails(
+        pristine / "single",
+        tmp_path / "dst",
+        r"unexpected tensor model\.layers\.1\.mlp\.experts\.0\.down_proj.*"
+        "looks like a HuggingFace checkpoint: use hf-to-ms",
+        ms_to_hf,
+    )
 
 
 def test_ms_side_shape_checked(pristine, tmp_path):
@@ -260,8 +318,13 @@ def test_ms_side_shape_checked(pristine, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["moe_intermediate_size"] = 20
     (src / "config.json").write_text(json.dumps(cfg))
-    fails(src, tmp_path / "dst", r"model-00001-of-00001\.safetensors: tensor model\.layers\.1\.mlp\.experts\."
-                                 r"gate_proj\.weight has shape \[4, 16, 32\], .*implies \[4, 20, 32\]", ms_to_hf)
+    fails(
+        src,
+        tmp_path / "dst",
+        r"model-00001-of-00001\.safetensors: tensor model\.layers\.1\.mlp\.experts\."
+        r"gate_proj\.weight has shape \[4, 16, 32\], .*implies \[4, 20, 32\]",
+        ms_to_hf,
+    )
 
 
 # ------------------------------------------------------------------ failures while writing

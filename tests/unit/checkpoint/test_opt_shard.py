@@ -80,8 +80,9 @@ def test_each_rank_loads_the_part_mindspores_loader_cuts_and_saving_gathers_the_
     for rank in range(layout.world_size):
         saved = _shards_of(rank, groups, held).gathered(held[rank])
         for name in layout.tensors:
-            np.testing.assert_array_equal(saved[name], slice_array(full[name], layout.slice_of(name, rank)),
-                                          err_msg=f"{name} rank {rank}")
+            np.testing.assert_array_equal(
+                saved[name], slice_array(full[name], layout.slice_of(name, rank)), err_msg=f"{name} rank {rank}"
+            )
 
 
 def test_restore_into_hands_a_lazily_built_rank_its_part():

@@ -24,8 +24,15 @@ def test_presets_give_published_parameter_counts():
 def test_parameter_count_matches_instantiated_model():
     from ms_deepseek import DeepseekV2ForCausalLM
 
-    cfg = get_preset("tiny", vocab_size=300, hidden_size=48, num_hidden_layers=3, moe_layer_freq=2,
-                     first_k_dense_replace=1, attention_bias=True)
+    cfg = get_preset(
+        "tiny",
+        vocab_size=300,
+        hidden_size=48,
+        num_hidden_layers=3,
+        moe_layer_freq=2,
+        first_k_dense_replace=1,
+        attention_bias=True,
+    )
     model = DeepseekV2ForCausalLM(cfg)
     counted = sum(p.size for p in model.trainable_params())
     assert counted == count_parameters(cfg).total
@@ -51,25 +58,28 @@ def test_release_and_transformers5_formats_agree(tmp_path):
 def test_yarn_softmax_scale_uses_mscale_all_dim_squared():
     cfg = get_preset("deepseek-v2")
     mscale = 0.1 * 0.707 * __import__("math").log(40) + 1.0
-    assert softmax_scale(cfg) == pytest.approx(192 ** -0.5 * mscale ** 2)
-    assert softmax_scale(cfg.replace(rope_scaling=None)) == pytest.approx(192 ** -0.5)
+    assert softmax_scale(cfg) == pytest.approx(192**-0.5 * mscale**2)
+    assert softmax_scale(cfg.replace(rope_scaling=None)) == pytest.approx(192**-0.5)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"hidden_size": 0}, "hidden_size"),
-    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
-    ({"topk_method": "sinkhorn"}, "topk_method"),
-    ({"n_group": 7}, "n_group"),
-    ({"topk_group": 9}, "topk_group"),
-    ({"num_experts_per_tok": 200}, "num_experts_per_tok"),
-    ({"first_k_dense_replace": 99}, "first_k_dense_replace"),
-    ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type"),
-    ({"rope_scaling": {"type": "yarn"}}, "rope_scaling.factor"),
-    ({"compute_dtype": "float8"}, "compute_dtype"),
-    ({"capacity_factor": -1.0}, "capacity_factor"),
-    ({"hidden_size": "big"}, "hidden_size"),
-    ({"hidden_sise": 12}, "hidden_sise"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+        ({"topk_method": "sinkhorn"}, "topk_method"),
+        ({"n_group": 7}, "n_group"),
+        ({"topk_group": 9}, "topk_group"),
+        ({"num_experts_per_tok": 200}, "num_experts_per_tok"),
+        ({"first_k_dense_replace": 99}, "first_k_dense_replace"),
+        ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling.type"),
+        ({"rope_scaling": {"type": "yarn"}}, "rope_scaling.factor"),
+        ({"compute_dtype": "float8"}, "compute_dtype"),
+        ({"capacity_factor": -1.0}, "capacity_factor"),
+        ({"hidden_size": "big"}, "hidden_size"),
+        ({"hidden_sise": 12}, "hidden_sise"),
+    ],
+)
 def test_impossible_values_name_the_field(change, field):
     data = get_preset("deepseek-v2").to_hf_dict()
     data.update(change)

@@ -13,14 +13,22 @@ from ms_deepseek.train.schedules import lr_at, milestone_steps
 
 from repo_paths import REPO
 
-SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-         "num_hidden_layers": 2, "max_position_embeddings": 64}
+SMALL = {
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 64,
+}
 
 
 def base(**sections):
-    data = {"model": {"source": "tiny", "overrides": dict(SMALL)},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512},
-            "train": {"steps": 10}}
+    data = {
+        "model": {"source": "tiny", "overrides": dict(SMALL)},
+        "data": {"seq_len": 32, "embedded_vocab_size": 512},
+        "train": {"steps": 10},
+    }
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     return data
@@ -43,8 +51,17 @@ def test_shipped_recipe_loads_and_fits_the_tiny_preset():
 
 def test_overrides_reach_every_section(tmp_path):
     path = write(tmp_path, base())
-    recipe = load_recipe(path, ["train.steps=7", "optim.lr=3e-4", "model.overrides.capacity_factor=1.5",
-                                "parallel.dp=2", "train.grad_accum_steps=3", "model.comm_aux_loss_alpha=0.02"])
+    recipe = load_recipe(
+        path,
+        [
+            "train.steps=7",
+            "optim.lr=3e-4",
+            "model.overrides.capacity_factor=1.5",
+            "parallel.dp=2",
+            "train.grad_accum_steps=3",
+            "model.comm_aux_loss_alpha=0.02",
+        ],
+    )
     assert recipe.train.steps == 7
     assert recipe.optim.lr == pytest.approx(3e-4)
     assert recipe.model_config.capacity_factor == 1.5
@@ -67,33 +84,36 @@ def test_model_source_can_be_a_config_json(tmp_path):
     assert recipe.weights_folder == tmp_path
 
 
-@pytest.mark.parametrize("sections, key", [
-    ({"trian": {}}, "trian"),
-    ({"train": {"stepz": 3}}, "train.stepz"),
-    ({"train": {"steps": "many"}}, "train.steps"),
-    ({"train": {"steps": 0}}, "train.steps"),
-    ({"train": {"grad_accum_steps": 0}}, "train.grad_accum_steps"),
-    ({"train": {"micro_batch_size": -1}}, "train.micro_batch_size"),
-    ({"train": {"clip_grad_norm": 0}}, "train.clip_grad_norm"),
-    ({"optim": {"lr": -1e-3}}, "optim.lr"),
-    ({"optim": {"min_lr": 1.0}}, "optim.min_lr"),
-    ({"optim": {"schedule": "linear"}}, "optim.schedule"),
-    ({"optim": {"milestones": [0.9, 0.6]}}, "optim.milestones"),
-    ({"optim": {"beta2": 1.0}}, "optim.beta2"),
-    ({"optim": {"warmup_steps": -5}}, "optim.warmup_steps"),
-    ({"data": {"seq_len": 4096}}, "data.seq_len"),
-    ({"data": {"embedded_vocab_size": 1024}}, "data.embedded_vocab_size"),
-    ({"data": {"tokenizer": "/nonexistent/tokenizer.model"}}, "data.tokenizer"),
-    ({"data": {"path": "/nonexistent/prepared"}}, "data.path"),
-    ({"model": {"source": "deepseek-v9"}}, "model.source"),
-    ({"model": {"overrides": {"hidden_sise": 8}}}, "model.overrides.hidden_sise"),
-    ({"model": {"overrides": {"capacity_factor": -1.0}}}, "capacity_factor"),
-    ({"model": {"device_aux_loss_alpha": -0.1}}, "model.device_aux_loss_alpha"),
-    ({"parallel": {"dp": 0}}, "parallel.dp"),
-    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
-    ({"checkpoint": {"save_interval": -1}}, "checkpoint.save_interval"),
-    ({"logging": {"log_interval": 0}}, "logging.log_interval"),
-])
+@pytest.mark.parametrize(
+    "sections, key",
+    [
+        ({"trian": {}}, "trian"),
+        ({"train": {"stepz": 3}}, "train.stepz"),
+        ({"train": {"steps": "many"}}, "train.steps"),
+        ({"train": {"steps": 0}}, "train.steps"),
+        ({"train": {"grad_accum_steps": 0}}, "train.grad_accum_steps"),
+        ({"train": {"micro_batch_size": -1}}, "train.micro_batch_size"),
+        ({"train": {"clip_grad_norm": 0}}, "train.clip_grad_norm"),
+        ({"optim": {"lr": -1e-3}}, "optim.lr"),
+        ({"optim": {"min_lr": 1.0}}, "optim.min_lr"),
+        ({"optim": {"schedule": "linear"}}, "optim.schedule"),
+        ({"optim": {"milestones": [0.9, 0.6]}}, "optim.milestones"),
+        ({"optim": {"beta2": 1.0}}, "optim.beta2"),
+        ({"optim": {"warmup_steps": -5}}, "optim.warmup_steps"),
+        ({"data": {"seq_len": 4096}}, "data.seq_len"),
+        ({"data": {"embedded_vocab_size": 1024}}, "data.embedded_vocab_size"),
+        ({"data": {"tokenizer": "/nonexistent/tokenizer.model"}}, "data.tokenizer"),
+        ({"data": {"path": "/nonexistent/prepared"}}, "data.path"),
+        ({"model": {"source": "deepseek-v9"}}, "model.source"),
+        ({"model": {"overrides": {"hidden_sise": 8}}}, "model.overrides.hidden_sise"),
+        ({"model": {"overrides": {"capacity_factor": -1.0}}}, "capacity_factor"),
+        ({"model": {"device_aux_loss_alpha": -0.1}}, "model.device_aux_loss_alpha"),
+        ({"parallel": {"dp": 0}}, "parallel.dp"),
+        ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
+        ({"checkpoint": {"save_interval": -1}}, "checkpoint.save_interval"),
+        ({"logging": {"log_interval": 0}}, "logging.log_interval"),
+    ],
+)
 def test_bad_values_fail_at_load_naming_the_key(tmp_path, sections, key):
     """Schema errors (config.recipe) and what the run would not find on this machine (train.preflight)."""
     path = write(tmp_path, base(**sections))
@@ -111,12 +131,13 @@ def test_micro_batch_beyond_the_dispatch_sort_keys_is_refused_at_load():
 
     k = load_recipe_dict(base()).model_config.num_experts_per_tok
     fits = max_tokens_per_group(k) // 32  # micro-batch rows of 32 tokens
-    assert 3 * k * fits * 32 < 2 ** 24 <= 3 * k * (fits + 1) * 32
+    assert 3 * k * fits * 32 < 2**24 <= 3 * k * (fits + 1) * 32
     load_recipe_dict(base(train={"micro_batch_size": fits}))
     with pytest.raises(UserError) as err:
         load_recipe_dict(base(train={"micro_batch_size": fits + 1}))
-    assert str(err.value).startswith(f"train.micro_batch_size: {fits + 1} x 32 = {(fits + 1) * 32} tokens per "
-                                     "data-parallel rank exceed"), err.value
+    assert str(err.value).startswith(
+        f"train.micro_batch_size: {fits + 1} x 32 = {(fits + 1) * 32} tokens per data-parallel rank exceed"
+    ), err.value
 
 
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
@@ -128,11 +149,19 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
     text = [Path(m.__file__).read_text(encoding="utf-8") for m in (argparse, dataclasses, os)]
     train_sentencepiece(text, 600, tmp_path / "tokenizer.model")
-    ok = check_recipe(load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")},
-                                            model={"overrides": dict(SMALL, vocab_size=1024)})))
+    ok = check_recipe(
+        load_recipe_dict(
+            base(
+                data={"tokenizer": str(tmp_path / "tokenizer.model")}, model={"overrides": dict(SMALL, vocab_size=1024)}
+            )
+        )
+    )
     assert ok.model_config.vocab_size == 1024
-    with pytest.raises(UserError, match=r"data.tokenizer: the tokenizer has \d+ tokens but the model's vocab_size "
-                                        r"is 512"):
+    with pytest.raises(
+        UserError,
+        match=r"data.tokenizer: the tokenizer has \d+ tokens but the model's vocab_size "
+        r"is 512",
+    ):
         check_recipe(load_recipe_dict(base(data={"tokenizer": str(tmp_path / "tokenizer.model")})))
 
 
@@ -149,13 +178,14 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 # ------------------------------------------------------------------ schedules
 
+
 def test_cosine_schedule_exact_values():
     kw = dict(schedule="cosine", lr=1e-3, total_steps=100, warmup_steps=10, min_lr=1e-4)
-    assert lr_at(1, **kw) == pytest.approx(1e-4)          # warmup: lr * 1/10
+    assert lr_at(1, **kw) == pytest.approx(1e-4)  # warmup: lr * 1/10
     assert lr_at(5, **kw) == pytest.approx(5e-4)
-    assert lr_at(10, **kw) == pytest.approx(1e-3)         # peak
+    assert lr_at(10, **kw) == pytest.approx(1e-3)  # peak
     assert lr_at(55, **kw) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half way through the cosine
-    assert lr_at(100, **kw) == pytest.approx(1e-4)        # floor at the end
+    assert lr_at(100, **kw) == pytest.approx(1e-4)  # floor at the end
     assert lr_at(32, **kw) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 22 / 90)))
 
 
@@ -164,11 +194,11 @@ def test_step_schedule_exact_values():
     assert milestone_steps(1000, (0.6, 0.9)) == [600, 900]
     assert lr_at(50, **kw) == pytest.approx(1.2e-4)
     assert lr_at(100, **kw) == pytest.approx(2.4e-4)
-    assert lr_at(600, **kw) == pytest.approx(2.4e-4)      # decay applies after the milestone
+    assert lr_at(600, **kw) == pytest.approx(2.4e-4)  # decay applies after the milestone
     assert lr_at(601, **kw) == pytest.approx(2.4e-4 * 0.316)
     assert lr_at(900, **kw) == pytest.approx(2.4e-4 * 0.316)
-    assert lr_at(901, **kw) == pytest.approx(2.4e-4 * 0.316 ** 2)
-    assert lr_at(1000, **kw) == pytest.approx(2.4e-4 * 0.316 ** 2)
+    assert lr_at(901, **kw) == pytest.approx(2.4e-4 * 0.316**2)
+    assert lr_at(1000, **kw) == pytest.approx(2.4e-4 * 0.316**2)
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "step", "constant"])
@@ -194,8 +224,9 @@ def test_global_batch_is_one_definition_for_train_and_plan():
     from ms_deepseek.parallel_plan.planner import recipe_workload
     from ms_deepseek.parallel_plan.validate import layout_problems
 
-    flat = load_recipe_dict(base(train={"micro_batch_size": 8, "grad_accum_steps": 2},
-                                 parallel={"dp": 1, "micro_batches": 4}))
+    flat = load_recipe_dict(
+        base(train={"micro_batch_size": 8, "grad_accum_steps": 2}, parallel={"dp": 1, "micro_batches": 4})
+    )
     assert flat.global_batch_size == 16 == recipe_workload(flat).global_batch_size
     assert layout_problems(flat.parallel, flat.model_config, global_batch_size=16, micro_batch_size=8) == []
     piped = load_recipe_dict(base(train={"micro_batch_size": 2}, parallel={"dp": 2, "pp": 2, "micro_batches": 4}))

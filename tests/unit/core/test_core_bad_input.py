@@ -26,9 +26,9 @@ def _dead_pid():
 def test_stale_partials_of_dead_writers_only(tmp_path):
     dst = tmp_path / "out"
     dead = tmp_path / f".out.partial-{HOST}-{_dead_pid()}-0123456789ab"
-    live = tmp_path / f".out.partial-{HOST}-{os.getppid()}-0123456789ab"   # a live process
+    live = tmp_path / f".out.partial-{HOST}-{os.getppid()}-0123456789ab"  # a live process
     elsewhere = tmp_path / f".out.partial-otherhost-{_dead_pid()}-0123456789ab"  # cannot tell: kept
-    other = tmp_path / f".other.partial-{HOST}-{_dead_pid()}-0123456789ab"     # another destination
+    other = tmp_path / f".other.partial-{HOST}-{_dead_pid()}-0123456789ab"  # another destination
     for p in (dead, live, elsewhere, other):
         p.mkdir()
     assert remove_stale_partials(dst) == [dead]

@@ -35,8 +35,15 @@ def _copy(prepared, tmp_path, **meta_changes):
     return data
 
 
-@pytest.mark.parametrize("name, why", [("/etc/passwd", "is an absolute path"), ("../outside.npy", "points outside"),
-                                       ("", "expected a file name"), (5, "expected a file name")])
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("/etc/passwd", "is an absolute path"),
+        ("../outside.npy", "points outside"),
+        ("", "expected a file name"),
+        (5, "expected a file name"),
+    ],
+)
 def test_lengths_file_confined(prepared, tmp_path, name, why):
     (tmp_path / "outside.npy").write_bytes(b"x")
     data = _copy(prepared, tmp_path, lengths_file=name)
@@ -61,9 +68,14 @@ def test_symlink_out_of_the_folder(prepared, tmp_path):
         load_meta(data)
 
 
-@pytest.mark.parametrize("content, why", [(np.array([{"x": 1}], dtype=object), "not a plain .npy"),
-                                          (np.zeros((2, 2), dtype=np.int64), "1-D integer array"),
-                                          (np.array([1.5, 2.5]), "1-D integer array")])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (np.array([{"x": 1}], dtype=object), "not a plain .npy"),
+        (np.zeros((2, 2), dtype=np.int64), "1-D integer array"),
+        (np.array([1.5, 2.5]), "1-D integer array"),
+    ],
+)
 def test_lengths_contents(prepared, tmp_path, content, why):
     data = _copy(prepared, tmp_path)
     np.save(data / "lengths.npy", content, allow_pickle=True)
@@ -77,9 +89,16 @@ def test_train_names_the_pickled_lengths_file(capsys, prepared, tmp_path):
     data = _copy(prepared, tmp_path)
     np.save(data / "lengths.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"source": "tiny"}, "data": {"path": str(data), "num_workers": 1},
-                                      "train": {"steps": 1, "micro_batch_size": 1},
-                                      "logging": {"tensorboard": False}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "tiny"},
+                "data": {"path": str(data), "num_workers": 1},
+                "train": {"steps": 1, "micro_batch_size": 1},
+                "logging": {"tensorboard": False},
+            }
+        )
+    )
     code, _, err = run_cli(capsys, ["train", recipe, "--output", tmp_path / "run"])
     assert_refused(code, err, "lengths.npy: not a plain .npy")
     assert not (tmp_path / "run").exists()

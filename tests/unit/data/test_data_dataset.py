@@ -20,10 +20,11 @@ def folders(tmp_path_factory):
     make_byte_tokenizer(root / "tok")
     write_jsonl(root / "pt.jsonl", [{"text": f"doc {i:03d} " + "abcdefg"[: i % 7]} for i in range(60)])
     prepare_data([root / "pt.jsonl"], root / "pt", root / "tok", seq_len=16, num_shards=2, progress=False)
-    write_jsonl(root / "sft.jsonl", [{"prompt": f"q{i:03d}" + "?" * (i % 3), "response": "r" * (i * 7 % 50)}
-                                     for i in range(160)])
-    prepare_data([root / "sft.jsonl"], root / "sft", root / "tok", seq_len=64, fmt="sft", num_shards=3,
-                 progress=False)
+    write_jsonl(
+        root / "sft.jsonl",
+        [{"prompt": f"q{i:03d}" + "?" * (i % 3), "response": "r" * (i * 7 % 50)} for i in range(160)],
+    )
+    prepare_data([root / "sft.jsonl"], root / "sft", root / "tok", seq_len=64, fmt="sft", num_shards=3, progress=False)
     return root
 
 
@@ -78,7 +79,7 @@ def test_dp_ranks_are_disjoint_and_cover_the_epoch(folders, pt_rows):
     seen = [[ids_of(b, pt_rows) for b in take(ds, steps)] for ds in ranks]
     order = ranks[0].epoch_order(0)
     for s in range(steps):  # each step takes the next 6 positions of the epoch's order
-        assert sorted(seen[0][s] + seen[1][s]) == sorted(order[6 * s: 6 * (s + 1)].tolist())
+        assert sorted(seen[0][s] + seen[1][s]) == sorted(order[6 * s : 6 * (s + 1)].tolist())
     flat = [set(i for step in per_rank for i in step) for per_rank in seen]
     assert not flat[0] & flat[1]
     assert flat[0] | flat[1] == set(order[: 6 * steps].tolist())
@@ -123,8 +124,9 @@ def test_resume_pretrain_with_another_world_size(folders, pt_rows):
         next(it)
     state = single.state_dict()
     nxt = next(it)
-    pair = [next(iter(build_train_dataset(cfg(folders), batch_size=3, rank=r, world_size=2, state=state)))
-            for r in range(2)]
+    pair = [
+        next(iter(build_train_dataset(cfg(folders), batch_size=3, rank=r, world_size=2, state=state))) for r in range(2)
+    ]
     assert sorted(ids_of(pair[0], pt_rows) + ids_of(pair[1], pt_rows)) == sorted(ids_of(nxt, pt_rows))
 
 
@@ -226,8 +228,9 @@ def test_embedded_default_is_built_once_and_cached(tmp_path, monkeypatch):
     built = []
 
     def rank():  # two ranks starting at once: one builds, the other waits and reuses
-        built.append(build_train_dataset(c, batch_size=2, cache_dir=tmp_path, vocab_size=512, max_positions=32,
-                                         progress=False))
+        built.append(
+            build_train_dataset(c, batch_size=2, cache_dir=tmp_path, vocab_size=512, max_positions=32, progress=False)
+        )
 
     threads = [threading.Thread(target=rank) for _ in range(2)]
     for t in threads:

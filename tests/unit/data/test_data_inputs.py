@@ -27,22 +27,28 @@ def _parquet(path, columns):
 
 # ----------------------------------------------------------------------------- readers
 
+
 def test_pretrain_from_jsonl_parquet_and_text(tmp_path):
     j = write_jsonl(tmp_path / "a.jsonl", [{"text": "one", "id": 1}, {"text": "twö"}])
     (tmp_path / "b.jsonl").write_text('{"text": "three"}\n\n   \n')  # blank lines are skipped
     p = _parquet(tmp_path / "c.parquet", {"text": ["four", "five"], "other": [1, 2]})
     t = tmp_path / "d.py"
     t.write_text("print('six')\n")
-    assert _docs([j, tmp_path / "b.jsonl", p, t], "pretrain") == ["one", "twö", "three", "four", "five",
-                                                                   "print('six')\n"]
+    assert _docs([j, tmp_path / "b.jsonl", p, t], "pretrain") == [
+        "one",
+        "twö",
+        "three",
+        "four",
+        "five",
+        "print('six')\n",
+    ]
 
 
 def test_folders_are_read_recursively_in_sorted_order(tmp_path):
     for rel in ("b/2.txt", "b/10.txt", "a.txt", ".hidden/x.txt", "b/__pycache__/y.txt"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
-    assert [f.relative_to(tmp_path).as_posix() for f in discover_files([tmp_path])] == \
-        ["a.txt", "b/10.txt", "b/2.txt"]
+    assert [f.relative_to(tmp_path).as_posix() for f in discover_files([tmp_path])] == ["a.txt", "b/10.txt", "b/2.txt"]
 
 
 def test_sft_records_from_jsonl_and_parquet(tmp_path):
@@ -52,21 +58,27 @@ def test_sft_records_from_jsonl_and_parquet(tmp_path):
     p2 = _parquet(tmp_path / "pr.parquet", {"prompt": ["q3"], "response": ["a3"]})
     docs = _docs([j, p, p2], "sft")
     assert docs[0] == chat and docs[2] == chat
-    assert docs[1] == [{"role": "system", "content": "s"}, {"role": "user", "content": "q2"},
-                       {"role": "assistant", "content": "a2"}]
+    assert docs[1] == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
     assert docs[3] == [{"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]
 
 
-@pytest.mark.parametrize("content, fmt, message", [
-    (b'{"text": "ok"}\n{"text": oops}\n', "pretrain", r"bad.jsonl:2: bad JSON"),
-    (b'{"text": "ok"}\n{"text": "\xff"}\n', "pretrain", r"bad.jsonl:2: not valid UTF-8"),
-    (b'{"text": "ok"}\n[1, 2]\n', "pretrain", r"bad.jsonl:2: expected a JSON object"),
-    (b'{"body": "x"}\n', "pretrain", r"bad.jsonl:1: no 'text' field"),
-    (b'{"text": 5}\n', "pretrain", r"bad.jsonl:1: 'text' must be a string"),
-    (b'{"text": "x"}\n', "sft", r"bad.jsonl:1: SFT records need 'messages' or 'prompt' and 'response'"),
-    (b'{"messages": [{"role": "bot", "content": "x"}]}\n', "sft", r"bad.jsonl:1: messages\[0\].role 'bot'"),
-    (b'{"prompt": "x"}\n', "sft", r"bad.jsonl:1: .*needs both 'prompt' and 'response'"),
-])
+@pytest.mark.parametrize(
+    "content, fmt, message",
+    [
+        (b'{"text": "ok"}\n{"text": oops}\n', "pretrain", r"bad.jsonl:2: bad JSON"),
+        (b'{"text": "ok"}\n{"text": "\xff"}\n', "pretrain", r"bad.jsonl:2: not valid UTF-8"),
+        (b'{"text": "ok"}\n[1, 2]\n', "pretrain", r"bad.jsonl:2: expected a JSON object"),
+        (b'{"body": "x"}\n', "pretrain", r"bad.jsonl:1: no 'text' field"),
+        (b'{"text": 5}\n', "pretrain", r"bad.jsonl:1: 'text' must be a string"),
+        (b'{"text": "x"}\n', "sft", r"bad.jsonl:1: SFT records need 'messages' or 'prompt' and 'response'"),
+        (b'{"messages": [{"role": "bot", "content": "x"}]}\n', "sft", r"bad.jsonl:1: messages\[0\].role 'bot'"),
+        (b'{"prompt": "x"}\n', "sft", r"bad.jsonl:1: .*needs both 'prompt' and 'response'"),
+    ],
+)
 def test_bad_jsonl_names_file_and_line(tmp_path, content, fmt, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
@@ -109,6 +121,7 @@ def test_missing_inputs_and_text_in_sft(tmp_path):
 
 # ----------------------------------------------------------------------------- packing
 
+
 def _pack(docs, seq_len, bos=0, eos=1, pad=2):
     stats = PackStats()
     packer = Packer(seq_len, bos, eos, pad, stats)
@@ -120,8 +133,12 @@ def test_packing_windows_and_padding():
     # stream: [0 5 6 7 1] [0 8 1] [0 9 9 9 9 1]  (bos doc eos), cut every 4 tokens
     rows, stats = _pack([[5, 6, 7], [8], [9, 9, 9, 9]], seq_len=4)
     assert [r["input_ids"].tolist() for r in rows] == [[0, 5, 6, 7], [1, 0, 8, 1], [0, 9, 9, 9], [9, 1, 2, 2]]
-    assert [r["labels"].tolist() for r in rows] == [[0, 5, 6, 7], [1, 0, 8, 1], [0, 9, 9, 9],
-                                                    [9, 1, IGNORE_INDEX, IGNORE_INDEX]]
+    assert [r["labels"].tolist() for r in rows] == [
+        [0, 5, 6, 7],
+        [1, 0, 8, 1],
+        [0, 9, 9, 9],
+        [9, 1, IGNORE_INDEX, IGNORE_INDEX],
+    ]
     assert [int(r["length"]) for r in rows] == [4, 4, 4, 2]
     assert all(r["input_ids"].dtype == np.int32 and r["labels"].dtype == np.int32 for r in rows)
     assert (stats.documents, stats.samples, stats.tokens, stats.target_tokens, stats.max_token_id) == (3, 4, 14, 14, 9)
@@ -154,9 +171,9 @@ def test_sft_rows_truncate_and_drop_are_counted(tmp_path):
 
 # ----------------------------------------------------------------------------- config
 
+
 def test_data_config_defaults_and_types():
-    cfg = from_dict(DataConfig, {"path": "x", "format": "sft", "bucket_boundaries": [64, 128], "seq_len": 256},
-                    "data")
+    cfg = from_dict(DataConfig, {"path": "x", "format": "sft", "bucket_boundaries": [64, 128], "seq_len": 256}, "data")
     assert cfg.shuffle and cfg.bucket_boundaries == [64, 128]
     assert from_dict(DataConfig, {}, "data").embedded_seq_len == 256
     with pytest.raises(UserError, match=r"data.seq_len: expected int"):
@@ -165,21 +182,26 @@ def test_data_config_defaults_and_types():
         from_dict(DataConfig, {"fromat": "sft"}, "data")
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"seq_len": 1}, r"data.seq_len: must be at least 2"),
-    ({"num_workers": 0}, r"data.num_workers"),
-    ({"seed": -1}, r"data.seed"),
-    ({"path": "x", "format": "sft", "bucket_boundaries": [128, 64]}, r"data.bucket_boundaries: must be strictly"),
-    ({"path": "x", "format": "sft", "bucket_boundaries": []}, r"data.bucket_boundaries: empty"),
-    ({"path": "x", "format": "sft", "seq_len": 100, "bucket_boundaries": [64, 128]},
-     r"data.bucket_boundaries: 128 is longer than data.seq_len 100"),
-    ({"bucket_boundaries": [64]}, r"data.bucket_boundaries: only used with data.format 'sft'"),
-    ({"format": "sft"}, r"data.path: format 'sft' needs a prepared SFT folder"),
-    ({"embedded_default": False}, r"data.path: not set and data.embedded_default is false"),
-    ({"path": " "}, r"data.path: empty string"),
-    ({"embedded_vocab_size": 100}, r"data.embedded_vocab_size"),
-    ({"embedded_max_bytes": 5}, r"data.embedded_max_bytes"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"seq_len": 1}, r"data.seq_len: must be at least 2"),
+        ({"num_workers": 0}, r"data.num_workers"),
+        ({"seed": -1}, r"data.seed"),
+        ({"path": "x", "format": "sft", "bucket_boundaries": [128, 64]}, r"data.bucket_boundaries: must be strictly"),
+        ({"path": "x", "format": "sft", "bucket_boundaries": []}, r"data.bucket_boundaries: empty"),
+        (
+            {"path": "x", "format": "sft", "seq_len": 100, "bucket_boundaries": [64, 128]},
+            r"data.bucket_boundaries: 128 is longer than data.seq_len 100",
+        ),
+        ({"bucket_boundaries": [64]}, r"data.bucket_boundaries: only used with data.format 'sft'"),
+        ({"format": "sft"}, r"data.path: format 'sft' needs a prepared SFT folder"),
+        ({"embedded_default": False}, r"data.path: not set and data.embedded_default is false"),
+        ({"path": " "}, r"data.path: empty string"),
+        ({"embedded_vocab_size": 100}, r"data.embedded_vocab_size"),
+        ({"embedded_max_bytes": 5}, r"data.embedded_max_bytes"),
+    ],
+)
 def test_data_config_rejects_impossible_values(values, message):
     with pytest.raises(UserError, match=message):
         from_dict(DataConfig, values, "data")

@@ -38,9 +38,9 @@ def test_pretrain_shards_hold_the_packed_stream(tmp_path, tok_dir):
     rows = read_rows(out)
     assert len(rows) == n_full + 1
     for k, row in enumerate(rows[:n_full]):
-        assert row["input_ids"].tolist() == stream[16 * k: 16 * (k + 1)]
+        assert row["input_ids"].tolist() == stream[16 * k : 16 * (k + 1)]
         assert row["labels"].tolist() == row["input_ids"].tolist() and int(row["length"]) == 16
-    tail = stream[16 * n_full:]
+    tail = stream[16 * n_full :]
     last = rows[-1]
     assert last["input_ids"].tolist() == tail + [PAD_ID] * (16 - len(tail))
     assert last["labels"].tolist() == tail + [IGNORE_INDEX] * (16 - len(tail))
@@ -58,12 +58,14 @@ def test_pretrain_shards_hold_the_packed_stream(tmp_path, tok_dir):
 
 
 def test_sft_shards_lengths_and_truncation_count(tmp_path, tok_dir):
-    records = [{"prompt": f"question {i}" + "?" * (i % 13), "response": "answer " + "a" * (i % 29)}
-               for i in range(2500)]
+    records = [
+        {"prompt": f"question {i}" + "?" * (i % 13), "response": "answer " + "a" * (i % 29)} for i in range(2500)
+    ]
     write_jsonl(tmp_path / "chat.jsonl", records)
     out = tmp_path / "sft"
-    meta, summary = prepare_data([tmp_path / "chat.jsonl"], out, tok_dir, seq_len=48, fmt="sft",
-                                 num_shards=3, progress=False)
+    meta, summary = prepare_data(
+        [tmp_path / "chat.jsonl"], out, tok_dir, seq_len=48, fmt="sft", num_shards=3, progress=False
+    )
     assert len(meta["files"]) == 3
     rows = read_rows(out)
     assert len(rows) == 2500
@@ -105,12 +107,15 @@ def test_destination_is_never_half_written(tmp_path, tok_dir):
     assert load_meta(out)["seq_len"] == 4 and _siblings(out) == []
 
 
-@pytest.mark.parametrize("name, content, fmt, message", [
-    ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', "pretrain", r"bad.jsonl:2: bad JSON"),
-    ("bad.txt", b"fine\n\xff\xfe\n", "pretrain", r"bad.txt:2: not valid UTF-8"),
-    ("bad.parquet", b"PAR1 not really", "pretrain", r"bad.parquet: not a readable parquet file"),
-    ("bad.jsonl", b'{"messages": [{"role": "user"}]}\n', "sft", r"bad.jsonl:1: messages\[0\] must be an object"),
-])
+@pytest.mark.parametrize(
+    "name, content, fmt, message",
+    [
+        ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', "pretrain", r"bad.jsonl:2: bad JSON"),
+        ("bad.txt", b"fine\n\xff\xfe\n", "pretrain", r"bad.txt:2: not valid UTF-8"),
+        ("bad.parquet", b"PAR1 not really", "pretrain", r"bad.parquet: not a readable parquet file"),
+        ("bad.jsonl", b'{"messages": [{"role": "user"}]}\n', "sft", r"bad.jsonl:1: messages\[0\] must be an object"),
+    ],
+)
 def test_bad_inputs_leave_nothing_behind(tmp_path, tok_dir, name, content, fmt, message):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello", "prompt": "q", "response": "a"}] * 3)
     (tmp_path / name).write_bytes(content)
@@ -120,13 +125,16 @@ def test_bad_inputs_leave_nothing_behind(tmp_path, tok_dir, name, content, fmt, 
     assert not out.exists() and _siblings(out) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"seq_len": 1}, r"--seq-len: must be an integer >= 2"),
-    ({"fmt": "chat"}, r"--format: must be 'pretrain' or 'sft'"),
-    ({"num_shards": 0}, r"--num-shards: must be between 1 and 1000"),
-    ({"num_shards": 50}, r"--num-shards: 50 shards for only"),
-    ({"tokenizer": "nowhere/tokenizer.json"}, r"nowhere/tokenizer.json: tokenizer not found"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seq_len": 1}, r"--seq-len: must be an integer >= 2"),
+        ({"fmt": "chat"}, r"--format: must be 'pretrain' or 'sft'"),
+        ({"num_shards": 0}, r"--num-shards: must be between 1 and 1000"),
+        ({"num_shards": 50}, r"--num-shards: 50 shards for only"),
+        ({"tokenizer": "nowhere/tokenizer.json"}, r"nowhere/tokenizer.json: tokenizer not found"),
+    ],
+)
 def test_bad_arguments(tmp_path, tok_dir, kwargs, message):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": "hello world"}] * 5)
     args = dict(inputs=[good], output=tmp_path / "out", tokenizer=tok_dir, seq_len=8, progress=False)
@@ -148,12 +156,42 @@ def test_cli(tmp_path, tok_dir, capsys):
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "some text here"}] * 4)
     out = tmp_path / "cli_out"
-    assert main(["prepare-data", str(data), "--output", str(out), "--tokenizer", str(tok_dir),
-                 "--seq-len", "8", "--num-shards", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(data),
+                "--output",
+                str(out),
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "8",
+                "--num-shards",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("wrote ")
     assert len(load_meta(out)["files"]) == 2
-    assert main(["prepare-data", str(data), "--output", str(out), "--tokenizer", str(tok_dir),
-                 "--seq-len", "8", "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "prepare-data",
+                str(data),
+                "--output",
+                str(out),
+                "--tokenizer",
+                str(tok_dir),
+                "--seq-len",
+                "8",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "folder is not empty" in err
     assert main(["prepare-data", str(data), "--output", str(tmp_path / "x"), "--seq-len", "8"]) == 2
@@ -163,8 +201,24 @@ def test_cli(tmp_path, tok_dir, capsys):
     assert ex.value.code == 0 and "--embedded-default" in capsys.readouterr().out
     assert main(["prepare-data", str(data), "--embedded-default", "--output", str(tmp_path / "e")]) == 2
     assert "drop INPUTs" in capsys.readouterr().err
-    assert main(["prepare-data", "--embedded-default", "--output", str(tmp_path / "e"), "--seq-len", "32",
-                 "--vocab-size", "512", "--max-bytes", "30000", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                "--embedded-default",
+                "--output",
+                str(tmp_path / "e"),
+                "--seq-len",
+                "32",
+                "--vocab-size",
+                "512",
+                "--max-bytes",
+                "30000",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "wrote " in capsys.readouterr().out and load_meta(tmp_path / "e")["seq_len"] == 32
 
 
@@ -206,5 +260,5 @@ def test_a_tokenizer_under_another_name_is_saved_as_the_folder_reads_it(tmp_path
         out = tmp_path / f"prepared-{name}"
         meta, _ = prepare_data([tmp_path / "in"], out, src, seq_len=16, progress=False)
         assert (out / name).is_file() and meta["tokenizer"]["files"] == [name]
-        tok = load_tokenizer(out)          # what train does with the data folder
+        tok = load_tokenizer(out)  # what train does with the data folder
         assert tok.sha256() == load_tokenizer(src).sha256() == meta["tokenizer"]["sha256"]

@@ -17,7 +17,8 @@ RELEASED_TEMPLATE = (
     "{{ 'User: ' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}"
     "{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}"
     "{{ message['content'] + '\n\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -72,12 +73,15 @@ def test_sentencepiece_tokenizer(sp_model):
     assert tok.decode([1] + ids + [2], skip_special_tokens=False) == "<s>" + text + "</s>"
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d / "missing.json", "tokenizer not found"),
-    (lambda d: d, "no tokenizer.json or tokenizer.model"),
-    (lambda d: _write(d / "tokenizer.json", "{not json"), "not a readable tokenizer.json"),
-    (lambda d: _write(d / "tokenizer.model", "garbage"), "not a readable sentencepiece model"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing.json", "tokenizer not found"),
+        (lambda d: d, "no tokenizer.json or tokenizer.model"),
+        (lambda d: _write(d / "tokenizer.json", "{not json"), "not a readable tokenizer.json"),
+        (lambda d: _write(d / "tokenizer.model", "garbage"), "not a readable sentencepiece model"),
+    ],
+)
 def test_bad_tokenizer_paths_name_the_path(tmp_path, make, message):
     path = make(tmp_path)
     with pytest.raises(UserError, match=message) as err:
@@ -99,6 +103,7 @@ def _write(path, text):
 
 def test_render_chat_matches_the_released_template():
     import jinja2  # requirements-test.txt: the reference renderer of the released template
+
     template = jinja2.Environment().from_string(RELEASED_TEMPLATE)
     for gen in (False, True):
         msgs = CONVERSATION[:4] if gen else CONVERSATION
@@ -132,10 +137,11 @@ def test_chat_generation_prompt(byte_tok_dir):
 
 def test_chat_targets_with_sentencepiece(sp_model):
     tok = load_tokenizer(sp_model)
-    ids, labels = encode_chat(tok, [{"role": "user", "content": "hello there"},
-                                    {"role": "assistant", "content": "general kenobi"}])
+    ids, labels = encode_chat(
+        tok, [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+    )
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     targets = [t for t in labels if t != IGNORE_INDEX]
     assert targets[-1] == tok.eos_id
     assert tok.decode(targets[:-1]) == " general kenobi"
-    assert tok.decode(ids[1:len(ids) - len(targets)]) == "User: hello there\n\nAssistant:"
+    assert tok.decode(ids[1 : len(ids) - len(targets)]) == "User: hello there\n\nAssistant:"

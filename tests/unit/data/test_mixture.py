@@ -83,8 +83,14 @@ def test_data_parallel_ranks_split_the_same_stream_and_resume_exactly(folders):
     whole = take(build_train_dataset(mix(folders), batch_size=4), 12)
     ranks = [take(build_train_dataset(mix(folders), batch_size=2, rank=r, world_size=2), 12) for r in range(2)]
     for step in range(12):  # rank r holds positions r, r+2 of the step's 4
-        got = np.stack([ranks[0][step]["input_ids"][0], ranks[1][step]["input_ids"][0],
-                        ranks[0][step]["input_ids"][1], ranks[1][step]["input_ids"][1]])
+        got = np.stack(
+            [
+                ranks[0][step]["input_ids"][0],
+                ranks[1][step]["input_ids"][0],
+                ranks[0][step]["input_ids"][1],
+                ranks[1][step]["input_ids"][1],
+            ]
+        )
         np.testing.assert_array_equal(got, whole[step]["input_ids"])
     first = build_train_dataset(mix(folders), batch_size=4)
     it = iter(first)
@@ -118,8 +124,9 @@ def test_sources_that_disagree_are_named(folders):
         from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "x"}]}, "data")
     # an SFT mixture is allowed (tests/unit/train/test_sharded_validation.py); length buckets are not
     with pytest.raises(UserError, match="a weighted mixture pads every sample to seq_len"):
-        from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft",
-                               "bucket_boundaries": [8]}, "data")
+        from_dict(
+            DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft", "bucket_boundaries": [8]}, "data"
+        )
 
 
 def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
@@ -131,12 +138,18 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
 
     from builders import SMALL_MODEL, write_recipe
 
-    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
-            "data": {"path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],
-                     "num_workers": 1, "validation": {"fraction": 0.1}},
-            "train": {"steps": 3, "micro_batch_size": 4, "eval_batches": 1},
-            "optim": {"lr": 1e-3}, "checkpoint": {"save_interval": 0},
-            "logging": {"log_interval": 1, "tensorboard": False}}
+    spec = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
+        "data": {
+            "path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],
+            "num_workers": 1,
+            "validation": {"fraction": 0.1},
+        },
+        "train": {"steps": 3, "micro_batch_size": 4, "eval_batches": 1},
+        "optim": {"lr": 1e-3},
+        "checkpoint": {"save_interval": 0},
+        "logging": {"log_interval": 1, "tensorboard": False},
+    }
     recipe = write_recipe(tmp_path, spec)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["train", str(recipe), "--output", str(tmp_path / "run"), "--quiet"]) == 0
@@ -171,12 +184,18 @@ def test_a_mixture_reports_validation_loss_per_source(folders, tmp_path):
     sets, notes = build_validation_by_source(cfg, 8, 0, 1, eval_batches=2)
     assert "b" not in sets and notes and notes[0].startswith("val_loss/b: not logged: data.path[1] holds out ")
 
-    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
-            "data": {"path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],
-                     "num_workers": 1, "validation": {"fraction": 0.3}},
-            "train": {"steps": 2, "micro_batch_size": 2, "eval_batches": 2},
-            "optim": {"lr": 1e-3}, "checkpoint": {"save_interval": 0},
-            "logging": {"log_interval": 1, "tensorboard": False}}
+    spec = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL, vocab_size=300)},
+        "data": {
+            "path": [{"path": str(folders / "a"), "weight": 0.7}, {"path": str(folders / "b"), "weight": 0.3}],
+            "num_workers": 1,
+            "validation": {"fraction": 0.3},
+        },
+        "train": {"steps": 2, "micro_batch_size": 2, "eval_batches": 2},
+        "optim": {"lr": 1e-3},
+        "checkpoint": {"save_interval": 0},
+        "logging": {"log_interval": 1, "tensorboard": False},
+    }
     recipe = write_recipe(tmp_path, spec)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

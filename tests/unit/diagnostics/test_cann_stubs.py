@@ -46,8 +46,14 @@ def test_level1_stubs_sit_where_mindspore_looks_for_cann_and_fill_by_value_resul
     path = str(core)
     cut = max(path.rfind("cann"), path.rfind("latest"))  # what GetAscendPath does with this file's path
     assert path[:cut] + "latest/" == str(stubs.folder.parent) + "/"
-    for name in ("libascendcl.so", "libacl_op_compiler.so", "libacl_tdt_channel.so", "libmsprofiler.so",
-                 "libopapi.so", "libacl_tdt_queue.so"):
+    for name in (
+        "libascendcl.so",
+        "libacl_op_compiler.so",
+        "libacl_tdt_channel.so",
+        "libmsprofiler.so",
+        "libopapi.so",
+        "libacl_tdt_queue.so",
+    ):
         assert (stubs.folder / name).is_file(), name
     lib = ctypes.CDLL(path)
     for name in ("aclrtMalloc", "aclInit", "aclnnInit", "aclopCreateAttr", "HcclCommInitRootInfo"):

@@ -61,8 +61,11 @@ def test_parse_npu_smi_table_stops_at_process_table():
 def test_parse_ecc_hccn_mtu_iplink_cann():
     counts = npu_parse.parse_ecc((FIX / "ecc_errors" / "ecc_3.txt").read_text())
     hard, soft = npu_parse.ecc_verdict(counts)
-    assert hard == {"HBM Double Bit Error Count": 2, "HBM Double Bit Aggregate Total Err Cnt": 2,
-                    "HBM Double Bit Isolated Pages Count": 1}
+    assert hard == {
+        "HBM Double Bit Error Count": 2,
+        "HBM Double Bit Aggregate Total Err Cnt": 2,
+        "HBM Double Bit Isolated Pages Count": 1,
+    }
     assert soft == {"HBM Single Bit Error Count": 12, "HBM Single Bit Aggregate Total Err Cnt": 12}
     entries, bad = npu_parse.parse_hccn_conf("address_0=1.2.3.4\nnetmask_0=255.0.0.0\n# comment\nbogus line\n")
     assert entries == {0: {"address": "1.2.3.4", "netmask": "255.0.0.0"}} and bad == ["bogus line"]
@@ -83,8 +86,9 @@ def test_pins_come_from_requirements_txt():
     text = (REPO / "requirements.txt").read_text()
     assert source.endswith("requirements.txt")
     assert pinned["mindspore"].exact in text and f"mindspore=={pinned['mindspore'].exact}" in text
-    assert set(pinned) == {pins.normalize(ln.split("==")[0]) for ln in text.splitlines()
-                           if ln.strip() and not ln.startswith("#")}
+    assert set(pinned) == {
+        pins.normalize(ln.split("==")[0]) for ln in text.splitlines() if ln.strip() and not ln.startswith("#")
+    }
     assert pins.satisfies("3.11.4", ">=3.9,<3.12") and not pins.satisfies("3.12.0", ">=3.9,<3.12")
     # the pinned MindSpore has a known CANN pairing (doctor:cann and the Dockerfile rely on it)
     assert pinned["mindspore"].exact in pins.MINDSPORE_CANN
@@ -115,8 +119,19 @@ def test_requirements_override_and_bad_lines(tmp_path):
 
 # ------------------------------------------------------------------------------- verdicts on recorded hosts
 
-HEALTHY_NPU_CHECKS = ["cann", "npu_devices", "npu_health", "npu_memory", "npu_ecc", "swappiness", "disk_space",
-                      "device_count", "hccn_conf", "nic_mtu", "hccl_timeouts"]
+HEALTHY_NPU_CHECKS = [
+    "cann",
+    "npu_devices",
+    "npu_health",
+    "npu_memory",
+    "npu_ecc",
+    "swappiness",
+    "disk_space",
+    "device_count",
+    "hccn_conf",
+    "nic_mtu",
+    "hccl_timeouts",
+]
 
 
 @pytest.mark.parametrize("check_id", HEALTHY_NPU_CHECKS)
@@ -125,16 +140,19 @@ def test_healthy_node_passes(check_id):
     assert res.status == PASS, res
 
 
-@pytest.mark.parametrize("case, check_id, status, words", [
-    ("hccn_mismatch", "hccn_conf", FAIL, ["device_id 2", "192.168.1.16", "device_id 5", "192.168.1.13"]),
-    ("mtu_1500", "nic_mtu", WARN, ["1500"]),
-    ("ecc_errors", "npu_ecc", FAIL, ["NPU 3", "Double Bit Error Count=2"]),
-    ("swappiness_60", "swappiness", WARN, ["60"]),
-    ("cann_missing", "cann", FAIL, ["CANN toolkit not found"]),
-    ("cann_wrong", "cann", FAIL, ["CANN 8.0.0", "needs CANN 9.0.0"]),
-    ("npu_unhealthy", "npu_health", FAIL, ["NPU 2: Alarm", "NPU 6: Warning"]),
-    ("npu_unhealthy", "device_count", FAIL, ["NPU 2: Alarm"]),
-])
+@pytest.mark.parametrize(
+    "case, check_id, status, words",
+    [
+        ("hccn_mismatch", "hccn_conf", FAIL, ["device_id 2", "192.168.1.16", "device_id 5", "192.168.1.13"]),
+        ("mtu_1500", "nic_mtu", WARN, ["1500"]),
+        ("ecc_errors", "npu_ecc", FAIL, ["NPU 3", "Double Bit Error Count=2"]),
+        ("swappiness_60", "swappiness", WARN, ["60"]),
+        ("cann_missing", "cann", FAIL, ["CANN toolkit not found"]),
+        ("cann_wrong", "cann", FAIL, ["CANN 8.0.0", "needs CANN 9.0.0"]),
+        ("npu_unhealthy", "npu_health", FAIL, ["NPU 2: Alarm", "NPU 6: Warning"]),
+        ("npu_unhealthy", "device_count", FAIL, ["NPU 2: Alarm"]),
+    ],
+)
 def test_broken_host_verdicts(case, check_id, status, words):
     res = verdict(case, check_id)
     assert res.status == status, res
@@ -157,16 +175,19 @@ def test_mixed_mtu_and_missing_hccn_entries():
     p.commands["hccn_tool -i 4 -mtu -g"] = CommandResult(0, "mtu:1500\n")
     res = run_check(REGISTRY["nic_mtu"], DoctorContext(probe=p, level=8))
     assert res.status == FAIL and "differ" in res.message and "4:1500" in res.message
-    p.files["/etc/hccn.conf"] = "\n".join(ln for ln in p.files["/etc/hccn.conf"].splitlines()
-                                          if not ln.startswith("address_7")) + "\naddress_9=192.168.1.99\n"
+    p.files["/etc/hccn.conf"] = (
+        "\n".join(ln for ln in p.files["/etc/hccn.conf"].splitlines() if not ln.startswith("address_7"))
+        + "\naddress_9=192.168.1.99\n"
+    )
     res = run_check(REGISTRY["hccn_conf"], DoctorContext(probe=p, level=8))
     assert res.status == FAIL and "address_7 missing" in res.message and "[9]" in res.message
 
 
 def test_hbm_taken_by_another_process():
     p = probe("healthy")
-    p.commands["npu-smi info"] = CommandResult(0, p.commands["npu-smi info"].stdout.replace(
-        "3304 / 65536", "41697/ 65536"))
+    p.commands["npu-smi info"] = CommandResult(
+        0, p.commands["npu-smi info"].stdout.replace("3304 / 65536", "41697/ 65536")
+    )
     res = run_check(REGISTRY["npu_memory"], DoctorContext(probe=p))
     assert res.status == WARN and "NPU 4: 40.7 of 64 GB" in res.message and "npu-smi" in res.fix
 
@@ -193,8 +214,7 @@ def test_hccl_timeout_values():
 def test_no_npu_host_skips_npu_checks_and_runs_the_rest():
     ctx = ctx_for("no_npu", level=8)
     results = {c.id: run_check(c, ctx) for c in checks_for_level(8) if not c.heavy}
-    for cid in ("cann", "npu_devices", "npu_health", "npu_memory", "npu_ecc", "device_count", "hccn_conf",
-                "nic_mtu"):
+    for cid in ("cann", "npu_devices", "npu_health", "npu_memory", "npu_ecc", "device_count", "hccn_conf", "nic_mtu"):
         assert results[cid].status == SKIP and results[cid].message.startswith("skipped: no NPU"), results[cid]
     assert "enp189s0f0 mtu 1500" in results["nic_mtu"].message
     assert results["swappiness"].status == PASS and results["disk_space"].status == PASS
@@ -203,16 +223,23 @@ def test_no_npu_host_skips_npu_checks_and_runs_the_rest():
 
 def test_disk_space_thresholds():
     p = probe("healthy")
-    p.disk = {"/": 5 * 1024 ** 3}
+    p.disk = {"/": 5 * 1024**3}
     assert run_check(REGISTRY["disk_space"], DoctorContext(probe=p)).status == WARN
     assert run_check(REGISTRY["disk_space"], DoctorContext(probe=p, need_gb=10)).status == FAIL
-    p.disk = {"/": 512 * 1024 ** 2}
+    p.disk = {"/": 512 * 1024**2}
     assert run_check(REGISTRY["disk_space"], DoctorContext(probe=p)).status == FAIL
 
 
 def test_collective_results_verdicts():
-    good = {"ok": True, "world": 8, "device": "Ascend", "bytes": 64 << 20, "seconds": 0.0007,
-            "algbw_gbps": 171.4, "busbw_gbps": 300.0}
+    good = {
+        "ok": True,
+        "world": 8,
+        "device": "Ascend",
+        "bytes": 64 << 20,
+        "seconds": 0.0007,
+        "algbw_gbps": 171.4,
+        "busbw_gbps": 300.0,
+    }
     ctx = ctx_for("healthy", level=8)
     ctx.cache["bench:node"] = good
     res = run_check(REGISTRY["allreduce_bw"], ctx)
@@ -232,12 +259,14 @@ def test_collective_results_verdicts():
     ctx.cache["bench:cluster"] = cluster
     assert run_check(REGISTRY["version_consistency"], ctx).status == PASS
     assert run_check(REGISTRY["cross_node_bw"], ctx).status == PASS
-    ranks2 = dict(ranks, **{str(r): {"host": "node1", "versions": same.replace("cann=9.0.0", "cann=8.5.0")}
-                            for r in range(8, 16)})
+    ranks2 = dict(
+        ranks, **{str(r): {"host": "node1", "versions": same.replace("cann=9.0.0", "cann=8.5.0")} for r in range(8, 16)}
+    )
     ranks2["0"] = dict(ranks["0"])
     ctx = ctx_for("healthy", level=16, master_addr="10.0.0.1")
-    ctx.cache["bench:cluster"] = dict(cluster, ranks=dict(ranks2, **{str(r): ranks[str(r)] for r in range(1, 9)}),
-                                      busbw_gbps=5.0)
+    ctx.cache["bench:cluster"] = dict(
+        cluster, ranks=dict(ranks2, **{str(r): ranks[str(r)] for r in range(1, 9)}), busbw_gbps=5.0
+    )
     res = run_check(REGISTRY["version_consistency"], ctx)
     assert res.status == FAIL and "node1" in res.message and "cann=8.5.0" in res.message
     assert run_check(REGISTRY["cross_node_bw"], ctx).status == WARN
@@ -247,14 +276,16 @@ def test_master_reachable():
     p = probe("healthy")
     assert run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16)).status == FAIL
     p.tcp = {"10.0.0.1:8118": "refused"}
-    assert run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16, master_addr="10.0.0.1")).status \
-        == PASS
+    assert (
+        run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16, master_addr="10.0.0.1")).status == PASS
+    )
     p.tcp = {"10.0.0.1:8118": "timeout"}
     res = run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16, master_addr="10.0.0.1"))
     assert res.status == FAIL and "timeout" in res.message
     p.addresses = ["10.0.0.1"]
-    assert run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16, master_addr="10.0.0.1")).status \
-        == PASS
+    assert (
+        run_check(REGISTRY["master_reachable"], DoctorContext(probe=p, level=16, master_addr="10.0.0.1")).status == PASS
+    )
 
 
 def test_smoke_verdicts_from_recorded_output():
@@ -264,7 +295,8 @@ def test_smoke_verdicts_from_recorded_output():
     assert smoke_verdict({"losses": [5.5, float("nan")]}).status == FAIL
     p = probe("healthy")
     p.commands["python -m ms_deepseek.diagnostics.smoke --steps 10 --json"] = CommandResult(
-        1, '{"error": "ImportError: cannot import name DeepseekV2ForCausalLM"}\n')
+        1, '{"error": "ImportError: cannot import name DeepseekV2ForCausalLM"}\n'
+    )
     res = run_check(REGISTRY["smoke_train"], DoctorContext(probe=p))
     assert res.status == FAIL and "ImportError" in res.message
 
@@ -306,8 +338,13 @@ def test_levels_and_ids():
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "doctor", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
 
 
 def test_cli_bad_arguments():
@@ -352,11 +389,30 @@ def test_level16_two_nodes_gather_versions_over_msrun():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "ms_deepseek.cli", "doctor", "--level", "16", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--bench-workers", "1", "--bench-mb", "1", "--json",
-           "--only", "master_reachable,version_consistency,cross_node_bw", "--node-rank"]
-    procs = [subprocess.Popen(cmd + [str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=str(REPO)) for rank in (0, 1)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ms_deepseek.cli",
+        "doctor",
+        "--level",
+        "16",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--bench-workers",
+        "1",
+        "--bench-mb",
+        "1",
+        "--json",
+        "--only",
+        "master_reachable,version_consistency,cross_node_bw",
+        "--node-rank",
+    ]
+    procs = [
+        subprocess.Popen(cmd + [str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for proc, (out, err) in zip(procs, outs):
         assert proc.returncode == 0, out + err
@@ -391,7 +447,9 @@ def test_every_recipe_key_a_fix_names_exists():
     named = []
     for path in files:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        docstrings = {
+            id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+        }
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 named += [(path.name, node.lineno, m.group(1), m.group(2)) for m in pattern.finditer(node.value)]

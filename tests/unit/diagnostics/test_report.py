@@ -37,16 +37,28 @@ def synth_records(n=300, plant=(), layers=("1", "2"), experts=8, seed=0, memory=
                 w[5] = 0.08
             total = sum(w)
             load[layer] = [x / total for x in w]
-        rec = {"step": step, "loss": loss, "total_loss": loss + 0.01, "lr": 3e-4 * min(1, step / 20),
-               "grad_norm": 0.3 + 0.05 * rnd.uniform(-1, 1), "tokens_per_s": 5000 * (1 + 0.02 * rnd.uniform(-1, 1)),
-               "elapsed_s": step * 0.5, "balance_expert": 1.0 + 0.01 * rnd.uniform(-1, 1),
-               "balance_device": 0.5, "balance_comm": 0.25, "expert_load": load,
-               "dropped_fraction": {layer: 0.01 for layer in layers}}
+        rec = {
+            "step": step,
+            "loss": loss,
+            "total_loss": loss + 0.01,
+            "lr": 3e-4 * min(1, step / 20),
+            "grad_norm": 0.3 + 0.05 * rnd.uniform(-1, 1),
+            "tokens_per_s": 5000 * (1 + 0.02 * rnd.uniform(-1, 1)),
+            "elapsed_s": step * 0.5,
+            "balance_expert": 1.0 + 0.01 * rnd.uniform(-1, 1),
+            "balance_device": 0.5,
+            "balance_comm": 0.25,
+            "expert_load": load,
+            "dropped_fraction": {layer: 0.01 for layer in layers},
+        }
         if step == 1:
             rec["tokens_per_s"] = 900.0  # the first step pays for compilation
         if memory:
-            rec.update(memory_allocated_gb=10.0 + 0.05 * rnd.uniform(-1, 1), memory_reserved_gb=12.0,
-                       memory_fragmentation=0.05 + 0.01 * rnd.uniform(-1, 1))
+            rec.update(
+                memory_allocated_gb=10.0 + 0.05 * rnd.uniform(-1, 1),
+                memory_reserved_gb=12.0,
+                memory_fragmentation=0.05 + 0.01 * rnd.uniform(-1, 1),
+            )
             if step <= 5:  # allocator warm-up
                 rec["memory_allocated_gb"] = 6.0 + step
         if "memory_growth" in plant and step >= 150:
@@ -137,8 +149,9 @@ def test_overflow_with_loss_scale_is_not_non_finite():
     assert [a.rule for a in mon.observe({"step": 3, "loss": "NaN", "grad_norm": 1.0})] == ["non_finite"]
     # an inf gradient norm the trainer did not flag as an overflow is reported
     mon = AlertMonitor()
-    assert [a.rule for a in mon.observe({"step": 1, "grad_norm": "Infinity", "loss_scale": 1.0,
-                                         "overflow": False})] == ["non_finite"]
+    assert [
+        a.rule for a in mon.observe({"step": 1, "grad_norm": "Infinity", "loss_scale": 1.0, "overflow": False})
+    ] == ["non_finite"]
 
 
 def test_reader_tolerates_live_and_damaged_files(tmp_path):
@@ -177,19 +190,29 @@ def test_report_is_self_contained_with_every_plot(tmp_path):
 
 
 def test_report_without_optional_data(tmp_path):
-    recs = [{"step": s, "loss": 3.0 - s / 100, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0,
-             "elapsed_s": float(s)} for s in range(1, 30)]
+    recs = [
+        {"step": s, "loss": 3.0 - s / 100, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "elapsed_s": float(s)}
+        for s in range(1, 30)
+    ]
     page = Path(generate(write_run(tmp_path / "dense", recs), tmp_path / "out" / "r.html")["output"]).read_text()
     assert 'id="plot-expert-load"' in page and "no expert load logged" in page
     assert 'id="plot-memory"' not in page and "No alerts." in page
 
 
 def test_report_cli_errors(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "report", str(tmp_path / "missing")],
-                          capture_output=True, text=True, cwd=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "report", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        cwd=str(REPO),
+    )
     assert proc.returncode == 2 and "not a folder" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "report", str(tmp_path), "--watch", "0"],
-                          capture_output=True, text=True, cwd=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "report", str(tmp_path), "--watch", "0"],
+        capture_output=True,
+        text=True,
+        cwd=str(REPO),
+    )
     assert proc.returncode == 2 and "--watch" in proc.stderr
 
 
@@ -216,8 +239,8 @@ def _png_pixels(path: Path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width = 8, b"", 0
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, color = struct.unpack(">IIBB", body[:10])
             assert depth == 8 and color in (2, 6)
@@ -228,7 +251,7 @@ def _png_pixels(path: Path):
     raw, stride = zlib.decompress(idat), width * bpp
     prev, nonwhite, i = bytearray(stride), 0, 0
     for _ in range(height):
-        ftype, line = raw[i], bytearray(raw[i + 1:i + 1 + stride])
+        ftype, line = raw[i], bytearray(raw[i + 1 : i + 1 + stride])
         i += 1 + stride
         for x in range(stride):  # undo the PNG row filters
             a = line[x - bpp] if x >= bpp else 0
@@ -243,7 +266,7 @@ def _png_pixels(path: Path):
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        nonwhite += sum(1 for x in range(0, stride, bpp) if min(line[x:x + 3]) < 245)
+        nonwhite += sum(1 for x in range(0, stride, bpp) if min(line[x : x + 3]) < 245)
         prev = line
     return width, height, nonwhite / (width * height)
 
@@ -253,13 +276,27 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert CHROMIUM.exists(), f"{CHROMIUM} missing: run tools/test.sh as root, or apt-get install chromium"
     run = write_run(tmp_path / "run", synth_records(plant=tuple(RULES)))
     page = generate(run)["output"]
-    flags = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'ud'}"]
+    flags = [
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'ud'}",
+    ]
     shot = tmp_path / "shot.png"
-    subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1400,3000", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
-    dom = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
+    subprocess.run(
+        flags + [f"--screenshot={shot}", "--window-size=1400,3000", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    dom = subprocess.run(
+        flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     for pid in CORE_PLOTS + MEMORY_PLOTS + ("plot-expert-load-layer-1", "plot-expert-load-layer-2", "alerts"):
         assert f'id="{pid}"' in dom, pid
     assert dom.count("<svg") >= 9 and dom.count('class="alert"') == len(RULES)
@@ -269,13 +306,33 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 
 def test_real_tiny_training_run_produces_a_report(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ms_deepseek.cli", "train", str(REPO / "recipes" / "tiny-cpu.yaml"),
-                           "--set", "train.steps=10", "--set", "logging.log_interval=1",
-                           "--set", "train.micro_batch_size=2", "--set", "data.seq_len=64",
-                           "--set", "model.overrides.num_hidden_layers=2", "--set", "checkpoint.save_final=false",
-                           "--quiet"],
-                          capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "train",
+            str(REPO / "recipes" / "tiny-cpu.yaml"),
+            "--set",
+            "train.steps=10",
+            "--set",
+            "logging.log_interval=1",
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "data.seq_len=64",
+            "--set",
+            "model.overrides.num_hidden_layers=2",
+            "--set",
+            "checkpoint.save_final=false",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=str(tmp_path),
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     found = sorted(tmp_path.rglob("metrics.jsonl"))
     assert found, "the training run wrote no metrics.jsonl"
@@ -298,7 +355,7 @@ def test_report_plots_validation_loss_and_samples_per_source(tmp_path):
         r["samples_by_source"] = {"data/web": 6 * r["step"], "data/code": 2 * r["step"]}
     generate(write_run(tmp_path / "run", records))
     page = (tmp_path / "run" / "report.html").read_text()
-    loss_plot = page[page.index('id="plot-loss"'):page.index('id="plot-lr"')]
+    loss_plot = page[page.index('id="plot-loss"') : page.index('id="plot-lr"')]
     assert "validation loss" in loss_plot
     assert 'id="plot-samples-by-source"' in page and "data/web" in page and "data/code" in page
     generate(write_run(tmp_path / "plain", synth_records(n=40, memory=False)))
@@ -316,7 +373,7 @@ def test_report_plots_the_data_wait_when_logged(tmp_path):
     assert "plot-data-wait" not in (tmp_path / "plain" / "report.html").read_text()
 
 
-@pytest.mark.parametrize("content", ["", "\n\n", "not json\n{\"loss\": 1}\n", "{\"step\": -1}\n", "{\"step\": 1"])
+@pytest.mark.parametrize("content", ["", "\n\n", 'not json\n{"loss": 1}\n', '{"step": -1}\n', '{"step": 1'])
 def test_report_with_no_valid_record_says_so_and_fails(tmp_path, capsys, content):
     """An empty page with "No alerts." once passed for a report (issue 21, defect 10): like a missing file,
     a metrics file without one valid step record is one line and a non-zero exit, and no page is written."""

@@ -25,8 +25,9 @@ from load_reference import load_reference  # noqa: E402
 
 def raw_tensors(folder: Path) -> dict:
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     out = {}
     for fname in files:
         for name, t in safetensors.deserialize((folder / fname).read_bytes()):
@@ -61,8 +62,11 @@ def test_trainer_checkpoint_converts_back_to_the_original_bytes(converted, tmp_p
     step = tmp_path / "run" / "checkpoints" / "step_00000100"
     step.mkdir(parents=True)
     ms.save_checkpoint(model, str(step / "model.safetensors"), format="safetensors")
-    ms.save_checkpoint([{"name": "adam_m.model.norm.weight", "data": ms.Tensor(np.zeros(3, np.float32))}],
-                       str(step / "optimizer.safetensors"), format="safetensors")
+    ms.save_checkpoint(
+        [{"name": "adam_m.model.norm.weight", "data": ms.Tensor(np.zeros(3, np.float32))}],
+        str(step / "optimizer.safetensors"),
+        format="safetensors",
+    )
     model.config.save(step / "config.json", dtype="float32")
     (step / "state.json").write_text('{"step": 100}\n')
     (step / "recipe.yaml").write_text("model: {}\n")

@@ -40,8 +40,9 @@ def _logits(model, ids):
 def _load(base, adapter=None):
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
-    return DeepseekV2ForCausalLM.from_pretrained(str(base), adapter=None if adapter is None else str(adapter),
-                                                 show_progress=False)
+    return DeepseekV2ForCausalLM.from_pretrained(
+        str(base), adapter=None if adapter is None else str(adapter), show_progress=False
+    )
 
 
 def test_peft_made_adapter_loads_with_the_same_logits(ref):
@@ -92,13 +93,16 @@ def test_merge_streams_an_hf_folder_that_transformers_reads_the_same(ref, tmp_pa
     np.testing.assert_allclose(_logits(_load(out), ref["input_ids"]), ref["logits_merged"], atol=ATOL)
     from ms_deepseek.checkpoint.safetensors_io import read_header
 
-    merged, base = read_header(out / "model.safetensors").tensors, read_header(FIX / "base" / "model.safetensors").tensors
+    merged, base = (
+        read_header(out / "model.safetensors").tensors,
+        read_header(FIX / "base" / "model.safetensors").tensors,
+    )
     assert merged.keys() == base.keys()
     assert {t.dtype for t in merged.values()} == {"BF16"}  # dtype kept
     raw_m, raw_b = (out / "model.safetensors").read_bytes(), (FIX / "base" / "model.safetensors").read_bytes()
 
     def data(raw, info):
-        return raw[info.offset: info.offset + info.nbytes]
+        return raw[info.offset : info.offset + info.nbytes]
 
     untouched = "model.layers.1.mlp.shared_experts.up_proj.weight"  # not a target of ours_adapter
     assert data(raw_m, merged[untouched]) == data(raw_b, base[untouched])
@@ -122,10 +126,17 @@ def _adapter_copy(tmp_path, edit=None, tensors=None):
     return out
 
 
-@pytest.mark.parametrize("edit, key", [({"use_dora": True}, "use_dora"), ({"use_rslora": True}, "use_rslora"),
-                                       ({"peft_type": "IA3"}, "peft_type"), ({"bias": "all"}, "bias"),
-                                       ({"layers_to_transform": [0]}, "layers_to_transform"),
-                                       ({"modules_to_save": ["lm_head"]}, "modules_to_save")])
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"use_rslora": True}, "use_rslora"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"bias": "all"}, "bias"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
+)
 def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, edit, key):
     adapter = _adapter_copy(tmp_path, edit=edit)
     code = main(["export-lora", str(adapter), str(tmp_path / "out"), "--merge", str(FIX / "base")])
@@ -166,18 +177,27 @@ def test_targets_and_ranks_are_checked_against_the_model():
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM(DeepseekV2Config.from_json(FIX / "base" / "config.json"))
-    with pytest.raises(UserError, match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
-                                        r"\(12 x 32\)"):
+    with pytest.raises(
+        UserError,
+        match=r"lora\.r: 13 is larger than model\.layers\.0\.self_attn\.q_a_proj "
+        r"\(12 x 32\)",
+    ):
         lora.add_adapters(model, LoraSpec(r=13, alpha=8, target_modules=["q_a_proj"]))
     with pytest.raises(UserError, match=r"lora\.target_modules\[1\]: 'shared_experts\.o_proj' matches no module"):
         lora.add_adapters(model, LoraSpec(r=2, alpha=8, target_modules=["o_proj", "shared_experts.o_proj"]))
     assert not lora.has_adapters(model)  # refused before anything was attached
 
 
-@pytest.mark.parametrize("lora_section, key", [({"r": 0}, "lora.r"), ({"alpha": 0}, "lora.alpha"),
-                                               ({"target_modules": ["q_proj", "foo_proj"]}, "lora.target_modules[1]"),
-                                               ({"use_dora": True}, "lora.use_dora"),
-                                               ({"dropout": 1.0}, "lora.dropout")])
+@pytest.mark.parametrize(
+    "lora_section, key",
+    [
+        ({"r": 0}, "lora.r"),
+        ({"alpha": 0}, "lora.alpha"),
+        ({"target_modules": ["q_proj", "foo_proj"]}, "lora.target_modules[1]"),
+        ({"use_dora": True}, "lora.use_dora"),
+        ({"dropout": 1.0}, "lora.dropout"),
+    ],
+)
 def test_recipe_lora_section_refusals(lora_section, key):
     from ms_deepseek.config.recipe import load_recipe_dict
 
@@ -213,7 +233,9 @@ def test_export_notes_what_peft_on_transformers_5_ignores(tmp_path, capsys):
 
     names = load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")).keys()
     assert compatibility_notes(names) == []
-    notes = compatibility_notes(list(names) + ["base_model.model.model.layers.1.mlp.shared_experts.up_proj.lora_A.weight"])
+    notes = compatibility_notes(
+        list(names) + ["base_model.model.model.layers.1.mlp.shared_experts.up_proj.lora_A.weight"]
+    )
     assert len(notes) == 1 and "model.layers.*.mlp.shared_experts.up_proj" in notes[0]
 
 
@@ -242,8 +264,14 @@ def test_saved_recipe_round_trips_with_and_without_lora():
     assert load_recipe_dict({"data": {"embedded_vocab_size": 4096}, "lora": None}).lora.r == 8  # "lora:" = defaults
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(dp=4, tp=2, ep=4, optimizer_shard=True, sequence_parallel=True),
-                                    dict(dp=2, tp=2, pp=2, ep=2, micro_batches=4)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(),
+        dict(dp=4, tp=2, ep=4, optimizer_shard=True, sequence_parallel=True),
+        dict(dp=2, tp=2, pp=2, ep=2, micro_batches=4),
+    ],
+)
 def test_adapters_shard_with_their_base_layers(layout):
     """The plan gives every adapter parameter the base layer's split and every adapter matmul a strategy
     that consumes it (apply_plan checks the pairs); A keeps the split of ``in``, B of ``out`` / experts."""
@@ -255,15 +283,30 @@ def test_adapters_shard_with_their_base_layers(layout):
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
     model = DeepseekV2ForCausalLM(cfg)
-    lora.add_adapters(model, LoraSpec(r=4, alpha=8, target_modules=[
-        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    lora.add_adapters(
+        model,
+        LoraSpec(
+            r=4,
+            alpha=8,
+            target_modules=[
+                "q_a_proj",
+                "q_b_proj",
+                "kv_a_proj_with_mqa",
+                "kv_b_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ],
+        ),
+    )
     par = ParallelConfig(**layout)
     applied = apply_plan(model, par, cfg)
     tp, ep = par.tp, par.ep
     lay = applied.param_layouts
-    assert lay["model.layers.0.self_attn.kv_b_proj.lora_A.weight"] == (1, 1)      # colwise: in whole
-    assert lay["model.layers.0.self_attn.kv_b_proj.lora_B.weight"] == (tp, 1)     # out split as the weight
-    assert lay["model.layers.0.self_attn.o_proj.lora_A.weight"] == (1, tp)        # rowwise: in split
+    assert lay["model.layers.0.self_attn.kv_b_proj.lora_A.weight"] == (1, 1)  # colwise: in whole
+    assert lay["model.layers.0.self_attn.kv_b_proj.lora_B.weight"] == (tp, 1)  # out split as the weight
+    assert lay["model.layers.0.self_attn.o_proj.lora_A.weight"] == (1, tp)  # rowwise: in split
     assert lay["model.layers.0.self_attn.o_proj.lora_B.weight"] == (1, 1)
     assert lay["model.layers.1.mlp.experts.gate_proj.lora_B.weight"] == (ep, tp, 1)
     assert lay["model.layers.1.mlp.experts.down_proj.lora_A.weight"] == (ep, 1, tp)
@@ -284,11 +327,16 @@ def test_a_lone_routed_gate_adapter_is_exported_with_a_zero_up_partner(tmp_path)
     step.mkdir(parents=True)
     shutil.copy(FIX / "base" / "config.json", step / "config.json")
     rng = np.random.default_rng(0)
-    save_file({"model.layers.1.mlp.experts.gate_proj.lora_A.weight": rng.normal(size=(4, 2, 32)).astype(np.float32),
-               "model.layers.1.mlp.experts.gate_proj.lora_B.weight": rng.normal(size=(4, 16, 2)).astype(np.float32)},
-              str(step / "model.safetensors"))
-    (step / "recipe.yaml").write_text(yaml.safe_dump({"lora": {"r": 2, "alpha": 4.0,
-                                                               "target_modules": ["experts.gate_proj"]}}))
+    save_file(
+        {
+            "model.layers.1.mlp.experts.gate_proj.lora_A.weight": rng.normal(size=(4, 2, 32)).astype(np.float32),
+            "model.layers.1.mlp.experts.gate_proj.lora_B.weight": rng.normal(size=(4, 16, 2)).astype(np.float32),
+        },
+        str(step / "model.safetensors"),
+    )
+    (step / "recipe.yaml").write_text(
+        yaml.safe_dump({"lora": {"r": 2, "alpha": 4.0, "target_modules": ["experts.gate_proj"]}})
+    )
     (step / "state.json").write_text("{}")  # a training checkpoint: what makes recipe.yaml's lora count
     tensors, config = checkpoint_adapter(step, FIX / "base")
     assert config["target_modules"] == ["gate_proj", "up_proj"] and len(tensors) == 16

@@ -43,8 +43,11 @@ def _adapted_modules(targets):
     """HF module paths of the fixture model the targets adapt (the routed-expert stack as PEFT's
     fused ``mlp.experts`` module)."""
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json")
-    names = [i.name[:-len(".lora_A.weight")] for i in lora_inventory(cfg, LoraSpec(r=2, target_modules=targets))
-             if i.name.endswith(".lora_A.weight")]
+    names = [
+        i.name[: -len(".lora_A.weight")]
+        for i in lora_inventory(cfg, LoraSpec(r=2, target_modules=targets))
+        if i.name.endswith(".lora_A.weight")
+    ]
     return sorted({n.rsplit(".", 1)[0] if ".mlp.experts." in n else n for n in names})
 
 
@@ -73,12 +76,13 @@ def test_the_cpu_recipes_adapter_gives_the_same_logits_under_peft(ref, meta):
     """The fixture adapter has the shipped CPU recipe's targets; ms-deepseek and PEFT on transformers
     agree on its logits (max abs difference measured: 1.4e-6)."""
     adapter = load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors"))
-    modules = sorted({n[len("base_model.model."):].split(".lora_")[0] for n in adapter})
+    modules = sorted({n[len("base_model.model.") :].split(".lora_")[0] for n in adapter})
     modules = sorted({".".join(m.split(".")[:5]) if ".mlp.experts." in m else m for m in modules})
-    assert modules == _adapted_modules(_targets(REPO / "recipes" / "tiny-lora-cpu.yaml")), \
+    assert modules == _adapted_modules(_targets(REPO / "recipes" / "tiny-lora-cpu.yaml")), (
         "tests/fixtures/lora/ours_adapter was not made with recipes/tiny-lora-cpu.yaml's targets: regenerate it"
+    )
     got = _logits("ours_adapter")
-    assert np.abs(got - ref["logits_base"]).max() > 0.5   # the adapter matters
+    assert np.abs(got - ref["logits_base"]).max() > 0.5  # the adapter matters
     np.testing.assert_allclose(got, ref["logits_ours_adapter"], rtol=0, atol=1e-5)
 
 
@@ -89,5 +93,6 @@ def test_peft_drops_the_dense_mlp_and_shared_expert_adapters(ref):
     dense_or_shared = lambda name: ".mlp." in name and ".mlp.experts." not in name  # noqa: E731
     full = _logits("shared_adapter")
     assert np.abs(full - ref["logits_shared_adapter"]).max() > 0.1
-    np.testing.assert_allclose(_logits("shared_adapter", dense_or_shared), ref["logits_shared_adapter"],
-                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        _logits("shared_adapter", dense_or_shared), ref["logits_shared_adapter"], rtol=0, atol=1e-5
+    )

@@ -56,11 +56,18 @@ def test_logits_loss_routing_aux(variant, mode):
         ref_scores, ref_idx, ref_weight = routing(ref, layer)
         np.testing.assert_allclose(scores, ref_scores, atol=1e-5, err_msg=f"{name}/{mode} layer {layer} scores")
         order, ref_order = np.argsort(idx, 1), np.argsort(ref_idx, 1)
-        np.testing.assert_array_equal(np.take_along_axis(idx, order, 1), np.take_along_axis(ref_idx, ref_order, 1),
-                                      err_msg=f"{name}/{mode} layer {layer}: selected expert sets differ")
-        np.testing.assert_allclose(np.take_along_axis(weight, order, 1),
-                                   np.take_along_axis(ref_weight, ref_order, 1), rtol=1e-4, atol=1e-5,
-                                   err_msg=f"{name}/{mode} layer {layer}: routing weights")
+        np.testing.assert_array_equal(
+            np.take_along_axis(idx, order, 1),
+            np.take_along_axis(ref_idx, ref_order, 1),
+            err_msg=f"{name}/{mode} layer {layer}: selected expert sets differ",
+        )
+        np.testing.assert_allclose(
+            np.take_along_axis(weight, order, 1),
+            np.take_along_axis(ref_weight, ref_order, 1),
+            rtol=1e-4,
+            atol=1e-5,
+            err_msg=f"{name}/{mode} layer {layer}: routing weights",
+        )
     ref_aux = sum(ref["summary"]["aux"][str(i)]["seq"] for i in cfg.moe_layer_indices)
     assert abs(float(out.aux_loss.asnumpy()) - ref_aux) <= 1e-6 + 1e-4 * abs(ref_aux)
 

@@ -11,10 +11,25 @@ from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.quant import QuantLinear, QuantStackedWeight, quantize_model
 
-SMALL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-             num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-             qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, capacity_factor=None, n_group=1,
-             topk_group=1, topk_method="greedy")
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    max_position_embeddings=64,
+    capacity_factor=None,
+    n_group=1,
+    topk_group=1,
+    topk_method="greedy",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +74,16 @@ def test_gradients_reach_x_and_the_adapter_never_the_quantized_weights():
     spec = QuantSpec(bits=4, group_size=16)
     layer = QuantLinear(32, 24, spec)
     layer.set_quantized(*stored_array(rng.standard_normal((24, 32)).astype(np.float32), spec))
-    attach(layer, None, 4, 2.0, 0.0, rng.standard_normal((4, 32)).astype(np.float32) * 0.1,
-           rng.standard_normal((24, 4)).astype(np.float32) * 0.1, "layer")
+    attach(
+        layer,
+        None,
+        4,
+        2.0,
+        0.0,
+        rng.standard_normal((4, 32)).astype(np.float32) * 0.1,
+        rng.standard_normal((24, 4)).astype(np.float32) * 0.1,
+        "layer",
+    )
     trainable = layer.trainable_params()
     assert [p.name for p in trainable] == ["layer.lora_A.weight", "layer.lora_B.weight"]
     assert not any(p.requires_grad for p in (layer.weight, layer.weight_scale, layer.weight_offset))
@@ -83,8 +106,12 @@ def test_quantize_model_swaps_the_base_layers_and_keeps_embeddings_norms_routers
     assert n > 10
     assert params["model.layers.1.mlp.experts.gate_proj.weight"].dtype == ms.int8
     assert params["model.layers.0.self_attn.q_a_proj.weight"].dtype == ms.int8
-    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
-                 "model.layers.0.input_layernorm.weight"):
+    for name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.input_layernorm.weight",
+    ):
         assert params[name].dtype == ms.float32, name
     after = model(ids).logits.asnumpy()
     rel = np.abs(after - before).max() / np.abs(before).max()
@@ -115,6 +142,7 @@ def test_quantized_weights_and_scales_shard_by_the_same_plan(group):
     assert lay["model.layers.1.mlp.experts.down_proj.weight_offset"] == ((4, 1, 1) if group is None else (4, 1, 2))
     # the expert stacks' dequantisation Mul is split like their weights (q [E, out, in/G, G], scale [.., 1])
     assert strat[f"model.layers.1.mlp.experts.gate_proj.{mul}"][0] == ((4, 2, 1, 1), (4, 2, 1, 1))
-    assert strat[f"model.layers.1.mlp.experts.down_proj.{mul}"][0] == \
-        (((4, 1, 1, 2), (4, 1, 1, 1)) if group is None else ((4, 1, 2, 1), (4, 1, 2, 1)))
+    assert strat[f"model.layers.1.mlp.experts.down_proj.{mul}"][0] == (
+        ((4, 1, 1, 2), (4, 1, 1, 1)) if group is None else ((4, 1, 2, 1), (4, 1, 2, 1))
+    )
     assert strat[f"model.layers.0.self_attn.o_proj.{mul}"][0][0] == ((1, 1, 2) if group is None else (1, 2, 1))

@@ -24,10 +24,25 @@ from ms_deepseek.model.moe import DeepseekV2MoE  # noqa: E402
 
 
 def small_cfg(**kw):
-    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-                q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8,
-                num_experts_per_tok=2, n_group=4, topk_group=2, initializer_range=0.3)
+    base = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        initializer_range=0.3,
+    )
     base.update(kw)
     return get_preset("tiny", **base)
 
@@ -126,7 +141,7 @@ def test_balance_losses_match_paper_formulas():
         P_dev = P.reshape(D, -1).sum(1)
         l_dev += (f.reshape(D, -1).mean(1) * P_dev).sum() / B
         l_com += (sent * D / (M * T) * P_dev).sum() / B
-    got = stats.asnumpy()[E + 1:]
+    got = stats.asnumpy()[E + 1 :]
     np.testing.assert_allclose(got, [l_exp, l_dev, l_com], rtol=1e-5)
     assert float(aux.asnumpy()) == pytest.approx(0.01 * l_exp + 0.05 * l_dev + 0.02 * l_com, rel=1e-5)
 
@@ -165,6 +180,7 @@ def test_from_pretrained_missing_tensor_is_named(broken_copy):
 def test_from_pretrained_wrong_shape_is_named(broken_copy):
     def shrink(t):
         t["model.layers.0.self_attn.kv_b_proj.weight"] = t["model.layers.0.self_attn.kv_b_proj.weight"][:-1]
+
     _rewrite(broken_copy, shrink)
     with pytest.raises(UserError, match=r"kv_b_proj\.weight has shape"):
         DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
@@ -184,6 +200,7 @@ def test_from_pretrained_unexpected_tensor_and_bad_config(broken_copy):
 def test_from_pretrained_reads_bfloat16(tmp_path):
     """A bf16 checkpoint loads (values widened exactly) and runs."""
     from ms_deepseek.checkpoint.safetensors_io import read_header
+
     src = FIXTURES_DIR / "lite"
     dst = tmp_path / "bf16"
     dst.mkdir()
@@ -194,14 +211,13 @@ def test_from_pretrained_reads_bfloat16(tmp_path):
     save_file(bf16, str(dst / "model.safetensors"))
     raw = (dst / "model.safetensors").read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     for meta in header.values():
         if isinstance(meta, dict) and meta.get("dtype") == "U16":
             meta["dtype"] = "BF16"
     new_header = json.dumps(header).encode()
     new_header += b" " * (-len(new_header) % 8)
-    (dst / "model.safetensors").write_bytes(len(new_header).to_bytes(8, "little") + new_header
-                                            + raw[8 + header_len:])
+    (dst / "model.safetensors").write_bytes(len(new_header).to_bytes(8, "little") + new_header + raw[8 + header_len :])
     assert read_header(dst / "model.safetensors").tensors["lm_head.weight"].dtype == "BF16"
     model = DeepseekV2ForCausalLM.from_pretrained(dst, show_progress=False)
     expect = (bf16["lm_head.weight"].astype(np.uint32) << 16).view(np.float32)
@@ -219,6 +235,7 @@ def test_from_pretrained_skips_zero_width_tensors(broken_copy):
             shape = list(tensors[name].shape)
             shape[1 if name.endswith("down_proj.weight") else 0] = 0
             tensors[name] = np.zeros(shape, np.float32)
+
     _rewrite(broken_copy, zero_width)
     model = DeepseekV2ForCausalLM.from_pretrained(broken_copy, show_progress=False)
     assert not any(".shared_experts." in p.name for p in model.get_parameters())

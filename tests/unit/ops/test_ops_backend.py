@@ -36,6 +36,7 @@ def fresh_warnings(monkeypatch):
 
 # --------------------------------------------------------------------------- choice
 
+
 def test_cpu_kernels_by_default(monkeypatch):
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     assert _all_kinds() == ("cpu", "cpu", "cpu")
@@ -66,9 +67,12 @@ def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
     y = softmax(Tensor(x))
     assert y.dtype == mstype.float16
     np.testing.assert_allclose(y.asnumpy(), e / e.sum(-1, keepdims=True), atol=1e-3)
-    router = Router(DeepseekV2Config(hidden_size=8, n_routed_experts=4, num_experts_per_tok=2,
-                                     topk_method="greedy", n_group=1, topk_group=1))
-    assert router.softmax.impl.kind == "builtin"   # the router's logits are float32
+    router = Router(
+        DeepseekV2Config(
+            hidden_size=8, n_routed_experts=4, num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1
+        )
+    )
+    assert router.softmax.impl.kind == "builtin"  # the router's logits are float32
     monkeypatch.setenv(backend.ENV_VAR, "reference")
     assert FP32Softmax(float32_input=True).impl.kind == "reference"
 
@@ -147,6 +151,7 @@ def test_unavailable_ascend_kernel_falls_back(monkeypatch, caplog, fresh_warning
 
 # --------------------------------------------------------------------------- build cache
 
+
 def test_build_is_cached_and_keyed_by_source(tmp_path, monkeypatch):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
     lib = build.build("repetition_penalty")
@@ -176,8 +181,9 @@ def test_concurrent_builds_share_one_library(tmp_path):
     )
     env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path / "cache")})
     procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -201,6 +207,7 @@ def test_sources_ship_with_the_package():
 
 
 # --------------------------------------------------------------------------- validation
+
 
 @pytest.mark.parametrize(
     "args, match",
@@ -263,4 +270,3 @@ def test_repetition_penalty_bad_inputs(logits, ids, match):
 def test_backend_rejects_unknown_operator():
     with pytest.raises(ValueError, match="unknown operator"):
         backend.choose("flash_attention")
-

@@ -23,13 +23,15 @@ OP_TYPES = {"ExpertLookup", "Fp32Softmax", "RepetitionPenalty"}
 def install_vendor(root, soc, ops=OP_TYPES):
     config = root / "op_impl" / "ai_core" / "tbe" / "config" / soc
     config.mkdir(parents=True)
-    info = {op: {"input0": {"name": "x", "dtype": "float32", "format": "ND", "paramType": "required"},
-                 "output0": {"name": "y", "dtype": "float32", "format": "ND", "paramType": "required"}}
-            for op in ops}
+    info = {
+        op: {
+            "input0": {"name": "x", "dtype": "float32", "format": "ND", "paramType": "required"},
+            "output0": {"name": "y", "dtype": "float32", "format": "ND", "paramType": "required"},
+        }
+        for op in ops
+    }
     (config / f"aic-{soc}-ops-info.json").write_text(json.dumps(info))
     return root
-
-
 
 
 @pytest.fixture
@@ -92,8 +94,10 @@ def test_kernels_asked_for_but_not_installed_for_this_soc_fail_in_one_line(on_as
         backend.make("repetition_penalty")
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith("MS_DEEPSEEK_OPS=kernel: repetition_penalty: Ascend custom operator RepetitionPenalty "
-                          "is not installed for this SoC (ascend910_93)")
+    assert msg.startswith(
+        "MS_DEEPSEEK_OPS=kernel: repetition_penalty: Ascend custom operator RepetitionPenalty "
+        "is not installed for this SoC (ascend910_93)"
+    )
     assert "ops/build_ascend.sh --soc ascend910_93" in msg
 
 
@@ -103,9 +107,11 @@ def test_a_soc_the_operators_are_not_built_for_is_named_as_such(on_ascend_910_93
     monkeypatch.setattr(ascend, "soc_version", lambda: "ascend310p")
     with pytest.raises(UserError) as err:
         backend.make("fp32_softmax")
-    assert str(err.value) == ("MS_DEEPSEEK_OPS=kernel: fp32_softmax: Ascend custom operator Fp32Softmax is not "
-                              "available for this SoC (ascend310p): the operators are built for ascend910b and "
-                              "ascend910_93 only")
+    assert str(err.value) == (
+        "MS_DEEPSEEK_OPS=kernel: fp32_softmax: Ascend custom operator Fp32Softmax is not "
+        "available for this SoC (ascend310p): the operators are built for ascend910b and "
+        "ascend910_93 only"
+    )
 
 
 def test_without_the_request_a_mismatch_falls_back_with_a_warning(on_ascend_910_93, monkeypatch, caplog):

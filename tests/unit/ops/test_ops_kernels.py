@@ -29,6 +29,7 @@ def libs():
 
 # --------------------------------------------------------------------------- numpy truth
 
+
 def lookup_numpy(ids, placement, experts_per_rank, capacity):
     """ids [G, T, k] (or [T, k]); positions count per group; ids outside [0, E) -> (-1, -1, -1, 0)."""
     if ids.ndim == 2:
@@ -146,7 +147,7 @@ def test_expert_lookup_one_group_equals_its_row_of_all_groups(libs, mode):
         kernel = cpu.ExpertLookupCpu(libs["expert_lookup"], e, e_local)
         full = [o.asnumpy() for o in kernel(Tensor(ids), Tensor(placement), capacity)]
         for grp in range(g):
-            one = [o.asnumpy() for o in kernel(Tensor(ids[grp:grp + 1]), Tensor(placement), capacity)]
+            one = [o.asnumpy() for o in kernel(Tensor(ids[grp : grp + 1]), Tensor(placement), capacity)]
             for a, b in zip(one, full):
                 np.testing.assert_array_equal(a[0], b[grp])
     finally:
@@ -154,6 +155,7 @@ def test_expert_lookup_one_group_equals_its_row_of_all_groups(libs, mode):
 
 
 # --------------------------------------------------------------------------- FP32Softmax
+
 
 def to_dtype(x, dtype):
     return Tensor(x.astype(np.float32)).astype(dtype)
@@ -345,7 +347,7 @@ def test_repetition_penalty_ignores_out_of_range_ids(libs, mode):
     ids = np.array(OUT_OF_RANGE_IDS, np.int32)
     want = penalty_numpy(logits, ids, 1.5)
     changed = np.argwhere(want != logits).tolist()
-    assert changed == [[0, 5], [1, 0], [1, 36]], changed   # only the in-range ids of each row
+    assert changed == [[0, 5], [1, 0], [1, 36]], changed  # only the in-range ids of each row
     impls = [cpu.RepetitionPenaltyCpu(libs["repetition_penalty"], core_num=c, ub_bytes=u) for c, u in SCHEDULES]
     impls.append(reference.RepetitionPenaltyReference())
     old = ms.get_context("mode")
@@ -363,6 +365,7 @@ def test_repetition_penalty_ignores_out_of_range_ids(libs, mode):
 
 
 # --------------------------------------------------------------------------- graph mode
+
 
 class _RouterStep(nn.Cell):
     """Softmax -> ExpertLookup inside one compiled graph, with the softmax gradient."""

@@ -57,7 +57,7 @@ def test_softmax_tiling_covers_every_element_once_within_ub(problem):
     for tile in schedule("fp32_softmax", **kw):
         r0, n, c0, m = tile["row_start"], tile["rows"], tile["col_start"], tile["cols"]
         assert n >= 1 and m >= 1
-        seen[r0:r0 + n, c0:c0 + m] += 1
+        seen[r0 : r0 + n, c0 : c0 + m] += 1
         if c0 == 0:
             rows_per_core[tile["core"]] = rows_per_core.get(tile["core"], 0) + n
         if t["mode"] == 0:  # whole rows: a tile of n padded rows fits in UB
@@ -123,8 +123,15 @@ LOOKUP_PROBLEMS = [
 @pytest.mark.parametrize("groups", [1, 4])
 def test_expert_lookup_tiling_covers_slots_in_order(problem, groups):
     slots, e, e_local, capacity, core_num, ub = problem
-    kw = dict(slots=slots * groups, groups=groups, num_experts=e, experts_per_rank=e_local, capacity=capacity,
-              core_num=core_num, ub_bytes=ub)
+    kw = dict(
+        slots=slots * groups,
+        groups=groups,
+        num_experts=e,
+        experts_per_rank=e_local,
+        capacity=capacity,
+        core_num=core_num,
+        ub_bytes=ub,
+    )
     t = tiling("expert_lookup", **kw)
     assert (t["groups"], t["group_slots"]) == (groups, slots)
     assert t["chunk"] % 8 == 0 and t["tile"] % 8 == 0 and t["hist_stride"] % 8 == 0
@@ -186,7 +193,7 @@ def test_repetition_penalty_tiling_covers_logits_once(problem):
     for tile in schedule("repetition_penalty", **kw):
         start, n = tile["start"], tile["len"]
         assert 1 <= n <= t["tile"]
-        covered[start:start + n] += 1
+        covered[start : start + n] += 1
         assert tile["first_row"] == start // v and tile["last_row"] == (start + n - 1) // v
         assert tile["first_row"] == tile["last_row"]  # a tile never spans two rows
     assert (covered == 1).all()
@@ -201,7 +208,7 @@ def test_repetition_penalty_tiling_ids_in_one_load_or_streamed():
     """DeepSeek-V2 decode: a 4096-id prefix is loaded once per row segment (L <= id_tile) and the
     UB left over holds large tiles; a longer prefix than a quarter of UB is streamed."""
     t = tiling("repetition_penalty", batch=1, vocab=102400, length=4096)
-    assert t["id_tile"] == 4096 and t["tile"] == t["chunk"] == 2136   # one tile per core
+    assert t["id_tile"] == 4096 and t["tile"] == t["chunk"] == 2136  # one tile per core
     t = tiling("repetition_penalty", batch=64, vocab=102400, length=4096)
     assert t["id_tile"] == 4096 and t["tile"] > 36000
     t = tiling("repetition_penalty", batch=1, vocab=102400, length=20000)

@@ -16,8 +16,7 @@ from ms_deepseek.parallel_plan.costs import Precision, param_bytes
 from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
 
 CFG = get_preset("tiny")
-STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose",
-             "Concat")
+STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose", "Concat")
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +54,16 @@ def _layout_from_model(model):
         cell = cells.get(path)
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         parent = cells.get(parent_path)
-        if leaf == "weight" and hasattr(cell, "matmul"):                 # Linear, router
+        if leaf == "weight" and hasattr(cell, "matmul"):  # Linear, router
             out[param.name] = cell.matmul.attrs["in_strategy"][1]
         elif leaf == "bias":
             out[param.name] = cell.add_bias.attrs["in_strategy"][1]
-        elif leaf == "weight" and hasattr(cell, "gather"):               # embedding
+        elif leaf == "weight" and hasattr(cell, "gather"):  # embedding
             out[param.name] = cell.gather.attrs["in_strategy"][0]
-        elif leaf == "weight" and hasattr(parent, "gate_bmm"):           # stacked experts
+        elif leaf == "weight" and hasattr(parent, "gate_bmm"):  # stacked experts
             bmm = getattr(parent, attr.replace("_proj", "_bmm"))
             out[param.name] = bmm.attrs["in_strategy"][1]
-        else:                                                            # norms, placement table
+        else:  # norms, placement table
             out[param.name] = (1,) * len(param.shape)
     return out
 
@@ -93,8 +92,13 @@ def _counted_bytes(model, parallel):
         size = np.dtype(ms_to_np(param.dtype)).itemsize
         replicas = devices // int(np.prod(layout))
         group = 1
-        if (parallel.optimizer_shard and param.name in trainable and replicas > 1
-                and shape[0] % replicas == 0 and int(np.prod(param.shape)) * size >= 64 * 1024):
+        if (
+            parallel.optimizer_shard
+            and param.name in trainable
+            and replicas > 1
+            and shape[0] % replicas == 0
+            and int(np.prod(param.shape)) * size >= 64 * 1024
+        ):
             group = replicas
         slot = out[_stage_of(model, param.name, parallel.pp)]
         slot["weights"] += local * size / group
@@ -133,8 +137,10 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
 
     def recorded(prim):  # a Custom op is sharded with Layouts (in_layout), the rest with strategies
         if "in_layout" in prim.attrs:
-            return tuple(tuple(_get_tensor_strategy(list(lay["device_matrix"]), list(lay["tensor_map"])))
-                         for lay in prim.attrs["in_layout"])
+            return tuple(
+                tuple(_get_tensor_strategy(list(lay["device_matrix"]), list(lay["tensor_map"])))
+                for lay in prim.attrs["in_layout"]
+            )
         return tuple(prim.attrs["in_strategy"])
 
     for path in needing:
@@ -147,8 +153,8 @@ def test_applied_strategies_and_planner_bytes(model, parallel):
     assert layer.mlp.dispatch_gather.attrs["in_strategy"] == ((dp, 1, 1), (dp, 1, 1))
     # the exchange view [G/ep, ep, E, C, H] read with E split by ep: ep the inner factor of dp
     assert layer.mlp.to_experts.attrs["in_strategy"] == ((dp // ep, 1, ep, 1, 1),)
-    assert layer.self_attn.kv_b_proj.matmul.attrs["in_strategy"] == ((dp, 1), (tp, 1))        # colwise
-    assert layer.self_attn.o_proj.matmul.attrs["in_strategy"] == ((dp, tp), (1, tp))           # rowwise
+    assert layer.self_attn.kv_b_proj.matmul.attrs["in_strategy"] == ((dp, 1), (tp, 1))  # colwise
+    assert layer.self_attn.o_proj.matmul.attrs["in_strategy"] == ((dp, tp), (1, tp))  # rowwise
     if parallel.sequence_parallel:
         assert layer.self_attn.o_proj.matmul.attrs["out_strategy"] == ((dp * tp, 1),)
     assert layer.self_attn.qk_bmm.attrs["in_strategy"] == ((dp, tp, 1, 1), (dp, tp, 1, 1))
@@ -227,7 +233,9 @@ def test_missing_rule_is_reported(model):
     from ms_deepseek.parallel_apply.apply import apply_plan
 
     table = {k: v for k, v in DEEPSEEK_V2_PLAN.items() if k != "model.layers.*.self_attn.pv_bmm"}
-    with pytest.raises(UserError, match=r"primitive model\.layers\.0\.self_attn\.pv_bmm \(BatchMatMul\) matches no rule"):
+    with pytest.raises(
+        UserError, match=r"primitive model\.layers\.0\.self_attn\.pv_bmm \(BatchMatMul\) matches no rule"
+    ):
         apply_plan(model, ParallelConfig(), CFG, Plan(table))
 
 
@@ -258,8 +266,7 @@ def test_custom_placement_keeps_the_math_and_recompute():
     stored = moe.experts.up_proj.weight
     assert not np.array_equal(stored.asnumpy(), original)  # permuted into buffer order
     np.testing.assert_array_equal(restore_expert_order(stored.name, stored.asnumpy(), applied), original)
-    np.testing.assert_array_equal(restore_expert_order("adam_m." + stored.name, stored.asnumpy(), applied),
-                                  original)
+    np.testing.assert_array_equal(restore_expert_order("adam_m." + stored.name, stored.asnumpy(), applied), original)
     assert applied.recomputed == ["model.layers.0", "model.layers.1"]
     assert all(net.model.layers[i]._has_config_recompute for i in range(2))
 
@@ -278,9 +285,14 @@ def test_selective_recompute_and_stage_config():
     attn = net.model.layers[0].self_attn
     assert attn.qk_bmm.attrs.get("recompute") is True and attn.softmax._has_config_recompute
     assert not net.model.layers[0]._has_config_recompute  # the rest of the layer keeps its activations
-    assert pipeline_stage_config(applied, "lm") == {"lm.model.embed_tokens": 0, "lm.model.norm": 1, "lm.lm_head": 1,
-                                                    "lm.loss_fn": 1,  # the loss runs where the logits are
-                                                    "lm.model.layers.0": 0, "lm.model.layers.1": 1}
+    assert pipeline_stage_config(applied, "lm") == {
+        "lm.model.embed_tokens": 0,
+        "lm.model.norm": 1,
+        "lm.lm_head": 1,
+        "lm.loss_fn": 1,  # the loss runs where the logits are
+        "lm.model.layers.0": 0,
+        "lm.model.layers.1": 1,
+    }
 
 
 def test_flash_attention_primitive_gets_heads_by_tp():

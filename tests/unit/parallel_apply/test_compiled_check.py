@@ -25,8 +25,10 @@ def _entry(dev, tmap, shape, group=""):
 @pytest.fixture()
 def case():
     layout = build_layout(TINY, PAR)
-    compiled = {n: _entry(layout.tensors[n].dev_matrix, layout.tensors[n].tensor_map, layout.tensors[n].shape)
-                for n in layout.tensors_of_rank(RANK)}
+    compiled = {
+        n: _entry(layout.tensors[n].dev_matrix, layout.tensors[n].tensor_map, layout.tensors[n].shape)
+        for n in layout.tensors_of_rank(RANK)
+    }
     return layout, compiled
 
 
@@ -47,41 +49,54 @@ def test_same_splits_on_other_devices_stop_naming_the_parameter(case):
     with pytest.raises(UserError) as err:
         cc.check_parameter_layouts(compiled, layout, RANK)
     msg = str(err.value)
-    assert "\n" not in msg and Q in msg and "MindSpore dev_matrix [2, 1, 2] tensor_map [2, -1]" in msg \
-        and "plan dev_matrix" in msg, msg
+    assert (
+        "\n" not in msg
+        and Q in msg
+        and "MindSpore dev_matrix [2, 1, 2] tensor_map [2, -1]" in msg
+        and "plan dev_matrix" in msg
+    ), msg
 
 
 def test_other_splits_missing_parameters_and_optimizer_groups_stop(case):
     layout, compiled = case
     bad = dict(compiled)
     bad[Q] = _entry([4], [-1, -1], layout.tensors[Q].shape)  # replicated: MindSpore did not split it
-    with pytest.raises(UserError, match=r"kv_b_proj.weight: MindSpore dev_matrix \[4\] tensor_map \[-1, -1\] \(splits \[1, 1\]\)"):
+    with pytest.raises(
+        UserError, match=r"kv_b_proj.weight: MindSpore dev_matrix \[4\] tensor_map \[-1, -1\] \(splits \[1, 1\]\)"
+    ):
         cc.check_parameter_layouts(bad, layout, RANK)
     gone = {n: e for n, e in compiled.items() if n != Q}
     with pytest.raises(UserError, match="not in the compiled graph"):
         cc.check_parameter_layouts(gone, layout, RANK)
     grouped = dict(compiled)
-    grouped[Q] = _entry(layout.tensors[Q].dev_matrix, layout.tensors[Q].tensor_map, layout.tensors[Q].shape,
-                        group="4-opt-shard-group")
+    grouped[Q] = _entry(
+        layout.tensors[Q].dev_matrix, layout.tensors[Q].tensor_map, layout.tensors[Q].shape, group="4-opt-shard-group"
+    )
     with pytest.raises(UserError, match="optimizer-shard group is 4-opt-shard-group, the plan expects none"):
         cc.check_parameter_layouts(grouped, layout, RANK, optimizer_shard=False)
 
 
-_SCOPE = "Default/network-TrainStep/net-GradAccumulation/network-StepOutputs/model-DeepseekV2ForCausalLM/" \
-         "model-DeepseekV2Model/layers-CellList/1-DecoderLayer/"
+_SCOPE = (
+    "Default/network-TrainStep/net-GradAccumulation/network-StepOutputs/model-DeepseekV2ForCausalLM/"
+    "model-DeepseekV2Model/layers-CellList/1-DecoderLayer/"
+)
 
 
 def test_compiled_strategies_are_compared_primitive_by_primitive():
     # scope names as MindSpore's graph executor gives them (get_strategy); a recomputed copy too
-    planned = {"model.layers.1.mlp.lookup.impl.op": ("Custom", ((2, 1), (1, 1))),
-               "model.layers.1.self_attn.qk_bmm": ("BatchMatMul", ((2, 2, 1, 1), (2, 2, 1, 1))),
-               "model.layers.1.self_attn.q_proj.matmul": ("MatMul", ((2, 1), (2, 1))),
-               "model.layers.1.self_attn.q_proj.lora_a_matmul": ("MatMul", ((2, 1), (1, 1)))}
-    compiled = {_SCOPE + "mlp-DeepseekV2MoE/lookup-ExpertLookup/impl-ExpertLookupReference/Custom-op3": [[2, 1], [1, 1]],
-                "recompute_" + _SCOPE + "self_attn-MLAttention/BatchMatMul-op0": [[2, 2, 1, 1], [2, 2, 1, 1]],
-                _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op7": [[2, 1], [1, 1]],
-                _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op6": [[2, 1], [2, 1]],
-                "Default/_VirtualDataset-op0": [[2, 1], [2, 1]]}
+    planned = {
+        "model.layers.1.mlp.lookup.impl.op": ("Custom", ((2, 1), (1, 1))),
+        "model.layers.1.self_attn.qk_bmm": ("BatchMatMul", ((2, 2, 1, 1), (2, 2, 1, 1))),
+        "model.layers.1.self_attn.q_proj.matmul": ("MatMul", ((2, 1), (2, 1))),
+        "model.layers.1.self_attn.q_proj.lora_a_matmul": ("MatMul", ((2, 1), (1, 1))),
+    }
+    compiled = {
+        _SCOPE + "mlp-DeepseekV2MoE/lookup-ExpertLookup/impl-ExpertLookupReference/Custom-op3": [[2, 1], [1, 1]],
+        "recompute_" + _SCOPE + "self_attn-MLAttention/BatchMatMul-op0": [[2, 2, 1, 1], [2, 2, 1, 1]],
+        _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op7": [[2, 1], [1, 1]],
+        _SCOPE + "self_attn-MLAttention/q_proj-Linear/MatMul-op6": [[2, 1], [2, 1]],
+        "Default/_VirtualDataset-op0": [[2, 1], [2, 1]],
+    }
     assert cc.check_compiled_strategies(compiled, planned) == 4
     # a planned primitive the graph does not use (no adapter: no lora_a_matmul) is not a mismatch
     unused = {k: v for k, v in compiled.items() if not k.endswith("MatMul-op7")}
@@ -89,8 +104,11 @@ def test_compiled_strategies_are_compared_primitive_by_primitive():
     # a primitive whose strategy MindSpore replaced (e.g. a BatchParallel fallback) is named with both
     bad = dict(compiled)
     bad[_SCOPE + "mlp-DeepseekV2MoE/lookup-ExpertLookup/impl-ExpertLookupReference/Custom-op3"] = [[4, 1], [1, 1]]
-    with pytest.raises(UserError, match=r"lookup.impl.op \(Custom\): the plan's strategy is \[\[2, 1\], \[1, 1\]\], "
-                                        r"MindSpore compiled \[\[4, 1\], \[1, 1\]\] for a Custom"):
+    with pytest.raises(
+        UserError,
+        match=r"lookup.impl.op \(Custom\): the plan's strategy is \[\[2, 1\], \[1, 1\]\], "
+        r"MindSpore compiled \[\[4, 1\], \[1, 1\]\] for a Custom",
+    ):
         cc.check_compiled_strategies(bad, planned)
     # a primitive of another stage (not in this graph) is not compared
     other = {k: v for k, v in compiled.items() if "BatchMatMul" not in k}

@@ -23,11 +23,29 @@ from ms_deepseek.parallel_plan.plan import Mesh
 
 
 def small_cfg(**kw):
-    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
-                q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=8,
-                num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=1,
-                capacity_factor=1.0, initializer_range=0.3, first_k_dense_replace=1)
+    base = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        capacity_factor=1.0,
+        initializer_range=0.3,
+        first_k_dense_replace=1,
+    )
     base.update(kw)
     return get_preset("tiny", **base)
 
@@ -53,6 +71,7 @@ def _tokens(cfg, rows, seq=8, seed=1):
 
 # ----------------------------------------------------------------------------- per-group dispatch
 
+
 def test_groups_route_and_drop_each_group_alone():
     # G groups in one call == each group's rows through a G = 1 layer: capacity, positions and drops
     # are per data-parallel rank (a rank never sees another rank's tokens).
@@ -63,7 +82,7 @@ def test_groups_route_and_drop_each_group_alone():
     moe.groups = 4
     y_groups = moe(x)[0].asnumpy()
     moe.groups = 1
-    y_alone = np.concatenate([moe(x[g:g + 1])[0].asnumpy() for g in range(4)])
+    y_alone = np.concatenate([moe(x[g : g + 1])[0].asnumpy() for g in range(4)])
     np.testing.assert_allclose(y_groups, y_alone, atol=1e-6)
     # ... and differs from pooling the capacity over all tokens (the old, non-local dispatch)
     pooled = moe(x)[0].asnumpy()
@@ -90,6 +109,7 @@ def test_dispatch_shapes_are_the_buffers_as_built():
 
 # ------------------------------------------------------------------ one source for the degrees
 
+
 def test_device_loss_groups_come_from_the_plan_not_the_config():
     cfg = small_cfg(seq_aux=False)
     x = _tokens(cfg, 2)
@@ -114,6 +134,7 @@ def test_plan_refuses_ep_not_dividing_dp():
 
 
 # ------------------------------------------------------------------------- sharded simulation
+
 
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2)], ids=["dp2-tp2-ep2", "dp4-ep2"])
 def test_simulated_sharded_layer_equals_unsharded(layout):

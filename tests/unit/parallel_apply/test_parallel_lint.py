@@ -93,8 +93,10 @@ def test_wrong_style_is_an_unlisted_redistribution():
     table["model.layers.*.self_attn.o_proj"] = "colwise"  # should be rowwise: heads arrive split by tp
     ctx = S.build_context(DENSE, PAR, 64, plan=Plan(table))
     problems = lint_model(ctx.model, ctx.applied, ctx.mesh).problems
-    assert any(p.startswith("model.layers.0.self_attn.o_proj.matmul input 0 has strategy (2, 1)")
-               and "pv_bmm" in p for p in problems), problems
+    assert any(
+        p.startswith("model.layers.0.self_attn.o_proj.matmul input 0 has strategy (2, 1)") and "pv_bmm" in p
+        for p in problems
+    ), problems
 
 
 def test_stale_edge_table_fails(dense_ctx):
@@ -150,4 +152,3 @@ def test_custom_op_without_layouts_fails_the_lint():
     problems = lint_model(ctx2.model, ctx2.applied, ctx2.mesh).problems
     assert any(p.startswith(path + " (Custom): input 0 layout") for p in problems), problems
     assert S.check_lint(ctx).status == "fail"
-

@@ -7,7 +7,6 @@ and sit inside one 8-NPU node. The emulated AllToAll of the CPU simulation must 
 and the planner must price the AllToAll with the bandwidth of that group (HCCS inside a node).
 """
 
-
 import numpy as np
 import pytest
 
@@ -23,8 +22,7 @@ EXPERT_WEIGHT = "model.layers.1.mlp.experts.gate_proj.weight"
 
 
 def _cfg():
-    return get_preset("tiny", n_routed_experts=16, num_experts_per_tok=2, first_k_dense_replace=1,
-                      num_hidden_layers=8)
+    return get_preset("tiny", n_routed_experts=16, num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=8)
 
 
 def _mindspore_expert_blocks(layout, devices):
@@ -34,8 +32,10 @@ def _mindspore_expert_blocks(layout, devices):
     t = layout.tensors[EXPERT_WEIGHT]
     strategy = [int(k) for k in _get_tensor_strategy(list(t.dev_matrix), list(t.tensor_map))]
     per_block = int(np.prod(strategy[1:]))  # slice index = row-major over the splits: axis 0 is the block
-    return [int(_get_tensor_slice_index(list(t.dev_matrix), strategy, list(t.tensor_map), d)) // per_block
-            for d in range(devices)], strategy
+    return [
+        int(_get_tensor_slice_index(list(t.dev_matrix), strategy, list(t.tensor_map), d)) // per_block
+        for d in range(devices)
+    ], strategy
 
 
 def _pretrain_256npu():
@@ -84,11 +84,30 @@ def test_simulated_alltoall_runs_over_adjacent_ranks():
     from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.parallel_plan.plan import Mesh
 
-    cfg = get_preset("tiny", vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
-                     q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=8,
-                     num_experts_per_tok=2, topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=1,
-                     capacity_factor=1.0, initializer_range=0.3, first_k_dense_replace=1)
+    cfg = get_preset(
+        "tiny",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        capacity_factor=1.0,
+        initializer_range=0.3,
+        first_k_dense_replace=1,
+    )
     old = ms.get_context("mode")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
@@ -101,8 +120,9 @@ def test_simulated_alltoall_runs_over_adjacent_ranks():
         ms.set_context(mode=old)
     assert report["problem"] is None and report["forward_max_err"] < 1e-5
     assert report["exchange_groups"] == [[0, 1], [2, 3]]  # the old ep-outer order gave [[0, 2], [1, 3]]
-    assert report["exchange_groups"] == [list(g) for g in sorted({tuple(ranks.ep_group_of_rank(r, par))
-                                                                  for r in range(4)})]
+    assert report["exchange_groups"] == [
+        list(g) for g in sorted({tuple(ranks.ep_group_of_rank(r, par)) for r in range(4)})
+    ]
 
 
 def test_planner_prices_the_alltoall_on_the_real_group():

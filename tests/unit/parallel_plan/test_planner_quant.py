@@ -28,13 +28,15 @@ DENSE = [(512, 192), (512, 192), (192, 512)]
 EXPERTS = [(8, 128, 192), (8, 128, 192), (8, 192, 128)]
 SHARED = [(128, 192), (128, 192), (192, 128)]
 QUANTIZED = ATTENTION + DENSE + ATTENTION + EXPERTS + SHARED
-KEPT_BF16 = (4096 * 192                      # embed_tokens
-             + 2 * (192 + 192 + 96 + 64)     # input / post-attention norms, q_a / kv_a layernorms, per layer
-             + 192                           # final norm
-             + 4096 * 192)                   # lm_head
+KEPT_BF16 = (
+    4096 * 192  # embed_tokens
+    + 2 * (192 + 192 + 96 + 64)  # input / post-attention norms, q_a / kv_a layernorms, per layer
+    + 192  # final norm
+    + 4096 * 192
+)  # lm_head
 ROUTER_F32 = 8 * 192
 PLACEMENT_I32 = 8 * 2
-ADAPTERS_F32 = 2 * (4 * 128 + 192 * 4)       # o_proj lora_A [4, 128] + lora_B [192, 4], both layers
+ADAPTERS_F32 = 2 * (4 * 128 + 192 * 4)  # o_proj lora_A [4, 128] + lora_B [192, 4], both layers
 
 
 def _numel(shape):
@@ -51,7 +53,7 @@ def _held(quant, parallel=ParallelConfig()):  # noqa: B008 (read, never mutated)
 
 def test_int8_per_channel_bytes_by_hand():
     held = _held(QuantSpec(bits=8, group_size=None))
-    base = sum(_numel(s) for s in QUANTIZED)                      # one byte per element
+    base = sum(_numel(s) for s in QUANTIZED)  # one byte per element
     assert held["weights"] == base + 2 * KEPT_BF16 + 4 * ROUTER_F32 + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32
     # one float32 scale and one float32 offset per output channel (and per expert): [.., out]
     assert held["scales"] == (4 + 4) * sum(_numel(s[:-1]) for s in QUANTIZED)
@@ -64,7 +66,7 @@ def test_int8_per_channel_bytes_by_hand():
 
 def test_int4_group_bytes_by_hand():
     held = _held(QuantSpec(bits=4, group_size=32))
-    base = sum(_numel(s) for s in QUANTIZED) // 2                 # two values per byte
+    base = sum(_numel(s) for s in QUANTIZED) // 2  # two values per byte
     assert held["weights"] == base + 2 * KEPT_BF16 + 4 * ROUTER_F32 + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32
     # one float32 scale and offset per 32 input columns: [.., in / 32, out]
     assert held["scales"] == (4 + 4) * sum(_numel(s) // 32 for s in QUANTIZED)
@@ -76,10 +78,11 @@ def test_int4_group_bytes_by_hand():
 
 def test_expert_parallel_splits_quantized_experts_and_their_scales():
     held = _held(QuantSpec(bits=8), ParallelConfig(dp=2, ep=2))
-    per_rank_experts = [(4,) + s[1:] for s in EXPERTS]            # 4 of the 8 experts on each rank
+    per_rank_experts = [(4,) + s[1:] for s in EXPERTS]  # 4 of the 8 experts on each rank
     quantized = ATTENTION + DENSE + ATTENTION + per_rank_experts + SHARED
-    assert held["weights"] == (sum(_numel(s) for s in quantized) + 2 * KEPT_BF16 + 4 * ROUTER_F32
-                               + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32)
+    assert held["weights"] == (
+        sum(_numel(s) for s in quantized) + 2 * KEPT_BF16 + 4 * ROUTER_F32 + 4 * PLACEMENT_I32 + 4 * ADAPTERS_F32
+    )
     assert held["scales"] == (4 + 4) * sum(_numel(s[:-1]) for s in quantized)
     # the largest dequantised weight is now a dense one: [512, 192] = [4, 128, 192] elements
     assert held["dequant"] == 4 * 512 * 192
@@ -92,31 +95,59 @@ def test_estimate_totals_include_scales_and_workspace():
     q, p = quant.worst, plain.worst
     assert q.scales == 8 * sum(_numel(s) // 32 for s in QUANTIZED) and q.dequant_workspace == 4 * 8 * 128 * 192
     assert p.scales == p.dequant_workspace == 0
-    assert q.total - p.total == pytest.approx((q.weights - p.weights) + q.scales + q.dequant_workspace
-                                              + (q.weight_copies - p.weight_copies))
+    assert q.total - p.total == pytest.approx(
+        (q.weights - p.weights) + q.scales + q.dequant_workspace + (q.weight_copies - p.weight_copies)
+    )
     assert q.weights < p.weights
 
 
 def test_quant_needs_lora_and_a_dividing_group():
     with pytest.raises(UserError, match=r"^quant: a quantized base is frozen, so it needs LoRA"):
         estimate(CFG, ParallelConfig(), Workload(seq_len=64, global_batch_size=1, quant=QuantSpec(bits=8)))
-    with pytest.raises(UserError, match=r"^quant.group_size: 48 does not divide the input width 64 of "
-                                        r"model.layers.0.self_attn.kv_b_proj.weight$"):
-        estimate(CFG, ParallelConfig(), Workload(seq_len=64, global_batch_size=1, lora=LORA,
-                                                 quant=QuantSpec(bits=8, group_size=48)))
+    with pytest.raises(
+        UserError,
+        match=r"^quant.group_size: 48 does not divide the input width 64 of "
+        r"model.layers.0.self_attn.kv_b_proj.weight$",
+    ):
+        estimate(
+            CFG,
+            ParallelConfig(),
+            Workload(seq_len=64, global_batch_size=1, lora=LORA, quant=QuantSpec(bits=8, group_size=48)),
+        )
     # tp 4 splits o_proj's 128 input columns into 32: a group of 64 divides every whole width (q_proj
     # instead of q_a / q_b) but not that slice
     cfg = CFG.replace(q_lora_rank=None)
-    r = estimate(cfg, ParallelConfig(tp=4), Workload(seq_len=64, global_batch_size=1, lora=LORA,
-                                                     quant=QuantSpec(bits=4, group_size=64)), world_size=4)
-    assert r.problems == ["quant.group_size: 64 does not divide the 32 input columns of "
-                          "model.layers.0.self_attn.o_proj.weight on one NPU (input width 128 split 4 ways)"]
+    r = estimate(
+        cfg,
+        ParallelConfig(tp=4),
+        Workload(seq_len=64, global_batch_size=1, lora=LORA, quant=QuantSpec(bits=4, group_size=64)),
+        world_size=4,
+    )
+    assert r.problems == [
+        "quant.group_size: 64 does not divide the 32 input columns of "
+        "model.layers.0.self_attn.o_proj.weight on one NPU (input width 128 split 4 ways)"
+    ]
     assert not r.fits
 
 
 # ------------------------------------------------------------------------------------- the CLI
-ARGS = ["plan", "--model", "tiny", "--npus", "1", "--dp", "1", "--seq-len", "64", "--global-batch", "1",
-        "--lora-r", "4", "--lora-targets", "o_proj"]
+ARGS = [
+    "plan",
+    "--model",
+    "tiny",
+    "--npus",
+    "1",
+    "--dp",
+    "1",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "1",
+    "--lora-r",
+    "4",
+    "--lora-targets",
+    "o_proj",
+]
 
 
 def _cli(capsys, *args):
@@ -139,21 +170,29 @@ def test_cli_quant_flags_show_the_quantized_base(capsys):
 
 def test_cli_quant_bits_other_than_4_or_8(capsys):
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:                   # argparse's choices (it prints the usage first)
+    with pytest.raises(SystemExit) as exc:  # argparse's choices (it prints the usage first)
         main([*ARGS, "--quant-bits", "3"])
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == ""
-    assert out.err.strip().splitlines()[-1] == ("ms-deepseek plan: error: argument --quant-bits: invalid choice: 3 "
-                                                "(choose from 4, 8)")
+    assert out.err.strip().splitlines()[-1] == (
+        "ms-deepseek plan: error: argument --quant-bits: invalid choice: 3 (choose from 4, 8)"
+    )
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--quant-bits", "4", "--quant-group-size", "7"],
-     "--quant-group-size: int4 packs two values per byte, so the group size must be even, got 7"),
-    (["--quant-bits", "4", "--quant-group-size", "100"],
-     "quant.group_size: 100 does not divide the input width 192 of model.layers.0.self_attn.q_a_proj.weight"),
-    (["--quant-group-size", "32"], "--quant-group-size: needs --quant-bits (4 or 8)"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--quant-bits", "4", "--quant-group-size", "7"],
+            "--quant-group-size: int4 packs two values per byte, so the group size must be even, got 7",
+        ),
+        (
+            ["--quant-bits", "4", "--quant-group-size", "100"],
+            "quant.group_size: 100 does not divide the input width 192 of model.layers.0.self_attn.q_a_proj.weight",
+        ),
+        (["--quant-group-size", "32"], "--quant-group-size: needs --quant-bits (4 or 8)"),
+    ],
+)
 def test_cli_quant_bad_input_is_one_line(capsys, extra, message):
     code, out = _cli(capsys, *ARGS, *extra)
     assert code == 2 and out.out == ""
@@ -162,31 +201,53 @@ def test_cli_quant_bad_input_is_one_line(capsys, extra, message):
 
 def test_cli_quant_without_lora_is_refused(capsys):
     code, out = _cli(capsys, *ARGS[:-4], "--quant-bits", "8")
-    assert code == 2 and out.err.strip() == ("ms-deepseek plan: error: --quant-bits: only with LoRA (--lora-r or a "
-                                             "recipe lora: section): a quantized base is frozen")
+    assert code == 2 and out.err.strip() == (
+        "ms-deepseek plan: error: --quant-bits: only with LoRA (--lora-r or a "
+        "recipe lora: section): a quantized base is frozen"
+    )
 
 
 # ------------------------------------------------------------------------------ the recipes
-ONE_NODE = {"v2-qlora-8npu": {"bits": 4, "group_size": 128}, "v2-lite-lora-1npu": None,
-            "v2-lite-qlora-1npu": {"bits": 4, "group_size": 64}}
+ONE_NODE = {
+    "v2-qlora-8npu": {"bits": 4, "group_size": 128},
+    "v2-lite-lora-1npu": None,
+    "v2-lite-qlora-1npu": {"bits": 4, "group_size": 64},
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason="MindSpore's level-1 accounting (docs/planner.md): the int32 unpacking images of the int4 base, held all step, ~190 GB per NPU; the planner counts them now")]
-                                               if n == "v2-qlora-8npu" else []) for n in sorted(ONE_NODE)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=[
+                pytest.mark.xfail(
+                    strict=True,
+                    reason="MindSpore's level-1 accounting (docs/planner.md): the int32 unpacking images of the int4 base, held all step, ~190 GB per NPU; the planner counts them now",
+                )
+            ]
+            if n == "v2-qlora-8npu"
+            else [],
+        )
+        for n in sorted(ONE_NODE)
+    ],
+)
 def test_one_node_recipes_fit_with_4_gb_to_spare(capsys, name):
     recipe = str(REPO / "recipes" / f"{name}.yaml")
     code, out = _cli(capsys, "plan", "--recipe", recipe, "--json")
     data = json.loads(out.out)
     assert code == 0 and data["fits"] and data["workload"]["quant"] == ONE_NODE[name]
     assert data["memory_gb"]["usable"] - data["memory_gb"]["total"] >= 4.0
-    if name == "v2-lite-qlora-1npu":   # at 16K tokens the int4 base is what fits: the bf16 base does not
+    if name == "v2-lite-qlora-1npu":  # at 16K tokens the int4 base is what fits: the bf16 base does not
         assert data["workload"]["seq_len"] >= 16384
-        bf16 = recipe.replace("v2-lite-qlora-1npu", "v2-lite-lora-1npu")   # the same job on the bf16 base
-        code, out = _cli(capsys, "plan", "--recipe", bf16, "--set", f"data.seq_len={data['workload']['seq_len']}",
-                         "--json")
+        bf16 = recipe.replace("v2-lite-qlora-1npu", "v2-lite-lora-1npu")  # the same job on the bf16 base
+        code, out = _cli(
+            capsys, "plan", "--recipe", bf16, "--set", f"data.seq_len={data['workload']['seq_len']}", "--json"
+        )
         assert code == 1 and not json.loads(out.out)["fits"]
-    if name == "v2-qlora-8npu":        # 236B on 8 NPUs: the int8 base leaves less than the 4 GB margin
-        code, out = _cli(capsys, "plan", "--recipe", recipe, "--quant-bits", "8", "--set", "quant.group_size=null",
-                         "--json")
+    if name == "v2-qlora-8npu":  # 236B on 8 NPUs: the int8 base leaves less than the 4 GB margin
+        code, out = _cli(
+            capsys, "plan", "--recipe", recipe, "--quant-bits", "8", "--set", "quant.group_size=null", "--json"
+        )
         bf = json.loads(out.out)["memory_gb"]
         assert bf["usable"] - bf["total"] < 4.0

@@ -14,6 +14,7 @@ def _world(failing_rank, world=4):
         def check():
             if rank == failing_rank:
                 raise UserError("compiled layout: parameter w: MindSpore ..., plan ...")
+
         return check
 
     outcome = {}

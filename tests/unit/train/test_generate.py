@@ -43,8 +43,10 @@ _MODELS = {}
 def _load(variant):
     if variant not in _MODELS:
         folder = FIXTURES_DIR / variant
-        _MODELS[variant] = (DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=False),
-                            load_reference(folder)["generate"])
+        _MODELS[variant] = (
+            DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=False),
+            load_reference(folder)["generate"],
+        )
     return _MODELS[variant]
 
 
@@ -55,7 +57,7 @@ def test_reference_generations_cached_and_uncached(variant):
     n = ref["max_new_tokens"]
     greedy = generate(model, ref["prompt"], n, eos_ids=())  # the fixtures were made with EOS disabled
     assert greedy.ids == ref["greedy"], f"{variant}: cached greedy {greedy.ids} != {ref['greedy']}"
-    assert greedy.new_ids == ref["greedy"][len(ref["prompt"]):] and greedy.finish_reason == "length"
+    assert greedy.new_ids == ref["greedy"][len(ref["prompt"]) :] and greedy.finish_reason == "length"
     t = greedy.timings
     assert t["new_tokens"] == n and t["prefill_s"] > 0 and t["decode_tokens_per_s"] > 0
     pen = generate(model, ref["prompt"], n, eos_ids=(), repetition_penalty=penalty)
@@ -63,8 +65,7 @@ def test_reference_generations_cached_and_uncached(variant):
     plain = generate(model, ref["prompt"], n, eos_ids=(), use_cache=False)
     assert plain.ids == greedy.ids and plain.cache is None
     if variant in ("v2", "lite_yarn"):  # the penalty path without the cache on one variant of each kind
-        assert generate(model, ref["prompt"], n, eos_ids=(), repetition_penalty=penalty,
-                        use_cache=False).ids == pen.ids
+        assert generate(model, ref["prompt"], n, eos_ids=(), repetition_penalty=penalty, use_cache=False).ids == pen.ids
 
 
 @pytest.mark.parametrize("variant", ["v2", "lite_yarn"])
@@ -86,9 +87,9 @@ def test_decode_logits_and_cache_contents(variant):
         np.testing.assert_allclose(logits[0], full[pos], atol=1e-4, err_msg=f"decode logits at position {pos}")
     # The absorbed path on several new tokens at once (causal among them) after a shorter prefill.
     dec(Tensor([ids[:2]], ms.int32), Tensor(0, ms.int32), True)
-    logits = dec(Tensor([ids[2:T0 + 1]], ms.int32), Tensor(2, ms.int32)).asnumpy()
+    logits = dec(Tensor([ids[2 : T0 + 1]], ms.int32), Tensor(2, ms.int32)).asnumpy()
     np.testing.assert_allclose(logits[0], full[T0], atol=1e-4, err_msg="absorbed chunk logits")
-    dec(Tensor([ids[T0 + 1:]], ms.int32), Tensor(T0 + 1, ms.int32))
+    dec(Tensor([ids[T0 + 1 :]], ms.int32), Tensor(T0 + 1, ms.int32))
     # Layer 0's cache rows: c_kv after kv_a_layernorm and the rotated k_pe, computed by the training path.
     m = model.model
     x = m.embed_tokens(Tensor([ids], ms.int32))
@@ -103,8 +104,9 @@ def test_graph_mode_matches_reference():
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
         greedy = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=())
-        pen = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=(),
-                       repetition_penalty=ref["repetition_penalty"])
+        pen = generate(
+            model, ref["prompt"], ref["max_new_tokens"], eos_ids=(), repetition_penalty=ref["repetition_penalty"]
+        )
         plain = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=(), use_cache=False)  # padded
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -136,8 +138,10 @@ def test_sampling_seeded_and_filters():
     a = generate(model, ref["prompt"], 6, temperature=1.5, top_p=0.95, seed=7, eos_ids=())
     b = generate(model, ref["prompt"], 6, temperature=1.5, top_p=0.95, seed=7, eos_ids=())
     assert a.ids == b.ids
-    assert generate(model, ref["prompt"], 4, temperature=0.8, top_k=1, seed=3, eos_ids=()).ids == \
-        ref["greedy"][: len(ref["prompt"]) + 4]
+    assert (
+        generate(model, ref["prompt"], 4, temperature=0.8, top_k=1, seed=3, eos_ids=()).ids
+        == ref["greedy"][: len(ref["prompt"]) + 4]
+    )
     # numpy logits processing: top-k keeps k, top-p keeps the smallest set reaching p (at least one).
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     assert np.isfinite(process_logits(logits, 1.0, 2, 1.0)).tolist() == [[True, True, False, False]]
@@ -189,19 +193,24 @@ def test_decoders_are_reused_between_calls(monkeypatch):
     assert cache_length(300, 260) == 260
 
 
-@pytest.mark.parametrize("call, message", [
-    (dict(prompt_ids=[1, 2, 256]), "token id 256 at position 2 is outside the model's vocabulary [0, 256)"),
-    (dict(prompt_ids=[1, -3]), "token id -3 at position 1 is outside"),
-    (dict(prompt_ids=[]), "prompt is empty"),
-    (dict(repetition_penalty=0.0), "repetition penalty must be > 0"),
-    (dict(repetition_penalty=-1.3), "repetition penalty must be > 0"),
-    (dict(max_new_tokens=4092), "prompt length 5 + max_new_tokens 4092 = 4097 exceeds the model's "
-                                "max_position_embeddings 4096"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
-    (dict(temperature=-1.0), "temperature must be"),
-    (dict(top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(top_k=-2), "top_k must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(prompt_ids=[1, 2, 256]), "token id 256 at position 2 is outside the model's vocabulary [0, 256)"),
+        (dict(prompt_ids=[1, -3]), "token id -3 at position 1 is outside"),
+        (dict(prompt_ids=[]), "prompt is empty"),
+        (dict(repetition_penalty=0.0), "repetition penalty must be > 0"),
+        (dict(repetition_penalty=-1.3), "repetition penalty must be > 0"),
+        (
+            dict(max_new_tokens=4092),
+            "prompt length 5 + max_new_tokens 4092 = 4097 exceeds the model's max_position_embeddings 4096",
+        ),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(temperature=-1.0), "temperature must be"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_k=-2), "top_k must be an integer >= 0"),
+    ],
+)
 def test_bad_calls_raise_user_error(call, message):
     model, ref = _load("lite")
     kwargs = dict(prompt_ids=ref["prompt"], max_new_tokens=3)

@@ -32,8 +32,12 @@ def _listing(folder: Path):
 @pytest.mark.parametrize("where", ["adapter", "inside_adapter", "holds_adapter", "inside_base"])
 def test_merge_refuses_an_output_that_overlaps_an_input(inputs, where, capsys):
     adapter, base = inputs
-    out = {"adapter": adapter, "inside_adapter": adapter / "merged", "holds_adapter": adapter.parent,
-           "inside_base": base / "merged"}[where]
+    out = {
+        "adapter": adapter,
+        "inside_adapter": adapter / "merged",
+        "holds_adapter": adapter.parent,
+        "inside_base": base / "merged",
+    }[where]
     before = (_listing(adapter), _listing(base))
     code = main(["export-lora", str(adapter), str(out), "--merge", str(base), "--overwrite"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -103,13 +103,16 @@ def test_export_reproduces_the_adapter_peft_was_checked_against(fixture_run, tmp
     _trainer, result = fixture_run
     out = tmp_path / "adapter"
     assert main(["export-lora", str(result.run_dir), str(out), "--base", "tests/fixtures/lora/base"]) == 0
-    got, want = load_file(str(out / "adapter_model.safetensors")), load_file(str(FIX / "ours_adapter" /
-                                                                                "adapter_model.safetensors"))
+    got, want = (
+        load_file(str(out / "adapter_model.safetensors")),
+        load_file(str(FIX / "ours_adapter" / "adapter_model.safetensors")),
+    )
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)  # CPU float reductions
-    assert json.loads((out / "adapter_config.json").read_text()) == \
-        json.loads((FIX / "ours_adapter" / "adapter_config.json").read_text())
+    assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+        (FIX / "ours_adapter" / "adapter_config.json").read_text()
+    )
     # and this run's export gives the logits PEFT computed on transformers with the committed one
     import mindspore as ms
 
@@ -149,10 +152,17 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
-    sets = ["data.path=" + str(data_dir), "data.seq_len=null", "train.steps=30", "train.micro_batch_size=4",
-            "optim.warmup_steps=2", "optim.lr=0.02",
-            "model.overrides.initializer_range=0.2",  # logits of a 0.02-init random base barely move "checkpoint.save_interval=0", "logging.log_interval=1",
-            "logging.tensorboard=false", "lora.train_router=true"]  # the recipe's dropout 0.05 stays
+    sets = [
+        "data.path=" + str(data_dir),
+        "data.seq_len=null",
+        "train.steps=30",
+        "train.micro_batch_size=4",
+        "optim.warmup_steps=2",
+        "optim.lr=0.02",
+        "model.overrides.initializer_range=0.2",  # logits of a 0.02-init random base barely move "checkpoint.save_interval=0", "logging.log_interval=1",
+        "logging.tensorboard=false",
+        "lora.train_router=true",
+    ]  # the recipe's dropout 0.05 stays
     sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
     recipe = load_recipe(REPO / "recipes" / "tiny-lora-cpu.yaml", sets)
     from ms_deepseek.train.trainer import Trainer
@@ -185,8 +195,9 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     for name in routers:
         np.testing.assert_array_equal(exported["base_model.model." + name], got[name])
-    reloaded = DeepseekV2ForCausalLM.from_pretrained(str(run_dir / "base"), adapter=str(tmp_path / "adapter"),
-                                                     show_progress=False)
+    reloaded = DeepseekV2ForCausalLM.from_pretrained(
+        str(run_dir / "base"), adapter=str(tmp_path / "adapter"), show_progress=False
+    )
     reloaded.set_train(False)
     np.testing.assert_allclose(reloaded(ms.Tensor(ids)).logits.asnumpy(), want, atol=1e-5)
 
@@ -201,8 +212,7 @@ def _parallel(**degrees):
     return ParallelConfig(**{"micro_batches": degrees.get("pp", 1), **degrees})
 
 
-def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(fixture_run, data_dir, tmp_path,
-                                                                                 capsys):
+def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(fixture_run, data_dir, tmp_path, capsys):
     """A tp / pp / ep LoRA run's checkpoint (rank_*/ slices of the adapters, as the trainer's sharded save writes
     them: reshard gives the same layout file) exports the same PEFT adapter and merged folder as the whole one,
     reshards back to it, and resumes on one device with the same losses."""
@@ -221,8 +231,11 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     # what the trainer's _layout writes into a sharded LoRA checkpoint
     trainer_layout = build_layout(recipe.model_config, par, lora=recipe.lora)
     assert layout.to_json()["tensors"] == trainer_layout.to_json()["tensors"]
-    assert layout.lora.settings() == {"r": recipe.lora.r, "target_modules": list(recipe.lora.target_modules),
-                                     "train_router": False}
+    assert layout.lora.settings() == {
+        "r": recipe.lora.r,
+        "target_modules": list(recipe.lora.target_modules),
+        "train_router": False,
+    }
     saved = load_file(str(whole / "model.safetensors"))
     assert set(layout.tensors) == set(saved)  # adapters only: no base weight in the layout or the rank files
     # adapters split like their base layers: column-parallel B by tp, row-parallel A by tp, experts by ep
@@ -239,8 +252,11 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     for src, name in ((whole, "w"), (sharded, "s")):
         assert main(["export-lora", str(src), str(tmp_path / f"adapter_{name}"), "--base", base]) == 0
         assert main(["export-lora", str(src), str(tmp_path / f"merged_{name}"), "--merge", base]) == 0
-    for folder, file in (("adapter", "adapter_model.safetensors"), ("adapter", "adapter_config.json"),
-                         ("merged", "model.safetensors")):
+    for folder, file in (
+        ("adapter", "adapter_model.safetensors"),
+        ("adapter", "adapter_config.json"),
+        ("merged", "model.safetensors"),
+    ):
         assert filecmp.cmp(tmp_path / f"{folder}_w" / file, tmp_path / f"{folder}_s" / file, shallow=False), file
 
     # back to a whole checkpoint: every tensor (model and optimizer) as saved
@@ -254,11 +270,15 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     # resume on one device from the sharded checkpoint: step 3 as the uninterrupted run had it
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(yaml.safe_dump(_fixture_recipe(data_dir, checkpoint={"save_interval": 1, "keep_last": 3})))
-    assert main(["train", str(recipe_file), "--output", str(tmp_path / "run2"), "--quiet", "--resume",
-                 str(sharded)]) == 0
+    assert (
+        main(["train", str(recipe_file), "--output", str(tmp_path / "run2"), "--quiet", "--resume", str(sharded)]) == 0
+    )
 
     def losses(d):
-        return {json.loads(line)["step"]: json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()}
+        return {
+            json.loads(line)["step"]: json.loads(line)["loss"]
+            for line in (d / "metrics.jsonl").read_text().splitlines()
+        }
 
     assert losses(tmp_path / "run2") == {3: losses(ref.run_dir)[3]}
     got = load_file(str(tmp_path / "run2" / "checkpoints" / "step_00000003" / "model.safetensors"))
@@ -338,7 +358,9 @@ def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys, command):
     recipe = str(REPO / "recipes" / "tiny-lora-cpu.yaml")
     sets = ["--set", "parallel.dp=2", "--set", "parallel.tp=2"]
     capsys.readouterr()
-    code = main([command, recipe, "--output", str(tmp_path / "run"), *sets] + (["--quiet"] if command == "train" else []))
+    code = main(
+        [command, recipe, "--output", str(tmp_path / "run"), *sets] + (["--quiet"] if command == "train" else [])
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"ms-deepseek {command}: error: {recipe}: lora: a sharded LoRA run (dp2 tp2"), err[0]
@@ -348,7 +370,8 @@ def test_sharded_lora_run_needs_a_base_checkpoint(tmp_path, capsys, command):
 
 
 def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_name_export_lora(
-        fixture_run, tmp_path, capsys):
+    fixture_run, tmp_path, capsys
+):
     """generate RUN_DIR of a LoRA run samples from its base with the checkpoint's adapters applied (the
     logits PEFT computed with this run's adapter); convert ms-to-hf and from_pretrained say, in one
     line, to use export-lora (or --merge)."""
@@ -362,8 +385,9 @@ def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_
     ref = load_file(str(FIX / "reference.safetensors"))
     model = model_with_adapters(result.checkpoint)
     model.set_train(False)
-    np.testing.assert_allclose(model(ms.Tensor(ref["input_ids"])).logits.asnumpy(), ref["logits_ours_adapter"],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        model(ms.Tensor(ref["input_ids"])).logits.asnumpy(), ref["logits_ours_adapter"], atol=1e-4
+    )
     capsys.readouterr()
     assert main(["generate", str(result.run_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -400,9 +424,16 @@ def test_dropout_is_exact_across_runs_and_resume(data_dir, tmp_path):
     now a stateless hash of (seed, step, rank, adapter, element): two runs and a run resumed halfway give the
     same losses and adapters, bit for bit."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(_fixture_recipe(
-        data_dir, lora={"dropout": 0.3}, train={"steps": 4, "mode": "graph"},
-        checkpoint={"save_interval": 2, "keep_last": 3})))
+    recipe.write_text(
+        yaml.safe_dump(
+            _fixture_recipe(
+                data_dir,
+                lora={"dropout": 0.3},
+                train={"steps": 4, "mode": "graph"},
+                checkpoint={"save_interval": 2, "keep_last": 3},
+            )
+        )
+    )
 
     def losses(d):
         return [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
@@ -420,7 +451,12 @@ def test_dropout_is_exact_across_runs_and_resume(data_dir, tmp_path):
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name}: {key}")
     # and dropout acts: the same run without it trains to other losses
-    recipe.write_text(yaml.safe_dump(_fixture_recipe(
-        data_dir, lora={"dropout": 0.0}, train={"steps": 4, "mode": "graph"}, checkpoint={"save_interval": 2})))
+    recipe.write_text(
+        yaml.safe_dump(
+            _fixture_recipe(
+                data_dir, lora={"dropout": 0.0}, train={"steps": 4, "mode": "graph"}, checkpoint={"save_interval": 2}
+            )
+        )
+    )
     assert main(["train", str(recipe), "--output", str(tmp_path / "none"), "--quiet"]) == 0
     assert losses(tmp_path / "none")[1:] != losses(tmp_path / "a")[1:]

@@ -4,11 +4,11 @@ MindFormers' ``AdamW`` as the reference: same parameters, gradients and schedule
 import numpy as np
 
 SHAPES = {
-    "model.layers.0.self_attn.o_proj.weight": (6, 5),   # decayed
+    "model.layers.0.self_attn.o_proj.weight": (6, 5),  # decayed
     "model.layers.1.mlp.experts.up_proj.weight": (3, 4, 2),
-    "model.layers.0.input_layernorm.weight": (5,),      # not decayed: norm
-    "model.layers.1.mlp.gate.weight": (4, 5),           # not decayed: router
-    "lm_head.bias": (7,),                               # not decayed: bias
+    "model.layers.0.input_layernorm.weight": (5,),  # not decayed: norm
+    "model.layers.1.mlp.gate.weight": (4, 5),  # not decayed: router
+    "lm_head.bias": (7,),  # not decayed: bias
 }
 STEPS = 5
 
@@ -17,8 +17,10 @@ def _params(prefix, dtype, seed=0):
     import mindspore as ms
 
     rng = np.random.default_rng(seed)
-    return [ms.Parameter(ms.Tensor(rng.normal(size=shape).astype(np.float32), dtype), name=prefix + name)
-            for name, shape in SHAPES.items()]
+    return [
+        ms.Parameter(ms.Tensor(rng.normal(size=shape).astype(np.float32), dtype), name=prefix + name)
+        for name, shape in SHAPES.items()
+    ]
 
 
 def _run(optimizer, grads):
@@ -33,22 +35,29 @@ def _compare(param_dtype, mode, atol):
     from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
 
-    cfg = OptimSection(lr=2e-2, min_lr=1e-3, schedule="cosine", warmup_steps=2, weight_decay=0.1,
-                       beta1=0.9, beta2=0.95, eps=1e-8)
+    cfg = OptimSection(
+        lr=2e-2, min_lr=1e-3, schedule="cosine", warmup_steps=2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8
+    )
     total = 8
     ours_p = _params("", param_dtype)
     ours = optim.build_optimizer(ours_p, cfg, total)  # imports MindFormers (resets the mode): before set_context
     ref_p = _params("ref.", param_dtype)
-    decay = [p for p in ref_p if not optim._no_decay(p.name[len("ref."):])]
-    no_decay = [p for p in ref_p if optim._no_decay(p.name[len("ref."):])]
+    decay = [p for p in ref_p if not optim._no_decay(p.name[len("ref.") :])]
+    no_decay = [p for p in ref_p if optim._no_decay(p.name[len("ref.") :])]
     assert len(decay) == 2 and len(no_decay) == 3
-    ref = MFAdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0},
-                   {"order_params": ref_p}], learning_rate=optim.build_lr_schedule(cfg, total),
-                  betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = MFAdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}, {"order_params": ref_p}],
+        learning_rate=optim.build_lr_schedule(cfg, total),
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+    )
     ms.set_context(mode=mode)
     rng = np.random.default_rng(1)
-    grads = [tuple(ms.Tensor(rng.normal(scale=0.5, size=SHAPES[n]).astype(np.float32), param_dtype) for n in SHAPES)
-             for _ in range(STEPS)]
+    grads = [
+        tuple(ms.Tensor(rng.normal(scale=0.5, size=SHAPES[n]).astype(np.float32), param_dtype) for n in SHAPES)
+        for _ in range(STEPS)
+    ]
     before = [p.asnumpy().astype(np.float32).copy() for p in ours_p]
     _run(ours, grads)
     _run(ref, grads)

@@ -117,20 +117,25 @@ def test_ranks_read_disjoint_rows_of_the_real_dataset(tmp_path):
         ds = build_train_dataset(cfg, rows, rank, world, progress=False)
         return np.asarray(next(iter(ds))["input_ids"])
 
-    for par in (ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2),
-                ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2, dataset_strategy="full_batch")):
+    for par in (
+        ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2),
+        ParallelConfig(dp=2, tp=2, pp=2, micro_batches=2, dataset_strategy="full_batch"),
+    ):
         whole = first_batch(0, 1, par.dp * b)  # one reader of the global micro-batch
         got = {}
         for r in range(par.world_size):
             got[r] = first_batch(*data_coordinates(r, par, b))
         strategy = dataset_strategy(par)
-        slice_of = {r: slice_of_rank(r, par.world_size, par.pp, strategy,
-                                   data_coordinates(r, par, b)[2])[0]
-                    for r in range(par.world_size)}
+        slice_of = {
+            r: slice_of_rank(r, par.world_size, par.pp, strategy, data_coordinates(r, par, b)[2])[0]
+            for r in range(par.world_size)
+        }
         for r in range(par.world_size):  # the ranks MindSpore takes for one slice read identical rows
             peer = min(q for q in range(par.world_size) if slice_of[q] == slice_of[r])
             np.testing.assert_array_equal(got[r], got[peer])
-        stage0 = [got[min(q for q in range(par.dp * par.tp) if slice_of[q] == k)] for k in sorted(set(slice_of.values()))]
+        stage0 = [
+            got[min(q for q in range(par.dp * par.tp) if slice_of[q] == k)] for k in sorted(set(slice_of.values()))
+        ]
         rows = np.concatenate(stage0) if par.dataset_strategy != "full_batch" else stage0[0]
         assert sorted(map(tuple, rows)) == sorted(map(tuple, whole))
 
@@ -206,11 +211,13 @@ def test_vocab_parallel_cross_entropy_splits_over_the_vocabulary():
     valid = nxt != -100
     for tp in (2, 3, 4):
         width = V // tp
-        parts = [flat[:, k * width:(k + 1) * width] for k in range(tp)]
-        row_max = np.max([p.max(-1) for p in parts], 0)                                  # AllReduce(max)
-        sum_exp = np.sum([np.exp(p - row_max[:, None]).sum(-1) for p in parts], 0)       # AllReduce(sum)
-        picked = np.sum([(p * (np.arange(k * width, (k + 1) * width)[None] == nxt[:, None])).sum(-1)
-                         for k, p in enumerate(parts)], 0)                               # local one-hot slice
+        parts = [flat[:, k * width : (k + 1) * width] for k in range(tp)]
+        row_max = np.max([p.max(-1) for p in parts], 0)  # AllReduce(max)
+        sum_exp = np.sum([np.exp(p - row_max[:, None]).sum(-1) for p in parts], 0)  # AllReduce(sum)
+        picked = np.sum(
+            [(p * (np.arange(k * width, (k + 1) * width)[None] == nxt[:, None])).sum(-1) for k, p in enumerate(parts)],
+            0,
+        )  # local one-hot slice
         loss = ((np.log(sum_exp) + row_max - picked) * valid).sum() / valid.sum()
         assert abs(loss - full) < 1e-5 * max(1.0, abs(full)), tp
     assert ms.get_context("device_target") == "CPU"
@@ -268,8 +275,13 @@ def test_pipeline_step_has_accu_grads_for_every_optimizer_parameter(tiny_model, 
     par = ParallelConfig(dp=1, tp=1, pp=2, micro_batches=4, optimizer_shard=optimizer_shard)
     applied = apply_plan(model, par, cfg)
     optimizer = _optimizer(model)
-    step, update = build_step(model, optimizer, TrainSection(clip_grad_norm=1.0), par,
-                              wrap_net=lambda net: pipeline_wrap(net, par, applied, model_prefix="model"))
+    step, update = build_step(
+        model,
+        optimizer,
+        TrainSection(clip_grad_norm=1.0),
+        par,
+        wrap_net=lambda net: pipeline_wrap(net, par, applied, model_prefix="model"),
+    )
     assert isinstance(step.net, Pipeline) and step.net.micro_size == 4
     assert isinstance(step.pipeline, PipelineGrads) and step.pipeline.opt_shard is optimizer_shard
     assert update.pre_unscaled  # the accumulated gradients are unscaled once, by PipelineGrads
@@ -301,8 +313,12 @@ def test_pipeline_grads_hand_over_the_accumulated_gradient_and_zero_it(optimizer
     saved = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
     try:
-        params = ParameterTuple([Parameter(Tensor(np.ones((2, 3), np.float32)), name="w"),
-                                 Parameter(Tensor(np.ones((4,), np.float32)), name="b")])
+        params = ParameterTuple(
+            [
+                Parameter(Tensor(np.ones((2, 3), np.float32)), name="w"),
+                Parameter(Tensor(np.ones((4,), np.float32)), name="b"),
+            ]
+        )
         cell = PipelineGrads(params, optimizer_shard)
         # an overflowed buffer (inf, NaN: a float16 step that was skipped) is zeroed exactly too
         accumulated = [np.array([[0, 1, 2], [np.inf, -np.inf, np.nan]], np.float32), np.full((4,), 3.0, np.float32)]
@@ -342,8 +358,9 @@ def test_without_pipeline_the_step_has_no_accu_grads(tiny_model):
     from ms_deepseek.train.step import build_step
 
     cfg, model = tiny_model
-    step, update = build_step(model, _optimizer(model), TrainSection(grad_accum_steps=2, clip_grad_norm=1.0),
-                              ParallelConfig())
+    step, update = build_step(
+        model, _optimizer(model), TrainSection(grad_accum_steps=2, clip_grad_norm=1.0), ParallelConfig()
+    )
     assert step.pipeline is None and not update.pre_unscaled
     assert not [p.name for p in step.get_parameters() if p.name.startswith("accu_grads")]
 
@@ -361,10 +378,25 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.train.step import StepOutputs, Update, build_step, output_width
 
-    cfg = get_preset("tiny", vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                     num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-                     q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
-                     topk_method="greedy")
+    cfg = get_preset(
+        "tiny",
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        first_k_dense_replace=0,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+    )
     k, L, E = 2, len(cfg.moe_layer_indices), cfg.n_routed_experts
     rng = np.random.default_rng(5)
     ids = Tensor(rng.integers(3, cfg.vocab_size, (2 * k, 16)).astype(np.int32))
@@ -397,8 +429,13 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
         norm_a, *_ = Update(opt_a, scale, 0.5, False, dot_norm=False)(grads)
 
         opt_b = _optimizer(model_b)
-        step_b, _ = build_step(model_b, opt_b, TrainSection(clip_grad_norm=0.5), ParallelConfig(pp=2, micro_batches=k),
-                               wrap_net=lambda net: Pipeline(net, k))
+        step_b, _ = build_step(
+            model_b,
+            opt_b,
+            TrainSection(clip_grad_norm=0.5),
+            ParallelConfig(pp=2, micro_batches=k),
+            wrap_net=lambda net: Pipeline(net, k),
+        )
         step_b.update.dot_norm = False
         for accu, g in zip(step_b.pipeline.accu_grads, grads):
             accu.set_data(Tensor(g.asnumpy()))

@@ -35,8 +35,7 @@ SEQ = 64
 B = 2  # micro-batch rows per data-parallel replica
 # tp 1: each rank reads its own slice (with tp > 1 every rank reads the whole micro-batch, ranks.reads_full_batch,
 # because MindSpore refuses the data-parallel dataset strategy there)
-LAYOUTS = [ParallelConfig(dp=2, tp=1, pp=2, micro_batches=2),
-           ParallelConfig(dp=4, tp=1, pp=2, ep=2, micro_batches=2)]
+LAYOUTS = [ParallelConfig(dp=2, tp=1, pp=2, micro_batches=2), ParallelConfig(dp=4, tp=1, pp=2, ep=2, micro_batches=2)]
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +44,18 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("shval")
     make_byte_tokenizer(root / "tok")
     for name, n in (("a", 60), ("b", 30)):
-        write_jsonl(root / f"{name}.jsonl", [{"prompt": f"{name}{i}" + "x" * (i % 9), "response": "ok" * (1 + i % 4)}
-                                             for i in range(n)])
+        write_jsonl(
+            root / f"{name}.jsonl",
+            [{"prompt": f"{name}{i}" + "x" * (i % 9), "response": "ok" * (1 + i % 4)} for i in range(n)],
+        )
         prepare_data([root / f"{name}.jsonl"], root / name, root / "tok", seq_len=SEQ, fmt="sft", progress=False)
     return root
 
 
 def _val_cfg(folders, **kw):
-    return DataConfig(path=str(folders / "a"), format="sft", num_workers=1,
-                      validation=ValidationConfig(fraction=0.4), **kw)
+    return DataConfig(
+        path=str(folders / "a"), format="sft", num_workers=1, validation=ValidationConfig(fraction=0.4), **kw
+    )
 
 
 def _global_batches(par, cfg, eval_batches=3):
@@ -72,9 +74,9 @@ def _global_batches(par, cfg, eval_batches=3):
         for rank in range(stage):  # stage 0's ranks; MindSpore's placement of each rank's rows
             start = ms_oracle.batch_row_of_rank(rank, world, par.pp, dataset_strategy(par), rows)
             mine = per_rank[rank].batches[j]["input_ids"]
-            block = g[start:start + rows]
+            block = g[start : start + rows]
             assert (block == -1).all() or (block == mine).all(), "two ranks MindSpore puts together read different rows"
-            g[start:start + rows] = mine
+            g[start : start + rows] = mine
         full.append(g)
     return per_rank, full
 
@@ -131,8 +133,8 @@ def test_reduction_of_global_losses_is_the_single_workers_value(folders, par):
         labels = np.zeros((par.dp * B, SEQ), np.int32)
         for rank in range(par.dp * par.tp):
             start = ms_oracle.batch_row_of_rank(rank, world, par.pp, dataset_strategy(par), rows)
-            ids[start:start + rows] = per_rank[rank].batches[j]["input_ids"]
-            labels[start:start + rows] = per_rank[rank].batches[j]["labels"]
+            ids[start : start + rows] = per_rank[rank].batches[j]["input_ids"]
+            labels[start : start + rows] = per_rank[rank].batches[j]["labels"]
         glob.append(_mean_loss(ids, labels))
     counts = {r: [scored_tokens(b["labels"]) for b in v.batches] for r, v in per_rank.items()}
     total = np.sum([counts[r] for r in range(world)], axis=0).astype(np.float64)  # the AllReduce of counts
@@ -151,19 +153,25 @@ def test_reduction_of_global_losses_is_the_single_workers_value(folders, par):
 
 def test_sharded_sft_training_batches_have_one_shape(folders):
     cfg = DataConfig(path=str(folders / "a"), format="sft", num_workers=1)
+
     def shapes(static):
         out = set()
         for r in range(2):  # two data-parallel slices
             it = iter(build_train_dataset(cfg, B, r, 2, static_shapes=static))
             out |= {next(it)["input_ids"].shape for _ in range(6)}
         return out
-    assert len(shapes(False)) > 1           # length buckets: ranks would compile different graphs
-    assert shapes(True) == {(B, SEQ)}        # what a sharded run reads
+
+    assert len(shapes(False)) > 1  # length buckets: ranks would compile different graphs
+    assert shapes(True) == {(B, SEQ)}  # what a sharded run reads
 
 
 def test_sft_mixture_is_allowed_and_static(folders):
-    cfg = DataConfig(path=[DataSource(str(folders / "a"), 0.6), DataSource(str(folders / "b"), 0.4)],
-                     format="sft", num_workers=1, validation=ValidationConfig(fraction=0.2))
+    cfg = DataConfig(
+        path=[DataSource(str(folders / "a"), 0.6), DataSource(str(folders / "b"), 0.4)],
+        format="sft",
+        num_workers=1,
+        validation=ValidationConfig(fraction=0.2),
+    )
     ds = build_train_dataset(cfg, B, 1, 2)
     assert ds.format == "sft"
     it = iter(ds)
@@ -177,19 +185,29 @@ def test_sft_mixture_is_allowed_and_static(folders):
     from ms_deepseek.core.schema import from_dict
 
     with pytest.raises(UserError, match=r"^data.bucket_boundaries: a weighted mixture pads every sample"):
-        from_dict(DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft",
-                               "bucket_boundaries": [16]}, "data")
+        from_dict(
+            DataConfig, {"path": [{"path": "x"}, {"path": "y"}], "format": "sft", "bucket_boundaries": [16]}, "data"
+        )
 
 
 def _recipe(folders, tmp_path, par, **data):
     from ms_deepseek.config.recipe import load_recipe_dict
 
-    spec = {"model": {"source": "tiny"},
-            "data": dict({"path": str(folders / "a"), "format": "sft", "num_workers": 1,
-                          "validation": {"fraction": 0.4}}, **data),
-            "train": {"steps": 2, "micro_batch_size": B, "eval_interval": 1, "eval_batches": 2},
-            "parallel": {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep,
-                         "micro_batches": par.micro_batches, "force": True}}
+    spec = {
+        "model": {"source": "tiny"},
+        "data": dict(
+            {"path": str(folders / "a"), "format": "sft", "num_workers": 1, "validation": {"fraction": 0.4}}, **data
+        ),
+        "train": {"steps": 2, "micro_batch_size": B, "eval_interval": 1, "eval_batches": 2},
+        "parallel": {
+            "dp": par.dp,
+            "tp": par.tp,
+            "pp": par.pp,
+            "ep": par.ep,
+            "micro_batches": par.micro_batches,
+            "force": True,
+        },
+    }
     return load_recipe_dict(spec, [], str(tmp_path / "r.yaml"))
 
 
@@ -286,4 +304,6 @@ def test_moe_layer_evaluates_at_the_stated_capacity():
     moe.set_train(False)
     assert moe.capacity(n) == capacity(n, k, E, 2.0) == dispatch_buffers(cfg, 1, 1, 1, n, training=False)["capacity"]
     moe.eval_capacity_factor = None  # the default: dropless
-    assert moe.capacity(n) == n == dispatch_buffers(cfg.replace(eval_capacity_factor=None), 1, 1, 1, n, False)["capacity"]
+    assert (
+        moe.capacity(n) == n == dispatch_buffers(cfg.replace(eval_capacity_factor=None), 1, 1, 1, n, False)["capacity"]
+    )

@@ -34,9 +34,13 @@ def _trainer(tmp_path, lazy=True, weights=None):
     t = object.__new__(Trainer)
     t.cfg, t.par, t.rank, t.world, t.sharded = TINY, PAR, RANK, PAR.world_size, True
     t.model, t.applied, t.opt_shards = model, apply_plan(model, PAR, TINY), None
-    t.recipe = SimpleNamespace(weights_folder=weights, lora=None, global_batch_size=2,
-                               checkpoint=SimpleNamespace(save_interval=1, save_final=True),
-                               to_yaml=lambda: "model: {source: tiny}\n")
+    t.recipe = SimpleNamespace(
+        weights_folder=weights,
+        lora=None,
+        global_batch_size=2,
+        checkpoint=SimpleNamespace(save_interval=1, save_final=True),
+        to_yaml=lambda: "model: {source: tiny}\n",
+    )
     t.model_tensors = model_tensors(model)
     attach_save_state(t, tmp_path)
     return t
@@ -54,7 +58,7 @@ def test_random_init_materialises_only_this_stage(tmp_path):
     assert mine and others
     t._load_weights_slices(layout, t.model_tensors)
     params = {p.name: p for p in t.model.get_parameters()}
-    assert [n for n in mine if params[n].has_init] == []          # this stage: data
+    assert [n for n in mine if params[n].has_init] == []  # this stage: data
     assert sorted(n for n in others if not params[n].has_init) == []  # other stages: never allocated
 
 

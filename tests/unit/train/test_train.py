@@ -32,8 +32,12 @@ def data_dir(tmp_path_factory):
 
 def recipe_dict(data_dir, **sections):
     data = {
-        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL), "expert_aux_loss_alpha": 0.01,
-                  "device_aux_loss_alpha": 0.01},
+        "model": {
+            "source": "tiny",
+            "overrides": dict(SMALL_MODEL),
+            "expert_aux_loss_alpha": 0.01,
+            "device_aux_loss_alpha": 0.01,
+        },
         "data": {"path": str(data_dir), "num_workers": 1},
         "train": {"steps": STEPS, "micro_batch_size": 4, "grad_accum_steps": 1, "seed": 11},
         "optim": {"lr": 3e-3, "warmup_steps": 1, "schedule": "cosine", "min_lr": 3e-4},
@@ -82,7 +86,8 @@ def test_cli_run_reports_loss_checkpoint_and_metrics(reference):
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000004\n"  # the pointer --resume reads
     ckpt = run_dir / "checkpoints" / "step_00000004"
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        ["model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml"])
+        ["model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml"]
+    )
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 4 and state["data"]["steps"] == 4 and state["tokens_seen"] == 4 * 4 * 32
     assert {"numpy", "mindspore_seed", "mindspore_generator"} <= set(state["rng"])
@@ -135,8 +140,10 @@ def test_non_finite_numbers_are_written_as_strings(tmp_path):
     from ms_deepseek.train.metrics import MetricsWriter, json_number
     from ms_deepseek.train.metrics_io import read_metrics
 
-    assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == \
-        {"a": "NaN", "b": ["Infinity", "-Infinity", 1.5]}
+    assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == {
+        "a": "NaN",
+        "b": ["Infinity", "-Infinity", 1.5],
+    }
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
     writer.close()
@@ -193,8 +200,14 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
-    recipe = load_recipe_dict(recipe_dict(data_dir, train={"micro_batch_size": 2, "grad_accum_steps": 2},
-                                          parallel={"recompute": "selective"}, logging={"tensorboard": False}))
+    recipe = load_recipe_dict(
+        recipe_dict(
+            data_dir,
+            train={"micro_batch_size": 2, "grad_accum_steps": 2},
+            parallel={"recompute": "selective"},
+            logging={"tensorboard": False},
+        )
+    )
     result = train(recipe, tmp_path / "accum", progress=False)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=1e-5)
     got, want = weights(result.checkpoint), weights(ref_dir / "checkpoints" / "step_00000004")
@@ -203,6 +216,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
 
 
 # --------------------------------------------------------------- the update in isolation
+
 
 def _update_setup(clip, dynamic, window=1000, dot_norm=None):
     import mindspore as ms
@@ -214,8 +228,7 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
 
     ms.set_seed(0)
     net = nn.Dense(3, 2)
-    opt = optim.build_optimizer(net.trainable_params(), OptimSection(lr=0.1, schedule="constant",
-                                                                     weight_decay=0.0), 10)
+    opt = optim.build_optimizer(net.trainable_params(), OptimSection(lr=0.1, schedule="constant", weight_decay=0.0), 10)
     ms.set_context(mode=ms.GRAPH_MODE)
     scale = Parameter(Tensor(8.0 if dynamic else 1.0, ms.float32), name="loss_scale", requires_grad=False)
     return net, opt, Update(opt, scale, clip, dynamic, scale_window=window, dot_norm=dot_norm), scale
@@ -248,14 +261,14 @@ def test_dynamic_loss_scale_skips_overflow_and_grows(dot_norm):
     before = net.weight.asnumpy().copy()
     _, _, overflow, used = update(_grads([np.full((2, 3), np.inf), np.ones(2)]))
     assert bool(overflow.asnumpy()) and float(used.asnumpy()) == 8.0
-    assert float(scale.asnumpy()) == 4.0                      # halved
+    assert float(scale.asnumpy()) == 4.0  # halved
     np.testing.assert_array_equal(net.weight.asnumpy(), before)  # step skipped
     assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 0
-    for _ in range(2):                                        # two good steps -> doubled
+    for _ in range(2):  # two good steps -> doubled
         grad_norm, _, overflow, _ = update(_grads([np.full((2, 3), 2.0), np.full((2,), 2.0)]))
         assert not bool(overflow.asnumpy())
         # scaled gradients: 2.0 / scale 4 = 0.5 per element, 8 elements
-        assert float(grad_norm.asnumpy()) == pytest.approx(math.sqrt(8 * 0.5 ** 2), rel=1e-6)
+        assert float(grad_norm.asnumpy()) == pytest.approx(math.sqrt(8 * 0.5**2), rel=1e-6)
     assert float(scale.asnumpy()) == 8.0
     assert int(opt.global_step.asnumpy().reshape(-1)[0]) == 2
     assert not np.array_equal(net.weight.asnumpy(), before)
@@ -263,8 +276,11 @@ def test_dynamic_loss_scale_skips_overflow_and_grows(dot_norm):
 
 # --------------------------------------------------------------- bad input stops before training
 
-@pytest.mark.parametrize("case", ["empty_folder", "corrupt_meta", "corrupt_shard", "too_few_samples",
-                                  "missing_tokenizer", "too_long", "vocab"])
+
+@pytest.mark.parametrize(
+    "case",
+    ["empty_folder", "corrupt_meta", "corrupt_shard", "too_few_samples", "missing_tokenizer", "too_long", "vocab"],
+)
 def test_bad_data_stops_with_one_line_before_training(case, data_dir, tmp_path, capsys):
     import shutil
 
@@ -347,8 +363,9 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
     recipe = write_recipe(tmp_path, recipe_dict(data_dir))
     run_dir = tmp_path / "run"
     # no checkpoint yet: a fresh start (stopped after 2 steps, as a crash would)
-    assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto",
-                 "--max-steps", "2"]) == 0
+    assert (
+        main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume", "auto", "--max-steps", "2"]) == 0
+    )
     assert "starting:" in capsys.readouterr().out
     # a complete checkpoint exists: resumed from it, and the run continues exactly
     auto = write_recipe(tmp_path / "auto", recipe_dict(data_dir, checkpoint={"resume": "auto"}))
@@ -392,10 +409,8 @@ def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
-    data = recipe_dict(data_dir, train={"steps": 1}, checkpoint={"save_interval": 0},
-                       logging={"tensorboard": False})
-    data["model"] = {"source": str(ref_dir / "checkpoints" / "step_00000004"),
-                     "overrides": {"capacity_factor": 4.0}}
+    data = recipe_dict(data_dir, train={"steps": 1}, checkpoint={"save_interval": 0}, logging={"tensorboard": False})
+    data["model"] = {"source": str(ref_dir / "checkpoints" / "step_00000004"), "overrides": {"capacity_factor": 4.0}}
     recipe = load_recipe_dict(data)
     assert recipe.weights_folder is not None and recipe.model_config.capacity_factor == 4.0
     result = train(recipe, tmp_path / "finetune", progress=False)
@@ -429,8 +444,12 @@ def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
-    data = recipe_dict(data_dir, train={"mode": "pynative"}, checkpoint={"save_interval": 0, "save_final": False},
-                       logging={"tensorboard": False})
+    data = recipe_dict(
+        data_dir,
+        train={"mode": "pynative"},
+        checkpoint={"save_interval": 0, "save_final": False},
+        logging={"tensorboard": False},
+    )
     result = train(load_recipe_dict(data), tmp_path / "pynative", progress=False, max_steps=2)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir)[:2], rtol=1e-5)
     assert result.checkpoint is None
@@ -444,8 +463,12 @@ def test_weight_decay_skips_norms_biases_and_routers():
     from ms_deepseek.train import optim
     from ms_deepseek.train.step import Update
 
-    names = ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",
-             "model.layers.0.self_attn.kv_a_layernorm.weight"]
+    names = [
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+    ]
     params = [Parameter(Tensor(np.ones((2, 2), np.float32)), name=n) for n in names]
     opt = optim.build_optimizer(params, OptimSection(lr=0.5, schedule="constant", weight_decay=0.1), 10)
     ms.set_context(mode=ms.GRAPH_MODE)

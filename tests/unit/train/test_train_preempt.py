@@ -11,8 +11,9 @@ from test_train import data_dir, losses_of, recipe_dict, reference, write_recipe
 from ms_deepseek.cli import main
 
 
-def test_sigterm_saves_at_the_next_step_and_resume_auto_repeats_the_losses(reference, data_dir, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_sigterm_saves_at_the_next_step_and_resume_auto_repeats_the_losses(
+    reference, data_dir, tmp_path, monkeypatch, capsys
+):
     from ms_deepseek.checkpoint.training import CheckpointManager
     from ms_deepseek.train.trainer import Trainer
 

@@ -13,10 +13,22 @@ from ms_deepseek.cli import main
 from builders import kill_during_save_then_resume
 from repo_paths import REPO
 
-SMALL_MODEL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-               "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-               "max_position_embeddings": 64, "capacity_factor": None}
+SMALL_MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "max_position_embeddings": 64,
+    "capacity_factor": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +41,19 @@ def data_dir(tmp_path_factory):
 
 
 def _sets(data_dir, steps, **extra):
-    sets = ["data.path=" + str(data_dir), "data.seq_len=null", f"train.steps={steps}", "train.micro_batch_size=4",
-            "optim.warmup_steps=2", "optim.lr=0.02", "model.overrides.initializer_range=0.2",
-            "logging.log_interval=1", "logging.tensorboard=false", "quant.group_size=8",
-            "train.mode=pynative"]  # no graph compile: a few seconds per run on 2 cores
+    sets = [
+        "data.path=" + str(data_dir),
+        "data.seq_len=null",
+        f"train.steps={steps}",
+        "train.micro_batch_size=4",
+        "optim.warmup_steps=2",
+        "optim.lr=0.02",
+        "model.overrides.initializer_range=0.2",
+        "logging.log_interval=1",
+        "logging.tensorboard=false",
+        "quant.group_size=8",
+        "train.mode=pynative",
+    ]  # no graph compile: a few seconds per run on 2 cores
     sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
     return sets + [f"{k}={v}" for k, v in extra.items()]
 
@@ -56,8 +77,9 @@ def qlora_run(tmp_path_factory, data_dir):
     from ms_deepseek.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("qlora")
-    recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml",
-                         _sets(data_dir, 30, **{"checkpoint.save_interval": 10}))
+    recipe = load_recipe(
+        REPO / "recipes" / "tiny-qlora-cpu.yaml", _sets(data_dir, 30, **{"checkpoint.save_interval": 10})
+    )
     trainer = Trainer(recipe, root / "run", None, False, False, None)
     return trainer, trainer.run()
 
@@ -80,8 +102,9 @@ def test_tiny_qlora_trains_over_a_quantized_base_and_keeps_the_original(qlora_ru
 
 def test_qlora_resume_after_a_kill_is_exact(qlora_run, data_dir, tmp_path, monkeypatch):
     # dropout 0 as in test_lora_train's resume test: the restored RNG does not replay the dropout masks
-    recipe = _recipe_file(tmp_path, data_dir, 4, **{"checkpoint.save_interval": 1, "checkpoint.keep_last": 3,
-                                                    "lora.dropout": 0.0})
+    recipe = _recipe_file(
+        tmp_path, data_dir, 4, **{"checkpoint.save_interval": 1, "checkpoint.keep_last": 3, "lora.dropout": 0.0}
+    )
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     assert main(["train", str(recipe), "--output", str(ref_dir), "--quiet"]) == 0
     kill_during_save_then_resume(monkeypatch, recipe, run_dir)
@@ -108,16 +131,19 @@ def test_qlora_export_is_an_adapter_for_the_original_base_and_merges_into_it(qlo
     ids = ms.Tensor(np.arange(24, dtype=np.int32).reshape(2, 12) % 512)
     trainer.model.set_train(False)
     quantized = trainer.model(ids).logits.asnumpy()
-    original = DeepseekV2ForCausalLM.from_pretrained(str(run_dir / "base"), adapter=str(tmp_path / "adapter"),
-                                                     show_progress=False)
+    original = DeepseekV2ForCausalLM.from_pretrained(
+        str(run_dir / "base"), adapter=str(tmp_path / "adapter"), show_progress=False
+    )
     original.set_train(False)
     on_original = original(ids).logits.asnumpy()
     rel = np.abs(on_original - quantized).max() / np.abs(quantized).max()
     # the same adapter on the float base: close to the quantized model, not equal; the gap is the base's
     # int4 (group 32) quantisation error, measured at 0.38-0.39 max relative on tiny (docs/lora.md)
     assert 0 < rel < 0.4, rel
-    assert main(["export-lora", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merge",
-                 str(run_dir / "base")]) == 0
+    assert (
+        main(["export-lora", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merge", str(run_dir / "base")])
+        == 0
+    )
     merged = DeepseekV2ForCausalLM.from_pretrained(str(tmp_path / "merged"), show_progress=False)
     merged.set_train(False)
     np.testing.assert_allclose(merged(ids).logits.asnumpy(), on_original, atol=1e-4)
@@ -129,8 +155,10 @@ def test_qlora_from_a_quantized_source_trains_and_exports_for_its_original(qlora
     _trainer, result = qlora_run
     original = result.run_dir / "base"
     qdir = tmp_path / "q4"
-    assert main(["convert", "quantize", str(original), str(qdir), "--bits", "4", "--group-size", "8",
-                 "--no-progress"]) == 0
+    assert (
+        main(["convert", "quantize", str(original), str(qdir), "--bits", "4", "--group-size", "8", "--no-progress"])
+        == 0
+    )
     recipe = _recipe_file(tmp_path, data_dir, 3, **{"model.source": str(qdir), "checkpoint.save_interval": 3})
     run_dir = tmp_path / "run"
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet"]) == 0

@@ -23,8 +23,9 @@ from ms_deepseek.core.errors import UserError
 from builders import attach_save_state, small_config
 
 CFG = small_config(num_hidden_layers=2)
-LORA = LoraSpec(r=4, alpha=8, target_modules=["q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                train_router=True)
+LORA = LoraSpec(
+    r=4, alpha=8, target_modules=["q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], train_router=True
+)
 INT4 = QuantSpec(bits=4, group_size=8)
 LAYOUTS = [ParallelConfig(dp=2, ep=2), ParallelConfig(dp=1, tp=2)]
 
@@ -51,14 +52,26 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
 
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(CFG)
-    recipe = SimpleNamespace(weights_folder=source, lora=LORA, quant=quant, global_batch_size=2,
-                             train=SimpleNamespace(seed=0),
-                             checkpoint=SimpleNamespace(save_interval=1, save_final=True),
-                             to_yaml=lambda: "model: {source: tiny}\n")
+    recipe = SimpleNamespace(
+        weights_folder=source,
+        lora=LORA,
+        quant=quant,
+        global_batch_size=2,
+        train=SimpleNamespace(seed=0),
+        checkpoint=SimpleNamespace(save_interval=1, save_final=True),
+        to_yaml=lambda: "model: {source: tiny}\n",
+    )
     lora_run.prepare(model, recipe, tmp_path, write_base=False, base=source, sharded=True)
     t = object.__new__(Trainer)
-    t.cfg, t.par, t.rank, t.world, t.sharded, t.recipe, t.run_dir = CFG, par, rank, par.world_size, True, recipe, \
-        tmp_path
+    t.cfg, t.par, t.rank, t.world, t.sharded, t.recipe, t.run_dir = (
+        CFG,
+        par,
+        rank,
+        par.world_size,
+        True,
+        recipe,
+        tmp_path,
+    )
     t.model, t.applied, t.opt_shards = model, apply_plan(model, par, CFG), None
     t.model_tensors = lora_checkpoint_tensors(model)
     attach_save_state(t, tmp_path)
@@ -85,8 +98,9 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
     monkeypatch.setattr(training, "barrier", lambda: None)  # the AllReduce of the other ranks
     layout = build_layout(CFG, par, quant=INT4)
     whole = _whole(bases["quantized"], layout)
-    quantized = [n for n in layout.tensors if n.endswith((".weight_scale", ".weight_offset"))
-                 or whole[n].dtype == np.uint8]
+    quantized = [
+        n for n in layout.tensors if n.endswith((".weight_scale", ".weight_offset")) or whole[n].dtype == np.uint8
+    ]
     assert quantized
     lora_layout = build_layout(CFG, par, lora=LORA)
     for rank in range(par.world_size):
@@ -102,8 +116,11 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
                 assert got.dtype == want.dtype and got.shape == lay.slice_shape(), name
                 np.testing.assert_array_equal(got, want, err_msg=f"{name} rank {rank}")
             else:  # embeddings, norms, routers, lm_head: bf16 bits widened to float32
-                np.testing.assert_array_equal(got, (want.astype(np.uint32) << 16).view(np.float32) if want.dtype == np.uint16
-                                              else want, err_msg=name)
+                np.testing.assert_array_equal(
+                    got,
+                    (want.astype(np.uint32) << 16).view(np.float32) if want.dtype == np.uint16 else want,
+                    err_msg=name,
+                )
         # the LoRA checkpoint this rank saves: adapters and routers, none of the base
         t._maybe_save(1)
         files = list((t.run_dir / "checkpoints").glob(f"*/rank_{rank:05d}/model.safetensors"))
@@ -117,8 +134,11 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
 def test_a_float_source_whose_split_cuts_scale_groups_is_refused(tmp_path, bases):
     """int8 per channel under tp2: o_proj's input width split in two, its one group per row cut."""
     t = _trainer(tmp_path, ParallelConfig(dp=1, tp=2), 0, bases["float"], quant=QuantSpec(bits=8, group_size=None))
-    with pytest.raises(UserError, match=r"o_proj\.weight is split 2 ways on its input width .* run "
-                                        r"`ms-deepseek convert quantize` first"):
+    with pytest.raises(
+        UserError,
+        match=r"o_proj\.weight is split 2 ways on its input width .* run "
+        r"`ms-deepseek convert quantize` first",
+    ):
         t._load_base_slices()
 
 

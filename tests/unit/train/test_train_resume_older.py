@@ -25,8 +25,23 @@ def test_resume_from_an_older_checkpoint_refuses_or_sets_newer_ones_aside(refere
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000003", "step_00000004"]
 
     # keep_last 1: the save of step 4 would prune step 3, the checkpoint this run resumed from
-    assert main(["train", recipe, "--output", str(run), "--quiet", "--resume", older, "--force",
-                 "--set", "checkpoint.keep_last=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                recipe,
+                "--output",
+                str(run),
+                "--quiet",
+                "--resume",
+                older,
+                "--force",
+                "--set",
+                "checkpoint.keep_last=1",
+            ]
+        )
+        == 0
+    )
     assert "set aside 1 newer checkpoint(s) as abandoned: step_00000004.abandoned-" in capsys.readouterr().out
     names = sorted(p.name for p in ckpts.iterdir())  # "latest": the pointer file to the last complete save
     assert names[:3] == ["latest", "step_00000003", "step_00000004"] and names[3].startswith("step_00000004.abandoned-")

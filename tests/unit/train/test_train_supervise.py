@@ -85,11 +85,18 @@ def test_a_failed_collective_waits_for_the_stacks_of_the_rank_behind(tmp_path):
     script.write_text(FAKE_MSRUN)
     logs.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    code, message = run_supervised([sys.executable, str(script), str(logs), str(run)], env, logs,
-                                   heartbeat_dir=run / ".heartbeat", watchdog_factor=0)
+    code, message = run_supervised(
+        [sys.executable, str(script), str(logs), str(run)],
+        env,
+        logs,
+        heartbeat_dir=run / ".heartbeat",
+        watchdog_factor=0,
+    )
     assert code == 1 and "\n" not in message, message
-    assert message.startswith("worker rank 0 (pid ") and "exited with code 1 in a collective waiting for rank 1, " \
-        "which did not reach step 4" in message, message
+    assert (
+        message.startswith("worker rank 0 (pid ")
+        and "exited with code 1 in a collective waiting for rank 1, which did not reach step 4" in message
+    ), message
     assert f"Python stacks of rank 1 in {logs}/worker_N.log" in message, message
     stacks = (logs / "worker_1.log").read_text()
     assert "(most recent call first)" in stacks and "stuck_in_save" in stacks, stacks

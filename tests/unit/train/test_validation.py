@@ -46,10 +46,10 @@ def test_held_out_tail_is_never_trained_on_and_the_order_is_fixed(corpus):
     it = iter(train)
     for _ in range(2 * (n - held) // 4 + 2):  # two epochs and a bit
         seen |= rows_of(next(it))
-    assert seen == set(rows[:n - held])  # every training sample, none of the tail
+    assert seen == set(rows[: n - held])  # every training sample, none of the tail
     val = build_validation(data_cfg(corpus), 4, 0, 1, eval_batches=2)
     got = set().union(*(rows_of(b) for b in val.batches))
-    assert got <= set(rows[n - held:]) and len(got) == 8 and val.total_samples == held
+    assert got <= set(rows[n - held :]) and len(got) == 8 and val.total_samples == held
     again = build_validation(data_cfg(corpus), 4, 0, 1, eval_batches=2)
     assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(val.batches, again.batches))
     # two data-parallel workers evaluate disjoint halves of the same samples
@@ -70,8 +70,11 @@ def test_bad_validation_inputs_are_one_line(corpus, tmp_path):
         from_dict(DataConfig, {"validation": {}}, "data")
     with pytest.raises(UserError, match=r"data.validation.fraction: must be in \(0, 0.5\)"):
         from_dict(DataConfig, {"validation": {"fraction": 0.7}}, "data")
-    base = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
-            "data": {"path": str(corpus)}, "train": {"eval_interval": 5}}
+    base = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"path": str(corpus)},
+        "train": {"eval_interval": 5},
+    }
     with pytest.raises(UserError, match="train.eval_interval: validation needs data.validation"):
         load_recipe_dict(base)
     with pytest.raises(UserError, match="fewer than one batch per worker"):
@@ -93,12 +96,14 @@ def _train(recipe, run_dir, *extra):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("valrun")
-    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
-            "data": {"path": str(corpus), "num_workers": 1, "validation": {"fraction": 0.1}},
-            "train": {"steps": 4, "micro_batch_size": 4, "seed": 3, "eval_interval": 2, "eval_batches": 2},
-            "optim": {"lr": 3e-3, "warmup_steps": 1},
-            "checkpoint": {"save_interval": 2, "keep_last": 3},
-            "logging": {"log_interval": 3, "tensorboard": True}}
+    spec = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"path": str(corpus), "num_workers": 1, "validation": {"fraction": 0.1}},
+        "train": {"steps": 4, "micro_batch_size": 4, "seed": 3, "eval_interval": 2, "eval_batches": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "checkpoint": {"save_interval": 2, "keep_last": 3},
+        "logging": {"log_interval": 3, "tensorboard": True},
+    }
     recipe = write_recipe(root, spec)
     stdout = _train(recipe, root / "run")
     return root, recipe, stdout
@@ -167,12 +172,14 @@ def test_tokens_per_s_leaves_validation_out_and_data_wait_is_logged(tmp_path, co
         return {"val_loss": 1.0, "val_ppl": math.e}
 
     monkeypatch.setattr(evaluate.Evaluator, "__call__", slow_evaluation)
-    spec = {"model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
-            "data": {"path": str(corpus), "num_workers": 1, "validation": {"fraction": 0.1}},
-            "train": {"steps": 4, "micro_batch_size": 4, "seed": 3, "eval_interval": 1, "eval_batches": 1},
-            "optim": {"lr": 3e-3, "warmup_steps": 1},
-            "checkpoint": {"save_interval": 0, "save_final": False},
-            "logging": {"log_interval": 1, "tensorboard": False}}
+    spec = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"path": str(corpus), "num_workers": 1, "validation": {"fraction": 0.1}},
+        "train": {"steps": 4, "micro_batch_size": 4, "seed": 3, "eval_interval": 1, "eval_batches": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "checkpoint": {"save_interval": 0, "save_final": False},
+        "logging": {"log_interval": 1, "tensorboard": False},
+    }
     _train(write_recipe(tmp_path, spec), tmp_path / "run")
     recs = records(tmp_path / "run")
     assert all(r["data_wait_s"] >= 0 for r in recs)
