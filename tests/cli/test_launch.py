@@ -215,24 +215,32 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
 
 
 ATLAS = ATLAS_RECIPES
+# shipped recipes the planner says do not fit (their comments say why: MindSpore's level-1 accounting)
+NOT_FITTING = {"v2-qlora-8npu"}
 
 
 @pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)
 def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
     """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
-    each machine check it could not make; a real launch still refuses the missing inputs."""
+    each machine check it could not make; a real launch still refuses the missing inputs. A recipe the
+    planner says does not fit is refused in one line first, and goes on with --force."""
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     monkeypatch.chdir(tmp_path)
     world = load_recipe(recipe, (), planning_config_path(recipe)).parallel.world_size
     nodes = "2" if world >= 16 else "1"  # one-node recipes (8 NPUs or fewer) run on one node
-    code, out, err = run_cli(["launch", str(recipe), "--dry-run", "--nnodes", nodes, "--master-addr", "10.0.0.1"])
+    argv = ["launch", str(recipe), "--dry-run", "--nnodes", nodes, "--master-addr", "10.0.0.1"]
+    code, out, err = run_cli(argv)
+    if recipe.stem in NOT_FITTING:
+        assert code == 2 and out == "" and "does not fit" in err and "--force" in err, err
+        code, out, err = run_cli(argv + ["--force"])
     assert code == 0, err
     lines = out.splitlines()
     assert "msrun" in lines[0] and "--node_rank=0" in lines[0]
     skipped = [line for line in lines if line.startswith("# not checked on this machine")]
     assert skipped and any("data.path" in line or "lora:" in line for line in skipped)
-    code, out, err = run_cli(["launch", str(recipe), "--nnodes", nodes, "--master-addr", "10.0.0.1"])
+    force = ["--force"] if recipe.stem in NOT_FITTING else []
+    code, out, err = run_cli(["launch", str(recipe), "--nnodes", nodes, "--master-addr", "10.0.0.1", *force])
     assert code == 2 and out == "" and ("model.source" in err or "data.path" in err)
 
 
