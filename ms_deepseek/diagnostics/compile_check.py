@@ -23,6 +23,7 @@ its memory pool; :mod:`ms_deepseek.diagnostics.memory_check`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -32,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.core.errors import UserError
 
@@ -192,6 +193,29 @@ def _wire_factor(kind: str, n: int) -> float:
     return (n - 1) / n
 
 
+# A constant at least this large in the compiled graph is a defect: an activation-shaped tensor the
+# compiler folded (e.g. ``ops.zeros`` of a [B, nh, T, 64] pad, whose shape is static) is held in host
+# memory through the compile and on the device all run. The model's real constants are far smaller
+# (the 2048 x 2048 causal mask: 4 MiB; a V2-Lite pad slice [1, 16, 4096, 64] bfloat16 is 8 MiB).
+LARGE_CONSTANT_MB = 8.0
+
+
+def large_constants(path: Path, limit_mb: float = LARGE_CONSTANT_MB) -> List[Dict[str, object]]:
+    """The tensor constants of one IR file of at least ``limit_mb`` MiB (this rank's slice shapes, as
+    MindSpore prints a value node: ``Tensor(shape=[1, 128, 4096, 64], dtype=BFloat16, value=[...])``),
+    one entry per shape and dtype with the number of places that use it, largest first."""
+    found: Dict[Tuple[str, str], int] = {}
+    for m in re.finditer(r"Tensor\(shape=\[([\d, ]*)\], dtype=(\w+), value=", path.read_text(errors="replace")):
+        found[(m.group(1), m.group(2))] = found.get((m.group(1), m.group(2)), 0) + 1
+    out = []
+    for (dims, dtype), uses in found.items():
+        shape = [int(d) for d in dims.split(",") if d.strip()]
+        mb = math.prod(shape) * _ITEMSIZE.get(dtype, 4) / 2**20
+        if mb >= limit_mb:
+            out.append({"shape": shape, "dtype": dtype, "mb": round(mb, 1), "uses": uses})
+    return sorted(out, key=lambda c: -c["mb"])
+
+
 def global_norm_reduced(path: Path) -> bool:
     """Whether MindSpore completed the gradient norm across the ranks holding different slices: its
     parallel pass inserts an AllReduce named ``PARALLEL_GLOBALNORM_IN_STAGES`` between the marked square
@@ -343,6 +367,19 @@ def run_rank(
     compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
     for name, path in zip(compiled, _ir_files(ir_dir)):
         result.graphs[name]["communication"] = communication_from_ir(path)
+        constants = large_constants(path)
+        if constants:
+            big = constants[0]
+            result.graphs[name].update(
+                ok=False,
+                large_constants=constants,
+                error=(
+                    f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
+                    f"{big['uses']} places{f'; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB' if len(constants) > 1 else ''}) "
+                    "into the graph: it would be held on the device all run (build it at run time, from a tensor)"
+                ),
+                where="",
+            )
         if name == "train" and world > 1:
             result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)
     shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept

@@ -59,7 +59,7 @@ class MLAttention(nn.Cell):
         self.softmax = FP32Softmax(out_dtype=cdt)
         self.use_flash_attention = cfg.use_flash_attention
         if cfg.use_flash_attention:
-            from mindspore.ops.operations.nn_ops import FlashAttentionScore
+            from mindspore.ops.operations.nn_ops import FlashAttentionScore, PadV3
 
             # Causal via sparse_mode 2 (left-up causal) with the compressed 2048 x 2048 mask
             # (1 = masked); q/k/v share one head size, so v is zero-padded to it (or q/k to v's).
@@ -75,6 +75,13 @@ class MLAttention(nn.Cell):
                 sparse_mode=2,
             )
             self.fa_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
+            # The zero columns that pad q/k/v to one head size are added at run time by PadV3 (parallel-aware:
+            # MindSpore's ops_info/pad_info.h PadV3Info). A zeros constant of the padded shape is folded by the
+            # compiler at the graph's global batch ([B, nh, T, 64] bf16 per layer and micro-batch: 2.1 GB each
+            # for v2-pretrain-256npu's B = 32), held in host memory through the compile and on the device
+            # after it; MindFormers' Tile of a small zero block is folded too (the compiler runs the Tile).
+            self.pad_head_op = PadV3(mode="constant", paddings_contiguous=True)
+            self.pad_value = Tensor(0.0, cdt)  # the kernels want the fill value in the padded tensor's dtype
 
     # ------------------------------------------------------------------ pieces
     def query(self, x, cos, sin):
@@ -121,12 +128,12 @@ class MLAttention(nn.Cell):
         out = out[..., : self.v_dim]  # [B, nh, T, dv]
         return out.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.v_dim)
 
-    @staticmethod
-    def _pad_head(t, size: int):
+    def _pad_head(self, t, size: int):
+        """[B, nh, S, d] -> [B, nh, S, size]: zero columns after d (zeros leave q.k and p@v's first d unchanged)."""
         extra = size - t.shape[-1]
         if extra == 0:
             return t
-        return ops.concat((t, ops.zeros(t.shape[:-1] + (extra,), t.dtype)), -1)  # zeros leave q.k unchanged
+        return self.pad_head_op(t, (0, extra), self.pad_value)  # [B, nh, S, size]
 
     # ------------------------------------------------------------ latent cache
     @staticmethod

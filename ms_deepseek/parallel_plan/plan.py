@@ -63,6 +63,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.qk_bmm": "head_bmm",
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
     "model.layers.*.self_attn.flash_attention": "flash_attention",
+    "model.layers.*.self_attn.pad_head_op": "head_pad",
     "model.layers.*.self_attn.softmax.impl.op": "head_softmax",  # FP32Softmax custom op
     "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",  # the router's FP32Softmax (ops.Softmax on Ascend)
     "model.layers.*.mlp.gate_proj": "colwise",
@@ -365,6 +366,12 @@ def _head_bmm(mesh: Mesh) -> StyleSpec:
     return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
 
 
+def _head_pad(mesh: Mesh) -> StyleSpec:
+    dp, tp = mesh.dp, mesh.tp
+    # PadV3 of q / k / v [B, nh, S, d] with zero columns after d: batch by dp, heads by tp, the padded axis whole
+    return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
+
+
 def _head_softmax(mesh: Mesh) -> StyleSpec:
     dp, tp = mesh.dp, mesh.tp
     # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
@@ -445,6 +452,7 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "experts": _experts,
     "head_bmm": _head_bmm,
     "head_softmax": _head_softmax,
+    "head_pad": _head_pad,
     "row_softmax": _row_softmax,
     "flash_attention": _flash_attention,
     "moe_pad_tokens": _moe_pad_tokens,

@@ -152,3 +152,49 @@ def test_a_plan_graph_mismatch_is_caught_by_the_compiled_layout_check(tmp_path):
     train = _graph(_compile(tmp_path, _PLAN_SAYS_OTHERWISE), "train")
     assert not train.get("ok")
     assert train["kind"] == "layout" and train["error"].startswith("compiled layout: parameter"), train
+
+
+# A pad of [B, nh, T, d] activations with zero columns, the flash-attention pad of model/mla.py, in two forms:
+# ops.zeros of the static padded shape (which MindSpore folds into a constant of the global batch) and PadV3
+# at run time (what the model does). Eight devices, the batch split by 8.
+_PAD_PROBE = """
+from mindspore.ops.operations.nn_ops import PadV3
+from mindspore.parallel.auto_parallel import AutoParallel
+
+class Pad(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.relu = ops.ReLU().shard(((8, 1, 1, 1),))
+        self.concat = ops.Concat(-1).shard(((8, 1, 1, 1), (8, 1, 1, 1)))
+        self.pad = PadV3(mode="constant", paddings_contiguous=True).shard(((8, 1, 1, 1),))
+        self.value = Tensor(0.0, ms.bfloat16)
+
+    def construct(self, x):
+        x = self.relu(x)
+        if RUNTIME:
+            return self.pad(x, (0, 64), self.value)
+        return self.concat((x, ops.zeros(x.shape[:-1] + (64,), x.dtype)))
+
+net = AutoParallel(Pad(), parallel_mode="semi_auto")
+net.compile(Tensor(shape=(16, 16, 4096, 128), dtype=ms.bfloat16, init=ms.common.initializer.Zero()))
+print("COMPILED")
+"""
+
+
+@pytest.mark.parametrize("runtime", [False, True], ids=["folded-zeros", "padv3"])
+def test_a_folded_activation_sized_constant_is_found_in_the_compiled_graph(tmp_path, runtime):
+    """The compile check's folded-constant rule (compile_check.large_constants) read from MindSpore's own
+    validate IR: the zeros constant is there ([16, 16, 4096, 64] bfloat16, 128 MiB: MindSpore keeps a constant
+    whole when its user's input comes from no dataset), PadV3's run-time pad is not."""
+    from ms_deepseek.diagnostics.compile_check import _ir_files, large_constants
+
+    ir = tmp_path / "ir"
+    env = {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir)}
+    rc, out = run_dryrun(f"RUNTIME = {runtime}\n" + _PAD_PROBE, tmp_path, world=8, extra_env=env)
+    assert rc == 0 and "COMPILED" in out, out[-3000:]
+    (validate,) = _ir_files(ir)
+    found = large_constants(validate)
+    if runtime:
+        assert found == [], found
+    else:
+        assert [(c["shape"][1:], c["dtype"]) for c in found] == [([16, 4096, 64], "BFloat16")], found

@@ -34,14 +34,16 @@ def dryrun_env(world: int, rank: int = 0):
     return env
 
 
-def run_dryrun(code: str, folder: Path, world: int = 8, rank: int = 0, timeout: float = 600):
+def run_dryrun(code: str, folder: Path, world: int = 8, rank: int = 0, timeout: float = 600, extra_env=None):
     """(exit code, combined output) of PRELUDE + ``code`` in a fresh process under the dry run."""
     script = Path(folder) / "probe.py"
     script.write_text(PRELUDE + textwrap.dedent(code))
+    env = dryrun_env(world, rank)
+    env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=folder,
-        env=dryrun_env(world, rank),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
