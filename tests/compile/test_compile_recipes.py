@@ -16,6 +16,7 @@ import pytest
 
 from builders import ATLAS_RECIPES, main_captured
 
+
 @pytest.mark.parametrize("recipe", [pytest.param(p, id=p.stem) for p in ATLAS_RECIPES])
 def test_recipe_compiles_and_matches_the_plan(recipe):
     import yaml
