@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers",
         type=positive_int,
         metavar="N",
-        help="decoder layers to compile (default: one per pipeline stage, at least two: a 24 GB host)",
+        help="decoder layers to compile (default: one per pipeline stage, at least the dense layers and two MoE layers: a 24 GB host)",
     )
     c.add_argument("--cann", metavar="PATH", help="CANN install to use (default: $ASCEND_HOME_PATH, else stubs)")
     c.add_argument("--no-eval", action="store_true", help="compile the training step only")

@@ -106,14 +106,15 @@ class Reduction:
 
 
 def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None) -> Reduction:
-    """Depth and micro-batches that fit a 24 GB host. Depth: one layer per pipeline stage, at least two
-    (the first dense layers and a MoE layer); micro-batches: one per stage with pipeline parallelism (1F1B
+    """Depth and micro-batches that fit a 24 GB host. Depth: one layer per pipeline stage, at least the
+    first dense layers and two MoE layers (identical layers compile differently from one: a Reshape that
+    sharding propagation could not cost once there were two MoE layers went unseen at one); micro-batches: one per stage with pipeline parallelism (1F1B
     needs at least that), else two accumulation steps (the accumulation passes run, the graph stays small).
     A compile's host memory grows with layers x micro-batches (design.md section 8)."""
     cfg, par = recipe.model_config, recipe.parallel
     full_layers = cfg.num_hidden_layers
     if layers is None:
-        layers = min(full_layers, max(par.pp, min(2, full_layers), cfg.first_k_dense_replace + 1 if cfg.has_moe else 1))
+        layers = min(full_layers, max(par.pp, min(2, full_layers), cfg.first_k_dense_replace + 2 if cfg.has_moe else 1))
     if layers < par.pp:
         raise UserError(f"--layers: {layers} is fewer than the {par.pp} pipeline stages (one layer per stage at least)")
     if layers > full_layers:

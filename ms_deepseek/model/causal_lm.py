@@ -111,7 +111,11 @@ class DeepseekV2Model(nn.Cell):
             i += 1
             if caches is not None:  # decoding reads only the hidden states: no balance-loss bookkeeping
                 continue
-            aux = aux + layer_aux.reshape(1)  # [1]
+            # [1] + [] -> [1] by broadcasting, not layer_aux.reshape(1): with two MoE layers under sharding
+            # propagation that Reshape got no strategy ("Reshape generate strategy costs failed",
+            # reshape_info.cc GenerateStrategyCosts: "Infer strategy by tensor_info failed"), so no pp = 1
+            # recipe compiled past one MoE layer
+            aux = aux + layer_aux
             if layer_stats is not None:
                 stats = stats + (layer_stats,)
                 routing = routing + (layer_routing,)

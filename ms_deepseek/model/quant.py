@@ -67,6 +67,8 @@ class _Dequant:
         )
         # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
         # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
+        # the low and high nibble of each byte: (u // (1, 16)) % 16, a broadcast over a new last axis
+        self.nibble_divisors = Tensor(np.array([1, 16], np.int32))
         self.dequant_mul = ops.Mul()
         self.group_dequant_mul = ops.Mul()
 
@@ -75,10 +77,8 @@ class _Dequant:
         w = self.weight
         if self.bits == 8:
             return w.astype(ms.float32)
-        u = w.astype(ms.int32)  # [..., out, in/2]
-        lo = ops.floor_mod(u, 16)
-        hi = ops.floor_div(u, 16)
-        both = ops.stack((lo, hi), -1)  # [..., out, in/2, 2]: column 2j, 2j+1
+        u = w.astype(ms.int32).expand_dims(-1)  # [..., out, in/2, 1]
+        both = ops.floor_mod(ops.floor_div(u, self.nibble_divisors), 16)  # [..., out, in/2, 2]: column 2j, 2j+1
         both = ops.select(both >= 8, both - 16, both)
         shape = self.dense_shape
         return both.reshape(shape).astype(ms.float32)  # [..., out, in/2, 2] -> [..., out, in]
@@ -87,7 +87,10 @@ class _Dequant:
         """float32 [..., out, in]: q * scale per group of ``self.group`` input columns."""
         shape = self.dense_shape
         q = self._int_values().reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
-        scale = self.weight_scale.reshape(shape[:-1] + (self.groups, 1))  # [..., out, in/G, 1]
+        # [..., out, in/G] -> [..., out, in/G, 1]: ExpandDims, not a Reshape of the Parameter itself, which
+        # sharding propagation cannot cost once identical layers share one graph ("Reshape's previous node
+        # found is not a cnode", reshape_info.cc GenerateStrategyCosts; v2-qlora-8npu at 3 layers)
+        scale = self.weight_scale.expand_dims(-1)
         mul = self.dequant_mul if self.groups == 1 else self.group_dequant_mul
         return mul(q, scale).reshape(shape)  # -> [..., out, in]
 
@@ -125,7 +128,7 @@ class QuantLinear(_Dequant, Linear):
         x2 = x.reshape(-1, self.in_features).astype(cdt)  # [N, in]
         if self.fused:  # Ascend W8A16: scale / offset [out, 1] -> [out], in the activation dtype
             y = self.qmatmul(
-                x2, self.weight, self.weight_scale.reshape(-1).astype(cdt), self.weight_offset.reshape(-1).astype(cdt)
+                x2, self.weight, self.weight_scale.astype(cdt).reshape(-1), self.weight_offset.astype(cdt).reshape(-1)
             )
         else:
             y = self.matmul(x2, self.dequantized().astype(cdt))  # [N, out]
