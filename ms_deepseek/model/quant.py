@@ -65,19 +65,30 @@ class _Dequant:
         self.weight_offset = Parameter(
             initializer("zeros", s_shape, ms.float32), name="weight_offset", requires_grad=False
         )
-        # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
-        # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
+        # The unpacking starts from the Parameter alone, so MindSpore's common-subexpression elimination
+        # merges it across the accumulation's micro-steps and holds every layer's unpacked image from the
+        # first forward to the last backward (level 1 of v2-qlora-8npu: +2.5 GiB per MoE layer, 190 GB at 60).
+        # Two MindSpore rules decide the fix:
+        # - "side_effect_hidden" (the attribute its random ops carry) keeps CSE from merging calls
+        #   (utils/pipeline/cse.h CSE::HasHiddenSideEffect): each micro-step unpacks its own;
+        # - a Cast whose input is a Parameter is never recomputed (step_parallel_utils.cc
+        #   SetCastForParamNotRecompute), so under recompute its output would be held from the forward to
+        #   the backward: the first op is an ExpandDims of the packed bytes, and the Cast follows it.
+        self.unpack_first = ops.ExpandDims()
+        self.unpack_first.add_prim_attr("side_effect_hidden", True)
         # the low and high nibble of each byte: (u // (1, 16)) % 16, a broadcast over a new last axis
         self.nibble_divisors = Tensor(np.array([1, 16], np.int32))
+        # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
+        # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
         self.dequant_mul = ops.Mul()
         self.group_dequant_mul = ops.Mul()
 
     def _int_values(self):
         """The weight's integers as float32 [..., out, in] (int4: nibbles sign-extended and interleaved)."""
-        w = self.weight
+        packed = self.unpack_first(self.weight, -1)  # [..., out, in, 1] (int8) or [..., out, in/2, 1] (int4)
         if self.bits == 8:
-            return w.astype(ms.float32)
-        u = w.astype(ms.int32).expand_dims(-1)  # [..., out, in/2, 1]
+            return packed.astype(ms.float32).reshape(self.dense_shape)  # -> [..., out, in]
+        u = packed.astype(ms.int32)  # [..., out, in/2, 1]
         both = ops.floor_mod(ops.floor_div(u, self.nibble_divisors), 16)  # [..., out, in/2, 2]: column 2j, 2j+1
         both = ops.select(both >= 8, both - 16, both)
         shape = self.dense_shape

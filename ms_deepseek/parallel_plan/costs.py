@@ -282,12 +282,6 @@ def _quantized_bytes(slot, info: ParamInfo, layout, local: int, quant: QuantSpec
     slot["weights"] += local * quant.bits / 8
     slot["scales"] += scales * SCALE_BYTES
     slot["dequant"] = max(slot["dequant"], local * DEQUANT_BYTES)
-    # the unpacking's images of the weight (model/quant.py _int_values: the packed bytes cast to int32, 2
-    # bytes per int4 element): built from the Parameter alone, so under MindSpore's accumulation pass they
-    # are held all step; level 1 of v2-qlora-8npu held two per weight at the loss's backward (300 MiB
-    # blocks of [20, 1536, 2560] int32, six per MoE layer): 4 bytes per element, int8 (a float32 image,
-    # not measured) counted the same
-    slot["unpacked"] = slot.get("unpacked", 0.0) + local * 4
 
 
 def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, quant: QuantSpec) -> List[str]:
@@ -509,12 +503,6 @@ def stage_memory(
             # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
             gradients += held[s]["frozen_embedding"]
         dequant = held[s].get("dequant", 0.0)
-        if parallel.pp == 1 and parallel.uses_semi_auto and held[s].get("unpacked"):
-            # level 1 of v2-qlora-8npu (2 and 3 layers): every quantized weight's int32 unpacking images
-            # alive at the loss's backward (the Casts of model/quant.py _int_values): one per weight with one
-            # micro-step (+1.3 GiB per MoE layer), two with two (+2.5 GiB); held[s]["unpacked"] counts two.
-            # Not seen on one NPU (v2-lite-qlora-1npu: 21 MiB of Casts at its peak); pipelines not measured.
-            dequant += held[s]["unpacked"] * (1.0 if k > 1 else 0.5)
         unordered = unordered_micro_batches(parallel, w)
         if s == parallel.pp - 1 and unordered > 1:
             # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts

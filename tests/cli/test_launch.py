@@ -215,15 +215,12 @@ def test_sharded_layout_coordinates_and_checkpoint_completeness(tmp_path):
 
 
 ATLAS = ATLAS_RECIPES
-# shipped recipes the planner says do not fit (their comments say why: MindSpore's level-1 accounting)
-NOT_FITTING = {"v2-qlora-8npu"}
 
 
 @pytest.mark.parametrize("recipe", ATLAS, ids=lambda p: p.stem)
 def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tmp_path, monkeypatch):
     """On a login node: schema and planner only (as plan --recipe), the command printed, and a line for
-    each machine check it could not make; a real launch still refuses the missing inputs. A recipe the
-    planner says does not fit is refused in one line first, and goes on with --force."""
+    each machine check it could not make; a real launch still refuses the missing inputs."""
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     monkeypatch.chdir(tmp_path)
@@ -231,17 +228,31 @@ def test_dry_run_of_an_atlas_recipe_needs_neither_checkpoint_nor_data(recipe, tm
     nodes = "2" if world >= 16 else "1"  # one-node recipes (8 NPUs or fewer) run on one node
     argv = ["launch", str(recipe), "--dry-run", "--nnodes", nodes, "--master-addr", "10.0.0.1"]
     code, out, err = run_cli(argv)
-    if recipe.stem in NOT_FITTING:
-        assert code == 2 and out == "" and "does not fit" in err and "--force" in err, err
-        code, out, err = run_cli(argv + ["--force"])
     assert code == 0, err
     lines = out.splitlines()
     assert "msrun" in lines[0] and "--node_rank=0" in lines[0]
     skipped = [line for line in lines if line.startswith("# not checked on this machine")]
     assert skipped and any("data.path" in line or "lora:" in line for line in skipped)
-    force = ["--force"] if recipe.stem in NOT_FITTING else []
-    code, out, err = run_cli(["launch", str(recipe), "--nnodes", nodes, "--master-addr", "10.0.0.1", *force])
+    code, out, err = run_cli(["launch", str(recipe), "--nnodes", nodes, "--master-addr", "10.0.0.1"])
     assert code == 2 and out == "" and ("model.source" in err or "data.path" in err)
+
+
+def test_a_recipe_the_planner_says_does_not_fit_is_refused_then_goes_on_with_force(tmp_path, monkeypatch):
+    """An Atlas recipe on a smaller HBM than it needs (parallel.hbm_gb 16): launch --dry-run refuses it in one
+    line naming --force, and goes on with it."""
+    import yaml
+
+    data = yaml.safe_load((ATLAS[0].parent / "v2-lite-sft-8npu.yaml").read_text())
+    data["parallel"]["hbm_gb"] = 16.0
+    data["model"]["source"] = "deepseek-v2-lite"  # the architecture preset: no checkpoint folder here
+    recipe = tmp_path / "v2-lite-sft-8npu-16gb.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", str(recipe), "--dry-run", "--nnodes", "1", "--master-addr", "10.0.0.1"]
+    code, out, err = run_cli(argv)
+    assert code == 2 and out == "" and "does not fit" in err and "--force" in err, err
+    code, out, err = run_cli(argv + ["--force"])
+    assert code == 0 and "msrun" in out.splitlines()[0], err
 
 
 FAKE_NODE_MSRUN = r'''

@@ -198,3 +198,67 @@ def test_a_folded_activation_sized_constant_is_found_in_the_compiled_graph(tmp_p
         assert found == [], found
     else:
         assert [(c["shape"][1:], c["dtype"]) for c in found] == [([16, 4096, 64], "BFloat16")], found
+
+
+def _unpackings(validate_ir, weight: str) -> int:
+    """How many times the compiled graph starts unpacking the packed weight ``weight`` (a Parameter's name):
+    the ExpandDims (model/quant.py ``unpack_first``) that read it."""
+    import re
+
+    text = validate_ir.read_text(errors="replace")
+    loads = set(re.findall(r"(%\d+)\([^)]*\) = Load\(%para\d+_" + re.escape(weight) + r"\b", text))
+    reads = loads | set(re.findall(r"(%para\d+_" + re.escape(weight) + r")\b", text))
+    firsts = re.findall(r"= (?:PrimFunc_)?ExpandDims\((%[\w.]+)", text)
+    return sum(1 for c in firsts if c in reads)
+
+
+def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
+    """model/quant.py: MindSpore's CSE would merge the unpacking of a frozen int4 weight (it reads the Parameter
+    alone) across the accumulation's micro-steps and hold it all step (level 1 of v2-qlora-8npu: 190 GB per NPU).
+    Its Cast carries ``side_effect_hidden``: the compiled graph unpacks in each micro-step. Planted: the
+    attribute removed, MindSpore merges them into one."""
+    from ms_deepseek.diagnostics.compile_check import _ir_files
+
+    def casts(plant: str) -> int:
+        run = tmp_path / ("planted" if plant else "as-built")
+        run.mkdir()
+        model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
+        recipe = write_recipe(
+            run / "recipe",
+            {
+                "model": {"source": "tiny", "overrides": model},
+                "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_b_proj", "experts.gate_proj"]},
+                "quant": {"bits": 4, "group_size": 8},
+                "data": {"seq_len": 32, "embedded_vocab_size": 512},
+                "train": {"steps": 3, "micro_batch_size": 1, "grad_accum_steps": 2},
+                "parallel": {"dp": 2, "ep": 2, "recompute": "full"},
+                "checkpoint": {"save_interval": 0},
+                "logging": {"tensorboard": False},
+            },
+        )
+        work = run / "work"
+        work.mkdir()
+        (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
+        ir = work / "ir"
+        env = {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir)}
+        code = (
+            textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
+            f"run({str(work / 'request.json')!r})\n"
+        )
+        rc, out = run_dryrun(code, work, world=2, extra_env=env)
+        result = json.loads((work / "result.json").read_text())
+        assert result["graphs"]["train"]["ok"], (result, out[-3000:])
+        return _unpackings(_ir_files(ir)[0], "model.layers.1.mlp.experts.gate_proj.weight")
+
+    planted = """
+from mindspore import ops
+from ms_deepseek.model import quant
+_init = quant._Dequant._init_quant
+def planted(self, *args):
+    _init(self, *args)
+    self.unpack_first = ops.ExpandDims()  # without side_effect_hidden
+quant._Dequant._init_quant = planted
+"""
+    # one per micro-step (2) on the one expert weight; merged into one when planted
+    assert casts("") >= 2
+    assert casts(planted) == 1

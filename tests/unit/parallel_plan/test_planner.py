@@ -146,17 +146,7 @@ def _load(name, overrides=()):
     return load_recipe(REPO / "recipes" / f"{name}.yaml", base + list(overrides))
 
 
-_DOES_NOT_FIT = {
-    "v2-qlora-8npu": pytest.mark.xfail(
-        strict=True,
-        reason="MindSpore's level-1 accounting (docs/planner.md): the int32 unpacking images of the int4 base, held all step, ~190 GB per NPU; the planner counts them now",
-    )
-}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[_DOES_NOT_FIT[n]] if n in _DOES_NOT_FIT else []) for n in sorted(RECIPES)]
-)
+@pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipes_validate_and_fit(name):
     from ms_deepseek.parallel_plan.planner import recipe_workload
     from ms_deepseek.parallel_plan.validate import validate_layout

@@ -217,20 +217,7 @@ ONE_NODE = {
 
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(
-            n,
-            marks=[
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="MindSpore's level-1 accounting (docs/planner.md): the int32 unpacking images of the int4 base, held all step, ~190 GB per NPU; the planner counts them now",
-                )
-            ]
-            if n == "v2-qlora-8npu"
-            else [],
-        )
-        for n in sorted(ONE_NODE)
-    ],
+    sorted(ONE_NODE),
 )
 def test_one_node_recipes_fit_with_4_gb_to_spare(capsys, name):
     recipe = str(REPO / "recipes" / f"{name}.yaml")
