@@ -50,6 +50,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
+from mindspore.ops.auto_generate import SiLU
 
 from ms_deepseek.config import dispatch_shapes
 from ms_deepseek.config.model import DeepseekV2Config
@@ -78,6 +79,9 @@ class StackedWeight(nn.Cell):
         self.lora_B = None
         self.lora_scaling = 0.0
         self.lora_dropout = None
+        # base + scaling * adapter, [D, E, C, out]: named ops the plan gives the experts' split
+        self.lora_scale = ops.Mul()
+        self.lora_add = ops.Add()
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
@@ -91,7 +95,11 @@ def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadca
     if holder.lora_A is not None:
         h = x if holder.lora_dropout is None else holder.lora_dropout(x)
         h = lora_a_bmm(h, _batched(holder.lora_A.weight.astype(cdt), h, broadcast))  # [D, E, C, r]
-        y = y + lora_b_bmm(h, _batched(holder.lora_B.weight.astype(cdt), h, broadcast)) * holder.lora_scaling
+        # named ops on the expert rows: one the plan does not name would take semi_auto's default split of its
+        # first axis (D = dp/ep, often 1) and MindSpore would gather the whole expert buffer for it (level 1
+        # of v2-lora-16npu)
+        delta = lora_b_bmm(h, _batched(holder.lora_B.weight.astype(cdt), h, broadcast))  # [D, E, C, out]
+        y = holder.lora_add(y, holder.lora_scale(delta, holder.lora_scaling))
     return y
 
 
@@ -132,15 +140,22 @@ class RoutedExperts(nn.Cell):
         )
         # Decided when the Cell is built (the device is chosen before the model, core/runtime.py).
         self.broadcast_weights = device_target() != "Ascend"
+        # Every op on the expert rows [D, E, C, *] is a named primitive with the plan's split (the experts
+        # style): under a pipeline MindSpore compiles in semi_auto mode, where an op without a strategy
+        # splits its first axis only (D = dp/ep, often 1), and the expert buffer would be gathered whole for
+        # it (MindFormers' LlamaFeedForward._shard_semi_auto_parallel names each of them the same way).
+        self.cast_in = ops.Cast()
+        self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
+        self.act_mul = ops.Mul()
 
     def construct(self, x):
         """x [D, E, C, H] -> [D, E, C, H] (D = G/ep blocks of the exchange view, the experts on axis 1)."""
         cdt, b = self.compute_dtype, self.broadcast_weights
-        x = x.astype(cdt)
+        x = self.cast_in(x, cdt)
         gate = self.gate_proj.project(x, self.gate_bmm, self.gate_lora_a_bmm, self.gate_lora_b_bmm, cdt, b)
         up = self.up_proj.project(x, self.up_bmm, self.up_lora_a_bmm, self.up_lora_b_bmm, cdt, b)  # [D, E, C, I]
         return self.down_proj.project(
-            ops.silu(gate) * up, self.down_bmm, self.down_lora_a_bmm, self.down_lora_b_bmm, cdt, b
+            self.act_mul(self.act(gate), up), self.down_bmm, self.down_lora_a_bmm, self.down_lora_b_bmm, cdt, b
         )  # [D, E, C, H]
 
 
@@ -214,7 +229,10 @@ class DeepseekV2MoE(nn.Cell):
         first = ordered[:, :, :C]  # [G, E, C]
         token = ops.floor_mod(first.astype(ms.int32), N)  # k-major s -> token i = s mod N
         filled = first < 2.0 * S
-        return ops.stop_gradient(ops.select(filled, token, ops.full_like(token, N)))  # [G, E, C]
+        # token where filled, else N (the zero row), in arithmetic: a full_like(token, N) of this static shape
+        # is folded into a constant ([8, 64, 4096] int32 in v2-lite-lora-8npu's eval graph; the compile check)
+        held = filled.astype(ms.int32)
+        return ops.stop_gradient(token * held + (1 - held) * N)  # [G, E, C]
 
     def dispatch(self, tokens):
         """Steps 1-3 on G token groups: tokens [G, N, H] -> (buffer [G, E, C, H], route), route =

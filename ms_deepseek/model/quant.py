@@ -161,6 +161,8 @@ class QuantStackedWeight(_Dequant, StackedWeight):
         self.lora_B = None
         self.lora_scaling = 0.0
         self.lora_dropout = None
+        self.lora_scale = ops.Mul()  # as StackedWeight's: base + scaling * adapter on the expert rows
+        self.lora_add = ops.Add()
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""

@@ -74,6 +74,17 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
     "model.layers.*.mlp.gate": "router",
     "model.layers.*.mlp.experts": "experts",
+    # stacked adapters (model/lora.py) on the expert rows: the dropout of each projection's input and the sum
+    # of base and adapter, split like the rows they take (gate / up: [D, E, C, H]; down: [D, E, C, I])
+    "model.layers.*.mlp.experts.gate_proj.lora_dropout.dropout": "expert_rows",
+    "model.layers.*.mlp.experts.up_proj.lora_dropout.dropout": "expert_rows",
+    "model.layers.*.mlp.experts.down_proj.lora_dropout.dropout": "expert_rows_tp",
+    "model.layers.*.mlp.experts.gate_proj.lora_add": "expert_rows_tp_pair",
+    "model.layers.*.mlp.experts.up_proj.lora_add": "expert_rows_tp_pair",
+    "model.layers.*.mlp.experts.down_proj.lora_add": "expert_rows_pair",
+    "model.layers.*.mlp.experts.gate_proj.lora_scale": "expert_rows_tp_scalar",
+    "model.layers.*.mlp.experts.up_proj.lora_scale": "expert_rows_tp_scalar",
+    "model.layers.*.mlp.experts.down_proj.lora_scale": "expert_rows_scalar",
     "model.layers.*.mlp.pad_tokens": "moe_pad_tokens",
     "model.layers.*.mlp.lookup.impl.op": "expert_lookup",  # ExpertLookup custom op
     "model.layers.*.mlp.slot_sort": "moe_slot_sort",
@@ -295,6 +306,9 @@ def _experts(mesh: Mesh) -> StyleSpec:
     rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
     return StyleSpec(
         prims={
+            "cast_in": ((rows,), None),  # the expert rows [D, E, M, H] to the compute dtype
+            "act": ((rows_tp,), None),  # SiLU(gate) [D, E, M, I]
+            "act_mul": ((rows_tp, rows_tp), None),  # SiLU(gate) * up
             "gate_bmm": ((rows, (ep, tp, 1)), None),  # [D, E, M, H] x [E, I, H]^T
             "up_bmm": ((rows, (ep, tp, 1)), None),
             "down_bmm": ((rows_tp, (ep, 1, tp)), None),  # [D, E, M, I] x [E, H, I]^T
@@ -433,6 +447,16 @@ def _moe_exchange(mesh: Mesh) -> StyleSpec:
     return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
 
 
+def _expert_rows_styles(mesh: Mesh, tp_last: bool, second: str = "") -> StyleSpec:
+    # an elementwise op on expert rows [D, E, M, *], split as the experts style's rows: (D by dp/ep, E by ep,
+    # the last axis by tp where the rows are the intermediate width I); ``second``: "rows" (a second tensor
+    # split the same), "scalar" (a Python number, whole), "" (one input)
+    outer = mesh.dp // mesh.ep if mesh.dp % mesh.ep == 0 else 1
+    rows = (outer, mesh.ep, 1, mesh.tp if tp_last else 1)
+    inputs = {"": (rows,), "rows": (rows, rows), "scalar": (rows, ())}[second]
+    return StyleSpec(prims={"": (inputs, None)}, is_primitive=True)
+
+
 def _placement_table(mesh: Mesh) -> StyleSpec:
     # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
     return StyleSpec(params={"": (1, 1)})
@@ -462,6 +486,12 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "moe_exchange": _moe_exchange,
     "combine_gather": _batch_local_gather,
     "placement_table": _placement_table,
+    "expert_rows": lambda mesh: _expert_rows_styles(mesh, tp_last=False),
+    "expert_rows_tp": lambda mesh: _expert_rows_styles(mesh, tp_last=True),
+    "expert_rows_pair": lambda mesh: _expert_rows_styles(mesh, tp_last=False, second="rows"),
+    "expert_rows_tp_pair": lambda mesh: _expert_rows_styles(mesh, tp_last=True, second="rows"),
+    "expert_rows_scalar": lambda mesh: _expert_rows_styles(mesh, tp_last=False, second="scalar"),
+    "expert_rows_tp_scalar": lambda mesh: _expert_rows_styles(mesh, tp_last=True, second="scalar"),
     **{name: _expert_dequant(rule) for name, rule in _EXPERT_DEQUANT.items()},
 }
 
