@@ -108,8 +108,8 @@ class Reduction:
 def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None) -> Reduction:
     """Depth and micro-batches that fit a 24 GB host. Depth: one layer per pipeline stage, at least the
     first dense layers and two MoE layers (identical layers compile differently from one: a Reshape that
-    sharding propagation could not cost once there were two MoE layers went unseen at one); micro-batches: one per stage with pipeline parallelism (1F1B
-    needs at least that), else two accumulation steps (the accumulation passes run, the graph stays small).
+    sharding propagation could not cost once there were two MoE layers went unseen at one); micro-batches:
+    one per stage with pipeline parallelism (1F1B needs at least that), else two accumulation steps (the accumulation passes run, the graph stays small).
     A compile's host memory grows with layers x micro-batches (design.md section 8)."""
     cfg, par = recipe.model_config, recipe.parallel
     full_layers = cfg.num_hidden_layers
@@ -225,6 +225,12 @@ def global_norm_reduced(path: Path) -> bool:
     return "PARALLEL_GLOBALNORM" in path.read_text(errors="replace")
 
 
+def ir_dump_env(ir_dir: Path) -> Dict[str, str]:
+    """The environment that has MindSpore dump the graph after its ``validate`` pass (what it will run, this
+    rank's slice shapes) into ``ir_dir``: what :func:`communication_from_ir` and :func:`large_constants` read."""
+    return {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)}
+
+
 def _dump_index(path: Path) -> int:
     """MindSpore numbers its IR dumps in order (``20_validate_0903.ir``): the train graph's comes first."""
     m = re.search(r"(\d+)\.ir$", path.name)
@@ -283,9 +289,7 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
         }
     )
     if level == 0:
-        env.update(
-            {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir)}
-        )
+        env.update(ir_dump_env(ir_dir))
         env.setdefault("GLOG_v", "3")
     else:
         # MindSpore prints its pool's peak at WARNING level when the process ends (ascend_dynamic_mem_adapter.cc
@@ -371,13 +375,14 @@ def run_rank(
         constants = large_constants(path)
         if constants:
             big = constants[0]
+            more = f"; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB" if len(constants) > 1 else ""
             result.graphs[name].update(
                 ok=False,
                 large_constants=constants,
                 error=(
                     f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
-                    f"{big['uses']} places{f'; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB' if len(constants) > 1 else ''}) "
-                    "into the graph: it would be held on the device all run (build it at run time, from a tensor)"
+                    f"{big['uses']} places{more}) into the graph: it would be held on the device all run "
+                    "(build it at run time, from a tensor)"
                 ),
                 where="",
             )

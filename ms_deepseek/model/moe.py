@@ -74,12 +74,15 @@ class StackedWeight(nn.Cell):
     def __init__(self, shape, std: float, dtype):
         super().__init__()
         self.weight = Parameter(initializer(Normal(std), shape, dtype), name="weight")
-        # Optional stacked LoRA adapter (ms_deepseek.model.lora.add_adapters): A [E, r, in], B [E, out, r].
+        self._init_adapter_slots()
+
+    def _init_adapter_slots(self) -> None:
+        """The optional stacked LoRA adapter (ms_deepseek.model.lora.add_adapters): A [E, r, in], B [E, out, r],
+        and base + scaling * adapter on [D, E, C, out] as named ops the plan gives the experts' split."""
         self.lora_A = None
         self.lora_B = None
         self.lora_scaling = 0.0
         self.lora_dropout = None
-        # base + scaling * adapter, [D, E, C, out]: named ops the plan gives the experts' split
         self.lora_scale = ops.Mul()
         self.lora_add = ops.Add()
 

@@ -98,10 +98,7 @@ class _Dequant:
         """float32 [..., out, in]: q * scale per group of ``self.group`` input columns."""
         shape = self.dense_shape
         q = self._int_values().reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
-        # [..., out, in/G] -> [..., out, in/G, 1]: ExpandDims, not a Reshape of the Parameter itself, which
-        # sharding propagation cannot cost once identical layers share one graph ("Reshape's previous node
-        # found is not a cnode", reshape_info.cc GenerateStrategyCosts; v2-qlora-8npu at 3 layers)
-        scale = self.weight_scale.expand_dims(-1)
+        scale = self.weight_scale.expand_dims(-1)  # [..., out, in/G] -> [..., out, in/G, 1]
         mul = self.dequant_mul if self.groups == 1 else self.group_dequant_mul
         return mul(q, scale).reshape(shape)  # -> [..., out, in]
 
@@ -157,12 +154,7 @@ class QuantStackedWeight(_Dequant, StackedWeight):
         nn.Cell.__init__(self)
         E, out_f, in_f = shape
         self._init_quant((E,), out_f, in_f, spec)
-        self.lora_A = None
-        self.lora_B = None
-        self.lora_scaling = 0.0
-        self.lora_dropout = None
-        self.lora_scale = ops.Mul()  # as StackedWeight's: base + scaling * adapter on the expert rows
-        self.lora_add = ops.Add()
+        self._init_adapter_slots()
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""

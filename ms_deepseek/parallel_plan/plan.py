@@ -298,12 +298,22 @@ def _router(mesh: Mesh) -> StyleSpec:
     )
 
 
+def _expert_outer(mesh: Mesh) -> int:
+    """D's split in the exchange view [D = G/ep, ...]: dp/ep when ep divides dp, else whole."""
+    return mesh.dp // mesh.ep if mesh.dp % mesh.ep == 0 else 1
+
+
+def _expert_rows(mesh: Mesh, tp_last: bool) -> Tuple[int, ...]:
+    """The split of expert rows [D, E, M, *]: D by dp/ep, E by ep, the last axis by tp where it is the
+    intermediate width I (``tp_last``)."""
+    return (_expert_outer(mesh), mesh.ep, 1, mesh.tp if tp_last else 1)
+
+
 def _experts(mesh: Mesh) -> StyleSpec:
-    dp, tp, ep = mesh.dp, mesh.tp, mesh.ep
+    tp, ep = mesh.tp, mesh.ep
     # MindFormers llama_layer.py LlamaFeedForward._shard_semi_auto_parallel (MoE branch): x [D, E, M, in]
     # split (dp_moe, ep, 1, 1) against weights [E, out, in] split (ep, mp, 1); D = dp/ep (the outer factor).
-    outer = dp // ep if dp % ep == 0 else 1
-    rows, rows_tp = (outer, ep, 1, 1), (outer, ep, 1, tp)
+    rows, rows_tp = _expert_rows(mesh, tp_last=False), _expert_rows(mesh, tp_last=True)
     return StyleSpec(
         prims={
             "cast_in": ((rows,), None),  # the expert rows [D, E, M, H] to the compute dtype
@@ -438,21 +448,17 @@ def _batch_local_gather(mesh: Mesh) -> StyleSpec:
 
 
 def _moe_exchange(mesh: Mesh) -> StyleSpec:
-    dp, ep = mesh.dp, mesh.ep
     # Transpose (0, 2, 1, 3, 4) of [G/ep, ep, E, C, H] (to_experts) or [G/ep, E, ep, C, H] (from_experts),
     # split (dp/ep, 1, ep, 1, 1) as MindFormers' MoEV2.transpose_5dim_ep2: to_experts reads the view with
     # E split by ep (it arrives with the ep axis split: the AllToAll at its input) and gives E split;
     # from_experts reads the expert output with the ep axis split (the AllToAll back) and gives G split.
-    outer = dp // ep if dp % ep == 0 else 1
-    return StyleSpec(prims={"": (((outer, 1, ep, 1, 1),), None)}, is_primitive=True)
+    return StyleSpec(prims={"": (((_expert_outer(mesh), 1, mesh.ep, 1, 1),), None)}, is_primitive=True)
 
 
 def _expert_rows_styles(mesh: Mesh, tp_last: bool, second: str = "") -> StyleSpec:
-    # an elementwise op on expert rows [D, E, M, *], split as the experts style's rows: (D by dp/ep, E by ep,
-    # the last axis by tp where the rows are the intermediate width I); ``second``: "rows" (a second tensor
-    # split the same), "scalar" (a Python number, whole), "" (one input)
-    outer = mesh.dp // mesh.ep if mesh.dp % mesh.ep == 0 else 1
-    rows = (outer, mesh.ep, 1, mesh.tp if tp_last else 1)
+    # an elementwise op on expert rows [D, E, M, *], split as the experts style's rows (_expert_rows);
+    # ``second``: "rows" (a second tensor split the same), "scalar" (a Python number, whole), "" (one input)
+    rows = _expert_rows(mesh, tp_last)
     inputs = {"": (rows,), "rows": (rows, rows), "scalar": (rows, ())}[second]
     return StyleSpec(prims={"": (inputs, None)}, is_primitive=True)
 

@@ -186,11 +186,10 @@ def test_a_folded_activation_sized_constant_is_found_in_the_compiled_graph(tmp_p
     """The compile check's folded-constant rule (compile_check.large_constants) read from MindSpore's own
     validate IR: the zeros constant is there ([16, 16, 4096, 64] bfloat16, 128 MiB: MindSpore keeps a constant
     whole when its user's input comes from no dataset), PadV3's run-time pad is not."""
-    from ms_deepseek.diagnostics.compile_check import _ir_files, large_constants
+    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env, large_constants
 
     ir = tmp_path / "ir"
-    env = {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir)}
-    rc, out = run_dryrun(f"RUNTIME = {runtime}\n" + _PAD_PROBE, tmp_path, world=8, extra_env=env)
+    rc, out = run_dryrun(f"RUNTIME = {runtime}\n" + _PAD_PROBE, tmp_path, world=8, extra_env=ir_dump_env(ir))
     assert rc == 0 and "COMPILED" in out, out[-3000:]
     (validate,) = _ir_files(ir)
     found = large_constants(validate)
@@ -215,11 +214,11 @@ def _unpackings(validate_ir, weight: str) -> int:
 def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
     """model/quant.py: MindSpore's CSE would merge the unpacking of a frozen int4 weight (it reads the Parameter
     alone) across the accumulation's micro-steps and hold it all step (level 1 of v2-qlora-8npu: 190 GB per NPU).
-    Its Cast carries ``side_effect_hidden``: the compiled graph unpacks in each micro-step. Planted: the
-    attribute removed, MindSpore merges them into one."""
-    from ms_deepseek.diagnostics.compile_check import _ir_files
+    Its first op (``unpack_first``, an ExpandDims) carries ``side_effect_hidden``: the compiled graph unpacks in
+    each micro-step. Planted: the attribute removed, MindSpore merges them into one."""
+    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env
 
-    def casts(plant: str) -> int:
+    def unpackings(plant: str) -> int:
         run = tmp_path / ("planted" if plant else "as-built")
         run.mkdir()
         model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
@@ -240,12 +239,11 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
         work.mkdir()
         (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
         ir = work / "ir"
-        env = {"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_DUMP_IR_PASSES": "validate", "MS_DEV_SAVE_GRAPHS_PATH": str(ir)}
         code = (
             textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
             f"run({str(work / 'request.json')!r})\n"
         )
-        rc, out = run_dryrun(code, work, world=2, extra_env=env)
+        rc, out = run_dryrun(code, work, world=2, extra_env=ir_dump_env(ir))
         result = json.loads((work / "result.json").read_text())
         assert result["graphs"]["train"]["ok"], (result, out[-3000:])
         return _unpackings(_ir_files(ir)[0], "model.layers.1.mlp.experts.gate_proj.weight")
@@ -260,5 +258,5 @@ def planted(self, *args):
 quant._Dequant._init_quant = planted
 """
     # one per micro-step (2) on the one expert weight; merged into one when planted
-    assert casts("") >= 2
-    assert casts(planted) == 1
+    assert unpackings("") >= 2
+    assert unpackings(planted) == 1
