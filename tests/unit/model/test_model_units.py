@@ -268,3 +268,18 @@ def test_flash_attention_matches_composite_on_ascend():
     ids = Tensor(np.random.default_rng(5).integers(0, 128, (2, 64)).astype(np.int32))
     a, b = eager(ids).logits.asnumpy(), fused(ids).logits.asnumpy()
     assert np.abs(a - b).max() < 3e-2 * max(1.0, np.abs(a).max())
+
+
+def test_flash_attention_pad_adds_zero_columns_on_cpu():
+    """The flash-attention path's head pad (model/mla.py ``_pad_head``, Ascend's only user) is PadV3 at run
+    time; its CPU kernel gives what numpy's zero pad gives, values and width, for q/k (qk -> max) and v."""
+    from ms_deepseek.model.mla import MLAttention
+
+    cfg = small_cfg(qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16, use_flash_attention=True)
+    attn = MLAttention(cfg)
+    assert attn.fa_head_dim == 32
+    rng = np.random.default_rng(3)
+    for width in (16, 32):
+        t = rng.standard_normal((2, 2, 5, width)).astype(np.float32)  # [B, nh, S, d]
+        got = attn._pad_head(Tensor(t), attn.fa_head_dim).asnumpy()
+        np.testing.assert_array_equal(got, np.pad(t, ((0, 0), (0, 0), (0, 0), (0, 32 - width))))
