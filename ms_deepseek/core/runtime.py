@@ -60,3 +60,24 @@ def quiet_defaults(verbose: bool = False) -> None:
         os.environ[VERBOSE_ENV] = "1"
     if not (verbose or is_verbose()):
         os.environ.setdefault("GLOG_v", "3")
+
+
+# MindSpore's graph compiler refuses a graph whose function calls nest deeper than its recursion limit
+# (default 1000: "Exceed function call depth limit"). The training step's nesting grows with the decoder
+# layers, so with the default no model past ~16 layers compiled, on CPU or Ascend (a 20-layer tiny model
+# failed in `ms-deepseek train`; V2-Lite has 27, V2 60). Measured on MindSpore 2.9.0 with the small model:
+# 16 layers exceed 1000 and 20 layers compile under 2000, so a layer nests 60-100 calls; 120 per layer leaves a
+# margin (tests/unit/train/test_deep_model_compiles.py). The deeper recursion needs C++ stack: 16 layers
+# compiled in a 1 MB stack under MindSpore's dry run, so 60 layers stay within Linux's default 8 MB.
+CALL_DEPTH_PER_LAYER = 120
+CALL_DEPTH_BASE = 1000  # MindSpore's default, for the embedding, the head, the loss and the optimizer
+
+
+def allow_graph_depth(num_layers: int) -> int:
+    """Raise MindSpore's recursion limit (``mindspore.set_recursion_limit``) for a model of ``num_layers``
+    decoder layers before a graph is compiled; returns the limit set."""
+    import mindspore as ms
+
+    limit = CALL_DEPTH_BASE + CALL_DEPTH_PER_LAYER * int(num_layers)
+    ms.set_recursion_limit(limit)
+    return limit

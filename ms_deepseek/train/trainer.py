@@ -33,7 +33,7 @@ from ms_deepseek.checkpoint.tensors import restore_into
 from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.runtime import detect_device, use_device
+from ms_deepseek.core.runtime import allow_graph_depth, detect_device, use_device
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
@@ -370,6 +370,7 @@ class Trainer:
             self.model.trainable_params(), recipe.optim, self.total, self.run_dir / "logs"
         )
         ms.set_context(mode=ms.GRAPH_MODE if tc.mode == "graph" else ms.PYNATIVE_MODE)
+        allow_graph_depth(cfg.num_hidden_layers)  # past ~16 layers MindSpore's default refuses the step
         if tc.mode == "pynative" and detect_device() == "CPU":
             # asynchronous launch costs ~0.8 ms per op on 2 cores: synchronous is 2.2x faster here
             ms.runtime.launch_blocking()
