@@ -120,7 +120,6 @@ def _ms_worker(case: str, args) -> None:
     from ms_deepseek.config.parallel import ParallelConfig
     from ms_deepseek.config.recipe import OptimSection, TrainSection
     from ms_deepseek.train import optim
-    from ms_deepseek.train.mf_adapter import mindformers_classes
 
     ms.set_device("CPU")
     if args.threads:
@@ -134,7 +133,6 @@ def _ms_worker(case: str, args) -> None:
     count = count_parameters(cfg)
     pynative = case.startswith("moe_pynative")
 
-    mindformers_classes(Path.cwd() / "logs")  # its import resets the mode: before set_context(mode=...)
     ms.set_seed(0)
     np.random.seed(0)
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
@@ -143,7 +141,7 @@ def _ms_worker(case: str, args) -> None:
     model = DeepseekV2ForCausalLM(cfg)
     model.set_train(True)
     params = model.trainable_params()
-    optimizer = optim.build_optimizer(params, OptimSection(lr=3e-4, schedule="constant"), 1000, Path.cwd() / "logs")
+    optimizer = optim.build_optimizer(params, OptimSection(lr=3e-4, schedule="constant"), 1000)
     ms.set_context(mode=ms.PYNATIVE_MODE if pynative else ms.GRAPH_MODE)
     if case == "moe_pynative_blocking":
         ms.runtime.launch_blocking()

@@ -161,6 +161,9 @@ def generate_from_checkpoint(
     from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(folder / "config.json")
+    from ms_deepseek.core.runtime import allow_graph_depth
+
+    allow_graph_depth(cfg.num_hidden_layers)  # the decoding graphs nest with depth too (the training step: ~16)
     tok = find_tokenizer(folder, tokenizer)
     if prompt is not None:
         if tok is None:

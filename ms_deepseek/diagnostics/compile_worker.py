@@ -114,9 +114,7 @@ class CompileOnlyTrainer(Trainer):
         from ms_deepseek.parallel_apply.apply import apply_plan
         from ms_deepseek.parallel_plan.memory import reserve_device_memory
         from ms_deepseek.parallel_plan.ranks import stage_of_rank
-        from ms_deepseek.train.mf_adapter import mindformers_classes
 
-        mindformers_classes(self.run_dir / "logs")
         _install_op_info(self.run_dir)
         ms.set_seed(self.recipe.train.seed)
         with no_init_parameters():  # shapes only: nothing allocated, nothing read

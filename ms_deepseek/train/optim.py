@@ -1,8 +1,7 @@
 """AdamW (our own Cell over MindSpore's fused kernel) and the learning-rate schedules.
 
-The cosine schedule is MindFormers' ``CosineWithWarmUpLR``, imported through
-:mod:`ms_deepseek.train.mf_adapter` (its import resets MindSpore to PyNative: call
-:func:`build_optimizer` *before* setting the execution mode).
+The schedules are :mod:`.schedules`' Cells (the cosine one computes MindFormers' ``CosineWithWarmUpLR``
+without its branches, which split the compiled step; a test holds it to MindFormers').
 
 :class:`AdamW` is decoupled-weight-decay Adam with bias correction, float32 moments
 (``adam_m.*``, ``adam_v.*``) and a ``global_step`` counter: the update rule of
@@ -18,8 +17,7 @@ the DeepSeek recipes. Measured figures: docs/training.md.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
@@ -28,20 +26,13 @@ from mindspore.common.initializer import initializer
 from mindspore.nn.optim.optimizer import Optimizer
 
 from ms_deepseek.train import schedules
-from ms_deepseek.train.mf_adapter import mindformers_classes
 
 
-def build_lr_schedule(optim_cfg, total_steps: int, log_dir: Optional[Path] = None) -> nn.Cell:
+def build_lr_schedule(optim_cfg, total_steps: int) -> nn.Cell:
     """The schedule Cell for ``optim_cfg.schedule``, evaluated at ``global_step + 1``."""
     kind = optim_cfg.schedule
     if kind == "cosine":
-        mf = mindformers_classes(log_dir)
-        inner = mf["CosineWithWarmUpLR"](
-            learning_rate=float(optim_cfg.lr),
-            warmup_steps=int(optim_cfg.warmup_steps),
-            total_steps=int(total_steps),
-            lr_end=float(optim_cfg.min_lr),
-        )
+        inner = schedules.WarmupCosineLR(optim_cfg.lr, optim_cfg.warmup_steps, total_steps, optim_cfg.min_lr)
     elif kind == "step":
         inner = schedules.WarmupStepDecayLR(
             optim_cfg.lr,
@@ -193,9 +184,9 @@ class AdamW(Optimizer):
         return p_new.astype(param.dtype)
 
 
-def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int, log_dir: Optional[Path] = None):
+def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int):
     """:class:`AdamW` over ``params`` (weight decay off for norms, biases, routers)."""
-    lr = build_lr_schedule(optim_cfg, total_steps, log_dir)
+    lr = build_lr_schedule(optim_cfg, total_steps)
     decay = [p for p in params if not _no_decay(p.name)]
     no_decay = [p for p in params if _no_decay(p.name)]
     groups: List[Dict] = []

@@ -11,8 +11,13 @@ Step numbering: optimizer step ``s`` runs from 1 to ``total_steps``. The optimiz
   ``decay_factor`` (0.316) once past each milestone (60% and 90% of the steps).
 * ``constant``: linear warmup, then ``lr``.
 
-The cosine Cell is MindFormers' ``CosineWithWarmUpLR`` (built in :mod:`.optim`, the one
-module that imports MindFormers); the step and constant Cells are here.
+All three Cells are here, and none branches on a tensor: a Python ``if`` on the step in graph mode is control
+flow, which splits the compiled step into several kernel graphs (MindFormers' ``CosineWithWarmUpLR``, which
+this package used until 2026-12-02, does ``if global_step >= decay_steps: ...``). Under a pipeline the step's
+side-effect ordering (``UpdateState``) then carried activations of every micro-batch out of the forward and
+backward kernel graph, held until the optimizer's graph ran: 5.7 of 8.2 GiB on stage 0 of ``v2-sft-64npu`` in
+MindSpore's level-1 accounting (docs/planner.md). The cosine Cell computes MindFormers' formula with selects,
+and a test holds it to ``CosineWithWarmUpLR`` step by step.
 """
 
 from __future__ import annotations
@@ -92,6 +97,28 @@ class WarmupStepDecayLR(LearningRateSchedule):
             warm = self.lr * s / self.warmup
             return ops.select(s < self.warmup, warm, decayed)
         return decayed
+
+
+class WarmupCosineLR(LearningRateSchedule):
+    """Linear warmup from 0, then a half cosine from ``lr`` to ``min_lr`` at ``total_steps`` and ``min_lr`` after:
+    MindFormers' ``CosineWithWarmUpLR`` (num_cycles 0.5, warmup_lr_init 0, decay over ``total_steps``), written
+    with selects instead of its branches (module docstring). Input: the 1-based step (int Tensor)."""
+
+    def __init__(self, lr: float, warmup_steps: int, total_steps: int, min_lr: float):
+        super().__init__()
+        self.lr, self.min_lr = float(lr), float(min_lr)
+        self.warmup = float(warmup_steps)
+        self.total = float(total_steps)
+        self.cosine_steps = float(max(1, total_steps - warmup_steps))
+
+    def construct(self, step):
+        s = ops.cast(step, mstype.float32).reshape(())
+        progress = (s - self.warmup) / self.cosine_steps
+        percent = ops.maximum(0.5 * (1.0 + ops.cos(math.pi * progress)), 0.0)
+        lr = self.min_lr + (self.lr - self.min_lr) * percent
+        if self.warmup > 0:
+            lr = ops.select(s < self.warmup, self.lr * s / self.warmup, lr)
+        return ops.select(s >= self.total, s * 0.0 + self.min_lr, lr)
 
 
 class WarmupConstantLR(LearningRateSchedule):

@@ -321,11 +321,7 @@ class Trainer:
         from ms_deepseek.parallel_apply.apply import apply_plan
         from ms_deepseek.parallel_plan.memory import reserve_device_memory
         from ms_deepseek.parallel_plan.ranks import stage_of_rank
-        from ms_deepseek.train.mf_adapter import mindformers_classes
 
-        # MindFormers (the cosine schedule) logs into the run folder; its import resets the
-        # execution mode, so it comes before set_context(mode=...) in _build_step.
-        mindformers_classes(self.run_dir / "logs")
         ms.set_seed(self.recipe.train.seed)
         np.random.seed(self.recipe.train.seed)
         weights_folder = self.converter.weights_folder(self.recipe, self.run_dir)
@@ -366,9 +362,7 @@ class Trainer:
 
         recipe, cfg, par, world = self.recipe, self.cfg, self.par, self.world
         tc = recipe.train
-        optimizer = optim.build_optimizer(
-            self.model.trainable_params(), recipe.optim, self.total, self.run_dir / "logs"
-        )
+        optimizer = optim.build_optimizer(self.model.trainable_params(), recipe.optim, self.total)
         ms.set_context(mode=ms.GRAPH_MODE if tc.mode == "graph" else ms.PYNATIVE_MODE)
         allow_graph_depth(cfg.num_hidden_layers)  # past ~16 layers MindSpore's default refuses the step
         if tc.mode == "pynative" and detect_device() == "CPU":

@@ -69,9 +69,8 @@ def test_train_at_default_verbosity_prints_no_warning(run):
     assert code == 0, out[-2000:]
     assert "final loss" in out
     assert _bad_lines(out) == [], out[-3000:]
-    logs = root / "run" / "logs"
-    assert "hyper_parallel" in (logs / "mindformers-import.log").read_text()  # MindFormers' chatter, kept
-    assert (logs / "mindformers").is_dir()  # LOG_MF_PATH: MindFormers' own log files
+    # a run no longer imports MindFormers (its cosine schedule branched: train/schedules.py), so it leaves no log
+    assert not (root / "run" / "logs" / "mindformers-import.log").exists()
 
 
 def test_generate_at_default_verbosity_prints_no_warning(run):

@@ -1,7 +1,11 @@
 """Our AdamW (fused ``AdamWeightDecay`` kernel, bias correction folded into its scalars) against
 MindFormers' ``AdamW`` as the reference: same parameters, gradients and schedule, several steps."""
 
+import math
+
 import numpy as np
+import pytest
+from mindspore import ops
 
 SHAPES = {
     "model.layers.0.self_attn.o_proj.weight": (6, 5),  # decayed
@@ -40,7 +44,7 @@ def _compare(param_dtype, mode, atol):
     )
     total = 8
     ours_p = _params("", param_dtype)
-    ours = optim.build_optimizer(ours_p, cfg, total)  # imports MindFormers (resets the mode): before set_context
+    ours = optim.build_optimizer(ours_p, cfg, total)
     ref_p = _params("ref.", param_dtype)
     decay = [p for p in ref_p if not optim._no_decay(p.name[len("ref.") :])]
     no_decay = [p for p in ref_p if optim._no_decay(p.name[len("ref.") :])]
@@ -92,3 +96,33 @@ def test_float16_parameters_take_the_float32_composite_update():
 
     # float16 storage: both round the same float32 result; allow one float16 ulp near |p| ~ 3
     _compare(ms.float16, ms.PYNATIVE_MODE, atol=2e-3)
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_cosine_schedule_matches_mindformers_without_its_branches(warmup):
+    """The cosine Cell is MindFormers' CosineWithWarmUpLR written with selects (its tensor ``if``s split the
+    compiled step into kernel graphs: train/schedules.py); MindFormers' own Cell is the oracle, step by step,
+    in graph mode, warmup, decay and past the end. Planted: a schedule that forgets the end clamp differs."""
+    import mindspore as ms
+    from mindformers.core.lr.lr_schedule import CosineWithWarmUpLR
+
+    from ms_deepseek.train.schedules import WarmupCosineLR
+
+    total, lr, min_lr = 12, 2e-3, 1e-4
+    ours = WarmupCosineLR(lr, warmup, total, min_lr)
+    ref = CosineWithWarmUpLR(learning_rate=lr, warmup_steps=warmup, total_steps=total, lr_end=min_lr)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    for step in range(0, total + 4):
+        s = ms.Tensor(step, ms.int32)
+        got, want = float(ours(s).asnumpy()), float(ref(s).asnumpy())
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12), (warmup, step)
+
+    class NoClamp(WarmupCosineLR):
+        def construct(self, step):
+            s = ops.cast(step, ms.float32).reshape(())
+            percent = 0.5 * (1.0 + ops.cos(math.pi * (s - self.warmup) / self.cosine_steps))
+            return self.min_lr + (self.lr - self.min_lr) * percent
+
+    planted = NoClamp(lr, warmup, total, min_lr)
+    s = ms.Tensor(total + 3, ms.int32)
+    assert float(planted(s).asnumpy()) != pytest.approx(float(ref(s).asnumpy()), rel=1e-6)
