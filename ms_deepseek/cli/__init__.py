@@ -10,8 +10,7 @@ no error handling: this file does it once). A new command is one line in
 line and exit 2.
 
 Every command also takes ``--verbose``: without it MindSpore prints errors only
-(``GLOG_v=3``, unless you set ``GLOG_v`` yourself) and MindFormers' import chatter goes
-to the run's log folder (:mod:`ms_deepseek.core.runtime`, :mod:`ms_deepseek.train.mf_adapter`).
+(``GLOG_v=3``, unless you set ``GLOG_v`` yourself; :mod:`ms_deepseek.core.runtime`).
 """
 
 from __future__ import annotations

@@ -114,6 +114,12 @@ class ParallelConfig:
         return self.dp * int(micro_batch_size) * int(per_replica)
 
     @property
+    def recompute_sub_cells(self) -> bool:
+        """Whether "full" recompute marks each decoder layer's sub-cells, not the layer, under a pipeline (the reason:
+        ``parallel_apply.apply.recompute_segments``); the planner keeps one more tensor per layer for it."""
+        return self.pp > 1
+
+    @property
     def uses_semi_auto(self) -> bool:
         """Anything beyond plain data parallel needs MindSpore's SEMI_AUTO_PARALLEL mode."""
         return self.tp > 1 or self.pp > 1 or self.ep > 1 or self.optimizer_shard

@@ -262,7 +262,7 @@ def recompute_segments(path: str, parallel: ParallelConfig) -> bool:
     parts = path.split(".")
     if parts[:2] != ["model", "layers"]:
         return False
-    if parallel.pp > 1:
+    if parallel.recompute_sub_cells:
         return len(parts) == 4 and parts[3] in LAYER_PARTS
     return len(parts) == 3
 

@@ -363,9 +363,9 @@ def layer_activation_bytes(
     sp = t if parallel.sequence_parallel else 1
     H = cfg.hidden_size
     if policy == "full":
-        # the layer input; under a pipeline the recomputed segments are the layer's sub-cells
-        # (parallel_apply.apply.recompute_segments) and the residual sum after attention is kept too
-        return (2 if parallel.pp > 1 else 1) * n * H * c / sp
+        # the layer input; when the recomputed segments are the layer's sub-cells (under a pipeline:
+        # parallel_apply.apply.recompute_segments) the residual sum after attention is kept too
+        return (2 if parallel.recompute_sub_cells else 1) * n * H * c / sp
     nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
     a = norm(H, sp) * 2  # input_layernorm, post_attention_layernorm
