@@ -31,6 +31,12 @@ class DecoderLayer(nn.Cell):
             self.mlp = MLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, to_ms_dtype(cfg.compute_dtype), pdt
             )
+        # The residual sums and the casts into them are named primitives, split like the hidden stream
+        # (the plan's ``residual_add`` / ``hidden_cast`` styles; why: ``RMSNorm``).
+        self.attn_cast = ops.Cast()
+        self.attn_residual = ops.Add()
+        self.mlp_cast = ops.Cast()
+        self.mlp_residual = ops.Add()
 
     def construct(self, x, cos, sin, mask, cache=None, cache_index=None, prefill=False):
         """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None).
@@ -38,9 +44,10 @@ class DecoderLayer(nn.Cell):
         cache / cache_index / prefill: this layer's latent cache buffer and where the tokens' entries
         go, or None in training (see ``MLAttention.construct``).
         """
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index, prefill).astype(x.dtype)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index, prefill)
+        x = self.attn_residual(x, self.attn_cast(attn, x.dtype))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, aux, stats, scores, idx, weight = self.mlp(h)
-            return x + y, aux, stats, (scores, idx, weight)
-        return x + self.mlp(h).astype(x.dtype), ops.zeros((), ms.float32), None, None
+            return self.mlp_residual(x, self.mlp_cast(y, x.dtype)), aux, stats, (scores, idx, weight)
+        return self.mlp_residual(x, self.mlp_cast(self.mlp(h), x.dtype)), ops.zeros((), ms.float32), None, None

@@ -64,6 +64,7 @@ class DeepseekV2Model(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self.embed_cast = ops.Cast()  # the embedding output into the hidden stream (``hidden_cast`` style)
         self.num_moe_layers = len(cfg.moe_layer_indices)
         self.stats_width = (cfg.n_routed_experts or 0) + 4
 
@@ -96,7 +97,7 @@ class DeepseekV2Model(nn.Cell):
             positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]
             cols = ops.broadcast_to(positions.reshape(1, T), (B, T))  # [B, T]
             cache_index = ops.stack((rows, cols), -1)  # [B, T, 2]: where each new entry goes, all layers
-        x = self.embed_tokens(input_ids).astype(self.compute_dtype)
+        x = self.embed_cast(self.embed_tokens(input_ids), self.compute_dtype)  # [B, T, H]
         # aux is carried as [1], not as a 0-d tensor: a 0-d value that crosses a pipeline stage comes out of
         # MindSpore's Receive as a Python-number abstract (<Float32, NoShape>, pipeline_transformer.cc
         # InsertReceive), which the next stage's Add refuses ("input's type 'Float32' does not match

@@ -58,18 +58,34 @@ class Linear(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32, returned in the input dtype."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32, returned in the input dtype.
+
+    Every op is a named primitive, so the plan can split the norm like its input (``norm`` / ``hidden_norm``
+    styles): under a pipeline MindSpore compiles in semi_auto mode, where an op without a strategy splits
+    its first axis only, and the hidden stream [B, T, H] with B = 1 per rank would stay whole on every
+    tensor-parallel rank instead of split by tokens (sequence parallel). MindFormers names them the same
+    way (``LlamaRMSNorm.shard``, ``LLamaDecodeLayer`` under ``use_seq_parallel``).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6, param_dtype=ms.float32):
         super().__init__()
         self.weight = Parameter(initializer("ones", [dim], param_dtype), name="weight")
         self.eps = eps
+        self.cast_in = ops.Cast()
+        self.square = ops.Mul()
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.add_eps = ops.Add()
+        self.rsqrt = ops.Rsqrt()
+        self.normalize = ops.Mul()
+        self.cast_out = ops.Cast()
+        self.cast_weight = ops.Cast()
+        self.scale = ops.Mul()
 
     def construct(self, x):
         dtype = x.dtype
-        x32 = x.astype(ms.float32)
-        variance = (x32 * x32).mean(-1, keep_dims=True)
-        normed = x32 * ops.rsqrt(variance + self.eps)
+        x32 = self.cast_in(x, ms.float32)
+        variance = self.mean(self.square(x32, x32), -1)  # [..., 1]
+        normed = self.normalize(x32, self.rsqrt(self.add_eps(variance, self.eps)))
         # The batch operand first, the weight second, as in Linear (x @ W^T). Gradient accumulation
         # relies on it: MindSpore marks the *primitive* of the first node (in graph order: depth first,
         # first input first) that consumes a Parameter, and then every node of that primitive must lie
@@ -78,7 +94,7 @@ class RMSNorm(nn.Cell):
         # one Cast primitive every astype shares, no batch dependence) was that node; with the batch
         # first, the depth-first walk reaches the embedding's own Gather first. Compiled by
         # tests/compile (grad_accum_steps > 1).
-        return normed.astype(dtype) * self.weight.astype(dtype)
+        return self.scale(self.cast_out(normed, dtype), self.cast_weight(self.weight, dtype))
 
 
 class MLP(nn.Cell):

@@ -191,11 +191,11 @@ def _heads_to_rows(layout: Layout, mesh: Mesh) -> Layout:
 
 
 def _tokens_to_rows(layout: Layout, mesh: Mesh) -> Layout:
-    # [B, T, H] -> reshape [B*T, H]
+    # [B, T, H] -> reshape [B*T, H]. A split of T survives the merge as (b * t) when each rank holds one
+    # sequence (B / b = 1), as every sequence-parallel recipe does (plan.hidden_split); otherwise MindSpore's
+    # reshape redistributes (correct, with communication), which this lint does not see.
     b, t, h = layout
-    if t != 1:
-        raise _NotExpressible(f"a split of T ({t}) does not survive the merge into rows")
-    return (b, h)
+    return (b * t, h)
 
 
 class _NotExpressible(Exception):
@@ -394,14 +394,30 @@ TRANSFORMS.update(
 )
 
 
-# The residual stream [B*T, H]: every producer's output and every consumer's input share one layout.
+# The residual stream: the hidden states between the sub-layers, split as plan.hidden_split says ([B, T, H]; the
+# lint compares it as rows [B*T, H]). Producers write into it: their output must have its layout. Consumers
+# read it: the norms' output keeps it, so the matmuls after a norm read it too. A ``>transform`` maps a
+# producer's output (or the stream, for a consumer) onto the compared form; ``<tokens``: the consumer's strategy
+# is on [B, T, H] and is compared as rows.
 RESIDUAL_PRODUCERS = (
     "model.embed_tokens.gather:0>tokens_to_rows",
+    "model.embed_cast:0>tokens_to_rows",
     "model.layers.*.self_attn.o_proj.matmul:0",
     "model.layers.*.mlp.down_proj.matmul:0",
     "model.layers.*.mlp.shared_experts.down_proj.matmul:0",
+    "model.layers.*.attn_cast:0>tokens_to_rows",
+    "model.layers.*.attn_residual:0>tokens_to_rows",
+    "model.layers.*.mlp_cast:0>tokens_to_rows",
+    "model.layers.*.mlp_residual:0>tokens_to_rows",
 )
 RESIDUAL_CONSUMERS = (
+    "model.layers.*.input_layernorm.cast_in:0<tokens",
+    "model.layers.*.post_attention_layernorm.cast_in:0<tokens",
+    "model.norm.cast_in:0<tokens",
+    "model.layers.*.attn_residual:0<tokens",
+    "model.layers.*.attn_residual:1<tokens",
+    "model.layers.*.mlp_residual:0<tokens",
+    "model.layers.*.mlp_residual:1<tokens",
     "model.layers.*.self_attn.q_proj.matmul:0",
     "model.layers.*.self_attn.q_a_proj.matmul:0",
     "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0",
@@ -623,40 +639,42 @@ class _Linter:
                     f"(the lint's MoE edges are stale)"
                 )
 
-    # 3b. the residual stream: all producers and consumers agree with the embedding's output layout
+    # 3b. the residual stream: every producer writes, and every consumer reads, the plan's hidden-stream layout
     def _expand(self, spec: str):
-        ref, _, transform = spec.partition(">")
+        ref, _, transform = spec.replace("<", ">").partition(">")
         pattern, port = ref.split(":")
         rx = _compile(pattern)
         return [(p, int(port), transform or "same") for p in self.table if rx.fullmatch(p)]
 
     def residual_stream(self) -> None:
-        producers = [x for s in RESIDUAL_PRODUCERS for x in self._expand(s)]
-        consumers = [x for s in RESIDUAL_CONSUMERS for x in self._expand(s)]
-        if not producers:
-            return
-        head = producers[0]
-        for src, out, transform in producers + consumers:
-            is_producer = (src, out, transform) in producers
-            if (is_producer and src == head[0]) or head[0] not in self.strategies or src not in self.strategies:
+        from ms_deepseek.parallel_plan.plan import hidden_split
+
+        name = f"the hidden stream {_fmt(hidden_split(self.mesh))} (plan.hidden_split)"
+        stream = _tokens_to_rows(hidden_split(self.mesh), self.mesh)  # rows [B*T, H]
+        for src, out, transform in (x for s in RESIDUAL_PRODUCERS for x in self._expand(s)):
+            if src not in self.strategies:
+                continue  # reported by the coverage rule
+            got = TRANSFORMS[transform](self._out_layout(src, out), self.mesh)
+            self.report.edges += 1
+            if tuple(got) == tuple(stream):
                 continue
-            try:
-                stream = TRANSFORMS[head[2]](self._out_layout(head[0], head[1]), self.mesh)  # rows [B*T, H]
-            except _NotExpressible as exc:
-                self.report.problems.append(f"{head[0]}: {exc}")
+            if self._allowed(f"{src}:out"):
+                self.report.allowed += 1
+            else:
+                self.report.problems.append(
+                    f"{src} output {out} gives {_fmt(got)} to the residual stream, which is {name}: "
+                    f"not listed in plan.deliberate_redistributions"
+                )
+        for dst, inp, transform in (x for s in RESIDUAL_CONSUMERS for x in self._expand(s)):
+            if dst not in self.strategies:
                 continue
-            if is_producer:  # its output must equal the stream's layout
-                got = self._out_layout(src, out)
-                self.report.edges += 1
-                if tuple(got) == tuple(stream):
-                    continue
-                if self._allowed(f"{src}:out"):
-                    self.report.allowed += 1
-                else:
-                    self.report.problems.append(
-                        f"{src} output {out} gives {_fmt(got)} to the residual stream, which "
-                        f"is {_fmt(stream)} ({head[0]}): not listed in "
-                        f"plan.deliberate_redistributions"
-                    )
-            else:  # a consumer: the stream seen through its transform
-                self._check(f"{head[0]} (residual stream)", head[1], src, out, TRANSFORMS[transform](stream, self.mesh))
+            if transform != "tokens":
+                self._check(name, 0, dst, inp, TRANSFORMS[transform](stream, self.mesh))
+                continue
+            want = _tokens_to_rows(tuple(int(k) for k in self.strategies[dst][0][inp]), self.mesh)
+            self.report.edges += 1
+            if tuple(want) != tuple(stream) and not self._allowed(f"{dst}:{inp}"):
+                self.report.problems.append(
+                    f"{dst} input {inp} reads the residual stream as {_fmt(want)} (rows) but it is {name}: "
+                    f"not listed in plan.deliberate_redistributions"
+                )

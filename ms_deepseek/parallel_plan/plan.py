@@ -49,9 +49,14 @@ Strategy = Tuple[Tuple[int, ...], ...]
 # Path pattern -> style. Exactly one pattern may match any path.
 DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.embed_tokens": "vocab_embedding",
+    "model.embed_cast": "hidden_cast",
     "model.rotary_emb": "rotary_table",
-    "model.layers.*.input_layernorm": "norm",
-    "model.layers.*.post_attention_layernorm": "norm",
+    "model.layers.*.input_layernorm": "hidden_norm",
+    "model.layers.*.post_attention_layernorm": "hidden_norm",
+    "model.layers.*.attn_cast": "hidden_cast",
+    "model.layers.*.attn_residual": "residual_add",
+    "model.layers.*.mlp_cast": "hidden_cast",
+    "model.layers.*.mlp_residual": "residual_add",
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.q_a_proj": "replicate",
     "model.layers.*.self_attn.q_a_layernorm": "norm",
@@ -100,7 +105,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.experts.up_proj.group_dequant_mul": "expert_dequant_colwise",
     "model.layers.*.mlp.experts.down_proj.dequant_mul": "expert_dequant_rowwise",
     "model.layers.*.mlp.experts.down_proj.group_dequant_mul": "expert_group_dequant_rowwise",
-    "model.norm": "norm",
+    "model.norm": "hidden_norm",
     "lm_head": "vocab_head",
     "loss_fn": "vocab_cross_entropy",
 }
@@ -284,8 +289,55 @@ def _rotary_table(mesh: Mesh) -> StyleSpec:
     )
 
 
+def hidden_split(mesh: Mesh) -> Tuple[int, int, int]:
+    """The split of the hidden stream [B, T, H] between the layers: batch by dp and, under sequence parallel,
+    tokens by tp (Megatron SP; MindFormers' ``LLamaDecodeLayer`` under ``use_seq_parallel``: (dp, mp, 1)).
+    Seen as rows [B*T, H] it is the row-parallel output's (dp * tp, 1) (``_rowwise``) when each data-parallel
+    rank holds one sequence per micro-batch, as every sequence-parallel recipe does; otherwise MindSpore's
+    reshape redistributes between the two."""
+    seq = mesh.tp if mesh.sequence_parallel and mesh.tp > 1 else 1
+    return (mesh.dp, seq, 1)
+
+
+def _rms_norm(s: Tuple[int, ...]) -> StyleSpec:
+    # RMSNorm (model/layers.py) on x split ``s``, its last (normalised) axis whole; the weight [H] replicated
+    reduced = s[:-1] + (1,)
+    return StyleSpec(
+        prims={
+            "cast_in": ((s,), None),
+            "square": ((s, s), None),
+            "mean": ((s,), None),  # ReduceMean over the last axis, keep_dims: [..., 1]
+            "add_eps": ((reduced, ()), None),
+            "rsqrt": ((reduced,), None),
+            "normalize": ((s, reduced), None),
+            "cast_out": ((s,), None),
+            "cast_weight": (((1,),), None),
+            "scale": ((s, (1,)), None),
+        },
+        params={"weight": (1,)},
+        consumers={"weight": ("cast_weight", 0)},
+    )
+
+
 def _norm(mesh: Mesh) -> StyleSpec:
-    return StyleSpec(params={"weight": (1,)})
+    # the latent norms (q_a_layernorm, kv_a_layernorm) on [B, T, r]: after a replicated projection, batch by dp
+    return _rms_norm((mesh.dp, 1, 1))
+
+
+def _hidden_norm(mesh: Mesh) -> StyleSpec:
+    # the decoder norms and the final norm, on the hidden stream
+    return _rms_norm(hidden_split(mesh))
+
+
+def _hidden_cast(mesh: Mesh) -> StyleSpec:
+    # a Cast into the hidden stream [B, T, H] (the embedding's output, each sub-layer's output)
+    return StyleSpec(prims={"": ((hidden_split(mesh),), None)}, is_primitive=True)
+
+
+def _residual_add(mesh: Mesh) -> StyleSpec:
+    # x + sub-layer(x) on the hidden stream [B, T, H]
+    s = hidden_split(mesh)
+    return StyleSpec(prims={"": ((s, s), None)}, is_primitive=True)
 
 
 def _router(mesh: Mesh) -> StyleSpec:
@@ -477,6 +529,9 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "vocab_cross_entropy": _vocab_cross_entropy,
     "vocab_embedding": _vocab_embedding,
     "norm": _norm,
+    "hidden_norm": _hidden_norm,
+    "hidden_cast": _hidden_cast,
+    "residual_add": _residual_add,
     "rotary_table": _rotary_table,
     "router": _router,
     "experts": _experts,
@@ -653,15 +708,9 @@ def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
         )
     if mesh.sequence_parallel and mesh.tp > 1:
         why = (
-            "sequence parallel (Megatron SP): the row-parallel output is reduce-scattered over tokens "
-            "(dp*tp) and all-gathered again before the column-parallel matmuls"
+            "sequence parallel (Megatron SP): the hidden stream is split by tokens (dp*tp, hidden_split) and "
+            "all-gathered over tp before the column-parallel matmuls, the router and the MoE dispatch"
         )
-        for p in (
-            "model.layers.*.self_attn.o_proj.matmul",
-            "model.layers.*.mlp.down_proj.matmul",
-            "model.layers.*.mlp.shared_experts.down_proj.matmul",
-        ):
-            out[p + ":out"] = why
         for p in (
             "model.layers.*.self_attn.q_proj.matmul",
             "model.layers.*.self_attn.q_a_proj.matmul",
@@ -671,7 +720,11 @@ def deliberate_redistributions(mesh: Mesh) -> Dict[str, str]:
             "model.layers.*.mlp.gate.matmul",
             "model.layers.*.mlp.shared_experts.gate_proj.matmul",
             "model.layers.*.mlp.shared_experts.up_proj.matmul",
+            "model.layers.*.mlp.pad_tokens",
             "lm_head.matmul",
         ):
             out[p + ":0"] = why
+        # the embedding's output (whole per token after the vocabulary split's AllReduce) is cut by tokens
+        # at embed_cast: a slice, no communication
+        out["model.embed_tokens.gather:out"] = why
     return out

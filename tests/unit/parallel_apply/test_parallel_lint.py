@@ -53,6 +53,26 @@ def test_sequence_parallel_redistribution_is_listed():
     assert report.allowed > 0
 
 
+def test_sequence_parallel_hidden_stream_is_split_by_tokens_everywhere():
+    # Under sequence parallel every op on the hidden stream [B, T, H] holds (dp, tp, 1): the norms, the casts
+    # and the residual sums (under a pipeline, semi_auto would give an unnamed one B's split only, and with B = 1
+    # per rank the stream would be whole on every tp rank).
+    ctx = S.build_context(TINY, ParallelConfig(dp=2, tp=2, ep=2, sequence_parallel=True), 64)
+    stream_ops = [p for p in ctx.applied.strategies if p.endswith(("_residual", "_cast", "input_layernorm.square"))]
+    assert len(stream_ops) == 1 + 5 * len(ctx.model.model.layers)  # embed_cast; per layer two casts, two sums, a norm
+    for path in stream_ops + ["model.norm.scale", "model.layers.1.post_attention_layernorm.normalize"]:
+        assert tuple(ctx.applied.strategies[path][0][0]) == (2, 2, 1), path
+    # the latent norms follow their replicated projection: batch only
+    assert tuple(ctx.applied.strategies["model.layers.0.self_attn.kv_a_layernorm.square"][0][0]) == (2, 1, 1)
+
+    # planted: one residual sum left at the batch split (what semi_auto's default gives) fails, naming it
+    path = "model.layers.1.mlp_residual"
+    broken = _with_strategy(ctx.applied, path, (((2, 1, 1), (2, 1, 1)), None))
+    problems = lint_model(ctx.model, broken, ctx.mesh).problems
+    assert any(p.startswith(f"{path} input 0 reads the residual stream as (2, 1)") for p in problems), problems
+    assert any(p.startswith(f"{path} output 0 gives (2, 1)") for p in problems), problems
+
+
 def test_split_topk_last_axis_fails_naming_primitive_and_axis(moe_ctx):
     path = "model.layers.1.mlp.gate.topk"
     broken = _with_strategy(moe_ctx.applied, path, (((4, 2),), None))
