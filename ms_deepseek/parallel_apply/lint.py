@@ -397,8 +397,8 @@ TRANSFORMS.update(
 # The residual stream: the hidden states between the sub-layers, split as plan.hidden_split says ([B, T, H]; the
 # lint compares it as rows [B*T, H]). Producers write into it: their output must have its layout. Consumers
 # read it: the norms' output keeps it, so the matmuls after a norm read it too. A ``>transform`` maps a
-# producer's output (or the stream, for a consumer) onto the compared form; ``<tokens``: the consumer's strategy
-# is on [B, T, H] and is compared as rows.
+# producer's output (or the stream, for a consumer) onto the compared form; ``<transform`` maps the consumer's own
+# strategy instead (``<tokens_to_rows``: a consumer on [B, T, H], compared as rows).
 RESIDUAL_PRODUCERS = (
     "model.embed_tokens.gather:0>tokens_to_rows",
     "model.embed_cast:0>tokens_to_rows",
@@ -411,13 +411,13 @@ RESIDUAL_PRODUCERS = (
     "model.layers.*.mlp_residual:0>tokens_to_rows",
 )
 RESIDUAL_CONSUMERS = (
-    "model.layers.*.input_layernorm.cast_in:0<tokens",
-    "model.layers.*.post_attention_layernorm.cast_in:0<tokens",
-    "model.norm.cast_in:0<tokens",
-    "model.layers.*.attn_residual:0<tokens",
-    "model.layers.*.attn_residual:1<tokens",
-    "model.layers.*.mlp_residual:0<tokens",
-    "model.layers.*.mlp_residual:1<tokens",
+    "model.layers.*.input_layernorm.cast_in:0<tokens_to_rows",
+    "model.layers.*.post_attention_layernorm.cast_in:0<tokens_to_rows",
+    "model.norm.cast_in:0<tokens_to_rows",
+    "model.layers.*.attn_residual:0<tokens_to_rows",
+    "model.layers.*.attn_residual:1<tokens_to_rows",
+    "model.layers.*.mlp_residual:0<tokens_to_rows",
+    "model.layers.*.mlp_residual:1<tokens_to_rows",
     "model.layers.*.self_attn.q_proj.matmul:0",
     "model.layers.*.self_attn.q_a_proj.matmul:0",
     "model.layers.*.self_attn.kv_a_proj_with_mqa.matmul:0",
@@ -641,17 +641,18 @@ class _Linter:
 
     # 3b. the residual stream: every producer writes, and every consumer reads, the plan's hidden-stream layout
     def _expand(self, spec: str):
-        ref, _, transform = spec.replace("<", ">").partition(">")
+        """(path, port, transform, on_strategy) of every primitive ``spec`` names; ``on_strategy``: a ``<transform``."""
+        ref, sep, transform = re.fullmatch(r"([^<>]+)([<>]?)(.*)", spec).groups()
         pattern, port = ref.split(":")
         rx = _compile(pattern)
-        return [(p, int(port), transform or "same") for p in self.table if rx.fullmatch(p)]
+        return [(p, int(port), transform or "same", sep == "<") for p in self.table if rx.fullmatch(p)]
 
     def residual_stream(self) -> None:
         from ms_deepseek.parallel_plan.plan import hidden_split
 
         name = f"the hidden stream {_fmt(hidden_split(self.mesh))} (plan.hidden_split)"
         stream = _tokens_to_rows(hidden_split(self.mesh), self.mesh)  # rows [B*T, H]
-        for src, out, transform in (x for s in RESIDUAL_PRODUCERS for x in self._expand(s)):
+        for src, out, transform, _ in (x for s in RESIDUAL_PRODUCERS for x in self._expand(s)):
             if src not in self.strategies:
                 continue  # reported by the coverage rule
             got = TRANSFORMS[transform](self._out_layout(src, out), self.mesh)
@@ -665,13 +666,13 @@ class _Linter:
                     f"{src} output {out} gives {_fmt(got)} to the residual stream, which is {name}: "
                     f"not listed in plan.deliberate_redistributions"
                 )
-        for dst, inp, transform in (x for s in RESIDUAL_CONSUMERS for x in self._expand(s)):
+        for dst, inp, transform, on_strategy in (x for s in RESIDUAL_CONSUMERS for x in self._expand(s)):
             if dst not in self.strategies:
                 continue
-            if transform != "tokens":
+            if not on_strategy:  # the stream seen through the transform, against the consumer's strategy
                 self._check(name, 0, dst, inp, TRANSFORMS[transform](stream, self.mesh))
                 continue
-            want = _tokens_to_rows(tuple(int(k) for k in self.strategies[dst][0][inp]), self.mesh)
+            want = TRANSFORMS[transform](tuple(int(k) for k in self.strategies[dst][0][inp]), self.mesh)
             self.report.edges += 1
             if tuple(want) != tuple(stream) and not self._allowed(f"{dst}:{inp}"):
                 self.report.problems.append(

@@ -300,16 +300,16 @@ def hidden_split(mesh: Mesh) -> Tuple[int, int, int]:
 
 
 def _rms_norm(s: Tuple[int, ...]) -> StyleSpec:
-    # RMSNorm (model/layers.py) on x split ``s``, its last (normalised) axis whole; the weight [H] replicated
-    reduced = s[:-1] + (1,)
+    # RMSNorm (model/layers.py) on x split ``s``, its last (normalised) axis whole, so the variance [..., 1] splits
+    # as ``s`` too; the weight [H] replicated
     return StyleSpec(
         prims={
             "cast_in": ((s,), None),
             "square": ((s, s), None),
             "mean": ((s,), None),  # ReduceMean over the last axis, keep_dims: [..., 1]
-            "add_eps": ((reduced, ()), None),
-            "rsqrt": ((reduced,), None),
-            "normalize": ((s, reduced), None),
+            "add_eps": ((s, ()), None),
+            "rsqrt": ((s,), None),
+            "normalize": ((s, s), None),
             "cast_out": ((s,), None),
             "cast_weight": (((1,),), None),
             "scale": ((s, (1,)), None),
