@@ -24,6 +24,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.common.initializer import initializer
 from mindspore.nn.optim.optimizer import Optimizer
+from mindspore.ops.auto_generate import InplaceMuls
 
 from ms_deepseek.train import schedules
 
@@ -129,9 +130,18 @@ class AdamW(Optimizer):
         self.exp_avg = self._state("adam_m")
         self.exp_avg_sq = self._state("adam_v")
         self.fused = ops.AdamWeightDecay()
+        self.beta1_value = float(betas[0])
+        self.scale_in_place = InplaceMuls()  # the composite update's first op (_composite)
         self.is_fp32 = tuple(p.dtype == mstype.float32 for p in self._parameters)
         if not self.is_group:  # one decay for all: make it a per-parameter tuple like the grouped case
             self.weight_decay = tuple(self.weight_decay for _ in self._parameters)
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the update compiles into a graph (read when it compiles: a constant there)."""
+        import mindspore as ms
+
+        return ms.get_context("mode") == ms.GRAPH_MODE
 
     def _state(self, prefix: str) -> ParameterTuple:
         return zero_states(self._parameters, prefix, mstype.float32)
@@ -172,16 +182,30 @@ class AdamW(Optimizer):
         return results
 
     def _composite(self, param, m, v, grad, lr, wd, bc1, bc2):
-        """The same update in float32 ops, for parameters stored in another dtype."""
-        g = grad.astype(mstype.float32)
-        p = param.astype(mstype.float32)
-        m_new = m * self.beta1 + g * (1.0 - self.beta1)
-        v_new = v * self.beta2 + g * g * (1.0 - self.beta2)
-        p_new = p * (1.0 - lr * wd) - m_new / (ops.sqrt(v_new / bc2) + self.eps) * (lr / bc1)
+        """The same update in float32 ops, for parameters stored in another dtype.
+
+        Each float32 temporary is as large as the parameter, so two parameters' updates must not run side by
+        side. Left to itself MindSpore's execution order ran them side by side: every parameter's first
+        products as soon as their inputs existed, the rest later (level 1 of the dry run: v2-sft-64npu's
+        rank 0 held 5.1 GiB of them at 16 layers, docs/planner.md). Ordering them by ``depend`` from one
+        parameter's result to the next gradient kept a small pipeline's compile (tp 2, pp 2, 8 layers: 75 s)
+        running past 10 minutes, hundreds of frames deep in one recursive frontend pass (gdb). So the update
+        starts with a side effect, ``m *= beta1`` in place (``InplaceMuls``): MindSpore keeps side effects
+        in program order (its auto-monad), so it comes after the previous parameter's last ``assign``, and
+        every temporary below depends on it."""
+        if self.in_graph:  # m * beta1, in m; after the last update
+            m_decayed = self.scale_in_place(m, self.beta1_value)
+        else:  # PyNative runs ops in program order (and has no CPU InplaceMuls)
+            m_decayed = m * self.beta1
+        g = ops.depend(grad, m_decayed).astype(mstype.float32)
+        m_new = m_decayed + g * (1.0 - self.beta1)
+        v_new = ops.depend(v, g) * self.beta2 + g * g * (1.0 - self.beta2)
+        step = m_new / (ops.sqrt(v_new / bc2) + self.eps) * (lr / bc1)
+        p_new = ops.depend(param, step).astype(mstype.float32) * (1.0 - lr * wd) - step
         p_new = ops.depend(p_new, ops.assign(m, m_new))
         p_new = ops.depend(p_new, ops.assign(v, v_new))
-        ops.assign(param, p_new.astype(param.dtype))
-        return p_new.astype(param.dtype)
+        p_new = p_new.astype(param.dtype)
+        return ops.depend(p_new, ops.assign(param, p_new))
 
 
 def build_optimizer(params: List[Parameter], optim_cfg, total_steps: int):

@@ -18,13 +18,14 @@ init()
 """
 
 
-def dryrun_env(world: int, rank: int = 0):
+def dryrun_env(world: int, rank: int = 0, level: int = 0):
+    """Level 0 compiles; level 1 also runs the step once without kernels, accounting device memory."""
     from ms_deepseek.diagnostics.cann_stubs import ensure_stubs
 
-    env = ensure_stubs().env()
+    env = ensure_stubs(level=level).env()
     env.update(
         {
-            "MS_SIMULATION_LEVEL": "0",
+            "MS_SIMULATION_LEVEL": str(level),
             "RANK_SIZE": str(world),
             "RANK_ID": str(rank),
             "MS_DEEPSEEK_DEVICE": "Ascend",
@@ -34,11 +35,13 @@ def dryrun_env(world: int, rank: int = 0):
     return env
 
 
-def run_dryrun(code: str, folder: Path, world: int = 8, rank: int = 0, timeout: float = 600, extra_env=None):
+def run_dryrun(
+    code: str, folder: Path, world: int = 8, rank: int = 0, timeout: float = 600, extra_env=None, level: int = 0
+):
     """(exit code, combined output) of PRELUDE + ``code`` in a fresh process under the dry run."""
     script = Path(folder) / "probe.py"
     script.write_text(PRELUDE + textwrap.dedent(code))
-    env = dryrun_env(world, rank)
+    env = dryrun_env(world, rank, level)
     env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, str(script)],

@@ -588,3 +588,21 @@ def test_recipe_comments_state_the_planners_figures(path, capsys):
     # the peak over both graphs: the training step and, with data.validation, the eval graph
     assert gb == round(max(data["memory_gb"]["total"], data["memory_gb"].get("eval_total", 0.0)), 1)
     assert (lo, hi) == tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
+
+
+def test_bf16_weights_update_temporaries_are_counted_for_the_largest_parameter():
+    """The float32 composite update of a bfloat16 parameter holds UPDATE_TEMPORARIES float32 images of it
+    (MindSpore's level-1 accounting: tests/compile/test_compile_optimizer.py); float32 weights take the fused
+    kernel in place and keep only the clipping's one image. A wide vocabulary makes the embedding the largest."""
+    from ms_deepseek.parallel_plan.costs import UPDATE_TEMPORARIES
+
+    working = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = get_preset("tiny").replace(vocab_size=262144, param_dtype=dtype)
+        r = estimate(cfg, ParallelConfig(), Workload(seq_len=16, global_batch_size=1))
+        assert r.problems == []
+        working[dtype] = r.memory_gb["working_set"] * GB
+        largest = cfg.vocab_size * cfg.hidden_size
+    assert UPDATE_TEMPORARIES == 4
+    assert working["bfloat16"] == pytest.approx(UPDATE_TEMPORARIES * 4 * largest, rel=0.01)
+    assert working["float32"] == pytest.approx(4 * largest, rel=0.01)
