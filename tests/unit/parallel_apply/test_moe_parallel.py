@@ -83,7 +83,10 @@ def test_groups_route_and_drop_each_group_alone():
     y_groups = moe(x)[0].asnumpy()
     moe.groups = 1
     y_alone = np.concatenate([moe(x[g : g + 1])[0].asnumpy() for g in range(4)])
-    np.testing.assert_allclose(y_groups, y_alone, atol=1e-6)
+    # float32 matmuls of different shapes (4 groups at once, 1 at a time) round differently, and MindSpore's CPU
+    # kernels split the work by thread: the full suite on 2 cores once differed by 1.6e-6 at |y| ~ 0.16. A
+    # routing or drop difference moves outputs by far more (the pooled dispatch below: > 1e-4).
+    np.testing.assert_allclose(y_groups, y_alone, rtol=1e-5, atol=1e-6)
     # ... and differs from pooling the capacity over all tokens (the old, non-local dispatch)
     pooled = moe(x)[0].asnumpy()
     assert np.abs(pooled - y_groups).max() > 1e-4
