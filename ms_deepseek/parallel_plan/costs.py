@@ -221,6 +221,7 @@ def param_bytes(
             casts=0.0,
             params=0,
             largest_grad=0,
+            largest_composite=0,  # elements of the largest non-float32 optimizer shard (the composite update)
             scales=0.0,
             dequant=0.0,
         )
@@ -254,7 +255,7 @@ def param_bytes(
         slot["gradients"] += local * grad / (group if level2 else 1)
         slot["largest_grad"] = max(slot["largest_grad"], local)
         if size < 4:  # updated by train/optim.py's float32 composite, on this rank's optimizer shard
-            slot["largest_composite"] = max(slot.get("largest_composite", 0), local / group)
+            slot["largest_composite"] = max(slot["largest_composite"], local / group)
         slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
         # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
         # all-gathered full slice of an optimizer-sharded parameter. The embedding table is gathered in its
@@ -523,7 +524,7 @@ def stage_memory(
         working = max(working, held[s]["largest_grad"] * 4)
         # The float32 update of weights stored narrower runs one parameter at a time (train/optim.py
         # AdamW._composite) with up to UPDATE_TEMPORARIES float32 images of it live; also after the activations.
-        working = max(working, UPDATE_TEMPORARIES * held[s].get("largest_composite", 0) * 4)
+        working = max(working, UPDATE_TEMPORARIES * held[s]["largest_composite"] * 4)
         # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
         # held each layer's all-gathered weights from its forward to the end of the step (+60 MiB per MoE
         # layer at the peak, from 2 to 3 layers), not one layer's at a time

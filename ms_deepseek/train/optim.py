@@ -19,6 +19,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Dict, List
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common import dtype as mstype
@@ -139,8 +140,6 @@ class AdamW(Optimizer):
     @property
     def in_graph(self) -> bool:
         """Whether the update compiles into a graph (read when it compiles: a constant there)."""
-        import mindspore as ms
-
         return ms.get_context("mode") == ms.GRAPH_MODE
 
     def _state(self, prefix: str) -> ParameterTuple:

@@ -29,26 +29,16 @@ N, ROWS, COLS, PLANTED = {n}, {rows}, {cols}, {planted}
 
 class Unchained(AdamW):
     # the composite as it was: nothing orders one parameter's update after another's
-    def construct(self, gradients):
-        lr = self.get_lr()
-        self.assignadd(self.global_step, self.global_step_increase_tensor)
-        t = self.global_step.astype(mstype.float32)
-        bc1 = 1.0 - ops.pow(self.beta1, t)
-        bc2 = 1.0 - ops.pow(self.beta2, t)
-        wd = self.get_weight_decay()
-        out = ()
-        for i in range(len(self._parameters)):
-            param, m, v = self._parameters[i], self.exp_avg[i], self.exp_avg_sq[i]
-            g = gradients[i].astype(mstype.float32)
-            p = param.astype(mstype.float32)
-            m_new = m * self.beta1 + g * (1.0 - self.beta1)
-            v_new = v * self.beta2 + g * g * (1.0 - self.beta2)
-            p_new = p * (1.0 - lr * wd[i]) - m_new / (ops.sqrt(v_new / bc2) + self.eps) * (lr / bc1)
-            p_new = ops.depend(p_new, ops.assign(m, m_new))
-            p_new = ops.depend(p_new, ops.assign(v, v_new))
-            ops.assign(param, p_new.astype(param.dtype))
-            out = out + (p_new.astype(param.dtype),)
-        return out
+    def _composite(self, param, m, v, grad, lr, wd, bc1, bc2):
+        g = grad.astype(mstype.float32)
+        p = param.astype(mstype.float32)
+        m_new = m * self.beta1 + g * (1.0 - self.beta1)
+        v_new = v * self.beta2 + g * g * (1.0 - self.beta2)
+        p_new = p * (1.0 - lr * wd) - m_new / (ops.sqrt(v_new / bc2) + self.eps) * (lr / bc1)
+        p_new = ops.depend(p_new, ops.assign(m, m_new))
+        p_new = ops.depend(p_new, ops.assign(v, v_new))
+        ops.assign(param, p_new.astype(param.dtype))
+        return p_new.astype(param.dtype)
 
 
 class Chain(nn.Cell):
