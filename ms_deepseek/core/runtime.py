@@ -62,6 +62,30 @@ def quiet_defaults(verbose: bool = False) -> None:
         os.environ.setdefault("GLOG_v", "3")
 
 
+# MindSpore copies a parameter at each read (a ``TensorMove`` of each ``Load``) when the graph reads it more than
+# once: the default of MS_DEV_SIDE_EFFECT_LOAD_ELIM ("1") copies every Load of a parameter whose ref key appears
+# in more than one Load (mindspore/ccsrc/pipeline/jit/ps/static_analysis/order_enforce.cc,
+# OrderEnforcer::GetSpecialLoads). The float32 update of weights stored in another dtype reads each weight a second
+# time (train/optim.py AdamW._composite), so every such weight was copied at the start of the step and the copy held
+# until the last backward: 1.15 GiB on v2-sft-64npu's rank 0 at 16 layers, ~7 GB at 60 (level 1, docs/planner.md).
+# "3" inserts none (OrderEnforcer::Run returns before GetNeedInsertLoads); MindFormers sets it for its large
+# models (its llama2-70b and telechat-115b instructions). It is exact for our step: a copy is needed only when a
+# value read before a write is used after it, and every read of a weight in the step precedes its update (the
+# forward and backward make the gradient the update needs; OrderEnforcer::HandleUpdateState orders a Load's users
+# before the next side effect on the parameter in every mode). tests/unit/train/test_weight_load_copies.py trains
+# the same steps in both modes, bitwise. "2" copies only where a node takes two reads of one parameter, but its
+# check (ReCheckUsersOfLoad) kept a tp 2 / pp 2 toy of 8 layers compiling past 7 minutes instead of ~75 s.
+LOAD_COPIES_ENV = "MS_DEV_SIDE_EFFECT_LOAD_ELIM"
+NO_LOAD_COPIES = "3"
+
+
+def skip_parameter_load_copies() -> str:
+    """Have MindSpore read parameters without copying them (``MS_DEV_SIDE_EFFECT_LOAD_ELIM=3``) unless the user set
+    the variable; returns the value in force. MindSpore reads it once per process, when it compiles its first
+    graph (a function-local static in ``OrderEnforcer::Run``): call this before that."""
+    return os.environ.setdefault(LOAD_COPIES_ENV, NO_LOAD_COPIES)
+
+
 # MindSpore's graph compiler refuses a graph whose function calls nest deeper than its recursion limit
 # (default 1000: "Exceed function call depth limit"). The training step's nesting grows with the decoder
 # layers, so with the default no model past ~16 layers compiled, on CPU or Ascend (a 20-layer tiny model

@@ -33,7 +33,7 @@ from ms_deepseek.checkpoint.tensors import restore_into
 from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.runtime import allow_graph_depth, detect_device, use_device
+from ms_deepseek.core.runtime import allow_graph_depth, detect_device, skip_parameter_load_copies, use_device
 from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
@@ -145,6 +145,7 @@ class Trainer:
         allow_changes: bool = False,
     ):
         self.started = time.time()
+        skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
         self.allow_changes = allow_changes
         self.recipe = recipe
         self.run_dir = Path(run_dir)
