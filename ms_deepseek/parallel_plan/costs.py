@@ -444,6 +444,20 @@ def head_backward_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> f
 UPDATE_TEMPORARIES = 4
 
 
+def embedding_reduce_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
+    """The embedding's all-reduced output kept per micro-batch, beyond the layers' activations.
+
+    A vocabulary split by tp makes each rank's embedding a partial sum, which MindSpore completes with an
+    AllReduce of the whole [n, H]. Under sequence parallelism the first layer takes its [n/tp, H] slice, and
+    MindSpore kept the whole AllReduce output from each micro-batch's forward to its backward: level 1 of
+    v2-sft-64npu's rank 0 held 8 of them, 40 MiB each ([4096, 5120] bfloat16), one per micro-batch in flight
+    (docs/planner.md). Without sequence parallelism the AllReduce output is the first layer's input, counted
+    with its activations."""
+    if not (parallel.sequence_parallel and parallel.tp > 1 and parallel.vocab_parallel):
+        return 0.0
+    return float(n * cfg.hidden_size * c)
+
+
 def in_flight(parallel: ParallelConfig, stage: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B."""
     if parallel.pp == 1:
@@ -502,6 +516,8 @@ def stage_memory(
         comm = 0.0
         if cfg.has_moe and parallel.ep > 1 and moe_layers:
             comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
+        if s == 0:
+            comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
         if s == parallel.pp - 1 and head_backward_bytes(cfg, parallel, w, c) >= working + comm:
             # the loss's backward is the peak; the all-to-all buffers are transients of the MoE layers, not
             # live then (level 1: no AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
