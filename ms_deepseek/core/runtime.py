@@ -70,11 +70,11 @@ def quiet_defaults(verbose: bool = False) -> None:
 # until the last backward: 1.15 GiB on v2-sft-64npu's rank 0 at 16 layers, ~7 GB at 60 (level 1, docs/planner.md).
 # "3" inserts none (OrderEnforcer::Run returns before GetNeedInsertLoads); MindFormers sets it for its large
 # models (its llama2-70b and telechat-115b instructions). It is exact for our step: a copy is needed only when a
-# value read before a write is used after it, and every read of a weight in the step precedes its update (the
-# forward and backward make the gradient the update needs; OrderEnforcer::HandleUpdateState orders a Load's users
-# before the next side effect on the parameter in every mode). tests/unit/train/test_weight_load_copies.py trains
-# the same steps in both modes, bitwise. "2" copies only where a node takes two reads of one parameter, but its
-# check (ReCheckUsersOfLoad) kept a tp 2 / pp 2 toy of 8 layers compiling past 7 minutes instead of ~75 s.
+# value read before a write is used after it, and every read of a weight in the step precedes its update
+# (OrderEnforcer::HandleUpdateState orders a Load's users before the next side effect on the parameter, in every
+# mode). tests/unit/train/test_weight_load_copies.py runs the pipeline step and the trainer in both modes: bit for
+# bit the same. "2" copies only where one node takes two reads of a parameter, but its check (ReCheckUsersOfLoad)
+# kept a tp 2 / pp 2 toy of 8 layers compiling at level 1 past 7 CPU-minutes, where the default took 105 s.
 LOAD_COPIES_ENV = "MS_DEV_SIDE_EFFECT_LOAD_ELIM"
 NO_LOAD_COPIES = "3"
 
