@@ -27,12 +27,17 @@ import textwrap
 import numpy as np
 from safetensors.numpy import load_file
 
+from ms_deepseek.core.runtime import LOAD_COPIES_ENV
+from ms_deepseek.diagnostics.compile_check import ir_dump_env
+
 from builders import SMALL_MODEL, write_recipe
+
+FLOAT16_MODEL = dict(SMALL_MODEL, param_dtype="float16", compute_dtype="float16")
 
 
 def _recipe(tmp_path):
     data = {
-        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL, param_dtype="float16", compute_dtype="float16")},
+        "model": {"source": "tiny", "overrides": FLOAT16_MODEL},
         "data": {"seq_len": 32, "embedded_vocab_size": 512},
         "train": {"steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "seed": 5, "mode": "graph"},
         "optim": {"lr": 2e-3, "warmup_steps": 1, "weight_decay": 0.1},
@@ -43,13 +48,12 @@ def _recipe(tmp_path):
 
 
 def _ir_env(ir_dir, load_copies):
-    """Dump the graph MindSpore runs (after its ``validate`` pass); ``load_copies``: its copy mode, None for ours."""
-    env = dict(
-        os.environ, MS_DEV_SAVE_GRAPHS="1", MS_DEV_DUMP_IR_PASSES="validate", MS_DEV_SAVE_GRAPHS_PATH=str(ir_dir)
-    )
-    env.pop("MS_DEV_SIDE_EFFECT_LOAD_ELIM", None)
+    """Dump the graph MindSpore runs (the compile check's ``validate`` dump); ``load_copies``: MindSpore's copy
+    mode, None for ours (what the code under test sets)."""
+    env = dict(os.environ, **ir_dump_env(ir_dir))
+    env.pop(LOAD_COPIES_ENV, None)
     if load_copies is not None:
-        env["MS_DEV_SIDE_EFFECT_LOAD_ELIM"] = load_copies
+        env[LOAD_COPIES_ENV] = load_copies
     return env
 
 
@@ -61,6 +65,7 @@ def _copies_in_largest_graph(ir_dir):
 
 
 _PIPELINE_STEP = """
+import json
 import sys
 import mindspore as ms
 import numpy as np
@@ -75,15 +80,11 @@ from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 from ms_deepseek.train.optim import build_optimizer
 from ms_deepseek.train.step import build_step
 
-out, ours = sys.argv[1], sys.argv[2] == "ours"
+out, ours, model_overrides = sys.argv[1], sys.argv[2] == "ours", json.loads(sys.argv[3])
 if ours:
     skip_parameter_load_copies()
 ms.set_context(mode=ms.GRAPH_MODE)
-cfg = get_preset(
-    "tiny", vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=8, param_dtype="float16", compute_dtype="float16",
-)
+cfg = get_preset("tiny", **model_overrides)
 ms.set_seed(0)
 model = DeepseekV2ForCausalLM(cfg)
 optimizer = build_optimizer(model.trainable_params(), OptimSection(lr=1e-2, schedule="constant", weight_decay=0.1), 10)
@@ -111,7 +112,7 @@ def _pipeline_step(tmp_path, name, load_copies=None):
     script.write_text(textwrap.dedent(_PIPELINE_STEP))
     out = tmp_path / f"{name}.npz"
     ir_dir = tmp_path / f"ir_{name}"
-    cmd = [sys.executable, str(script), str(out), "default" if load_copies else "ours"]
+    cmd = [sys.executable, str(script), str(out), "default" if load_copies else "ours", json.dumps(FLOAT16_MODEL)]
     done = subprocess.run(cmd, env=_ir_env(ir_dir, load_copies), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return dict(np.load(out)), _copies_in_largest_graph(ir_dir)
