@@ -7,10 +7,11 @@ stacked in order.
 * :class:`StepOutputs` runs the model on one micro-batch and returns one float32 vector
   ``[total, loss, aux_loss, moe_stats.flatten()] / k`` (``loss`` the LM cross-entropy,
   ``aux_loss`` the balance losses already times their alphas, ``total`` their sum).
-* With ``k > 1`` it is wrapped in ``mindspore.parallel.nn.GradAccumulation`` (micro-batch
-  ``i`` = rows ``[i*b, (i+1)*b)``, outputs and gradients summed over micro-batches: the
-  MindSpore construct that semi-auto parallel compiles into accumulation on Ascend);
-  with pipeline parallelism the trainer wraps it in ``Pipeline`` instead.
+* With ``k > 1`` (micro-batch ``i`` = rows ``[i*b, (i+1)*b)``, outputs and gradients summed
+  over micro-batches) it is wrapped in ``mindspore.parallel.nn.GradAccumulation`` in a sharded
+  layout (the construct semi-auto parallel compiles into accumulation on Ascend), in
+  :class:`OrderedAccumulation` otherwise (one micro-batch's activations at a time); with
+  pipeline parallelism the trainer wraps it in ``Pipeline`` instead.
 * The gradient is taken of ``total`` alone (sensitivity ``[loss_scale, 0, 0, ...]``), so
   ``k`` micro-batches of ``b`` give the same update as one batch of ``k * b``.
 * :class:`Update`: all-reduce (mean) across data-parallel workers when a reducer is
@@ -67,6 +68,44 @@ class StepOutputs(nn.Cell):
         if self.has_stats:
             head = ops.concat((head, stats.reshape(-1).astype(mstype.float32)))  # [3 + L_moe * (E + 4)]
         return head * self.inv_accum
+
+
+class OrderedAccumulation(nn.Cell):
+    """``k`` micro-batches' summed outputs and gradients, each micro-batch's forward after the previous
+    one's backward: one micro-batch's activations alive at a time.
+
+    For accumulation without MindSpore's accumulation pass (one NPU, plain data parallel, CPU), where
+    ``GradAccumulation`` is only the unrolled sum of the forwards and the gradient of that sum leaves
+    MindSpore's scheduler free to interleave micro-batches: at level 1 of ``v2-lite-lora-1npu`` (2
+    micro-steps) both micro-steps' loss backwards ran together, two [n, V] float32 ``Exp``, ``Tile``
+    and ``GatherD`` gradients at once. Here each micro-batch's outputs and gradient come from one
+    ``value_and_grad`` (one forward) and its input waits (``ops.depend``) on the previous micro-batch's
+    gradients. Micro-batch ``i`` is rows ``[i*b, (i+1)*b)``, as ``GradAccumulation`` splits them."""
+
+    def __init__(self, net: nn.Cell, weights: ParameterTuple, accum_steps: int):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.weights = weights
+        self.accum_steps = accum_steps
+
+    def construct(self, input_ids, labels, sens):
+        b = input_ids.shape[0] // self.accum_steps
+        outputs = None
+        grads = None
+        for i in range(self.accum_steps):
+            ids = input_ids[i * b : (i + 1) * b]  # [b, T]
+            lab = labels[i * b : (i + 1) * b]
+            if grads is not None:
+                ids = ops.depend(ids, grads)  # after the previous micro-batch's whole backward
+            # one forward for the outputs and the gradient: a separate call was not merged with the
+            # gradient's forward (level 1 of v2-lite-lora-1npu: 2k sets of dropout masks, not k)
+            out, g = ms.value_and_grad(self.net, None, self.weights, sens_param=True)(ids, lab, sens)
+            if grads is None:
+                outputs, grads = out, g
+            else:
+                outputs = outputs + out
+                grads = tuple(a + c for a, c in zip(grads, g))
+        return outputs, grads
 
 
 # The marker MindSpore's parallel pass looks for (frontend/parallel/step_parallel.cc,
@@ -263,9 +302,11 @@ class TrainStep(nn.Cell):
         width: int,
         pipeline: Optional[PipelineGrads] = None,
         n_update: Optional[int] = None,
+        ordered: bool = False,
     ):
         super().__init__(auto_prefix=False)
         self.net = net
+        self.ordered = ordered  # net is an OrderedAccumulation: it returns outputs and gradients
         self.weights = weights
         # gradients of weights[:n_update] reach the optimizer; the rest only anchor the graph (build_step)
         self.n_update = len(weights) if n_update is None else n_update
@@ -277,9 +318,12 @@ class TrainStep(nn.Cell):
         self.onehot = Tensor(onehot)
 
     def construct(self, input_ids, labels):
-        outputs = self.net(input_ids, labels)
         sens = self.onehot * self.update.loss_scale
-        grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
+        if self.ordered:
+            outputs, grads = self.net(input_ids, labels, sens)
+        else:
+            outputs = self.net(input_ids, labels)
+            grads = self.grad(self.net, self.weights)(input_ids, labels, sens)
         if self.pipeline is not None:  # the micro-batches' sum, accumulated by MindSpore's pipeline pass
             grads = self.pipeline(grads, self.update.loss_scale)
         grads = grads[: self.n_update]
@@ -316,12 +360,16 @@ def build_step(
     # `accu_grads` when use _MicroStepAllGather"; MindSpore's own _TrainGradAccuStepCell defines them)
     pipeline = parallel.pp > 1 or (parallel.uses_semi_auto and accum_steps > 1)
     net = StepOutputs(model, accum_steps, num_moe_layers)
+    ordered = False
     if wrap_net is not None:
         net = wrap_net(net)
-    elif accum_steps > 1:
+    elif accum_steps > 1 and pipeline:
+        # sharded: MindSpore's accumulation pass orders the micro-batches (and needs this construct)
         from mindspore.parallel.nn import GradAccumulation
 
         net = GradAccumulation(net, accum_steps)
+    elif accum_steps > 1:
+        ordered = True  # the weights are known below; OrderedAccumulation wraps net there
     scale = Parameter(
         Tensor(train.loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
         name="loss_scale",
@@ -352,6 +400,8 @@ def build_step(
         embedding.requires_grad = True
         weights = ParameterTuple(tuple(weights) + (embedding,))
     grads = PipelineGrads(weights, parallel.optimizer_shard) if pipeline else None
+    if ordered:
+        net = OrderedAccumulation(net, weights, accum_steps)
     step = TrainStep(
         net,
         weights,
@@ -359,5 +409,6 @@ def build_step(
         output_width(num_moe_layers, num_experts),
         pipeline=grads,
         n_update=len(optimizer.parameters),
+        ordered=ordered,
     )
     return step, update
