@@ -418,7 +418,9 @@ def _lora(args, section):
     else:
         targets = tuple(section.target_modules) if section is not None else DEFAULT_TARGETS
     train_router = args.train_router or bool(section is not None and section.train_router)
-    return LoraSpec(r=int(r), target_modules=list(targets), train_router=train_router)
+    # the section's dropout sizes activations too (costs.lora_dropout_bytes); --lora-r alone: none
+    dropout = section.dropout if section is not None else 0.0
+    return LoraSpec(r=int(r), dropout=dropout, target_modules=list(targets), train_router=train_router)
 
 
 def _quant(args, section, lora):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.config.dispatch_shapes import dispatch_buffers
-from ms_deepseek.config.lora import LoraSpec
+from ms_deepseek.config.lora import LoraSpec, targeted
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec, is_quantized
 from ms_deepseek.core.dtypes import itemsize
@@ -241,6 +241,7 @@ def param_bytes(
         slot["params"] += local
         if quant is not None and not info.trainable and is_quantized(info):
             _quantized_bytes(slot, info, layout, local, quant)
+            slot["dequantized"] = slot.get("dequantized", 0.0) + local * precision.compute_bytes
             continue
         slot["weights"] += local * size / group
         if not info.trainable and info.name.startswith("model.embed_tokens"):
@@ -356,6 +357,59 @@ def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
     return max(forward, backward)
 
 
+def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False) -> float:
+    """Bytes the LoRA dropout adds to what :func:`layer_activation_bytes` keeps of layer ``i``, for one
+    micro-batch on one NPU, without recompute (``masks_only``: under recompute, see below).
+
+    On the NPU each adapter's dropout is MindSpore's ``nn.Dropout`` (``train/lora_run.py``): a
+    ``DropoutGenMask`` bit mask (one bit per element) and a ``DropoutDoMask`` output in the compute dtype,
+    both kept for the backward (``lora_A``'s gradient reads the dropped input). Projections that share an
+    input each drop it with their own mask, so a shared input is kept once per adapted projection; the
+    frozen base needs no copy of its own (its weight takes no gradient). The layer's count already holds
+    each input once, so each group adds its adapted projections' masks and its copies beyond the first.
+    MindSpore's level-1 dump of ``v2-lite-lora-8npu`` (3 layers against 2, one MoE layer more): 7
+    ``DropoutDoMask`` outputs, 568 MiB, and 7 ``DropoutGenMask`` masks, 35.5 MiB, kept at the peak.
+
+    Under recompute MindSpore replays the ``DropoutDoMask`` but never the mask (``recompute_helper.cc``
+    ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks: level 1 of
+    ``v2-qlora-8npu`` (full recompute, 4 layers against 3), 8 masks, 83.2 MiB, one layer more.
+    """
+    lora = w.lora
+    if lora is None or lora.dropout <= 0:
+        return 0.0
+    n = w.micro_batch_size * w.seq_len
+    t = parallel.tp
+    H = cfg.hidden_size
+    layer = f"model.layers.{i}"
+    q = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
+    # groups of projections that read one input: (module paths, elements of that input on one NPU)
+    groups = [
+        ([f"{layer}.self_attn.{q}", f"{layer}.self_attn.kv_a_proj_with_mqa"], n * H),
+        ([f"{layer}.self_attn.kv_b_proj"], n * cfg.kv_lora_rank),
+        ([f"{layer}.self_attn.o_proj"], n * cfg.num_attention_heads * cfg.v_head_dim / t),
+    ]
+    if cfg.q_lora_rank is not None:
+        groups.append(([f"{layer}.self_attn.q_b_proj"], n * cfg.q_lora_rank))
+    mlp = f"{layer}.mlp"
+    if cfg.is_moe_layer(i):
+        rows = _expert_rows(cfg, parallel, n)
+        groups.append(([f"{mlp}.experts.gate_proj", f"{mlp}.experts.up_proj"], rows * H))
+        groups.append(([f"{mlp}.experts.down_proj"], moe_buffers(cfg, parallel, n)["expert_hidden"]))
+        if cfg.n_shared_experts:
+            shared = f"{mlp}.shared_experts"
+            groups.append(([f"{shared}.gate_proj", f"{shared}.up_proj"], n * H))
+            groups.append(([f"{shared}.down_proj"], n * cfg.moe_intermediate_size * cfg.n_shared_experts / t))
+    else:
+        groups.append(([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H))
+        groups.append(([f"{mlp}.down_proj"], n * cfg.intermediate_size / t))
+    extra = 0.0
+    for modules, elements in groups:
+        adapted = sum(1 for m in modules if targeted(m, lora.target_modules))
+        if adapted:
+            extra += adapted * elements / 8 + (0 if masks_only else (adapted - 1) * elements * c)
+    return extra
+
+
 def layer_activation_bytes(
     cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str, training: bool = True
 ) -> float:
@@ -368,7 +422,8 @@ def layer_activation_bytes(
     if policy == "full":
         # the layer input; when the recomputed segments are the layer's sub-cells (under a pipeline:
         # parallel_apply.apply.recompute_segments) the residual sum after attention is kept too
-        return (2 if parallel.recompute_sub_cells else 1) * n * H * c / sp
+        kept = (2 if parallel.recompute_sub_cells else 1) * n * H * c / sp
+        return kept + (lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) if training else 0.0)
     nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
     a = norm(H, sp) * 2  # input_layernorm, post_attention_layernorm
@@ -395,6 +450,8 @@ def layer_activation_bytes(
             a += 4 * n * c * I * cfg.n_shared_experts / t
     else:
         a += 4 * n * c * cfg.intermediate_size / t
+    if training:
+        a += lora_dropout_bytes(cfg, i, parallel, w, c)
     return a
 
 
@@ -465,21 +522,6 @@ def in_flight(parallel: ParallelConfig, stage: int) -> int:
     return min(parallel.pp - stage, parallel.micro_batches)
 
 
-def unordered_micro_batches(parallel: ParallelConfig, w: Workload) -> int:
-    """Micro-batches whose kept activations may be alive together when nothing orders the accumulation.
-
-    In a sharded layout (semi-auto parallel) MindSpore's accumulation pass runs each micro-batch's
-    forward and backward in turn (one loss ``Exp`` at the peak of v2-lite-sft-8npu), and pipelines are
-    1F1B (:func:`in_flight`). On one NPU or in plain data parallel the step's ``GradAccumulation`` is the
-    unrolled sum alone and MindSpore's scheduler decides: at level 1 it held the loss's [n, V] float32
-    ``Exp`` and ``GatherD`` gradient of 1 of 2 micro-batches (v2-lite-lora-1npu, 4096 tokens), 3 of 4
-    (the same), 2 of 2 (v2-lite-qlora-1npu, 16384 tokens). Counted: all ``k`` (the bound; over by one
-    micro-batch where MindSpore kept one fewer)."""
-    if parallel.pp > 1 or parallel.uses_semi_auto:
-        return 1
-    return max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
-
-
 def comm_groups(parallel: ParallelConfig) -> int:
     groups = 1  # world
     groups += parallel.tp > 1
@@ -504,8 +546,8 @@ def stage_memory(
     for s in range(parallel.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
         kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
-        if s == parallel.pp - 1:
-            kept += head_activation_bytes(cfg, parallel, w, c)
+        head_kept = head_activation_bytes(cfg, parallel, w, c) if s == parallel.pp - 1 else 0.0
+        kept += head_kept
         full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
         working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
         if parallel.recompute != "none":
@@ -518,22 +560,37 @@ def stage_memory(
             comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
         if s == 0:
             comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
-        if s == parallel.pp - 1 and head_backward_bytes(cfg, parallel, w, c) >= working + comm:
-            # the loss's backward is the peak; the all-to-all buffers are transients of the MoE layers, not
-            # live then (level 1: no AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
-            working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
-        gradients = held[s]["gradients"]
+        # micro-batches accumulate in order: the pipeline's 1F1B, MindSpore's accumulation pass in a sharded
+        # layout, train/step.py OrderedAccumulation otherwise (one micro-batch's activations at a time)
+        activations = kept * in_flight(parallel, s)
         k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
+        if parallel.pp == 1 and not parallel.uses_semi_auto and k > 1:
+            # OrderedAccumulation: a DropoutGenMask takes only a shape, so MindSpore generates every micro-batch's
+            # LoRA masks at the step's start and holds each until its micro-batch (level 1 of v2-lite-lora-1npu,
+            # 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
+            activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
+            # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
+            # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches:
+            # +1136 MiB of Casts per layer, the layer's 585M quantized elements in bfloat16)
+            activations += (k - 1) * held[s].get("dequantized", 0.0)
+        if s == parallel.pp - 1:
+            # The loss's backward runs before any layer's and consumes what the loss kept, so the stage peaks
+            # either there (the loss's kept tensors and its backward) or in a layer's backward (without them).
+            if head_kept + head_backward_bytes(cfg, parallel, w, c) >= working + comm:
+                # the all-to-all buffers are transients of the MoE layers, not live then (level 1: no
+                # AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
+                working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
+            else:
+                # one micro-batch's loss tensors freed (level 1 of v2-qlora-8npu, 4 layers: the [n, V] Exp
+                # gone when the last layer's recomputed backward peaks at 10.58 GiB)
+                activations -= head_kept
+        gradients = held[s]["gradients"]
         if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("frozen_embedding"):
             # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
             # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
             # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
             gradients += held[s]["frozen_embedding"]
         dequant = held[s].get("dequant", 0.0)
-        unordered = unordered_micro_batches(parallel, w)
-        if s == parallel.pp - 1 and unordered > 1:
-            # and as many [n, V/tp] float32 GatherD gradients beside the one the loss's backward counts
-            working += (unordered - 1) * n * cfg.vocab_size / vocab_split(parallel) * 4
         # Clipping: the global norm's square sums run one gradient at a time with float32
         # accumulation (train/step.py), at most a float32 image of the largest local gradient;
         # activations are freed by then, so it competes with the working set, not with them.
@@ -544,12 +601,10 @@ def stage_memory(
         # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
         # held each layer's all-gathered weights from its forward to the end of the step (+60 MiB per MoE
         # layer at the peak, from 2 to 3 layers), not one layer's at a time
-        copies = held[s]["copies"]
-        casts = held[s].get("casts", 0.0)  # compute-dtype casts of wider, not gathered, weights
-        if parallel.recompute == "full" and layers:
-            working += casts / max(1, len(layers))  # one layer's casts, recast when recomputed
-        else:
-            copies += casts
+        # and every layer's compute-dtype casts of wider, not gathered, weights, also under full recompute: a
+        # Cast of a Parameter is never recomputed (MindSpore's step_parallel_utils.cc
+        # SetCastForParamNotRecompute); level 1 of v2-lite-sft-8npu kept 3 expert casts, 132 MiB, per MoE layer
+        copies = held[s]["copies"] + held[s].get("casts", 0.0)
         hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024**2
         mem = StageMemory(
             stage=s,
@@ -558,7 +613,7 @@ def stage_memory(
             weight_copies=copies,
             gradients=gradients,
             optimizer=held[s]["optimizer"],
-            activations=kept * in_flight(parallel, s) * unordered,
+            activations=activations,
             working_set=working,
             comm_buffers=comm,
             hccl_buffers=hccl,

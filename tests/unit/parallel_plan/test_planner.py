@@ -624,3 +624,25 @@ def test_the_embeddings_whole_all_reduce_is_kept_per_micro_batch_under_sequence_
     # a whole vocabulary is gathered locally: no all-reduce
     whole = ParallelConfig(tp=2, pp=2, micro_batches=8, sequence_parallel=True, vocab_parallel=False)
     assert estimate(cfg, whole, w, Precision(compute_bytes=2)).stages[0].comm_buffers == comm[False][0]
+
+
+def test_the_last_stage_peaks_with_the_loss_or_in_a_layer_not_both():
+    """The loss's backward runs first and consumes the loss's kept tensors: the last stage peaks either
+    there (loss kept + its backward) or in a recomputed layer's backward without them (level 1 of
+    v2-qlora-8npu, 4 layers: the [n, V] Exp gone at the last layer's backward peak)."""
+    from ms_deepseek.parallel_plan.costs import head_activation_bytes, head_backward_bytes, layer_activation_bytes
+
+    w = Workload(seq_len=64, global_batch_size=1, micro_batch_size=1)
+    par = ParallelConfig(recompute="full")
+    prec = Precision(compute_bytes=2)
+    for vocab, loss_peaks in ((100, False), (200000, True)):
+        cfg = get_preset("tiny").replace(num_hidden_layers=2, vocab_size=vocab)
+        stage = estimate(cfg, par, w, prec).stages[0]
+        layers = sum(layer_activation_bytes(cfg, i, par, w, 2, "full") for i in range(2))
+        head = head_activation_bytes(cfg, par, w, 2)
+        if loss_peaks:
+            assert stage.activations == pytest.approx(layers + head)
+            assert stage.working_set >= head_backward_bytes(cfg, par, w, 2) and stage.comm_buffers == 0
+        else:
+            assert stage.activations == pytest.approx(layers)
+            assert head + head_backward_bytes(cfg, par, w, 2) < stage.working_set + stage.comm_buffers

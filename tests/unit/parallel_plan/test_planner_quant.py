@@ -60,7 +60,7 @@ def test_int8_per_channel_bytes_by_hand():
     # the largest weight dequantised to float32: the stacked routed gate_proj [8, 128, 192]
     assert held["dequant"] == 4 * 8 * 128 * 192
     # the quantized weights keep no cast copy; the fp32 adapters keep their bf16 casts (``casts``: not gathered,
-    # recast one layer at a time under full recompute)
+    # held from each layer's forward to its backward, also under full recompute)
     assert held["casts"] == 2 * ADAPTERS_F32 and held["copies"] == 0
 
 
@@ -99,6 +99,22 @@ def test_estimate_totals_include_scales_and_workspace():
         (q.weights - p.weights) + q.scales + q.dequant_workspace + (q.weight_copies - p.weight_copies)
     )
     assert q.weights < p.weights
+
+
+def test_ordered_accumulation_holds_each_later_micro_batchs_unpacked_base():
+    """Without MindSpore's accumulation pass (train/step.py OrderedAccumulation) the unpacking of a quantized
+    base reads only Parameters, so MindSpore runs each later micro-batch's at the step's start: one
+    compute-dtype image of every quantized weight per micro-batch after the first (level 1 of
+    v2-lite-qlora-1npu at 2 micro-batches). A sharded layout's accumulation pass does not hoist it."""
+    quant = QuantSpec(bits=4, group_size=32)
+    assert _held(quant)["dequantized"] == 2 * sum(_numel(s) for s in QUANTIZED)  # bfloat16 images
+    for par, images in ((ParallelConfig(), 2), (ParallelConfig(dp=2, ep=2), 0)):
+        held = _held(quant, par)["dequantized"]
+        acts = [
+            estimate(CFG, par, Workload(seq_len=64, global_batch_size=k * par.dp, lora=LORA, quant=quant)).worst
+            for k in (1, 3)
+        ]
+        assert acts[1].activations - acts[0].activations == pytest.approx(images * held)
 
 
 def test_quant_needs_lora_and_a_dividing_group():
