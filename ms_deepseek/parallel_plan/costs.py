@@ -550,14 +550,20 @@ def stage_memory(
         kept += head_kept
         full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
         working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
-        if parallel.recompute != "none":
-            working += max(full)  # the layer being recomputed
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
-        if moe_layers:
-            working += moe_transient_bytes(cfg, parallel, n, c)
+        transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
         comm = 0.0
-        if cfg.has_moe and parallel.ep > 1 and moe_layers:
-            comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
+        if parallel.recompute != "none":
+            # the layer being recomputed and its dispatch's temporaries; no all-to-all buffers beside them: the
+            # transients hold the exchange's two [E, C, H] gradients (level 1 of v2-pretrain-256npu, stage 0: no
+            # AlltoAll output alive at the MoE layer's backward). The sum is an upper bound there (1.8 GiB
+            # measured at that moment); it is kept because tp-split stages hold more than the planner models
+            # (v2-sft-64npu: StridedSliceGrad outputs at the global head count, docs/planner.md)
+            working += max(full) + transient
+        else:
+            working += transient
+            if cfg.has_moe and parallel.ep > 1 and moe_layers:
+                comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
         if s == 0:
             comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
         # micro-batches accumulate in order: the pipeline's 1F1B, MindSpore's accumulation pass in a sharded

@@ -646,3 +646,20 @@ def test_the_last_stage_peaks_with_the_loss_or_in_a_layer_not_both():
         else:
             assert stage.activations == pytest.approx(layers)
             assert head + head_backward_bytes(cfg, par, w, 2) < stage.working_set + stage.comm_buffers
+
+
+def test_all_to_all_buffers_are_counted_without_recompute_only():
+    """A recomputed MoE layer's working set holds the exchange's two [E, C, H] gradients among its dispatch
+    transients; no AlltoAll output was alive beside them at the MoE layer's backward (level 1 of
+    v2-pretrain-256npu, stage 0). Without recompute the forward's send and receive buffers are counted."""
+    from ms_deepseek.parallel_plan.costs import moe_buffers
+
+    cfg = get_preset("tiny").replace(num_hidden_layers=4)
+    w = Workload(seq_len=64, global_batch_size=4, micro_batch_size=1)
+    prec = Precision(compute_bytes=2)
+    comm = {}
+    for policy in ("none", "full"):
+        par = ParallelConfig(dp=2, ep=2, pp=2, micro_batches=2, recompute=policy)
+        comm[policy] = estimate(cfg, par, w, prec).stages[0].comm_buffers
+    assert comm["full"] == 0.0
+    assert comm["none"] == pytest.approx(2 * moe_buffers(cfg, par, 64)["expert_input"] * 2)
