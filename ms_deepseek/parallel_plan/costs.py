@@ -224,6 +224,7 @@ def param_bytes(
             largest_composite=0,  # elements of the largest non-float32 optimizer shard (the composite update)
             scales=0.0,
             dequant=0.0,
+            dequantized=0.0,  # every quantized weight in the compute dtype (the unpacked images)
         )
         for _ in range(parallel.pp)
     ]
@@ -241,7 +242,7 @@ def param_bytes(
         slot["params"] += local
         if quant is not None and not info.trainable and is_quantized(info):
             _quantized_bytes(slot, info, layout, local, quant)
-            slot["dequantized"] = slot.get("dequantized", 0.0) + local * precision.compute_bytes
+            slot["dequantized"] += local * precision.compute_bytes
             continue
         slot["weights"] += local * size / group
         if not info.trainable and info.name.startswith("model.embed_tokens"):
@@ -570,8 +571,8 @@ def stage_memory(
         # layout, train/step.py OrderedAccumulation otherwise (one micro-batch's activations at a time)
         activations = kept * in_flight(parallel, s)
         k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
-        if parallel.pp == 1 and not parallel.uses_semi_auto and k > 1:
-            # OrderedAccumulation: a DropoutGenMask takes only a shape, so MindSpore generates every micro-batch's
+        if not parallel.uses_semi_auto and k > 1:
+            # OrderedAccumulation (train/step.py build_step: no accumulation pass without semi-auto): a DropoutGenMask takes only a shape, so MindSpore generates every micro-batch's
             # LoRA masks at the step's start and holds each until its micro-batch (level 1 of v2-lite-lora-1npu,
             # 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
             activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)

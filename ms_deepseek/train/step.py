@@ -302,11 +302,10 @@ class TrainStep(nn.Cell):
         width: int,
         pipeline: Optional[PipelineGrads] = None,
         n_update: Optional[int] = None,
-        ordered: bool = False,
     ):
         super().__init__(auto_prefix=False)
         self.net = net
-        self.ordered = ordered  # net is an OrderedAccumulation: it returns outputs and gradients
+        self.ordered = isinstance(net, OrderedAccumulation)  # it returns the outputs and the gradients
         self.weights = weights
         # gradients of weights[:n_update] reach the optimizer; the rest only anchor the graph (build_step)
         self.n_update = len(weights) if n_update is None else n_update
@@ -409,6 +408,5 @@ def build_step(
         output_width(num_moe_layers, num_experts),
         pipeline=grads,
         n_update=len(optimizer.parameters),
-        ordered=ordered,
     )
     return step, update
