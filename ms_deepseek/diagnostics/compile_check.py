@@ -217,6 +217,55 @@ def large_constants(path: Path, limit_mb: float = LARGE_CONSTANT_MB) -> List[Dic
     return sorted(out, key=lambda c: -c["mb"])
 
 
+@dataclass(frozen=True)
+class HeadShape:
+    """What a per-head attention tensor looks like in the compiled graph: ``heads`` attention heads over
+    ``tp`` ranks, ``tokens`` per sequence, and the head sizes the attention slices and pads to."""
+
+    heads: int
+    tp: int
+    tokens: int
+    head_dims: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, cfg, tp: int, tokens: int) -> "HeadShape":
+        nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        dims = {nope, rope, v, nope + rope, nope + v, max(nope + rope, v), tokens}  # + tokens: scores [B, nh, T, S]
+        return cls(cfg.num_attention_heads, tp, tokens, tuple(sorted(dims)))
+
+
+def gathered_heads(path: Path, shape: HeadShape, limit: int = 5) -> List[Dict[str, object]]:
+    """Operators of the attention (scope ``MLAttention``) whose output holds all heads although the plan splits
+    them by tp: [.., nh, T, d] or [.., T, nh, d] with the global head count next to the tokens and a head size
+    (or the key length) after them. MindSpore compiles this when an operation on a per-head tensor has no
+    strategy under ``semi_auto`` (its default splits the first axis only: ``model/mla.py``); every rank then
+    gathers the heads, computes them all, and the gradients come back at the global shape. Reads the IR the
+    way :func:`communication_from_ir` does: an operator line, then its ``: (inputs) -> (output)`` line, then
+    ``# Fullname with scope``."""
+    if shape.tp <= 1:
+        return []
+    nh, t = shape.heads, shape.tokens
+    found: List[Dict[str, object]] = []
+    lines = path.read_text(errors="replace").splitlines()
+    op = re.compile(r"= ([A-Za-z_]\w*)\(")
+    for i, line in enumerate(lines[:-2]):
+        m = op.search(line)
+        if not m or "MLAttention" not in lines[i + 2]:
+            continue
+        out = re.search(r"-> \(<Tensor\[\w+\], \(([\d, ]*)\)>\)", lines[i + 1])
+        if not out:
+            continue
+        dims = [int(d) for d in out.group(1).split(",") if d.strip()]
+        for a in range(len(dims) - 2):
+            if {dims[a], dims[a + 1]} == {nh, t} and nh != t and dims[a + 2] in shape.head_dims:
+                scope = re.search(r"\(([^()]*)\)\s*$", lines[i + 2])
+                found.append({"op": m.group(1), "shape": dims, "scope": scope.group(1) if scope else ""})
+                break
+        if len(found) >= limit:
+            break
+    return found
+
+
 def global_norm_reduced(path: Path) -> bool:
     """Whether MindSpore completed the gradient norm across the ranks holding different slices: its
     parallel pass inserts an AllReduce named ``PARALLEL_GLOBALNORM_IN_STAGES`` between the marked square
@@ -313,10 +362,12 @@ def run_rank(
     eval_graph: bool = True,
     timeout: float = WORKER_TIMEOUT_S,
     memory: bool = False,
+    heads: Optional[HeadShape] = None,
 ) -> RankResult:
     """Compile one rank in its own process; its folder under ``work`` holds request, log and result. With
     ``memory`` the process runs at ``MS_SIMULATION_LEVEL=1``: the step runs once without kernels and
-    ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`)."""
+    ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`).
+    ``heads``: the attention's per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`)."""
     folder = work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
@@ -386,6 +437,19 @@ def run_rank(
                 ),
                 where="",
             )
+        gathered = gathered_heads(path, heads) if heads is not None else []
+        if gathered and result.graphs[name].get("ok"):
+            g = gathered[0]
+            result.graphs[name].update(
+                ok=False,
+                gathered_heads=gathered,
+                error=(
+                    f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
+                    f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
+                    "tensor without the plan's strategy; name it and give it one: model/mla.py)"
+                ),
+                where="",
+            )
         if name == "train" and world > 1:
             result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)
     shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept
@@ -451,7 +515,8 @@ def compile_recipe(
     # accumulates) is one UserError line before any compile, not the same line from every worker
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
-    load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
+    compiled_recipe = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
+    heads = HeadShape.of(compiled_recipe.model_config, par.tp, compiled_recipe.data.seq_len)
     _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()), level=1 if memory else 0)
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(work)
@@ -463,7 +528,9 @@ def compile_recipe(
                     f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
                     f"{reduction.describe()} ..."
                 )
-            results.append(run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory))
+            results.append(
+                run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory, heads=heads)
+            )
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
             shutil.rmtree(work, ignore_errors=True)  # kept when something failed: the logs are there

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -154,9 +154,15 @@ class CompileOnlyTrainer(Trainer):
             cc.compiled_layouts(self.step_cell), self._layout(), self.rank, self.par.optimizer_shard
         )
         self.strategies_compared = cc.check_compiled_strategies(
-            cc.compiled_strategies(self.step_cell), cc.planned_primitives(self.model, self.applied.strategies)
+            cc.compiled_strategies(self.step_cell),
+            cc.planned_primitives(self.model, self.applied.strategies, self.applied.stage_of_cell, self._stage()),
         )
         return compared, self.strategies_compared
+
+    def _stage(self) -> Optional[int]:
+        from ms_deepseek.parallel_plan.ranks import stage_of_rank
+
+        return stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None
 
     def run_step(self) -> None:
         """Call the compiled step once (``MS_SIMULATION_LEVEL=1``: no kernels run; MindSpore's memory pool

@@ -8,7 +8,10 @@ Shapes (B batch, T query length, S key length, nh heads):
 Primitives (for the parallel plan): ``qk_bmm`` (q @ k^T), ``pv_bmm`` (probs @ v),
 ``softmax`` (FP32Softmax op), plus the Linear cells' ``matmul``; with
 ``use_flash_attention`` (Ascend only) the causal full-sequence path is one
-``flash_attention`` (FlashAttentionScore) primitive instead, the same math fused.
+``flash_attention`` (FlashAttentionScore) primitive instead, the same math fused. Every other
+operation on a per-head tensor is a primitive attribute too (``to_heads``, ``head_slice``,
+``head_concat``, ..., and the two ``RotaryApply`` cells), so that the plan splits it by heads: see
+``MLAttention.__init__``.
 
 One class serves training, prefill and decoding: ``construct`` takes an optional latent
 cache (one buffer per layer, ``[B, max_len, kv_lora_rank + qk_rope_head_dim]``: c_kv after
@@ -25,7 +28,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
-from ms_deepseek.model.rope import apply_rotary, softmax_scale
+from ms_deepseek.model.rope import RotaryApply, softmax_scale
 from ms_deepseek.ops import FP32Softmax
 
 MASK_VALUE = -1e30  # additive causal mask; exp() of it underflows to exactly 0 in float32
@@ -43,6 +46,7 @@ class MLAttention(nn.Cell):
         self.qk_nope, self.qk_rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_head_dim = cfg.qk_head_dim
         self.scale = softmax_scale(cfg)
+        self.scale_value = Tensor(self.scale, ms.float32)  # a 0-d input of ``score_scale`` (strategy ``()``)
         self.compute_dtype = cdt
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(H, nh * self.qk_head_dim, **kw)
@@ -54,6 +58,24 @@ class MLAttention(nn.Cell):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=1e-6, param_dtype=pdt)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), **kw)
         self.o_proj = Linear(nh * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
+        # The per-head operations as primitive attributes, for the plan's ``attention_heads`` style (heads by tp).
+        # Under a pipeline MindSpore compiles in ``semi_auto``, where an operation without a strategy splits its
+        # first axis only (B = 1 per micro-batch): v2-sft-64npu's compiled graph gathered q and kv of all 128
+        # heads onto each of its 8 tensor-parallel ranks, ran the transposes, slices and rotary there, and the
+        # slices' gradients at the global shape (0.7 GiB at the peak). MindFormers' MLA (parallel_core
+        # ``MLASelfAttention.shard_self_attn``) shards its split, tile and concat the same way.
+        self.to_heads = ops.Transpose()  # [B, T, nh, d] -> [B, nh, T, d]
+        self.from_heads = ops.Transpose()  # [B, nh, T, d] -> [B, T, nh, d]
+        self.head_slice = ops.StridedSlice()  # a range of the last axis of [B, nh, T, d]
+        self.head_concat = ops.Concat(-1)
+        self.head_cast = ops.Cast()
+        self.pe_tile = ops.Tile()  # the shared k_pe [B, 1, S, rope] -> every head
+        self.latent_slice = ops.StridedSlice()  # [B, T, kv_lora + rope] -> c_kv, k_pe (no head axis)
+        self.score_cast = ops.Cast()
+        self.score_scale = ops.Mul()
+        self.score_mask = ops.Add()
+        self.q_rotary = RotaryApply()  # q_pe [B, nh, T, rope]
+        self.k_rotary = RotaryApply()  # k_pe [B, T, rope], shared by the heads
         self.qk_bmm = ops.BatchMatMul(transpose_b=True)
         self.pv_bmm = ops.BatchMatMul()
         self.softmax = FP32Softmax(out_dtype=cdt)
@@ -91,42 +113,51 @@ class MLAttention(nn.Cell):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(B, T, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)  # [B, nh, T, qk]
-        q_nope, q_pe = q[..., : self.qk_nope], q[..., self.qk_nope :]
-        return q_nope, apply_rotary(q_pe, cos, sin)
+        q = self.to_heads(q.reshape(B, T, self.num_heads, self.qk_head_dim), (0, 2, 1, 3))  # [B, nh, T, qk]
+        q_nope, q_pe = self._cut(q, 0, self.qk_nope), self._cut(q, self.qk_nope, self.qk_head_dim)
+        return q_nope, self.q_rotary(q_pe, cos, sin)
 
     def latent(self, x, cos, sin):
         """x [B, T, H] -> c_kv [B, T, kv_lora] (normed), k_pe [B, T, rope] (rotated): the latent cache entry."""
         ckv = self.kv_a_proj_with_mqa(x)  # [B, T, kv_lora + rope]
-        c_kv, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank :]
-        return self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin)
+        B, T, r, width = ckv.shape[0], ckv.shape[1], self.kv_lora_rank, ckv.shape[2]
+        c_kv = self.latent_slice(ckv, (0, 0, 0), (B, T, r), (1, 1, 1))  # [B, T, kv_lora]
+        k_pe = self.latent_slice(ckv, (0, 0, r), (B, T, width), (1, 1, 1))  # [B, T, rope]
+        return self.kv_a_layernorm(c_kv), self.k_rotary(k_pe, cos, sin)
 
     def expand_kv(self, c_kv, k_pe):
         """Latent -> per-head keys [B, nh, S, qk] and values [B, nh, S, v]."""
         B, S = c_kv.shape[0], c_kv.shape[1]
         kv = self.kv_b_proj(c_kv).reshape(B, S, self.num_heads, self.qk_nope + self.v_dim)
-        kv = kv.transpose(0, 2, 1, 3)  # [B, nh, S, nope + v]
-        k_nope, v = kv[..., : self.qk_nope], kv[..., self.qk_nope :]
-        k_pe = ops.broadcast_to(k_pe.reshape(B, 1, S, self.qk_rope), (B, self.num_heads, S, self.qk_rope))
-        return ops.concat((k_nope, k_pe.astype(k_nope.dtype)), -1), v
+        kv = self.to_heads(kv, (0, 2, 1, 3))  # [B, nh, S, nope + v]
+        k_nope, v = self._cut(kv, 0, self.qk_nope), self._cut(kv, self.qk_nope, self.qk_nope + self.v_dim)
+        k_pe = k_pe.astype(k_nope.dtype).reshape(B, 1, S, self.qk_rope)  # [B, 1, S, rope]
+        k_pe = self.pe_tile(k_pe, (1, self.num_heads, 1, 1))  # [B, nh, S, rope]
+        return self.head_concat((k_nope, k_pe)), v
+
+    def _cut(self, x, start: int, stop: int):
+        """x [B, nh, T, d] -> x[..., start:stop]."""
+        B, nh, T = x.shape[0], x.shape[1], x.shape[2]
+        return self.head_slice(x, (0, 0, 0, start), (B, nh, T, stop), (1, 1, 1, 1))
 
     def attend(self, q, k, v, mask):
         """q [B, nh, T, d], k [B, nh, S, d], v [B, nh, S, dv], additive mask [T, S] -> [B, T, nh*dv]."""
         B, T = q.shape[0], q.shape[2]
-        scores = self.qk_bmm(q.astype(self.compute_dtype), k.astype(self.compute_dtype))  # [B, nh, T, S]
-        scores = scores.astype(ms.float32) * self.scale + mask
+        cdt = self.compute_dtype
+        scores = self.qk_bmm(self.head_cast(q, cdt), self.head_cast(k, cdt))  # [B, nh, T, S]
+        scores = self.score_mask(self.score_scale(self.score_cast(scores, ms.float32), self.scale_value), mask)
         probs = self.softmax(scores)  # float32 softmax, cast to compute dtype
-        out = self.pv_bmm(probs, v.astype(self.compute_dtype))  # [B, nh, T, dv]
-        return out.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.v_dim)
+        out = self.pv_bmm(probs, self.head_cast(v, cdt))  # [B, nh, T, dv]
+        return self.from_heads(out, (0, 2, 1, 3)).reshape(B, T, self.num_heads * self.v_dim)
 
     def flash_attend(self, q, k, v):
         """Causal attention fused on Ascend: q, k [B, nh, T, qk], v [B, nh, T, dv] -> [B, T, nh*dv]."""
         B, T, D = q.shape[0], q.shape[2], self.fa_head_dim
         cdt = self.compute_dtype
-        q, k, v = (self._pad_head(t.astype(cdt), D) for t in (q, k, v))  # [B, nh, T, D]
+        q, k, v = (self._pad_head(self.head_cast(t, cdt), D) for t in (q, k, v))  # [B, nh, T, D]
         _, _, _, out = self.flash_attention(q, k, v, None, None, None, self.fa_mask, None, None, None)
-        out = out[..., : self.v_dim]  # [B, nh, T, dv]
-        return out.transpose(0, 2, 1, 3).reshape(B, T, self.num_heads * self.v_dim)
+        out = self._cut(out, 0, self.v_dim)  # [B, nh, T, dv]
+        return self.from_heads(out, (0, 2, 1, 3)).reshape(B, T, self.num_heads * self.v_dim)
 
     def _pad_head(self, t, size: int):
         """[B, nh, S, d] -> [B, nh, S, size]: zero columns after d (zeros leave q.k and p@v's first d unchanged)."""
@@ -199,7 +230,7 @@ class MLAttention(nn.Cell):
         if cache is not None:
             self.fill_cache(cache, ops.concat((c_kv, k_pe.astype(c_kv.dtype)), -1))
         k, v = self.expand_kv(c_kv, k_pe)
-        q = ops.concat((q_nope, q_pe), -1)
+        q = self.head_concat((q_nope, q_pe))  # [B, nh, T, qk]; q_pe has q's dtype
         if self.use_flash_attention:
             return self.o_proj(self.flash_attend(q, k, v))
         return self.o_proj(self.attend(q, k, v, mask))

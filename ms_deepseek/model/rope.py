@@ -96,14 +96,36 @@ class RotaryEmbedding(nn.Cell):
         return self.cos(emb) * self.mscale, self.sin(emb) * self.mscale
 
 
-def apply_rotary(x, cos, sin):
+class RotaryApply(nn.Cell):
     """x [..., T, dim] (interleaved pairs) -> rotated, in de-interleaved half-rotation layout.
 
-    cos/sin: [T, dim], broadcast over the leading axes.
+    cos/sin: [T, dim], broadcast over the leading axes. Every operation is a primitive attribute so that the
+    plan can give it the split of x: under a pipeline MindSpore compiles in ``semi_auto``, where an operation
+    without a strategy splits only its first axis, and on q_pe [B, nh, T, rope] with B = 1 that gathered all
+    heads onto every tensor-parallel rank (v2-sft-64npu's compiled graph: the rotary and the slices around it
+    on [1, 128, 4096, *] on each of 8 ranks). The plan's ``head_rotary`` / ``latent_rotary`` styles;
+    MindFormers names and shards its rotary and split operations the same way.
     """
-    dim = x.shape[-1]
-    lead = x.shape[:-1]
-    x = x.reshape(lead + (dim // 2, 2)).swapaxes(-1, -2).reshape(lead + (dim,))  # [..., (evens|odds)]
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
-    rotated = ops.concat((-x2, x1), -1)  # rotate_half
-    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+    def __init__(self):
+        super().__init__()
+        self.pair_swap = ops.Transpose()
+        self.half_slice = ops.StridedSlice()
+        self.neg = ops.Neg()
+        self.concat = ops.Concat(-1)
+        self.table_cast = ops.Cast()
+        self.mul_cos = ops.Mul()
+        self.mul_sin = ops.Mul()
+        self.add = ops.Add()
+
+    def construct(self, x, cos, sin):
+        dim, lead = x.shape[-1], x.shape[:-1]
+        n, half = len(lead), dim // 2
+        x = x.reshape(lead + (half, 2))  # [..., dim/2, 2]: the interleaved pairs
+        x = self.pair_swap(x, tuple(range(n)) + (n + 1, n)).reshape(lead + (dim,))  # [..., (evens|odds)]
+        ones = (1,) * (n + 1)
+        x1 = self.half_slice(x, (0,) * (n + 1), lead + (half,), ones)  # [..., dim/2]
+        x2 = self.half_slice(x, (0,) * n + (half,), lead + (dim,), ones)  # [..., dim/2]
+        rotated = self.concat((self.neg(x2), x1))  # rotate_half
+        cos, sin = self.table_cast(cos, x.dtype), self.table_cast(sin, x.dtype)
+        return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))

@@ -148,12 +148,31 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
     return found
 
 
-def planned_primitives(model, strategies: Mapping[str, tuple]) -> Dict[str, Tuple[str, tuple]]:
-    """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy."""
+def planned_primitives(
+    model,
+    strategies: Mapping[str, tuple],
+    stage_of_cell: Optional[Mapping[str, int]] = None,
+    stage: Optional[int] = None,
+) -> Dict[str, Tuple[str, tuple]]:
+    """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy.
+
+    With ``stage`` (a pipeline rank's stage) and the plan's ``stage_of_cell``, only the primitives of the cells
+    on that stage (and of cells on none): MindSpore's scope names under a pipeline can carry another stage's
+    cell (v2-sft-64npu, stage 7: the labels' shift named ``layers-CellList/1-DecoderLayer/mlp-DeepseekV2MoE/
+    Concat``, where stage 7 holds layer 7 only), and layer 1's Concat then looked compiled with a strategy
+    the plan never gave it."""
     from ms_deepseek.parallel_apply.apply import join_path, primitives_of
+
+    def on_stage(path: str) -> bool:
+        if stage is None or not stage_of_cell:
+            return True
+        owners = [c for c in stage_of_cell if path == c or path.startswith(c + ".")]
+        return not owners or stage_of_cell[max(owners, key=len)] == stage
 
     out: Dict[str, Tuple[str, tuple]] = {}
     for path, cell in model.cells_and_names():
+        if not on_stage(path):
+            continue
         for attr, prim in primitives_of(cell):
             p = join_path(path, attr)
             if p in strategies:

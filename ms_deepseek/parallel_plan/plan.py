@@ -57,6 +57,9 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.attn_residual": "residual_add",
     "model.layers.*.mlp_cast": "hidden_cast",
     "model.layers.*.mlp_residual": "residual_add",
+    "model.layers.*.self_attn": "attention_heads",
+    "model.layers.*.self_attn.q_rotary": "head_rotary",
+    "model.layers.*.self_attn.k_rotary": "latent_rotary",
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.q_a_proj": "replicate",
     "model.layers.*.self_attn.q_a_layernorm": "norm",
@@ -442,6 +445,54 @@ def _head_bmm(mesh: Mesh) -> StyleSpec:
     return StyleSpec(prims={"": (((dp, tp, 1, 1), (dp, tp, 1, 1)), None)}, is_primitive=True)
 
 
+def _attention_heads(mesh: Mesh) -> StyleSpec:
+    """MLAttention's own operations on per-head tensors [B, nh, T, d]: batch by dp, heads by tp, as the
+    attention matmuls and the fused kernel. Without them a pipeline's ``semi_auto`` compile gathered the heads
+    (``model/mla.py``)."""
+    dp, tp = mesh.dp, mesh.tp
+    heads = (dp, tp, 1, 1)
+    return StyleSpec(
+        prims={
+            "to_heads": (((dp, 1, tp, 1),), None),  # [B, T, nh, d] -> [B, nh, T, d]
+            "from_heads": ((heads,), None),  # [B, nh, T, d] -> [B, T, nh, d]
+            "head_slice": ((heads,), None),  # a range of d: MindSpore's StridedSliceInfo splits the whole axes
+            "head_concat": ((heads, heads), None),  # along d
+            "head_cast": ((heads,), None),
+            "latent_slice": (((dp, 1, 1),), None),  # [B, T, kv_lora + rope] after the replicated projection
+            "pe_tile": ((heads,), None),  # k_pe [B, 1, S, rope] tiled to nh heads, each rank tiling its nh / tp
+            "score_cast": ((heads,), None),  # scores [B, nh, T, S] to float32
+            "score_scale": ((heads, ()), None),
+            "score_mask": ((heads, (1, 1)), None),  # + the causal mask [T, S], replicated
+        }
+    )
+
+
+def _rotary_apply(split: Tuple[int, ...]) -> StyleSpec:
+    # model/rope.py RotaryApply on x split ``split`` (its last axis, the rotary dims, whole); the pair swap
+    # sees x as [..., dim/2, 2], the tables cos / sin [T, dim] are replicated
+    table = (1, 1)
+    return StyleSpec(
+        prims={
+            "pair_swap": ((split + (1,),), None),
+            "half_slice": ((split,), None),
+            "neg": ((split,), None),
+            "concat": ((split, split), None),
+            "table_cast": ((table,), None),
+            "mul_cos": ((split, table), None),
+            "mul_sin": ((split, table), None),
+            "add": ((split, split), None),
+        }
+    )
+
+
+def _head_rotary(mesh: Mesh) -> StyleSpec:
+    return _rotary_apply((mesh.dp, mesh.tp, 1, 1))  # q_pe [B, nh, T, rope]
+
+
+def _latent_rotary(mesh: Mesh) -> StyleSpec:
+    return _rotary_apply((mesh.dp, 1, 1))  # k_pe [B, T, rope]: one for all heads, after a replicated projection
+
+
 def _head_pad(mesh: Mesh) -> StyleSpec:
     dp, tp = mesh.dp, mesh.tp
     # PadV3 of q / k / v [B, nh, S, d] with zero columns after d: batch by dp, heads by tp, the padded axis whole
@@ -536,6 +587,9 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "router": _router,
     "experts": _experts,
     "head_bmm": _head_bmm,
+    "attention_heads": _attention_heads,
+    "head_rotary": _head_rotary,
+    "latent_rotary": _latent_rotary,
     "head_softmax": _head_softmax,
     "head_pad": _head_pad,
     "row_softmax": _row_softmax,

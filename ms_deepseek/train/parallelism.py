@@ -155,6 +155,7 @@ class Sharded:
         # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line,
         # on every rank (the others would wait in the step's first collective for this one)
         from ms_deepseek.parallel_apply import compiled_check as cc
+        from ms_deepseek.parallel_plan.ranks import stage_of_rank
         from ms_deepseek.train.distributed import checked_on_every_rank
 
         def check():
@@ -163,7 +164,12 @@ class Sharded:
             )
             cc.check_compiled_strategies(
                 cc.compiled_strategies(trainer.step_cell),
-                cc.planned_primitives(trainer.model, trainer.applied.strategies),
+                cc.planned_primitives(
+                    trainer.model,
+                    trainer.applied.strategies,
+                    trainer.applied.stage_of_cell,
+                    stage_of_rank(trainer.rank, trainer.par) if trainer.par.pp > 1 else None,
+                ),
             )
 
         checked_on_every_rank(check, trainer.rank, trainer.world)

@@ -19,8 +19,10 @@ from dryrun import run_dryrun
 LAYOUT = {"dp": 2, "tp": 2, "ep": 2, "optimizer_shard": True, "recompute": "full"}
 
 
-def _recipe(tmp_path, accum=2, **parallel):
-    model = dict(SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2)
+def _recipe(tmp_path, accum=2, model_overrides=None, **parallel):
+    model = dict(
+        SMALL_MODEL, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, **(model_overrides or {})
+    )
     data = {
         "model": {"source": "tiny", "overrides": model},
         "data": {"seq_len": 32, "embedded_vocab_size": 512, "validation": {"fraction": 0.1}},
@@ -32,9 +34,11 @@ def _recipe(tmp_path, accum=2, **parallel):
     return write_recipe(tmp_path / "recipe", data)
 
 
-def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, accum: int = 2, **parallel):
+def _compile(
+    tmp_path, plant: str = "", world: int = 4, rank: int = 0, accum: int = 2, extra_env=None, model=None, **parallel
+):
     """Run the worker (after ``plant``, Python run first in its process); returns its result.json."""
-    recipe = _recipe(tmp_path, accum, **parallel)
+    recipe = _recipe(tmp_path, accum, model, **parallel)
     work = tmp_path / "work"
     work.mkdir()
     (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
@@ -42,7 +46,7 @@ def _compile(tmp_path, plant: str = "", world: int = 4, rank: int = 0, accum: in
         textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
         f"run({str(work / 'request.json')!r})\n"
     )
-    rc, out = run_dryrun(code, work, world=world, rank=rank)
+    rc, out = run_dryrun(code, work, world=world, rank=rank, extra_env=extra_env)
     result = work / "result.json"
     assert result.is_file(), out[-3000:]
     return json.loads(result.read_text())
@@ -79,6 +83,43 @@ def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
     result = _compile(tmp_path, world=8, rank=4, pp=2, micro_batches=2, accum=1)
     assert _graph(result, "train").get("ok"), result
     assert _graph(result, "eval").get("ok"), result
+
+
+# The attention's own slices and casts left without the plan's strategy (as every per-head operation was)
+_UNNAMED_HEAD_OPS = """
+from ms_deepseek.parallel_plan import plan as P
+_heads = P.STYLES["attention_heads"]
+def planted(mesh):
+    spec = _heads(mesh)
+    for attr in ("head_slice", "head_cast"):
+        del spec.prims[attr]
+    return spec
+P.STYLES["attention_heads"] = planted
+"""
+
+
+@pytest.mark.parametrize("plant", ["", _UNNAMED_HEAD_OPS], ids=["as-built", "planted-unsplit-slices"])
+def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
+    """Under a pipeline MindSpore compiles in ``semi_auto``, where an operation without a strategy splits its first
+    axis only: the attention's slices, transposes and rotary on [B, nh, T, d] gathered every head onto each
+    tensor-parallel rank (v2-sft-64npu, 128 heads on each of 8 ranks). They are named primitives with the plan's
+    split (model/mla.py, plan ``attention_heads``). The compile check's rule (compile_check.gathered_heads) reads
+    MindSpore's validate IR: none of the 4 heads' tensors on the 2 ranks as built; planted, the slices' outputs."""
+    from ms_deepseek.config.recipe import load_recipe
+    from ms_deepseek.diagnostics.compile_check import HeadShape, _ir_files, gathered_heads, ir_dump_env
+
+    ir = tmp_path / "ir"
+    fa = {"use_flash_attention": True}
+    result = _compile(
+        tmp_path, plant, world=8, rank=4, pp=2, micro_batches=2, accum=1, extra_env=ir_dump_env(ir), model=fa
+    )
+    assert _graph(result, "train").get("ok"), result
+    heads = HeadShape.of(load_recipe(str(tmp_path / "recipe" / "recipe.yaml")).model_config, 2, 32)
+    found = gathered_heads(_ir_files(ir)[0], heads, limit=100)
+    if not plant:
+        assert found == [], found[:3]
+    else:
+        assert {f["op"] for f in found} >= {"PrimFunc_StridedSlice"} and all(4 in f["shape"] for f in found), found[:3]
 
 
 # A plan that splits the contracted axis of a matmul's x but not of its weight: MindSpore's MatMulInfo refuses

@@ -113,3 +113,40 @@ def test_compiled_strategies_are_compared_primitive_by_primitive():
     # a primitive of another stage (not in this graph) is not compared
     other = {k: v for k, v in compiled.items() if "BatchMatMul" not in k}
     assert cc.check_compiled_strategies(other, planned) == 3
+
+
+def test_under_a_pipeline_only_the_ranks_stage_is_compared():
+    """MindSpore's scope names under a pipeline can carry another stage's cell: compiling v2-sft-64npu's stage 7
+    (layer 7 only), the labels' shift, a [1, 4095] + [1, 1] Concat, was named under layer 1's MoE. Compared with
+    the whole model's plan that read as layer 1's ``pad_tokens`` compiled with another strategy; the rank's stage
+    alone (the plan's ``stage_of_cell``) has no layer 1."""
+    from types import SimpleNamespace
+
+    from mindspore import ops
+
+    def cell(**prims):
+        return SimpleNamespace(**prims)
+
+    cells = [
+        ("model.layers.1.mlp", cell(pad_tokens=ops.Concat(1))),
+        ("model.layers.7.mlp", cell(pad_tokens=ops.Concat(1))),
+        ("model.rotary_emb", cell(concat=ops.Concat(-1))),  # on no stage of its own: kept
+    ]
+    model = SimpleNamespace(cells_and_names=lambda: iter(cells))
+    three = ((1, 1, 1), (1, 1, 1))
+    strategies = {
+        "model.layers.1.mlp.pad_tokens": (three, None),
+        "model.layers.7.mlp.pad_tokens": (three, None),
+        "model.rotary_emb.concat": (((1, 1), (1, 1)), None),
+    }
+    stage_of_cell = {"model.layers.1": 1, "model.layers.7": 7}
+    staged = cc.planned_primitives(model, strategies, stage_of_cell, stage=7)
+    assert set(staged) == {"model.layers.7.mlp.pad_tokens", "model.rotary_emb.concat"}
+    scope = _SCOPE.replace("1-DecoderLayer", "{}-DecoderLayer")
+    compiled = {
+        scope.format(1) + "mlp-DeepseekV2MoE/Concat-op0": [[1, 1], [1, 1]],  # the labels' shift, misnamed
+        scope.format(7) + "mlp-DeepseekV2MoE/Concat-op0": [[1, 1, 1], [1, 1, 1]],
+    }
+    assert cc.check_compiled_strategies(compiled, staged) == 1
+    with pytest.raises(UserError, match=r"model.layers.1.mlp.pad_tokens \(Concat\)"):  # the whole model's plan
+        cc.check_compiled_strategies(compiled, cc.planned_primitives(model, strategies))

@@ -58,7 +58,8 @@ def test_sequence_parallel_hidden_stream_is_split_by_tokens_everywhere():
     # and the residual sums (under a pipeline, semi_auto would give an unnamed one B's split only, and with B = 1
     # per rank the stream would be whole on every tp rank).
     ctx = S.build_context(TINY, ParallelConfig(dp=2, tp=2, ep=2, sequence_parallel=True), 64)
-    stream_ops = [p for p in ctx.applied.strategies if p.endswith(("_residual", "_cast", "input_layernorm.square"))]
+    stream = ("_residual", "embed_cast", "attn_cast", "mlp_cast", "input_layernorm.square")
+    stream_ops = [p for p in ctx.applied.strategies if p.endswith(stream)]
     assert len(stream_ops) == 1 + 5 * len(ctx.model.model.layers)  # embed_cast; per layer two casts, two sums, a norm
     for path in stream_ops + ["model.norm.scale", "model.layers.1.post_attention_layernorm.normalize"]:
         assert tuple(ctx.applied.strategies[path][0][0]) == (2, 2, 1), path
