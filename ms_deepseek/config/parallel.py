@@ -119,6 +119,16 @@ class ParallelConfig:
         ``parallel_apply.apply.recompute_segments``); the planner keeps one more tensor per layer for it."""
         return self.pp > 1
 
+    def accumulation_pass(self, micro_batches: int) -> bool:
+        """Whether MindSpore's own pass accumulates the step's ``micro_batches`` (its pipeline pass, or its
+        accumulation pass under SEMI/AUTO parallel): ``train.step.build_step`` and the planner both ask here."""
+        return self.pp > 1 or (self.uses_semi_auto and micro_batches > 1)
+
+    def ordered_accumulation(self, micro_batches: int) -> bool:
+        """Whether the step accumulates in our own ``train.step.OrderedAccumulation`` (several micro-batches and no
+        MindSpore pass to order them: one NPU, plain data parallel, CPU)."""
+        return micro_batches > 1 and not self.accumulation_pass(micro_batches)
+
     @property
     def uses_semi_auto(self) -> bool:
         """Anything beyond plain data parallel needs MindSpore's SEMI_AUTO_PARALLEL mode."""

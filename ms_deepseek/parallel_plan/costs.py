@@ -571,9 +571,10 @@ def stage_memory(
         # layout, train/step.py OrderedAccumulation otherwise (one micro-batch's activations at a time)
         activations = kept * in_flight(parallel, s)
         k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
-        if not parallel.uses_semi_auto and k > 1:
-            # OrderedAccumulation (train/step.py build_step: no accumulation pass without semi-auto): a DropoutGenMask takes only a shape, so MindSpore generates every micro-batch's
-            # LoRA masks at the step's start and holds each until its micro-batch (level 1 of v2-lite-lora-1npu,
+        if parallel.ordered_accumulation(k):
+            # OrderedAccumulation (no MindSpore accumulation pass: ParallelConfig.ordered_accumulation, which
+            # train/step.py build_step asks too): a DropoutGenMask takes only a shape, so MindSpore generates every
+            # micro-batch's LoRA masks at the step's start and holds each until its micro-batch (level 1 of v2-lite-lora-1npu,
             # 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
             activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
             # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
@@ -592,7 +593,7 @@ def stage_memory(
                 # gone when the last layer's recomputed backward peaks at 10.58 GiB)
                 activations -= head_kept
         gradients = held[s]["gradients"]
-        if parallel.pp == 1 and parallel.uses_semi_auto and k > 1 and held[s].get("frozen_embedding"):
+        if parallel.pp == 1 and parallel.accumulation_pass(k) and held[s].get("frozen_embedding"):
             # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
             # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
             # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB

@@ -357,7 +357,7 @@ def build_step(
     # MindSpore's pipeline pass, and its accumulation pass under SEMI/AUTO parallel, sum the micro-batches'
     # gradients into ``accu_grads.<param>`` (graph_utils.cc CreateMirrorInput: "You should define
     # `accu_grads` when use _MicroStepAllGather"; MindSpore's own _TrainGradAccuStepCell defines them)
-    pipeline = parallel.pp > 1 or (parallel.uses_semi_auto and accum_steps > 1)
+    pipeline = parallel.accumulation_pass(accum_steps)
     net = StepOutputs(model, accum_steps, num_moe_layers)
     ordered = False
     if wrap_net is not None:
@@ -367,7 +367,7 @@ def build_step(
         from mindspore.parallel.nn import GradAccumulation
 
         net = GradAccumulation(net, accum_steps)
-    elif accum_steps > 1:
+    elif parallel.ordered_accumulation(accum_steps):
         ordered = True  # the weights are known below; OrderedAccumulation wraps net there
     scale = Parameter(
         Tensor(train.loss_scale_init if dynamic_loss_scale else 1.0, mstype.float32),
