@@ -427,33 +427,32 @@ def run_rank(
         if constants:
             big = constants[0]
             more = f"; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB" if len(constants) > 1 else ""
-            result.graphs[name].update(
-                ok=False,
+            _refuse(
+                result.graphs[name],
                 large_constants=constants,
-                error=(
-                    f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
-                    f"{big['uses']} places{more}) into the graph: it would be held on the device all run "
-                    "(build it at run time, from a tensor)"
-                ),
-                where="",
+                error=f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
+                f"{big['uses']} places{more}) into the graph: it would be held on the device all run "
+                "(build it at run time, from a tensor)",
             )
         gathered = gathered_heads(path, heads) if heads is not None else []
         if gathered and result.graphs[name].get("ok"):
             g = gathered[0]
-            result.graphs[name].update(
-                ok=False,
+            _refuse(
+                result.graphs[name],
                 gathered_heads=gathered,
-                error=(
-                    f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
-                    f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
-                    "tensor without the plan's strategy; name it and give it one: model/mla.py)"
-                ),
-                where="",
+                error=f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
+                f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
+                "tensor without the plan's strategy; name it and give it one: model/mla.py)",
             )
         if name == "train" and world > 1:
             result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)
     shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept
     return result
+
+
+def _refuse(graph: Dict, error: str, **found) -> None:
+    """Mark a compiled graph as failed by one of the IR's rules, with what the rule found."""
+    graph.update(ok=False, error=error, where="", **found)
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""The compile check's rules on MindSpore's validate IR, through ``compile_check.run_rank`` with the worker
+replaced by a stand-in that writes what a worker writes (its result.json and the IR dump): the graph is refused,
+naming what the rule found. MindSpore's own IR for these rules is in tests/compile (test_compile_planted.py)."""
+
+import json
+
+from ms_deepseek.diagnostics import compile_check as cc
+
+# Two operators of one attention as MindSpore prints them after its validate pass: an operator line, its
+# ": (inputs) -> (output)" line and its scope. The first holds all 4 heads of a [B, nh, T, d] tensor.
+_IR = """
+  %57(CNode_1) = PrimFunc_StridedSlice(%56, (I64(0), I64(0), I64(0), I64(0))) {in_strategy: ((1, 1, 1, 1))}
+      : (<Tensor[BFloat16], (1, 4, 32, 16)>) -> (<Tensor[BFloat16], (1, 4, 32, 8)>)
+      # Fullname with scope: (Default/model-DeepseekV2Model/layers-CellList/0-DecoderLayer/self_attn-MLAttention/StridedSlice-op0)
+  %58(CNode_2) = PrimFunc_StridedSlice(%55, (I64(0), I64(0), I64(0), I64(0))) {in_strategy: ((1, 2, 1, 1))}
+      : (<Tensor[BFloat16], (1, 2, 32, 16)>) -> (<Tensor[BFloat16], (1, 2, 32, 8)>)
+      # Fullname with scope: (Default/model-DeepseekV2Model/layers-CellList/0-DecoderLayer/self_attn-MLAttention/StridedSlice-op1)
+"""
+
+
+def _stand_in_worker(ir_text):
+    def run(cmd, cwd, env, stdout, stderr, timeout):
+        folder = cwd
+        ir = folder / "ir" / "rank_1"
+        ir.mkdir(parents=True)
+        (ir / "20_validate_0900.ir").write_text(ir_text)
+        result = {"stage": 0, "graphs": {"train": {"ok": True, "layouts_compared": 3, "strategies_compared": 5}}}
+        (folder / "result.json").write_text(json.dumps(result))
+
+    return run
+
+
+def test_a_graph_holding_every_head_on_each_rank_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_IR))
+    monkeypatch.setattr(cc, "compile_environment", lambda *a, **k: ({}, "stand-in"))
+    heads = cc.HeadShape(heads=4, tp=2, tokens=32, head_dims=(8, 16, 32))
+    result = cc.run_rank("recipe.yaml", [], 1, 8, None, tmp_path, eval_graph=False, heads=heads)
+    train = result.graphs["train"]
+    assert train["ok"] is False
+    assert [g["shape"] for g in train["gathered_heads"]] == [[1, 4, 32, 8]]
+    assert "all 4 heads on each of the 2 tensor-parallel ranks" in train["error"]
+    assert "self_attn-MLAttention/StridedSlice-op0" in train["error"]
+
+    # the same IR with the heads split as planned (tp 1: nothing to gather) passes
+    (tmp_path / "rank_00001").rename(tmp_path / "first")
+    whole = cc.HeadShape(heads=4, tp=1, tokens=32, head_dims=(8, 16, 32))
+    assert cc.run_rank("recipe.yaml", [], 1, 8, None, tmp_path, eval_graph=False, heads=whole).graphs["train"]["ok"]
