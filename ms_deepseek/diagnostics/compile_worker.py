@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 
@@ -145,6 +145,7 @@ class CompileOnlyTrainer(Trainer):
         from mindspore import Tensor
 
         from ms_deepseek.parallel_apply import compiled_check as cc
+        from ms_deepseek.parallel_plan.ranks import stage_of_rank
 
         shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
         self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
@@ -155,14 +156,11 @@ class CompileOnlyTrainer(Trainer):
         )
         self.strategies_compared = cc.check_compiled_strategies(
             cc.compiled_strategies(self.step_cell),
-            cc.planned_primitives(self.model, self.applied.strategies, self.applied.stage_of_cell, self._stage()),
+            cc.planned_primitives(
+                self.model, self.applied.strategies, self.applied.stage_of_cell, stage_of_rank(self.rank, self.par)
+            ),
         )
         return compared, self.strategies_compared
-
-    def _stage(self) -> Optional[int]:
-        from ms_deepseek.parallel_plan.ranks import stage_of_rank
-
-        return stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None
 
     def run_step(self) -> None:
         """Call the compiled step once (``MS_SIMULATION_LEVEL=1``: no kernels run; MindSpore's memory pool

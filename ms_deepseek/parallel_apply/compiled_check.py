@@ -156,8 +156,8 @@ def planned_primitives(
 ) -> Dict[str, Tuple[str, tuple]]:
     """path -> (primitive type, in_strategy) of every primitive of ``model`` the plan gave a strategy.
 
-    With ``stage`` (a pipeline rank's stage) and the plan's ``stage_of_cell``, only the primitives of the cells
-    on that stage (and of cells on none): MindSpore's scope names under a pipeline can carry another stage's
+    With ``stage`` (the rank's pipeline stage; 0 without a pipeline, where every cell is on it) and the plan's
+    ``stage_of_cell``, only the primitives of the cells on that stage (and of cells on none): MindSpore's scope names under a pipeline can carry another stage's
     cell (v2-sft-64npu, stage 7: the labels' shift named ``layers-CellList/1-DecoderLayer/mlp-DeepseekV2MoE/
     Concat``, where stage 7 holds layer 7 only), and layer 1's Concat then looked compiled with a strategy
     the plan never gave it."""

@@ -573,9 +573,9 @@ def stage_memory(
         k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
         if parallel.ordered_accumulation(k):
             # OrderedAccumulation (no MindSpore accumulation pass: ParallelConfig.ordered_accumulation, which
-            # train/step.py build_step asks too): a DropoutGenMask takes only a shape, so MindSpore generates every
-            # micro-batch's LoRA masks at the step's start and holds each until its micro-batch (level 1 of v2-lite-lora-1npu,
-            # 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
+            # train/step.py build_step asks too): a DropoutGenMask takes only a shape, so MindSpore generates
+            # every micro-batch's LoRA masks at the step's start and holds each until its micro-batch (level 1
+            # of v2-lite-lora-1npu, 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
             activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
             # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
             # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches:

@@ -168,7 +168,7 @@ class Sharded:
                     trainer.model,
                     trainer.applied.strategies,
                     trainer.applied.stage_of_cell,
-                    stage_of_rank(trainer.rank, trainer.par) if trainer.par.pp > 1 else None,
+                    stage_of_rank(trainer.rank, trainer.par),
                 ),
             )
 
