@@ -37,7 +37,9 @@ DP_KINDS = (
 )
 
 
-def planner(recipe: str, layers: int, micro: int, kind: str) -> dict:
+def planner(recipe: str, layers: int, stage_layers, micro: int, kind: str) -> dict:
+    """The planner's traffic for the reduced model the compile ran (its depth, cut and micro-batches)."""
+    split = "null" if not stage_layers else "[" + ",".join(map(str, stage_layers)) + "]"
     key = "parallel.micro_batches" if kind == "micro_batches" else "train.grad_accum_steps"
     out = subprocess.run(
         [
@@ -51,7 +53,7 @@ def planner(recipe: str, layers: int, micro: int, kind: str) -> dict:
             "--set",
             f"model.overrides.num_hidden_layers={layers}",
             "--set",
-            "parallel.stage_layers=null",
+            f"parallel.stage_layers={split}",
             "--set",
             f"{key}={micro}",
         ],
@@ -71,7 +73,13 @@ def row(report: dict) -> str:
     comm = ok[0]["graphs"]["train"].get("communication", {})
     ep_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in EP_KINDS) / 1024  # GiB sent on a ring
     dp_ms = sum(comm.get(k, {}).get("wire_mb", 0.0) for k in DP_KINDS) / 1024
-    plan = planner(report["recipe"], report["layers"], report["micro_batches"], report["micro_batches_kind"])
+    plan = planner(
+        report["recipe"],
+        report["layers"],
+        report.get("stage_layers"),
+        report["micro_batches"],
+        report["micro_batches_kind"],
+    )
     ep_pl = plan["ep_alltoall"] * 1e9 / 2**30
     dp_pl = (plan["dp_sync"] + plan["tp_allreduce"]) * 1e9 / 2**30
     ratio = lambda a, b: f"{a / b:.2f}" if b else "—"

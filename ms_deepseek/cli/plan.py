@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers",
         type=positive_int,
         metavar="N",
-        help="decoder layers to compile (default: one per pipeline stage, at least the dense layers and two MoE layers: a 24 GB host)",
+        help="decoder layers to compile (default: the dense layers and one MoE layer per pipeline stage, two with "
+        "--memory, at least two MoE layers: a 24 GB host)",
     )
     c.add_argument("--cann", metavar="PATH", help="CANN install to use (default: $ASCEND_HOME_PATH, else stubs)")
     c.add_argument("--no-eval", action="store_true", help="compile the training step only")
@@ -87,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step and runs it once without kernels; prints, per selected rank, MindSpore's device-memory "
         "peak and its blocks at the peak beside the planner's estimate for the same reduced model "
         "(weights, optimizer states, gradients, activations, communication), and a linear "
-        "extrapolation to the recipe's depth from a second compile one layer per stage deeper; "
+        "extrapolation to the recipe's depth (per layer of the rank's stage, to the recipe's cut) from a "
+        "second compile one MoE layer per stage deeper; "
         "nothing is saved; exit 1 if a total differs from the planner's by more than --tolerance",
     )
     c.add_argument(
@@ -128,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--micro-batches",
         type=positive_int_at_most(MAX_BATCH, "pipeline micro-batches"),
         help="pipeline micro-batches (default: all of a dp rank's); with --compile: the micro-batches "
-        "(pipeline) or accumulation steps compiled (default: pp, or 2)",
+        "(pipeline) or accumulation steps compiled (default: pp + 1, or 2)",
     )
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     g.add_argument("--optimizer-shard", action="store_true", help="shard optimizer states across dp")
@@ -542,7 +544,7 @@ def _compile(args, hw) -> int:
     result, recipe, _ = _check_recipe(args, hw)
     _refuse_invalid(result)
     par = recipe.parallel
-    reduction = cc.default_reduction(recipe, args.layers, micro_batches)
+    reduction = cc.default_reduction(recipe, args.layers, micro_batches, moe_per_stage=2 if args.memory else 1)
     ranks = cc.parse_ranks(args.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
     cann = args.cann or os.environ.get("ASCEND_HOME_PATH")
     if args.keep:
@@ -583,10 +585,11 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
 
     from ms_deepseek.diagnostics import compile_check as cc
     from ms_deepseek.diagnostics import memory_check as mc
+    from ms_deepseek.parallel_plan.plan import stage_layer_counts
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
 
     par = recipe.parallel
-    step = max(1, par.pp)  # one more layer per pipeline stage
+    step = max(1, par.pp)  # one more layer per pipeline stage (an MoE layer each: Reduction.stage_layers)
     depths = [reduction.layers] + (
         [reduction.layers + step] if reduction.layers + step <= reduction.full_layers else []
     )
@@ -628,7 +631,7 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             memory=True,
         )
         lines.append(f"  {red.describe()} ({report.provider})")
-        entry = {"layers": layers, "ranks": []}
+        entry = {"layers": layers, "stage_layers": red.stage_layers, "ranks": []}
         for r in report.ranks:
             step_graph = r.graphs.get("step", {})
             acct = step_graph.get("memory")
@@ -643,7 +646,9 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             comp = mc.compare(reduced.stages[stage], acct, r.rank, layers)
             within = abs(comp.ratio - 1.0) <= args.tolerance
             ok = ok and within
-            points.setdefault(r.rank, []).append((layers, comp.planner_total, comp.ms_total))
+            # x: the layers of the rank's own stage, the quantity the memory grows with
+            on_stage = stage_layer_counts(layers, par.pp, red.stage_layers)[stage]
+            points.setdefault(r.rank, []).append((on_stage, comp.planner_total, comp.ms_total))
             lines.append(
                 f"  rank {r.rank} (stage {stage}), {layers} layers: step ran in {step_graph.get('seconds', 0):.0f} s"
                 f", peak host memory {r.peak_rss_mb / 1024:.1f} GB"
@@ -676,15 +681,18 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
         out["depths"].append(entry)
     out["extrapolated"] = []
     full = reduction.full_layers
+    full_counts = stage_layer_counts(full, par.pp, par.stage_layers)  # the recipe's own cut
     for rank, pts in sorted(points.items()):
-        ms_fit = mc.extrapolate([(x, m) for x, _, m in pts], full)
-        pl_fit = mc.extrapolate([(x, p) for x, p, _ in pts], full)
+        stage = stage_of_rank(rank, par) if par.pp > 1 else 0
+        target = full_counts[stage]
+        ms_fit = mc.extrapolate([(x, m) for x, _, m in pts], target)
+        pl_fit = mc.extrapolate([(x, p) for x, p, _ in pts], target)
         if ms_fit is None:
             lines.append(f"  rank {rank}: one depth only: no extrapolation to {full} layers")
             continue
-        stage = stage_of_rank(rank, par) if par.pp > 1 else 0
+        where = f"{full} layers" + (f", {target} on stage {stage}" if par.pp > 1 else "")
         lines.append(
-            f"  rank {rank}, extrapolated to {full} layers ({reduction.micro_batches} "
+            f"  rank {rank}, extrapolated to {where} ({reduction.micro_batches} "
             f"{'micro-batches' if reduction.what == 'micro_batches' else 'accumulation steps'}): "
             f"MindSpore {ms_fit[0]:.1f} GB ({ms_fit[1]:+.2f} GB per layer), planner {pl_fit[0]:.1f} GB "
             f"({pl_fit[1]:+.2f} GB per layer); the planner for the recipe as written: "
@@ -694,6 +702,7 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
             {
                 "rank": rank,
                 "layers": full,
+                "stage_layers": target,
                 "mindspore_gb": round(ms_fit[0], 2),
                 "mindspore_gb_per_layer": round(ms_fit[1], 3),
                 "planner_gb": round(pl_fit[0], 2),

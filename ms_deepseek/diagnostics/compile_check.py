@@ -92,42 +92,78 @@ class Reduction:
     micro_batches: int
     full_micro_batches: int
     what: str  # "micro_batches" (pipeline) or "grad_accum_steps"
+    pp: int = 1
+    dense_layers: int = 0  # the model's first dense layers (first_k_dense_replace; 0 without MoE)
+
+    @property
+    def stage_layers(self) -> Optional[List[int]]:
+        """Layers per pipeline stage of the reduced model: the dense layers on stage 0 and the MoE layers
+        spread evenly, so that every stage compiles an MoE layer and one more layer per stage (the second
+        depth of ``plan --compile --memory``) adds one MoE layer to each. An even cut would leave stage 0
+        with the dense layer alone at one layer per stage, and its second depth would add the stage's
+        first MoE layer with the layer's one-off buffers, not a per-layer cost. None: no pipeline, or too
+        few layers for an MoE layer per stage (the even cut)."""
+        moe = self.layers - self.dense_layers
+        if self.pp == 1 or moe < self.pp:
+            return None
+        per, extra = divmod(moe, self.pp)
+        counts = [per + (s >= self.pp - extra) for s in range(self.pp)]  # the later stages take the extra ones, as
+        # the even cut does (parallel_plan.plan.stage_layer_counts)
+        counts[0] += self.dense_layers
+        return counts
 
     def overrides(self) -> List[str]:
-        sets = [f"model.overrides.num_hidden_layers={self.layers}", "parallel.stage_layers=null"]
+        split = self.stage_layers
+        sets = [
+            f"model.overrides.num_hidden_layers={self.layers}",
+            "parallel.stage_layers=" + ("null" if split is None else "[" + ",".join(map(str, split)) + "]"),
+        ]
         key = "parallel.micro_batches" if self.what == "micro_batches" else "train.grad_accum_steps"
         return sets + [f"{key}={self.micro_batches}"]
 
     def describe(self) -> str:
+        split = self.stage_layers
         return (
-            f"{self.layers} of {self.full_layers} layers, {self.micro_batches} of {self.full_micro_batches} "
+            f"{self.layers} of {self.full_layers} layers"
+            + (f" (stages {'+'.join(map(str, split))})" if split else "")
+            + f", {self.micro_batches} of {self.full_micro_batches} "
             f"{'pipeline micro-batches' if self.what == 'micro_batches' else 'accumulation steps'}"
         )
 
 
-def default_reduction(recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None) -> Reduction:
-    """Depth and micro-batches that fit a 24 GB host. Depth: one layer per pipeline stage, at least the
-    first dense layers and two MoE layers (identical layers compile differently from one: a Reshape that
-    sharding propagation could not cost once there were two MoE layers went unseen at one); micro-batches:
-    one per stage with pipeline parallelism (1F1B needs at least that), else two accumulation steps (the accumulation passes run, the graph stays small).
+def default_reduction(
+    recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None, moe_per_stage: int = 1
+) -> Reduction:
+    """Depth and micro-batches that fit a 24 GB host. Depth: the first dense layers and ``moe_per_stage`` MoE
+    layers per pipeline stage (:attr:`Reduction.stage_layers`), at least two MoE layers (identical layers compile
+    differently from one: a Reshape that sharding propagation could not cost once there were two MoE layers
+    went unseen at one). The memory check asks for two per stage: with one MoE layer after the dense one, stage 0
+    of a pipeline peaked elsewhere than with two or more (level 1 of v2-lora-16npu, docs/planner.md); micro-batches: one per stage and one more with pipeline parallelism (1F1B needs one per
+    stage; the one more gives every stage a forward after its first backward, the steady state of a recipe's
+    many micro-batches: with exactly pp, stage 0's last forward came before its first backward, and MindSpore
+    freed the forward-only blocks, such as an optimizer-sharded embedding's gathered table, before the backward
+    peak that the recipe's steady state reaches with them), else two accumulation steps (the accumulation passes
+    run, the graph stays small).
     A compile's host memory grows with layers x micro-batches (design.md section 8)."""
     cfg, par = recipe.model_config, recipe.parallel
     full_layers = cfg.num_hidden_layers
+    dense = min(cfg.first_k_dense_replace, full_layers) if cfg.has_moe else 0
     if layers is None:
-        layers = min(full_layers, max(par.pp, min(2, full_layers), cfg.first_k_dense_replace + 2 if cfg.has_moe else 1))
+        per_stage = moe_per_stage if cfg.has_moe else 1
+        layers = min(full_layers, max(par.pp * per_stage + dense, min(2, full_layers), dense + 2 if cfg.has_moe else 1))
     if layers < par.pp:
         raise UserError(f"--layers: {layers} is fewer than the {par.pp} pipeline stages (one layer per stage at least)")
     if layers > full_layers:
         raise UserError(f"--layers: {layers} is more than the model's {full_layers} layers")
     if par.pp > 1:
         full_mb, what = par.micro_batches, "micro_batches"
-        mb = micro_batches if micro_batches is not None else min(full_mb, par.pp)
+        mb = micro_batches if micro_batches is not None else min(full_mb, par.pp + 1)
         if mb < par.pp:
             raise UserError(f"--micro-batches: {mb} is fewer than the {par.pp} pipeline stages")
     else:
         full_mb, what = recipe.train.grad_accum_steps, "grad_accum_steps"
         mb = micro_batches if micro_batches is not None else min(full_mb, 2)
-    return Reduction(layers, full_layers, mb, full_mb, what)
+    return Reduction(layers, full_layers, mb, full_mb, what, pp=par.pp, dense_layers=dense)
 
 
 def layout_overrides(par) -> List[str]:
@@ -474,6 +510,7 @@ class CompileReport:
             "world_size": self.world,
             "layout": self.layout,
             "layers": self.reduction.layers,
+            "stage_layers": self.reduction.stage_layers,
             "full_layers": self.reduction.full_layers,
             "micro_batches": self.reduction.micro_batches,
             "micro_batches_kind": self.reduction.what,
