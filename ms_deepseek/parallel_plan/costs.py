@@ -358,7 +358,9 @@ def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
     return max(forward, backward)
 
 
-def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False) -> float:
+def lora_dropout_bytes(
+    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False, part: Optional[str] = None
+) -> float:
     """Bytes the LoRA dropout adds to what :func:`layer_activation_bytes` keeps of layer ``i``, for one
     micro-batch on one NPU, without recompute (``masks_only``: under recompute, see below).
 
@@ -374,6 +376,8 @@ def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: in
     Under recompute MindSpore replays the ``DropoutDoMask`` but never the mask (``recompute_helper.cc``
     ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks: level 1 of
     ``v2-qlora-8npu`` (full recompute, 4 layers against 3), 8 masks, 83.2 MiB, one layer more.
+
+    ``part``: "attention" or "mlp" for one sub-cell's adapters (:func:`sub_cell_bytes`), None for both.
     """
     lora = w.lora
     if lora is None or lora.dropout <= 0:
@@ -391,6 +395,10 @@ def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: in
     ]
     if cfg.q_lora_rank is not None:
         groups.append(([f"{layer}.self_attn.q_b_proj"], n * cfg.q_lora_rank))
+    if part == "mlp":
+        groups = []
+    elif part == "attention":
+        return _dropout_sum(groups, lora, masks_only, c)
     mlp = f"{layer}.mlp"
     if cfg.is_moe_layer(i):
         rows = _expert_rows(cfg, parallel, n)
@@ -403,6 +411,11 @@ def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: in
     else:
         groups.append(([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H))
         groups.append(([f"{mlp}.down_proj"], n * cfg.intermediate_size / t))
+    return _dropout_sum(groups, lora, masks_only, c)
+
+
+def _dropout_sum(groups, lora: LoraSpec, masks_only: bool, c: int) -> float:
+    """Each group of projections sharing an input: its adapted projections' masks and copies beyond the first."""
     extra = 0.0
     for modules, elements in groups:
         adapted = sum(1 for m in modules if targeted(m, lora.target_modules))
@@ -422,12 +435,27 @@ def layer_activation_bytes(
     H = cfg.hidden_size
     if policy == "full":
         # the layer input; when the recomputed segments are the layer's sub-cells (under a pipeline:
-        # parallel_apply.apply.recompute_segments) the residual sum after attention is kept too
-        kept = (2 if parallel.recompute_sub_cells else 1) * n * H * c / sp
+        # parallel_apply.apply.recompute_segments) each segment's output too: both norms' outputs and the residual
+        # sum after attention, four [n, H] per layer and micro-batch (level 1 of v2-pretrain-256npu: 160 MiB per
+        # layer more on its last stage, 157 per layer and micro-batch kept on its first)
+        kept = (4 if parallel.recompute_sub_cells else 1) * n * H * c / sp
         return kept + (lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) if training else 0.0)
+    return sum(sub_cell_bytes(cfg, i, parallel, w, c, policy, training))
+
+
+def sub_cell_bytes(
+    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str = "none", training: bool = True
+) -> Tuple[float, float]:
+    """(attention, MLP / MoE): what each of layer ``i``'s two sub-cells keeps for its backward without recompute,
+    each with the norm before it and its adapters' dropout, for one micro-batch on one NPU. Under a pipeline's
+    "full" recompute MindSpore replays one sub-cell at a time (``parallel_apply.apply.recompute_segments``)."""
+    n = w.micro_batch_size * w.seq_len
+    t = parallel.tp
+    sp = t if parallel.sequence_parallel else 1
+    H = cfg.hidden_size
     nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
-    a = norm(H, sp) * 2  # input_layernorm, post_attention_layernorm
+    a = norm(H, sp)  # input_layernorm
     if cfg.q_lora_rank is not None:
         a += norm(cfg.q_lora_rank)
     a += norm(cfg.kv_lora_rank) + n * rope * c  # latent norm, k_pe before rotary
@@ -439,21 +467,23 @@ def layer_activation_bytes(
         a += scores * (4 + c)  # softmax input (float32) and probs; exp is replayed
     else:
         a += scores * (8 + c)  # float32 scores and exp, probs in compute dtype
+    m = norm(H, sp)  # post_attention_layernorm
     if cfg.is_moe_layer(i):
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        a += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
+        m += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
         b = moe_buffers(cfg, parallel, n, training)  # the dispatch as built, per device
-        a += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
-        a += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
-        a += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
-        a += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
+        m += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
+        m += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
+        m += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
+        m += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
         if cfg.n_shared_experts:
-            a += 4 * n * c * I * cfg.n_shared_experts / t
+            m += 4 * n * c * I * cfg.n_shared_experts / t
     else:
-        a += 4 * n * c * cfg.intermediate_size / t
+        m += 4 * n * c * cfg.intermediate_size / t
     if training:
-        a += lora_dropout_bytes(cfg, i, parallel, w, c)
-    return a
+        a += lora_dropout_bytes(cfg, i, parallel, w, c, part="attention")
+        m += lora_dropout_bytes(cfg, i, parallel, w, c, part="mlp")
+    return a, m
 
 
 def eval_layer_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
@@ -555,16 +585,33 @@ def stage_memory(
         transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
         comm = 0.0
         if parallel.recompute != "none":
-            # the layer being recomputed and its dispatch's temporaries; no all-to-all buffers beside them: the
+            # the segment being recomputed and its dispatch's temporaries; no all-to-all buffers beside them: the
             # transients hold the exchange's two [E, C, H] gradients (level 1 of v2-pretrain-256npu, stage 0: no
-            # AlltoAll output alive at the MoE layer's backward). The sum is an upper bound there (1.8 GiB
-            # measured at that moment); it is kept because tp-split stages hold more than the planner models
-            # (v2-sft-64npu: StridedSliceGrad outputs at the global head count, docs/planner.md)
-            working += max(full) + transient
+            # AlltoAll output alive at the MoE layer's backward)
+            if parallel.recompute_sub_cells:
+                # Sub-cells replayed (parallel_apply.apply.recompute_segments). MindSpore replays the stage's attention
+                # sub-cells early and holds each until that layer's attention backward: level 1 of v2-lora-16npu's
+                # and v2-pretrain-256npu's stage 0 with 2, 3 and 4 layers there held the attention replays (the
+                # q / k Concats, the padded v, the FlashAttentionScore output, the dropped LoRA inputs) of all but
+                # one of the stage's layers at the peak, the MoE cell's backward of the lowest MoE layer: a
+                # balance loss's gradient reaches every layer's attention output at the backward's start. So: one
+                # sub-cell's backward (the MoE cell with its dispatch's temporaries) and (layers - 1) attention replays
+                cells = [sub_cell_bytes(cfg, i, parallel, w, c) for i in layers]
+                working += max(
+                    max(a, m + (transient if cfg.is_moe_layer(i) else 0.0)) for i, (a, m) in zip(layers, cells)
+                )
+                working += (len(layers) - 1) * max(a for a, _ in cells)
+            else:
+                working += max(full) + transient
         else:
             working += transient
             if cfg.has_moe and parallel.ep > 1 and moe_layers:
                 comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
+        if moe_layers and parallel.tp > 1 and parallel.ep == 1:
+            # experts split by tp: the row-parallel down_proj's output and the column-parallel input gradient are
+            # AllReduces of a whole [E, C, H], one live at the MoE backward (level 1 of v2-sft-64npu and
+            # v2-lora-16npu, stage 0: an AllReduce output of 481 MiB at the peak)
+            comm += moe_buffers(cfg, parallel, n)["expert_output"] * c
         if s == 0:
             comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
         # micro-batches accumulate in order: the pipeline's 1F1B, MindSpore's accumulation pass in a sharded

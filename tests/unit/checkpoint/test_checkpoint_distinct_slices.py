@@ -116,7 +116,7 @@ def test_version_1_folders_still_read(tmp_path):
 
 
 def test_v2_lora_16npu_bytes_by_the_layout():
-    """The recipe's layout (dp8 pp2 ep8, the 236B base in bf16): what pre-sharding it writes, before and now."""
+    """The recipe's layout (the 236B base in bf16): what pre-sharding it writes, before and now."""
     recipe_path = REPO_RECIPES / "v2-lora-16npu.yaml"
     recipe = load_recipe(recipe_path, (), planning_config_path(recipe_path))
     cfg = DeepseekV2Config.from_json(REPO_RECIPES / "v2-lora-16npu.config.json")
