@@ -593,8 +593,8 @@ def stage_memory(
                 # sub-cells early and holds each until that layer's attention backward: level 1 of v2-lora-16npu's
                 # and v2-pretrain-256npu's stage 0 with 2, 3 and 4 layers there held the attention replays (the
                 # q / k Concats, the padded v, the FlashAttentionScore output, the dropped LoRA inputs) of all but
-                # one of the stage's layers at the peak, the MoE cell's backward of the lowest MoE layer: a
-                # balance loss's gradient reaches every layer's attention output at the backward's start. So: one
+                # one of the stage's layers at the peak, an MoE cell's backward (likely because a balance loss's
+                # gradient reaches every layer's attention output at the backward's start; not proven). So: one
                 # sub-cell's backward (the MoE cell with its dispatch's temporaries) and (layers - 1) attention replays
                 cells = [sub_cell_bytes(cfg, i, parallel, w, c) for i in layers]
                 working += max(
