@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ms_deepseek.diagnostics.compile_check import stage_layers_setting
+
 EP_KINDS = ("AlltoAll", "AlltoAllV")
 DP_KINDS = (
     "AllGather",
@@ -39,7 +41,6 @@ DP_KINDS = (
 
 def planner(recipe: str, layers: int, stage_layers, micro: int, kind: str) -> dict:
     """The planner's traffic for the reduced model the compile ran (its depth, cut and micro-batches)."""
-    split = "null" if not stage_layers else "[" + ",".join(map(str, stage_layers)) + "]"
     key = "parallel.micro_batches" if kind == "micro_batches" else "train.grad_accum_steps"
     out = subprocess.run(
         [
@@ -53,7 +54,7 @@ def planner(recipe: str, layers: int, stage_layers, micro: int, kind: str) -> di
             "--set",
             f"model.overrides.num_hidden_layers={layers}",
             "--set",
-            f"parallel.stage_layers={split}",
+            stage_layers_setting(stage_layers or None),
             "--set",
             f"{key}={micro}",
         ],

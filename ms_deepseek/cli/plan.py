@@ -642,7 +642,7 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
                 lines.append(f"  rank {r.rank}: FAILED: {why}" + (f"\n      log: {r.log}" if r.log else ""))
                 entry["ranks"].append({"rank": r.rank, "ok": False, "error": why, "log": r.log})
                 continue
-            stage = stage_of_rank(r.rank, par) if par.pp > 1 else 0
+            stage = stage_of_rank(r.rank, par)
             comp = mc.compare(reduced.stages[stage], acct, r.rank, layers)
             within = abs(comp.ratio - 1.0) <= args.tolerance
             ok = ok and within
@@ -683,7 +683,7 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
     full = reduction.full_layers
     full_counts = stage_layer_counts(full, par.pp, par.stage_layers)  # the recipe's own cut
     for rank, pts in sorted(points.items()):
-        stage = stage_of_rank(rank, par) if par.pp > 1 else 0
+        stage = stage_of_rank(rank, par)
         target = full_counts[stage]
         ms_fit = mc.extrapolate([(x, m) for x, _, m in pts], target)
         pl_fit = mc.extrapolate([(x, p) for x, p, _ in pts], target)

@@ -107,17 +107,13 @@ class Reduction:
         if self.pp == 1 or moe < self.pp:
             return None
         per, extra = divmod(moe, self.pp)
-        counts = [per + (s >= self.pp - extra) for s in range(self.pp)]  # the later stages take the extra ones, as
-        # the even cut does (parallel_plan.plan.stage_layer_counts)
+        # the later stages take the extra ones, as the even cut does (parallel_plan.plan.stage_layer_counts)
+        counts = [per + (s >= self.pp - extra) for s in range(self.pp)]
         counts[0] += self.dense_layers
         return counts
 
     def overrides(self) -> List[str]:
-        split = self.stage_layers
-        sets = [
-            f"model.overrides.num_hidden_layers={self.layers}",
-            "parallel.stage_layers=" + ("null" if split is None else "[" + ",".join(map(str, split)) + "]"),
-        ]
+        sets = [f"model.overrides.num_hidden_layers={self.layers}", stage_layers_setting(self.stage_layers)]
         key = "parallel.micro_batches" if self.what == "micro_batches" else "train.grad_accum_steps"
         return sets + [f"{key}={self.micro_batches}"]
 
@@ -131,6 +127,11 @@ class Reduction:
         )
 
 
+def stage_layers_setting(split: Optional[List[int]]) -> str:
+    """The --set string for a reduced model's cut (None: the even cut)."""
+    return "parallel.stage_layers=" + ("null" if split is None else "[" + ",".join(map(str, split)) + "]")
+
+
 def default_reduction(
     recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None, moe_per_stage: int = 1
 ) -> Reduction:
@@ -138,7 +139,8 @@ def default_reduction(
     layers per pipeline stage (:attr:`Reduction.stage_layers`), at least two MoE layers (identical layers compile
     differently from one: a Reshape that sharding propagation could not cost once there were two MoE layers
     went unseen at one). The memory check asks for two per stage: with one MoE layer after the dense one, stage 0
-    of a pipeline peaked elsewhere than with two or more (level 1 of v2-lora-16npu, docs/planner.md); micro-batches: one per stage and one more with pipeline parallelism (1F1B needs one per
+    of a pipeline peaked elsewhere than with two or more (level 1 of v2-lora-16npu, docs/planner.md).
+    Micro-batches: one per stage and one more with pipeline parallelism (1F1B needs one per
     stage; the one more gives every stage a forward after its first backward, the steady state of a recipe's
     many micro-batches: with exactly pp, stage 0's last forward came before its first backward, and MindSpore
     freed the forward-only blocks, such as an optimizer-sharded embedding's gathered table, before the backward

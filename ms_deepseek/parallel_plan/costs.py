@@ -388,34 +388,30 @@ def lora_dropout_bytes(
     layer = f"model.layers.{i}"
     q = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
     # groups of projections that read one input: (module paths, elements of that input on one NPU)
-    groups = [
+    attention = [
         ([f"{layer}.self_attn.{q}", f"{layer}.self_attn.kv_a_proj_with_mqa"], n * H),
         ([f"{layer}.self_attn.kv_b_proj"], n * cfg.kv_lora_rank),
         ([f"{layer}.self_attn.o_proj"], n * cfg.num_attention_heads * cfg.v_head_dim / t),
     ]
     if cfg.q_lora_rank is not None:
-        groups.append(([f"{layer}.self_attn.q_b_proj"], n * cfg.q_lora_rank))
-    if part == "mlp":
-        groups = []
-    elif part == "attention":
-        return _dropout_sum(groups, lora, masks_only, c)
+        attention.append(([f"{layer}.self_attn.q_b_proj"], n * cfg.q_lora_rank))
     mlp = f"{layer}.mlp"
     if cfg.is_moe_layer(i):
         rows = _expert_rows(cfg, parallel, n)
-        groups.append(([f"{mlp}.experts.gate_proj", f"{mlp}.experts.up_proj"], rows * H))
-        groups.append(([f"{mlp}.experts.down_proj"], moe_buffers(cfg, parallel, n)["expert_hidden"]))
+        feed = [
+            ([f"{mlp}.experts.gate_proj", f"{mlp}.experts.up_proj"], rows * H),
+            ([f"{mlp}.experts.down_proj"], moe_buffers(cfg, parallel, n)["expert_hidden"]),
+        ]
         if cfg.n_shared_experts:
             shared = f"{mlp}.shared_experts"
-            groups.append(([f"{shared}.gate_proj", f"{shared}.up_proj"], n * H))
-            groups.append(([f"{shared}.down_proj"], n * cfg.moe_intermediate_size * cfg.n_shared_experts / t))
+            feed.append(([f"{shared}.gate_proj", f"{shared}.up_proj"], n * H))
+            feed.append(([f"{shared}.down_proj"], n * cfg.moe_intermediate_size * cfg.n_shared_experts / t))
     else:
-        groups.append(([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H))
-        groups.append(([f"{mlp}.down_proj"], n * cfg.intermediate_size / t))
-    return _dropout_sum(groups, lora, masks_only, c)
-
-
-def _dropout_sum(groups, lora: LoraSpec, masks_only: bool, c: int) -> float:
-    """Each group of projections sharing an input: its adapted projections' masks and copies beyond the first."""
+        feed = [
+            ([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H),
+            ([f"{mlp}.down_proj"], n * cfg.intermediate_size / t),
+        ]
+    groups = {"attention": attention, "mlp": feed}.get(part, attention + feed)
     extra = 0.0
     for modules, elements in groups:
         adapted = sum(1 for m in modules if targeted(m, lora.target_modules))
@@ -579,7 +575,8 @@ def stage_memory(
         kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
         head_kept = head_activation_bytes(cfg, parallel, w, c) if s == parallel.pp - 1 else 0.0
         kept += head_kept
-        full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
+        cells = [sub_cell_bytes(cfg, i, parallel, w, c) for i in layers]  # (attention, MLP / MoE) without recompute
+        full = [a + m for a, m in cells] or [0.0]  # layer_activation_bytes(..., "none"), summed once here
         working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
         transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
@@ -596,7 +593,6 @@ def stage_memory(
                 # one of the stage's layers at the peak, an MoE cell's backward (likely because a balance loss's
                 # gradient reaches every layer's attention output at the backward's start; not proven). So: one
                 # sub-cell's backward (the MoE cell with its dispatch's temporaries) and (layers - 1) attention replays
-                cells = [sub_cell_bytes(cfg, i, parallel, w, c) for i in layers]
                 working += max(
                     max(a, m + (transient if cfg.is_moe_layer(i) else 0.0)) for i, (a, m) in zip(layers, cells)
                 )
