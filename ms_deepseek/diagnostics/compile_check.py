@@ -312,6 +312,73 @@ def global_norm_reduced(path: Path) -> bool:
     return "PARALLEL_GLOBALNORM" in path.read_text(errors="replace")
 
 
+_IR_NODE = re.compile(r"^\s+(%\d+)\([^)]*\) = [\w:]+\((.*)$")
+_IR_INPUT = re.compile(r"%(?:para\d+_([\w.]+)|(\d+))")
+_LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.")
+_REGION = re.compile(r"recompute_sub_graph: U64\((\d+)\)")
+
+
+def recompute_regions(path: Path, depth: int = 4) -> Dict[int, List[int]]:
+    """MindSpore's recompute regions in one IR file: region id -> the decoder layers whose parameters its operators
+    read (directly, or through up to ``depth`` operators outside any region: a weight's Load, its Cast to the
+    compute dtype, the optimizer shard's AllGather).
+
+    The ids are MindSpore's own: its recompute pass (``frontend/optimizer/recompute.cc`` InsertRecomputedNodes)
+    grows each region over connected recomputed operators (GetMaxSubGraph, inputs and outputs), tags every operator
+    of it with ``recompute_sub_graph``, and starts the whole region's replay at one point (GetFirstTargetInputs: the
+    inputs of the region's first backward operator), so segments that one operator joins replay together. The
+    ``validate`` dump keeps the tags on the forward operators and their backward."""
+    regions: Dict[int, set] = {}
+    graph: Dict[str, Tuple[list, Optional[int]]] = {}  # per subgraph: node -> (inputs, region)
+    graphs = [graph]
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("subgraph @"):
+                graph = {}
+                graphs.append(graph)
+                continue
+            m = _IR_NODE.match(line)
+            if m:
+                region = _REGION.search(line)
+                args = m.group(2).split(") {")[0]
+                graph[m.group(1)] = (_IR_INPUT.findall(args), int(region.group(1)) if region else None)
+
+    for graph in graphs:
+        seen: Dict[Tuple[str, int], set] = {}
+        for inputs, region in graph.values():
+            if region is not None:
+                regions.setdefault(region, set()).update(_layers_read(graph, inputs, depth, seen))
+    return {k: sorted(v) for k, v in sorted(regions.items())}
+
+
+def _layers_read(graph: Dict[str, Tuple[list, Optional[int]]], inputs, left: int, seen: Dict) -> set:
+    """The decoder layers whose parameters ``inputs`` name, directly or through up to ``left`` operators outside every
+    recompute region (memoised in ``seen``)."""
+    found = set()
+    for param, ref in inputs:
+        if param:
+            hit = _LAYER_PARAM.match(param)
+            if hit:
+                found.add(int(hit.group(1)))
+            continue
+        node = graph.get("%" + ref)
+        if node is not None and node[1] is None and left > 0:
+            key = ("%" + ref, left)
+            if key not in seen:
+                seen[key] = _layers_read(graph, node[0], left - 1, seen)
+            found |= seen[key]
+    return found
+
+
+def joined_recompute_regions(path: Path) -> List[Dict[str, object]]:
+    """The recompute regions of one IR file that read more than one decoder layer's parameters
+    (:func:`recompute_regions`). The plan recomputes each layer as its own segment (``parallel_apply.apply``); a
+    region over several layers replays all of them at once, at the start of the backward, and holds each replay
+    until its own layer's backward. What joined them on the pipelines until 2026-12-04 was one operator on the
+    shared rotary table inside every layer (``model/rope.py`` RotaryEmbedding)."""
+    return [{"region": k, "layers": v} for k, v in recompute_regions(path).items() if len(v) > 1]
+
+
 def ir_dump_env(ir_dir: Path) -> Dict[str, str]:
     """The environment that has MindSpore dump the graph after its ``validate`` pass (what it will run, this
     rank's slice shapes) into ``ir_dir``: what :func:`communication_from_ir` and :func:`large_constants` read."""
@@ -481,6 +548,16 @@ def run_rank(
                 error=f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
                 f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
                 "tensor without the plan's strategy; name it and give it one: model/mla.py)",
+            )
+        joined = joined_recompute_regions(path) if name == "train" else []
+        if joined and result.graphs[name].get("ok"):
+            _refuse(
+                result.graphs[name],
+                joined_recompute_regions=joined,
+                error=f"MindSpore recomputes layers {joined[0]['layers']} as one region ({len(joined)} such regions): "
+                "it replays them together at the start of the backward and holds each replay until its own "
+                "layer's backward (an operator shared by the layers' recomputed cells joins them; "
+                "diagnostics/compile_check.py recompute_regions)",
             )
         if name == "train" and world > 1:
             result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)

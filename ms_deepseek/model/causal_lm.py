@@ -28,7 +28,7 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.block import DecoderLayer
 from ms_deepseek.model.layers import Linear, RMSNorm, to_ms_dtype
 from ms_deepseek.model.loss import IGNORE_INDEX, VocabParallelCrossEntropy  # noqa: F401 (IGNORE_INDEX re-exported)
-from ms_deepseek.model.mla import causal_mask
+from ms_deepseek.model.mla import CausalMask
 from ms_deepseek.model.rope import RotaryEmbedding
 
 
@@ -64,6 +64,7 @@ class DeepseekV2Model(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self.causal_mask = CausalMask()
         self.embed_cast = ops.Cast()  # the embedding output into the hidden stream (``hidden_cast`` style)
         self.num_moe_layers = len(cfg.moe_layer_indices)
         self.stats_width = (cfg.n_routed_experts or 0) + 4
@@ -89,9 +90,9 @@ class DeepseekV2Model(nn.Cell):
         cos, sin = self.rotary_emb(positions_f)
         cache_index = None
         if caches is None or prefill:
-            mask = causal_mask(T, T)  # [T, T]
+            mask = self.causal_mask(T, T)  # [T, T]
         else:
-            mask = causal_mask(T, caches[0].shape[1], start_pos)  # [T, S]: rows after each query masked
+            mask = self.causal_mask(T, caches[0].shape[1], start_pos)  # [T, S]: rows after each query masked
             B = input_ids.shape[0]
             rows = ops.broadcast_to(ops.arange(0, B, dtype=ms.int32).reshape(B, 1), (B, T))  # [B, T]
             positions = ops.arange(0, T, dtype=ms.int32) + start_pos  # [T]

@@ -236,12 +236,24 @@ class MLAttention(nn.Cell):
         return self.o_proj(self.attend(q, k, v, mask))
 
 
-def causal_mask(q_len: int, k_len: int, offset=0):
+class CausalMask(nn.Cell):
     """Additive mask [q_len, k_len]: 0 where key position <= query position + offset, MASK_VALUE elsewhere.
 
-    Training and prefill: ``causal_mask(T, T)``; a decode step of T tokens from position p against a
-    cache of S rows: ``causal_mask(T, S, p)`` (p may be a Tensor).
-    """
-    rows = ops.arange(0, q_len, dtype=ms.int32).reshape(-1, 1) + offset  # [q_len, 1]
-    cols = ops.arange(0, k_len, dtype=ms.int32).reshape(1, -1)  # [1, k_len]
-    return (cols > rows).astype(ms.float32) * MASK_VALUE
+    Training and prefill: ``mask(T, T)``; a decode step of T tokens from position p against a cache of S rows:
+    ``mask(T, S, p)`` (p may be a Tensor). Built once per forward for every layer, by named primitives the plan
+    keeps whole on every device (style ``causal_mask``, like the rotary table): under a pipeline's ``semi_auto`` the
+    scaling without a strategy split the mask, and MindSpore put the AllGathers that made it whole again inside the
+    first layer's recomputed attention, one operator every layer read, which joined all the layers into one recompute
+    region (diagnostics/compile_check.py recompute_regions; model/rope.py has the story)."""
+
+    def __init__(self):
+        super().__init__()
+        self.later = ops.Greater()
+        self.cast = ops.Cast()
+        self.scale = ops.Mul()
+        self.mask_value = Tensor(MASK_VALUE, ms.float32)  # a 0-d input of ``scale`` (strategy ``()``)
+
+    def construct(self, q_len: int, k_len: int, offset=0):
+        rows = ops.arange(0, q_len, dtype=ms.int32).reshape(-1, 1) + offset  # [q_len, 1]
+        cols = ops.arange(0, k_len, dtype=ms.int32).reshape(1, -1)  # [1, k_len]
+        return self.scale(self.cast(self.later(cols, rows), ms.float32), self.mask_value)

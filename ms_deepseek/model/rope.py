@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from typing import Tuple
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ms_deepseek.config.model import DeepseekV2Config
+from ms_deepseek.core.dtypes import ms_dtype as to_ms_dtype
 
 
 # ------------------------------------------------------------------------- YaRN
@@ -73,7 +75,7 @@ def rope_inv_freq(cfg: DeepseekV2Config) -> Tuple[np.ndarray, float]:
 
 
 class RotaryEmbedding(nn.Cell):
-    """cos/sin [T, dim] (half-rotation layout) for given positions."""
+    """cos/sin [T, dim] (half-rotation layout, the compute dtype) for given positions."""
 
     def __init__(self, cfg: DeepseekV2Config):
         super().__init__()
@@ -88,19 +90,34 @@ class RotaryEmbedding(nn.Cell):
         self.concat = ops.Concat(-1)
         self.cos = ops.Cos()
         self.sin = ops.Sin()
+        self.mscale_value = Tensor(self.mscale, ms.float32)  # a 0-d input of ``mscale_mul`` (strategy ``()``)
+        self.mscale_mul = ops.Mul()
+        self.table_dtype = to_ms_dtype(cfg.compute_dtype)
+        self.table_cast = ops.Cast()
 
     def construct(self, positions):
         # positions: [T] float32
         freqs = self.freq_mul(positions.reshape(-1, 1), self.inv_freq)  # [T, 1] x [1, dim/2] -> [T, dim/2]
         emb = self.concat((freqs, freqs))  # [T, dim]
-        return self.cos(emb) * self.mscale, self.sin(emb) * self.mscale
+        # Made whole on every device and in the compute dtype here, once for all layers, so that no layer's
+        # recomputed attention holds an operation on the shared table. One did: the scaling, left without a
+        # strategy, split the table ([4096, 64] -> [512, 64] at dp 8) and MindSpore put the AllGather back in
+        # layer 0's rotary, one node (common-subexpression elimination) that every layer's attention read. That
+        # joined every layer's recomputed attention into one recompute region (recompute.cc
+        # InsertRecomputedNodes: GetMaxSubGraph grows a region over connected recomputed nodes, and
+        # GetFirstTargetInputs gives it one start, the first backward node of its last layer), so level 1 of a
+        # pipeline stage replayed every layer's attention at the start of the backward and held each until its
+        # own layer's backward (docs/planner.md).
+        cos = self.table_cast(self.mscale_mul(self.cos(emb), self.mscale_value), self.table_dtype)
+        sin = self.table_cast(self.mscale_mul(self.sin(emb), self.mscale_value), self.table_dtype)
+        return cos, sin  # [T, dim] each, in the compute dtype
 
 
 class RotaryApply(nn.Cell):
     """x [..., T, dim] (interleaved pairs) -> rotated, in de-interleaved half-rotation layout.
 
-    cos/sin: [T, dim], broadcast over the leading axes. Every operation is a primitive attribute so that the
-    plan can give it the split of x: under a pipeline MindSpore compiles in ``semi_auto``, where an operation
+    cos/sin: [T, dim] in x's dtype (``RotaryEmbedding`` casts them), broadcast over the leading axes. Every
+    operation is a primitive attribute so that the plan can give it the split of x: under a pipeline MindSpore compiles in ``semi_auto``, where an operation
     without a strategy splits only its first axis, and on q_pe [B, nh, T, rope] with B = 1 that gathered all
     heads onto every tensor-parallel rank (v2-sft-64npu's compiled graph: the rotary and the slices around it
     on [1, 128, 4096, *] on each of 8 ranks). The plan's ``head_rotary`` / ``latent_rotary`` styles;
@@ -113,7 +130,6 @@ class RotaryApply(nn.Cell):
         self.half_slice = ops.StridedSlice()
         self.neg = ops.Neg()
         self.concat = ops.Concat(-1)
-        self.table_cast = ops.Cast()
         self.mul_cos = ops.Mul()
         self.mul_sin = ops.Mul()
         self.add = ops.Add()
@@ -127,5 +143,4 @@ class RotaryApply(nn.Cell):
         x1 = self.half_slice(x, (0,) * (n + 1), lead + (half,), ones)  # [..., dim/2]
         x2 = self.half_slice(x, (0,) * n + (half,), lead + (dim,), ones)  # [..., dim/2]
         rotated = self.concat((self.neg(x2), x1))  # rotate_half
-        cos, sin = self.table_cast(cos, x.dtype), self.table_cast(sin, x.dtype)
         return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))

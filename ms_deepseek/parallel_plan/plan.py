@@ -51,6 +51,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.embed_tokens": "vocab_embedding",
     "model.embed_cast": "hidden_cast",
     "model.rotary_emb": "rotary_table",
+    "model.causal_mask": "causal_mask",
     "model.layers.*.input_layernorm": "hidden_norm",
     "model.layers.*.post_attention_layernorm": "hidden_norm",
     "model.layers.*.attn_cast": "hidden_cast",
@@ -288,8 +289,17 @@ def _rotary_table(mesh: Mesh) -> StyleSpec:
             "concat": (((1, 1), (1, 1)), None),
             "cos": (one, None),
             "sin": (one, None),
+            "mscale_mul": (((1, 1), ()), None),
+            "table_cast": (one, None),  # to the compute dtype, once for every layer (model/rope.py)
         }
     )
+
+
+def _causal_mask(mesh: Mesh) -> StyleSpec:
+    # model/mla.py CausalMask (eager attention): [1, S] > [T, 1], to float32, times the mask value; replicated on every
+    # device like the rotary table, so that no layer holds an operation on it
+    one = ((1, 1),)
+    return StyleSpec(prims={"later": ((one[0], one[0]), None), "cast": (one, None), "scale": ((one[0], ()), None)})
 
 
 def hidden_split(mesh: Mesh) -> Tuple[int, int, int]:
@@ -477,7 +487,6 @@ def _rotary_apply(split: Tuple[int, ...]) -> StyleSpec:
             "half_slice": ((split,), None),
             "neg": ((split,), None),
             "concat": ((split, split), None),
-            "table_cast": ((table,), None),
             "mul_cos": ((split, table), None),
             "mul_sin": ((split, table), None),
             "add": ((split, split), None),
@@ -584,6 +593,7 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "hidden_cast": _hidden_cast,
     "residual_add": _residual_add,
     "rotary_table": _rotary_table,
+    "causal_mask": _causal_mask,
     "router": _router,
     "experts": _experts,
     "head_bmm": _head_bmm,

@@ -301,3 +301,40 @@ quant._Dequant._init_quant = planted
     # one per micro-step (2) on the one expert weight; merged into one when planted
     assert unpackings("") >= 2
     assert unpackings(planted) == 1
+
+
+# The causal mask's scaling left without the plan's replicated strategy, as the rotary table's was until 2026-12-04
+_UNSPLIT_MASK_SCALE = """
+from ms_deepseek.parallel_plan import plan as P
+_mask = P.STYLES["causal_mask"]
+def planted(mesh):
+    spec = _mask(mesh)
+    del spec.prims["scale"]
+    return spec
+P.STYLES["causal_mask"] = planted
+"""
+
+
+@pytest.mark.parametrize("plant", ["", _UNSPLIT_MASK_SCALE], ids=["as-built", "planted-split-mask"])
+def test_each_layer_is_its_own_recompute_region_under_a_pipeline(tmp_path, plant):
+    """MindSpore replays a recompute region from one start (recompute.cc InsertRecomputedNodes), so one operator
+    shared by the layers' recomputed cells makes every layer replay at the start of the backward. Under a pipeline
+    (``semi_auto``) the rotary table's scaling without a strategy split the table, and MindSpore put the AllGather
+    that made it whole again inside the first layer's attention, read by every layer (level 1 of v2-lora-16npu:
+    about 1 GiB per layer held); this small model's eager attention has the causal mask for the same mistake. The rule (compile_check.recompute_regions) reads MindSpore's own region ids from
+    the validate IR: as built each of the stage's 2 layers is one region per micro-batch; planted, one region
+    reads both layers' weights (which run_rank refuses: tests/unit/diagnostics/test_compile_check_ir_rules.py)."""
+    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env, recompute_regions
+
+    ir = tmp_path / "ir"
+    four = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
+    result = _compile(
+        tmp_path, plant, world=8, rank=0, pp=2, micro_batches=2, accum=1, extra_env=ir_dump_env(ir), model=four
+    )
+    regions = recompute_regions(_ir_files(ir)[0])
+    layers = sorted({tuple(v) for v in regions.values() if v})
+    if not plant:
+        assert _graph(result, "train").get("ok"), result
+        assert layers == [(0,), (1,)], regions  # stage 0 of 2 holds layers 0 and 1, each its own region
+    else:
+        assert (0, 1) in layers, regions

@@ -45,3 +45,37 @@ def test_a_graph_holding_every_head_on_each_rank_is_refused(tmp_path, monkeypatc
     (tmp_path / "rank_00001").rename(tmp_path / "first")
     whole = cc.HeadShape(heads=4, tp=1, tokens=32, head_dims=(8, 16, 32))
     assert cc.run_rank("recipe.yaml", [], 1, 8, None, tmp_path, eval_graph=False, heads=whole).graphs["train"]["ok"]
+
+
+# Recomputed operators of two layers as MindSpore prints them after its validate pass: each tagged with its
+# recompute region (recompute.cc InsertRecomputedNodes), reading a layer's weight through a Load and a Cast outside
+# any region. Region 0 holds layer 0's and layer 1's matmuls (what one shared operator makes of them).
+def _regions_ir(second_region: int) -> str:
+    return f"""
+subgraph @main() {{
+  %1(CNode_1) = Load(%para4_model.layers.0.self_attn.o_proj.weight, UMonad[U]) cnode_attrs: {{checkpoint: Bool(1)}}
+  %2(CNode_2) = Load(%para9_model.layers.1.self_attn.o_proj.weight, UMonad[U]) cnode_attrs: {{checkpoint: Bool(1)}}
+  %3(CNode_3) = PrimFunc_Cast(%2, I64(43)) cnode_attrs: {{checkpoint: Bool(1)}}
+  %4(CNode_4) = PrimFunc_MatMul(%0, %1, Bool(0), Bool(1)) cnode_attrs: {{recompute_sub_graph: U64(0), recompute: Bool(1)}}
+  %5(CNode_5) = PrimFunc_MatMul(%4, %3, Bool(0), Bool(1)) cnode_attrs: {{recompute_sub_graph: U64({second_region}), recompute: Bool(1)}}
+  %6(CNode_6) = PrimFunc_Mul(%5, %para2_model.norm.weight) cnode_attrs: {{recompute_sub_graph: U64(7)}}
+}}
+"""
+
+
+def test_layers_recomputed_as_one_region_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_regions_ir(0)))
+    monkeypatch.setattr(cc, "compile_environment", lambda *a, **k: ({}, "stand-in"))
+    train = cc.run_rank("recipe.yaml", [], 1, 8, None, tmp_path, eval_graph=False).graphs["train"]
+    assert train["ok"] is False
+    assert train["joined_recompute_regions"] == [{"region": 0, "layers": [0, 1]}]
+    assert "recomputes layers [0, 1] as one region" in train["error"]
+
+    # each layer its own region (region 7 reads no layer's weight): passes
+    (tmp_path / "rank_00001").rename(tmp_path / "first")
+    monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_regions_ir(1)))
+    result = cc.run_rank("recipe.yaml", [], 1, 8, None, tmp_path, eval_graph=False)
+    assert result.graphs["train"]["ok"], result.graphs
+    ir = tmp_path / "one_each.ir"
+    ir.write_text(_regions_ir(1))
+    assert cc.recompute_regions(ir) == {0: [0], 1: [1], 7: []}
