@@ -113,12 +113,6 @@ class ParallelConfig:
         per_replica = self.micro_batches if self.pp > 1 else grad_accum_steps
         return self.dp * int(micro_batch_size) * int(per_replica)
 
-    @property
-    def recompute_sub_cells(self) -> bool:
-        """Whether "full" recompute marks each decoder layer's sub-cells, not the layer, under a pipeline (the reason:
-        ``parallel_apply.apply.recompute_segments``); the planner keeps one more tensor per layer for it."""
-        return self.pp > 1
-
     def accumulation_pass(self, micro_batches: int) -> bool:
         """Whether MindSpore's own pass accumulates the step's ``micro_batches`` (its pipeline pass, or its
         accumulation pass under SEMI/AUTO parallel): ``train.step.build_step`` and the planner both ask here."""

@@ -12,8 +12,7 @@
    dispatch), and the router's balance-loss device groups = ``parallel.ep``;
 3. pipeline: decoder layers get ``pipeline_stage`` (embedding on the first stage,
    final norm and lm_head on the last);
-4. recompute: "full" recomputes whole decoder layers (under a pipeline each layer's sub-cells: its two norms,
-   attention and MLP / MoE), "selective" the attention scores.
+4. recompute: "full" recomputes whole decoder layers, "selective" the attention scores.
 
 The rest of the operators get their strategies by MindSpore's sharding propagation
 (``AutoParallel(..., parallel_mode="sharding_propagation")``), so the model files
@@ -243,35 +242,25 @@ def restore_expert_order(name: str, array: np.ndarray, applied: AppliedPlan) -> 
     return array
 
 
-# What "full" recompute marks under a pipeline: each decoder layer's sub-cells, not the layer. A MoE layer's
-# balance loss reaches the total loss directly, so its gradient (and the router's, which needs the layer's normed
-# input) is ready as soon as the backward starts; with the whole layer as one recomputed segment MindSpore's
-# pipeline graph replayed every layer's forward at the start of the stage's backward and held all of it until
-# the hidden-state gradient came down to that layer. Level 1 of v2-lora-16npu, rank 8 (last stage), 3 and 5
-# layers: +2.58 GiB per layer, 160 GB at 60 layers; marked per sub-cell, the balance-loss backward replays only
-# the router from the MoE cell's kept input: +0.80 GiB per layer, 56 GB. The price is one more [tokens, H]
-# tensor kept per layer (the residual sum after attention), which the planner counts. Without a pipeline the
-# whole layer stays one segment: level 1 of v2-lite-lora-8npu is the same either way (9.72 / 11.35 GiB at 2 / 3
-# layers) and v2-qlora-8npu is worse per sub-cell (+0.71 against +0.59 GiB per layer).
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
-def recompute_segments(path: str, parallel: ParallelConfig) -> bool:
-    """Whether ``path`` is a segment "full" recompute marks: ``model.layers.<i>``, or under a pipeline
-    ``model.layers.<i>.<part>`` for a part in :data:`LAYER_PARTS`."""
+def recompute_segments(path: str) -> bool:
+    """Whether ``path`` is a segment "full" recompute marks: a decoder layer, ``model.layers.<i>``, with or without a
+    pipeline (MindFormers and Megatron recompute whole layers too). MindSpore must then replay each layer as its own
+    region, which the compile check verifies (``diagnostics/compile_check.py`` recompute_regions). Until 2026-12-04
+    the segments under a pipeline were each layer's sub-cells, on a wrong reading of level 1 (the balance loss's
+    gradient was blamed for every layer replaying at the start of the backward). The cause was one operator on
+    the shared rotary table that MindSpore placed inside every layer's recomputed attention, joining them all into
+    one region (``model/rope.py``). With it gone, level 1 of the dp8 tp1 pp2 ep8 layout of v2-lora-16npu, 4 and 3
+    layers on stages 0 and 1: 11.47 and 11.78 GiB whole-layer against 11.14 and 12.13 per sub-cell, +1.53 and +1.49
+    GiB per layer against +1.77 and +1.61 (sub-cells keep four [tokens, H] a layer, whole layers one)."""
     parts = path.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return False
-    if parallel.recompute_sub_cells:
-        return len(parts) == 4 and parts[3] in LAYER_PARTS
-    return len(parts) == 3
+    return parts[:2] == ["model", "layers"] and len(parts) == 3
 
 
 def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
     if parallel.recompute == "none":
         return
     for path, cell in cells.items():
-        if parallel.recompute == "full" and recompute_segments(path, parallel):
+        if parallel.recompute == "full" and recompute_segments(path):
             if parallel.uses_semi_auto:
                 cell.recompute(mp_comm_recompute=True, parallel_optimizer_comm_recompute=parallel.optimizer_shard)
             else:

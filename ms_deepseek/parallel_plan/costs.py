@@ -430,11 +430,7 @@ def layer_activation_bytes(
     sp = t if parallel.sequence_parallel else 1
     H = cfg.hidden_size
     if policy == "full":
-        # the layer input; when the recomputed segments are the layer's sub-cells (under a pipeline:
-        # parallel_apply.apply.recompute_segments) each segment's output too: both norms' outputs and the residual
-        # sum after attention, four [n, H] per layer and micro-batch (level 1 of v2-pretrain-256npu: 160 MiB per
-        # layer more on its last stage, 157 per layer and micro-batch kept on its first)
-        kept = (4 if parallel.recompute_sub_cells else 1) * n * H * c / sp
+        kept = n * H * c / sp  # the layer input (the segment is the whole layer: parallel_apply.apply)
         return kept + (lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) if training else 0.0)
     return sum(sub_cell_bytes(cfg, i, parallel, w, c, policy, training))
 
@@ -443,8 +439,7 @@ def sub_cell_bytes(
     cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str = "none", training: bool = True
 ) -> Tuple[float, float]:
     """(attention, MLP / MoE): what each of layer ``i``'s two sub-cells keeps for its backward without recompute,
-    each with the norm before it and its adapters' dropout, for one micro-batch on one NPU. Under a pipeline's
-    "full" recompute MindSpore replays one sub-cell at a time (``parallel_apply.apply.recompute_segments``)."""
+    each with the norm before it and its adapters' dropout, for one micro-batch on one NPU."""
     n = w.micro_batch_size * w.seq_len
     t = parallel.tp
     sp = t if parallel.sequence_parallel else 1
@@ -575,30 +570,17 @@ def stage_memory(
         kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
         head_kept = head_activation_bytes(cfg, parallel, w, c) if s == parallel.pp - 1 else 0.0
         kept += head_kept
-        cells = [sub_cell_bytes(cfg, i, parallel, w, c) for i in layers]  # (attention, MLP / MoE) without recompute
-        full = [a + m for a, m in cells] or [0.0]  # layer_activation_bytes(..., "none"), summed once here
+        full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
         working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
         transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
         comm = 0.0
         if parallel.recompute != "none":
-            # the segment being recomputed and its dispatch's temporaries; no all-to-all buffers beside them: the
-            # transients hold the exchange's two [E, C, H] gradients (level 1 of v2-pretrain-256npu, stage 0: no
-            # AlltoAll output alive at the MoE layer's backward)
-            if parallel.recompute_sub_cells:
-                # Sub-cells replayed (parallel_apply.apply.recompute_segments). MindSpore replays the stage's attention
-                # sub-cells early and holds each until that layer's attention backward: level 1 of v2-lora-16npu's
-                # and v2-pretrain-256npu's stage 0 with 2, 3 and 4 layers there held the attention replays (the
-                # q / k Concats, the padded v, the FlashAttentionScore output, the dropped LoRA inputs) of all but
-                # one of the stage's layers at the peak, an MoE cell's backward (likely because a balance loss's
-                # gradient reaches every layer's attention output at the backward's start; not proven). So: one
-                # sub-cell's backward (the MoE cell with its dispatch's temporaries) and (layers - 1) attention replays
-                working += max(
-                    max(a, m + (transient if cfg.is_moe_layer(i) else 0.0)) for i, (a, m) in zip(layers, cells)
-                )
-                working += (len(layers) - 1) * max(a for a, _ in cells)
-            else:
-                working += max(full) + transient
+            # the layer being recomputed and its dispatch's temporaries, one layer at a time (MindSpore replays each
+            # layer as its own region: diagnostics/compile_check.py recompute_regions checks the compiled graph);
+            # no all-to-all buffers beside them: the transients hold the exchange's two [E, C, H] gradients (level 1
+            # of v2-pretrain-256npu, stage 0: no AlltoAll output alive at the MoE layer's backward)
+            working += max(full) + transient
         else:
             working += transient
             if cfg.has_moe and parallel.ep > 1 and moe_layers:

@@ -28,22 +28,12 @@ RECIPES = {
 }
 
 
-class WholeLayerRecompute(ParallelConfig):
-    """MindFormers' and Megatron's full recompute, which the published runs used: each decoder layer one segment,
-    its input the one tensor kept. Our port replays each layer's sub-cells under a pipeline and keeps four
-    (ParallelConfig.recompute_sub_cells, costs.layer_activation_bytes)."""
-
-    @property
-    def recompute_sub_cells(self) -> bool:
-        return False
-
-
 def test_mindformers_236b_finetune_fits():
     """MindFormers research/deepseek2 236B fine-tune: 64 NPUs, dp4 mp8 pp2 ep4, 20 micro-batches,
     seq 4096, full recompute, optimizer sharding, capacity factor 2, bf16 weights (param_init_type),
     eager attention (use_flash_attention: False); published 36 tokens/s/p at max_device_memory 59GB."""
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
-    layout = WholeLayerRecompute(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
+    layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
     r = estimate(cfg, layout, Workload(seq_len=4096, global_batch_size=80), world_size=64)
     assert r.problems == [] and r.fits
     assert r.peak_gb < 59.0
@@ -97,13 +87,11 @@ def test_mindspeed_236b_pretrain_fits():
     """MindSpeed-LLM 236B pretraining: 160 NPUs, TP1 PP10 EP8 (dp 16), seq 8192, full recompute,
     distributed optimizer, bf16 weights with fp32 gradients and master copy, flash attention."""
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=1.0)
-    layout = WholeLayerRecompute(dp=16, tp=1, pp=10, ep=8, micro_batches=60, recompute="full", optimizer_shard=True)
+    layout = ParallelConfig(dp=16, tp=1, pp=10, ep=8, micro_batches=60, recompute="full", optimizer_shard=True)
     megatron = Precision(compute_bytes=2, grad_bytes=4, master_bytes=4)
     r = estimate(
         cfg, layout, Workload(seq_len=8192, global_batch_size=960, flash_attention=True), megatron, world_size=160
     )
-    # modelled with Megatron's whole-layer recompute (one tensor kept per layer): it fits. Our port in this layout
-    # replays sub-cells and keeps four per layer (level 1 of v2-pretrain-256npu), 66.8 GB: it would not
     assert r.problems == [] and r.peak_gb <= r.usable_gb, r.memory_gb
     assert [s.layers for s in r.stages] == [6] * 10
     assert r.stages[0].activations == pytest.approx(10 * r.stages[1].activations / 9, rel=1e-9)
@@ -247,8 +235,6 @@ def test_cli_check_layout_json(capsys):
         "bfloat16",
         "--capacity-factor",
         "2",
-        # fused attention and sequence parallelism: in MindFormers' layout our port replays the earlier layers'
-        # attention sub-cells together (docs/planner.md, "Working set"), with eager attention their scores too
         "--flash-attention",
         "--sequence-parallel",
         "--json",
@@ -337,7 +323,7 @@ def test_cli_recipe(capsys, repo_root):
 # ------------------------------------------------------------------------ memory
 def _mindformers_result():
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
-    layout = WholeLayerRecompute(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
+    layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, recompute="full", optimizer_shard=True)
     return estimate(cfg, layout, Workload(seq_len=4096, global_batch_size=80), world_size=64)
 
 
@@ -678,26 +664,25 @@ def test_all_to_all_buffers_are_counted_without_recompute_only():
     assert comm["none"] == pytest.approx(2 * moe_buffers(cfg, par, 64)["expert_input"] * 2)
 
 
-def test_sub_cell_recompute_keeps_four_tensors_a_layer_and_holds_the_earlier_attention_replays():
-    """A pipeline's "full" recompute replays each layer's sub-cells (parallel_apply.apply.recompute_segments). MindSpore's
-    level 1 (docs/planner.md): four [n, H] kept per layer and micro-batch, and at the peak the MoE cell's backward
-    beside the replays of all but one of the stage's attention sub-cells, replayed together and each held until its
-    backward. Whole-layer recompute (MindFormers', Megatron's) keeps the layer input and replays one layer."""
-    from ms_deepseek.parallel_plan.costs import layer_activation_bytes, sub_cell_bytes
+def test_full_recompute_keeps_the_layer_input_and_replays_one_layer_at_a_time():
+    """ "full" recompute keeps one [n, H] per layer and micro-batch (the layer input) and replays one layer at a time,
+    also under a pipeline: the stage's working set does not grow with its layers. MindSpore's level 1 (docs/planner.md)
+    shows both once each layer is its own recompute region (diagnostics/compile_check.py recompute_regions); the
+    planner counted four tensors a layer and the replays of all but one attention while it was not."""
+    from ms_deepseek.parallel_plan.costs import layer_activation_bytes
 
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=8, flash_attention=True)
     n, H, tp = 4096, cfg.hidden_size, 8
-    working, kept = {}, {}
-    for cls in (ParallelConfig, WholeLayerRecompute):
-        for first in (20, 30):
-            par = cls(dp=1, tp=tp, pp=2, ep=1, micro_batches=8, recompute="full", sequence_parallel=True)
-            par.stage_layers = [first, 60 - first]
-            r = estimate(cfg, par, w, world_size=16)
-            assert r.problems == []
-            working[cls, first] = r.stages[0].working_set
-        kept[cls] = layer_activation_bytes(cfg, 1, par, w, 2, "full")
-    attention = sub_cell_bytes(cfg, 1, par, w, 2)[0]
-    assert kept[ParallelConfig] == 4 * n * H * 2 / tp and kept[WholeLayerRecompute] == n * H * 2 / tp
-    assert working[ParallelConfig, 30] - working[ParallelConfig, 20] == pytest.approx(10 * attention)
-    assert working[WholeLayerRecompute, 30] == working[WholeLayerRecompute, 20]
+    stages = {}
+    for first in (20, 30):
+        par = ParallelConfig(dp=1, tp=tp, pp=2, ep=1, micro_batches=8, recompute="full", sequence_parallel=True)
+        par.stage_layers = [first, 60 - first]
+        r = estimate(cfg, par, w, world_size=16)
+        assert r.problems == []
+        stages[first] = r.stages[0]
+    assert layer_activation_bytes(cfg, 1, par, w, 2, "full") == n * H * 2 / tp
+    assert stages[30].working_set == stages[20].working_set
+    # ten layers more on the stage: ten layer inputs more per micro-batch in flight (2 on stage 0 of 2)
+    per_layer = layer_activation_bytes(cfg, 25, par, w, 2, "full") * 2
+    assert stages[30].activations - stages[20].activations == pytest.approx(10 * per_layer)
