@@ -119,9 +119,10 @@ class RotaryApply(nn.Cell):
     cos/sin: [T, dim] in x's dtype (``RotaryEmbedding`` casts them), broadcast over the leading axes. Every
     operation is a primitive attribute so that the plan can give it the split of x: under a pipeline MindSpore
     compiles in ``semi_auto``, where an operation without a strategy splits only its first axis, and on q_pe
-    [B, nh, T, rope] with B = 1 that gathered all heads onto every tensor-parallel rank (v2-sft-64npu's compiled graph: the rotary and the slices around it
-    on [1, 128, 4096, *] on each of 8 ranks). The plan's ``head_rotary`` / ``latent_rotary`` styles;
-    MindFormers names and shards its rotary and split operations the same way.
+    [B, nh, T, rope] with B = 1 that gathered all heads onto every tensor-parallel rank (v2-sft-64npu's compiled
+    graph: the rotary and the slices around it on [1, 128, 4096, *] on each of 8 ranks). The plan's
+    ``head_rotary`` / ``latent_rotary`` styles; MindFormers names and shards its rotary and split operations the
+    same way.
     """
 
     def __init__(self):
