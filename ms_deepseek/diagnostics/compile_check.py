@@ -288,7 +288,8 @@ def gathered_heads(path: Path, shape: HeadShape, limit: int = 5) -> List[Dict[st
     op = re.compile(r"= ([A-Za-z_]\w*)\(")
     for i, line in enumerate(lines[:-2]):
         m = op.search(line)
-        if not m or "MLAttention" not in lines[i + 2]:
+        # a Load reads a parameter (an expert weight [E, H, I] can look like [nh, T, d]), and its scope is any user's
+        if not m or m.group(1) == "Load" or "MLAttention" not in lines[i + 2]:
             continue
         out = re.search(r"-> \(<Tensor\[\w+\], \(([\d, ]*)\)>\)", lines[i + 1])
         if not out:

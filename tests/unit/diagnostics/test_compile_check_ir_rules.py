@@ -7,8 +7,13 @@ import json
 from ms_deepseek.diagnostics import compile_check as cc
 
 # Two operators of one attention as MindSpore prints them after its validate pass: an operator line, its
-# ": (inputs) -> (output)" line and its scope. The first holds all 4 heads of a [B, nh, T, d] tensor.
+# ": (inputs) -> (output)" line and its scope. The first holds all 4 heads of a [B, nh, T, d] tensor. Before them
+# the Load of an expert weight [E, H, I] whose shape reads like [nh, T, d], with an attention scope (MindSpore gives a
+# Load the scope of a user): a parameter, not a gathered activation.
 _IR = """
+  %56(CNode_0) = Load(%para16_model.layers.1.mlp.experts.down_proj.weight, UMonad[U]) cnode_attrs: {checkpoint: Bool(1)}
+      : (<Ref[Tensor[Float32]], (4, 32, 8), ref_key=model.layers.1.mlp.experts.down_proj.weight, is_parameter>, <UMonad, NoShape>) -> (<Tensor[Float32], (4, 32, 8)>)
+      # Fullname with scope: (recompute_Default/model-DeepseekV2Model/layers-CellList/0-DecoderLayer/self_attn-MLAttention/q_a_proj-Linear/Load-op9)
   %57(CNode_1) = PrimFunc_StridedSlice(%56, (I64(0), I64(0), I64(0), I64(0))) {in_strategy: ((1, 1, 1, 1))}
       : (<Tensor[BFloat16], (1, 4, 32, 16)>) -> (<Tensor[BFloat16], (1, 4, 32, 8)>)
       # Fullname with scope: (Default/model-DeepseekV2Model/layers-CellList/0-DecoderLayer/self_attn-MLAttention/StridedSlice-op0)
