@@ -358,9 +358,7 @@ def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
     return max(forward, backward)
 
 
-def lora_dropout_bytes(
-    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False, part: Optional[str] = None
-) -> float:
+def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False) -> float:
     """Bytes the LoRA dropout adds to what :func:`layer_activation_bytes` keeps of layer ``i``, for one
     micro-batch on one NPU, without recompute (``masks_only``: under recompute, see below).
 
@@ -376,8 +374,6 @@ def lora_dropout_bytes(
     Under recompute MindSpore replays the ``DropoutDoMask`` but never the mask (``recompute_helper.cc``
     ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks: level 1 of
     ``v2-qlora-8npu`` (full recompute, 4 layers against 3), 8 masks, 83.2 MiB, one layer more.
-
-    ``part``: "attention" or "mlp" for one sub-cell's adapters (:func:`sub_cell_bytes`), None for both.
     """
     lora = w.lora
     if lora is None or lora.dropout <= 0:
@@ -411,9 +407,8 @@ def lora_dropout_bytes(
             ([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H),
             ([f"{mlp}.down_proj"], n * cfg.intermediate_size / t),
         ]
-    groups = {"attention": attention, "mlp": feed}.get(part, attention + feed)
     extra = 0.0
-    for modules, elements in groups:
+    for modules, elements in attention + feed:
         adapted = sum(1 for m in modules if targeted(m, lora.target_modules))
         if adapted:
             extra += adapted * elements / 8 + (0 if masks_only else (adapted - 1) * elements * c)
@@ -432,18 +427,6 @@ def layer_activation_bytes(
     if policy == "full":
         kept = n * H * c / sp  # the layer input (the segment is the whole layer: parallel_apply.apply)
         return kept + (lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) if training else 0.0)
-    return sum(sub_cell_bytes(cfg, i, parallel, w, c, policy, training))
-
-
-def sub_cell_bytes(
-    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str = "none", training: bool = True
-) -> Tuple[float, float]:
-    """(attention, MLP / MoE): what each of layer ``i``'s two sub-cells keeps for its backward without recompute,
-    each with the norm before it and its adapters' dropout, for one micro-batch on one NPU."""
-    n = w.micro_batch_size * w.seq_len
-    t = parallel.tp
-    sp = t if parallel.sequence_parallel else 1
-    H = cfg.hidden_size
     nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
     a = norm(H, sp)  # input_layernorm
@@ -458,23 +441,22 @@ def sub_cell_bytes(
         a += scores * (4 + c)  # softmax input (float32) and probs; exp is replayed
     else:
         a += scores * (8 + c)  # float32 scores and exp, probs in compute dtype
-    m = norm(H, sp)  # post_attention_layernorm
+    a += norm(H, sp)  # post_attention_layernorm
     if cfg.is_moe_layer(i):
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        m += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
+        a += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
         b = moe_buffers(cfg, parallel, n, training)  # the dispatch as built, per device
-        m += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
-        m += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
-        m += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
-        m += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
+        a += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
+        a += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
+        a += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
+        a += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
         if cfg.n_shared_experts:
-            m += 4 * n * c * I * cfg.n_shared_experts / t
+            a += 4 * n * c * I * cfg.n_shared_experts / t
     else:
-        m += 4 * n * c * cfg.intermediate_size / t
+        a += 4 * n * c * cfg.intermediate_size / t
     if training:
-        a += lora_dropout_bytes(cfg, i, parallel, w, c, part="attention")
-        m += lora_dropout_bytes(cfg, i, parallel, w, c, part="mlp")
-    return a, m
+        a += lora_dropout_bytes(cfg, i, parallel, w, c)
+    return a
 
 
 def eval_layer_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:

@@ -298,8 +298,8 @@ def _rotary_table(mesh: Mesh) -> StyleSpec:
 def _causal_mask(mesh: Mesh) -> StyleSpec:
     # model/mla.py CausalMask (eager attention): [1, S] > [T, 1], to float32, times the mask value; replicated on every
     # device like the rotary table, so that no layer holds an operation on it
-    one = ((1, 1),)
-    return StyleSpec(prims={"later": ((one[0], one[0]), None), "cast": (one, None), "scale": ((one[0], ()), None)})
+    whole = (1, 1)
+    return StyleSpec(prims={"later": ((whole, whole), None), "cast": ((whole,), None), "scale": ((whole, ()), None)})
 
 
 def hidden_split(mesh: Mesh) -> Tuple[int, int, int]:
