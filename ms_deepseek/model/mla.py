@@ -241,10 +241,8 @@ class CausalMask(nn.Cell):
 
     Training and prefill: ``mask(T, T)``; a decode step of T tokens from position p against a cache of S rows:
     ``mask(T, S, p)`` (p may be a Tensor). Built once per forward for every layer, by named primitives the plan
-    keeps whole on every device (style ``causal_mask``, like the rotary table): under a pipeline's ``semi_auto`` the
-    scaling without a strategy split the mask, and MindSpore put the AllGathers that made it whole again inside the
-    first layer's recomputed attention, one operator every layer read, which joined all the layers into one recompute
-    region (diagnostics/compile_check.py recompute_regions; model/rope.py has the story)."""
+    keeps whole on every device (style ``causal_mask``): for the same reason as the rotary table
+    (``rope.RotaryEmbedding``), no layer's recomputed attention may hold an operation on it."""
 
     def __init__(self):
         super().__init__()

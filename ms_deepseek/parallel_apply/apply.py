@@ -246,12 +246,9 @@ def recompute_segments(path: str) -> bool:
     """Whether ``path`` is a segment "full" recompute marks: a decoder layer, ``model.layers.<i>``, with or without a
     pipeline (MindFormers and Megatron recompute whole layers too). MindSpore must then replay each layer as its own
     region, which the compile check verifies (``diagnostics/compile_check.py`` recompute_regions). Until 2026-12-04
-    the segments under a pipeline were each layer's sub-cells, on a wrong reading of level 1 (the balance loss's
-    gradient was blamed for every layer replaying at the start of the backward). The cause was one operator on
-    the shared rotary table that MindSpore placed inside every layer's recomputed attention, joining them all into
-    one region (``model/rope.py``). With it gone, level 1 of the dp8 tp1 pp2 ep8 layout of v2-lora-16npu, 4 and 3
-    layers on stages 0 and 1: 11.47 and 11.78 GiB whole-layer against 11.14 and 12.13 per sub-cell, +1.53 and +1.49
-    GiB per layer against +1.77 and +1.61 (sub-cells keep four [tokens, H] a layer, whole layers one)."""
+    a pipeline's segments were each layer's sub-cells, on a wrong reading of level 1; with one region per layer
+    whole layers keep one [tokens, H] a layer instead of four and measured lower on both stages of v2-lora-16npu
+    (docs/planner.md, "One recompute region per layer")."""
     parts = path.split(".")
     return parts[:2] == ["model", "layers"] and len(parts) == 3
 
