@@ -285,7 +285,7 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
         "parallel_mode": "semi_auto_parallel" if search_mode(parallel) == "semi_auto" else "auto_parallel",
         "search_mode": "sharding_propagation",
         "device_num": parallel.world_size,
-        "gradients_mean": True,
+        "gradients_mean": False,  # the loss is already the global mean: auto_parallel_wrap says why
         "enable_alltoall": parallel.ep > 1,
         # what each rank really reads (tp peers share rows): ((dp, 1), (dp, 1)) or "full_batch"
         "dataset_strategy": dataset_strategy(parallel),
@@ -361,7 +361,12 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
 
     wrapped = AutoParallel(top_cell, parallel_mode=search_mode(parallel))
     wrapped.dataset_strategy(dataset_strategy(parallel))  # the same rule as the context API
-    wrapped.enable_gradients_mean()
+    # No gradients mean: under (semi-)auto parallel the loss is the global batch's mean, so each rank's gradient
+    # is its share of the global gradient and the mirror's AllReduce sum is the whole of it. With the mean on, the
+    # mirror's backward multiplies that sum by 1 / replicas (mindspore/ops/_grad_experimental/grad_comm_ops.py,
+    # the mean_flag branches of the mirror operators): every replicated parameter got a fraction of its gradient
+    # while ep-split experts (no mirror) got all of theirs, found by executing the compiled ranks against one
+    # device (plan --execute). MindFormers' semi-auto recipes run with gradients_mean: False.
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")
     if parallel.pp > 1:
