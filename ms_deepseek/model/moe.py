@@ -296,9 +296,9 @@ class DeepseekV2MoE(nn.Cell):
         dropped = 1.0 - keep.mean()
         # statistics for the logs, made of values without a gradient: under a pipeline a layer's stats travel to the
         # last stage, which takes no gradient of them, so the stage that made them must not expect one (it would
-        # wait for a gradient Receive that no stage sends: found by executing v2-lora-16npu's compiled stages,
-        # plan --execute). The pieces stop the gradient, not the concat: a StopGradient cannot be a stage's border
-        # node (MindSpore's pipeline pass: "Only PipelineSplit cared node can be a border")
+        # wait for a gradient Receive that no stage sends; plan --execute runs the stages and names such a wait).
+        # The pieces stop the gradient, not the concat: a StopGradient cannot be a stage's border node
+        # (MindSpore's pipeline pass: "Only PipelineSplit cared node can be a border")
         pieces = ops.stop_gradient(ops.stack((dropped, l_exp, l_dev, l_com)))  # [4]
         stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight

@@ -364,9 +364,9 @@ def auto_parallel_wrap(top_cell, parallel: ParallelConfig, strategy_file: Option
     # No gradients mean: under (semi-)auto parallel the loss is the global batch's mean, so each rank's gradient
     # is its share of the global gradient and the mirror's AllReduce sum is the whole of it. With the mean on, the
     # mirror's backward multiplies that sum by 1 / replicas (mindspore/ops/_grad_experimental/grad_comm_ops.py,
-    # the mean_flag branches of the mirror operators): every replicated parameter got a fraction of its gradient
-    # while ep-split experts (no mirror) got all of theirs, found by executing the compiled ranks against one
-    # device (plan --execute). MindFormers' semi-auto recipes run with gradients_mean: False.
+    # the mean_flag branches of the mirror operators): every replicated parameter would get a fraction of its
+    # gradient while the ep-split experts (no mirror) get all of theirs; plan --execute compares the compiled ranks
+    # with one device and fails on it. MindFormers' semi-auto recipes run with gradients_mean: False.
     if parallel.optimizer_shard:
         wrapped.hsdp(shard_size=-1, threshold=64, optimizer_level="level1")
     if parallel.pp > 1:
