@@ -1,0 +1,616 @@
+"""The executor: MindSpore's compiled per-rank programs run on CPU, the ranks' collectives done between them.
+
+A dry-run compile (``plan --compile``) hands back each rank's compiled training step as MindIR
+(``_cell_graph_executor._get_func_graph_proto(cell, exec_id, "mind_ir")``, ``mindspore.train.mind_ir_pb2``):
+one flat list of nodes in a valid execution order for that rank, after MindSpore's parallel passes, with
+this rank's slice shapes, every collective MindSpore inserted, the backward and the optimizer update
+(``../shared/design.md`` section 9). :class:`RankProgram` decodes one such list; :func:`run_ranks` executes
+all ranks' lists together:
+
+* every computing primitive runs on MindSpore's own CPU kernel, called in PyNative with the inputs the node
+  names. Auto-generated primitives (``mindspore.ops.auto_generate.gen_ops_prim``: ``PRIMITIVE_FUNCTION`` in
+  the proto) take their former ``__init__`` arguments as trailing graph inputs (``MatMul(x, w, transpose_a,
+  transpose_b)``); older primitives (``PRIMITIVE``) take them from the primitive's attributes;
+* ``Load`` reads a parameter's current value, ``Depend`` passes its first input, ``UpdateState`` and the
+  monads are ordering only; parameters are ``Parameter`` objects, so in-place updates (``Assign``,
+  ``AssignAdd``, ``AdamWeightDecay``) land where the next step reads them;
+* our custom operators (``Custom``, ``func_type`` aot, compiled as the Ascend C ops) run on their CPU kernels
+  (:mod:`ms_deepseek.ops.cpu`), and the Ascend-only primitives on references of the same math
+  (:mod:`ms_deepseek.diagnostics.execute_refs`);
+* the communication primitives are done here, between the ranks, with MindSpore's documented semantics
+  (``mindspore.ops.AllReduce`` / ``AllGather`` / ``ReduceScatter`` / ``AlltoAll`` / ``Send`` / ``Receive``)
+  over the members each primitive carries (``group_rank_ids``; the world group when it has none).
+
+Each rank runs as a generator that yields at a collective; the scheduler resumes a group's ranks when all
+of them have arrived at the same collective (the group's n-th on each), after checking that they agree on
+the operator, shape and dtype. A rank waiting on ranks that can no longer come is a deadlock, reported with
+every waiting rank's operator and group, never a hang. Per rank the executor counts the operators run and,
+per group and kind, the collectives and the bytes they moved.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ms_deepseek.core.errors import UserError
+
+COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "_MicroStepAllGather")
+POINT_TO_POINT = ("Send", "Receive")
+
+
+class ExecutionError(UserError):
+    """A compiled program could not be executed as MindSpore would run it (names the rank and the operator)."""
+
+
+class _Monad:
+    """The ordering tokens (``U``, ``IO``, ``UpdateState``'s output): never a kernel input."""
+
+    def __repr__(self) -> str:
+        return "U"
+
+
+MONAD = _Monad()
+
+# mind_ir.proto's TensorProto.DataType -> numpy (bfloat16 read through MindSpore's own type)
+_NP_DTYPES = {
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+    17: np.float64,
+}
+
+
+def tensor_of(proto):
+    """A ``TensorProto`` (dims, data_type, raw_data) as a MindSpore Tensor."""
+    from mindspore import Tensor
+    from mindspore.common import dtype as mstype
+
+    dims = tuple(proto.dims)
+    if proto.data_type == 16:  # bfloat16: its raw bits as uint16 widened to float32
+        bits = np.frombuffer(proto.raw_data, np.uint16).astype(np.uint32) << 16
+        return Tensor(bits.view(np.float32).reshape(dims), mstype.bfloat16)
+    dtype = _NP_DTYPES.get(proto.data_type)
+    if dtype is None:
+        raise ExecutionError(f"constant tensor of MindIR data type {proto.data_type}: not supported by the executor")
+    if proto.raw_data or math.prod(dims) == 0:
+        return Tensor(np.frombuffer(proto.raw_data, dtype).reshape(dims).copy())
+    # small constants may keep their values in the typed fields instead of raw_data (mind_ir.proto TensorProto)
+    for values in (proto.float_data, proto.int32_data, proto.int64_data, proto.double_data, proto.uint64_data):
+        if len(values):
+            return Tensor(np.asarray(values, dtype).reshape(dims))
+    raise ExecutionError(f"constant tensor {proto.name!r} {list(dims)} has no data in its MindIR")
+
+
+def attribute_value(attr):
+    """An ``AttributeProto`` as a Python value (mind_ir.proto ``AttributeType``): scalars, strings, tuples and
+    lists of them, tensors, None, and the monads. A scalar nested in a tuple holds its value in ``ints[0]`` /
+    ``floats[0]``; a top-level one in ``i`` / ``f``."""
+    from mindspore.train import mind_ir_pb2 as pb
+
+    kind = pb.AttributeProto.AttributeType.Name(attr.type)
+    if kind in ("FLOAT", "DOUBLE", "FLOAT16", "BFLOAT16"):
+        if attr.floats:
+            return float(attr.floats[0])
+        if attr.doubles:
+            return float(attr.doubles[0])
+        return float(attr.f if kind != "DOUBLE" else attr.d)
+    if kind in ("UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "UINT32", "UINT64"):
+        return int(attr.ints[0]) if attr.ints else int(attr.i)
+    if kind == "BOOL":
+        return bool(attr.ints[0]) if attr.ints else bool(attr.i)
+    if kind == "STRING":
+        return (attr.strings[0] if attr.strings else attr.s).decode()
+    if kind in ("TUPLE", "LIST"):
+        values = [attribute_value(v) for v in attr.values]
+        return tuple(values) if kind == "TUPLE" else values
+    if kind == "TENSORS":
+        return tensor_of(attr.tensors[0])
+    if kind == "TENSOR":
+        return tensor_of(attr.t)
+    if kind in ("UMONAD", "IOMONAD"):
+        return MONAD
+    if kind in ("NONE", "TYPE_NULL"):
+        return None
+    if kind == "SCALAR" and attr.HasField("t"):
+        return tensor_of(attr.t)
+    raise ExecutionError(f"attribute {attr.name!r} of MindIR type {kind}: not supported by the executor")
+
+
+@dataclass
+class Node:
+    """One computing node of a rank's program: ``output = op(*inputs)``."""
+
+    output: str
+    op: str  # the primitive's op type (its class name)
+    kind: str  # "function" (auto-generated primitive), "primitive", or "builtin" (Load, Depend, ...)
+    attrs: Dict[str, object]
+    inputs: List[str]
+    scope: str = ""
+    prim_name: str = ""
+
+
+@dataclass
+class RankProgram:
+    """One rank's compiled program, decoded: constants, parameters, inputs, nodes and output."""
+
+    rank: int
+    constants: Dict[str, object]
+    parameters: Dict[str, str]  # graph name -> parameter name (the Parameter's own name)
+    inputs: List[str]
+    nodes: List[Node]
+    output: str
+
+    @classmethod
+    def from_bytes(cls, rank: int, data: bytes) -> "RankProgram":
+        from mindspore.train import mind_ir_pb2 as pb
+
+        model = pb.ModelProto()
+        model.ParseFromString(data)
+        if len(model.functions):
+            raise ExecutionError(
+                f"rank {rank}: the compiled program has {len(model.functions)} sub-functions; the executor runs "
+                "flat programs only (MindSpore inlines every sub-graph of a training step it compiles)"
+            )
+        prims = {p.name: p for p in model.primitives}
+        graph = model.graph
+        constants: Dict[str, object] = {}
+        nodes: List[Node] = []
+        for n in graph.node:
+            if n.op_type == "Constant":
+                constants[n.output[0]] = attribute_value(n.attribute[0])
+                continue
+            if not n.op_type.startswith("REF::"):
+                raise ExecutionError(f"rank {rank}: node {n.name} calls {n.op_type}, not a primitive")
+            prim = prims[n.op_type[5:]]
+            kind = pb.PrimitiveProto.PrimType.Name(prim.prim_type)
+            nodes.append(
+                Node(
+                    output=n.output[0],
+                    op=prim.op_type,
+                    kind="function" if kind == "PRIMITIVE_FUNCTION" else "primitive",
+                    attrs={a.name: _safe_attr(a) for a in prim.attribute},
+                    inputs=list(n.input),
+                    scope=n.domain or n.doc_string,
+                    prim_name=prim.instance_name,
+                )
+            )
+        parameters = {p.name: (p.ref_key or p.name.rsplit(":", 1)[-1]) for p in graph.parameter}
+        return cls(rank, constants, parameters, [i.name for i in graph.input], nodes, graph.output[0].name)
+
+
+def _safe_attr(attr):
+    try:
+        return attribute_value(attr)
+    except ExecutionError:
+        return None  # an attribute the kernels never read (e.g. a strategy of a type we do not decode)
+
+
+# ------------------------------------------------------------------------------------ kernels
+# MindSpore's scalar primitives (``mindspore/ops/operations/_sequence_ops.py``, ``gen_ops_prim``) compute on the
+# host, on Python numbers; their CPU kernels are not registered for PyNative, so they are Python here
+_SCALAR_OPS = {
+    "ScalarAdd": operator.add,
+    "AddScalar": operator.add,
+    "ScalarSub": operator.sub,
+    "SubScalar": operator.sub,
+    "ScalarMul": operator.mul,
+    "ScalarDiv": operator.truediv,
+    "ScalarFloorDiv": operator.floordiv,
+    "FloorDivScalar": operator.floordiv,
+    "ScalarMod": operator.mod,
+    "ScalarPow": operator.pow,
+    "ScalarEq": operator.eq,
+    "EqScalar": operator.eq,
+    "ScalarLt": operator.lt,
+    "LessScalar": operator.lt,
+    "ScalarGt": operator.gt,
+    "ScalarLe": operator.le,
+    "ScalarGe": operator.ge,
+    "GreaterEqualScalar": operator.ge,
+    "ScalarMax": max,
+    "ScalarMin": min,
+    "ScalarBool": bool,
+    "ScalarUsub": operator.neg,
+    "ScalarUadd": operator.pos,
+}
+
+
+def _primitive_class(name: str):
+    from mindspore.ops.auto_generate import gen_ops_prim
+    from mindspore.ops.operations import _grad_ops, _inner_ops, array_ops, comm_ops, math_ops, nn_ops, other_ops
+
+    for module in (gen_ops_prim, array_ops, math_ops, nn_ops, _grad_ops, _inner_ops, other_ops, comm_ops):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            return cls
+    from mindspore.ops import operations as P
+
+    return getattr(P, name, None)
+
+
+def _dtype_positions(op: str) -> Tuple[int, ...]:
+    """The inputs that MindIR stores as a type id (an int) where the primitive takes a MindSpore dtype: those its
+    ``__call__`` names ``dtype`` / ``dst_type`` (``Cast(input_x, dtype)``, ``SumExt(input, dim, keepdim, dtype)``)."""
+    cls = _primitive_class(op)
+    if cls is None or "__call__" not in vars(cls):
+        return ()
+    names = list(inspect.signature(cls.__call__).parameters)[1:]
+    return tuple(i for i, n in enumerate(names) if n in ("dtype", "dst_type"))
+
+
+def _with_dtypes(positions: Tuple[int, ...], args: list) -> list:
+    if not positions:
+        return args
+    from mindspore._c_expression import typing
+
+    return [typing.type_id_to_type(a) if i in positions and isinstance(a, int) else a for i, a in enumerate(args)]
+
+
+def _init_parameters(cls) -> List[str]:
+    sig = inspect.signature(cls.__init__)
+    return [p for p in list(sig.parameters)[1:] if sig.parameters[p].kind not in (inspect.Parameter.VAR_KEYWORD,)]
+
+
+class Kernels:
+    """Node -> callable on its evaluated (non-monad) inputs, built once per node."""
+
+    def __init__(self, references: Optional[Dict[str, Callable]] = None):
+        from ms_deepseek.diagnostics import execute_refs
+
+        self.references = dict(execute_refs.REFERENCES)
+        self.references.update(references or {})
+        self.cache: Dict[int, Callable] = {}
+        self.positions: Dict[str, Tuple[int, ...]] = {}
+
+    def call(self, node: Node, args: list):
+        if node.op not in self.positions:
+            self.positions[node.op] = _dtype_positions(node.op)
+        args = _with_dtypes(self.positions[node.op], args)
+        fn = self.cache.get(id(node))
+        if fn is None:
+            fn = self._build(node, args)
+            if fn is None:
+                return self._call_function(node, args)  # init arguments that are not constants
+            self.cache[id(node)] = fn
+        return fn(args)
+
+    def _build(self, node: Node, args: list) -> Optional[Callable]:
+        scalar_op = _SCALAR_OPS.get(node.op)
+        if scalar_op is not None:
+            return lambda a: _scalar_call(scalar_op, a)
+        if node.op in self.references:
+            ref = self.references[node.op]
+            return lambda a: ref(node, a)
+        cls = _primitive_class(node.op)
+        if cls is None:
+            raise ExecutionError(f"no CPU kernel or reference for {node.op} (at {node.scope or node.output})")
+        if node.kind == "function":
+            names = _init_parameters(cls)
+            k = len(names)
+            if k == 0:
+                prim = cls()
+                return lambda a: prim(*a)
+            if not all(_is_constant(x) for x in args[len(args) - k :]):
+                return None
+            prim = cls(*[_python(x) for x in args[len(args) - k :]])
+            return lambda a: prim(*a[: len(a) - k])
+        names = _init_parameters(cls)
+        kwargs = {n: node.attrs[n] for n in names if n in node.attrs and node.attrs[n] is not None}
+        try:
+            prim = cls(**kwargs)
+        except TypeError as exc:
+            raise ExecutionError(f"{node.op}: cannot build it from its attributes {sorted(kwargs)}: {exc}") from None
+        return lambda a: prim(*a)
+
+    def _call_function(self, node: Node, args: list):
+        cls = _primitive_class(node.op)
+        k = len(_init_parameters(cls))
+        prim = cls(*[_python(x) for x in args[len(args) - k :]])
+        return prim(*args[: len(args) - k])
+
+
+def _scalar_call(fn: Callable, args: list):
+    """A scalar primitive on Python numbers; on a tensor (``LessScalar(x, 256.0)``: a tensor against a scalar,
+    no CPU kernel either) elementwise in numpy, keeping the tensor's dtype for arithmetic."""
+    from mindspore import Tensor
+
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors:
+        return fn(*[_python(x) for x in args])
+    out = np.asarray(fn(*[a.asnumpy() if isinstance(a, Tensor) else a for a in args]))
+    if out.dtype != np.bool_:
+        out = out.astype(tensors[0].asnumpy().dtype)
+    return Tensor(out)
+
+
+def _is_constant(x) -> bool:
+    from mindspore import Tensor
+
+    return not isinstance(x, Tensor) or x.size == 1
+
+
+def _python(x):
+    """An init argument as the primitive's ``__init__`` takes it (a one-element tensor as a Python scalar)."""
+    from mindspore import Tensor
+
+    if isinstance(x, Tensor):
+        return x.asnumpy().item()
+    return x
+
+
+# --------------------------------------------------------------------------------- collectives
+@dataclass
+class Request:
+    """What a rank asks of the others at a communication node."""
+
+    rank: int
+    node: Node
+    value: Optional[np.ndarray]  # the input (None for Receive)
+    group: Tuple[int, ...]  # world ranks of the group, in group order
+
+
+@dataclass
+class CommStats:
+    count: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class RankStats:
+    operators: int = 0
+    comm: Dict[Tuple[str, Tuple[int, ...]], CommStats] = field(default_factory=lambda: defaultdict(CommStats))
+
+
+def group_of(node: Node, world: int) -> Tuple[int, ...]:
+    ids = node.attrs.get("group_rank_ids")
+    if ids:
+        return tuple(int(i) for i in ids)
+    ranks = node.attrs.get("group_ranks")
+    if isinstance(ranks, str) and ranks and ranks != "WORLD_GROUP":
+        return tuple(int(i) for i in ranks.split("-"))
+    return tuple(range(world))
+
+
+def _collective(kind: str, node: Node, values: List[np.ndarray]) -> List[np.ndarray]:
+    """MindSpore's semantics (``mindspore/ops/operations/comm_ops.py`` docstrings): the group's inputs in group
+    order -> each member's output."""
+    n = len(values)
+    if kind == "AllReduce":
+        op = node.attrs.get("op", "sum")
+        reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}.get(op)
+        if reduce is None:
+            raise ExecutionError(f"AllReduce with op {op!r}: not supported")
+        total = values[0].copy()
+        for v in values[1:]:
+            total = reduce(total, v)
+        return [total] * n
+    if kind in ("AllGather", "_MicroStepAllGather"):
+        return [np.concatenate(values, axis=0)] * n
+    if kind == "ReduceScatter":
+        total = values[0].copy()
+        for v in values[1:]:
+            total = total + v
+        return list(np.split(total, n, axis=0))
+    if kind == "AlltoAll":
+        split, concat = int(node.attrs["split_dim"]), int(node.attrs["concat_dim"])
+        chunks = [np.split(v, n, axis=split) for v in values]
+        return [np.concatenate([chunks[i][j] for i in range(n)], axis=concat) for j in range(n)]
+    if kind == "Broadcast":
+        root = int(node.attrs.get("root_rank", 0))
+        return [values[root]] * n
+    raise ExecutionError(f"collective {kind}: not supported")
+
+
+# ------------------------------------------------------------------------------------- running
+def _compute(program: RankProgram, node: Node, raw: list, kernels: Kernels):
+    """One computing node's output from its evaluated inputs."""
+    from mindspore import Tensor
+
+    op = node.op
+    if op == "Load":  # the parameter's value now (a copy: a later in-place update must not change it)
+        return Tensor(raw[0].asnumpy()) if isinstance(raw[0], Tensor) else raw[0]
+    if op == "Depend":
+        return raw[0]
+    if op == "UpdateState":
+        return MONAD
+    if op == "MakeTuple":
+        return tuple(raw)
+    if op == "TupleGetItem":
+        return raw[0][int(_python(raw[1]))]
+    args = [a for a in raw if a is not MONAD]
+    try:
+        return kernels.call(node, args)
+    except ExecutionError:
+        raise
+    except Exception as exc:  # MindSpore's kernel refused the inputs: name the node
+        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExecutionError(
+            f"rank {program.rank}: {node.op} at {node.scope or node.output} failed on inputs {shapes}: {first}"
+        ) from None
+
+
+class _Rank:
+    """One rank's execution state: its values, the nodes not yet run, and the order its communication must keep.
+
+    A rank runs like a device with communication streams: a node runs once its inputs exist (the graph's data
+    and monad edges carry every ordering MindSpore keeps), so a ``Receive`` that waits does not stop the nodes
+    that do not need it (a 1F1B stage sends its next forward while the previous backward's gradient is on its
+    way). Collectives of one group, and point-to-point messages of one peer and tag, keep the program's order,
+    as HCCL pairs them by issue order."""
+
+    def __init__(self, program: RankProgram, env: Dict[str, object], stats: RankStats):
+        self.program, self.env, self.stats = program, env, stats
+        self.pending: List[Node] = list(program.nodes)
+        self.posted: Dict[int, "Request"] = {}  # id(node) -> its request, while it waits
+        # per group: the collectives in program order; the next one is the only one this rank may post
+        self.next_of_group: Dict[Tuple[int, ...], List[int]] = defaultdict(list)
+
+    def value(self, name: str):
+        if name in self.env:
+            return self.env[name]
+        return self.program.constants[name]
+
+    def ready(self, node: Node) -> bool:
+        return all(i in self.env or i in self.program.constants for i in node.inputs)
+
+
+def run_ranks(
+    programs: Sequence[RankProgram],
+    envs: Sequence[Dict[str, object]],
+    world: int,
+    kernels: Optional[Kernels] = None,
+    stats: Optional[Dict[int, RankStats]] = None,
+) -> Dict[int, object]:
+    """Run every rank's program once (one training step); returns rank -> the program's output. ``envs``: per
+    rank, the graph's inputs and parameters by their graph names (Parameters for the parameters); each rank's
+    computed values are added to its env."""
+    import mindspore as ms
+
+    ms.runtime.launch_blocking()  # a kernel's error belongs to its node, not to a later host read
+    kernels = kernels or Kernels()
+    stats = stats if stats is not None else {}
+    ranks: Dict[int, _Rank] = {}
+    for program, env in zip(programs, envs):
+        stats.setdefault(program.rank, RankStats())
+        ranks[program.rank] = _Rank(program, env, stats[program.rank])
+        for node in program.nodes:
+            if node.op in COLLECTIVES:
+                ranks[program.rank].next_of_group[group_of(node, world)].append(id(node))
+    messages: Dict[Tuple[int, int, int], List[np.ndarray]] = defaultdict(list)  # (src, dst, tag) -> queue
+    arrivals: Dict[Tuple[Tuple[int, ...], int], Dict[int, Request]] = {}
+    issued: Dict[Tuple[int, Tuple[int, ...]], int] = defaultdict(int)  # (rank, group) -> collectives posted
+
+    def finish(rank: _Rank, node: Node, out) -> None:
+        rank.env[node.output] = out
+        rank.stats.operators += 1
+
+    while any(r.pending for r in ranks.values()):
+        progressed = False
+        for rank in ranks.values():
+            still: List[Node] = []
+            for node in rank.pending:
+                if node.output in rank.env:  # a collective completed since the last pass
+                    progressed = True
+                    continue
+                if id(node) in rank.posted or not rank.ready(node):
+                    still.append(node)
+                    continue
+                op = node.op
+                if op in COLLECTIVES:
+                    group = group_of(node, world)
+                    if rank.next_of_group[group][0] != id(node):  # an earlier collective of its group first
+                        still.append(node)
+                        continue
+                    rank.next_of_group[group].pop(0)
+                    req = _request(rank, node, world)
+                    key = (group, issued[(rank.program.rank, group)])
+                    issued[(rank.program.rank, group)] += 1
+                    arrivals.setdefault(key, {})[rank.program.rank] = req
+                    rank.posted[id(node)] = req
+                    still.append(node)
+                elif op == "Send":
+                    req = _request(rank, node, world)
+                    # dest_rank / src_rank index the primitive's group (the world group under a pipeline)
+                    dst = group_of(node, world)[int(node.attrs.get("dest_rank", 0))]
+                    messages[(rank.program.rank, dst, int(node.attrs.get("sr_tag", 0)))].append(req.value)
+                    _count(rank, node, world, req.value)
+                    finish(rank, node, None)
+                elif op == "Receive":
+                    src = group_of(node, world)[int(node.attrs.get("src_rank", 0))]
+                    queue = messages.get((src, rank.program.rank, int(node.attrs.get("sr_tag", 0))))
+                    if not queue:
+                        still.append(node)
+                        continue
+                    value = queue.pop(0)
+                    _count(rank, node, world, None)
+                    from mindspore import Tensor
+
+                    finish(rank, node, Tensor(value))
+                else:
+                    finish(rank, node, _compute(rank.program, node, [rank.value(i) for i in node.inputs], kernels))
+                progressed = True
+            rank.pending = still
+        for key in [k for k, v in arrivals.items() if set(v) == set(k[0])]:
+            members = arrivals.pop(key)
+            _check_agree(members)
+            group = key[0]
+            first = members[group[0]].node
+            outputs = _collective(first.op, first, [members[r].value for r in group])
+            from mindspore import Tensor
+
+            for r, out in zip(group, outputs):
+                req = members[r]
+                rank = ranks[r]
+                del rank.posted[id(req.node)]
+                _count(rank, req.node, world, req.value)
+                finish(rank, req.node, Tensor(out))
+            progressed = True
+        if not progressed:
+            waiting = {
+                r.program.rank: next(iter(r.posted.values()), None) or _request(r, r.pending[0], world, value=False)
+                for r in ranks.values()
+                if r.pending
+            }
+            done = [r.program.rank for r in ranks.values() if not r.pending]
+            raise ExecutionError(_deadlock(waiting, done))
+    return {r: rank.env[rank.program.output] for r, rank in ranks.items()}
+
+
+def _request(rank: _Rank, node: Node, world: int, value: bool = True) -> Request:
+    from mindspore import Tensor
+
+    args = [rank.value(i) for i in node.inputs if i in rank.env or i in rank.program.constants] if value else []
+    args = [a for a in args if a is not MONAD]
+    x = args[0].asnumpy() if args and isinstance(args[0], Tensor) else None
+    return Request(rank.program.rank, node, x, group_of(node, world))
+
+
+def _count(rank: _Rank, node: Node, world: int, value: Optional[np.ndarray]) -> None:
+    entry = rank.stats.comm[(node.op, group_of(node, world))]
+    entry.count += 1
+    entry.bytes += 0 if value is None else value.nbytes
+
+
+def _check_agree(members: Dict[int, Request]) -> None:
+    ranks = sorted(members)
+    first = members[ranks[0]]
+    for r in ranks[1:]:
+        other = members[r]
+        same_op = other.node.op == first.node.op
+        same_shape = first.node.op == "AlltoAll" or first.value is None or other.value.shape == first.value.shape
+        same_dtype = first.value is None or other.value.dtype == first.value.dtype
+        if not (same_op and same_shape and same_dtype):
+            raise ExecutionError(
+                f"ranks {ranks[0]} and {r} disagree at their collective over group {sorted(members)}: rank "
+                f"{ranks[0]} {first.node.op} {_desc(first.value)} at {first.node.scope or first.node.output}, rank {r} "
+                f"{other.node.op} {_desc(other.value)} at {other.node.scope or other.node.output}"
+            )
+
+
+def _desc(value: Optional[np.ndarray]) -> str:
+    return "" if value is None else f"{list(value.shape)} {value.dtype}"
+
+
+def _deadlock(waiting: Dict[int, Request], done: List[int]) -> str:
+    text = "; ".join(
+        f"rank {r} at {req.node.op} over {list(req.group)} ({req.node.scope or req.node.output})"
+        for r, req in sorted(waiting.items())
+    )
+    return f"deadlock: {text}" + (f"; finished: ranks {sorted(done)}" if done else "")

@@ -1,0 +1,135 @@
+"""The executor's scheduler and collectives (ms_deepseek.diagnostics.execute) on hand-built rank programs.
+
+Each collective is checked against the result written out independently (numpy on the whole tensor), with
+ranks of different group orders; the scheduler runs ranks that reach their collectives in different orders,
+pairs Send / Receive, and names both ranks of a disagreement and every waiting rank of a deadlock instead of
+hanging.
+"""
+
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from ms_deepseek.diagnostics import execute as ex
+
+
+def _node(out, kind, inputs, **attrs):
+    return ex.Node(output=out, op=kind, kind="primitive", attrs=attrs, inputs=list(inputs), scope=f"test/{kind}")
+
+
+def _program(rank, nodes, output):
+    return ex.RankProgram(rank, {}, {}, ["x"], nodes, output)
+
+
+def _run(programs, inputs, world):
+    envs = [{"x": Tensor(v)} for v in inputs]
+    out = ex.run_ranks(programs, envs, world)
+    return {r: (v.asnumpy() if hasattr(v, "asnumpy") else v) for r, v in out.items()}
+
+
+def test_all_reduce_sum_and_max_over_their_groups():
+    rng = np.random.RandomState(0)
+    xs = [rng.randn(3, 4).astype(np.float32) for _ in range(4)]
+    progs = [
+        _program(r, [_node("y", "AllReduce", ["x"], op="sum", group_rank_ids=(r % 2, r % 2 + 2))], "y")
+        for r in range(4)
+    ]
+    out = _run(progs, xs, 4)
+    for r in range(4):
+        np.testing.assert_allclose(out[r], xs[r % 2] + xs[r % 2 + 2], rtol=1e-6)
+    progs = [_program(r, [_node("y", "AllReduce", ["x"], op="max")], "y") for r in range(4)]  # world group
+    out = _run(progs, xs, 4)
+    np.testing.assert_array_equal(out[3], np.max(np.stack(xs), axis=0))
+
+
+def test_all_gather_reduce_scatter_and_all_to_all_match_the_whole_tensor():
+    rng = np.random.RandomState(1)
+    xs = [rng.randn(4, 6).astype(np.float32) for _ in range(2)]
+    group = (1, 0)  # group order is not rank order: rank 1 is member 0
+    gather = [_program(r, [_node("y", "AllGather", ["x"], group_rank_ids=group)], "y") for r in range(2)]
+    out = _run(gather, xs, 2)
+    np.testing.assert_array_equal(out[0], np.concatenate([xs[1], xs[0]]))
+    scatter = [_program(r, [_node("y", "ReduceScatter", ["x"], op="sum", group_rank_ids=group)], "y") for r in range(2)]
+    out = _run(scatter, xs, 2)
+    total = xs[0] + xs[1]
+    np.testing.assert_allclose(out[1], total[:2], rtol=1e-6)  # member 0 takes the first part
+    np.testing.assert_allclose(out[0], total[2:], rtol=1e-6)
+    a2a = [
+        _program(
+            r, [_node("y", "AlltoAll", ["x"], split_dim=1, concat_dim=0, split_count=2, group_rank_ids=(0, 1))], "y"
+        )
+        for r in range(2)
+    ]
+    out = _run(a2a, xs, 2)
+    # member j receives every member's j-th block of columns, stacked along rows in member order
+    for j in range(2):
+        np.testing.assert_array_equal(
+            out[j], np.concatenate([xs[0][:, 3 * j : 3 * j + 3], xs[1][:, 3 * j : 3 * j + 3]])
+        )
+
+
+def test_ranks_reaching_collectives_in_another_order_and_send_receive_pairs():
+    x = [np.full((2,), r + 1.0, np.float32) for r in range(3)]
+    # rank 0: AllReduce over (0, 1) then over (0, 2); rank 2 reaches (0, 2) at once; rank 1 sends to rank 2 first
+    p0 = _program(
+        0,
+        [
+            _node("a", "AllReduce", ["x"], op="sum", group_rank_ids=(0, 1)),
+            _node("b", "AllReduce", ["a"], op="sum", group_rank_ids=(0, 2)),
+        ],
+        "b",
+    )
+    p1 = _program(
+        1,
+        [
+            _node("s", "Send", ["x"], sr_tag=7, dest_rank=1, group_rank_ids=(1, 2)),
+            _node("a", "AllReduce", ["x"], op="sum", group_rank_ids=(0, 1)),
+        ],
+        "a",
+    )
+    p2 = _program(
+        2,
+        [
+            _node("r", "Receive", [], sr_tag=7, src_rank=0, group_rank_ids=(1, 2)),
+            _node("b", "AllReduce", ["r"], op="sum", group_rank_ids=(0, 2)),
+        ],
+        "b",
+    )
+    out = _run([p0, p1, p2], x, 3)
+    np.testing.assert_array_equal(out[1], [3.0, 3.0])  # 1 + 2
+    np.testing.assert_array_equal(out[0], [5.0, 5.0])  # (1 + 2) + rank 1's 2 received by rank 2
+    np.testing.assert_array_equal(out[2], out[0])
+
+
+def test_a_rank_that_never_arrives_is_a_named_deadlock_not_a_hang():
+    p0 = _program(0, [_node("y", "AllReduce", ["x"], op="sum", group_rank_ids=(0, 1))], "y")
+    p1 = _program(1, [], "x")
+    with pytest.raises(ex.ExecutionError, match=r"deadlock: rank 0 at AllReduce over \[0, 1\].*finished: ranks \[1\]"):
+        _run([p0, p1], [np.ones(2, np.float32)] * 2, 2)
+
+
+def test_members_that_disagree_on_the_shape_are_named():
+    progs = [_program(r, [_node("y", "AllReduce", ["x"], op="sum", group_rank_ids=(0, 1))], "y") for r in range(2)]
+    with pytest.raises(
+        ex.ExecutionError, match=r"ranks 0 and 1 disagree .* rank 0 AllReduce \[2\] float32.* rank 1 AllReduce \[3\]"
+    ):
+        _run(progs, [np.ones(2, np.float32), np.ones(3, np.float32)], 2)
+
+
+def test_compute_nodes_run_mindspore_kernels_and_scalar_primitives():
+    node = ex.Node("y", "Mul", "function", {}, ["x", "x"])
+    scalar = ex.Node("z", "ScalarMul", "function", {}, ["n", "n"])
+    less = ex.Node("w", "LessScalar", "function", {}, ["x", "two"])
+    prog = ex.RankProgram(0, {"n": 3, "two": 2.0}, {}, ["x"], [node, scalar, less], "y")
+    env = {"x": Tensor(np.array([1.0, 2.0, 3.0], np.float32))}
+    ex.run_ranks([prog], [env], 1)
+    np.testing.assert_array_equal(env["y"].asnumpy(), [1.0, 4.0, 9.0])
+    assert env["z"] == 9
+    np.testing.assert_array_equal(env["w"].asnumpy(), [True, False, False])
+
+
+def test_a_kernel_failure_names_the_rank_operator_and_scope():
+    node = ex.Node("y", "MatMul", "function", {}, ["x", "x", "f", "f"], scope="model/layers.0/MatMul-op3")
+    prog = ex.RankProgram(0, {"f": False}, {}, ["x"], [node], "y")
+    with pytest.raises(ex.ExecutionError, match=r"rank 0: MatMul at model/layers.0/MatMul-op3 failed on inputs"):
+        ex.run_ranks([prog], [{"x": Tensor(np.ones((2, 3), np.float32))}], 1)
