@@ -99,6 +99,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="with --memory: the largest |planner / MindSpore - 1| on what both count (default 0.10)",
     )
+    x = parser.add_argument_group(
+        "execute (with --recipe): every rank's compiled program run on CPU against one device"
+    )
+    x.add_argument(
+        "--execute",
+        action="store_true",
+        help="compile every rank of a reduced copy of the recipe (its own parallel settings, each degree above 1 "
+        "cut to 2, at most 3 pipeline stages, a narrow float32 model; it says which), run all ranks' compiled "
+        "programs on CPU for --steps optimizer steps with the collectives done between them, and compare "
+        "each step's loss, gradient norm, learning rate and every parameter and optimizer state of every rank "
+        "with the same reduced model trained on one device; exit 1 at the first difference (named: step, rank, "
+        "tensor). Also --cann, --keep",
+    )
+    x.add_argument(
+        "--steps",
+        type=positive_int_at_most(8, "optimizer steps executed"),
+        default=None,
+        metavar="N",
+        help="with --execute: optimizer steps to run and compare (default 2)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -341,10 +361,26 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--memory: only with --compile (MindSpore's level-1 dry run of the recipe's step)")
     if args.tolerance != 0.10 and not args.memory:
         raise UserError("--tolerance: only with --compile --memory")
+    if args.steps is not None and not args.execute:
+        raise UserError("--steps: only with --execute")
+    if args.execute:
+        if not args.recipe:
+            raise UserError("--execute: needs --recipe RECIPE (the recipe whose ranks are executed)")
+        for flag, on in (("compile", args.compile), ("simulate", args.simulate), ("memory", args.memory)):
+            if on:
+                raise UserError(f"--execute and --{flag}: one at a time")
+        for flag in ("layers", "micro_batches"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')}: not with --execute (it chooses its own reduction)")
+        if args.ranks != "default" or args.no_eval:
+            raise UserError(
+                f"--{'ranks' if args.ranks != 'default' else 'no-eval'}: not with --execute (every rank runs)"
+            )
+        return _execute(args, hw)
     if not args.compile:
         for flag in ("layers", "cann", "keep"):
             if getattr(args, flag) is not None:
-                raise UserError(f"--{flag}: only with --compile")
+                raise UserError(f"--{flag}: only with --compile or --execute")
         if args.ranks != "default" or args.no_eval:
             raise UserError(f"--{'ranks' if args.ranks != 'default' else 'no-eval'}: only with --compile")
     if args.compile:
@@ -576,6 +612,32 @@ def _compile(args, hw) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(cc.format_report(report))
+    return 0 if report.ok else 1
+
+
+def _execute(args, hw) -> int:
+    """``--execute``: every rank's compiled program of the reduced recipe run on CPU against one device."""
+    from ms_deepseek.diagnostics import execute_check as ec
+
+    result, recipe, _ = _check_recipe(args, hw)
+    _refuse_invalid(result)
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None and keep.exists() and not keep.is_dir():
+        raise UserError(f"--keep: {keep} exists and is not a folder")
+    say = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = ec.execute_recipe(
+        args.recipe,
+        recipe,
+        list(args.overrides) + _recipe_overrides(args),
+        steps=args.steps or 2,
+        cann=args.cann or os.environ.get("ASCEND_HOME_PATH"),
+        work=keep,
+        progress=say,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(ec.format_report(report))
     return 0 if report.ok else 1
 
 

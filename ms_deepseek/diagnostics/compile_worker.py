@@ -175,6 +175,57 @@ class CompileOnlyTrainer(Trainer):
         shape = (self.k * self.rows, self.seq_len)
         self.step_cell(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
 
+    def export_program(self, folder: Path) -> Dict[str, object]:
+        """``plan --execute``: this rank's compiled training step and its starting values, for the CPU executor
+        (:mod:`ms_deepseek.diagnostics.execute`). Compiles the step as :meth:`compile_train` does but keeps the
+        ``exec_id`` MindSpore's executor returns (``Cell.compile`` drops it), then reads this rank's slices of
+        the weights folder as a sharded run does before step 1 (``parallelism.Sharded.prepare_restore``: the
+        optimizer's cut from the compiled layouts, ``converter.load_slices``), initialises what the trainer
+        leaves to MindSpore (optimizer moments, accumulation buffers, counters: ``Cell.init_parameters_data``)
+        and writes ``train.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: design.md section 9),
+        ``values.safetensors`` (every parameter of the graph, as this rank holds it before step 1) and
+        ``program.json`` (each parameter's compiled layout and optimizer-shard part)."""
+        from mindspore import Tensor
+        from mindspore.common.api import _cell_graph_executor
+        from safetensors.numpy import save_file
+
+        from ms_deepseek.parallel_apply import compiled_check as cc
+
+        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
+        zeros = Tensor(np.zeros(shape, np.int32))
+        exec_id, _ = _cell_graph_executor.compile(self.step_cell, zeros, zeros, phase="train")
+        program = _cell_graph_executor._get_func_graph_proto(self.step_cell, exec_id, "mind_ir")
+        (folder / "train.mindir").write_bytes(program)
+        layouts = cc.compiled_layouts(self.step_cell) or {}
+        parts = {}
+        if self.par.optimizer_shard:
+            from ms_deepseek.checkpoint.opt_shard import OptimizerShards
+
+            self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
+            parts = {
+                n: [self.opt_shards.group_rank(g), self.opt_shards.group_size(g)]
+                for n, g in self.opt_shards.groups.items()
+            }
+        self.resume_dir = None
+        self.converter.load_slices(self, self._layout())
+        values = {}
+        for param in self.step_cell.get_parameters():
+            if param.has_init:
+                param.init_data()
+            values[param.name] = param.asnumpy()
+        save_file({n: np.ascontiguousarray(v) for n, v in values.items()}, str(folder / "values.safetensors"))
+        entries = {
+            name: {
+                "layout": [list(e) if isinstance(e, (list, tuple)) else e for e in entry[:7]],
+                "part": parts.get(name),
+            }
+            for name, entry in layouts.items()
+        }
+        (folder / "program.json").write_text(
+            json.dumps({"rank": self.rank, "input_shape": list(shape), "parameters": entries}, indent=1)
+        )
+        return {"nodes": len(program), "parameters": len(values)}
+
     def compile_eval(self) -> None:
         """Compile the validation graph as the trainer's first validation would (one micro-batch)."""
         from mindspore import Tensor
@@ -234,7 +285,9 @@ def run(request_path: str) -> int:
             result["graphs"]["setup"] = {"ok": False, **describe_failure(e)}
         else:
             result["stage"] = trainer.rank // (trainer.par.dp * trainer.par.tp)
-            if _graph(result, "train", trainer.compile_train):
+            if request.get("execute"):
+                _graph(result, "export", lambda: trainer.export_program(out))
+            elif _graph(result, "train", trainer.compile_train):
                 if request.get("memory"):
                     _graph(result, "step", trainer.run_step)
                 elif request.get("eval", True):

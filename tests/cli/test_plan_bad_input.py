@@ -119,6 +119,15 @@ LORA16 = str(RECIPES / "v2-lora-16npu.yaml")
             ["--layers", "more than the model's 27 layers"],
         ),
         (["--recipe", SFT8, "--compile", "--memory", "--ranks", "9"], ["--ranks", "outside the world of 8 ranks"]),
+        # plan --execute (refused before any compile)
+        (["--model", "tiny", "--execute"], ["--execute: needs --recipe"]),
+        (["--recipe", SFT8, "--steps", "2"], ["--steps: only with --execute"]),
+        (["--recipe", SFT8, "--execute", "--steps", "0"], ["--steps"]),
+        (["--recipe", SFT8, "--execute", "--steps", "99"], ["--steps"]),
+        (["--recipe", SFT8, "--execute", "--compile"], ["--execute and --compile"]),
+        (["--recipe", SFT8, "--execute", "--layers", "2"], ["--layers: not with --execute"]),
+        (["--recipe", SFT8, "--execute", "--ranks", "0"], ["--ranks: not with --execute"]),
+        (["--recipe", SFT8, "--execute", "--dp", "3", "--ep", "1"], ["parallel", "multiple of 8", "= 3"]),
     ],
 )
 def test_plan_compile_bad_input(capsys, argv, names):

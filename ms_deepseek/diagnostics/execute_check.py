@@ -1,0 +1,617 @@
+"""``plan --recipe R --execute``: every rank's compiled program run on CPU and compared with one device.
+
+A compile (``plan --compile``) proves that MindSpore accepts the recipe's layout; it does not prove that the
+sharded step computes the numbers of the same step on one device. Here, for a reduced copy of the recipe:
+
+1. **The reduction** (:func:`reduce_recipe`): the recipe's own parallel settings (optimizer sharding,
+   accumulation or pipeline micro-batches, recompute, sequence parallelism, vocabulary split, flash attention,
+   LoRA targets, quantized base), each degree above 1 cut to 2 (a pipeline of 4 or more stages to 4: a first, two
+   middle and a last stage; MindSpore compiles 1, 2, 4 or a multiple of 8 devices, ``device_manager.cc``
+   CheckDeviceConfig), expert replicas kept when the recipe has them and the world stays within 8 ranks (dp = 2 x
+   ep), the model cut in width
+   and depth (:func:`reduced_config`, one MoE layer per stage), float32 compute and master weights, no token
+   dropped (``capacity_factor`` null: a dropped token depends on where each side's capacity falls, not on the
+   math), LoRA dropout off (MindSpore draws other masks on another device count), the embedded corpus at a
+   short sequence. It says which it used.
+2. **The programs**: every rank compiled under MindSpore's dry run (:mod:`.compile_worker`, ``execute`` request)
+   reading its slices of one random float32 checkpoint as a sharded run does before step 1; each hands back its
+   compiled MindIR, its starting values and its parameters' compiled layouts.
+3. **The batches**: each rank's inputs from the product's loader (``data.dataset.build_train_dataset`` with the
+   rank's ``parallel_plan.ranks.data_coordinates``), and the global batch one device sees assembled from them:
+   micro-batch ``i`` is every data slice's micro-batch ``i``, in slice order (MindSpore's view of a
+   data-parallel input: ``_utils.py`` ``_to_full_tensor``).
+4. **One device** (:mod:`.execute_reference`): the product's single-device run of the reduced recipe on those
+   global batches, from the same checkpoint.
+5. **The execution** (:mod:`.execute`): all ranks' programs on CPU for ``steps`` optimizer steps, the
+   collectives done between them. Then, per step, the loss vector and gradient norm of every rank that computes
+   them, and every parameter, optimizer state and counter each rank holds against the slice of the one-device
+   value that the rank's compiled layout names (``mindspore.parallel._tensor`` ``_get_tensor_slice_index``:
+   device matrix and tensor map, then the parallel optimizer's part ``np.split(slice, size)[index]``). The
+   starting values are compared too: a rank that read the wrong slice fails before any step.
+
+Tolerances are relative to the largest magnitude of the one-device tensor (float32; different reduction
+orders differ in the last bits, and Adam's first steps turn a near-zero gradient's rounding into a full
+``lr``-sized move, so the tolerance on updated tensors is stated separately from the loss's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ms_deepseek.core.errors import UserError
+
+LOSS_TOLERANCE = 1e-5  # relative, on the loss vector, the gradient norm and the learning rate
+VALUE_TOLERANCE = 1e-4  # relative to the whole tensor's largest magnitude, on optimizer states and counters
+# Adam's update m / (sqrt(v) + eps) turns a gradient element near zero (|g| ~ eps) into a move of up to lr whose
+# size depends on the last bits of g: a weight may differ by that much more (a fraction of the learning rates
+# applied so far) without any difference in the math
+ADAM_LR_FRACTION = 0.25
+SEQ_LEN = 64
+MAX_RANKS = 8  # the reduced world keeps expert replicas only within this many ranks
+WORKER_TIMEOUT_S = 1800
+
+
+# ------------------------------------------------------------------------------------- reduction
+@dataclass
+class ExecReduction:
+    """The reduced copy of a recipe that ``--execute`` runs (every value one of the recipe's own or said here)."""
+
+    layout: Dict[str, int]  # dp, tp, pp, ep, micro_batches
+    accumulation: int  # grad_accum_steps (pp == 1)
+    layers: int
+    stage_layers: Optional[List[int]]
+    config: Dict[str, object]  # the reduced model's widths
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.layout["dp"] * self.layout["tp"] * self.layout["pp"]
+
+    def describe(self) -> str:
+        lay = self.layout
+        k = lay["micro_batches"] if lay["pp"] > 1 else self.accumulation
+        what = "pipeline micro-batches" if lay["pp"] > 1 else "accumulation steps"
+        return (
+            f"dp{lay['dp']} tp{lay['tp']} pp{lay['pp']} ep{lay['ep']} ({self.world} ranks), {self.layers} layers"
+            + (f" (stages {'+'.join(map(str, self.stage_layers))})" if self.stage_layers else "")
+            + f", {k} {what}, hidden {self.config['hidden_size']}, {self.config['num_attention_heads']} heads, "
+            f"{self.config.get('n_routed_experts') or 0} routed experts, vocab {self.config['vocab_size']}, "
+            f"seq {SEQ_LEN}, float32"
+        )
+
+
+def _cut(degree: int) -> int:
+    return 1 if degree == 1 else 2
+
+
+def reduce_recipe(recipe) -> ExecReduction:
+    """The layout and model ``--execute`` runs for ``recipe`` (module docstring, 1)."""
+    from ms_deepseek.diagnostics.compile_check import Reduction
+
+    par, cfg = recipe.parallel, recipe.model_config
+    ep, tp = _cut(par.ep), _cut(par.tp)
+    pp = 1 if par.pp == 1 else (2 if par.pp < 4 else 4)
+    dp = max(_cut(par.dp), ep)
+    if par.dp > par.ep > 1 and 2 * dp * tp * pp <= MAX_RANKS:
+        dp *= 2  # the recipe's experts have data-parallel replicas: so do the reduced ones
+    world = dp * tp * pp
+    if not (world in (1, 2, 4) or world % 8 == 0):  # MindSpore's rule (frontend/parallel/device_manager.cc)
+        raise UserError(f"--execute: the reduced layout has {world} ranks; MindSpore needs 1, 2, 4 or a multiple of 8")
+    layout = {"dp": dp, "tp": tp, "pp": pp, "ep": ep}
+    layout["micro_batches"] = pp + 1 if pp > 1 else 1
+    accumulation = min(recipe.train.grad_accum_steps, 2) if pp == 1 else 1
+    dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if cfg.has_moe else 0
+    layers = dense + (max(pp, 2) if cfg.has_moe else max(pp, 2))
+    split = Reduction(layers, cfg.num_hidden_layers, 1, 1, "micro_batches", pp=pp, dense_layers=dense).stage_layers
+    config = reduced_config(cfg, tp=tp, ep=ep, layers=layers, world=dp * tp * pp)
+    notes = [
+        "float32 compute and master weights",
+        "no token dropped (capacity_factor null on both sides)",
+        "the embedded corpus at seq_len 64, pretrain packing",
+    ]
+    if recipe.lora is not None:
+        notes.append("LoRA dropout off on both sides (each device count draws its own masks)")
+    return ExecReduction(layout, accumulation, layers, split, config, notes)
+
+
+def reduced_config(cfg, tp: int, ep: int, layers: int, world: int) -> Dict[str, object]:
+    """The recipe's architecture (MLA with or without q compression, YaRN, routing method, shared experts,
+    balance losses) at a width every degree divides: heads 2 x tp, experts a multiple of ep and of the routing
+    groups with each group able to fill the top-k, vocabulary a multiple of the world."""
+    heads = 2 * tp
+    out: Dict[str, object] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48 if cfg.q_lora_rank else None,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_hidden_layers": layers,
+        "vocab_size": 256 * max(1, math.ceil(world / 8)) * 2,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+    if cfg.has_moe:
+        groups = cfg.n_group if cfg.topk_method == "group_limited_greedy" and cfg.n_group else 1
+        topk = cfg.num_experts_per_tok
+        per_group = max(2, math.ceil(topk / (cfg.topk_group or 1))) if groups > 1 else 1
+        experts = math.lcm(ep, groups) * max(
+            1, math.ceil(max(2 * ep, groups * per_group, topk + 2) / math.lcm(ep, groups))
+        )
+        out.update({"n_routed_experts": experts, "moe_intermediate_size": 32})
+    return out
+
+
+def _overrides(red: ExecReduction, weights: Path, recipe) -> List[str]:
+    from ms_deepseek.diagnostics.compile_check import stage_layers_setting
+
+    sets = [f"parallel.{k}={v}" for k, v in red.layout.items()]
+    sets += [
+        "parallel.expert_placement=null",
+        stage_layers_setting(red.stage_layers),
+        f"train.grad_accum_steps={red.accumulation}",
+        f"model.source={weights}",
+        "model.overrides.compute_dtype=float32",
+        "model.overrides.param_dtype=float32",
+        "model.overrides.capacity_factor=null",
+        "model.overrides.eval_capacity_factor=null",
+        "data.path=null",
+        "data.validation=null",
+        "train.eval_interval=0",
+        "data.format=pretrain",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.embedded_vocab_size={red.config['vocab_size']}",
+        "parallel.reserve_memory=false",
+    ]
+    # the reduced widths as overrides too: a recipe's own overrides would otherwise win over the folder's config
+    sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in red.config.items()]
+    if recipe.lora is not None:
+        sets.append("lora.dropout=0.0")
+    if recipe.quant is not None:
+        sets.append("quant.group_size=16")
+    return sets
+
+
+def _single_device(recipe) -> List[str]:
+    """The same run on one device: the global micro-batch (dp x b) per accumulation step, no sharding."""
+    par = recipe.parallel
+    k = par.micro_batches if par.pp > 1 else recipe.train.grad_accum_steps
+    return [
+        "parallel.dp=1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.ep=1",
+        "parallel.micro_batches=1",
+        "parallel.stage_layers=null",
+        "parallel.optimizer_shard=false",
+        "parallel.sequence_parallel=false",
+        "parallel.recompute=none",
+        f"train.micro_batch_size={par.dp * recipe.train.micro_batch_size}",
+        f"train.grad_accum_steps={k}",
+        "train.mode=graph",
+        "model.overrides.use_flash_attention=false",
+    ]
+
+
+# ----------------------------------------------------------------------------------------- batches
+def rank_batches(recipe, steps: int) -> Tuple[Dict[int, List[Tuple[np.ndarray, np.ndarray]]], List[Tuple]]:
+    """(rank -> per step its ``[k * rows, T]`` inputs and labels from the product's loader, per step the global
+    ``[k * dp * b, T]`` pair one device reads: micro-batch ``i`` is every data slice's micro-batch ``i``)."""
+    from ms_deepseek.data.dataset import build_train_dataset
+    from ms_deepseek.parallel_plan.ranks import data_coordinates
+
+    par, cfg = recipe.parallel, recipe.model_config
+    k = par.micro_batches if par.pp > 1 else recipe.train.grad_accum_steps
+    mb = recipe.train.micro_batch_size
+    coords = {rank: data_coordinates(rank, par, mb) for rank in range(par.world_size)}
+    slices = {c[1] for c in coords.values()}.pop()
+    read: Dict[int, List[Dict]] = {}
+    for data_rank, world, rows in sorted(set(coords.values())):
+        ds = build_train_dataset(
+            recipe.data,
+            rows,
+            data_rank,
+            world,
+            max_positions=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            progress=False,
+            static_shapes=True,
+        )
+        it = iter(ds)
+        read[data_rank] = [next(it) for _ in range(steps * k)]
+    per_rank = {}
+    for rank, (data_rank, _, _) in coords.items():
+        parts = read[data_rank]
+        per_rank[rank] = [
+            (
+                np.concatenate([p["input_ids"] for p in parts[s * k : (s + 1) * k]]).astype(np.int32),
+                np.concatenate([p["labels"] for p in parts[s * k : (s + 1) * k]]).astype(np.int32),
+            )
+            for s in range(steps)
+        ]
+    global_steps = []
+    for s in range(steps):
+        micro = [[read[d][s * k + i] for d in range(slices)] for i in range(k)]
+        ids = np.concatenate([p["input_ids"] for group in micro for p in group]).astype(np.int32)
+        labels = np.concatenate([p["labels"] for group in micro for p in group]).astype(np.int32)
+        global_steps.append((ids, labels))
+    return per_rank, global_steps
+
+
+# ------------------------------------------------------------------------------------------ slices
+def slice_for_rank(full: np.ndarray, entry: Dict, rank: int, stage_size: int) -> np.ndarray:
+    """What a rank holds of ``full`` by its compiled layout (``parameter_layout_dict``: device matrix, tensor map;
+    ``part`` [index, size] of the parallel optimizer), as MindSpore's ``_load_tensor_by_layout`` cuts it for the
+    rank's position in its stage (``mindspore/parallel/_tensor.py``)."""
+    from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
+
+    dev_mat, tensor_map = entry["layout"][0], entry["layout"][1]
+    value = full
+    if tensor_map:
+        strategy = _get_tensor_strategy(dev_mat, tensor_map)
+        index = int(_get_tensor_slice_index(dev_mat, strategy, tensor_map, rank % stage_size))
+        chunks = [value]
+        for axis, n in enumerate(strategy):  # row-major over the split axes, as _chunk_tensor_by_strategy
+            chunks = [c for block in chunks for c in np.split(block, n, axis=axis)]
+        value = chunks[index]
+    part = entry.get("part")
+    if part:
+        index, size = part
+        value = np.split(value, size, axis=0)[index]
+    return value
+
+
+# ----------------------------------------------------------------------------------------- running
+@dataclass
+class Difference:
+    step: int
+    rank: int
+    name: str
+    rel: float
+    detail: str = ""
+
+
+@dataclass
+class ExecReport:
+    recipe: str
+    layout: str
+    reduction: ExecReduction
+    steps: int
+    ok: bool = False
+    error: str = ""
+    losses: List[List[float]] = field(default_factory=list)  # per step: one device, then sharded
+    grad_norms: List[List[float]] = field(default_factory=list)
+    largest: Optional[Difference] = None  # the largest difference found, within or not
+    first_failure: Optional[Difference] = None
+    compared: int = 0
+    comm: Dict[str, Dict[str, float]] = field(default_factory=dict)  # "Kind ranks" -> {count, mb} per step
+    operators: Dict[int, int] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)
+    work: Optional[str] = None
+
+    def to_dict(self) -> Dict:
+        return {
+            "recipe": self.recipe,
+            "layout": self.layout,
+            "reduction": self.reduction.describe(),
+            "notes": self.reduction.notes,
+            "world_size": self.reduction.world,
+            "steps": self.steps,
+            "agrees": self.ok,
+            "error": self.error,
+            "loss": self.losses,
+            "grad_norm": self.grad_norms,
+            "compared": self.compared,
+            "largest_difference": dataclasses.asdict(self.largest) if self.largest else None,
+            "first_failure": dataclasses.asdict(self.first_failure) if self.first_failure else None,
+            "communication_per_step": self.comm,
+            "operators_per_step": {str(k): v for k, v in self.operators.items()},
+            "seconds": self.seconds,
+            "work": self.work,
+        }
+
+
+def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path, jobs: int, say) -> None:
+    """Every rank's program from a compile worker, ``jobs`` at a time."""
+    from ms_deepseek.diagnostics.compile_check import compile_environment
+
+    queue = list(range(world))
+    running: Dict[int, Tuple[subprocess.Popen, object]] = {}
+    failed: List[str] = []
+    while queue or running:
+        while queue and len(running) < jobs:
+            rank = queue.pop(0)
+            folder = work / f"rank_{rank:05d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            request = folder / "request.json"
+            request.write_text(
+                json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "execute": True})
+            )
+            env, _ = compile_environment(rank, world, cann, folder / "ir")
+            for key in ("MS_DEV_SAVE_GRAPHS", "MS_DEV_DUMP_IR_PASSES", "MS_DEV_SAVE_GRAPHS_PATH"):
+                env.pop(key, None)
+            log = open(folder / "worker.log", "wb")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
+                cwd=folder,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            running[rank] = (proc, log)
+            say(f"compiling rank {rank} of {world} ...")
+        for rank, (proc, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[rank]
+            failed += _worker_failure(work / f"rank_{rank:05d}", rank)
+        time.sleep(0.2)
+    if failed:
+        raise UserError(failed[0])
+
+
+def _worker_failure(folder: Path, rank: int) -> List[str]:
+    result = folder / "result.json"
+    if not result.is_file():
+        tail = (folder / "worker.log").read_text(errors="replace").strip().splitlines()[-3:]
+        return [f"rank {rank}: the compile worker died: {' | '.join(tail)} (log: {folder / 'worker.log'})"]
+    graphs = json.loads(result.read_text()).get("graphs", {})
+    for name, g in graphs.items():
+        if not g.get("ok"):
+            where = f" at {g['where']}" if g.get("where") else ""
+            return [f"rank {rank} {name}: {g.get('error', '')}{where} (log: {folder / 'worker.log'})"]
+    return []
+
+
+def _reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path) -> Dict:
+    folder = work / "one_device"
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for s, (ids, labels) in enumerate(batches, start=1):
+        arrays[f"ids_{s}"], arrays[f"labels_{s}"] = ids, labels
+    np.savez(folder / "batches.npz", **arrays)
+    request = folder / "request.json"
+    request.write_text(json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "steps": steps}))
+    env = dict(os.environ)
+    for key in ("MS_SIMULATION_LEVEL", "RANK_SIZE", "RANK_ID", "MS_WORKER_NUM", "MS_ROLE", "MS_DEEPSEEK_DEVICE"):
+        env.pop(key, None)
+    env["MS_DEEPSEEK_DEVICE"] = "CPU"
+    env.setdefault("GLOG_v", "3")
+    with open(folder / "reference.log", "wb") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ms_deepseek.diagnostics.execute_reference", str(request)],
+            cwd=folder,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=WORKER_TIMEOUT_S,
+        )
+    if proc.returncode != 0 or not (folder / "result.json").is_file():
+        tail = (folder / "reference.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise UserError(f"the one-device run failed: {' | '.join(tail)} (log: {folder / 'reference.log'})")
+    return json.loads((folder / "result.json").read_text())
+
+
+def _rel(a: np.ndarray, b: np.ndarray, scale: Optional[float] = None) -> float:
+    """max |a - b| over the largest magnitude of ``b`` (or ``scale``: the whole tensor's, for a slice)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return math.inf
+    if a.size == 0:
+        return 0.0
+    if scale is None:
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / max(scale, 1e-30)
+
+
+def execute_recipe(
+    recipe_path: str,
+    recipe,
+    user_overrides: List[str],
+    steps: int = 2,
+    cann: Optional[str] = None,
+    work: Optional[Path] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    jobs: int = 2,
+    planted: Optional[Callable] = None,
+) -> ExecReport:
+    """Run the recipe's reduced layout rank by rank and compare it with one device (module docstring).
+    ``planted(program_env_hook)``: a test's mistake applied to the executed ranks (see tests)."""
+    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.config.recipe import load_recipe, planning_config_path
+
+    say = progress or (lambda msg: None)
+    red = reduce_recipe(recipe)
+    own = work is None
+    work = Path(tempfile.mkdtemp(prefix="ms-deepseek-execute-")) if own else Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    report = ExecReport(recipe_path, recipe.parallel.describe(), red, steps, work=str(work))
+    clock = time.time()
+    base = dataclasses.replace(recipe.model_config, **red.config)
+    weights = write_random_checkpoint(work / "weights", base, dtype="float32", seed=recipe.train.seed)
+    overrides = list(user_overrides) + _overrides(red, weights, recipe)
+    reduced = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
+    if reduced.parallel.world_size != red.world:
+        raise UserError(f"--execute: the reduced layout has {reduced.parallel.world_size} ranks, expected {red.world}")
+    per_rank, global_batches = rank_batches(reduced, steps)
+    report.seconds["setup"] = round(time.time() - clock, 1)
+    clock = time.time()
+    _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
+    report.seconds["compile"] = round(time.time() - clock, 1)
+    clock = time.time()
+    say(f"training the same {steps} steps on one device ...")
+    one = _reference(recipe_path, overrides + _single_device(reduced), global_batches, steps, work)
+    report.seconds["one_device"] = round(time.time() - clock, 1)
+    clock = time.time()
+    say(f"executing the {red.world} ranks' programs on CPU ...")
+    _execute_and_compare(report, reduced, work, per_rank, one, steps, planted)
+    report.seconds["execute"] = round(time.time() - clock, 1)
+    if own and report.ok:
+        shutil.rmtree(work, ignore_errors=True)
+        report.work = None
+    return report
+
+
+def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: Dict, steps: int, planted) -> None:
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+    from safetensors.numpy import load_file
+
+    from ms_deepseek.diagnostics import execute as ex
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    par = recipe.parallel
+    world = par.world_size
+    stage_size = par.dp * par.tp
+    programs, envs, metas = [], [], []
+    for rank in range(world):
+        folder = work / "ranks" / f"rank_{rank:05d}"
+        program = ex.RankProgram.from_bytes(rank, (folder / "train.mindir").read_bytes())
+        values = load_file(str(folder / "values.safetensors"))
+        meta = json.loads((folder / "program.json").read_text())
+        env = {g: Parameter(Tensor(values[name]), name=name) for g, name in program.parameters.items()}
+        programs.append(program)
+        envs.append(env)
+        metas.append(meta)
+    if planted is not None:
+        planted(programs, envs, metas)
+    last_stage = [r for r in range(world) if r // stage_size == par.pp - 1]
+    ref0 = load_file(str(work / "one_device" / "values_0.safetensors"))
+    _compare_values(report, 0, programs, envs, metas, ref0, stage_size)
+    kernels = ex.Kernels()
+    lr_applied = 0.0
+    for step in range(1, steps + 1):
+        if report.first_failure is not None:
+            break
+        for rank, (program, env) in enumerate(zip(programs, envs)):
+            ids, labels = per_rank[rank][step - 1]
+            env[program.inputs[0]], env[program.inputs[1]] = Tensor(ids), Tensor(labels)
+        stats: Dict[int, ex.RankStats] = {}
+        try:
+            outputs = ex.run_ranks(programs, [dict(e) for e in envs], world, kernels, stats)
+        except ex.ExecutionError as exc:
+            report.error = str(exc)
+            return
+        if step == 1:
+            _communication(report, stats)
+        expected = one["steps"][step - 1]
+        lr_applied += expected["lr"]
+        for rank in last_stage:
+            vec, norm = outputs[rank][0].asnumpy(), float(outputs[rank][1].asnumpy())
+            _note(
+                report,
+                Difference(step, rank, "loss vector", _rel(vec, np.asarray(expected["outputs"]))),
+                LOSS_TOLERANCE,
+            )
+            _note(report, Difference(step, rank, "gradient norm", _rel(norm, expected["grad_norm"])), LOSS_TOLERANCE)
+        for rank in range(world):
+            lr = float(outputs[rank][2].asnumpy())
+            _note(report, Difference(step, rank, "learning rate", _rel(lr, expected["lr"])), LOSS_TOLERANCE)
+        first = outputs[last_stage[0]]
+        report.losses.append([expected["outputs"][1], float(first[0].asnumpy()[1])])
+        report.grad_norms.append([expected["grad_norm"], float(first[1].asnumpy())])
+        ref = load_file(str(work / "one_device" / f"values_{step}.safetensors"))
+        _compare_values(report, step, programs, envs, metas, ref, stage_size, lr_applied)
+    report.ok = not report.error and report.first_failure is None and report.compared > 0
+
+
+def _compare_values(report, step, programs, envs, metas, ref, stage_size, lr_applied: float = 0.0) -> None:
+    """Every tensor a rank holds against its slice of the one-device value: starting values within
+    ``LOSS_TOLERANCE``, optimizer states and counters within ``VALUE_TOLERANCE`` of the whole tensor's largest
+    magnitude, trained weights within that plus ``ADAM_LR_FRACTION`` of the learning rates applied so far."""
+    for program, env, meta in zip(programs, envs, metas):
+        for graph_name, name in program.parameters.items():
+            if name not in ref or name.endswith(".expert_placement"):
+                # MindSpore's own buffers (accu_grads, the accumulation's) have no one-device value; the expert
+                # placement table is the layout's (identity on one device): a wrong one shows in the loss
+                continue
+            entry = meta["parameters"].get(name, {"layout": [[], [], [], 0, True, "", []], "part": None})
+            full = ref[name]
+            expected = slice_for_rank(full, entry, program.rank, stage_size)
+            got = env[graph_name].asnumpy()
+            scale = float(np.max(np.abs(full))) if full.size else 0.0
+            report.compared += 1
+            tolerance = VALUE_TOLERANCE
+            if step == 0:
+                tolerance = LOSS_TOLERANCE
+            elif f"adam_m.{name}" in ref:  # a trained weight
+                tolerance += ADAM_LR_FRACTION * lr_applied / max(scale, 1e-30)
+            detail = "" if got.shape == expected.shape else f"shape {list(got.shape)} against {list(expected.shape)}"
+            rel = _rel(got, expected, scale)
+            if os.environ.get("MS_DEEPSEEK_EXECUTE_TRACE"):
+                print(f"step {step} rank {program.rank} {name} {rel:.2e} {tolerance:.1e}", file=sys.stderr)
+            _note(report, Difference(step, program.rank, name, rel, detail), tolerance)
+
+
+def _note(report: ExecReport, diff: Difference, tolerance: float) -> None:
+    if report.largest is None or diff.rel > report.largest.rel:
+        report.largest = diff
+    if diff.rel > tolerance and report.first_failure is None:
+        report.first_failure = diff
+
+
+def _communication(report: ExecReport, stats) -> None:
+    """Per kind and group: collectives and MiB per step, summed over the group's members' inputs."""
+    for rank_stats in stats.values():
+        for (kind, group), c in rank_stats.comm.items():
+            key = f"{kind} [{','.join(map(str, group))}]"
+            entry = report.comm.setdefault(key, {"count": 0, "mb": 0.0})
+            entry["count"] += c.count
+            entry["mb"] = round(entry["mb"] + c.bytes / 2**20, 4)
+        report.operators = {r: s.operators for r, s in stats.items()}
+
+
+def format_report(report: ExecReport) -> str:
+    lines = [
+        f"execute {report.recipe}: {report.layout}; reduced to {report.reduction.describe()}",
+        "  " + "; ".join(report.reduction.notes),
+    ]
+    for i, (loss, norm) in enumerate(zip(report.losses, report.grad_norms), start=1):
+        lines.append(
+            f"  step {i}: loss one device {loss[0]:.7f}, sharded {loss[1]:.7f}; "
+            f"gradient norm {norm[0]:.7g} / {norm[1]:.7g}"
+        )
+    if report.comm:
+        lines.append("  communication per step (all ranks' inputs, per group):")
+        for key, c in sorted(report.comm.items()):
+            lines.append(f"    {key}: {c['count']} collectives, {c['mb']:.3f} MiB")
+    if report.operators:
+        lines.append(f"  operators per step: {sum(report.operators.values())} over {len(report.operators)} ranks")
+    if report.largest is not None:
+        d = report.largest
+        lines.append(
+            f"  largest difference: {d.rel:.2e} (step {d.step}, rank {d.rank}, {d.name}); {report.compared} tensors compared"
+        )
+    timing = ", ".join(f"{k} {v:.0f} s" for k, v in report.seconds.items())
+    lines.append(f"  time: {timing}")
+    if report.error:
+        lines.append(f"FAILED: {report.error}")
+    elif report.first_failure is not None:
+        d = report.first_failure
+        lines.append(
+            f"DIFFERS: step {d.step}, rank {d.rank}: {d.name} differs from one device by {d.rel:.2e} of its largest "
+            f"magnitude{' (' + d.detail + ')' if d.detail else ''}"
+        )
+    else:
+        lines.append(
+            f"agrees with one device within {LOSS_TOLERANCE:g} (loss, gradient norm) and {VALUE_TOLERANCE:g} (values)"
+        )
+    if report.work:
+        lines.append(f"  kept: {report.work}")
+    return "\n".join(lines)

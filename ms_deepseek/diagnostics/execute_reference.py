@@ -1,0 +1,64 @@
+"""The single-device side of ``plan --execute``: the reduced recipe trained on one CPU device by the product.
+
+Run by :mod:`ms_deepseek.diagnostics.execute_check` as ``python -m ms_deepseek.diagnostics.execute_reference
+REQUEST.json`` in a plain CPU process. It builds the trainer's own one-device run of the recipe (the
+:class:`ms_deepseek.train.trainer.Trainer` phases: the model read from the weights folder, the model converter,
+the plan, our AdamW and the compiled step in graph mode) and feeds it the global batches the ranks read
+(``batches.npz``: per step ``[k * global rows, T]`` input ids and labels, micro-batch-major). Before the first step
+and after every step it writes every parameter of the step (model, optimizer state, counters) to
+``values_<step>.safetensors``, and the step's outputs (the loss vector, gradient norm, learning rate) to
+``result.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def run(request_path: str) -> int:
+    from mindspore import Tensor
+    from safetensors.numpy import save_file
+
+    from ms_deepseek.config.recipe import load_recipe
+    from ms_deepseek.train.trainer import Trainer
+
+    request = json.loads(Path(request_path).read_text())
+    out = Path(request_path).parent
+    recipe = load_recipe(request["recipe"], request["overrides"])
+    trainer = Trainer(recipe, out / "run", None, True, False, None)
+    trainer._check_layout()
+    trainer._setup_run()
+    trainer._build_data()
+    trainer._build_model()
+    trainer._build_step()
+    trainer._restore()
+    batches = np.load(out / "batches.npz")
+
+    def dump(step: int) -> None:
+        values = {p.name: np.ascontiguousarray(p.asnumpy()) for p in trainer.step_cell.get_parameters()}
+        save_file(values, str(out / f"values_{step}.safetensors"))
+
+    dump(0)
+    steps = []
+    for step in range(1, int(request["steps"]) + 1):
+        trainer.converter.before_step(trainer.model, recipe.train.seed, step, 0)
+        ids, labels = batches[f"ids_{step}"], batches[f"labels_{step}"]
+        outputs, grad_norm, lr, _, _ = trainer.step_cell(Tensor(ids), Tensor(labels))
+        steps.append(
+            {
+                "outputs": outputs.asnumpy().astype(float).tolist(),
+                "grad_norm": float(grad_norm.asnumpy()),
+                "lr": float(lr.asnumpy()),
+            }
+        )
+        dump(step)
+    (out / "result.json").write_text(json.dumps({"steps": steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1]))
