@@ -210,7 +210,7 @@ def test_public_cells_pick_the_ascend_kernels(ascend_ops):
 
     assert ExpertLookup(8, 2).impl.kind == "ascend"
     assert FP32Softmax().impl.kind == "ascend"
-    assert FP32Softmax(float32_input=True).impl.kind == "builtin"  # the router's: MindSpore's own Softmax
+    assert FP32Softmax(float32_input=True).impl.kind == "builtin"  # router, attention: MindSpore's Softmax
     assert RepetitionPenalty().impl.kind == "ascend"
 
 
