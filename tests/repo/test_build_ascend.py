@@ -93,6 +93,10 @@ def test_build_and_reinstall(tmp_path, layout):
     }
     # ... and its kernel entry (opInterface.value), the extern "C" function of that file
     assert {t: info[t]["opInterface"]["value"] for t in OP_TYPES} == {t: info[t]["opFile"]["value"] for t in OP_TYPES}
+    # the compile check's ops-info (ms_deepseek.ops.opdef, read from the same sources) is the installed one
+    from ms_deepseek.ops import opdef
+
+    assert opdef.all_op_info(REPO / "ops") == info
     assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
