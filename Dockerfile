@@ -5,14 +5,18 @@
 #   docker run --rm -it --device=/dev/davinci0 ... --device=/dev/davinci7 \
 #     --device=/dev/davinci_manager --device=/dev/devmm_svm --device=/dev/hisi_hdc \
 #     -v /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro \
-#     -v /usr/local/sbin/npu-smi:/usr/local/sbin/npu-smi:ro -v /usr/local/dcmi:/usr/local/dcmi:ro \
+#     -v "$(command -v npu-smi)":/usr/local/bin/npu-smi:ro -v /usr/local/dcmi:/usr/local/dcmi:ro \
 #     -v /etc/ascend_install.info:/etc/ascend_install.info:ro -v /etc/hccn.conf:/etc/hccn.conf:ro \
 #     -v /data/runs:/workspace/runs --network=host --shm-size=64g \
 #     ms-deepseek:ascend doctor --level 8
 #
 # npu-smi in the container needs the host's DCMI library (/usr/local/dcmi) and
-# /etc/ascend_install.info as well as the driver (cann-container-image README, "setup
-# environment using container").
+# /etc/ascend_install.info as well as the driver (cann-container-image README, "Usage").
+# Hosts install npu-smi as /usr/local/sbin/npu-smi or /usr/local/bin/npu-smi (the README
+# mounts the latter); a bind mount of the one the host lacks gives the container an empty
+# folder there. `command -v npu-smi` (run as root: its PATH has both) names the one this host
+# has, mounted on the container's PATH; with none the mount spec is empty and docker refuses
+# to start. The entrypoint warns when npu-smi in the container is a folder.
 #
 # CANN_IMAGE: a CANN base image for 910B with the CANN release MindSpore 2.9.0 is built
 # for (CANN 9.0.0, driver/firmware 26.0.RC1 on the host; `ms-deepseek doctor` checks

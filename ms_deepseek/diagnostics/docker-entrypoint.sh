@@ -40,13 +40,37 @@ bisheng="${ASCEND_HOME_PATH:-/nonexistent}/share/info/ascendnpu-ir/bin/set_env.s
 if [ -f "$bisheng" ]; then
   source_env "$bisheng"
 fi
+# NNAL (ATB): the image sources nnal/atb/set_env.sh with no option, which picks cxx_abi_1 when
+# python3 has no torch (cann/ascend-transformer-boost scripts/set_env.sh, get_cxx_abi_option), and
+# its ENV sets ATB_HOME_PATH=.../atb/cxx_abi_1 with that folder's lib on LD_LIBRARY_PATH. Ours asks
+# for cxx_abi_0: MindSpore 2.9.0's ATB kernels (lib/plugin/ascend/libmindspore_atb_kernels.so and
+# libmindspore_pyboost_atb_kernels.so, both linking libatb.so) use the pre-C++11 library ABI only
+# (std::string as `Ss`, no std::__cxx11 symbol: nm -D), the ABI of cxx_abi_0's libatb.so. The
+# image's cxx_abi_1 folders are then dropped from LD_LIBRARY_PATH and PATH, so the loader cannot
+# pick that libatb.so first.
+without_cxx_abi_1() {  # $1 = a colon-separated path list
+  printf '%s' "$1" | tr ':' '\n' | { grep -v '/cxx_abi_1\(/\|$\)' || true; } | paste -sd: -
+}
 nnal="${CANN_NNAL_SET_ENV:-/usr/local/Ascend/nnal/atb/set_env.sh}"
 if [ -f "$nnal" ]; then
   source_env "$nnal" --cxx_abi=0
+  LD_LIBRARY_PATH="$(without_cxx_abi_1 "${LD_LIBRARY_PATH:-}")"
+  PATH="$(without_cxx_abi_1 "$PATH")"
+  export LD_LIBRARY_PATH PATH
 fi
 for lib in /usr/local/Ascend/driver/lib64/driver /usr/local/Ascend/driver/lib64/common /usr/local/Ascend/driver/lib64; do
   if [ -d "$lib" ] && [[ ":${LD_LIBRARY_PATH:-}:" != *":$lib:"* ]]; then
     export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+done
+
+# The run line mounts the host's npu-smi (Dockerfile header); a bind mount of a path the host does
+# not have (/usr/local/sbin/npu-smi on some hosts, /usr/local/bin/npu-smi on others) leaves an empty
+# folder in the container, and doctor would only say that npu-smi failed.
+IFS=: read -r -a path_dirs <<< "$PATH"
+for dir in "${path_dirs[@]}"; do
+  if [ -n "$dir" ] && [ -d "$dir/npu-smi" ]; then
+    echo "ms-deepseek entrypoint: warning: $dir/npu-smi is a folder, not npu-smi: the host has no npu-smi at that path (mount \"\$(command -v npu-smi)\" from the host, as the Dockerfile's run line does)" >&2
   fi
 done
 

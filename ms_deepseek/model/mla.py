@@ -6,7 +6,7 @@ Shapes (B batch, T query length, S key length, nh heads):
   kv_b_proj(kv_a_layernorm(c_kv)) -> per head [k_nope (qk_nope) | v (v_head)]
 
 Primitives (for the parallel plan): ``qk_bmm`` (q @ k^T), ``pv_bmm`` (probs @ v),
-``softmax`` (FP32Softmax op), plus the Linear cells' ``matmul``; with
+``softmax`` (FP32Softmax: ops.Softmax on Ascend, see ``MLAttention.__init__``), plus the Linear cells' ``matmul``; with
 ``use_flash_attention`` (Ascend only) the causal full-sequence path is one
 ``flash_attention`` (FlashAttentionScore) primitive instead, the same math fused. Every other
 operation on a per-head tensor is a primitive attribute too (``to_heads``, ``head_slice``,
@@ -78,7 +78,17 @@ class MLAttention(nn.Cell):
         self.k_rotary = RotaryApply()  # k_pe [B, T, rope], shared by the heads
         self.qk_bmm = ops.BatchMatMul(transpose_b=True)
         self.pv_bmm = ops.BatchMatMul()
-        self.softmax = FP32Softmax(out_dtype=cdt)
+        # The scores arrive in float32 (score_cast before the scale and the mask; the absorbed decode path
+        # too), so on Ascend this is MindSpore's own Softmax, as the router's (FP32Softmax's doc), not our
+        # Ascend C kernel: the kernel's one gain, 16-bit input computed in float32, does not apply (both
+        # compute in float32); MindSpore's Softmax differentiates into one fused SoftmaxBackward op
+        # (grad_nn_ops.cc, REG_BPROP_BUILDER("Softmax")), where the custom op's backward is four built-in
+        # ops over the [B, nh, T, S] float32 scores (ops/ascend.py, FP32SoftmaxAscend); at S = 4096 a UB
+        # tile of the kernel holds two rows (fp32_softmax_tiling_logic.h), too few for its one SoftMax API
+        # call per tile to gain from normalising many rows per vector instruction. MindFormers' training
+        # attention does the same: a float32 cast, then P.Softmax (parallel_core/training_graph/transformer/
+        # fused_softmax.py). On CPU the kernel stays: more accurate than MindSpore's CPU Softmax.
+        self.softmax = FP32Softmax(out_dtype=cdt, float32_input=True)
         self.use_flash_attention = cfg.use_flash_attention
         if cfg.use_flash_attention:
             from mindspore.ops.operations.nn_ops import FlashAttentionScore, PadV3

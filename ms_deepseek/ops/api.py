@@ -73,7 +73,8 @@ class FP32Softmax(nn.Cell):
 
     Accepts float32 / float16 / bfloat16 input; differentiable.
 
-    ``float32_input=True`` (the caller only ever passes float32, e.g. the router's logits): on
+    ``float32_input=True`` (the caller only ever passes float32: the router's logits, the attention
+    scores, see ``ms_deepseek.model.mla.MLAttention.__init__`` for the evidence): on
     Ascend the op is CANN's own Softmax (``ops.Softmax``, ``impl.kind == "builtin"``), since the
     kernel's only gain there, computing 16-bit inputs in float32, does not apply; on CPU the
     kernel stays, measurably more accurate than MindSpore's CPU Softmax

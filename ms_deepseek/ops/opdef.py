@@ -77,8 +77,11 @@ def op_info(source: Path) -> Dict[str, Dict]:
             entry["attr"] = {"list": ",".join(a for a, _ in attrs)}
             for a, t in attrs:
                 entry[f"attr_{a}"] = {"type": _ATTR_TYPES.get(t, t.lower()), "value": "all", "paramType": "required"}
+        # the kernel file and its entry, as the OpDef names them (opFile.value, opInterface.value)
         op_file = re.search(r'"opFile\.value"\s*,\s*"(\w+)"', body)
         entry["opFile"] = {"value": op_file.group(1) if op_file else source.stem}
+        op_intf = re.search(r'"opInterface\.value"\s*,\s*"(\w+)"', body)
+        entry["opInterface"] = {"value": op_intf.group(1) if op_intf else entry["opFile"]["value"]}
         out[name] = entry
     return out
 

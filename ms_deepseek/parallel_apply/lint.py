@@ -241,7 +241,7 @@ def _attention_edges() -> List[Edge]:
     edges += [
         Edge(a + "q_a_proj.matmul", 0, a + "q_b_proj.matmul", 0, requires=a + "q_a_proj.matmul"),
         Edge(a + "kv_a_proj_with_mqa.matmul", 0, a + "kv_b_proj.matmul", 0, requires=a + "kv_b_proj.matmul"),
-        # eager attention: scores -> fp32 softmax (custom op) -> probabilities @ v -> o_proj
+        # eager attention: scores -> fp32 softmax (FP32Softmax) -> probabilities @ v -> o_proj
         Edge(a + "kv_b_proj.matmul", 0, a + "qk_bmm", 1, "rows_to_heads", requires=a + "qk_bmm"),
         Edge(a + "kv_b_proj.matmul", 0, a + "pv_bmm", 1, "rows_to_heads", requires=a + "pv_bmm"),
         Edge(a + "qk_bmm", 0, a + "softmax.impl.op", 0, requires=a + "qk_bmm"),

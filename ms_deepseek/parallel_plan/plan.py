@@ -73,7 +73,7 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.self_attn.pv_bmm": "head_bmm",
     "model.layers.*.self_attn.flash_attention": "flash_attention",
     "model.layers.*.self_attn.pad_head_op": "head_pad",
-    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",  # FP32Softmax custom op
+    "model.layers.*.self_attn.softmax.impl.op": "head_softmax",  # FP32Softmax (ops.Softmax on Ascend)
     "model.layers.*.mlp.gate.softmax.impl.op": "row_softmax",  # the router's FP32Softmax (ops.Softmax on Ascend)
     "model.layers.*.mlp.gate_proj": "colwise",
     "model.layers.*.mlp.up_proj": "colwise",
@@ -510,7 +510,8 @@ def _head_pad(mesh: Mesh) -> StyleSpec:
 
 def _head_softmax(mesh: Mesh) -> StyleSpec:
     dp, tp = mesh.dp, mesh.tp
-    # FP32Softmax (ops.Custom) on scores [B, nh, T, S]: like the score matmul, the softmax axis whole.
+    # FP32Softmax on scores [B, nh, T, S] (ops.Custom; on Ascend ops.Softmax, float32 scores): like the score
+    # matmul, the softmax axis whole.
     return StyleSpec(prims={"": (((dp, tp, 1, 1),), None)}, is_primitive=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from npu_cases import PENALTY_IDS_STREAMED, SOFTMAX_SHORT_LAST_TILE
 from repo_paths import REPO
 
 pytestmark = pytest.mark.ascend
@@ -95,7 +96,11 @@ def _lookup_numpy(ids, placement, experts_per_rank, capacity):
 
 
 @in_child
-@pytest.mark.parametrize("shape", [(4, 7), (3, 64, 203), (2, 100003)])  # the last one uses column tiles
+# (2, 100003) uses column tiles; SOFTMAX_SHORT_LAST_TILE reach a row tile shorter than rows_per_tile,
+# where the SoftMax API re-derives its split on the device (tests/helpers/npu_cases.py)
+@pytest.mark.parametrize(
+    "shape", [(4, 7), (3, 64, 203), (2, 100003), *SOFTMAX_SHORT_LAST_TILE], ids=lambda s: "x".join(map(str, s))
+)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
     import mindspore as ms
@@ -107,6 +112,18 @@ def test_fp32_softmax_on_npu(ascend_ops, shape, dtype):
     y = cell(xt).asnumpy()
     want = _softmax64(xt.astype(ms.float32).asnumpy())
     np.testing.assert_allclose(y, want, rtol=2e-5, atol=1e-9)
+
+
+@in_child
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0)], ids=lambda s: "x".join(map(str, s)))
+def test_fp32_softmax_empty_on_npu(ascend_ops, shape):
+    """No rows or no columns: the kernel returns before Init (no zero-length InitBuffer)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    y = ascend_ops.FP32SoftmaxAscend()(Tensor(np.zeros(shape, np.float32))).asnumpy()
+    assert y.shape == shape and y.dtype == np.float32
+    assert ms.get_context("device_target") == "Ascend"
 
 
 @in_child
@@ -166,7 +183,8 @@ def test_expert_lookup_on_npu(ascend_ops, g, t, k, e, e_local, capacity):
 
 
 @in_child
-@pytest.mark.parametrize("b, v, length", [(1, 102400, 4096), (3, 97, 11), (2, 50, 200)])
+# PENALTY_IDS_STREAMED: more ids per row than one UB load, streamed for every tile (tests/helpers/npu_cases.py)
+@pytest.mark.parametrize("b, v, length", [(1, 102400, 4096), (3, 97, 11), (2, 50, 200), *PENALTY_IDS_STREAMED])
 def test_repetition_penalty_on_npu(ascend_ops, b, v, length):
     from mindspore import Tensor
 
@@ -192,7 +210,7 @@ def test_public_cells_pick_the_ascend_kernels(ascend_ops):
 
     assert ExpertLookup(8, 2).impl.kind == "ascend"
     assert FP32Softmax().impl.kind == "ascend"
-    assert FP32Softmax(float32_input=True).impl.kind == "builtin"  # the router's: MindSpore's own Softmax
+    assert FP32Softmax(float32_input=True).impl.kind == "builtin"  # router, attention: MindSpore's Softmax
     assert RepetitionPenalty().impl.kind == "ascend"
 
 

@@ -24,8 +24,11 @@ cmake/util/preset_parse.py CMakePresets.json)`` with no ``set -e``, then the bui
 (real: cmake + ``func.cmake`` calling ``cmake/util/ascendc_*.py``), so a missing or
 dangling helper fails the build with python's own "can't open file" and no package. The
 "compiler" (``ascendc_bin_param_build.py`` here) reads the staged ``op_host/*.cpp`` OpDef
-registrations (an explicit ``opFile.value`` is required and ``op_kernel/<opFile>.cpp`` must
-exist, see COMPILE) and writes a ``.run`` installer that lays out what MindSpore's loader reads
+registrations as the real opbuild runs them (see COMPILE): comments stripped, for the SoC being
+built the config object that its ``AddConfig("<soc>", <config>)`` call passes (``AddConfig("<soc>")``
+alone carries no ``ExtendCfgInfo``), an explicit ``opFile.value`` and ``opInterface.value`` in it,
+``op_kernel/<opFile>.cpp`` present and defining the kernel entry ``<opInterface>`` (the name the
+compiler renames per tiling key). It writes a ``.run`` installer that lays out what MindSpore's loader reads
 (``ops/operations/_custom_ops_utils.py``, ``CustomInfoGenerator``):
 ``op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`` and
 ``op_api/include/aclnn_<op>.h``, for the SoC of ``ASCEND_COMPUTE_UNIT`` in the presets. The
@@ -71,23 +74,47 @@ if not os.environ.get("ASCEND_HOME_PATH"):
     sys.exit("error: CANN environment not set")
 DTYPES = {"DT_FLOAT": "float32", "DT_FLOAT16": "float16", "DT_BF16": "bfloat16", "DT_INT32": "int32",
           "DT_INT64": "int64"}
+def code(path):
+    # what the C++ compiler sees: no comments (opbuild compiles and runs the OpDef registrations)
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", path.read_text(), flags=re.S)
+def config_for(body, soc):
+    """None when the OpDef registers no config for soc; else the ExtendCfgInfo of the config object
+    passed to AddConfig(soc, <config>) ({} for AddConfig(soc) alone: metadef's default config)."""
+    calls = re.findall(r'AddConfig\(\s*"(\w+)"\s*(?:,\s*(\w+)\s*)?\)', body)
+    names = [name for s, name in calls if s == soc]
+    if not names:
+        return None
+    if not names[-1]:
+        return {}
+    # every statement that starts from that object: `config.A(...).ExtendCfgInfo(...);`
+    chains = re.findall(r"(?<![\w.>])" + names[-1] + r"\s*\.(.*?);", body, re.S)
+    return dict(re.findall(r'ExtendCfgInfo\(\s*"([\w.]+)"\s*,\s*"(\w*)"\s*\)', " ".join(chains)))
 info, headers = {}, {}
 for src in sorted((project / "op_host").glob("*.cpp")):
-    text = src.read_text()
+    text = code(src)
     for m in re.finditer(r"class (\w+) : public OpDef \{(.*?)\n\};", text, re.S):
         name, body = m.group(1), m.group(2)
-        if soc not in re.findall(r'AddConfig\("(\w+)"', body):
+        config = config_for(body, soc)
+        if config is None:
             continue
-        # The real opbuild derives opFile from the op type when the OpDef does not name it (a
-        # closed rule), and the template then builds op_kernel/<opFile>.cpp or, missing, prints
-        # the error below and goes on without that kernel. The stub asks for an explicit name and
-        # fails where the real build would silently drop the kernel.
-        op_file = re.findall(r'ExtendCfgInfo\("opFile\.value",\s*"(\w+)"\)', body)
-        if len(op_file) != 1:
-            sys.exit(f"stub opbuild: {name}: the OpDef sets no opFile.value (the kernel file name)")
-        kernel_src = project / "op_kernel" / f"{op_file[0]}.cpp"
+        # The real opbuild derives opFile and opInterface from the op type when the config does not
+        # name them (a closed rule); the template then builds op_kernel/<opFile>.cpp (or, missing,
+        # prints the error below and goes on without that kernel), and the compiler renames the
+        # entry <opInterface> per tiling key (-D<opInterface>=<opInterface>_<key>_tilingkey). The
+        # stub asks for both names explicitly and fails where the real build would drop or misname
+        # the kernel.
+        for key in ("opFile.value", "opInterface.value"):
+            if not config.get(key):
+                sys.exit(f"stub opbuild: {name}: the {soc} config sets no {key}")
+        op_file, op_intf = config["opFile.value"], config["opInterface.value"]
+        kernel_src = project / "op_kernel" / f"{op_file}.cpp"
         if not kernel_src.is_file():
-            sys.exit(f"[ERROR]: operator: {op_file[0]} source file: {kernel_src} does not found, please check.")
+            sys.exit(f"[ERROR]: operator: {op_file} source file: {kernel_src} does not found, please check.")
+        entries = re.findall(r'extern\s+"C"\s+__global__\s+__aicore__\s+void\s+(\w+)\s*\(', code(kernel_src))
+        if op_intf not in entries:
+            sys.exit(f"stub compile: {name}: op_kernel/{op_file}.cpp defines no kernel entry {op_intf} "
+                     f"(opInterface.value; found: {', '.join(entries) or 'none'}): "
+                     f"-D{op_intf}={op_intf}_<key>_tilingkey renames nothing")
         entry, params = {}, []
         for kind in ("Input", "Output"):
             for i, (arg, dtypes) in enumerate(re.findall(kind + r'\("(\w+)"\)[^;]*?DataType\(\{([^}]*)\}\)', body)):
@@ -100,7 +127,8 @@ for src in sorted((project / "op_host").glob("*.cpp")):
             entry["attr"] = {"list": ",".join(a for a, _ in attrs)}
             for a, t in attrs:
                 entry[f"attr_{a}"] = {"type": t.lower(), "value": "all", "paramType": "required"}
-        entry["opFile"] = {"value": op_file[0]}
+        entry["opFile"] = {"value": op_file}
+        entry["opInterface"] = {"value": op_intf}
         info[name] = entry
         ins = [f"const aclTensor *{a}" for k, a in params if k == "Input"]
         ins += [("double " if t == "Float" else "int64_t ") + a for a, t in attrs]

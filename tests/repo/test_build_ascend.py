@@ -91,6 +91,12 @@ def test_build_and_reinstall(tmp_path, layout):
         "Fp32Softmax": "fp32_softmax",
         "RepetitionPenalty": "repetition_penalty",
     }
+    # ... and its kernel entry (opInterface.value), the extern "C" function of that file
+    assert {t: info[t]["opInterface"]["value"] for t in OP_TYPES} == {t: info[t]["opFile"]["value"] for t in OP_TYPES}
+    # the compile check's ops-info (ms_deepseek.ops.opdef, read from the same sources) is the installed one
+    from ms_deepseek.ops import opdef
+
+    assert opdef.all_op_info(REPO / "ops") == info
     assert (vendor / "op_api/include/aclnn_repetition_penalty.h").is_file()
     host = set((tmp_path / "op_host.txt").read_text().split())
     kernel = set((tmp_path / "op_kernel.txt").read_text().split())
@@ -257,23 +263,52 @@ def _ops_copy(tmp_path: Path) -> Path:
     return copy
 
 
-OP_FILE = '.ExtendCfgInfo("opFile.value", "fp32_softmax")'
+HOST = "fp32_softmax/op_host/fp32_softmax.cpp"
+KERNEL = "fp32_softmax/op_kernel/fp32_softmax.cpp"
+OP_FILE = '        .ExtendCfgInfo("opFile.value", "fp32_softmax")\n'
+OP_INTERFACE = '        .ExtendCfgInfo("opInterface.value", "fp32_softmax");\n'
+NO_OP_FILE = "stub opbuild: Fp32Softmax: the ascend910b config sets no opFile.value"
 
 
 @pytest.mark.parametrize(
-    "planted, message",
+    "source, planted, replacement, message",
     [
-        ("", "stub opbuild: Fp32Softmax: the OpDef sets no opFile.value"),
-        ('.ExtendCfgInfo("opFile.value", "fp32softmax")', "[ERROR]: operator: fp32softmax source file: "),
+        # the kernel file name left to opbuild's own rule (what does Fp32Softmax become at the digit?)
+        (HOST, OP_FILE, "", NO_OP_FILE),
+        # the same, commented out: the compiler never sees a comment
+        (HOST, OP_FILE, '        // .ExtendCfgInfo("opFile.value", "fp32_softmax")\n', NO_OP_FILE),
+        # the config holding the names is built, but the SoC's AddConfig registers the default one
+        (HOST, 'AddConfig("ascend910b", config);', 'AddConfig("ascend910b");', NO_OP_FILE),
+        # a file name with no op_kernel/<name>.cpp: CANN's template builds no kernel
+        (HOST, '"opFile.value", "fp32_softmax"', '"opFile.value", "fp32softmax"', "[ERROR]: operator: fp32softmax "),
+        # the entry name left to opbuild's rule
+        (HOST, OP_INTERFACE, ";\n", "stub opbuild: Fp32Softmax: the ascend910b config sets no opInterface.value"),
+        # the kernel's entry is not the name the compiler renames per tiling key
+        (
+            KERNEL,
+            "__aicore__ void fp32_softmax(",
+            "__aicore__ void fp_32_softmax(",
+            "stub compile: Fp32Softmax: op_kernel/fp32_softmax.cpp defines no kernel entry fp32_softmax "
+            "(opInterface.value; found: fp_32_softmax)",
+        ),
+    ],
+    ids=[
+        "op_file_removed",
+        "op_file_commented_out",
+        "add_config_without_config",
+        "op_file_misnamed",
+        "op_interface_removed",
+        "kernel_entry_renamed",
     ],
 )
-def test_every_opdef_names_its_kernel_file(tmp_path, planted, message):
-    """Without opFile.value CANN's opbuild picks the kernel file name by a rule of its own (what
-    does Fp32Softmax become at the digit?); a name with no op_kernel/<name>.cpp builds no kernel."""
+def test_planted_naming_mistakes_fail_the_build(tmp_path, source, planted, replacement, message):
+    """The OpDef must name the kernel file (opFile.value) and entry (opInterface.value) in the config
+    each SoC's AddConfig registers, and op_kernel/<opFile>.cpp must define that entry: each planted
+    mistake fails the (stub) build and installs nothing."""
     ops = _ops_copy(tmp_path)
-    host = ops / "fp32_softmax" / "op_host" / "fp32_softmax.cpp"
-    assert host.read_text().count(OP_FILE) == 1
-    host.write_text(host.read_text().replace(OP_FILE, planted))
+    path = ops / source
+    assert path.read_text().count(planted) == 1, (source, planted)
+    path.write_text(path.read_text().replace(planted, replacement))
     cann = make_stub_cann(tmp_path, "cann9")
     rc, out = run_build(tmp_path, cann, tmp_path / "opp", script=ops / "build_ascend.sh")
     assert rc == 1 and message in out, out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.diagnostics import pins  # noqa: F401  (doctor registers the checks)
+from ms_deepseek.diagnostics import doctor_node, pins  # noqa: F401  (importing them registers their checks)
 from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
 from ms_deepseek.diagnostics.probe import RecordedProbe
 
@@ -170,22 +170,47 @@ def test_no_symlink_in_the_image_points_outside_what_it_copies(name):
             assert not _ignored(target, patterns), (name, link, target)
 
 
-def test_documented_run_line_mounts_what_npu_smi_needs():
-    """The run line in the Dockerfile's header passes the devices and mounts the host files that
-    cann-container-image's README mounts for npu-smi in a container (dcmi, ascend_install.info,
-    the driver, npu-smi itself)."""
+def _documented_run_line() -> str:
     header = []
     for line in (REPO / "Dockerfile").read_text().splitlines():
         if not line.startswith("#"):
             break
         header.append(line.lstrip("#").strip())
     text = " ".join(header).replace("\\ ", " ")
-    run = text[text.index("docker run") : text.index("ms-deepseek:ascend doctor")]
-    mounts = {m.split(":")[0]: m.split(":")[1] for m in re.findall(r"-v (\S+)", run)}
-    for host in ("/usr/local/dcmi", "/etc/ascend_install.info", "/usr/local/Ascend/driver", "/usr/local/sbin/npu-smi"):
+    return text[text.index("docker run") : text.index("ms-deepseek:ascend doctor")]
+
+
+def test_documented_run_line_mounts_what_npu_smi_needs():
+    """The run line in the Dockerfile's header passes the devices and mounts the host files that
+    cann-container-image's README ("Usage") mounts for npu-smi in a container: dcmi,
+    ascend_install.info, the driver, and npu-smi itself (the README mounts /usr/local/bin/npu-smi;
+    where the host has it is checked below)."""
+    run = _documented_run_line()
+    mounts = {m.split(":")[0]: m.split(":")[1] for m in re.findall(r"-v (/\S+)", run)}
+    for host in ("/usr/local/dcmi", "/etc/ascend_install.info", "/usr/local/Ascend/driver"):
         assert mounts.get(host) == host, (host, run)
     for device in ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc", "/dev/davinci0"):
         assert f"--device={device}" in run, device
+
+
+@pytest.mark.parametrize("installed", ["/usr/local/sbin", "/usr/local/bin", None])
+def test_documented_npu_smi_mount_names_the_one_the_host_has(tmp_path, installed):
+    """Hosts have /usr/local/sbin/npu-smi or /usr/local/bin/npu-smi; a bind mount of the other one would
+    give the container an empty folder. The run line's source names the one that exists (root's PATH
+    holds both folders), mounted on the container's PATH; with none the spec is empty, which docker
+    refuses, instead of starting without npu-smi."""
+    [(source, target)] = re.findall(r'-v ("\$\(command -v npu-smi\)"):(/\S+?):ro', _documented_run_line())
+    assert target == "/usr/local/bin/npu-smi"
+    root = tmp_path / "host"
+    for folder in ("/usr/local/sbin", "/usr/local/bin"):
+        (root / folder.lstrip("/")).mkdir(parents=True)
+    if installed:
+        tool = root / installed.lstrip("/") / "npu-smi"
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+    path = f"{root}/usr/local/sbin:{root}/usr/local/bin:/usr/bin:/bin"  # root's PATH, on this fake host
+    proc = subprocess.run(["bash", "-c", f"printf %s {source}"], env={"PATH": path}, capture_output=True, text=True)
+    assert proc.stdout == (str(root / installed.lstrip("/") / "npu-smi") if installed else "")
 
 
 def test_ascend_image_builds_and_registers_the_kernels():
@@ -308,3 +333,64 @@ def test_entrypoint_sources_cann_and_runs_ms_deepseek(tmp_path):
     proc = subprocess.run(["bash", str(ENTRYPOINT), "report", "x"], capture_output=True, text=True, env=env)
     if not Path("/usr/local/Ascend").exists():
         assert "no CANN set_env.sh found" in proc.stderr and proc.stdout.strip() == "ms-deepseek[||] report x"
+
+
+# As NNAL's atb/set_env.sh: --cxx_abi=0|1 picks the ABI folder (default 1 without torch), whose lib and
+# bin go first on LD_LIBRARY_PATH and PATH.
+STUB_NNAL_SET_ENV = r"""abi=1
+[ "$1" = --cxx_abi=0 ] && abi=0
+export ATB_HOME_PATH=@ATB@/cxx_abi_$abi
+export LD_LIBRARY_PATH=$ATB_HOME_PATH/lib:$LD_LIBRARY_PATH
+export PATH=$ATB_HOME_PATH/bin:$PATH
+"""
+
+
+def _python_dir(tmp_path: Path) -> Path:
+    """A folder holding python3 (this interpreter), which the entrypoint runs to list the commands."""
+    folder = tmp_path / "python"
+    folder.mkdir(exist_ok=True)
+    (folder / "python3").symlink_to(sys.executable)
+    return folder
+
+
+def test_entrypoint_uses_the_nnal_abi_of_mindspores_atb_kernels(tmp_path):
+    """The base image's ENV puts NNAL's cxx_abi_1 folders on LD_LIBRARY_PATH and PATH; the entrypoint
+    sources NNAL for cxx_abi_0 (MindSpore's ATB kernels' ABI) and drops the cxx_abi_1 folders."""
+    atb = tmp_path / "nnal" / "atb" / "latest" / "atb"
+    nnal = tmp_path / "nnal_set_env.sh"
+    nnal.write_text(STUB_NNAL_SET_ENV.replace("@ATB@", str(atb)))
+    env = {
+        "PATH": f"{atb}/cxx_abi_1/bin:{_python_dir(tmp_path)}:/usr/bin:/bin",  # the image's ENV (and python3)
+        "PYTHONPATH": str(REPO),
+        "LD_LIBRARY_PATH": f"{atb}/cxx_abi_1/lib:{atb}/cxx_abi_1/examples:/opt/keep",
+        "ATB_HOME_PATH": f"{atb}/cxx_abi_1",
+        "CANN_SET_ENV": str(tmp_path / "none.sh"),
+        "CANN_NNAL_SET_ENV": str(nnal),
+    }
+    script = 'echo "$ATB_HOME_PATH|$LD_LIBRARY_PATH|$PATH"'
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "bash", "-c", script], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    home, libs, path = proc.stdout.strip().split("|")
+    assert home == f"{atb}/cxx_abi_0"
+    assert libs.split(":")[:2] == [f"{atb}/cxx_abi_0/lib", "/opt/keep"] and "cxx_abi_1" not in libs
+    assert path.split(":")[0] == f"{atb}/cxx_abi_0/bin" and "cxx_abi_1" not in path
+
+
+def test_entrypoint_warns_when_npu_smi_is_an_empty_mount(tmp_path):
+    """A bind mount of an npu-smi the host does not have is an empty folder in the container."""
+    for folder in ("sbin", "bin"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "sbin" / "npu-smi").mkdir()
+    env = {
+        "PATH": f"{tmp_path}/sbin:{tmp_path}/bin:{_python_dir(tmp_path)}:/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "CANN_SET_ENV": str(tmp_path / "none.sh"),
+        "CANN_NNAL_SET_ENV": str(tmp_path / "none.sh"),
+    }
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "true"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: {tmp_path}/sbin/npu-smi is a folder, not npu-smi" in proc.stderr
+    assert "bin/npu-smi is a folder" not in proc.stderr.replace(f"{tmp_path}/sbin/npu-smi is a folder", "")
+    (tmp_path / "sbin" / "npu-smi").rmdir()
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "true"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "npu-smi" not in proc.stderr, proc.stderr

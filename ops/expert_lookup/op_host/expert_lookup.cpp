@@ -96,11 +96,18 @@ class ExpertLookup : public OpDef {
     this->Attr("experts_per_rank").Int();
     this->SetInferShape(ge::ExpertLookupInferShape).SetInferDataType(ge::ExpertLookupInferDataType);
     this->AICore().SetTiling(optiling::ExpertLookupTiling);
-    // The template compiles op_kernel/<opFile.value>.cpp (asc-tools v9.0.0,
-    // op_project_templates/ascendc/customize/cmake/func.cmake; ascendc_impl_build.py only prints
-    // "[ERROR] ... source file ... does not found" and goes on without the kernel). Left unset,
-    // CANN's closed opbuild derives opFile from the op type: named here, as CANN's own ops do. The
-    // flags are the ones AddConfig(soc) alone sets (metadef register/opdef/op_def_aicore.cc).
+    // Both names are set here rather than left to CANN's closed opbuild, which derives them from the
+    // op type (how does Fp32Softmax split at the digit?). CANN's own ops do the same where the type
+    // has a digit boundary: Conv3DV2 sets opFile.value "conv3d_v2" and opInterface.value "conv3dv2"
+    // (hicann/ops-nn conv/conv3d_v2/op_host/conv3d_v2_def.cpp).
+    //  * opFile.value: the template compiles op_kernel/<opFile.value>.cpp (asc-tools v9.0.0,
+    //    op_project_templates/ascendc/common/util/ascendc_impl_build.py; its write_adapt only prints
+    //    "[ERROR] ... does not found" for a missing file and the build goes on without the kernel).
+    //  * opInterface.value: the kernel's entry name. The same script's _write_impl writes it as the
+    //    origin_func_name the compiler renames per tiling key (asc-devkit v9.0.0,
+    //    asc_op_compiler/compile_op.py: -D<origin_func_name>=<origin_func_name>_<key>_tilingkey), so
+    //    the extern "C" function in op_kernel/<opFile>.cpp must carry exactly this name.
+    // The flags are the ones AddConfig(soc) alone sets (metadef register/opdef/op_def_aicore.cc).
     OpAICoreConfig config;
     config.DynamicCompileStaticFlag(true)
         .DynamicFormatFlag(true)
@@ -108,7 +115,8 @@ class ExpertLookup : public OpDef {
         .DynamicShapeSupportFlag(true)
         .NeedCheckSupportFlag(false)
         .PrecisionReduceFlag(true)
-        .ExtendCfgInfo("opFile.value", "expert_lookup");
+        .ExtendCfgInfo("opFile.value", "expert_lookup")
+        .ExtendCfgInfo("opInterface.value", "expert_lookup");
     this->AICore().AddConfig("ascend910b", config);
     this->AICore().AddConfig("ascend910_93", config);
   }

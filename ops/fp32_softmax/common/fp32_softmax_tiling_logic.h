@@ -51,11 +51,18 @@ struct SoftmaxTiling {
   int64_t col_tail;      // kColumnTiles: columns in the last tile (1..col_tile)
 };
 
-// UB bytes needed per (row, column) element of a tile: the double-buffered
-// input queue(s), the double-buffered float32 output queue, one float32 work
-// buffer (cast / exp) and one float32 scratch buffer for the reductions.
-MSDS_INLINE int64_t BytesPerElement(int64_t in_bytes, int64_t num_inputs) {
-  return kBufferNum * in_bytes * num_inputs + kBufferNum * 4 + 4 + 4;
+// Whether the kernel needs its float32 work buffer: for the cast of 16-bit input, and in
+// kColumnTiles mode (each column tile is loaded into it, and the per-tile statistics are
+// combined there). Whole rows of float32 input go from the input queue straight into the
+// SoftMax API, so that path allocates none.
+MSDS_INLINE bool UsesWorkBuffer(int64_t in_bytes, int64_t mode) { return mode == kColumnTiles || in_bytes != 4; }
+
+// UB bytes needed per (row, column) element of a tile in `mode`: the double-buffered
+// input queue(s), the double-buffered float32 output queue, one float32 scratch buffer
+// for the reductions (the SoftMax API's temporary space in kWholeRows) and, when
+// UsesWorkBuffer, the float32 work buffer.
+MSDS_INLINE int64_t BytesPerElement(int64_t in_bytes, int64_t num_inputs, int64_t mode) {
+  return kBufferNum * in_bytes * num_inputs + kBufferNum * 4 + 4 + (UsesWorkBuffer(in_bytes, mode) ? 4 : 0);
 }
 
 // kWholeRows, UB bytes per row besides its elements: the row's max and sum (one
@@ -103,14 +110,14 @@ MSDS_INLINE int ComputeTiling(int64_t rows, int64_t cols, int64_t in_bytes, int6
   int64_t max_core_rows = t->base_rows + (t->big_cores > 0 ? 1 : 0);
 
   int64_t budget = ub_bytes - kUbReserveBytes;
-  int64_t per_elem = BytesPerElement(in_bytes, num_inputs);
-  int64_t per_row = t->cols_aligned * per_elem + BytesPerRowExtra();
+  int64_t per_row = t->cols_aligned * BytesPerElement(in_bytes, num_inputs, kWholeRows) + BytesPerRowExtra();
   int64_t fit_rows = budget > 0 ? budget / per_row : 0;
   if (fit_rows >= 1) {
     t->rows_per_tile = Min64(fit_rows, max_core_rows);
     return kOk;
   }
   t->mode = kColumnTiles;
+  int64_t per_elem = BytesPerElement(in_bytes, num_inputs, kColumnTiles);
   // The statistics grow with the number of tiles, which shrinks as tiles grow: settle both.
   int64_t stats = ColumnStatsBytes(1);
   for (int i = 0; i < 8; ++i) {

@@ -30,7 +30,9 @@ class Fp32SoftmaxKernel {
     int64_t elems = t_.mode == sm::kWholeRows ? t_.rows_per_tile * t_.cols_aligned : t_.col_tile;
     pipe_.InitBuffer(inQ_, sm::kBufferNum, elems * sizeof(T));
     pipe_.InitBuffer(outQ_, sm::kBufferNum, elems * sizeof(float));
-    pipe_.InitBuffer(work_, elems * sizeof(float));
+    if (sm::UsesWorkBuffer(t_.in_bytes, t_.mode)) {  // float32 whole rows: input queue -> SoftMax directly
+      pipe_.InitBuffer(work_, elems * sizeof(float));
+    }
     if (t_.mode == sm::kWholeRows) {
       pipe_.InitBuffer(scratch_, sm::SoftmaxTmpBytes(t_.rows_per_tile, t_.cols_aligned));
       pipe_.InitBuffer(stat_, 2 * t_.rows_per_tile * msds::kBlockBytes);  // row max, row sum
@@ -185,7 +187,7 @@ class Fp32SoftmaxKernel {
   TPipe pipe_;
   TQue<QuePosition::VECIN, sm::kBufferNum> inQ_;    // GM -> UB
   TQue<QuePosition::VECOUT, sm::kBufferNum> outQ_;  // UB -> GM
-  TBuf<TPosition::VECCALC> work_;                   // vector / scalar only, never DMA'd
+  TBuf<TPosition::VECCALC> work_;                   // only when sm::UsesWorkBuffer; never DMA'd
   TBuf<TPosition::VECCALC> scratch_;
   TBuf<TPosition::VECCALC> stat_;
   GlobalTensor<T> xGm_;
@@ -209,6 +211,12 @@ extern "C" __global__ __aicore__ void fp32_softmax(GM_ADDR x, GM_ADDR y, GM_ADDR
   t.col_tile = td.col_tile;
   t.col_tiles = td.col_tiles;
   t.col_tail = td.col_tail;
+  // An empty input has no tile: Init would ask InitBuffer for 0 bytes, which TPipe::InitBuffer
+  // asserts against in debug builds (asc-devkit v9.0.0 impl/basic_api/kernel_tpipe_impl.h,
+  // "len > 0"). The host tiling launches one core for it (SetBlockDim(1)), which returns here.
+  if (t.rows == 0 || t.cols == 0) {
+    return;
+  }
   Fp32SoftmaxKernel<DTYPE_X> op;
   op.Init(x, y, t, td.softmax_tiling);
   if (TILING_KEY_IS(1)) {

@@ -51,10 +51,12 @@ def test_env_var_forces_reference(monkeypatch):
 
 def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
     """FP32Softmax(float32_input=True): the CPU kernel on CPU (more accurate than MindSpore's CPU
-    Softmax), CANN's Softmax on Ascend (no custom operator needed), the reference when forced."""
+    Softmax), CANN's Softmax on Ascend (no custom operator needed), the reference when forced; the
+    router and the attention take it."""
     from mindspore.ops import operations as P
 
     from ms_deepseek.config.model import DeepseekV2Config
+    from ms_deepseek.model.mla import MLAttention
     from ms_deepseek.model.router import Router
 
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
@@ -73,6 +75,8 @@ def test_float32_only_softmax_is_mindspores_own_on_ascend(monkeypatch):
         )
     )
     assert router.softmax.impl.kind == "builtin"  # the router's logits are float32
+    attention = MLAttention(DeepseekV2Config(hidden_size=16, num_attention_heads=2, q_lora_rank=None))
+    assert attention.softmax.impl.kind == "builtin"  # so are the attention scores (score_cast first)
     monkeypatch.setenv(backend.ENV_VAR, "reference")
     assert FP32Softmax(float32_input=True).impl.kind == "reference"
 

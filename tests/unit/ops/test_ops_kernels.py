@@ -227,6 +227,21 @@ def test_softmax_cpu_nan_and_all_masked_rows_match_reference(libs):
     np.testing.assert_allclose(y[2], ref[2], rtol=1e-5)  # MindSpore's Exp is the less accurate one
 
 
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0), (2, 0, 5)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mstype.float32, mstype.bfloat16], ids=str)
+def test_softmax_cpu_empty_input(libs, shape, dtype):
+    """No rows or no columns: no core and no tile in the schedule (the Ascend kernel returns before
+    Init for it), an empty float32 result, in PyNative and graph mode."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    t = tiling("fp32_softmax", rows=rows, cols=cols, in_bytes=4, num_inputs=1)
+    assert t["used_cores"] == 0 and t["rows_per_tile"] == 0 and t["col_tiles"] == 0
+    kernel = cpu.FP32SoftmaxCpu(libs["fp32_softmax"])
+    x = Tensor(np.zeros(shape, np.float32)).astype(dtype)
+    for run in (kernel, ms.jit(kernel.construct)):
+        y = run(x)
+        assert y.shape == shape and y.dtype == mstype.float32
+
+
 @pytest.mark.parametrize("out_dtype", [mstype.float32, mstype.float16, mstype.bfloat16], ids=str)
 def test_softmax_out_dtype(out_dtype):
     x = Tensor(np.random.default_rng(3).standard_normal((4, 7)).astype(np.float32))

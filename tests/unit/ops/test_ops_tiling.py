@@ -11,6 +11,8 @@ import pytest
 
 from ms_deepseek.ops.tiling import TilingError, schedule, tiling
 
+from npu_cases import PENALTY_IDS_STREAMED, SOFTMAX_SHORT_LAST_TILE
+
 BLOCK = 32
 RESERVE = 1024  # msds::kUbReserveBytes
 
@@ -26,12 +28,16 @@ SOFTMAX_PROBLEMS = [
     (64, 4096, 2, 1, 40, 196352),  # several rows per tile
     (5, 203, 4, 1, 3, 4096),  # a row does not fit: column tiles with a tail
     (9, 1000, 2, 1, 4, 4096),
-    (3, 8, 4, 1, 2, 1024 + 352 + 8 * 24),  # exactly one aligned row fits
+    (3, 8, 4, 1, 2, 1024 + 352 + 8 * 20),  # exactly one aligned row fits
+    (4096, 4096, 4, 1, 48, 196352),  # attention scores at S = 4096, float32: two rows per tile
 ]
 
 
-def _per_elem(in_bytes, num_inputs):
-    return 2 * in_bytes * num_inputs + 2 * 4 + 4 + 4
+def _per_elem(in_bytes, num_inputs, mode):
+    """Double-buffered input(s) and float32 output, a float32 scratch, and a float32 work buffer
+    except for whole rows of float32 input (they go from the input queue into the SoftMax API)."""
+    work = 0 if (mode == 0 and in_bytes == 4) else 4
+    return 2 * in_bytes * num_inputs + 2 * 4 + 4 + work
 
 
 # Per row besides its elements: max and sum (a block each) and the SoftMax API's 8 + 64 extra
@@ -62,10 +68,10 @@ def test_softmax_tiling_covers_every_element_once_within_ub(problem):
             rows_per_core[tile["core"]] = rows_per_core.get(tile["core"], 0) + n
         if t["mode"] == 0:  # whole rows: a tile of n padded rows fits in UB
             assert n <= t["rows_per_tile"]
-            assert n * (t["cols_aligned"] * _per_elem(in_bytes, num_inputs) + ROW_EXTRA) <= ub - RESERVE
+            assert n * (t["cols_aligned"] * _per_elem(in_bytes, num_inputs, 0) + ROW_EXTRA) <= ub - RESERVE
         else:  # column tiles start on a block boundary and fit in UB
             assert n == 1 and m <= t["col_tile"] and (c0 * in_bytes) % BLOCK == 0
-            assert t["col_tile"] * _per_elem(in_bytes, num_inputs) + _column_stats(t["col_tiles"]) <= ub - RESERVE
+            assert t["col_tile"] * _per_elem(in_bytes, num_inputs, 1) + _column_stats(t["col_tiles"]) <= ub - RESERVE
     assert (seen == 1).all()
     counts = list(rows_per_core.values())
     assert len(counts) == t["used_cores"] and max(counts) - min(counts) <= 1
@@ -73,12 +79,37 @@ def test_softmax_tiling_covers_every_element_once_within_ub(problem):
 
 def test_softmax_tiling_modes_and_tails():
     t = tiling("fp32_softmax", rows=5, cols=203, in_bytes=4, num_inputs=1, core_num=3, ub_bytes=4096)
-    assert t["mode"] == 1  # 208 * 24 + 352 bytes per row > 3072
+    assert t["mode"] == 1  # 208 * 20 + 352 bytes per row > 3072
     assert t["col_tile"] == 120  # (3072 - 96) // 24 = 124 -> 120 (block multiple)
     assert t["col_tiles"] == 2 and t["col_tail"] == 83
     t = tiling("fp32_softmax", rows=100, cols=64, in_bytes=2, num_inputs=1, core_num=48, ub_bytes=196352)
     assert t["mode"] == 0 and (t["base_rows"], t["big_cores"]) == (2, 4)  # 4 cores get 3 rows
     assert t["rows_per_tile"] == 3
+
+
+def test_softmax_tiling_float32_whole_rows_have_no_work_buffer():
+    """Whole rows of float32 input need no float32 work buffer (no cast; the SoftMax API reads the
+    input queue): 20 bytes per element, not 24. A row of 4096 floats: 4096 * 20 + 352 = 82272
+    bytes, two rows in 195328; with the work buffer (98656 bytes a row) only one."""
+    t = tiling("fp32_softmax", rows=96, cols=4096, in_bytes=4, num_inputs=1, core_num=48, ub_bytes=196352)
+    assert (t["mode"], t["rows_per_tile"]) == (0, 2)
+    # 16-bit input keeps it (the cast to float32): 4096 * (4 + 8 + 4 + 4) + 352 = 82272 bytes, two rows
+    t = tiling("fp32_softmax", rows=96, cols=4096, in_bytes=2, num_inputs=1, core_num=48, ub_bytes=196352)
+    assert (t["mode"], t["rows_per_tile"]) == (0, 2)
+    # column tiles load into it whatever the dtype: (3072 - 96) // 24 = 124 -> 120
+    t = tiling("fp32_softmax", rows=1, cols=1000, in_bytes=4, num_inputs=1, core_num=1, ub_bytes=4096)
+    assert (t["mode"], t["col_tile"]) == (1, 120)
+
+
+@pytest.mark.parametrize("shape", SOFTMAX_SHORT_LAST_TILE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_bytes", [4, 2])
+def test_npu_softmax_shapes_reach_a_short_last_tile(shape, in_bytes):
+    """The NPU test's shapes (tests/helpers/npu_cases.py) on the 910B schedule: whole rows, and a
+    tile shorter than rows_per_tile, where the SoftMax API re-derives its split on the device."""
+    kw = dict(rows=shape[0], cols=shape[1], in_bytes=in_bytes, num_inputs=1, core_num=48, ub_bytes=196352)
+    t = tiling("fp32_softmax", **kw)
+    assert t["mode"] == 0
+    assert any(tile["rows"] < t["rows_per_tile"] for tile in schedule("fp32_softmax", **kw))
 
 
 def test_softmax_tiling_many_column_tiles_keep_their_statistics_in_ub():
@@ -213,6 +244,14 @@ def test_repetition_penalty_tiling_ids_in_one_load_or_streamed():
     assert t["id_tile"] == 4096 and t["tile"] > 36000
     t = tiling("repetition_penalty", batch=1, vocab=102400, length=20000)
     assert t["id_tile"] == (196352 - RESERVE) // 16 // 8 * 8 < 20000
+
+
+@pytest.mark.parametrize("b, v, length", PENALTY_IDS_STREAMED)
+def test_npu_penalty_cases_stream_their_ids(b, v, length):
+    """The NPU test's long id lists (tests/helpers/npu_cases.py) take more than one id load on the
+    910B schedule (the streamed path)."""
+    t = tiling("repetition_penalty", batch=b, vocab=v, length=length, core_num=48, ub_bytes=196352)
+    assert t["id_tile"] < length
 
 
 def test_repetition_penalty_tiling_refuses_tiny_ub():
