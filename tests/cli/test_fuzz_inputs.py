@@ -140,6 +140,38 @@ def test_sharded_checkpoint_config_far_bigger_than_its_layout(capsys, tmp_path, 
     assert_refused(code, err, "config.json", "num_hidden_layers", "layout.json", "does not match")
 
 
+def test_huge_declared_expert_shape_in_layout_json(tmp_path, fixtures):
+    """Issue 46, item 6 (fuzz case 8457): one expert tensor declared [2147483648, ...] in layout.json. The
+    placement check built ``list(range(shape[0]))`` and ate the machine; with an address-space limit it
+    died of MemoryError. Run in a child process under that limit, so today's failure is a traceback."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    case = _copy(fixtures, "sharded_ep", tmp_path)
+    layout = json.loads((case / "layout.json").read_text())
+    name = next(n for n, t in layout["tensors"].items() if t.get("experts"))
+    layout["tensors"][name]["shape"][0] = 2147483648
+    (case / "layout.json").write_text(json.dumps(layout))
+
+    def limit():  # 4 GB of address space: the ids of 2**31 experts need far more
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf", str(case), str(tmp_path / "out"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=limit,
+        timeout=120,
+    )
+    assert_refused(proc.returncode, proc.stderr, "layout.json", name, "2147483648")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------- the fuzzer
 def test_mutated_inputs_are_accepted_or_refused_in_one_line(fixtures, tmp_path, capsys):
     work = tmp_path / "cases"
