@@ -132,6 +132,17 @@ def run(args: argparse.Namespace) -> int:
     except UserError:
         _remove_leftovers(run_dir, before)
         raise
+    if result.dry_run is not None:  # MindSpore's dry run: the step compiled, a step would return placeholders
+        import os
+
+        rank = os.environ.get("RANK_ID")
+        print(
+            f"ms-deepseek train: MS_SIMULATION_LEVEL={result.dry_run} (MindSpore's dry run): the training step "
+            f"compiled{f' on rank {rank}' if rank else ''} in {result.wall_s:.0f}s; nothing was trained or saved. "
+            f"To check a recipe's compile on every pipeline stage: ms-deepseek plan --recipe {args.recipe} --compile",
+            flush=True,
+        )
+        return 0
     if result.complete:
         print(
             f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "

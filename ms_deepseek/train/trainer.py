@@ -56,6 +56,17 @@ class TrainResult:
     wall_s: float = 0.0
     complete: bool = False  # the resumed checkpoint had already reached train.steps: nothing was run
     preempted: Optional[str] = None  # the stop signal's name: stopped early, after saving a checkpoint
+    dry_run: Optional[str] = None  # MS_SIMULATION_LEVEL of MindSpore's dry run: the step compiled, nothing ran
+
+
+def dry_run_level() -> Optional[str]:
+    """``MS_SIMULATION_LEVEL`` when MindSpore's dry run is on, else None.
+
+    Under the dry run a compiled step returns placeholders, not its outputs (an int where the step
+    returns a tuple; ``diagnostics/compile_worker.py`` never runs a step at level 0 for that reason),
+    so training cannot go on past the compile."""
+    level = os.environ.get("MS_SIMULATION_LEVEL", "").strip()
+    return level or None
 
 
 def is_distributed() -> bool:
@@ -169,6 +180,8 @@ class Trainer:
         self._build_model()
         self._build_step()
         self._restore()
+        if dry_run_level() is not None:
+            return self._compile_only()
         self._open_outputs()
         self.preempted: Optional[str] = None
         step = self.start_step
@@ -641,6 +654,20 @@ class Trainer:
 
     def _print(self, msg: str) -> None:
         _print(msg, self.bar if not self.bar.disable else None)
+
+    def _compile_only(self) -> TrainResult:
+        """MindSpore's dry run: compile the step for this rank's batch shape and stop (nothing is written)."""
+        from mindspore import Tensor
+
+        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]; a sharded step compiled already (_restore)
+        self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=self.start_step,
+            final_loss=float("nan"),
+            wall_s=time.time() - self.started,
+            dry_run=dry_run_level(),
+        )
 
     def _complete_result(self) -> TrainResult:
         metrics = self.run_dir / "metrics.jsonl"

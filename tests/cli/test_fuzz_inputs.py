@@ -160,7 +160,16 @@ def test_huge_declared_expert_shape_in_layout_json(tmp_path, fixtures):
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf", str(case), str(tmp_path / "out"), "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "ms_deepseek.cli",
+            "convert",
+            "ms-to-hf",
+            str(case),
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
         capture_output=True,
         text=True,
         env=env,

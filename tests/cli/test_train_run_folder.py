@@ -1,0 +1,54 @@
+"""``ms-deepseek train`` and its run folder (issue 46): MindSpore's dry run stops after the compile in one
+line; one writer per run folder; checkpoints that prove they are intact; a full disk in one line."""
+
+import os
+import subprocess
+import sys
+
+import yaml
+
+from builders import SMALL_MODEL
+from repo_paths import REPO
+
+
+def _recipe(tmp_path, steps=4, save_interval=2):
+    recipe = {
+        "model": {"source": "tiny", "overrides": dict(SMALL_MODEL)},
+        "data": {"seq_len": 16, "embedded_vocab_size": 512},
+        "train": {"steps": steps, "micro_batch_size": 1, "seed": 3},
+        "checkpoint": {"save_interval": save_interval, "keep_last": 5},
+        "logging": {"log_interval": 1, "tensorboard": False},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _train_process(argv, env=None, **kw):
+    """``ms-deepseek train ARGV`` in a child process (the worktree's package first on its path)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "train", *map(str, argv), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=kw.pop("cwd", None),
+        timeout=kw.pop("timeout", 600),
+        **kw,
+    )
+
+
+# ---------------------------------------------------------------------------- MindSpore's dry run
+def test_dry_run_stops_after_the_compile_in_one_line(tmp_path):
+    """Item 4: under MS_SIMULATION_LEVEL=0 the compiled step returns a placeholder (an int); the trainer
+    unpacked it and died of a TypeError traceback. Now: one line, exit 0, no run folder."""
+    recipe = _recipe(tmp_path)
+    proc = _train_process([recipe, "--output", tmp_path / "run"], env=dict(os.environ, MS_SIMULATION_LEVEL="0"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ms-deepseek train:")]
+    assert len(lines) == 1, proc.stdout
+    assert "MS_SIMULATION_LEVEL=0" in lines[0] and "compiled" in lines[0], lines
+    assert f"ms-deepseek plan --recipe {recipe} --compile" in lines[0], lines
+    assert not (tmp_path / "run").exists()
