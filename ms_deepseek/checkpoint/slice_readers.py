@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_deepseek.checkpoint.digests import check_file, recorded
 from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo, read_header
 from ms_deepseek.config import names
@@ -145,6 +146,8 @@ class ShardedSource:
         self.layout = layout or read_layout(self.folder)
         self.file_name = file_name
         self._headers: Dict[int, Dict[str, TensorInfo]] = {}
+        # the digests the checkpoint's state.json records; each rank file is checked when first read from
+        self._recorded, self._checked = recorded(self.folder), set()
         import os
 
         root = os.path.realpath(self.folder)
@@ -237,6 +240,9 @@ class ShardedSource:
                     dst_index.append(slice(lo - want[0], hi - want[0]))
             if empty:
                 continue
+            if rank not in self._checked:  # the file's digest, before the first of its bytes is used
+                check_file(self.folder, f"{rank_dir_name(rank)}/{self.file_name}", self._recorded)
+                self._checked.add(rank)
             info = self.rank_tensors(rank)[name]
             whole_rows = (
                 bool(src_index)

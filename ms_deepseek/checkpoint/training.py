@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.checkpoint.digests import FILES_KEY, file_entry, text_entry
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
 from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
@@ -38,11 +39,13 @@ from ms_deepseek.core.safe_io import json_loads
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ABANDONED = ".abandoned-"  # step_N.abandoned-<UTC time>: a newer checkpoint set aside by a resume from an older one
+DAMAGED = ".damaged-"  # step_N.damaged-<UTC time>: a checkpoint whose files differ from their digests, set aside
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
 RANK_FILES = ("model.safetensors", "optimizer.safetensors")
 COMMON_FILES = ("config.json", "state.json", "recipe.yaml")
 
 
+RANK_DIGESTS = "digests.json"  # rank_RRRRR/digests.json: a rank's file digests until rank 0 gathers them
 LATEST = "latest"  # checkpoints/latest: the name of the newest complete save (one line)
 
 
@@ -120,9 +123,11 @@ class CheckpointManager:
         """Write one whole checkpoint atomically, then prune to ``keep_last``."""
         final = self.folder / step_dir_name(step)
         with atomic_folder(final) as tmp:
-            save_tensors(model_tensors, tmp / "model.safetensors")
-            save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
-            _common_files(tmp, config, state, recipe_yaml)
+            files = {
+                "model.safetensors": save_tensors(model_tensors, tmp / "model.safetensors"),
+                "optimizer.safetensors": save_tensors(optimizer_tensors, tmp / "optimizer.safetensors"),
+            }
+            _common_files(tmp, config, state, recipe_yaml, files)
         self.point_latest(final)
         self.prune()
         return final
@@ -138,22 +143,27 @@ class CheckpointManager:
         skip = resumed and Path(resumed).resolve()
         return [f for s, f in self.complete() if s > step and f.resolve() != skip]
 
-    def set_aside(self, folders: List[Path]) -> List[Path]:
-        """Rename ``folders`` to ``step_N.abandoned-<UTC time>``: kept, but no longer a checkpoint to resume."""
+    def set_aside(self, folders: List[Path], suffix: str = ABANDONED) -> List[Path]:
+        """Rename ``folders`` to ``step_N<suffix><UTC time>`` (``.abandoned-``, ``.damaged-``): kept, but no
+        longer a checkpoint to resume."""
         import time
 
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         out = []
         for folder in folders:
-            target = folder.with_name(f"{folder.name}{ABANDONED}{stamp}")
+            target = folder.with_name(f"{folder.name}{suffix}{stamp}")
             folder.rename(target)
             out.append(target)
         return out
 
 
-def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str) -> None:
+def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str, files: Dict[str, Dict]) -> None:
+    """config.json, recipe.yaml and state.json, which records the digest of every other file (``files``:
+    the tensor files' entries, taken as they were written; :mod:`.digests`)."""
     config.save(tmp / "config.json", dtype=config.param_dtype)
     (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    files = dict(files, **{"config.json": file_entry(tmp / "config.json"), "recipe.yaml": text_entry(recipe_yaml)})
+    state = dict(state, **{FILES_KEY: dict(sorted(files.items()))})
     # state.json last: its presence is part of what makes a folder complete
     (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
 
@@ -189,21 +199,37 @@ def save_sharded(
     if mine.exists():
         shutil.rmtree(mine)
     mine.mkdir(parents=True)
-    save_tensors(model_tensors, mine / "model.safetensors")
-    save_tensors(optimizer_tensors, mine / "optimizer.safetensors")
+    files = {
+        "model.safetensors": save_tensors(model_tensors, mine / "model.safetensors"),
+        "optimizer.safetensors": save_tensors(optimizer_tensors, mine / "optimizer.safetensors"),
+    }
     if strategy_file.is_file():
         shutil.copy2(strategy_file, mine / "strategy.ckpt")
+        files["strategy.ckpt"] = file_entry(mine / "strategy.ckpt")
+    # this rank's digests, for rank 0 to gather into state.json (the folders are on one shared file system)
+    (mine / RANK_DIGESTS).write_text(json.dumps(files), encoding="utf-8")
     fsync_tree(mine)
     barrier()  # every slice is on disk
     if rank == 0:
         layout.write(tmp / LAYOUT_FILE)
-        _common_files(tmp, config, state, recipe_yaml)
+        _common_files(tmp, config, state, recipe_yaml, _gather_rank_digests(tmp, layout.world_size))
         fsync_tree(tmp)
         install(tmp, final)
         manager.point_latest(final)
         manager.prune()
     barrier()  # nobody starts the next save before the swap
     return final
+
+
+def _gather_rank_digests(tmp: Path, world: int) -> Dict[str, Dict]:
+    """Every rank's digests (``rank_RRRRR/digests.json``, removed once read) under their relative paths."""
+    files: Dict[str, Dict] = {}
+    for r in range(world):
+        path = rank_dir(tmp, r) / RANK_DIGESTS
+        for name, value in json_loads(path.read_text(encoding="utf-8"), path).items():
+            files[f"{rank_dir_name(r)}/{name}"] = value
+        path.unlink()
+    return files
 
 
 RESUME, GENERATE, EXPORT = "resume", "generate", "export"  # the uses of resolve_checkpoint

@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: accept settings that differ from the run's (passed on to train)",
     )
+    parser.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="with --resume: continue from the newest intact checkpoint when the newest is damaged (passed on to train)",
+    )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -165,6 +170,8 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
         cmd.append("--force")
     if getattr(args, "allow_changes", False):
         cmd.append("--allow-changes")
+    if getattr(args, "skip_damaged", False):
+        cmd.append("--skip-damaged")
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return env, cmd

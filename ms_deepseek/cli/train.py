@@ -5,6 +5,7 @@
     ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume          # newest checkpoint
     ms-deepseek train recipes/tiny-cpu.yaml --resume runs/tiny/checkpoints/step_00000100
     ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume auto     # resume if possible, else fresh
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume --skip-damaged  # past a damaged checkpoint
 
 A run that has already reached ``train.steps`` exits 0 with one line saying so, so a restart
 loop can re-run the same command after any failure.
@@ -55,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --resume: accept settings that differ from the run's (each is named) even where "
         "the resumed run then differs from an uninterrupted one (steps of a schedule that "
         "depends on them, optimizer, batch, data, model, LoRA)",
+    )
+    parser.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="with --resume: when the checkpoint's files differ from the digests its state.json recorded at "
+        "save time, continue from the newest intact checkpoint instead (the damaged ones are set aside as "
+        "step_N.damaged-<time>); without it a damaged checkpoint is refused, naming that one",
     )
     parser.add_argument(
         "--max-steps",
@@ -128,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             max_steps=args.max_steps,
             allow_changes=args.allow_changes,
+            skip_damaged=args.skip_damaged,
         )
     except UserError:
         _remove_leftovers(run_dir, before)

@@ -41,7 +41,7 @@ from ms_deepseek.train.distributed import any_rank
 from ms_deepseek.train.lora_run import LoraModel, model_converter
 from ms_deepseek.train.parallelism import parallelism_of, this_stage
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
-from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_newer
+from ms_deepseek.train.resume import agree_on_resume, check_settings, intact, set_aside_newer
 
 
 @dataclass
@@ -107,12 +107,14 @@ def train(
     progress: bool = True,
     max_steps: Optional[int] = None,
     allow_changes: bool = False,
+    skip_damaged: bool = False,
 ) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
     spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
     changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
-    (train/resume.py, check_settings)."""
-    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes).run()
+    (train/resume.py, check_settings). A damaged checkpoint is refused naming the newest intact one, which
+    ``skip_damaged`` takes (train/resume.py, intact)."""
+    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes, skip_damaged).run()
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Trainer:
         progress: bool,
         max_steps: Optional[int],
         allow_changes: bool = False,
+        skip_damaged: bool = False,
     ):
         self.started = time.time()
         skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
@@ -165,6 +168,7 @@ class Trainer:
         self.sharded = self.par.uses_semi_auto
         self.converter = model_converter(recipe)
         self.resume, self.force, self.progress, self.max_steps = resume, force, progress, max_steps
+        self.skip_damaged = skip_damaged  # --skip-damaged: a damaged checkpoint gives way to the newest intact one
 
     @property
     def parallelism(self):
@@ -272,11 +276,12 @@ class Trainer:
         existing = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints").latest()
         resume = self.resume or self.recipe.checkpoint.resume  # the command line wins over the recipe
         if self.world > 1 and resume:
-            found = agree_on_resume(resume, existing, self.run_dir, self.rank)
+            found = agree_on_resume(resume, existing, self.run_dir, self.rank, self.skip_damaged)
         elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
-            found = existing
+            found = intact(existing, self.skip_damaged)
         else:
             found = ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, self.run_dir) if resume else None
+            found = intact(found, self.skip_damaged)
         if found is None and existing is not None:
             raise UserError(
                 f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "

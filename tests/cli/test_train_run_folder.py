@@ -52,3 +52,34 @@ def test_dry_run_stops_after_the_compile_in_one_line(tmp_path):
     assert "MS_SIMULATION_LEVEL=0" in lines[0] and "compiled" in lines[0], lines
     assert f"ms-deepseek plan --recipe {recipe} --compile" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- checkpoint digests
+def _flip_middle(path, n=16):
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+    path.write_bytes(bytes(data))
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_takes_the_intact_one_when_told(tmp_path, capsys):
+    """Item 2: 16 bytes flipped in the newest model.safetensors were loaded by --resume without a word."""
+    from bad_input_helpers import assert_refused, run_cli
+
+    recipe, run = _recipe(tmp_path, steps=6), tmp_path / "run"
+    code, _, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", "--max-steps", "4"])
+    assert code == 0, err
+    ckpts = run / "checkpoints"
+    _flip_middle(ckpts / "step_00000004" / "model.safetensors")
+    longer = []
+    for resume in (["--resume"], ["--resume", "auto"]):
+        code, _, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", *resume, *longer])
+        assert_refused(code, err, str(ckpts / "step_00000004" / "model.safetensors"), "damaged", "step_00000002")
+        assert "--skip-damaged" in err
+    code, out, err = run_cli(
+        capsys, ["train", recipe, "--output", run, "--quiet", "--resume", "--skip-damaged", *longer]
+    )
+    assert code == 0, err
+    assert f"resuming {ckpts / 'step_00000002'} at step 2" in out, out
+    assert [p.name.split(".damaged-")[0] for p in ckpts.glob("step_00000004.damaged-*")] == ["step_00000004"]
+    assert (ckpts / "step_00000006").is_dir()
