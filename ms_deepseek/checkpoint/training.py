@@ -24,6 +24,8 @@ incomplete; leftover temporary folders are removed when the next run starts.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import re
 import shutil
@@ -122,12 +124,14 @@ class CheckpointManager:
     ) -> Path:
         """Write one whole checkpoint atomically, then prune to ``keep_last``."""
         final = self.folder / step_dir_name(step)
-        with atomic_folder(final) as tmp:
-            files = {
-                "model.safetensors": save_tensors(model_tensors, tmp / "model.safetensors"),
-                "optimizer.safetensors": save_tensors(optimizer_tensors, tmp / "optimizer.safetensors"),
-            }
-            _common_files(tmp, config, state, recipe_yaml, files)
+        need = checkpoint_bytes(model_tensors, optimizer_tensors)
+        with disk_full_as_one_line(self, final, need):
+            with atomic_folder(final) as tmp:
+                files = {
+                    "model.safetensors": save_tensors(model_tensors, tmp / "model.safetensors"),
+                    "optimizer.safetensors": save_tensors(optimizer_tensors, tmp / "optimizer.safetensors"),
+                }
+                _common_files(tmp, config, state, recipe_yaml, files)
         self.point_latest(final)
         self.prune()
         return final
@@ -155,6 +159,65 @@ class CheckpointManager:
             folder.rename(target)
             out.append(target)
         return out
+
+
+# ------------------------------------------------------------------------------------------ disk space
+_SMALL_FILES_BYTES = 256 * 1024  # config.json, recipe.yaml, state.json (RNG states included): below this
+
+
+def checkpoint_bytes(*groups: Dict[str, object]) -> int:
+    """The bytes the tensor files of ``groups`` ({name: tensor or array}) take on disk, plus the small files."""
+    from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, numel
+    from ms_deepseek.checkpoint.tensors import host_entry
+
+    total = _SMALL_FILES_BYTES
+    for named in groups:
+        for name, value in named.items():
+            _, code, shape = host_entry(value)
+            total += numel(shape) * DTYPE_SIZES[code] + 128 + len(name)  # data + its header entry
+    return total
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes for an unprivileged writer on the file system of ``folder`` (or its nearest existing parent)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_full_line(manager: "CheckpointManager", final: Path, need: int, rank: Optional[int] = None) -> str:
+    """One line for a checkpoint that does not fit: which, the bytes it needs and those free, the last complete
+    checkpoint and how to continue."""
+    last = manager.latest()
+    then = (
+        f"the last complete checkpoint is {last}; free space, then continue with the same command and --resume"
+        if last is not None
+        else "no complete checkpoint yet; free space and start the run again"
+    )
+    who = f" (rank {rank}'s slices)" if rank is not None else ""
+    return (
+        f"checkpoint {final}: no space left on the device: it needs {gigabytes(need)}{who}, "
+        f"{manager.folder} has {gigabytes(free_bytes(manager.folder))} free; {then}"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_as_one_line(manager: "CheckpointManager", final: Path, need: int, rank: Optional[int] = None):
+    """Refuse a save that the free space cannot hold before writing it, and turn a full disk (ENOSPC, a
+    quota) met while writing into the same one line (the partial folder is gone by then: atomic_folder)."""
+    if need > free_bytes(manager.folder):
+        raise UserError(disk_full_line(manager, final, need, rank))
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(disk_full_line(manager, final, need, rank)) from None
 
 
 def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str, files: Dict[str, Dict]) -> None:
@@ -198,11 +261,12 @@ def save_sharded(
     mine = rank_dir(tmp, rank)
     if mine.exists():
         shutil.rmtree(mine)
-    mine.mkdir(parents=True)
-    files = {
-        "model.safetensors": save_tensors(model_tensors, mine / "model.safetensors"),
-        "optimizer.safetensors": save_tensors(optimizer_tensors, mine / "optimizer.safetensors"),
-    }
+    with disk_full_as_one_line(manager, final, checkpoint_bytes(model_tensors, optimizer_tensors), rank):
+        mine.mkdir(parents=True)
+        files = {
+            "model.safetensors": save_tensors(model_tensors, mine / "model.safetensors"),
+            "optimizer.safetensors": save_tensors(optimizer_tensors, mine / "optimizer.safetensors"),
+        }
     if strategy_file.is_file():
         shutil.copy2(strategy_file, mine / "strategy.ckpt")
         files["strategy.ckpt"] = file_entry(mine / "strategy.ckpt")

@@ -544,7 +544,7 @@ class Trainer:
             self._print(converted)
         from ms_deepseek.config.recipe import recipe_warnings
 
-        warnings = recipe_warnings(recipe)
+        warnings = recipe_warnings(recipe) + self._disk_warnings()
         if hasattr(self.dataset, "repeat_warnings"):  # a weighted mixture: a source read too many times
             warnings += self.dataset.repeat_warnings(self.stop_at * recipe.global_batch_size)
         for warning in warnings:
@@ -562,6 +562,28 @@ class Trainer:
             )
             for note in self.validation_notes:
                 self._print(f"warning: {note}")
+
+    def _disk_warnings(self) -> List[str]:
+        """The run's planned saves against the free space of its checkpoints folder (each save is also
+        checked before it is written: ``checkpoint.training.disk_full_as_one_line``)."""
+        ck = self.recipe.checkpoint
+        steps = range(self.start_step + 1, self.stop_at + 1)
+        saves = sum(1 for s in steps if self._saves_at(s))
+        if not saves:
+            return []
+        size = ckpt_mod.checkpoint_bytes(self.model_tensors, self.opt_tensors)
+        held = len(self.manager.complete())
+        # at most keep_last checkpoints stay, plus the one being written before the oldest is pruned
+        more = max(0, min(held + saves, ck.keep_last + 1) - held)
+        free = ckpt_mod.free_bytes(self.manager.folder)
+        if more * size <= free:
+            return []
+        g = ckpt_mod.gigabytes
+        return [
+            f"checkpoint: this run writes {saves} checkpoint(s) of {g(size)}, up to {more} more at once "
+            f"(checkpoint.keep_last {ck.keep_last}): {g(more * size)}, but {self.manager.folder} has {g(free)} "
+            "free; a save that does not fit stops the run"
+        ]
 
     # ---- the loop's pieces
 
@@ -645,10 +667,12 @@ class Trainer:
 
     def _maybe_save(self, step: int) -> None:
         """Checkpoint every ``checkpoint.save_interval`` steps and at the last step (``save_final``)."""
+        if self._saves_at(step):
+            self._save(step)
+
+    def _saves_at(self, step: int) -> bool:
         ck = self.recipe.checkpoint
-        if not ((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final)):
-            return
-        self._save(step)
+        return bool((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final))
 
     def _save(self, step: int) -> None:
         """One checkpoint of this step (every rank takes part; rank 0 completes it)."""

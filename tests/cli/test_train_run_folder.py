@@ -83,3 +83,63 @@ def test_resume_refuses_a_damaged_checkpoint_and_takes_the_intact_one_when_told(
     assert f"resuming {ckpts / 'step_00000002'} at step 2" in out, out
     assert [p.name.split(".damaged-")[0] for p in ckpts.glob("step_00000004.damaged-*")] == ["step_00000004"]
     assert (ckpts / "step_00000006").is_dir()
+
+
+# ---------------------------------------------------------------------------- a full disk
+def _used(folder):
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    """Item 3: ENOSPC in safetensors_io.write_file ended the run with a raw OSError traceback. Simulated at
+    the write call (a real small file system needs root to mount)."""
+    import errno
+
+    from bad_input_helpers import assert_refused, run_cli
+    from ms_deepseek.checkpoint import safetensors_io
+
+    real = safetensors_io._write_all
+
+    def full_at_step_4(fd, data, pos):
+        if "step_00000004" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(safetensors_io, "_write_all", full_at_step_4)
+    recipe, run = _recipe(tmp_path), tmp_path / "run"
+    code, _, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet"])
+    ckpts = run / "checkpoints"
+    assert_refused(code, err, f"checkpoint {ckpts / 'step_00000004'}", "no space left", "needs", "free")
+    assert f"the last complete checkpoint is {ckpts / 'step_00000002'}" in err and "--resume" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]  # no partial left
+    monkeypatch.setattr(safetensors_io, "_write_all", real)
+    code, out, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", "--resume"])
+    assert code == 0, err
+    assert (ckpts / "step_00000004").is_dir()
+
+
+def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, monkeypatch):
+    """A disk that holds one checkpoint and a half: a warning at start, the second save refused before a byte of
+    it is written."""
+    from bad_input_helpers import assert_refused, run_cli
+    from ms_deepseek.checkpoint import training as ckpt_mod
+
+    recipe, run = _recipe(tmp_path), tmp_path / "run"
+    budget = {}
+
+    def free(folder):  # the budget less what the run's checkpoints take
+        return budget["bytes"] - _used(run / "checkpoints")
+
+    real_bytes = ckpt_mod.checkpoint_bytes
+
+    def sized(*groups):
+        size = real_bytes(*groups)
+        budget.setdefault("bytes", int(size * 1.5))
+        return size
+
+    monkeypatch.setattr(ckpt_mod, "free_bytes", free)
+    monkeypatch.setattr(ckpt_mod, "checkpoint_bytes", sized)
+    code, out, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet"])
+    assert "warning: checkpoint: this run writes 2 checkpoint(s)" in out, out
+    assert_refused(code, err, "step_00000004", "no space left", "step_00000002")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002"]
