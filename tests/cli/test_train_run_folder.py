@@ -95,8 +95,9 @@ def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, caps
     the write call (a real small file system needs root to mount)."""
     import errno
 
-    from bad_input_helpers import assert_refused, run_cli
     from ms_deepseek.checkpoint import safetensors_io
+
+    from bad_input_helpers import assert_refused, run_cli
 
     real = safetensors_io._write_all
 
@@ -121,8 +122,9 @@ def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, caps
 def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, monkeypatch):
     """A disk that holds one checkpoint and a half: a warning at start, the second save refused before a byte of
     it is written."""
-    from bad_input_helpers import assert_refused, run_cli
     from ms_deepseek.checkpoint import training as ckpt_mod
+
+    from bad_input_helpers import assert_refused, run_cli
 
     recipe, run = _recipe(tmp_path), tmp_path / "run"
     budget = {}
