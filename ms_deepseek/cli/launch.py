@@ -110,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: continue from the newest intact checkpoint when the newest is damaged (passed on to train)",
     )
+    parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run folder's lease from a job you know to be dead (passed on to train)",
+    )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -172,6 +177,8 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
         cmd.append("--allow-changes")
     if getattr(args, "skip_damaged", False):
         cmd.append("--skip-damaged")
+    if getattr(args, "take_over", False):
+        cmd.append("--take-over")
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return env, cmd
@@ -242,6 +249,11 @@ def run(args: argparse.Namespace) -> int:
         )
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
+    from ms_deepseek.train.lease import live_holder, refusal
+
+    holder = live_holder(run_dir, getattr(args, "take_over", False))  # a job in this folder: touch nothing of it
+    if holder is not None:
+        raise refusal(run_dir, holder)
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
     full_env = dict(os.environ, **env)
     full_env["PATH"] = interpreter_dir() + os.pathsep + full_env.get("PATH", "")

@@ -65,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step_N.damaged-<time>); without it a damaged checkpoint is refused, naming that one",
     )
     parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run folder's lease (RUN_DIR/.lease) from the job that holds it, which you know to be "
+        "dead (a node that went down); without it a run folder held by a live job is refused, and a lease "
+        "is taken over only when its holder's process is gone (same host) or its heartbeat is older than "
+        "MS_DEEPSEEK_LEASE_STALE_S (600 s)",
+    )
+    parser.add_argument(
         "--max-steps",
         type=int,
         default=None,
@@ -124,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.core.safe_io import check_output_dir
 
     check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
+    from ms_deepseek.train.lease import LeaseHeld
     from ms_deepseek.train.trainer import train
 
     before = _snapshot(run_dir)
@@ -137,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
             max_steps=args.max_steps,
             allow_changes=args.allow_changes,
             skip_damaged=args.skip_damaged,
+            take_over=args.take_over,
         )
+    except LeaseHeld:
+        raise  # the folder is another job's: nothing of it is this command's to clean up
     except UserError:
         _remove_leftovers(run_dir, before)
         raise

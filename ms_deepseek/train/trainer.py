@@ -38,6 +38,7 @@ from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.distributed import any_rank
+from ms_deepseek.train.lease import RunLease
 from ms_deepseek.train.lora_run import LoraModel, model_converter
 from ms_deepseek.train.parallelism import parallelism_of, this_stage
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
@@ -108,13 +109,14 @@ def train(
     max_steps: Optional[int] = None,
     allow_changes: bool = False,
     skip_damaged: bool = False,
+    take_over: bool = False,
 ) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
     spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
     changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
     (train/resume.py, check_settings). A damaged checkpoint is refused naming the newest intact one, which
     ``skip_damaged`` takes (train/resume.py, intact)."""
-    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes, skip_damaged).run()
+    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes, skip_damaged, take_over).run()
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Trainer:
         max_steps: Optional[int],
         allow_changes: bool = False,
         skip_damaged: bool = False,
+        take_over: bool = False,
     ):
         self.started = time.time()
         skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
@@ -169,6 +172,8 @@ class Trainer:
         self.converter = model_converter(recipe)
         self.resume, self.force, self.progress, self.max_steps = resume, force, progress, max_steps
         self.skip_damaged = skip_damaged  # --skip-damaged: a damaged checkpoint gives way to the newest intact one
+        self.take_over = take_over  # --take-over: the run folder's lease is taken from a holder known to be dead
+        self.lease: Optional[RunLease] = None  # rank 0's lease of the run folder (train/lease.py)
 
     @property
     def parallelism(self):
@@ -176,6 +181,13 @@ class Trainer:
         return parallelism_of(self.sharded)
 
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+
+    def _run(self) -> TrainResult:
         self._check_layout()
         self._setup_run()
         if self.complete:
@@ -204,6 +216,8 @@ class Trainer:
 
     def _train_step(self, step: int) -> bool:
         """One optimizer step with its logging, validation and checkpoint; True when the run stops here."""
+        if self.lease is not None:
+            self.lease.check()  # another job took the run folder over: stop before this step writes anything
         t0 = time.time()
         self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
         self.converter.before_step(self.model, self.recipe.train.seed, step, self.rank)
@@ -244,6 +258,9 @@ class Trainer:
     def _setup_run(self) -> None:
         use_device()
         self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
+        # one writer per run folder: rank 0 holds its lease before reading or writing anything there
+        if self.rank == 0:
+            self.lease = RunLease.acquire(self.run_dir, self.take_over)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
         self.is_main = self.rank == self.parallelism.log_rank(self.par)
@@ -677,6 +694,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         """One checkpoint of this step (every rank takes part; rank 0 completes it)."""
         self.saved_step = step
+        if self.lease is not None:
+            self.lease.check(read=True)
         saved = self.checkpointer.save(self, step)
         if saved is not None:
             self.last_ckpt = saved

@@ -145,3 +145,47 @@ def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, m
     assert "warning: checkpoint: this run writes 2 checkpoint(s)" in out, out
     assert_refused(code, err, "step_00000004", "no space left", "step_00000002")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002"]
+
+
+# ---------------------------------------------------------------------------- one writer per run folder
+def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
+    """Item 1: B (`train --output SAME --resume`) removed A's partial checkpoint and trained beside it. Now B
+    is refused in one line naming A (host, pid, since, heartbeat) and touches nothing; once A is dead (killed),
+    its lease is taken over without a word and the run resumes."""
+    import signal
+    import socket
+    import time
+
+    from bad_input_helpers import assert_refused, run_cli
+
+    recipe, run = _recipe(tmp_path, steps=100000, save_interval=2), tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    a = subprocess.Popen(
+        [sys.executable, "-m", "ms_deepseek.cli", "train", str(recipe), "--output", str(run), "--quiet"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "step_00000002").is_dir():
+            assert a.poll() is None and time.monotonic() < deadline, a.stderr.read() if a.poll() is not None else "slow"
+            time.sleep(0.5)
+        before = sorted(p.name for p in run.iterdir())
+        # --max-steps: without the lease B trained beside A (and this test ends)
+        code, _, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", "--resume", "--max-steps", "4"])
+        assert_refused(
+            code, err, "held by another job", f"host {socket.gethostname()} pid {a.pid}", "since", "heartbeat"
+        )
+        assert "--take-over" in err
+        assert a.poll() is None  # A trains on
+        assert set(before) <= {p.name for p in run.iterdir()}  # B removed nothing of A's
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    assert (run / ".lease").is_file()  # a killed holder leaves its lease: taken over (its pid is gone)
+    code, out, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", "--resume", "--max-steps", "1"])
+    assert code == 0, err
+    assert "run complete" in out or "resuming" in out, out
+    assert not (run / ".lease").exists()
