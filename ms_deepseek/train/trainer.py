@@ -260,6 +260,8 @@ class Trainer:
         self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
         # one writer per run folder: rank 0 holds its lease before reading or writing anything there
         if self.rank == 0:
+            if (self.resume or self.recipe.checkpoint.resume) == "latest" and not self.run_dir.exists():
+                ckpt_mod.resolve_checkpoint("latest", ckpt_mod.RESUME, self.run_dir)  # says there is no such run
             self.lease = RunLease.acquire(self.run_dir, self.take_over)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
