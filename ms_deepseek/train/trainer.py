@@ -142,12 +142,15 @@ class Trainer:
     (:class:`~.components.Throughput`) and the :class:`~.components.Checkpointer` that saves them all.
 
     Phases: ``_check_layout`` (refusals that need nothing built) -> ``_setup_run`` (device, collective
-    group, resume state, step range) -> ``_build_data`` (this rank's batches, first one read)
-    -> ``_build_model`` -> ``_build_step`` (optimizer, compiled step) -> ``_restore`` (resume:
-    tensors + RNG) -> ``_open_outputs`` (run folder, metrics, progress) -> per step ``_train_step``:
-    ``_run_step``, ``_account``, ``_log``, ``_maybe_save``.
+    group, the run folder's lease, resume state, step range) -> ``_build_data`` (this rank's batches,
+    first one read) -> ``_build_model`` -> ``_build_step`` (optimizer, compiled step) -> ``_restore``
+    (resume: tensors + RNG; under MindSpore's dry run: compile and stop) -> ``_open_outputs`` (run
+    folder, metrics, progress) -> per step ``_train_step``: ``_run_step``, ``_account``, ``_log``,
+    ``_maybe_save``.
     Refusals about the layout, the workers, the resume state and the data come before anything
     is written to the run folder."""
+
+    lease: Optional[RunLease] = None  # rank 0's lease of the run folder (train/lease.py), taken in _setup_run
 
     def __init__(
         self,
@@ -173,7 +176,6 @@ class Trainer:
         self.resume, self.force, self.progress, self.max_steps = resume, force, progress, max_steps
         self.skip_damaged = skip_damaged  # --skip-damaged: a damaged checkpoint gives way to the newest intact one
         self.take_over = take_over  # --take-over: the run folder's lease is taken from a holder known to be dead
-        self.lease: Optional[RunLease] = None  # rank 0's lease of the run folder (train/lease.py)
 
     @property
     def parallelism(self):
