@@ -260,8 +260,9 @@ class Trainer:
     def _setup_run(self) -> None:
         use_device()
         self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
-        # one writer per run folder: rank 0 holds its lease before reading or writing anything there
-        if self.rank == 0:
+        # one writer per run folder: rank 0 holds its lease before reading or writing anything there (a dry
+        # run writes nothing there)
+        if self.rank == 0 and dry_run_level() is None:
             if (self.resume or self.recipe.checkpoint.resume) == "latest" and not self.run_dir.exists():
                 ckpt_mod.resolve_checkpoint("latest", ckpt_mod.RESUME, self.run_dir)  # says there is no such run
             self.lease = RunLease.acquire(self.run_dir, self.take_over)
