@@ -6,7 +6,8 @@ each other's partial checkpoints and interleave checkpoints and metrics. The lea
 (not a ``flock``, which does not reach across the nodes that share a folder); only the job's rank 0 holds
 it, the other ranks of the same job are not asked.
 
-* taken with ``O_CREAT | O_EXCL`` (atomic on local file systems and NFS v3+);
+* taken by linking a complete temporary file to the name (``link`` fails on an existing name, atomically on
+  local file systems and NFS), so the lease is never seen half-written;
 * renewed every :data:`RENEW_S` seconds by a thread of the holder (the heartbeat), which stops renewing
   and marks the lease lost when the file names another holder (taken over), so that the old job stops
   before its next step or save instead of writing beside the new one;
@@ -89,6 +90,21 @@ def _pid_alive(pid: int) -> bool:
     return pid > 0
 
 
+def _create(path: Path, text: str) -> bool:
+    """Create ``path`` holding ``text`` in one step, False when it exists: the text goes to a temporary
+    sibling linked to ``path`` (``link`` fails on an existing name, on NFS too), so no reader ever sees
+    the lease empty."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+
+
 def host_name() -> str:
     return socket.gethostname()
 
@@ -140,19 +156,14 @@ class RunLease:
         now = time.time()
         mine = Holder(host_name(), os.getpid(), now, now, uuid.uuid4().hex)
         path = run_dir / LEASE_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+        if not _create(path, mine.to_json()):
             holder = read_holder(run_dir)
             why = why_free(holder, now, take_over) if holder is not None else ""
             if why is None:
-                raise refusal(run_dir, holder) from None
+                raise refusal(run_dir, holder)
             if why:
                 say(f"run folder {run_dir}: taking over the lease of {holder.describe(now)}: {why}")
             atomic_write_text(path, mine.to_json())
-        else:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(mine.to_json())
         lease = cls(run_dir, mine)
         if read_holder(run_dir) != mine:  # another job took it in the same moment
             raise refusal(run_dir, read_holder(run_dir))
