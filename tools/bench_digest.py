@@ -18,18 +18,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_convert import evict  # tools/ (this script's folder) is on the path
 
 from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint.safetensors_io import write_arrays
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:
@@ -57,7 +49,7 @@ def main() -> None:
             (work / "state.json").write_text(
                 json.dumps({"files": {"hashed.safetensors": digests.entry(written, hasher)}})
             )
-            _evict(work / "hashed.safetensors")
+            evict(work)  # the check reads from disk
             start = time.perf_counter()
             digests.check_file(work, "hashed.safetensors")
             check.append(time.perf_counter() - start)

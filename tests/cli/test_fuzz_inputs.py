@@ -151,7 +151,10 @@ def _convert_bounded(case, out, seconds=60):
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    from repo_paths import REPO
+
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # this checkout's package
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
     argv = [sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf", str(case), str(out), "--no-progress"]
     try:
         return subprocess.run(argv, capture_output=True, text=True, env=env, preexec_fn=limit, timeout=seconds)
