@@ -79,8 +79,9 @@ def recorded(folder) -> Dict[str, Dict]:
     return files
 
 
-def check_file(folder, rel: str, files: Optional[Dict[str, Dict]] = None) -> None:
-    """``folder/rel`` is the file that was saved: UserError naming it when its size or digest differs."""
+def check_file(folder, rel: str, files: Optional[Dict[str, Dict]] = None, mode: Optional[str] = None) -> None:
+    """``folder/rel`` is the file that was saved: UserError naming it when its size or digest differs
+    (``mode``: "full" or "size"; default :func:`verify_mode`)."""
     folder = Path(folder)
     files = recorded(folder) if files is None else files
     want = files.get(rel)
@@ -97,7 +98,7 @@ def check_file(folder, rel: str, files: Optional[Dict[str, Dict]] = None) -> Non
             f"as {folder / 'state.json'} records)"
         )
     key = os.path.realpath(path)
-    if verify_mode() == "size" or _verified.get(key) == (st.st_size, st.st_mtime_ns):
+    if (mode or verify_mode()) == "size" or _verified.get(key) == (st.st_size, st.st_mtime_ns):
         return
     hasher = new_hasher()
     _hash_file(path, hasher)
@@ -109,17 +110,19 @@ def check_file(folder, rel: str, files: Optional[Dict[str, Dict]] = None) -> Non
     _verified[key] = (st.st_size, st.st_mtime_ns)
 
 
-def check_files(folder, names: Optional[Iterable[str]] = None) -> None:
-    """Every recorded file of ``folder`` (or those of ``names`` it records)."""
+def check_files(folder, names: Optional[Iterable[str]] = None, ranks_by_size: bool = False) -> None:
+    """Every recorded file of ``folder`` (or those of ``names`` it records); ``ranks_by_size``: the
+    ``rank_RRRRR/`` files of a sharded checkpoint by size only (each rank checks the bytes of the files it
+    reads, :class:`~ms_deepseek.checkpoint.slice_readers.ShardedSource`)."""
     files = recorded(folder)
     for rel in sorted(files) if names is None else names:
-        check_file(folder, rel, files)
+        check_file(folder, rel, files, "size" if ranks_by_size and rel.startswith("rank_") else None)
 
 
-def damage(folder) -> Optional[str]:
+def damage(folder, ranks_by_size: bool = False) -> Optional[str]:
     """The first damaged file of ``folder``, as the line that refuses it; None when the folder is intact."""
     try:
-        check_files(folder)
+        check_files(folder, ranks_by_size=ranks_by_size)
     except UserError as exc:
         return str(exc)
     return None

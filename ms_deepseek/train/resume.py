@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint import training as ckpt_mod
+from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.train.distributed import gather_ints
 
@@ -31,7 +32,10 @@ def intact(found: Optional[Path], skip_damaged: bool, announce: bool = True) -> 
     set aside as ``step_N.damaged-<time>`` (``announce``: this rank renames them and says so)."""
     if found is None:
         return None
-    why = digests.damage(found)
+    # a sharded checkpoint's rank files: sizes here, their bytes by each rank as it reads its slices (one
+    # process hashing every rank's files would read the whole checkpoint)
+    by_size = is_sharded(found)
+    why = digests.damage(found, by_size)
     if why is None:
         return found
     step = int(ckpt_mod.read_state(found).get("step", -1))
@@ -39,7 +43,7 @@ def intact(found: Optional[Path], skip_damaged: bool, announce: bool = True) -> 
     for s, folder in reversed(ckpt_mod.CheckpointManager(found.parent).complete()):
         if s >= step or folder.resolve() == found.resolve():
             continue
-        if digests.damage(folder) is None:
+        if digests.damage(folder, by_size) is None:
             candidate = folder
             break
         damaged.append(folder)

@@ -121,3 +121,21 @@ def test_a_resharded_checkpoint_records_its_rank_files_and_checks_them_when_read
     code, _, err = run_cli(capsys, ["convert", "ms-to-hf", sharded, tmp_path / "hf2", "--no-progress"])
     assert_refused(code, err, str(sharded / "rank_00001" / "model.safetensors"), "damaged")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_a_sharded_resume_checks_rank_files_by_size_up_front(tmp_path):
+    """--resume of a sharded checkpoint: the rank files' sizes by the deciding rank, their bytes by the ranks
+    that read them (ShardedSource, above); the small files in full."""
+    from ms_deepseek.checkpoint.digests import damage
+    from ms_deepseek.checkpoint.sharded import write_sharded
+    from ms_deepseek.config.parallel import ParallelConfig
+
+    sharded = tmp_path / "sharded"
+    write_sharded(_training_checkpoint(tmp_path), sharded, ParallelConfig(dp=2, micro_batches=1), fsync=False)
+    rank_file = sharded / "rank_00001" / "optimizer.safetensors"
+    _flip(rank_file, n=4)
+    assert damage(sharded, ranks_by_size=True) is None
+    assert str(rank_file) in damage(sharded)
+    with open(rank_file, "ab") as f:
+        f.write(b"\0" * 8)
+    assert str(rank_file) in damage(sharded, ranks_by_size=True)
