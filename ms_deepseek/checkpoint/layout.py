@@ -502,9 +502,16 @@ def _read_tensors(entries: Dict, dp: int, tp: int, pp: int) -> Dict[str, TensorL
         for axis, (d, k) in enumerate(zip(shape, lay.split)):
             if d % k:
                 raise ValueError(f"tensor {name}: axis {axis} ({d}) is not divisible by {k}")
-        if exp is not None and (
-            len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids) != list(range(shape[0]))
-        ):
+        if exp is None:
+            tensors[name] = lay
+            continue
+        # the ids listed are bounded by this file's size, a declared shape is not: count before ranging
+        held = sum(len(ids) for ids in exp)
+        if held != shape[0]:
+            raise ValueError(
+                f"tensor {name}: shape {list(shape)} declares {shape[0]} experts, its experts list places {held}"
+            )
+        if len(exp) != lay.split[0] or sorted(e for ids in exp for e in ids) != list(range(held)):
             raise ValueError(
                 f"tensor {name}: experts {[list(e) for e in exp]} are not a placement of "
                 f"{shape[0]} experts over {lay.split[0]} ranks"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ms_deepseek.checkpoint.convert_map import check_tensors
+from ms_deepseek.checkpoint.digests import check_file
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
 from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header
@@ -109,6 +110,7 @@ def open_checkpoint(folder) -> Opened:
         _check_whole(model, weights)
     optimizer = None
     if (folder / OPTIMIZER_FILE).is_file():
+        check_file(folder, OPTIMIZER_FILE)  # against the digest state.json records (read_weight_files: the rest)
         optimizer = WholeSource(read_header(folder / OPTIMIZER_FILE).tensors, weights.config, folder, hf=False)
     kind = (
         CheckpointKind.TRAINING
@@ -141,6 +143,7 @@ def _open_sharded(folder: Path) -> Opened:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise UserError(f"{folder}: sharded checkpoint without config.json")
+    check_file(folder, "config.json")  # the rank files: when their slices are first read (ShardedSource)
     cfg = DeepseekV2Config.from_json(config_path)
     lora = LoraSpec.from_settings(model.layout.lora, f"{folder / LAYOUT_FILE}: lora")
     check_config_scale(cfg, model.layout.tensors, config_path, LAYOUT_FILE)

@@ -231,11 +231,15 @@ def encode_array(values, sf_dtype: str) -> bytes:
 
 
 def write_arrays(
-    path: Path, tensors: Mapping[str, Tuple[object, str]], metadata: Optional[Mapping[str, str]] = None
+    path: Path,
+    tensors: Mapping[str, Tuple[object, str]],
+    metadata: Optional[Mapping[str, str]] = None,
+    digest=None,
 ) -> int:
     """A safetensors file from host arrays: ``{name: (array, safetensors dtype code)}``, each encoded to
     its code by :func:`encode_array`; or ``{name: (produce, code, shape)}`` where ``produce()`` returns
-    the array when the file is written (one tensor on the host at a time). Returns the file size."""
+    the array when the file is written (one tensor on the host at a time). Returns the file size;
+    ``digest`` (a ``hashlib`` object) is fed the file's bytes as they are written (:func:`write_file`)."""
     import numpy as np
 
     planned = []
@@ -250,7 +254,9 @@ def write_arrays(
                 name, code, tuple(shape), produce=lambda p=produce, c=code: encode_array(np.ascontiguousarray(p()), c)
             )
         )
-    return write_file(path, order_for_alignment(planned), {"format": "pt"} if metadata is None else metadata)
+    return write_file(
+        path, order_for_alignment(planned), {"format": "pt"} if metadata is None else metadata, digest=digest
+    )
 
 
 def kernel_copy_enabled() -> bool:
@@ -289,6 +295,8 @@ def copy_range(
             if buf is None or len(buf) < step:  # grows to the largest step seen, at most _COPY_CHUNK
                 buf = state["buffer"] = memoryview(bytearray(step))
             got = os.preadv(src_fd, [buf[:step]], src_off + done)
+            if state.get("digest") is not None:
+                state["digest"].update(buf[:got])
             written = 0
             while written < got:
                 written += os.pwrite(dst_fd, buf[written:got], dst_off + done + written)
@@ -305,23 +313,30 @@ def write_file(
     metadata: Optional[Mapping[str, str]],
     on_bytes: Callable[[int], None] = lambda n: None,
     fsync: bool = True,
+    digest=None,
 ) -> int:
-    """Write one safetensors file from byte ranges of other files; returns the file size."""
+    """Write one safetensors file from byte ranges of other files; returns the file size.
+
+    ``digest`` (a ``hashlib`` object) is fed every byte in file order as it is written, so a checkpoint's
+    digest costs no second read (:mod:`ms_deepseek.checkpoint.digests`); byte ranges then go through the
+    user-space buffer, which the hash must see, instead of ``copy_file_range``."""
     header = build_header(tensors, metadata)
-    state: Dict[str, object] = {}
+    state: Dict[str, object] = {} if digest is None else {"digest": digest, "kernel_copy": False}
     fds: Dict[Path, int] = {}
     out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(out, header)
+        _write_all(out, header, 0)
+        if digest is not None:
+            digest.update(header)
         pos = len(header)
         for t in tensors:
             if t.produce is not None:
                 data = memoryview(t.produce()).cast("B")  # bytes of an array, in C order
                 if len(data) != t.nbytes:
                     raise AssertionError(f"{t.name}: produced {len(data)} bytes, expected {t.nbytes}")
-                written = 0
-                while written < len(data):
-                    written += os.pwrite(out, data[written:], pos + written)
+                _write_all(out, data, pos)
+                if digest is not None:
+                    digest.update(data)
                 on_bytes(len(data))
                 pos += len(data)
                 continue
@@ -343,3 +358,10 @@ def write_file(
         os.close(out)
         for fd in fds.values():
             os.close(fd)
+
+
+def _write_all(fd: int, data, pos: int) -> None:
+    """``data`` at ``pos``, however many calls it takes."""
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], pos + written)

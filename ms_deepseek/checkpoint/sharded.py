@@ -31,8 +31,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, build_layout, checkpoint_inventory, rank_dir_name
-from ms_deepseek.checkpoint.opener import lora_not_a_model, open_checkpoint
+from ms_deepseek.checkpoint.opener import OPTIMIZER_FILE, lora_not_a_model, open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
 from ms_deepseek.checkpoint.slice_readers import ShardedSource, full_slice
 from ms_deepseek.config import names
@@ -167,22 +168,23 @@ def write_sharded(
     layout = layout.storing_distinct()
     check_destination(src_folder, dst, overwrite)
     with atomic_folder(dst, fsync=fsync) as tmp:
+        files: Dict[str, Dict] = {}
         for rank in range(layout.world_size):
             folder = tmp / rank_dir_name(rank)
             folder.mkdir()
-            write_file(folder / "model.safetensors", rank_entries(model, layout, rank), {"format": "ms"}, fsync=False)
+            rel = f"{rank_dir_name(rank)}/"
+            files[rel + "model.safetensors"] = _write_digested(
+                folder / "model.safetensors", rank_entries(model, layout, rank)
+            )
             if opt is not None:
-                write_file(
-                    folder / "optimizer.safetensors",
-                    rank_entries(opt, layout.for_optimizer(), rank),
-                    {"format": "ms"},
-                    fsync=False,
+                files[rel + OPTIMIZER_FILE] = _write_digested(
+                    folder / OPTIMIZER_FILE, rank_entries(opt, layout.for_optimizer(), rank)
                 )
             if progress:
                 print(f"rank {rank + 1}/{layout.world_size} written", flush=True)
         layout.write(tmp / LAYOUT_FILE)
         _carry(src_folder, tmp, cfg_path, extra=TRAINING_FILES if opt is not None else ())
-        _update_state(tmp, layout.world_size)
+        _update_state(tmp, layout.world_size, files)
     return layout
 
 
@@ -194,23 +196,31 @@ def write_whole(src_folder, dst, *, overwrite: bool = False, fsync: bool = True)
     check_destination(src_folder, dst, overwrite)
     layout = target_layout(opened.config, ParallelConfig(), model, opened.lora)
     with atomic_folder(dst, fsync=fsync) as tmp:
-        write_file(tmp / "model.safetensors", _whole_entries(model, layout.tensors), {"format": "ms"}, fsync=False)
+        files = {"model.safetensors": _write_digested(tmp / "model.safetensors", _whole_entries(model, layout.tensors))}
         if opt is not None:
-            write_file(
-                tmp / "optimizer.safetensors",
-                _whole_entries(opt, _optimizer_layout(layout, opt).optimizer),
-                {"format": "ms"},
-                fsync=False,
+            files[OPTIMIZER_FILE] = _write_digested(
+                tmp / OPTIMIZER_FILE, _whole_entries(opt, _optimizer_layout(layout, opt).optimizer)
             )
         _carry(src_folder, tmp, cfg_path, extra=TRAINING_FILES if opt is not None else ())
-        _update_state(tmp, None)
+        _update_state(tmp, None, files)
 
 
-def _update_state(tmp: Path, world: Optional[int]) -> None:
+def _write_digested(path: Path, entries: List[OutTensor]) -> Dict:
+    """One output file, its digest taken as it is written (the entry state.json records)."""
+    hasher = digests.new_hasher()
+    return digests.entry(write_file(path, entries, {"format": "ms"}, fsync=False, digest=hasher), hasher)
+
+
+def _update_state(tmp: Path, world: Optional[int], files: Dict[str, Dict]) -> None:
+    """A training checkpoint's carried state.json: the new world size and the digests of the files written."""
     path = tmp / "state.json"
     if not path.is_file():
         return
     state = json.loads(path.read_text(encoding="utf-8"))
+    carried = {
+        name: digests.file_entry(tmp / name) for name in ("config.json", "recipe.yaml") if (tmp / name).is_file()
+    }
+    state[digests.FILES_KEY] = dict(sorted({**files, **carried}.items()))
     state["resharded_from_world_size"] = state.get("world_size")
     if world is not None:
         state["world_size"] = world

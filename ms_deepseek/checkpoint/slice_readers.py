@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.checkpoint.layout import ExpertIds, ShardLayout, rank_dir_name, read_layout
+from ms_deepseek.checkpoint.digests import check_file, recorded
+from ms_deepseek.checkpoint.layout import RANK_DIR_GLOB, ExpertIds, ShardLayout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.safetensors_io import TensorInfo, read_header
 from ms_deepseek.config import names
 from ms_deepseek.core.dtypes import BY_SAFETENSORS
@@ -145,18 +146,23 @@ class ShardedSource:
         self.layout = layout or read_layout(self.folder)
         self.file_name = file_name
         self._headers: Dict[int, Dict[str, TensorInfo]] = {}
+        # the digests the checkpoint's state.json records; each rank file is checked when first read from
+        self._recorded, self._checked = recorded(self.folder), set()
         import os
 
         root = os.path.realpath(self.folder)
-        for r in range(self.layout.world_size):
+        # the rank folders present bound every loop over ranks: layout.json's world size is only declared
+        present = sorted(int(p.name[5:]) for p in self.folder.glob(RANK_DIR_GLOB) if p.name[5:].isdigit())
+        for r in present:
             path = self.folder / rank_dir_name(r)
             real = os.path.realpath(path)
-            if path.exists() and os.path.commonpath([root, real]) != root:
+            if os.path.commonpath([root, real]) != root:
                 raise UserError(f"{path}: rank folder lies outside the checkpoint folder (-> {real})")
-        missing = [r for r in range(self.layout.world_size) if not (self.folder / rank_dir_name(r)).is_dir()]
-        if missing:
+        held = {r for r in present if (self.folder / rank_dir_name(r)).is_dir()}
+        missing = next((r for r in range(self.layout.world_size) if r not in held), None)  # at most len(held) + 1
+        if missing is not None:
             raise UserError(
-                f"{self.folder / rank_dir_name(missing[0])}: missing rank folder (layout.json "
+                f"{self.folder / rank_dir_name(missing)}: missing rank folder (layout.json "
                 f"describes {self.layout.world_size} ranks, {self.layout.describe()})"
             )
         extra = sorted(
@@ -237,6 +243,9 @@ class ShardedSource:
                     dst_index.append(slice(lo - want[0], hi - want[0]))
             if empty:
                 continue
+            if rank not in self._checked:  # the file's digest, before the first of its bytes is used
+                check_file(self.folder, f"{rank_dir_name(rank)}/{self.file_name}", self._recorded)
+                self._checked.add(rank)
             info = self.rank_tensors(rank)[name]
             whole_rows = (
                 bool(src_index)

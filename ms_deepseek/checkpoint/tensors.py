@@ -21,12 +21,16 @@ import numpy as np
 from ms_deepseek.core.errors import UserError
 
 
-def save_tensors(named: Dict[str, object], path: Path) -> None:
+def save_tensors(named: Dict[str, object], path: Path) -> Dict:
     """One safetensors file of MindSpore tensors (or host arrays), written by the one writer
-    (``safetensors_io.write_arrays``), one tensor on the host at a time."""
+    (``safetensors_io.write_arrays``), one tensor on the host at a time; returns its size and digest, taken
+    as the bytes were written (:mod:`.digests`)."""
+    from ms_deepseek.checkpoint.digests import entry, new_hasher
     from ms_deepseek.checkpoint.safetensors_io import write_arrays
 
-    write_arrays(path, {name: host_entry(value) for name, value in named.items()})
+    hasher = new_hasher()
+    size = write_arrays(path, {name: host_entry(value) for name, value in named.items()}, digest=hasher)
+    return entry(size, hasher)
 
 
 def host_entry(value):

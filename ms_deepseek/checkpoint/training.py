@@ -24,12 +24,15 @@ incomplete; leftover temporary folders are removed when the next run starts.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import re
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.checkpoint.digests import FILES_KEY, file_entry, text_entry
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, is_sharded, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.tensors import save_tensors
 from ms_deepseek.core.atomic import atomic_folder, atomic_write_text, fsync_tree, install, remove_partials
@@ -38,11 +41,13 @@ from ms_deepseek.core.safe_io import json_loads
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 ABANDONED = ".abandoned-"  # step_N.abandoned-<UTC time>: a newer checkpoint set aside by a resume from an older one
+DAMAGED = ".damaged-"  # step_N.damaged-<UTC time>: a checkpoint whose files differ from their digests, set aside
 REQUIRED_FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json", "recipe.yaml")
 RANK_FILES = ("model.safetensors", "optimizer.safetensors")
 COMMON_FILES = ("config.json", "state.json", "recipe.yaml")
 
 
+RANK_DIGESTS = "digests.json"  # rank_RRRRR/digests.json: a rank's file digests until rank 0 gathers them
 LATEST = "latest"  # checkpoints/latest: the name of the newest complete save (one line)
 
 
@@ -119,10 +124,14 @@ class CheckpointManager:
     ) -> Path:
         """Write one whole checkpoint atomically, then prune to ``keep_last``."""
         final = self.folder / step_dir_name(step)
-        with atomic_folder(final) as tmp:
-            save_tensors(model_tensors, tmp / "model.safetensors")
-            save_tensors(optimizer_tensors, tmp / "optimizer.safetensors")
-            _common_files(tmp, config, state, recipe_yaml)
+        need = checkpoint_bytes(model_tensors, optimizer_tensors)
+        with disk_full_as_one_line(self, final, need):
+            with atomic_folder(final) as tmp:
+                files = {
+                    "model.safetensors": save_tensors(model_tensors, tmp / "model.safetensors"),
+                    "optimizer.safetensors": save_tensors(optimizer_tensors, tmp / "optimizer.safetensors"),
+                }
+                _common_files(tmp, config, state, recipe_yaml, files)
         self.point_latest(final)
         self.prune()
         return final
@@ -138,22 +147,86 @@ class CheckpointManager:
         skip = resumed and Path(resumed).resolve()
         return [f for s, f in self.complete() if s > step and f.resolve() != skip]
 
-    def set_aside(self, folders: List[Path]) -> List[Path]:
-        """Rename ``folders`` to ``step_N.abandoned-<UTC time>``: kept, but no longer a checkpoint to resume."""
+    def set_aside(self, folders: List[Path], suffix: str = ABANDONED) -> List[Path]:
+        """Rename ``folders`` to ``step_N<suffix><UTC time>`` (``.abandoned-``, ``.damaged-``): kept, but no
+        longer a checkpoint to resume."""
         import time
 
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         out = []
         for folder in folders:
-            target = folder.with_name(f"{folder.name}{ABANDONED}{stamp}")
+            target = folder.with_name(f"{folder.name}{suffix}{stamp}")
             folder.rename(target)
             out.append(target)
         return out
 
 
-def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str) -> None:
+# ------------------------------------------------------------------------------------------ disk space
+_SMALL_FILES_BYTES = 256 * 1024  # config.json, recipe.yaml, state.json (RNG states included): below this
+
+
+def checkpoint_bytes(*groups: Dict[str, object]) -> int:
+    """The bytes the tensor files of ``groups`` ({name: tensor or array}) take on disk, plus the small files."""
+    from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, numel
+    from ms_deepseek.checkpoint.tensors import host_entry
+
+    total = _SMALL_FILES_BYTES
+    for named in groups:
+        for name, value in named.items():
+            _, code, shape = host_entry(value)
+            total += numel(shape) * DTYPE_SIZES[code] + 128 + len(name)  # data + its header entry
+    return total
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes for an unprivileged writer on the file system of ``folder`` (or its nearest existing parent)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+
+
+def disk_full_line(manager: "CheckpointManager", final: Path, need: int, rank: Optional[int] = None) -> str:
+    """One line for a checkpoint that does not fit: which, the bytes it needs and those free, the last complete
+    checkpoint and how to continue."""
+    last = manager.latest()
+    then = (
+        f"the last complete checkpoint is {last}; free space, then continue with the same command and --resume"
+        if last is not None
+        else "no complete checkpoint yet; free space and start the run again"
+    )
+    who = f" (rank {rank}'s slices)" if rank is not None else ""
+    return (
+        f"checkpoint {final}: no space left on the device: it needs {gigabytes(need)}{who}, "
+        f"{manager.folder} has {gigabytes(free_bytes(manager.folder))} free; {then}"
+    )
+
+
+@contextlib.contextmanager
+def disk_full_as_one_line(manager: "CheckpointManager", final: Path, need: int, rank: Optional[int] = None):
+    """Refuse a save that the free space cannot hold before writing it, and turn a full disk (ENOSPC, a
+    quota) met while writing into the same one line (the partial folder is gone by then: atomic_folder)."""
+    if need > free_bytes(manager.folder):
+        raise UserError(disk_full_line(manager, final, need, rank))
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(disk_full_line(manager, final, need, rank)) from None
+
+
+def _common_files(tmp: Path, config, state: Dict, recipe_yaml: str, files: Dict[str, Dict]) -> None:
+    """config.json, recipe.yaml and state.json, which records the digest of every other file (``files``:
+    the tensor files' entries, taken as they were written; :mod:`.digests`)."""
     config.save(tmp / "config.json", dtype=config.param_dtype)
     (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    files = dict(files, **{"config.json": file_entry(tmp / "config.json"), "recipe.yaml": text_entry(recipe_yaml)})
+    state = dict(state, **{FILES_KEY: dict(sorted(files.items()))})
     # state.json last: its presence is part of what makes a folder complete
     (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
 
@@ -188,22 +261,43 @@ def save_sharded(
     mine = rank_dir(tmp, rank)
     if mine.exists():
         shutil.rmtree(mine)
-    mine.mkdir(parents=True)
-    save_tensors(model_tensors, mine / "model.safetensors")
-    save_tensors(optimizer_tensors, mine / "optimizer.safetensors")
+    with disk_full_as_one_line(manager, final, checkpoint_bytes(model_tensors, optimizer_tensors), rank):
+        mine.mkdir(parents=True)
+        files = {
+            "model.safetensors": save_tensors(model_tensors, mine / "model.safetensors"),
+            "optimizer.safetensors": save_tensors(optimizer_tensors, mine / "optimizer.safetensors"),
+        }
     if strategy_file.is_file():
         shutil.copy2(strategy_file, mine / "strategy.ckpt")
+        files["strategy.ckpt"] = file_entry(mine / "strategy.ckpt")
+    # this rank's digests, for rank 0 to gather into state.json (the folders are on one shared file system)
+    (mine / RANK_DIGESTS).write_text(json.dumps(files), encoding="utf-8")
     fsync_tree(mine)
     barrier()  # every slice is on disk
     if rank == 0:
         layout.write(tmp / LAYOUT_FILE)
-        _common_files(tmp, config, state, recipe_yaml)
+        _common_files(tmp, config, state, recipe_yaml, _gather_rank_digests(tmp, layout.world_size))
         fsync_tree(tmp)
         install(tmp, final)
         manager.point_latest(final)
         manager.prune()
     barrier()  # nobody starts the next save before the swap
     return final
+
+
+def _gather_rank_digests(tmp: Path, world: int) -> Dict[str, Dict]:
+    """Every rank's digests (``rank_RRRRR/digests.json``, removed once read) under their relative paths. After
+    the barrier every rank has written its own; a rank folder without one (a test emulating ranks one at a
+    time) records nothing, and its files are read unchecked."""
+    files: Dict[str, Dict] = {}
+    for r in range(world):
+        path = rank_dir(tmp, r) / RANK_DIGESTS
+        if not path.is_file():
+            continue
+        for name, value in json_loads(path.read_text(encoding="utf-8"), path).items():
+            files[f"{rank_dir_name(r)}/{name}"] = value
+        path.unlink()
+    return files
 
 
 RESUME, GENERATE, EXPORT = "resume", "generate", "export"  # the uses of resolve_checkpoint

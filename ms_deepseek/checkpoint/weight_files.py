@@ -8,7 +8,8 @@ Accepted folders:
 * HuggingFace / converted ms_deepseek: ``config.json`` + ``model.safetensors.index.json``
   and the shards it names, or ``config.json`` + ``model.safetensors``;
 * a training checkpoint (``step_XXXXXXXX/``): ``config.json`` + ``model.safetensors``;
-  ``optimizer.safetensors``, ``state.json`` and ``recipe.yaml`` are ignored.
+  ``optimizer.safetensors``, ``state.json`` and ``recipe.yaml`` are ignored, except that the files read are
+  checked against the digests ``state.json`` records (:mod:`.digests`).
 
 Everything is checked before a byte is copied: the index (a JSON object whose
 ``weight_map`` names files inside the folder, each existing), every header against
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint.safetensors_io import FileHeader, TensorInfo, read_header
 from ms_deepseek.config import names
 from ms_deepseek.config.model import DeepseekV2Config
@@ -97,6 +99,8 @@ def read_weight_files(folder) -> WeightFiles:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise UserError(f"{folder}: not a checkpoint (no config.json)")
+    recorded = digests.recorded(folder)  # a training checkpoint's state.json: each file's digest when saved
+    digests.check_file(folder, "config.json", recorded)
     config = DeepseekV2Config.from_json(config_path)
     index_path: Optional[Path] = folder / INDEX_NAME
     if index_path.is_file():
@@ -107,6 +111,8 @@ def read_weight_files(folder) -> WeightFiles:
         files = [folder / SINGLE_NAME]
     else:
         raise UserError(f"{folder}: not a checkpoint (no {INDEX_NAME} or {SINGLE_NAME})")
+    for path in files:
+        digests.check_file(folder, os.path.relpath(path, folder), recorded)
     headers: Dict[Path, FileHeader] = {path: read_header(path) for path in files}
     tensors: Dict[str, TensorInfo] = {}
     if weight_map is None:

@@ -105,6 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: accept settings that differ from the run's (passed on to train)",
     )
+    parser.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="with --resume: continue from the newest intact checkpoint when the newest is damaged (passed on to train)",
+    )
+    parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run folder's lease from a job you know to be dead (passed on to train)",
+    )
     parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
@@ -165,6 +175,10 @@ def build_command(args: argparse.Namespace, world_size: int, run_dir: Path) -> T
         cmd.append("--force")
     if getattr(args, "allow_changes", False):
         cmd.append("--allow-changes")
+    if getattr(args, "skip_damaged", False):
+        cmd.append("--skip-damaged")
+    if getattr(args, "take_over", False):
+        cmd.append("--take-over")
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return env, cmd
@@ -235,6 +249,11 @@ def run(args: argparse.Namespace) -> int:
         )
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
+    from ms_deepseek.train.lease import live_holder, refusal
+
+    holder = live_holder(run_dir, getattr(args, "take_over", False))  # a job in this folder: touch nothing of it
+    if holder is not None:
+        raise refusal(run_dir, holder)
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
     full_env = dict(os.environ, **env)
     full_env["PATH"] = interpreter_dir() + os.pathsep + full_env.get("PATH", "")

@@ -5,6 +5,7 @@
     ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume          # newest checkpoint
     ms-deepseek train recipes/tiny-cpu.yaml --resume runs/tiny/checkpoints/step_00000100
     ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume auto     # resume if possible, else fresh
+    ms-deepseek train recipes/tiny-cpu.yaml --output runs/tiny --resume --skip-damaged  # past a damaged checkpoint
 
 A run that has already reached ``train.steps`` exits 0 with one line saying so, so a restart
 loop can re-run the same command after any failure.
@@ -55,6 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --resume: accept settings that differ from the run's (each is named) even where "
         "the resumed run then differs from an uninterrupted one (steps of a schedule that "
         "depends on them, optimizer, batch, data, model, LoRA)",
+    )
+    parser.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="with --resume: when the checkpoint's files differ from the digests its state.json recorded at "
+        "save time, continue from the newest intact checkpoint instead (the damaged ones are set aside as "
+        "step_N.damaged-<time>); without it a damaged checkpoint is refused, naming that one",
+    )
+    parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the run folder's lease (RUN_DIR/.lease) from the job that holds it, which you know to be "
+        "dead (a node that went down); without it a run folder held by a live job is refused, and a lease "
+        "is taken over only when its holder's process is gone (same host) or its heartbeat is older than "
+        "MS_DEEPSEEK_LEASE_STALE_S (600 s)",
     )
     parser.add_argument(
         "--max-steps",
@@ -116,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.core.safe_io import check_output_dir
 
     check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
+    from ms_deepseek.train.lease import LeaseHeld
     from ms_deepseek.train.trainer import train
 
     before = _snapshot(run_dir)
@@ -128,10 +145,25 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             max_steps=args.max_steps,
             allow_changes=args.allow_changes,
+            skip_damaged=args.skip_damaged,
+            take_over=args.take_over,
         )
+    except LeaseHeld:
+        raise  # the folder is another job's: nothing of it is this command's to clean up
     except UserError:
         _remove_leftovers(run_dir, before)
         raise
+    if result.dry_run is not None:  # MindSpore's dry run: the step compiled, a step would return placeholders
+        import os
+
+        rank = os.environ.get("RANK_ID")
+        print(
+            f"ms-deepseek train: MS_SIMULATION_LEVEL={result.dry_run} (MindSpore's dry run): the training step "
+            f"compiled{f' on rank {rank}' if rank else ''} in {result.wall_s:.0f}s; nothing was trained or saved. "
+            f"To check a recipe's compile on every pipeline stage: ms-deepseek plan --recipe {args.recipe} --compile",
+            flush=True,
+        )
+        return 0
     if result.complete:
         print(
             f"run complete: {result.checkpoint} is at step {result.steps} of train.steps={recipe.train.steps}; "

@@ -1,5 +1,7 @@
 """Which checkpoint a run resumes from, when several places could disagree.
 
+* :func:`intact`: a damaged checkpoint (a file that differs from its recorded digest) is refused, naming the
+  newest intact one, which ``--skip-damaged`` takes;
 * :func:`agree_on_resume`: rank 0 decides, every rank checks it has that checkpoint (multi-worker runs);
 * :func:`set_aside_newer`: a resume from an older checkpoint than the run's newest keeps the newer ones
   aside as ``step_N.abandoned-<time>`` (with --force) or is refused;
@@ -16,18 +18,60 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint import training as ckpt_mod
+from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.train.distributed import gather_ints
 
 
-def agree_on_resume(resume: str, existing: Optional[Path], run_dir: Path, rank: int) -> Optional[Path]:
-    """Rank 0 decides the checkpoint to resume; every rank checks it has that one, or the job stops
-    naming the ranks that lack it (without a shared file system, or with NFS lag, each rank's own
-    "newest complete checkpoint" may differ)."""
+def intact(found: Optional[Path], skip_damaged: bool, announce: bool = True) -> Optional[Path]:
+    """The checkpoint to resume, its files checked against the digests its state.json records
+    (:mod:`ms_deepseek.checkpoint.digests`). A damaged one is refused in one line naming the file and the
+    newest intact checkpoint before it; with ``skip_damaged`` that one is taken and the damaged ones are
+    set aside as ``step_N.damaged-<time>`` (``announce``: this rank renames them and says so)."""
+    if found is None:
+        return None
+    # a sharded checkpoint's rank files: sizes here, their bytes by each rank as it reads its slices (one
+    # process hashing every rank's files would read the whole checkpoint)
+    by_size = is_sharded(found)
+    why = digests.damage(found, by_size)
+    if why is None:
+        return found
+    step = int(ckpt_mod.read_state(found).get("step", -1))
+    damaged, candidate = [found], None
+    for s, folder in reversed(ckpt_mod.CheckpointManager(found.parent).complete()):
+        if s >= step or folder.resolve() == found.resolve():
+            continue
+        if digests.damage(folder, by_size) is None:
+            candidate = folder
+            break
+        damaged.append(folder)
+    if candidate is None:
+        raise UserError(f"--resume: {why}; no older checkpoint in {found.parent} is intact")
+    if not skip_damaged:
+        raise UserError(
+            f"--resume: {why}; the newest intact checkpoint is {candidate}: pass --skip-damaged to continue "
+            f"from it (the damaged one{'s are' if len(damaged) > 1 else ' is'} then set aside as "
+            f"step_N{ckpt_mod.DAMAGED}<time>)"
+        )
+    if announce:
+        moved = ckpt_mod.CheckpointManager(found.parent).set_aside(damaged, ckpt_mod.DAMAGED)
+        print(f"--skip-damaged: {why}; set aside " + ", ".join(p.name for p in moved), flush=True)
+    return candidate
+
+
+def agree_on_resume(
+    resume: str, existing: Optional[Path], run_dir: Path, rank: int, skip_damaged: bool = False
+) -> Optional[Path]:
+    """Rank 0 decides the checkpoint to resume (checked against its digests: :func:`intact`); every rank
+    checks it has that one, or the job stops naming the ranks that lack it (without a shared file system,
+    or with NFS lag, each rank's own "newest complete checkpoint" may differ)."""
     error = None
     try:
         mine = existing if resume == "auto" else ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, run_dir)
+        if rank == 0:  # one rank reads the files through (the others read the slices they need, checked)
+            mine = intact(mine, skip_damaged)
     except UserError as exc:
         mine, error = None, exc
     step = -2 if error else (int(ckpt_mod.read_state(mine).get("step", -1)) if mine else -1)

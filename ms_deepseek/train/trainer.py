@@ -38,10 +38,11 @@ from ms_deepseek.data.batches import first_batch_checked, stack_micro_batches
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.distributed import any_rank
+from ms_deepseek.train.lease import RunLease
 from ms_deepseek.train.lora_run import LoraModel, model_converter
 from ms_deepseek.train.parallelism import parallelism_of, this_stage
 from ms_deepseek.train.preempt import Heartbeat, StopRequest
-from ms_deepseek.train.resume import agree_on_resume, check_settings, set_aside_newer
+from ms_deepseek.train.resume import agree_on_resume, check_settings, intact, set_aside_newer
 
 
 @dataclass
@@ -56,6 +57,17 @@ class TrainResult:
     wall_s: float = 0.0
     complete: bool = False  # the resumed checkpoint had already reached train.steps: nothing was run
     preempted: Optional[str] = None  # the stop signal's name: stopped early, after saving a checkpoint
+    dry_run: Optional[str] = None  # MS_SIMULATION_LEVEL of MindSpore's dry run: the step compiled, nothing ran
+
+
+def dry_run_level() -> Optional[str]:
+    """``MS_SIMULATION_LEVEL`` when MindSpore's dry run is on, else None.
+
+    Under the dry run a compiled step returns placeholders, not its outputs (an int where the step
+    returns a tuple; ``diagnostics/compile_worker.py`` never runs a step at level 0 for that reason),
+    so training cannot go on past the compile."""
+    level = os.environ.get("MS_SIMULATION_LEVEL", "").strip()
+    return level or None
 
 
 def is_distributed() -> bool:
@@ -96,12 +108,15 @@ def train(
     progress: bool = True,
     max_steps: Optional[int] = None,
     allow_changes: bool = False,
+    skip_damaged: bool = False,
+    take_over: bool = False,
 ) -> TrainResult:
     """Run the recipe. ``max_steps`` stops early after that many total steps (the schedule still
     spans ``train.steps``), which is how a run is split into resumable pieces. A resume whose recipe
     changes the checkpoint's settings in a way that breaks exactness is refused unless ``allow_changes``
-    (train/resume.py, check_settings)."""
-    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes).run()
+    (train/resume.py, check_settings). A damaged checkpoint is refused naming the newest intact one, which
+    ``skip_damaged`` takes (train/resume.py, intact)."""
+    return Trainer(recipe, run_dir, resume, force, progress, max_steps, allow_changes, skip_damaged, take_over).run()
 
 
 @dataclass
@@ -127,12 +142,15 @@ class Trainer:
     (:class:`~.components.Throughput`) and the :class:`~.components.Checkpointer` that saves them all.
 
     Phases: ``_check_layout`` (refusals that need nothing built) -> ``_setup_run`` (device, collective
-    group, resume state, step range) -> ``_build_data`` (this rank's batches, first one read)
-    -> ``_build_model`` -> ``_build_step`` (optimizer, compiled step) -> ``_restore`` (resume:
-    tensors + RNG) -> ``_open_outputs`` (run folder, metrics, progress) -> per step ``_train_step``:
-    ``_run_step``, ``_account``, ``_log``, ``_maybe_save``.
+    group, the run folder's lease, resume state, step range) -> ``_build_data`` (this rank's batches,
+    first one read) -> ``_build_model`` -> ``_build_step`` (optimizer, compiled step) -> ``_restore``
+    (resume: tensors + RNG; under MindSpore's dry run: compile and stop) -> ``_open_outputs`` (run
+    folder, metrics, progress) -> per step ``_train_step``: ``_run_step``, ``_account``, ``_log``,
+    ``_maybe_save``.
     Refusals about the layout, the workers, the resume state and the data come before anything
     is written to the run folder."""
+
+    lease: Optional[RunLease] = None  # rank 0's lease of the run folder (train/lease.py), taken in _setup_run
 
     def __init__(
         self,
@@ -143,6 +161,8 @@ class Trainer:
         progress: bool,
         max_steps: Optional[int],
         allow_changes: bool = False,
+        skip_damaged: bool = False,
+        take_over: bool = False,
     ):
         self.started = time.time()
         skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
@@ -154,6 +174,8 @@ class Trainer:
         self.sharded = self.par.uses_semi_auto
         self.converter = model_converter(recipe)
         self.resume, self.force, self.progress, self.max_steps = resume, force, progress, max_steps
+        self.skip_damaged = skip_damaged  # --skip-damaged: a damaged checkpoint gives way to the newest intact one
+        self.take_over = take_over  # --take-over: the run folder's lease is taken from a holder known to be dead
 
     @property
     def parallelism(self):
@@ -161,6 +183,13 @@ class Trainer:
         return parallelism_of(self.sharded)
 
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+
+    def _run(self) -> TrainResult:
         self._check_layout()
         self._setup_run()
         if self.complete:
@@ -169,6 +198,8 @@ class Trainer:
         self._build_model()
         self._build_step()
         self._restore()
+        if dry_run_level() is not None:
+            return self._compile_only()
         self._open_outputs()
         self.preempted: Optional[str] = None
         step = self.start_step
@@ -187,6 +218,8 @@ class Trainer:
 
     def _train_step(self, step: int) -> bool:
         """One optimizer step with its logging, validation and checkpoint; True when the run stops here."""
+        if self.lease is not None:
+            self.lease.check()  # another job took the run folder over: stop before this step writes anything
         t0 = time.time()
         self.heartbeat.beat(step, step - 1)  # launch's watchdog: who did not reach a step
         self.converter.before_step(self.model, self.recipe.train.seed, step, self.rank)
@@ -227,6 +260,12 @@ class Trainer:
     def _setup_run(self) -> None:
         use_device()
         self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
+        # one writer per run folder: rank 0 holds its lease before reading or writing anything there (a dry
+        # run writes nothing there)
+        if self.rank == 0 and dry_run_level() is None:
+            if (self.resume or self.recipe.checkpoint.resume) == "latest" and not self.run_dir.exists():
+                ckpt_mod.resolve_checkpoint("latest", ckpt_mod.RESUME, self.run_dir)  # says there is no such run
+            self.lease = RunLease.acquire(self.run_dir, self.take_over)
         # Rank 0 coordinates checkpoints; the logging rank sees the real loss (with pipeline
         # parallelism only the last stage computes it).
         self.is_main = self.rank == self.parallelism.log_rank(self.par)
@@ -259,11 +298,12 @@ class Trainer:
         existing = ckpt_mod.CheckpointManager(self.run_dir / "checkpoints").latest()
         resume = self.resume or self.recipe.checkpoint.resume  # the command line wins over the recipe
         if self.world > 1 and resume:
-            found = agree_on_resume(resume, existing, self.run_dir, self.rank)
+            found = agree_on_resume(resume, existing, self.run_dir, self.rank, self.skip_damaged)
         elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
-            found = existing
+            found = intact(existing, self.skip_damaged)
         else:
             found = ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, self.run_dir) if resume else None
+            found = intact(found, self.skip_damaged)
         if found is None and existing is not None:
             raise UserError(
                 f"--output {self.run_dir}: already holds checkpoints (newest {existing.name}); pass "
@@ -526,7 +566,7 @@ class Trainer:
             self._print(converted)
         from ms_deepseek.config.recipe import recipe_warnings
 
-        warnings = recipe_warnings(recipe)
+        warnings = recipe_warnings(recipe) + self._disk_warnings()
         if hasattr(self.dataset, "repeat_warnings"):  # a weighted mixture: a source read too many times
             warnings += self.dataset.repeat_warnings(self.stop_at * recipe.global_batch_size)
         for warning in warnings:
@@ -544,6 +584,28 @@ class Trainer:
             )
             for note in self.validation_notes:
                 self._print(f"warning: {note}")
+
+    def _disk_warnings(self) -> List[str]:
+        """The run's planned saves against the free space of its checkpoints folder (each save is also
+        checked before it is written: ``checkpoint.training.disk_full_as_one_line``)."""
+        ck = self.recipe.checkpoint
+        steps = range(self.start_step + 1, self.stop_at + 1)
+        saves = sum(1 for s in steps if self._saves_at(s))
+        if not saves:
+            return []
+        size = ckpt_mod.checkpoint_bytes(self.model_tensors, self.opt_tensors)
+        held = len(self.manager.complete())
+        # at most keep_last checkpoints stay, plus the one being written before the oldest is pruned
+        more = max(0, min(held + saves, ck.keep_last + 1) - held)
+        free = ckpt_mod.free_bytes(self.manager.folder)
+        if more * size <= free:
+            return []
+        g = ckpt_mod.gigabytes
+        return [
+            f"checkpoint: this run writes {saves} checkpoint(s) of {g(size)}, up to {more} more at once "
+            f"(checkpoint.keep_last {ck.keep_last}): {g(more * size)}, but {self.manager.folder} has {g(free)} "
+            "free; a save that does not fit stops the run"
+        ]
 
     # ---- the loop's pieces
 
@@ -627,20 +689,38 @@ class Trainer:
 
     def _maybe_save(self, step: int) -> None:
         """Checkpoint every ``checkpoint.save_interval`` steps and at the last step (``save_final``)."""
+        if self._saves_at(step):
+            self._save(step)
+
+    def _saves_at(self, step: int) -> bool:
         ck = self.recipe.checkpoint
-        if not ((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final)):
-            return
-        self._save(step)
+        return bool((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final))
 
     def _save(self, step: int) -> None:
         """One checkpoint of this step (every rank takes part; rank 0 completes it)."""
         self.saved_step = step
+        if self.lease is not None:
+            self.lease.check(read=True)
         saved = self.checkpointer.save(self, step)
         if saved is not None:
             self.last_ckpt = saved
 
     def _print(self, msg: str) -> None:
         _print(msg, self.bar if not self.bar.disable else None)
+
+    def _compile_only(self) -> TrainResult:
+        """MindSpore's dry run: compile the step for this rank's batch shape and stop (nothing is written)."""
+        from mindspore import Tensor
+
+        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]; a sharded step compiled already (_restore)
+        self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        return TrainResult(
+            run_dir=self.run_dir,
+            steps=self.start_step,
+            final_loss=float("nan"),
+            wall_s=time.time() - self.started,
+            dry_run=dry_run_level(),
+        )
 
     def _complete_result(self) -> TrainResult:
         metrics = self.run_dir / "metrics.jsonl"

@@ -140,6 +140,58 @@ def test_sharded_checkpoint_config_far_bigger_than_its_layout(capsys, tmp_path, 
     assert_refused(code, err, "config.json", "num_hidden_layers", "layout.json", "does not match")
 
 
+def _convert_bounded(case, out, seconds=60):
+    """``convert ms-to-hf CASE OUT`` in a child process with 4 GB of address space and a time limit: what ate
+    the machine dies of MemoryError (a traceback) or runs out of time there, not in the test process."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    from repo_paths import REPO
+
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # this checkout's package
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
+    argv = [sys.executable, "-m", "ms_deepseek.cli", "convert", "ms-to-hf", str(case), str(out), "--no-progress"]
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, preexec_fn=limit, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"still running after {seconds} s: a declared size drove a loop or an allocation"
+        ) from None
+
+
+def test_huge_declared_expert_shape_in_layout_json(tmp_path, fixtures):
+    """Issue 46, item 6 (fuzz case 8457): one expert tensor declared [2147483648, ...] in layout.json. The
+    placement check built ``list(range(shape[0]))`` and ate the machine (with an address-space limit: a
+    MemoryError traceback)."""
+    case = _copy(fixtures, "sharded_ep", tmp_path)
+    layout = json.loads((case / "layout.json").read_text())
+    name = next(n for n, t in layout["tensors"].items() if t.get("experts"))
+    layout["tensors"][name]["shape"][0] = 2147483648
+    (case / "layout.json").write_text(json.dumps(layout))
+    proc = _convert_bounded(case, tmp_path / "out")
+    assert_refused(proc.returncode, proc.stderr, "layout.json", name, "2147483648")
+    assert not (tmp_path / "out").exists()
+
+
+def test_huge_declared_world_size_in_layout_json(tmp_path, fixtures):
+    """dp 2**31 in layout.json (every tensor's dev_matrix to match): the reader looped over 2**32 declared
+    ranks and listed the missing ones. The rank folders present bound it now."""
+    case = _copy(fixtures, "sharded", tmp_path)
+    layout = json.loads((case / "layout.json").read_text())
+    dp, tp = 2**31, layout["parallel"]["tp"]
+    layout["parallel"]["dp"], layout["world_size"] = dp, dp * tp * layout["parallel"]["pp"]
+    for t in layout["tensors"].values():
+        t["dev_matrix"], t["tensor_map"] = [dp * tp], [-1] * len(t["shape"])
+    (case / "layout.json").write_text(json.dumps(layout))
+    proc = _convert_bounded(case, tmp_path / "out")
+    assert_refused(proc.returncode, proc.stderr, "rank_00004", "missing rank folder", "layout.json")
+
+
 # ---------------------------------------------------------------------------- the fuzzer
 def test_mutated_inputs_are_accepted_or_refused_in_one_line(fixtures, tmp_path, capsys):
     work = tmp_path / "cases"

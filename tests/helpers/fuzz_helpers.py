@@ -223,6 +223,8 @@ def build_fixtures(root: Path) -> Dict[str, Path]:
     write_random_checkpoint(root / "hf_index", cfg, dtype="float32", num_shards=2, seed=1)
     write_random_checkpoint(root / "hf_single", cfg, dtype="float32", num_shards=1, seed=2)
     write_sharded(root / "hf_single", root / "sharded", ParallelConfig(dp=2, tp=2, micro_batches=1), fsync=False)
+    # expert parallel: layout.json lists each stacked expert tensor's experts per rank
+    write_sharded(root / "hf_single", root / "sharded_ep", ParallelConfig(dp=2, ep=2, micro_batches=1), fsync=False)
     (root / "recipe").mkdir()
     shutil.copyfile(REPO / "recipes" / "tiny-cpu.yaml", root / "recipe" / "r.yaml")
     (root / "run").mkdir()
@@ -231,6 +233,7 @@ def build_fixtures(root: Path) -> Dict[str, Path]:
         "hf_index": root / "hf_index",
         "hf_single": root / "hf_single",
         "sharded": root / "sharded",
+        "sharded_ep": root / "sharded_ep",
         "recipe": root / "recipe",
         "run": root / "run",
     }
