@@ -303,6 +303,7 @@ class ExecReport:
     operators: Dict[int, int] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)
     work: Optional[str] = None
+    stage_size: int = 1  # ranks per pipeline stage of the reduced layout
 
     def to_dict(self) -> Dict:
         return {
@@ -429,10 +430,9 @@ def execute_recipe(
     work: Optional[Path] = None,
     progress: Optional[Callable[[str], None]] = None,
     jobs: int = 2,
-    planted: Optional[Callable] = None,
 ) -> ExecReport:
-    """Run the recipe's reduced layout rank by rank and compare it with one device (module docstring).
-    ``planted(program_env_hook)``: a test's mistake applied to the executed ranks (see tests)."""
+    """Run the recipe's reduced layout rank by rank and compare it with one device (module docstring); ``jobs``
+    compile workers at a time."""
     from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
@@ -442,6 +442,7 @@ def execute_recipe(
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-execute-")) if own else Path(work)
     work.mkdir(parents=True, exist_ok=True)
     report = ExecReport(recipe_path, recipe.parallel.describe(), red, steps, work=str(work))
+    report.stage_size = red.layout["dp"] * red.layout["tp"]
     clock = time.time()
     base = dataclasses.replace(recipe.model_config, **red.config)
     weights = write_random_checkpoint(work / "weights", base, dtype="float32", seed=recipe.train.seed)
@@ -460,7 +461,7 @@ def execute_recipe(
     report.seconds["one_device"] = round(time.time() - clock, 1)
     clock = time.time()
     say(f"executing the {red.world} ranks' programs on CPU ...")
-    _execute_and_compare(report, reduced, work, per_rank, one, steps, planted)
+    _execute_and_compare(report, reduced, work, per_rank, one, steps)
     report.seconds["execute"] = round(time.time() - clock, 1)
     if own and report.ok:
         shutil.rmtree(work, ignore_errors=True)
@@ -468,7 +469,7 @@ def execute_recipe(
     return report
 
 
-def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: Dict, steps: int, planted) -> None:
+def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: Dict, steps: int) -> None:
     import mindspore as ms
     from mindspore import Parameter, Tensor
     from safetensors.numpy import load_file
@@ -489,8 +490,6 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
         programs.append(program)
         envs.append(env)
         metas.append(meta)
-    if planted is not None:
-        planted(programs, envs, metas)
     last_stage = [r for r in range(world) if r // stage_size == par.pp - 1]
     ref0 = load_file(str(work / "one_device" / "values_0.safetensors"))
     _compare_values(report, 0, programs, envs, metas, ref0, stage_size)
@@ -514,11 +513,9 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
         lr_applied += expected["lr"]
         for rank in last_stage:
             vec, norm = outputs[rank][0].asnumpy(), float(outputs[rank][1].asnumpy())
-            _note(
-                report,
-                Difference(step, rank, "loss vector", _rel(vec, np.asarray(expected["outputs"]))),
-                LOSS_TOLERANCE,
-            )
+            want = np.asarray(expected["outputs"])
+            where = _loss_part(int(np.argmax(np.abs(vec - want))), recipe.model_config.n_routed_experts or 0)
+            _note(report, Difference(step, rank, "loss vector", _rel(vec, want), where), LOSS_TOLERANCE)
             _note(report, Difference(step, rank, "gradient norm", _rel(norm, expected["grad_norm"])), LOSS_TOLERANCE)
         for rank in range(world):
             lr = float(outputs[rank][2].asnumpy())
@@ -552,11 +549,34 @@ def _compare_values(report, step, programs, envs, metas, ref, stage_size, lr_app
                 tolerance = LOSS_TOLERANCE
             elif f"adam_m.{name}" in ref:  # a trained weight
                 tolerance += ADAM_LR_FRACTION * lr_applied / max(scale, 1e-30)
-            detail = "" if got.shape == expected.shape else f"shape {list(got.shape)} against {list(expected.shape)}"
+            detail = _layout_text(entry)
+            if got.shape != expected.shape:
+                detail += f"; shape {list(got.shape)} against {list(expected.shape)}"
             rel = _rel(got, expected, scale)
             if os.environ.get("MS_DEEPSEEK_EXECUTE_TRACE"):
                 print(f"step {step} rank {program.rank} {name} {rel:.2e} {tolerance:.1e}", file=sys.stderr)
             _note(report, Difference(step, program.rank, name, rel, detail), tolerance)
+
+
+def _loss_part(index: int, experts: int) -> str:
+    """What entry ``index`` of the step's output vector is (``train.step.StepOutputs``: total, loss, balance loss,
+    then per MoE layer its expert loads, dropped fraction and three balance-loss terms)."""
+    if index < 3:
+        return ("total loss", "LM loss", "balance loss")[index]
+    layer, field = divmod(index - 3, experts + 4)
+    what = (
+        f"expert {field} load" if field < experts else ("dropped fraction", "l_exp", "l_dev", "l_com")[field - experts]
+    )
+    return f"MoE layer {layer} (of the model's MoE layers): {what}; a routing difference"
+
+
+def _layout_text(entry: Dict) -> str:
+    """How the rank holds the tensor, as MindSpore compiled it: device matrix, tensor map, optimizer part."""
+    dev, tmap = entry["layout"][0], entry["layout"][1]
+    text = f"compiled layout: device matrix {list(dev)}, tensor map {list(tmap)}" if tmap else "replicated"
+    if entry.get("part"):
+        text += f", optimizer-shard part {entry['part'][0]} of {entry['part'][1]}"
+    return text
 
 
 def _note(report: ExecReport, diff: Difference, tolerance: float) -> None:
@@ -605,8 +625,8 @@ def format_report(report: ExecReport) -> str:
     elif report.first_failure is not None:
         d = report.first_failure
         lines.append(
-            f"DIFFERS: step {d.step}, rank {d.rank}: {d.name} differs from one device by {d.rel:.2e} of its largest "
-            f"magnitude{' (' + d.detail + ')' if d.detail else ''}"
+            f"DIFFERS: step {d.step}, rank {d.rank} (stage {d.rank // report.stage_size}): {d.name} differs from one "
+            f"device by {d.rel:.2e} of its largest magnitude{' (' + d.detail + ')' if d.detail else ''}"
         )
     else:
         lines.append(

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from builders import ATLAS_RECIPES, SMALL_MODEL, main_captured, write_recipe
+from builders import ATLAS_RECIPES, main_captured, write_recipe
 
 
 def _assert_agrees(code, out):
@@ -30,40 +30,43 @@ def test_recipe_executes_like_one_device(recipe):
         assert report["communication_per_step"], report
 
 
-@pytest.mark.parametrize(
-    "parallel",
-    [
-        pytest.param({"dp": 2, "tp": 2, "pp": 2, "ep": 2, "micro_batches": 3}, id="dp2-tp2-pp2-ep2"),
-        pytest.param(
-            {"dp": 2, "tp": 2, "pp": 2, "ep": 2, "micro_batches": 3, "optimizer_shard": True, "recompute": "full"},
-            id="dp2-tp2-pp2-ep2-optshard-recompute",
-        ),
-        pytest.param(
-            {
-                "dp": 2,
-                "tp": 2,
-                "pp": 2,
-                "ep": 2,
-                "micro_batches": 3,
-                "sequence_parallel": True,
-                "optimizer_shard": True,
-            },
-            id="dp2-tp2-pp2-ep2-seqpar-optshard",
-        ),
-    ],
-)
-def test_every_degree_above_one_executes_like_one_device(tmp_path, parallel):
-    model = dict(SMALL_MODEL, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3)
-    recipe = write_recipe(
-        tmp_path,
-        {
-            "model": {"source": "deepseek-v2-lite", "overrides": model},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512},
-            "train": {"steps": 3, "micro_batch_size": 1, "seed": 7},
-            "optim": {"lr": 1e-3, "warmup_steps": 1},
-            "parallel": parallel,
-            "logging": {"tensorboard": False},
+# layouts with every degree above 1, which no shipped recipe has: V2-Lite's and V2's architectures (MLA without and
+# with q compression, greedy and group-limited routing), a pipeline whose micro-batches are the accumulation,
+# sequence parallelism, and LoRA on an int4 base
+HIDDEN = {
+    "v2-lite-dp2-tp2-pp2-ep2": {
+        "model": {"source": "deepseek-v2-lite", "overrides": {"use_flash_attention": True}},
+        "parallel": {"optimizer_shard": True, "recompute": "full"},
+    },
+    "v2-dp2-tp2-pp2-ep2-seqpar": {
+        "model": {"source": "deepseek-v2", "overrides": {"use_flash_attention": True}},
+        "parallel": {"optimizer_shard": True, "sequence_parallel": True},
+    },
+    "v2-lora-int4-dp2-tp2-pp2-ep2": {
+        "model": {"source": "deepseek-v2", "overrides": {"use_flash_attention": True}},
+        "parallel": {"optimizer_shard": True, "recompute": "full"},
+        "lora": {
+            "r": 4,
+            "alpha": 8.0,
+            "dropout": 0.05,
+            "target_modules": ["q_b_proj", "kv_b_proj", "o_proj", "experts.up_proj"],
         },
-    )
-    code, out, _ = main_captured(["plan", "--recipe", str(recipe), "--execute", "--json"])
+        "quant": {"bits": 4, "group_size": 32},
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN))
+def test_every_degree_above_one_executes_like_one_device(tmp_path, name):
+    spec = HIDDEN[name]
+    data = {
+        "model": spec["model"],
+        "data": {"seq_len": 64},
+        "train": {"steps": 10, "micro_batch_size": 1, "seed": 7},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "parallel": dict({"dp": 2, "tp": 2, "pp": 2, "ep": 2, "micro_batches": 4}, **spec["parallel"]),
+        "logging": {"tensorboard": False},
+    }
+    data.update({k: spec[k] for k in ("lora", "quant") if k in spec})
+    code, out, _ = main_captured(["plan", "--recipe", str(write_recipe(tmp_path, data)), "--execute", "--json"])
     _assert_agrees(code, out)
