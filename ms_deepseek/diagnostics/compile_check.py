@@ -185,7 +185,7 @@ def layout_overrides(par) -> List[str]:
 def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
     """kind -> {count, mb, wire_mb}: the communication operators of one IR file (``20_validate_*.ir``:
     after MindSpore's passes, with this rank's slice shapes), the MiB of their inputs, and the MiB this
-    rank sends on a ring for them (:func:`_wire_factor`, from each operator's group size)."""
+    rank sends on a ring for them (:func:`wire_factor`, from each operator's group size)."""
     out: Dict[str, Dict[str, float]] = {}
     pattern = re.compile(r"= (" + "|".join(sorted(COMM_KINDS, key=len, reverse=True)) + r")\(")
     lines = path.read_text(errors="replace").splitlines()
@@ -205,7 +205,7 @@ def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
                     n *= int(d)
             mb = n * _ITEMSIZE.get(t.group(1), 4) / 2**20
             entry["mb"] += mb
-            entry["wire_mb"] += mb * _wire_factor(kind, _group_size(line))
+            entry["wire_mb"] += mb * wire_factor(kind, _group_size(line))
     for entry in out.values():
         entry["mb"] = round(entry["mb"], 1)
         entry["wire_mb"] = round(entry["wire_mb"], 1)
@@ -220,7 +220,7 @@ def _group_size(line: str) -> int:
     return len([x for x in m.group(1).split(",") if x.strip()]) if m else 1
 
 
-def _wire_factor(kind: str, n: int) -> float:
+def wire_factor(kind: str, n: int) -> float:
     """Bytes one rank sends on a ring per input byte: AllGather (n-1) (its slice to every other rank),
     ReduceScatter and AlltoAll (n-1)/n, AllReduce 2(n-1)/n; the planner counts the same way."""
     if n <= 1:

@@ -51,7 +51,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics import execute as ex
+from ms_deepseek.diagnostics.compile_check import Reduction, compile_environment, stage_layers_setting, wire_factor
+from ms_deepseek.parallel_plan import ranks
+from ms_deepseek.parallel_plan.planner import check_recipe_fits
 
 LOSS_TOLERANCE = 1e-5  # relative, on the loss vector, the gradient norm and the learning rate
 VALUE_TOLERANCE = 1e-4  # relative to the whole tensor's largest magnitude, on optimizer states and counters
@@ -99,7 +105,6 @@ def _cut(degree: int) -> int:
 
 def reduce_recipe(recipe) -> ExecReduction:
     """The layout and model ``--execute`` runs for ``recipe`` (module docstring, 1)."""
-    from ms_deepseek.diagnostics.compile_check import Reduction
 
     par, cfg = recipe.parallel, recipe.model_config
     ep, tp = _cut(par.ep), _cut(par.tp)
@@ -158,7 +163,6 @@ def reduced_config(cfg, tp: int, ep: int, layers: int, world: int) -> Dict[str, 
 
 
 def _overrides(red: ExecReduction, weights: Path, recipe) -> List[str]:
-    from ms_deepseek.diagnostics.compile_check import stage_layers_setting
 
     sets = [f"parallel.{k}={v}" for k, v in red.layout.items()]
     sets += [
@@ -213,12 +217,11 @@ def rank_batches(recipe, steps: int) -> Tuple[Dict[int, List[Tuple[np.ndarray, n
     """(rank -> per step its ``[k * rows, T]`` inputs and labels from the product's loader, per step the global
     ``[k * dp * b, T]`` pair one device reads: micro-batch ``i`` is every data slice's micro-batch ``i``)."""
     from ms_deepseek.data.dataset import build_train_dataset
-    from ms_deepseek.parallel_plan.ranks import data_coordinates
 
     par, cfg = recipe.parallel, recipe.model_config
     k = par.micro_batches if par.pp > 1 else recipe.train.grad_accum_steps
     mb = recipe.train.micro_batch_size
-    coords = {rank: data_coordinates(rank, par, mb) for rank in range(par.world_size)}
+    coords = {rank: ranks.data_coordinates(rank, par, mb) for rank in range(par.world_size)}
     slices = {c[1] for c in coords.values()}.pop()
     read: Dict[int, List[Dict]] = {}
     for data_rank, world, rows in sorted(set(coords.values())):
@@ -304,6 +307,7 @@ class ExecReport:
     seconds: Dict[str, float] = field(default_factory=dict)
     work: Optional[str] = None
     stage_size: int = 1  # ranks per pipeline stage of the reduced layout
+    planner_gb: Dict[str, float] = field(default_factory=dict)  # the planner's traffic per NPU and step, same layout
 
     def to_dict(self) -> Dict:
         return {
@@ -321,6 +325,7 @@ class ExecReport:
             "largest_difference": dataclasses.asdict(self.largest) if self.largest else None,
             "first_failure": dataclasses.asdict(self.first_failure) if self.first_failure else None,
             "communication_per_step": self.comm,
+            "planner_communication_gb_per_npu": self.planner_gb,
             "operators_per_step": {str(k): v for k, v in self.operators.items()},
             "seconds": self.seconds,
             "work": self.work,
@@ -329,7 +334,6 @@ class ExecReport:
 
 def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path, jobs: int, say) -> None:
     """Every rank's program from a compile worker, ``jobs`` at a time."""
-    from ms_deepseek.diagnostics.compile_check import compile_environment
 
     queue = list(range(world))
     running: Dict[int, Tuple[subprocess.Popen, object]] = {}
@@ -433,8 +437,6 @@ def execute_recipe(
 ) -> ExecReport:
     """Run the recipe's reduced layout rank by rank and compare it with one device (module docstring); ``jobs``
     compile workers at a time."""
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
-    from ms_deepseek.config.recipe import load_recipe, planning_config_path
 
     say = progress or (lambda msg: None)
     red = reduce_recipe(recipe)
@@ -451,6 +453,8 @@ def execute_recipe(
     if reduced.parallel.world_size != red.world:
         raise UserError(f"--execute: the reduced layout has {reduced.parallel.world_size} ranks, expected {red.world}")
     per_rank, global_batches = rank_batches(reduced, steps)
+
+    report.planner_gb = dict(check_recipe_fits(reduced).comm_gb)
     report.seconds["setup"] = round(time.time() - clock, 1)
     clock = time.time()
     _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
@@ -473,8 +477,6 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
     import mindspore as ms
     from mindspore import Parameter, Tensor
     from safetensors.numpy import load_file
-
-    from ms_deepseek.diagnostics import execute as ex
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     par = recipe.parallel
@@ -587,13 +589,16 @@ def _note(report: ExecReport, diff: Difference, tolerance: float) -> None:
 
 
 def _communication(report: ExecReport, stats) -> None:
-    """Per kind and group: collectives and MiB per step, summed over the group's members' inputs."""
+    """Per kind and group: collectives and MiB per step, summed over the group's members' inputs, and the MiB each
+    member sends on a ring for them (``compile_check.wire_factor``, the planner's counting)."""
+
     for rank_stats in stats.values():
         for (kind, group), c in rank_stats.comm.items():
             key = f"{kind} [{','.join(map(str, group))}]"
-            entry = report.comm.setdefault(key, {"count": 0, "mb": 0.0})
+            entry = report.comm.setdefault(key, {"count": 0, "mb": 0.0, "wire_mb": 0.0})
             entry["count"] += c.count
             entry["mb"] = round(entry["mb"] + c.bytes / 2**20, 4)
+            entry["wire_mb"] = round(entry["wire_mb"] + c.bytes * wire_factor(kind, len(group)) / 2**20, 4)
         report.operators = {r: s.operators for r, s in stats.items()}
 
 
@@ -610,7 +615,14 @@ def format_report(report: ExecReport) -> str:
     if report.comm:
         lines.append("  communication per step (all ranks' inputs, per group):")
         for key, c in sorted(report.comm.items()):
-            lines.append(f"    {key}: {c['count']} collectives, {c['mb']:.3f} MiB")
+            lines.append(
+                f"    {key}: {c['count']} operators, {c['mb']:.3f} MiB in, {c['wire_mb']:.3f} MiB sent on a ring"
+            )
+    if report.planner_gb:
+        lines.append(
+            "  the planner for the same reduced layout, per NPU and step: "
+            + ", ".join(f"{k} {v * 1024:.3f} MiB" for k, v in sorted(report.planner_gb.items()))
+        )
     if report.operators:
         lines.append(f"  operators per step: {sum(report.operators.values())} over {len(report.operators)} ranks")
     if report.largest is not None:
