@@ -119,7 +119,7 @@ def reduce_recipe(recipe) -> ExecReduction:
     layout["micro_batches"] = pp + 1 if pp > 1 else 1
     accumulation = min(recipe.train.grad_accum_steps, 2) if pp == 1 else 1
     dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if cfg.has_moe else 0
-    layers = dense + (max(pp, 2) if cfg.has_moe else max(pp, 2))
+    layers = dense + max(pp, 1 if cfg.has_moe else 2)  # one MoE layer per stage
     split = Reduction(layers, cfg.num_hidden_layers, 1, 1, "micro_batches", pp=pp, dense_layers=dense).stage_layers
     config = reduced_config(cfg, tp=tp, ep=ep, layers=layers, world=dp * tp * pp)
     notes = [
@@ -207,7 +207,7 @@ def _single_device(recipe) -> List[str]:
         "parallel.recompute=none",
         f"train.micro_batch_size={par.dp * recipe.train.micro_batch_size}",
         f"train.grad_accum_steps={k}",
-        "train.mode=graph",
+        "train.mode=pynative",  # the same kernels; no compile of the one-device graph
         "model.overrides.use_flash_attention=false",
     ]
 
@@ -333,42 +333,53 @@ class ExecReport:
 
 
 def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path, jobs: int, say) -> None:
-    """Every rank's program from a compile worker, ``jobs`` at a time."""
-
+    """Every rank's program from a compile worker, ``jobs`` at a time; the first failure stops the others."""
     queue = list(range(world))
-    running: Dict[int, Tuple[subprocess.Popen, object]] = {}
+    running: Dict[int, Tuple[subprocess.Popen, object, float]] = {}
     failed: List[str] = []
-    while queue or running:
-        while queue and len(running) < jobs:
-            rank = queue.pop(0)
-            folder = work / f"rank_{rank:05d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            request = folder / "request.json"
-            request.write_text(
-                json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "execute": True})
-            )
-            env, _ = compile_environment(rank, world, cann, folder / "ir")
-            for key in ("MS_DEV_SAVE_GRAPHS", "MS_DEV_DUMP_IR_PASSES", "MS_DEV_SAVE_GRAPHS_PATH"):
-                env.pop(key, None)
-            log = open(folder / "worker.log", "wb")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
-                cwd=folder,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            running[rank] = (proc, log)
-            say(f"compiling rank {rank} of {world} ...")
-        for rank, (proc, log) in list(running.items()):
-            if proc.poll() is None:
-                continue
+    try:
+        while (queue or running) and not failed:
+            while queue and len(running) < jobs:
+                rank = queue.pop(0)
+                running[rank] = _start_worker(recipe_path, overrides, rank, world, cann, work)
+                say(f"compiling rank {rank} of {world} ...")
+            for rank, (proc, log, started) in list(running.items()):
+                if proc.poll() is None and time.time() - started < WORKER_TIMEOUT_S:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    failed.append(f"rank {rank}: the compile gave no answer in {WORKER_TIMEOUT_S} s (stopped)")
+                log.close()
+                del running[rank]
+                failed += _worker_failure(work / f"rank_{rank:05d}", rank)
+            time.sleep(0.2)
+    finally:
+        for proc, log, _ in running.values():
+            proc.kill()
             log.close()
-            del running[rank]
-            failed += _worker_failure(work / f"rank_{rank:05d}", rank)
-        time.sleep(0.2)
     if failed:
         raise UserError(failed[0])
+
+
+def _start_worker(recipe_path: str, overrides: List[str], rank: int, world: int, cann, work: Path):
+    folder = work / f"rank_{rank:05d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    request = folder / "request.json"
+    request.write_text(
+        json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "execute": True})
+    )
+    env, _ = compile_environment(rank, world, cann, folder / "ir")
+    for key in ("MS_DEV_SAVE_GRAPHS", "MS_DEV_DUMP_IR_PASSES", "MS_DEV_SAVE_GRAPHS_PATH"):  # no IR dump needed
+        env.pop(key, None)
+    log = open(folder / "worker.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
+        cwd=folder,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return proc, log, time.time()
 
 
 def _worker_failure(folder: Path, rank: int) -> List[str]:
@@ -384,7 +395,8 @@ def _worker_failure(folder: Path, rank: int) -> List[str]:
     return []
 
 
-def _reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path) -> Dict:
+def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path) -> subprocess.Popen:
+    """The one-device run in its own CPU process (:mod:`.execute_reference`), started beside the compile workers."""
     folder = work / "one_device"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {}
@@ -399,15 +411,25 @@ def _reference(recipe_path: str, overrides: List[str], batches, steps: int, work
     env["MS_DEEPSEEK_DEVICE"] = "CPU"
     env.setdefault("GLOG_v", "3")
     with open(folder / "reference.log", "wb") as log:
-        proc = subprocess.run(
+        return subprocess.Popen(
             [sys.executable, "-m", "ms_deepseek.diagnostics.execute_reference", str(request)],
             cwd=folder,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            timeout=WORKER_TIMEOUT_S,
         )
-    if proc.returncode != 0 or not (folder / "result.json").is_file():
+
+
+def _finish_reference(proc: subprocess.Popen, work: Path) -> Dict:
+    folder = work / "one_device"
+    try:
+        code = proc.wait(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise UserError(
+            f"the one-device run gave no answer in {WORKER_TIMEOUT_S} s (log: {folder / 'reference.log'})"
+        ) from None
+    if code != 0 or not (folder / "result.json").is_file():
         tail = (folder / "reference.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise UserError(f"the one-device run failed: {' | '.join(tail)} (log: {folder / 'reference.log'})")
     return json.loads((folder / "result.json").read_text())
@@ -457,12 +479,15 @@ def execute_recipe(
     report.planner_gb = dict(check_recipe_fits(reduced).comm_gb)
     report.seconds["setup"] = round(time.time() - clock, 1)
     clock = time.time()
-    _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
-    report.seconds["compile"] = round(time.time() - clock, 1)
-    clock = time.time()
-    say(f"training the same {steps} steps on one device ...")
-    one = _reference(recipe_path, overrides + _single_device(reduced), global_batches, steps, work)
-    report.seconds["one_device"] = round(time.time() - clock, 1)
+    say(f"training the same {steps} steps on one device, beside the compiles ...")
+    one_device = _start_reference(recipe_path, overrides + _single_device(reduced), global_batches, steps, work)
+    try:
+        _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
+        one = _finish_reference(one_device, work)
+    finally:
+        if one_device.poll() is None:
+            one_device.kill()
+    report.seconds["compile_and_one_device"] = round(time.time() - clock, 1)
     clock = time.time()
     say(f"executing the {red.world} ranks' programs on CPU ...")
     _execute_and_compare(report, reduced, work, per_rank, one, steps)
