@@ -574,8 +574,10 @@ def _recipe_layout(args, recipe):
 
 def _compile(args, hw) -> int:
     """MindSpore's dry run compiles the recipe's graphs for the selected ranks (diagnostics.compile_check)."""
+    from ms_deepseek.core.runtime import check_mindspore_version
     from ms_deepseek.diagnostics import compile_check as cc
 
+    check_mindspore_version()
     micro_batches, args.micro_batches = args.micro_batches, None  # the compiled count, not the recipe's
     result, recipe, _ = _check_recipe(args, hw)
     _refuse_invalid(result)
@@ -617,8 +619,10 @@ def _compile(args, hw) -> int:
 
 def _execute(args, hw) -> int:
     """``--execute``: every rank's compiled program of the reduced recipe run on CPU against one device."""
+    from ms_deepseek.core.runtime import check_mindspore_version
     from ms_deepseek.diagnostics import execute_check as ec
 
+    check_mindspore_version()
     result, recipe, _ = _check_recipe(args, hw)
     _refuse_invalid(result)
     keep = Path(args.keep) if args.keep else None

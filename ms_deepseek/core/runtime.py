@@ -15,6 +15,8 @@ import os
 import shutil
 from typing import Optional
 
+from ms_deepseek.core.errors import UserError
+
 DEVICE_ENV = "MS_DEEPSEEK_DEVICE"
 DEVICES = ("CPU", "Ascend")
 VERBOSE_ENV = "MS_DEEPSEEK_VERBOSE"  # set by --verbose; msrun workers inherit it
@@ -35,8 +37,34 @@ def detect_device() -> str:
     return "CPU"
 
 
+# The MindSpore release line ms-deepseek runs on (requirements.txt pins 2.9.0). 2.10.0 trains the tiny recipe to the
+# same losses, but its Ascend plugin crashes while loading against the stub CANN libraries (a static initialiser of
+# lib/plugin/ascend/libd_collective.so), so plan --compile / --execute cannot check a recipe on it; and the
+# static-graph SEMI_AUTO_PARALLEL every sharded recipe compiles in is retired after 2.11 (MindSpore 2.11.0 release
+# notes). Other lines are refused at start rather than trained on unchecked.
+SUPPORTED_MINDSPORE = "2.9"
+
+
+def check_mindspore_version(found: Optional[str] = None) -> None:
+    """One line, no traceback, when the installed MindSpore is not of :data:`SUPPORTED_MINDSPORE`'s line."""
+    if found is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("mindspore")
+        except PackageNotFoundError:
+            raise UserError("MindSpore is not installed: pip install -r requirements.txt") from None
+    if found.split("+")[0].split(".")[:2] != SUPPORTED_MINDSPORE.split("."):
+        raise UserError(
+            f"MindSpore {found}: ms-deepseek runs on MindSpore {SUPPORTED_MINDSPORE}.x (requirements.txt pins it; "
+            "its compile and execution checks are built against that release): pip install -r requirements.txt"
+        )
+
+
 def use_device(target: Optional[str] = None) -> str:
-    """Run MindSpore on ``target`` (default: :func:`detect_device`); returns it."""
+    """Run MindSpore on ``target`` (default: :func:`detect_device`); returns it. Refuses an unsupported MindSpore
+    first (:func:`check_mindspore_version`)."""
+    check_mindspore_version()
     import mindspore as ms
 
     target = target or detect_device()

@@ -35,3 +35,35 @@ def test_env_override_and_bad_value(tmp_path, monkeypatch):
     with pytest.raises(UserError) as err:
         detect_device()
     assert str(err.value) == "MS_DEEPSEEK_DEVICE='gpu': expected one of CPU, Ascend"
+
+
+@pytest.mark.parametrize("found", ["2.10.0", "2.8.1", "3.0.0rc1"])
+def test_another_mindspore_line_is_refused_in_one_line(found):
+    from ms_deepseek.core.runtime import check_mindspore_version
+
+    with pytest.raises(
+        UserError, match=rf"^MindSpore {found}: ms-deepseek runs on MindSpore 2\.9\.x .*requirements\.txt"
+    ):
+        check_mindspore_version(found)
+
+
+@pytest.mark.parametrize("found", ["2.9.0", "2.9.1", "2.9.0+cpu"])
+def test_the_supported_line_passes(found):
+    from ms_deepseek.core.runtime import check_mindspore_version
+
+    check_mindspore_version(found)
+    check_mindspore_version()  # the installed one (requirements.txt's pin)
+
+
+def test_train_refuses_an_unsupported_mindspore_before_anything_runs(monkeypatch, tmp_path, capsys):
+    import importlib.metadata
+
+    from bad_input_helpers import assert_refused, run_cli
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.10.0" if name == "mindspore" else real(name))
+    from repo_paths import RECIPES
+
+    code, _, err = run_cli(capsys, ["train", str(RECIPES / "tiny-cpu.yaml"), "--output", str(tmp_path / "run")])
+    assert_refused(code, err, "MindSpore 2.10.0: ms-deepseek runs on MindSpore 2.9.x")
+    assert not (tmp_path / "run").exists()
