@@ -37,11 +37,10 @@ def detect_device() -> str:
     return "CPU"
 
 
-# The MindSpore release line ms-deepseek runs on (requirements.txt pins 2.9.0). 2.10.0 trains the tiny recipe to the
-# same losses, but its Ascend plugin crashes while loading against the stub CANN libraries (a static initialiser of
-# lib/plugin/ascend/libd_collective.so), so plan --compile / --execute cannot check a recipe on it; and the
-# static-graph SEMI_AUTO_PARALLEL every sharded recipe compiles in is retired after 2.11 (MindSpore 2.11.0 release
-# notes). Other lines are refused at start rather than trained on unchecked.
+# The MindSpore release line ms-deepseek runs on (requirements.txt pins 2.9.0). The compile and execution checks
+# (plan --compile / --execute) load MindSpore's Ascend plugin against generated stub CANN libraries built for this
+# release's symbols (diagnostics/cann_stubs.py); another release's plugin is not checked by them, so it is refused
+# at start rather than trained on unchecked (README: which releases and why).
 SUPPORTED_MINDSPORE = "2.9"
 
 
