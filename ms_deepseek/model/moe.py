@@ -90,6 +90,10 @@ class StackedWeight(nn.Cell):
         """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
         return stacked_project(self, self.weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
+    def rows(self, idx, cdt):
+        """The weights of the experts ``idx`` [n] -> [n, out, in] (a decode step reads only its chosen experts)."""
+        return ops.gather(self.weight, idx, 0).astype(cdt)
+
 
 def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
     """x [D, E, C, in] -> [D, E, C, out] through ``weight`` [E, out, in] and ``holder``'s adapter, if any
@@ -150,6 +154,18 @@ class RoutedExperts(nn.Cell):
         self.cast_in = ops.Cast()
         self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
         self.act_mul = ops.Mul()
+
+    def has_adapters(self) -> bool:
+        return self.gate_proj.lora_A is not None or self.up_proj.lora_A is not None or self.down_proj.lora_A is not None
+
+    def chosen(self, x, idx):
+        """x [n, 1, H] through the one expert of each row, idx [n] -> [n, 1, H]: the chosen experts' weights
+        gathered ([n, out, in]) instead of every expert run on a capacity buffer (no adapters)."""
+        cdt = self.compute_dtype
+        x = self.cast_in(x, cdt)
+        gate = self.gate_bmm(x, self.gate_proj.rows(idx, cdt))  # [n, 1, I]
+        up = self.up_bmm(x, self.up_proj.rows(idx, cdt))  # [n, 1, I]
+        return self.down_bmm(self.act_mul(self.act(gate), up), self.down_proj.rows(idx, cdt))  # [n, 1, H]
 
     def construct(self, x):
         """x [D, E, C, H] -> [D, E, C, H] (D = G/ep blocks of the exchange view, the experts on axis 1)."""
@@ -269,6 +285,8 @@ class DeepseekV2MoE(nn.Cell):
         topk_weight [B*T, k])."""
         B, T, H = x.shape
         E, k, G, ep = self.num_experts, self.top_k, self.groups, self.ep
+        if T == 1 and B * k <= E and G == 1 and not self.training and not self.experts.has_adapters():
+            return self.one_token(x)
         # Internal guards (graph mode raises only builtin exceptions): apply_plan and the recipe checks
         # refuse these layouts earlier with a UserError.
         if (B * T) % G or G % ep:
@@ -291,8 +309,28 @@ class DeepseekV2MoE(nn.Cell):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         scores, topk_idx, topk_weight, keep = route[0], route[1], route[2], route[5]
-        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
+        aux, stats = self.losses(scores, topk_idx, B, 1.0 - keep.mean())
+        return y, aux, stats, scores, topk_idx, topk_weight
+
+    def losses(self, scores, topk_idx, batch: int, dropped):
+        """aux_loss scalar and stats [E + 4] (expert loads, dropped fraction, the three balance losses)."""
+        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, batch)
         aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
-        dropped = 1.0 - keep.mean()
-        stats = ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
+        return aux, ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
+
+    def one_token(self, x):
+        """Evaluation of one token per row (a decode step), x [B, 1, H] -> the outputs of ``construct``.
+
+        Each row's k routed copies go through their experts' gathered weights (``RoutedExperts.chosen``), the
+        dropless math of the dispatch path without its index arithmetic, capacity buffer and E-expert
+        matmuls: B*k expert rows read instead of all E. Nothing is dropped."""
+        B, H, k = x.shape[0], x.shape[2], self.top_k
+        scores, topk_idx, topk_weight = self.gate(x.reshape(B, H))  # [B, E], [B, k], [B, k]
+        copies = ops.broadcast_to(x.reshape(B, 1, 1, H), (B, k, 1, H)).reshape(B * k, 1, H)  # [B*k, 1, H]
+        out = self.experts.chosen(copies, topk_idx.reshape(B * k)).reshape(B, k, H)  # [B, k, H]
+        y = (out.astype(ms.float32) * topk_weight.reshape(B, k, 1)).sum(1)  # [B, H] float32, as ``combine``
+        y = y.astype(x.dtype).reshape(B, 1, H)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        aux, stats = self.losses(scores, topk_idx, B, ops.zeros((), ms.float32))
         return y, aux, stats, scores, topk_idx, topk_weight

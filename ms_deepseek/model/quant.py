@@ -160,6 +160,10 @@ class QuantStackedWeight(_Dequant, StackedWeight):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""
         return stacked_project(self, self.dequantized(), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
+    def rows(self, idx, cdt):
+        """The experts ``idx`` [n] of the dequantised stack -> [n, out, in]."""
+        return ops.gather(self.dequantized(), idx, 0).astype(cdt)
+
 
 # ------------------------------------------------------------------------------ building
 def _host(p) -> np.ndarray:
