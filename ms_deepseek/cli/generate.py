@@ -229,9 +229,13 @@ def generate_from_checkpoint(
         shapes = graph_shapes(cfg, 1, len(prompt_ids), max_new_tokens)
         shapes.update(penalty=kwargs.get("repetition_penalty", 1.0) != 1.0, use_cache=kwargs.get("use_cache", True))
         cache = CompileCache(Path(compile_cache), model, shapes)
-    result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
-    if cache is not None:
-        cache.commit()
+    try:
+        result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
+        if cache is not None:
+            cache.commit()
+    finally:
+        if cache is not None:
+            cache.close()
     if tok is not None:
         result.text = tok.decode(result.ids)
         result.completion = tok.decode(result.new_ids)
@@ -329,6 +333,15 @@ class CompileCache:
             os.rename(self.work, self.folder)
         except OSError:  # another process installed the same key first
             shutil.rmtree(self.work, ignore_errors=True)
+        self.hit = True
+
+    def close(self) -> None:
+        """Compile nothing more into the cache (MindSpore reads MS_COMPILER_CACHE_ENABLE at each compile); a
+        private folder left by a failed generation is removed."""
+        os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
+        os.environ.pop("MS_COMPILER_CACHE_PATH", None)
+        if not self.hit:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def _chat_ids(tok, prompt: str, system: Optional[str], add_bos: bool) -> List[int]:
@@ -353,12 +366,24 @@ def sample_text(path, prompt: str = "def ", max_new_tokens: int = 40) -> str:
 def run(args) -> int:
     import mindspore as ms
 
+    mode = ms.get_context("mode")
+    try:
+        return _run(args)
+    finally:
+        ms.set_context(mode=mode)  # called in-process (tests, notebooks): the caller's mode again
+
+
+def _run(args) -> int:
+    import mindspore as ms
+
     from ms_deepseek.core.runtime import use_device
 
     device = use_device()  # the device train would use (MS_DEEPSEEK_DEVICE, else Ascend when present)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     compile_cache = None
-    if args.mode == "graph" and not args.no_compile_cache:
+    # MindSpore's compile cache is per-process state (its folder is fixed at the first cached compile, graphs
+    # are numbered by compile order): only a process that runs this one command starts with nothing compiled.
+    if args.mode == "graph" and not args.no_compile_cache and getattr(args, "owns_process", False):
         compile_cache = Path(args.compile_cache).expanduser() if args.compile_cache else default_compile_cache()
     if args.mode == "pynative" and device == "CPU":
         ms.runtime.launch_blocking()  # synchronous launch: several times faster op by op on a CPU host

@@ -285,8 +285,6 @@ class DeepseekV2MoE(nn.Cell):
         topk_weight [B*T, k])."""
         B, T, H = x.shape
         E, k, G, ep = self.num_experts, self.top_k, self.groups, self.ep
-        if T == 1 and B * k <= E and G == 1 and not self.training and not self.experts.has_adapters():
-            return self.one_token(x)
         # Internal guards (graph mode raises only builtin exceptions): apply_plan and the recipe checks
         # refuse these layouts earlier with a UserError.
         if (B * T) % G or G % ep:
@@ -309,28 +307,31 @@ class DeepseekV2MoE(nn.Cell):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         scores, topk_idx, topk_weight, keep = route[0], route[1], route[2], route[5]
-        aux, stats = self.losses(scores, topk_idx, B, 1.0 - keep.mean())
+        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
+        aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
+        dropped = 1.0 - keep.mean()
+        stats = ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight
 
-    def losses(self, scores, topk_idx, batch: int, dropped):
-        """aux_loss scalar and stats [E + 4] (expert loads, dropped fraction, the three balance losses)."""
-        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, batch)
-        aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
-        return aux, ops.concat((load, ops.stack((dropped, l_exp, l_dev, l_com))), 0)  # [E + 4]
+    def one_token_fits(self, x) -> bool:
+        """Whether :meth:`one_token` serves x [B, T, H]: one token per row, evaluation, one token group, at most
+        E routed rows (never more weight rows read than the stack holds), no expert adapters."""
+        B, T = x.shape[0], x.shape[1]
+        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1
+        return fits and not self.training and not self.experts.has_adapters()
 
     def one_token(self, x):
-        """Evaluation of one token per row (a decode step), x [B, 1, H] -> the outputs of ``construct``.
+        """A decode step's routed and shared experts, x [B, 1, H] -> y [B, 1, H] (no balance losses).
 
-        Each row's k routed copies go through their experts' gathered weights (``RoutedExperts.chosen``), the
+        Each row's k routed copies go through their experts' gathered weights (``RoutedExperts.chosen``): the
         dropless math of the dispatch path without its index arithmetic, capacity buffer and E-expert
-        matmuls: B*k expert rows read instead of all E. Nothing is dropped."""
+        matmuls, B*k expert rows read instead of all E. Nothing is dropped."""
         B, H, k = x.shape[0], x.shape[2], self.top_k
-        scores, topk_idx, topk_weight = self.gate(x.reshape(B, H))  # [B, E], [B, k], [B, k]
+        _, topk_idx, topk_weight = self.gate(x.reshape(B, H))  # [B, k], [B, k]
         copies = ops.broadcast_to(x.reshape(B, 1, 1, H), (B, k, 1, H)).reshape(B * k, 1, H)  # [B*k, 1, H]
         out = self.experts.chosen(copies, topk_idx.reshape(B * k)).reshape(B, k, H)  # [B, k, H]
         y = (out.astype(ms.float32) * topk_weight.reshape(B, k, 1)).sum(1)  # [B, H] float32, as ``combine``
         y = y.astype(x.dtype).reshape(B, 1, H)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        aux, stats = self.losses(scores, topk_idx, B, ops.zeros((), ms.float32))
-        return y, aux, stats, scores, topk_idx, topk_weight
+        return y

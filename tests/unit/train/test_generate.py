@@ -218,3 +218,38 @@ def test_bad_calls_raise_user_error(call, message):
     with pytest.raises(UserError) as err:
         generate(model, kwargs.pop("prompt_ids"), kwargs.pop("max_new_tokens"), **kwargs)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("variant", ["v2", "lite"])
+def test_one_token_moe_path_equals_the_dispatch_path(variant):
+    """A decode step's MoE (the chosen experts' weights gathered) computes what the capacity dispatch does."""
+    model, _ = _load(variant)
+    moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+    model.set_train(False)
+    x = Tensor(np.random.default_rng(0).normal(size=(2, 1, model.config.hidden_size)).astype(np.float32))
+    assert moe.one_token_fits(x) and not moe.one_token_fits(ms.ops.concat((x, x), 1))  # one token per row
+    np.testing.assert_allclose(moe.one_token(x).asnumpy(), moe(x)[0].asnumpy(), atol=1e-6)
+    model.set_train(True)
+    try:
+        assert not moe.one_token_fits(x)  # training keeps the capacity dispatch and its balance losses
+    finally:
+        model.set_train(False)
+
+
+def test_long_prompt_bucketed_prefill_in_graph_mode():
+    """A prompt past STEPWISE_PROMPT goes through a prefill padded to its bucket; the ids equal PyNative's."""
+    from ms_deepseek.generate import STEPWISE_PROMPT, graph_shapes
+
+    model, _ = _load("lite")
+    cfg = model.config
+    assert graph_shapes(cfg, 1, 5, 6) == {"batch": 1, "prompt_rows": 0, "rows": 16}
+    assert graph_shapes(cfg, 1, STEPWISE_PROMPT + 1, 4)["prompt_rows"] == 128
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, STEPWISE_PROMPT + 6).tolist()
+    eager = generate(model, prompt, 4, eos_ids=(), use_cache=False)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        graph = generate(model, prompt, 4, eos_ids=())
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert graph.mode == "graph" and graph.cache["buffer_rows"] == 128
+    assert graph.ids == eager.ids
