@@ -13,17 +13,21 @@ checkpoint folder or the two folders above it (a run folder), else the tokenizer
 data named by the checkpoint's ``recipe.yaml`` (``data.tokenizer``, ``data.path``, or the
 embedded default corpus, which is rebuilt in the cache if it was deleted since training).
 
-``--mode graph`` (default) decodes through two compiled graphs, the prompt's prefill and the
-decode step, with the prompt padded to a bucket (16, 32, 64, ... tokens) and the latent cache
-sized to one (:func:`ms_deepseek.generate.graph_shapes`), so another prompt or ``--max-new-tokens``
-in the same buckets runs the same graphs. Their compile is paid once per machine: MindSpore's
+``--mode graph`` (default) decodes through compiled graphs: the decode step (a prompt of up to
+64 tokens goes through it token by token) and, for a longer prompt, a prefill padded to a bucket
+(128, 256, ... tokens), with the latent cache sized to one (16, 32, 64, ... rows;
+:func:`ms_deepseek.generate.graph_shapes`), so another prompt or ``--max-new-tokens`` in the same
+buckets runs the same graphs. Their compile is paid once per machine: MindSpore's
 compile cache (``MS_COMPILER_CACHE_ENABLE`` / ``MS_COMPILER_CACHE_PATH``) keeps them in
 ``$MS_DEEPSEEK_CACHE/compiled/`` (``~/.cache/ms_deepseek/compiled/``), one folder per key
 (:func:`compile_cache_key`). MindSpore indexes a cache folder's graphs by the order in which the
 process compiled them and checks only the hash of the entry script, not the shapes or the
 package's code (``compile_cache_manager.cc``: ``compile_cache_<N>.mindir``, ``CheckDepFilesHashConsistency``):
 hence one folder per sequence of graphs, keyed by everything that shapes them, written under a
-private name and renamed into place complete. ``--mode pynative`` runs op by op with no compile.
+private name and renamed into place complete, and used only by a process that runs this one
+command (``ms-deepseek generate``, ``python -m ms_deepseek.cli generate``; not ``cli.main([...])``
+called in a process that may have compiled other graphs). ``--mode pynative`` runs op by op with
+no compile.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode",
         choices=("graph", "pynative"),
         default="graph",
-        help="graph (default): decode through two compiled graphs (the prompt's prefill and the decode step; "
-        "prompts padded to 16, 32, 64... tokens, the cache sized likewise, so nearby lengths share them), "
-        "compiled once per machine and kept in MindSpore's compile cache under "
+        help="graph (default): decode through compiled graphs (the decode step, which also reads a prompt of up "
+        "to 64 tokens; a longer prompt's prefill padded to 128, 256... tokens; the latent cache sized to 16, 32, "
+        "64... rows, so nearby lengths share them), compiled once per machine and kept in MindSpore's compile "
+        "cache under "
         "$MS_DEEPSEEK_CACHE/compiled/ (default ~/.cache/ms_deepseek/compiled/; one folder per MindSpore "
         "version, package code, model shape and bucket; delete the folder to clear it); "
         "pynative: op by op, no compile, slower per token",
@@ -82,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--compile-cache",
         metavar="DIR",
-        help="graph mode: keep the compiled graphs in DIR instead of $MS_DEEPSEEK_CACHE/compiled/",
+        help="graph mode: keep the compiled graphs in DIR instead of $MS_DEEPSEEK_CACHE/compiled/ (the cache "
+        "serves the command run as its own process, not cli.main() called from Python)",
     )
     cache.add_argument(
         "--no-compile-cache",
