@@ -275,6 +275,14 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def _file_digest(path: str) -> str:
+    """``path`` and the sha256 of its bytes (MindSpore checks the entry script's content)."""
+    try:
+        return f"{path} {hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+    except OSError:
+        return path
+
+
 def compile_cache_key(model, shapes: dict) -> dict:
     """What the compiled graphs of a generation depend on: MindSpore's version and device, this package's
     code, the entry script (MindSpore's own check), the model's config and parameters (names, shapes,
@@ -292,7 +300,7 @@ def compile_cache_key(model, shapes: dict) -> dict:
         "device": str(ms.get_context("device_target")),
         "mode": "graph",
         "sources": source_digest(),
-        "entry_script": os.path.realpath(sys.argv[0]),
+        "entry_script": _file_digest(os.path.realpath(sys.argv[0])),
         "config": hashlib.sha256(json.dumps(asdict(model.config), sort_keys=True, default=str).encode()).hexdigest(),
         "parameters": hashlib.sha256(json.dumps(params).encode()).hexdigest(),
         "shapes": shapes,

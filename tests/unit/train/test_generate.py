@@ -220,11 +220,20 @@ def test_bad_calls_raise_user_error(call, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("variant", ["v2", "lite"])
+@pytest.mark.parametrize("variant", ["v2", "lite", "lite int8"])
 def test_one_token_moe_path_equals_the_dispatch_path(variant):
-    """A decode step's MoE (the chosen experts' weights gathered) computes what the capacity dispatch does."""
-    model, _ = _load(variant)
+    """A decode step's MoE (the chosen experts' weights gathered) computes what the capacity dispatch does,
+    on stacked float weights and on a quantised stack (its rows dequantised)."""
+    if variant.endswith("int8"):
+        from ms_deepseek.config.quant import QuantSpec
+        from ms_deepseek.model.quant import quantize_model
+
+        model = DeepseekV2ForCausalLM.from_pretrained(FIXTURES_DIR / "lite", show_progress=False)
+        assert quantize_model(model, QuantSpec(bits=8)) > 0
+    else:
+        model, _ = _load(variant)
     moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+    assert type(moe.experts.gate_proj).__name__ == ("QuantStackedWeight" if "int8" in variant else "StackedWeight")
     model.set_train(False)
     x = Tensor(np.random.default_rng(0).normal(size=(2, 1, model.config.hidden_size)).astype(np.float32))
     assert moe.one_token_fits(x) and not moe.one_token_fits(ms.ops.concat((x, x), 1))  # one token per row
