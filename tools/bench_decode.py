@@ -122,23 +122,33 @@ def bench_end_to_end(args) -> int:
         f"--ignore-eos; whole processes; load average at start {os.getloadavg()[0]:.1f}"
     )
     walls = {name: [] for name in runs}
+    per_token = {name: [] for name in runs}  # ms per new token inside the process (the generate loop only)
     ids = {}
     for r in range(args.rounds):
         line = []
         for name, run in runs.items():  # side by side: every round runs each once, in this order
             wall, out = run(r)
             walls[name].append(wall)
-            ids[name] = json.loads(out.strip().splitlines()[-1])["ids"]
+            result = json.loads(out.strip().splitlines()[-1])
+            ids[name] = result["ids"]
+            if "generate_s" in result:  # transformers: the whole generate call over its new tokens
+                per_token[name].append(1000 * result["generate_s"] / args.new_tokens)
+            else:  # ms-deepseek: the decode steps after the first new token
+                per_token[name].append(1000 * result["timings"]["decode_s"] / (args.new_tokens - 1))
             line.append(f"{name} {wall:.2f}s")
         print(f"round {r + 1}: " + ", ".join(line) + f" (load {os.getloadavg()[0]:.1f})")
     med = {name: statistics.median(v) for name, v in walls.items()}
     ref = min(med["transformers"], med["transformers 1 thread"])
-    print(f"\n{'run':<22} {'median s':>9} {'min s':>7} {'/ transformers':>15}")
+    print(f"\n{'run':<22} {'median s':>9} {'min s':>7} {'/ transformers':>15} {'ms/token':>9}")
     for name, v in walls.items():
-        print(f"{name:<22} {med[name]:>9.2f} {min(v):>7.2f} {med[name] / ref:>14.2f}x")
+        tok = statistics.median(per_token[name])
+        print(f"{name:<22} {med[name]:>9.2f} {min(v):>7.2f} {med[name] / ref:>14.2f}x {tok:>9.2f}")
     same = len({tuple(v) for v in ids.values()}) == 1
     print(f"greedy ids identical across all runs: {'yes' if same else 'NO'}")
-    print(f"(ratios: median wall time over the faster of the two transformers medians, {ref:.2f}s)")
+    print(
+        f"(ratios: median wall time over the faster of the two transformers medians, {ref:.2f}s; ms/token: median "
+        f"time per new token inside the process, transformers' whole generate call, ms-deepseek's decode steps)"
+    )
     return 0 if same else 1
 
 
