@@ -262,3 +262,32 @@ def test_long_prompt_bucketed_prefill_in_graph_mode():
         ms.set_context(mode=ms.PYNATIVE_MODE)
     assert graph.mode == "graph" and graph.cache["buffer_rows"] == 128
     assert graph.ids == eager.ids
+
+
+@pytest.mark.parametrize("kind", ["lora", "int8"])
+def test_decode_steps_use_kv_b_proj_as_the_layer_applies_it(kind):
+    """The absorbed decode step reads kv_b_proj's matrix itself: with a LoRA adapter on it (B A added) and with
+    a quantised base (dequantised) its logits still equal the full forward's."""
+    model = DeepseekV2ForCausalLM.from_pretrained(FIXTURES_DIR / "v2", show_progress=False)
+    if kind == "lora":
+        from ms_deepseek.config.lora import LoraSpec
+        from ms_deepseek.model.lora import add_adapters
+
+        add_adapters(model, LoraSpec(r=4, alpha=8, target_modules=["kv_b_proj"]))
+        rng = np.random.default_rng(0)
+        for name, p in model.parameters_and_names():
+            if "lora_B" in name:  # PEFT starts B at zero: a trained adapter is not
+                p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    else:
+        from ms_deepseek.config.quant import QuantSpec
+        from ms_deepseek.model.quant import quantize_model
+
+        quantize_model(model, QuantSpec(bits=8))
+    model.set_train(False)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 9).tolist()
+    full = model(Tensor([ids], ms.int32)).logits.asnumpy()[0]  # [9, V]
+    dec = CachedDecoder(model, batch_size=1, max_len=16)
+    dec(Tensor([ids[:3]], ms.int32), Tensor(0, ms.int32), True)
+    for pos in range(3, len(ids)):
+        logits = dec(Tensor([[ids[pos]]], ms.int32), Tensor(pos, ms.int32)).asnumpy()
+        np.testing.assert_allclose(logits[0], full[pos], atol=1e-4, err_msg=f"{kind}: decode logits at {pos}")
