@@ -94,12 +94,21 @@ def _timed(cmd, env=None):
 
 
 def bench_end_to_end(args) -> int:
-    import json
-    import statistics
+    import shutil
     import tempfile
 
+    work = Path(tempfile.mkdtemp(prefix="bench-decode-"))  # the export and the compile caches, removed after
+    try:
+        return _end_to_end(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _end_to_end(args, work: Path) -> int:
+    import json
+    import statistics
+
     ms_cli = [sys.executable, "-m", "ms_deepseek.cli"]
-    work = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     hf_dir = work / "hf"
     _timed(ms_cli + ["convert", "ms-to-hf", args.checkpoint, str(hf_dir)])
     prompt = args.prompt_ids
