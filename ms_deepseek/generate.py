@@ -170,6 +170,21 @@ def cache_length(total: int, max_positions: int) -> int:
     return min(max(16, 1 << (total - 1).bit_length()), max_positions)
 
 
+# In GRAPH_MODE a prompt of up to this many tokens goes through the decode step one token at a time (no
+# prefill graph to compile or load: one graph per generation); a longer one through a compiled prefill.
+STEPWISE_PROMPT = 64
+
+
+def graph_shapes(cfg, batch_size: int, prompt_length: int, max_new_tokens: int) -> dict:
+    """The shapes the compiled graphs of one generation take in GRAPH_MODE: latent-cache ``rows``
+    (:func:`cache_length` of prompt + new tokens) and ``prompt_rows``, the prompt padded to the same kind
+    of bucket (at most ``rows``), or 0 for a prompt fed through the decode step (:data:`STEPWISE_PROMPT`).
+    Two calls with equal shapes run the same graphs, whatever their exact lengths."""
+    rows = cache_length(prompt_length + max_new_tokens, cfg.max_position_embeddings)
+    prompt_rows = 0 if prompt_length <= STEPWISE_PROMPT else cache_length(prompt_length, rows)
+    return {"batch": batch_size, "prompt_rows": prompt_rows, "rows": rows}
+
+
 class _ModelState:
     """What generation keeps per model between calls: latent-cache decoders by (batch, rows), and one
     repetition-penalty operator (in GRAPH_MODE each is compiled once and then reused)."""
@@ -258,17 +273,40 @@ class _UncachedStep:
 
 
 class _CachedStep:
-    """Latent-cache decoder: prefill once, then one absorbed decode step per token."""
+    """Latent-cache decoder: the prompt, then one absorbed decode step per token.
 
-    def __init__(self, decoder):
+    The prompt: in PyNative one full-attention prefill; in GRAPH_MODE (:func:`graph_shapes`) a short prompt
+    token by token through the decode step (each step writes its row before any query reads it, so rows
+    left by an earlier sequence stay masked until overwritten), a longer one through a prefill padded to
+    ``prompt_rows``."""
+
+    def __init__(self, decoder, prompt_rows: int):
         self.decoder = decoder
+        graph = _mode_name() == "graph"
+        self.stepwise = graph and prompt_rows == 0
+        self.prompt_rows = prompt_rows if graph else 0
         self.position = 0
 
     def __call__(self, new_ids: np.ndarray):
         import mindspore as ms
 
-        prefill = self.position == 0
-        logits = self.decoder(ms.Tensor(new_ids.astype(np.int32)), ms.Tensor(self.position, ms.int32), prefill)
+        T = new_ids.shape[1]
+        if self.position > 0:
+            return self._decode(new_ids)
+        if self.stepwise:
+            for t in range(T):
+                logits = self._decode(new_ids[:, t : t + 1])
+            return logits
+        padded = np.zeros((new_ids.shape[0], max(T, self.prompt_rows)), np.int32)  # [B, prompt_rows]
+        padded[:, :T] = new_ids
+        self.position = T
+        return self.decoder(ms.Tensor(padded), ms.Tensor(0, ms.int32), True, ms.Tensor(T - 1, ms.int32))
+
+    def _decode(self, new_ids: np.ndarray):
+        """The absorbed path: new_ids [B, T] at positions self.position.. -> logits [B, V] of the last."""
+        import mindspore as ms
+
+        logits = self.decoder(ms.Tensor(new_ids.astype(np.int32)), ms.Tensor(self.position, ms.int32), False)
         self.position += new_ids.shape[1]
         return logits
 
@@ -310,7 +348,7 @@ def generate_batch(
     check_sampling(temperature, top_k, top_p, repetition_penalty)
     ids = check_prompts(prompts, cfg.vocab_size)
     B, T = ids.shape
-    total = check_length(T, max_new_tokens, cfg)
+    check_length(T, max_new_tokens, cfg)
     max_new_tokens = int(max_new_tokens)
     eos = set(cfg.eos_ids if eos_ids is None else (int(e) for e in eos_ids))
     if seed is not None:
@@ -324,8 +362,12 @@ def generate_batch(
     model.set_train(False)  # eval: dropless MoE, whatever the config's capacity factor
     try:
         state = _ModelState.of(model)
-        rows = cache_length(total, cfg.max_position_embeddings)
-        step = _CachedStep(state.decoder(model, B, rows)) if use_cache else _UncachedStep(model, B, rows)
+        shapes = graph_shapes(cfg, B, T, max_new_tokens)
+        rows = shapes["rows"]
+        if use_cache:
+            step = _CachedStep(state.decoder(model, B, rows), shapes["prompt_rows"])
+        else:
+            step = _UncachedStep(model, B, rows)
         penalty = _Penalty(state.penalty(), repetition_penalty, ids, rows)
         done = np.zeros(B, bool)
         reason = ["length"] * B

@@ -67,6 +67,9 @@ def _close_progress_bars() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run a command; ``argv`` None: this process's own command line (the console script, ``python -m``), and
+    the command owns the process (``args.owns_process``: per-process state such as MindSpore's compile cache)."""
+    owns_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
     if not argv or argv[0] in ("-h", "--help"):
@@ -89,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="show MindSpore's warnings and MindFormers' output (default: errors only)",
     )
     args = parser.parse_args(rest)
+    args.owns_process = owns_process
     try:
         return int(module.run(args) or 0)
     except UserError as exc:

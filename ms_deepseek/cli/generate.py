@@ -13,14 +13,30 @@ checkpoint folder or the two folders above it (a run folder), else the tokenizer
 data named by the checkpoint's ``recipe.yaml`` (``data.tokenizer``, ``data.path``, or the
 embedded default corpus, which is rebuilt in the cache if it was deleted since training).
 
-``--mode pynative`` (default) starts at once; ``--mode graph`` first compiles the prefill
-and the decode step (seconds on CPU) and then decodes several times faster per token.
+``--mode graph`` (default) decodes through compiled graphs: the decode step (a prompt of up to
+64 tokens goes through it token by token) and, for a longer prompt, a prefill padded to a bucket
+(128, 256, ... tokens), with the latent cache sized to one (16, 32, 64, ... rows;
+:func:`ms_deepseek.generate.graph_shapes`), so another prompt or ``--max-new-tokens`` in the same
+buckets runs the same graphs. Their compile is paid once per machine: MindSpore's
+compile cache (``MS_COMPILER_CACHE_ENABLE`` / ``MS_COMPILER_CACHE_PATH``) keeps them in
+``$MS_DEEPSEEK_CACHE/compiled/`` (``~/.cache/ms_deepseek/compiled/``), one folder per key
+(:func:`compile_cache_key`). MindSpore indexes a cache folder's graphs by the order in which the
+process compiled them and checks only the hash of the entry script, not the shapes or the
+package's code (``compile_cache_manager.cc``: ``compile_cache_<N>.mindir``, ``CheckDepFilesHashConsistency``):
+hence one folder per sequence of graphs, keyed by everything that shapes them, written under a
+private name and renamed into place complete, and used only by a process that runs this one
+command (``ms-deepseek generate``, ``python -m ms_deepseek.cli generate``; not ``cli.main([...])``
+called in a process that may have compiled other graphs). ``--mode pynative`` runs op by op with
+no compile.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -57,10 +73,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bos", action="store_true", help="do not put the tokenizer's bos id before --prompt")
     parser.add_argument(
         "--mode",
-        choices=("pynative", "graph"),
-        default="pynative",
-        help="MindSpore execution mode (graph compiles two graphs first, then decodes "
-        "faster; pynative starts at once; default pynative)",
+        choices=("graph", "pynative"),
+        default="graph",
+        help="graph (default): decode through compiled graphs (the decode step, which also reads a prompt of up "
+        "to 64 tokens; a longer prompt's prefill padded to 128, 256... tokens; the latent cache sized to 16, 32, "
+        "64... rows, so nearby lengths share them), compiled once per machine and kept in MindSpore's compile "
+        "cache under "
+        "$MS_DEEPSEEK_CACHE/compiled/ (default ~/.cache/ms_deepseek/compiled/; one folder per MindSpore "
+        "version, package code, model shape and bucket; delete the folder to clear it); "
+        "pynative: op by op, no compile, slower per token",
+    )
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="graph mode: keep the compiled graphs in DIR instead of $MS_DEEPSEEK_CACHE/compiled/ (the cache "
+        "serves the command run as its own process, not cli.main() called from Python)",
+    )
+    cache.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="graph mode without MindSpore's compile cache: compile in this process, read and write nothing",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (ids, text, cache figures)")
 
@@ -136,11 +169,14 @@ def generate_from_checkpoint(
     ignore_eos: bool = False,
     chat: bool = False,
     system: Optional[str] = None,
+    compile_cache=None,
     **kwargs,
 ):
     """Load a checkpoint (or a run's newest) and generate; returns a GenerationResult with ``text`` filled
     when a tokenizer was found. ``chat``: the prompt as one user turn of the chat template (after a
-    ``system`` message when given). ``kwargs`` go to :func:`ms_deepseek.generate.generate`."""
+    ``system`` message when given). ``compile_cache``: a folder for MindSpore's compile cache (graph mode;
+    :class:`CompileCache`; it must be this process's first compile). ``kwargs`` go to
+    :func:`ms_deepseek.generate.generate`."""
     from ms_deepseek.generate import check_length, check_prompts, check_sampling, generate
 
     if (prompt is None) == (prompt_ids is None):
@@ -192,11 +228,134 @@ def generate_from_checkpoint(
         model = model_with_adapters(folder, show_progress=kwargs.get("progress", False))
     else:
         model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=kwargs.get("progress", False))
-    result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
+    cache = None
+    if compile_cache is not None:
+        from ms_deepseek.generate import graph_shapes
+
+        shapes = graph_shapes(cfg, 1, len(prompt_ids), max_new_tokens)
+        shapes.update(penalty=kwargs.get("repetition_penalty", 1.0) != 1.0, use_cache=kwargs.get("use_cache", True))
+        cache = CompileCache(Path(compile_cache), model, shapes)
+    try:
+        result = generate(model, prompt_ids, max_new_tokens, eos_ids=() if ignore_eos else None, **kwargs)
+        if cache is not None:
+            cache.commit()
+    finally:
+        if cache is not None:
+            cache.close()
     if tok is not None:
         result.text = tok.decode(result.ids)
         result.completion = tok.decode(result.new_ids)
     return result
+
+
+# ------------------------------------------------------------------ compile cache
+COMPILED = "compiled"
+
+
+def default_compile_cache() -> Path:
+    """``$MS_DEEPSEEK_CACHE/compiled`` (``~/.cache/ms_deepseek/compiled``)."""
+    from ms_deepseek.data.dataset import default_cache_dir
+
+    return default_cache_dir() / COMPILED
+
+
+def source_digest() -> str:
+    """sha256 of every file of the installed package (its kernel sources included): MindSpore's own check
+    skips modules on sys.path, so a changed model file would otherwise load a stale graph."""
+    import ms_deepseek
+
+    root = Path(ms_deepseek.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root, followlinks=True)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if not name.endswith(".pyc"):
+                path = Path(folder) / name
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _file_digest(path: str) -> str:
+    """``path`` and the sha256 of its bytes (MindSpore checks the entry script's content)."""
+    try:
+        return f"{path} {hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+    except OSError:
+        return path
+
+
+def compile_cache_key(model, shapes: dict) -> dict:
+    """What the compiled graphs of a generation depend on: MindSpore's version and device, this package's
+    code, the entry script (MindSpore's own check), the model's config and parameters (names, shapes,
+    dtypes; LoRA and quantised models differ here), the mode and ``shapes`` (batch, buckets, penalty)."""
+    from dataclasses import asdict
+
+    import mindspore as ms
+
+    import ms_deepseek
+
+    params = [(p.name, tuple(p.shape), str(p.dtype)) for p in model.get_parameters()]
+    return {
+        "mindspore": ms.__version__,
+        "ms_deepseek": ms_deepseek.__version__,
+        "device": str(ms.get_context("device_target")),
+        "mode": "graph",
+        "sources": source_digest(),
+        "entry_script": _file_digest(os.path.realpath(sys.argv[0])),
+        "config": hashlib.sha256(json.dumps(asdict(model.config), sort_keys=True, default=str).encode()).hexdigest(),
+        "parameters": hashlib.sha256(json.dumps(params).encode()).hexdigest(),
+        "shapes": shapes,
+    }
+
+
+class CompileCache:
+    """MindSpore's compile cache for this process, in ``root/<mindspore version>/<key>/``.
+
+    A complete folder is read (MindSpore loads its graphs and skips the front-end compile); otherwise the
+    graphs are written into a private ``.partial-<pid>`` sibling and :meth:`commit` renames it into place
+    after the generation (a process that loses the race drops its copy). MindSpore reads the path once per
+    process, at its first compile (``GetCompileCacheDir`` keeps it in a static): call this before any."""
+
+    def __init__(self, root: Path, model, shapes: dict):
+        import mindspore as ms
+
+        key = compile_cache_key(model, shapes)
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        self.folder = root / ms.__version__ / name
+        self.hit = (self.folder / "key.json").is_file()
+        self.work = self.folder if self.hit else self.folder.with_name(f".{name}.partial-{os.getpid()}")
+        if not self.hit:
+            try:
+                shutil.rmtree(self.work, ignore_errors=True)
+                self.work.mkdir(parents=True)
+                (self.work / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            except OSError as exc:
+                raise UserError(
+                    f"compile cache {root}: cannot write there ({exc.strerror}); pass --compile-cache DIR or "
+                    f"--no-compile-cache"
+                ) from None
+        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_COMPILER_CACHE_PATH"] = str(self.work)
+
+    def commit(self) -> None:
+        """Install the graphs this process compiled (no-op on a hit)."""
+        if self.hit:
+            return
+        from ms_deepseek.core.atomic import fsync_tree
+
+        fsync_tree(self.work)
+        try:
+            os.rename(self.work, self.folder)
+        except OSError:  # another process installed the same key first
+            shutil.rmtree(self.work, ignore_errors=True)
+        self.hit = True
+
+    def close(self) -> None:
+        """Compile nothing more into the cache (MindSpore reads MS_COMPILER_CACHE_ENABLE at each compile); a
+        private folder left by a failed generation is removed."""
+        os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
+        os.environ.pop("MS_COMPILER_CACHE_PATH", None)
+        if not self.hit:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def _chat_ids(tok, prompt: str, system: Optional[str], add_bos: bool) -> List[int]:
@@ -221,10 +380,33 @@ def sample_text(path, prompt: str = "def ", max_new_tokens: int = 40) -> str:
 def run(args) -> int:
     import mindspore as ms
 
+    mode = ms.get_context("mode")
+    try:
+        code = _run(args)
+    finally:
+        ms.set_context(mode=mode)  # called in-process (tests, notebooks): the caller's mode again
+    if getattr(args, "owns_process", False):
+        # The answer is printed and every file written (the compile cache renamed into place, fsynced): end the
+        # process here, skipping the interpreter's and MindSpore's teardown (its C++ runtime's destructors),
+        # which takes a large share of a short generation's wall time and has nothing left to save.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(args) -> int:
+    import mindspore as ms
+
     from ms_deepseek.core.runtime import use_device
 
     device = use_device()  # the device train would use (MS_DEEPSEEK_DEVICE, else Ascend when present)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    compile_cache = None
+    # MindSpore's compile cache is per-process state (its folder is fixed at the first cached compile, graphs
+    # are numbered by compile order): only a process that runs this one command starts with nothing compiled.
+    if args.mode == "graph" and not args.no_compile_cache and getattr(args, "owns_process", False):
+        compile_cache = Path(args.compile_cache).expanduser() if args.compile_cache else default_compile_cache()
     if args.mode == "pynative" and device == "CPU":
         ms.runtime.launch_blocking()  # synchronous launch: several times faster op by op on a CPU host
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -245,6 +427,7 @@ def run(args) -> int:
         repetition_penalty=args.repetition_penalty,
         use_cache=not args.no_cache,
         progress=not args.json,
+        compile_cache=compile_cache,
     )
     if args.json:
         print(json.dumps(result.as_dict()))

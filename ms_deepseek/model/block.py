@@ -42,11 +42,19 @@ class DecoderLayer(nn.Cell):
         """x [B, T, H] -> (x, aux scalar, stats [E + 4] or None, routing tuple or None).
 
         cache / cache_index / prefill: this layer's latent cache buffer and where the tokens' entries
-        go, or None in training (see ``MLAttention.construct``).
+        go, or None in training (see ``MLAttention.construct``). A decode step of one token per row takes
+        the MoE's one-token path (``DeepseekV2MoE.one_token``) and returns no routing or balance losses.
         """
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index, prefill)
         x = self.attn_residual(x, self.attn_cast(attn, x.dtype))
         h = self.post_attention_layernorm(x)
+        if self.is_moe and cache is not None and self.mlp.one_token_fits(h):  # a decode step: nobody reads aux
+            return (
+                self.mlp_residual(x, self.mlp_cast(self.mlp.one_token(h), x.dtype)),
+                ops.zeros((), ms.float32),
+                None,
+                None,
+            )
         if self.is_moe:
             y, aux, stats, scores, idx, weight = self.mlp(h)
             return self.mlp_residual(x, self.mlp_cast(y, x.dtype)), aux, stats, (scores, idx, weight)

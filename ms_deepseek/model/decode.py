@@ -19,7 +19,8 @@ entries of ``input_ids`` [B, T] at positions ``start_pos .. start_pos + T - 1`` 
 returns the float32 logits of the last position [B, V]. ``prefill=True`` (from position
 0) uses the full path and clears the rest of the cache; otherwise the absorbed path runs
 (T == 1 for a decode step; larger T works too, causal among the new tokens). Works in
-PyNative and GRAPH_MODE (prefill compiles once per prompt length, the decode step once).
+PyNative and GRAPH_MODE (prefill compiles once per prompt length, the decode step once; ``generate`` pads
+prompts to a few bucketed lengths, ``last`` picking the real last position).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.dtypes import itemsize
@@ -120,12 +121,19 @@ class CachedDecoder(nn.Cell):
         )
         self.figures = cache_figures(cfg)
 
-    def construct(self, input_ids, start_pos, prefill=False):
+    def construct(self, input_ids, start_pos, prefill=False, last=None):
         """input_ids [B, T] at positions start_pos.. -> logits [B, V] of the last one; writes the cache.
 
         prefill=True: the full MLA path, from position 0 (start_pos must be 0), resets the cache.
         prefill=False: the absorbed path against the cache (any T; causal among the new tokens).
+        ``last`` (int32 scalar Tensor): the logits of that index of ``input_ids`` instead of the last one, for
+        a prompt padded to a bucketed length (causal attention and dropless MoE keep the padding after it
+        invisible to it; its cache rows are overwritten by the decode steps before any query reads them).
         """
         B, T = input_ids.shape
         hidden = self.lm.model(input_ids, start_pos.astype(ms.int32), self.caches, prefill)[0]  # [B, T, H]
-        return self.lm.lm_head(hidden[:, T - 1 :, :]).astype(ms.float32).reshape(B, -1)  # [B, V]
+        if last is None:
+            hidden = hidden[:, T - 1 :, :]  # [B, 1, H]
+        else:
+            hidden = ops.gather(hidden, last.astype(ms.int32).reshape(1), 1)  # [B, 1, H]
+        return self.lm.lm_head(hidden).astype(ms.float32).reshape(B, -1)  # [B, V]

@@ -56,6 +56,19 @@ class Linear(nn.Cell):
             y = y + self.lora_b_matmul(h, self.lora_B.weight.astype(self.compute_dtype)) * self.lora_scaling
         return y.reshape(lead + (self.out_features,))
 
+    def base_weight(self, dtype):
+        """The frozen or trained weight [out, in] as floats of ``dtype`` (QuantLinear: dequantised)."""
+        return self.weight.astype(dtype)
+
+    def effective_weight(self, dtype):
+        """The weight [out, in] this layer applies, its adapter included (W + scaling * B A): for code that
+        uses the matrix itself instead of calling the layer (the absorbed MLA decode step)."""
+        w = self.base_weight(dtype)
+        if self.lora_A is not None:
+            delta = ops.matmul(self.lora_B.weight.astype(dtype), self.lora_A.weight.astype(dtype))  # [out, in]
+            w = w + delta * self.lora_scaling
+        return w
+
 
 class RMSNorm(nn.Cell):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32, returned in the input dtype.

@@ -195,7 +195,8 @@ class MLAttention(nn.Cell):
     def absorbed(self, q_nope, q_pe, cache, mask):
         """New queries against the latent cache without per-head K/V (the "absorbed" form).
 
-        With ``kv_b_proj.weight`` viewed as [nh, nope + v, kv_lora], W_UK = [:, :nope], W_UV = [:, nope:]:
+        With kv_b_proj's matrix (``Linear.effective_weight``) viewed as [nh, nope + v, kv_lora], W_UK = [:, :nope],
+        W_UV = [:, nope:]:
         q_lat = q_nope W_UK; scores = [q_lat | q_pe] . [c_kv | k_pe]; o_lat = probs . c_kv; out = o_lat W_UV^T.
         q_nope [B, nh, T, nope], q_pe [B, nh, T, rope], cache [B, S, kv_lora + rope], mask [T, S] additive
         -> [B, T, nh*v] (before o_proj).
@@ -203,7 +204,8 @@ class MLAttention(nn.Cell):
         B, T = q_nope.shape[0], q_nope.shape[2]
         nh, nope, vd, r = self.num_heads, self.qk_nope, self.v_dim, self.kv_lora_rank
         cdt = self.compute_dtype
-        w = self.kv_b_proj.weight.astype(cdt).reshape(nh, nope + vd, r)  # [nh, nope + v, kv_lora]
+        # the matrix kv_b_proj applies: a LoRA adapter's B A added, a quantised weight dequantised
+        w = self.kv_b_proj.effective_weight(cdt).reshape(nh, nope + vd, r)  # [nh, nope + v, kv_lora]
         w_uk, w_uv = w[:, :nope, :], w[:, nope:, :]  # [nh, nope, kv_lora], [nh, v, kv_lora]
         q_nope = q_nope.astype(cdt).transpose(1, 0, 2, 3).reshape(nh, B * T, nope)  # [nh, B*T, nope]
         q_lat = ops.bmm(q_nope, w_uk)  # [nh, B*T, kv_lora]

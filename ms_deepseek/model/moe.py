@@ -90,6 +90,10 @@ class StackedWeight(nn.Cell):
         """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
         return stacked_project(self, self.weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
+    def rows(self, idx, cdt):
+        """The weights of the experts ``idx`` [n] -> [n, out, in] (a decode step reads only its chosen experts)."""
+        return ops.gather(self.weight, idx, 0).astype(cdt)
+
 
 def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
     """x [D, E, C, in] -> [D, E, C, out] through ``weight`` [E, out, in] and ``holder``'s adapter, if any
@@ -150,6 +154,18 @@ class RoutedExperts(nn.Cell):
         self.cast_in = ops.Cast()
         self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
         self.act_mul = ops.Mul()
+
+    def has_adapters(self) -> bool:
+        return self.gate_proj.lora_A is not None or self.up_proj.lora_A is not None or self.down_proj.lora_A is not None
+
+    def chosen(self, x, idx):
+        """x [n, 1, H] through the one expert of each row, idx [n] -> [n, 1, H]: the chosen experts' weights
+        gathered ([n, out, in]) instead of every expert run on a capacity buffer (no adapters)."""
+        cdt = self.compute_dtype
+        x = self.cast_in(x, cdt)
+        gate = self.gate_bmm(x, self.gate_proj.rows(idx, cdt))  # [n, 1, I]
+        up = self.up_bmm(x, self.up_proj.rows(idx, cdt))  # [n, 1, I]
+        return self.down_bmm(self.act_mul(self.act(gate), up), self.down_proj.rows(idx, cdt))  # [n, 1, H]
 
     def construct(self, x):
         """x [D, E, C, H] -> [D, E, C, H] (D = G/ep blocks of the exchange view, the experts on axis 1)."""
@@ -302,3 +318,26 @@ class DeepseekV2MoE(nn.Cell):
         pieces = ops.stop_gradient(ops.stack((dropped, l_exp, l_dev, l_com)))  # [4]
         stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight
+
+    def one_token_fits(self, x) -> bool:
+        """Whether :meth:`one_token` serves x [B, T, H]: one token per row, evaluation, one token group, at most
+        E routed rows (never more weight rows read than the stack holds), no expert adapters."""
+        B, T = x.shape[0], x.shape[1]
+        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1
+        return fits and not self.training and not self.experts.has_adapters()
+
+    def one_token(self, x):
+        """A decode step's routed and shared experts, x [B, 1, H] -> y [B, 1, H] (no balance losses).
+
+        Each row's k routed copies go through their experts' gathered weights (``RoutedExperts.chosen``): the
+        dropless math of the dispatch path without its index arithmetic, capacity buffer and E-expert
+        matmuls, B*k expert rows read instead of all E. Nothing is dropped."""
+        B, H, k = x.shape[0], x.shape[2], self.top_k
+        _, topk_idx, topk_weight = self.gate(x.reshape(B, H))  # [B, k], [B, k]
+        copies = ops.broadcast_to(x.reshape(B, 1, 1, H), (B, k, 1, H)).reshape(B * k, 1, H)  # [B*k, 1, H]
+        out = self.experts.chosen(copies, topk_idx.reshape(B * k)).reshape(B, k, H)  # [B, k, H]
+        y = (out.astype(ms.float32) * topk_weight.reshape(B, k, 1)).sum(1)  # [B, H] float32, as ``combine``
+        y = y.astype(x.dtype).reshape(B, 1, H)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -110,6 +110,10 @@ class _Dequant:
 class QuantLinear(_Dequant, Linear):
     """A frozen int8 / int4 ``Linear`` (no bias: DeepSeek-V2's projections have none)."""
 
+    def base_weight(self, dtype):
+        """The dequantised weight [out, in] (``weight`` holds the integers)."""
+        return self.dequantized().astype(dtype)
+
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, compute_dtype=ms.float32):
         nn.Cell.__init__(self)
         self.in_features, self.out_features = in_features, out_features
@@ -159,6 +163,10 @@ class QuantStackedWeight(_Dequant, StackedWeight):
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""
         return stacked_project(self, self.dequantized(), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
+
+    def rows(self, idx, cdt):
+        """The experts ``idx`` [n] of the dequantised stack -> [n, out, in]."""
+        return ops.gather(self.dequantized(), idx, 0).astype(cdt)
 
 
 # ------------------------------------------------------------------------------ building

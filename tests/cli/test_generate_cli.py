@@ -5,15 +5,17 @@ tensors under the model's names, stacked experts), from the ``lite`` fixture's w
 """
 
 import json
+import os
 import shutil
 import string
+import subprocess
 import sys
 from pathlib import Path
 
 import mindspore as ms
 import pytest
 
-from repo_paths import FIXTURES
+from repo_paths import FIXTURES, REPO
 
 sys.path.insert(0, str(FIXTURES))
 from load_reference import FIXTURES_DIR  # noqa: E402
@@ -92,7 +94,7 @@ def test_run_dir_text_prompt_json(run_dir, lite_model, capsys):
     cfg = lite_model.config
     assert result["cache"]["latent_bytes_per_token"] == cfg.num_hidden_layers * (cfg.kv_lora_rank + 8) * 4
     assert result["cache"]["full_kv_bytes_per_token"] > result["cache"]["latent_bytes_per_token"]
-    assert result["use_cache"] is True and result["mode"] == "pynative"
+    assert result["use_cache"] is True and result["mode"] == "graph"  # the default: compiled decode step
 
 
 def test_checkpoint_folder_and_prompt_ids(run_dir, lite_model, capsys):
@@ -160,3 +162,42 @@ def test_cli_errors_for_paths(tmp_path, capsys):
     (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
     rc, _, err = _main([str(tmp_path / "empty_run"), "--prompt-ids", "1"], capsys)
     assert rc == 2 and "no complete step_NNNNNNNN checkpoint" in err and len(err.strip().splitlines()) == 1
+
+
+def _own_process(argv, cwd):
+    """``ms-deepseek generate`` as a user runs it: its own process (where the compile cache is used)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOG_v", "MS_SUBMODULE_LOG_v")}  # --verbose shows all
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ms_deepseek.cli", "generate", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_compile_cache_reused_across_processes_and_buckets(tmp_path, lite_model):
+    """The first process compiles into the cache; a second one with another prompt length in the same buckets
+    loads the same graphs (MindSpore says so with --verbose); a longer generation gets a folder of its own."""
+    cache = tmp_path / "compiled"
+    common = [str(LITE), "--ignore-eos", "--json", "--compile-cache", str(cache)]
+    first, _ = _own_process([*common, "--prompt-ids", "63,167,89", "--max-new-tokens", "4"], tmp_path)
+    folders = [p for p in (cache / ms.__version__).iterdir()]
+    assert len(folders) == 1 and not folders[0].name.startswith("."), folders  # complete, renamed into place
+    key = json.loads((folders[0] / "key.json").read_text())
+    assert key["shapes"] == {"batch": 1, "prompt_rows": 0, "rows": 16, "penalty": False, "use_cache": True}
+    assert list((folders[0] / "rank_0" / "graph_cache").glob("compile_cache_*.mindir"))
+    second, err = _own_process(
+        [*common, "--prompt-ids", "5,9,200,17,3", "--max-new-tokens", "6", "--verbose"], tmp_path
+    )
+    assert "Use the compilation cache" in err  # MindSpore loaded the graph instead of compiling it
+    assert [p.name for p in (cache / ms.__version__).iterdir()] == [folders[0].name]
+    assert first["mode"] == second["mode"] == "graph"
+    assert first["ids"] == generate(lite_model, [63, 167, 89], 4, eos_ids=()).ids
+    assert second["ids"] == generate(lite_model, [5, 9, 200, 17, 3], 6, eos_ids=()).ids
+    _own_process([*common, "--prompt-ids", "63,167,89", "--max-new-tokens", "20"], tmp_path)  # 23 tokens: 32 rows
+    assert len(list((cache / ms.__version__).iterdir())) == 2

@@ -218,3 +218,76 @@ def test_bad_calls_raise_user_error(call, message):
     with pytest.raises(UserError) as err:
         generate(model, kwargs.pop("prompt_ids"), kwargs.pop("max_new_tokens"), **kwargs)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("variant", ["v2", "lite", "lite int8"])
+def test_one_token_moe_path_equals_the_dispatch_path(variant):
+    """A decode step's MoE (the chosen experts' weights gathered) computes what the capacity dispatch does,
+    on stacked float weights and on a quantised stack (its rows dequantised)."""
+    if variant.endswith("int8"):
+        from ms_deepseek.config.quant import QuantSpec
+        from ms_deepseek.model.quant import quantize_model
+
+        model = DeepseekV2ForCausalLM.from_pretrained(FIXTURES_DIR / "lite", show_progress=False)
+        assert quantize_model(model, QuantSpec(bits=8)) > 0
+    else:
+        model, _ = _load(variant)
+    moe = next(layer.mlp for layer in model.model.layers if layer.is_moe)
+    assert type(moe.experts.gate_proj).__name__ == ("QuantStackedWeight" if "int8" in variant else "StackedWeight")
+    model.set_train(False)
+    x = Tensor(np.random.default_rng(0).normal(size=(2, 1, model.config.hidden_size)).astype(np.float32))
+    assert moe.one_token_fits(x) and not moe.one_token_fits(ms.ops.concat((x, x), 1))  # one token per row
+    np.testing.assert_allclose(moe.one_token(x).asnumpy(), moe(x)[0].asnumpy(), atol=1e-6)
+    model.set_train(True)
+    try:
+        assert not moe.one_token_fits(x)  # training keeps the capacity dispatch and its balance losses
+    finally:
+        model.set_train(False)
+
+
+def test_long_prompt_bucketed_prefill_in_graph_mode():
+    """A prompt past STEPWISE_PROMPT goes through a prefill padded to its bucket; the ids equal PyNative's."""
+    from ms_deepseek.generate import STEPWISE_PROMPT, graph_shapes
+
+    model, _ = _load("lite")
+    cfg = model.config
+    assert graph_shapes(cfg, 1, 5, 6) == {"batch": 1, "prompt_rows": 0, "rows": 16}
+    assert graph_shapes(cfg, 1, STEPWISE_PROMPT + 1, 4)["prompt_rows"] == 128
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, STEPWISE_PROMPT + 6).tolist()
+    eager = generate(model, prompt, 4, eos_ids=(), use_cache=False)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        graph = generate(model, prompt, 4, eos_ids=())
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert graph.mode == "graph" and graph.cache["buffer_rows"] == 128
+    assert graph.ids == eager.ids
+
+
+@pytest.mark.parametrize("kind", ["lora", "int8"])
+def test_decode_steps_use_kv_b_proj_as_the_layer_applies_it(kind):
+    """The absorbed decode step reads kv_b_proj's matrix itself: with a LoRA adapter on it (B A added) and with
+    a quantised base (dequantised) its logits still equal the full forward's."""
+    model = DeepseekV2ForCausalLM.from_pretrained(FIXTURES_DIR / "v2", show_progress=False)
+    if kind == "lora":
+        from ms_deepseek.config.lora import LoraSpec
+        from ms_deepseek.model.lora import add_adapters
+
+        add_adapters(model, LoraSpec(r=4, alpha=8, target_modules=["kv_b_proj"]))
+        rng = np.random.default_rng(0)
+        for name, p in model.parameters_and_names():
+            if "lora_B" in name:  # PEFT starts B at zero: a trained adapter is not
+                p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    else:
+        from ms_deepseek.config.quant import QuantSpec
+        from ms_deepseek.model.quant import quantize_model
+
+        quantize_model(model, QuantSpec(bits=8))
+    model.set_train(False)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 9).tolist()
+    full = model(Tensor([ids], ms.int32)).logits.asnumpy()[0]  # [9, V]
+    dec = CachedDecoder(model, batch_size=1, max_len=16)
+    dec(Tensor([ids[:3]], ms.int32), Tensor(0, ms.int32), True)
+    for pos in range(3, len(ids)):
+        logits = dec(Tensor([[ids[pos]]], ms.int32), Tensor(pos, ms.int32)).asnumpy()
+        np.testing.assert_allclose(logits[0], full[pos], atol=1e-4, err_msg=f"{kind}: decode logits at {pos}")
