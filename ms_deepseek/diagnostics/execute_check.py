@@ -55,7 +55,13 @@ from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import execute as ex
-from ms_deepseek.diagnostics.compile_check import Reduction, compile_environment, stage_layers_setting, wire_factor
+from ms_deepseek.diagnostics.compile_check import (
+    Reduction,
+    compile_environment,
+    layout_overrides,
+    stage_layers_setting,
+    wire_factor,
+)
 from ms_deepseek.parallel_plan import ranks
 from ms_deepseek.parallel_plan.planner import check_recipe_fits
 
@@ -164,7 +170,8 @@ def reduced_config(cfg, tp: int, ep: int, layers: int, world: int) -> Dict[str, 
 
 def _overrides(red: ExecReduction, weights: Path, recipe) -> List[str]:
 
-    sets = [f"parallel.{k}={v}" for k, v in red.layout.items()]
+    # the parallel section as loaded (plan's --dp / --no-vocab-parallel / ... applied), then the reduced degrees
+    sets = layout_overrides(recipe.parallel) + [f"parallel.{k}={v}" for k, v in red.layout.items()]
     sets += [
         "parallel.expert_placement=null",
         stage_layers_setting(red.stage_layers),

@@ -1,9 +1,10 @@
 """Mistakes MindSpore's compiler accepts and ``plan --execute`` refuses.
 
-Each case plants one mistake in the product's sharded path and runs ``ms-deepseek plan --recipe R --execute``
-on a small layout: the compile still succeeds on every rank (the mistake is not a layout error), and the
-comparison of the executed ranks with one device names the step, rank and tensor where they part. Without
-a plant the same layout agrees (the first case), so each failure is the plant's.
+Each case plants one mistake in the product's sharded path and runs ``ms-deepseek plan --recipe R --execute``:
+the compile still succeeds on every rank (the mistake is not a layout error), and the comparison of the executed
+ranks with one device names the step, rank and tensor where they part. Without a plant the same runs agree:
+``v2-lite-sft-8npu`` (dp2 ep2 with optimizer sharding, 2 accumulation steps, full recompute, flash attention)
+in tests/compile/test_execute_recipes.py, the tensor-parallel layout below in its own test.
 
 The plants reach the compile workers (separate processes) through a ``sitecustomize`` module on their
 ``PYTHONPATH``, active only under MindSpore's dry run (``MS_SIMULATION_LEVEL``): the one-device run stays the
@@ -16,27 +17,12 @@ import textwrap
 
 import pytest
 
-from builders import SMALL_MODEL, main_captured, write_recipe
+from builders import main_captured
+from repo_paths import RECIPES
 
-# dp2 ep2 with optimizer sharding and 2 accumulation steps: 2 ranks
-LAYOUT = {"dp": 2, "ep": 2, "optimizer_shard": True}
-# dp2 tp2 ep2 with the embedding and lm_head replicated: 4 ranks whose tp peers must read the same rows
-TP_LAYOUT = {"dp": 2, "tp": 2, "ep": 2, "vocab_parallel": False}
-
-
-def _recipe(tmp_path, parallel):
-    model = dict(SMALL_MODEL, num_attention_heads=4, num_key_value_heads=4)
-    return write_recipe(
-        tmp_path / "recipe",
-        {
-            "model": {"source": "tiny", "overrides": model},
-            "data": {"seq_len": 32, "embedded_vocab_size": 512},
-            "train": {"steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "seed": 5},
-            "optim": {"lr": 2e-3, "warmup_steps": 1},
-            "parallel": parallel,
-            "logging": {"tensorboard": False},
-        },
-    )
+RECIPE = RECIPES / "v2-lite-sft-8npu.yaml"
+# two tensor-parallel peers, the embedding and lm_head replicated (the vocabulary split is another test's)
+TP_LAYOUT = ["--dp", "1", "--tp", "2", "--ep", "1", "--no-vocab-parallel"]
 
 
 PRELUDE = """
@@ -96,25 +82,19 @@ PLANTS = {
 }
 
 
-def _execute(tmp_path, monkeypatch, parallel, plant=None):
+def _execute(tmp_path, monkeypatch, plant=None, layout=()):
     if plant is not None:
         folder = tmp_path / "plant"
-        folder.mkdir()
+        folder.mkdir(parents=True)
         (folder / "sitecustomize.py").write_text(PRELUDE + textwrap.dedent(PLANTS[plant]).replace("\n", "\n    "))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
-    code, out, _ = main_captured(["plan", "--recipe", str(_recipe(tmp_path, parallel)), "--execute", "--json"])
+    code, out, _ = main_captured(["plan", "--recipe", str(RECIPE), *layout, "--execute", "--json"])
     return code, json.loads(out)
-
-
-def test_the_layout_agrees_without_a_plant(tmp_path, monkeypatch):
-    code, report = _execute(tmp_path, monkeypatch, LAYOUT)
-    assert code == 0 and report["agrees"], json.dumps(report, indent=1)[:3000]
-    assert report["compared"] > 0 and len(report["loss"]) == 2
 
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_a_planted_mistake_compiles_and_is_refused(tmp_path, monkeypatch, plant):
-    code, report = _execute(tmp_path, monkeypatch, LAYOUT, plant)
+    code, report = _execute(tmp_path, monkeypatch, plant)
     assert code == 1 and not report["agrees"], json.dumps(report, indent=1)[:3000]
     assert not report["error"], report["error"]  # every rank compiled and ran: the comparison refused it
     failure = report["first_failure"]
@@ -126,11 +106,11 @@ def test_tp_peers_reading_different_rows_are_refused(tmp_path, monkeypatch):
     under tp) has every rank of a stage read the same ones."""
     from ms_deepseek.parallel_plan import ranks
 
-    code, report = _execute(tmp_path, monkeypatch, TP_LAYOUT)
+    code, report = _execute(tmp_path, monkeypatch, layout=TP_LAYOUT)
     assert code == 0 and report["agrees"], json.dumps(report, indent=1)[:3000]
     coordinates = ranks.data_coordinates
     monkeypatch.setattr(
         ranks, "data_coordinates", lambda rank, par, mb: (rank % par.tp, par.tp, coordinates(rank, par, mb)[2])
     )
-    code, report = _execute(tmp_path / "planted", monkeypatch, TP_LAYOUT)
+    code, report = _execute(tmp_path, monkeypatch, layout=TP_LAYOUT)
     assert code == 1 and report["first_failure"] is not None, json.dumps(report, indent=1)[:3000]
