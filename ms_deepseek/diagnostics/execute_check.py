@@ -630,7 +630,9 @@ def _communication(report: ExecReport, stats) -> None:
             entry = report.comm.setdefault(key, {"count": 0, "mb": 0.0, "wire_mb": 0.0})
             entry["count"] += c.count
             entry["mb"] = round(entry["mb"] + c.bytes / 2**20, 4)
-            entry["wire_mb"] = round(entry["wire_mb"] + c.bytes * wire_factor(kind, len(group)) / 2**20, 4)
+            # a point-to-point Send moves all its bytes (its Receive none); collectives by the ring's factor
+            factor = {"Send": 1.0, "Receive": 0.0}.get(kind, wire_factor(kind, len(group)))
+            entry["wire_mb"] = round(entry["wire_mb"] + c.bytes * factor / 2**20, 4)
         report.operators = {r: s.operators for r, s in stats.items()}
 
 
