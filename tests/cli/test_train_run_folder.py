@@ -160,17 +160,18 @@ def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
 
     recipe, run = _recipe(tmp_path, steps=100000, save_interval=2), tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    a_log = open(tmp_path / "a.log", "w")  # a file, not a pipe nobody drains while A trains
     a = subprocess.Popen(
         [sys.executable, "-m", "ms_deepseek.cli", "train", str(recipe), "--output", str(run), "--quiet"],
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=a_log,
+        stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         while not (run / "checkpoints" / "step_00000002").is_dir():
-            assert a.poll() is None and time.monotonic() < deadline, a.stderr.read() if a.poll() is not None else "slow"
+            assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.5)
         before = sorted(p.name for p in run.iterdir())
         # --max-steps: without the lease B trained beside A (and this test ends)
@@ -184,6 +185,7 @@ def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
     finally:
         a.send_signal(signal.SIGKILL)
         a.wait()
+        a_log.close()
     assert (run / ".lease").is_file()  # a killed holder leaves its lease: taken over (its pid is gone)
     code, out, err = run_cli(capsys, ["train", recipe, "--output", run, "--quiet", "--resume", "--max-steps", "1"])
     assert code == 0, err

@@ -56,6 +56,7 @@ HIDDEN = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(HIDDEN))
 def test_every_degree_above_one_executes_like_one_device(tmp_path, name):
     spec = HIDDEN[name]
