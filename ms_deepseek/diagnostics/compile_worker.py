@@ -182,7 +182,7 @@ class CompileOnlyTrainer(Trainer):
         the weights folder as a sharded run does before step 1 (``parallelism.Sharded.prepare_restore``: the
         optimizer's cut from the compiled layouts, ``converter.load_slices``), initialises what the trainer
         leaves to MindSpore (optimizer moments, accumulation buffers, counters: ``Cell.init_parameters_data``)
-        and writes ``train.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: design.md section 9),
+        and writes ``program.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: design.md section 9),
         ``values.safetensors`` (every parameter of the graph, as this rank holds it before step 1) and
         ``program.json`` (each parameter's compiled layout and optimizer-shard part)."""
         from mindspore import Tensor
@@ -195,7 +195,7 @@ class CompileOnlyTrainer(Trainer):
         zeros = Tensor(np.zeros(shape, np.int32))
         exec_id, _ = _cell_graph_executor.compile(self.step_cell, zeros, zeros, phase="train")
         program = _cell_graph_executor._get_func_graph_proto(self.step_cell, exec_id, "mind_ir")
-        (folder / "train.mindir").write_bytes(program)
+        (folder / "program.mindir").write_bytes(program)
         layouts = cc.compiled_layouts(self.step_cell) or {}
         parts = {}
         if self.par.optimizer_shard:

@@ -517,7 +517,7 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
     programs, envs, metas = [], [], []
     for rank in range(world):
         folder = work / "ranks" / f"rank_{rank:05d}"
-        program = ex.RankProgram.from_bytes(rank, (folder / "train.mindir").read_bytes())
+        program = ex.RankProgram.from_bytes(rank, (folder / "program.mindir").read_bytes())
         values = load_file(str(folder / "values.safetensors"))
         meta = json.loads((folder / "program.json").read_text())
         env = {g: Parameter(Tensor(values[name]), name=name) for g, name in program.parameters.items()}

@@ -81,13 +81,22 @@ def read_holder(run_dir) -> Optional[Holder]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie (killed, its parent gone without reaping it: a worker of a job that ended
+    after one of its workers died) answers ``kill(pid, 0)`` but holds nothing: its state in ``/proc/<pid>/stat``
+    is Z (proc(5))."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return pid > 0
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc here: kill's answer stands
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # the state follows the parenthesised command name
 
 
 def _create(path: Path, text: str) -> bool:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,26 @@ def test_a_dead_holder_on_this_host_is_taken_over_silently(tmp_path):
     finally:
         lease.release()
     assert not (run / LEASE_FILE).exists()
+
+
+def test_a_zombie_holder_is_dead(tmp_path):
+    """A holder killed but not reaped (a job's worker whose parent ended first) still answers kill(pid, 0): its
+    lease is taken over all the same (the msrun dead-worker test resumed into a folder held by such a zombie)."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.send_signal(signal.SIGKILL)
+        for _ in range(100):  # killed, not yet reaped by us: a zombie
+            if Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        run = tmp_path / "run"
+        _write_lease(run, lease_mod.host_name(), child.pid)
+        lease = RunLease.acquire(run, say=lambda line: None)
+        lease.release()
+    finally:
+        child.wait()
 
 
 def test_a_stale_heartbeat_or_take_over_takes_the_lease_with_a_line(tmp_path, monkeypatch):
