@@ -170,7 +170,8 @@ def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
     )
     try:
         deadline = time.monotonic() + 900
-        while not (run / "checkpoints" / "step_00000002").is_dir():
+        # any checkpoint: A trains tens of steps a second on an idle CPU, and keep_last prunes step 2 soon after
+        while not list((run / "checkpoints").glob("step_*")):
             assert a.poll() is None and time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.5)
         before = sorted(p.name for p in run.iterdir())
