@@ -42,7 +42,6 @@ import numpy as np
 from ms_deepseek.core.errors import UserError
 
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "_MicroStepAllGather")
-POINT_TO_POINT = ("Send", "Receive")
 
 
 class ExecutionError(UserError):
@@ -482,6 +481,7 @@ def run_ranks(
     rank, the graph's inputs and parameters by their graph names (Parameters for the parameters); each rank's
     computed values are added to its env."""
     import mindspore as ms
+    from mindspore import Tensor
 
     ms.runtime.launch_blocking()  # a kernel's error belongs to its node, not to a later host read
     kernels = kernels or Kernels()
@@ -540,8 +540,6 @@ def run_ranks(
                         continue
                     value = queue.pop(0)
                     _count(rank, node, world, None)
-                    from mindspore import Tensor
-
                     finish(rank, node, Tensor(value))
                 else:
                     finish(rank, node, _compute(rank.program, node, [rank.value(i) for i in node.inputs], kernels))
@@ -553,8 +551,6 @@ def run_ranks(
             group = key[0]
             first = members[group[0]].node
             outputs = _collective(first.op, first, [members[r].value for r in group])
-            from mindspore import Tensor
-
             for r, out in zip(group, outputs):
                 req = members[r]
                 rank = ranks[r]
