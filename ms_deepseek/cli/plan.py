@@ -608,13 +608,27 @@ def _compile(args, hw) -> int:
         eval_graph=not args.no_eval,
         progress=say,
     )
+    reduced = _reduced_plan(args, hw, reduction)
+    report.price_traffic(reduced.stage_comm_gb)
     if args.json:
         out = report.to_dict()
         out["planner"] = result.to_dict()
+        out["planner_reduced"] = reduced.to_dict()
         print(json.dumps(out, indent=2))
     else:
         print(cc.format_report(report))
     return 0 if report.ok else 1
+
+
+def _reduced_plan(args, hw, reduction):
+    """The planner's result for the reduced model a compile ran (its depth, stage cut and micro-batches)."""
+    saved = list(args.overrides)
+    try:
+        args.overrides = saved + reduction.overrides()
+        reduced, _, _ = _check_recipe(args, hw)
+    finally:
+        args.overrides = saved
+    return reduced
 
 
 def _execute(args, hw) -> int:
@@ -679,11 +693,7 @@ def _memory(args, hw, result, recipe, reduction, ranks, cann, say) -> int:
     ok, points = True, {}
     for layers in depths:
         red = dataclasses.replace(reduction, layers=layers)
-        try:  # the planner on the same reduced model
-            args.overrides = saved + red.overrides()
-            reduced, _, _ = _check_recipe(args, hw)
-        finally:
-            args.overrides = saved
+        reduced = _reduced_plan(args, hw, red)  # the planner on the same reduced model
         report = cc.compile_recipe(
             args.recipe,
             recipe,
@@ -871,7 +881,14 @@ def format_result(result) -> str:
     if result.eval_note:
         lines.append(f"  ({result.eval_note})")
     comm = result.comm_gb
-    lines.append("traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items()))
+    line = "traffic per NPU per step: " + ", ".join(f"{k} {v:.1f} GB" for k, v in comm.items())
+    needed = sum(result.comm_minimum_gb.values())
+    if needed > 0 and sum(comm.values()) > 1.0005 * needed:
+        line += (
+            f" ({sum(comm.values()) / needed:.3f} x the layout's minimum: a frozen embedding's gradient anchors "
+            "MindSpore's accumulation pass)"
+        )
+    lines.append(line)
     t = result.time_s
     lo, hi = result.tokens_per_s_range
     sec = lambda x: f"{x:.1f}" if x >= 10 else f"{x:.3g}"  # noqa: E731

@@ -36,23 +36,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics import traffic
+from ms_deepseek.diagnostics.traffic import ITEMSIZE
 
 # a full-width compile of one rank takes ~1-3 minutes here; a hung compile is stopped
 WORKER_TIMEOUT_S = 1800
-COMM_KINDS = (
-    "AlltoAll",
-    "AlltoAllV",
-    "AllGather",
-    "AllReduce",
-    "ReduceScatter",
-    "Send",
-    "Receive",
-    "Broadcast",
-    "_MicroStepAllGather",
-    "_MirrorOperator",
-    "_MirrorMicroStepOperator",
-)
-_ITEMSIZE = {"Float32": 4, "Float16": 2, "BFloat16": 2, "Int32": 4, "Int64": 8, "Int8": 1, "UInt8": 1, "Bool": 1}
 
 
 # ---------------------------------------------------------------------------------- rank choice
@@ -182,56 +170,6 @@ def layout_overrides(par) -> List[str]:
 
 
 # ------------------------------------------------------------------------------- the IR's comm
-def communication_from_ir(path: Path) -> Dict[str, Dict[str, float]]:
-    """kind -> {count, mb, wire_mb}: the communication operators of one IR file (``20_validate_*.ir``:
-    after MindSpore's passes, with this rank's slice shapes), the MiB of their inputs, and the MiB this
-    rank sends on a ring for them (:func:`wire_factor`, from each operator's group size)."""
-    out: Dict[str, Dict[str, float]] = {}
-    pattern = re.compile(r"= (" + "|".join(sorted(COMM_KINDS, key=len, reverse=True)) + r")\(")
-    lines = path.read_text(errors="replace").splitlines()
-    for i, line in enumerate(lines):
-        m = pattern.search(line)
-        if not m:
-            continue
-        kind = m.group(1)
-        entry = out.setdefault(kind, {"count": 0, "mb": 0.0, "wire_mb": 0.0})
-        entry["count"] += 1
-        shapes = lines[i + 1] if i + 1 < len(lines) else ""
-        t = re.search(r"\(<Tensor\[(\w+)\], \(([\d, ]*)\)>", shapes)
-        if t:
-            n = 1
-            for d in t.group(2).split(","):
-                if d.strip():
-                    n *= int(d)
-            mb = n * _ITEMSIZE.get(t.group(1), 4) / 2**20
-            entry["mb"] += mb
-            entry["wire_mb"] += mb * wire_factor(kind, _group_size(line))
-    for entry in out.values():
-        entry["mb"] = round(entry["mb"], 1)
-        entry["wire_mb"] = round(entry["wire_mb"], 1)
-    return out
-
-
-def _group_size(line: str) -> int:
-    m = re.search(r"rank_size: I64\((\d+)\)", line) or re.search(r"split_count: I64\((\d+)\)", line)
-    if m:
-        return int(m.group(1))
-    m = re.search(r"rank_list: \(([\d, ]*)\)", line)
-    return len([x for x in m.group(1).split(",") if x.strip()]) if m else 1
-
-
-def wire_factor(kind: str, n: int) -> float:
-    """Bytes one rank sends on a ring per input byte: AllGather (n-1) (its slice to every other rank),
-    ReduceScatter and AlltoAll (n-1)/n, AllReduce 2(n-1)/n; the planner counts the same way."""
-    if n <= 1:
-        return 0.0
-    if "AllGather" in kind:
-        return float(n - 1)
-    if kind == "AllReduce" or "Mirror" in kind:
-        return 2.0 * (n - 1) / n
-    return (n - 1) / n
-
-
 # A constant at least this large in the compiled graph is a defect: an activation-shaped tensor the
 # compiler folded (e.g. ``ops.zeros`` of a [B, nh, T, 64] pad, whose shape is static) is held in host
 # memory through the compile and on the device all run. The model's real constants are far smaller
@@ -249,7 +187,7 @@ def large_constants(path: Path, limit_mb: float = LARGE_CONSTANT_MB) -> List[Dic
     out = []
     for (dims, dtype), uses in found.items():
         shape = [int(d) for d in dims.split(",") if d.strip()]
-        mb = math.prod(shape) * _ITEMSIZE.get(dtype, 4) / 2**20
+        mb = math.prod(shape) * ITEMSIZE.get(dtype, 4) / 2**20
         if mb >= limit_mb:
             out.append({"shape": shape, "dtype": dtype, "mb": round(mb, 1), "uses": uses})
     return sorted(out, key=lambda c: -c["mb"])
@@ -469,11 +407,13 @@ def run_rank(
     timeout: float = WORKER_TIMEOUT_S,
     memory: bool = False,
     heads: Optional[HeadShape] = None,
+    par=None,
 ) -> RankResult:
     """Compile one rank in its own process; its folder under ``work`` holds request, log and result. With
     ``memory`` the process runs at ``MS_SIMULATION_LEVEL=1``: the step runs once without kernels and
     ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`).
-    ``heads``: the attention's per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`)."""
+    ``heads``: the attention's per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`).
+    ``par``: the layout, to sort each communication operator to the axis it serves (``traffic.by_axis``)."""
     folder = work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
@@ -528,7 +468,10 @@ def run_rank(
         return result
     compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
     for name, path in zip(compiled, _ir_files(ir_dir)):
-        result.graphs[name]["communication"] = communication_from_ir(path)
+        ops = traffic.read_ops(path)
+        result.graphs[name]["communication"] = traffic.by_kind(ops)
+        if par is not None:
+            result.graphs[name]["traffic"] = traffic.by_axis(ops, rank, par)
         constants = large_constants(path)
         if constants:
             big = constants[0]
@@ -583,6 +526,21 @@ class CompileReport:
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.ranks)
+
+    def price_traffic(self, stage_comm_gb: List[Dict[str, float]]) -> None:
+        """Set each compiled training step's traffic beside the planner's for the rank's stage (the planner run on
+        the same reduced model: ``stage_communication_gb_per_step``), as ``traffic_vs_planner``."""
+        for r in self.ranks:
+            train = r.graphs.get("train", {})
+            if train.get("ok") and "traffic" in train and stage_comm_gb:
+                stage = min(r.stage or 0, len(stage_comm_gb) - 1)
+                train["traffic_vs_planner"] = traffic.against_planner(train["traffic"], stage_comm_gb[stage])
+
+    @property
+    def traffic_agrees(self) -> bool:
+        """Whether the planner prices every compiled step's traffic within ``traffic.TOLERANCE`` per axis."""
+        rows = [row for r in self.ranks for row in r.graphs.get("train", {}).get("traffic_vs_planner", [])]
+        return all(row["ok"] for row in rows)
 
     def to_dict(self) -> Dict:
         return {
@@ -645,7 +603,9 @@ def compile_recipe(
                     f"{reduction.describe()} ..."
                 )
             results.append(
-                run_rank(recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory, heads=heads)
+                run_rank(
+                    recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory, heads=heads, par=par
+                )
             )
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
@@ -678,7 +638,9 @@ def format_report(report: CompileReport) -> str:
                     f"{head} {name}: compiled in {g.get('seconds', 0):.0f} s, peak host memory "
                     f"{g.get('peak_rss_mb', 0) / 1024:.1f} GB" + (f"; {check}" if check else "")
                 )
-                if "communication" in g:
+                if "traffic_vs_planner" in g:
+                    lines += traffic.format_axes(g["traffic"], g["traffic_vs_planner"], "      ")
+                elif "communication" in g:
                     lines.append(f"      communication per step: {_comm_text(g['communication'])}")
                 if "global_norm_allreduce" in g:
                     lines.append(
@@ -697,5 +659,10 @@ def format_report(report: CompileReport) -> str:
                     lines.append(f"      log: {r.log}")
             head = " " * len(head)
     lines.append("all compiled; the layouts match the plan" if report.ok else "not compiled: see above")
+    if report.ok and not report.traffic_agrees:
+        lines.append(
+            f"  the planner's traffic differs from the compiled step's by more than {traffic.TOLERANCE:.0%} (marked "
+            "above): its step time and tokens/s do not describe this program"
+        )
     lines.append("  (a compile does not prove kernels, HCCL, device memory at run time or speed)")
     return "\n".join(lines)

@@ -60,8 +60,8 @@ from ms_deepseek.diagnostics.compile_check import (
     compile_environment,
     layout_overrides,
     stage_layers_setting,
-    wire_factor,
 )
+from ms_deepseek.diagnostics.traffic import wire_factor
 from ms_deepseek.parallel_plan import ranks
 from ms_deepseek.parallel_plan.planner import check_recipe_fits
 
@@ -622,7 +622,7 @@ def _note(report: ExecReport, diff: Difference, tolerance: float) -> None:
 
 def _communication(report: ExecReport, stats) -> None:
     """Per kind and group: collectives and MiB per step, summed over the group's members' inputs, and the MiB each
-    member sends on a ring for them (``compile_check.wire_factor``, the planner's counting)."""
+    member sends on a ring for them (``traffic.wire_factor``, the planner's counting)."""
 
     for rank_stats in stats.values():
         for (kind, group), c in rank_stats.comm.items():

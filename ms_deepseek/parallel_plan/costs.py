@@ -264,11 +264,22 @@ def param_bytes(
         # own dtype (the Gather reads the table, the cast comes after): MindSpore's level-1 dump of
         # v2-lite-sft-8npu held its AllGather output, [102400, 2048] float32, through the micro-step.
         if group > 1:
-            gathered_bytes = size if info.name.startswith("model.embed_tokens") else precision.compute_bytes
-            slot["copies"] += local * gathered_bytes
+            slot["copies"] += local * gathered_bytes(info, precision)
         elif size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
             slot["casts"] += local * precision.compute_bytes
     return out
+
+
+def gathered_bytes(info: ParamInfo, precision: Precision) -> int:
+    """Bytes per element of an optimizer-sharded parameter as MindSpore's parallel optimizer all-gathers it: after
+    the parameter's cast to the compute dtype, which MindSpore moves ahead of the gather (the compiled IR reads
+    ``AllGather(Cast(param))``: ``frontend/parallel/pass/optimize_parallel_allgather_comm.cc``), except for the tables
+    read in their own dtype: the embedding (its ``Gather`` reads the table, the cast comes after) and the router
+    (``model/router.py`` scores in float32)."""
+    size = itemsize(info.dtype)
+    if info.name.startswith("model.embed_tokens") or info.name.endswith("mlp.gate.weight"):
+        return size
+    return min(size, precision.compute_bytes)
 
 
 # What the quantized layers hold per scale element (model/quant.py, QuantLinear / QuantStackedWeight):

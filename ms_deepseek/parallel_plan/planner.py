@@ -27,7 +27,15 @@ from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan import costs
 from ms_deepseek.parallel_plan.costs import GB, Hardware, Precision, StageMemory, Workload
-from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, parameter_inventory, shard_numel, stage_of_param
+from ms_deepseek.parallel_plan.plan import (
+    Mesh,
+    Plan,
+    layer_stages,
+    optimizer_shard_group,
+    parameter_inventory,
+    shard_numel,
+    stage_of_param,
+)
 from ms_deepseek.parallel_plan.validate import layout_problems
 
 TP_CHOICES = (1, 2, 4, 8, 16)
@@ -42,7 +50,9 @@ class PlanResult:
     problems: List[str]
     stages: List[StageMemory] = field(default_factory=list)
     usable_gb: float = 0.0
-    comm_gb: Dict[str, float] = field(default_factory=dict)  # per NPU per step
+    comm_gb: Dict[str, float] = field(default_factory=dict)  # per NPU per step (the slowest stage's)
+    stage_comm_gb: List[Dict[str, float]] = field(default_factory=list)  # the same, for each pipeline stage
+    comm_minimum_gb: Dict[str, float] = field(default_factory=dict)  # what the layout itself needs (_time)
     time_s: Dict[str, float] = field(default_factory=dict)
     tokens_per_s_per_npu: float = 0.0  # the low end (costs.LOW): the estimate
     tokens_per_s_range: Tuple[float, float] = (0.0, 0.0)  # (low, high) efficiency ends
@@ -97,6 +107,8 @@ class PlanResult:
             "memory_gb": memory,
             "stage_memory_gb": [dict(s.gb(), stage=s.stage, layers=s.layers) for s in self.stages],
             "communication_gb_per_step": {k: round(v, 3) for k, v in self.comm_gb.items()},
+            "stage_communication_gb_per_step": [{k: round(v, 4) for k, v in s.items()} for s in self.stage_comm_gb],
+            "communication_minimum_gb_per_step": {k: round(v, 3) for k, v in self.comm_minimum_gb.items()},
             "time_s": {k: round(v, 4) for k, v in self.time_s.items()},
             "bubble_fraction": round(self.bubble_fraction, 4),
             "tokens_per_s_per_npu": round(self.tokens_per_s_per_npu, 2),
@@ -201,7 +213,9 @@ def _speed(
     micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)  # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
     traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
-    dp_bytes, dp_seconds = _dp_sync(cfg, p, precision, hw, plan, inventory)  # at nominal bandwidth
+    dp_per_stage = _dp_sync(cfg, p, precision, hw, plan, inventory, result.grad_accumulation)  # nominal bandwidth
+    worst_dp = max(range(p.pp), key=lambda s: dp_per_stage[s][1])  # the stage whose synchronisation takes longest
+    dp_bytes, dp_seconds = dp_per_stage[worst_dp]
     worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
     t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
     tokens = w.global_batch_size * w.seq_len
@@ -242,12 +256,13 @@ def _speed(
         "optimizer": t_opt,
     }
     slowest = low["slowest"]
-    result.comm_gb = {
-        "tp_allreduce": slowest["tp"] * micro_total / GB,
-        "ep_alltoall": slowest["ep"] * micro_total / GB,
-        "dp_sync": dp_bytes / GB,
-        "pp_p2p": slowest["pp"] * micro_total / GB,
-    }
+    result.comm_gb = _comm_gb(slowest, dp_bytes, micro_total)
+    result.stage_comm_gb = [_comm_gb(st, dp, micro_total) for st, (dp, _) in zip(traffic, dp_per_stage)]
+    # The layout's minimum: every collective of the layout once per pass that runs it (forward, backward, and the
+    # forward's replay under full recompute, which MindSpore replays with the layer), the gradients and parameters
+    # synchronised once per step, and nothing else (no anchor gradient for a frozen embedding).
+    dp_needed, _ = _dp_sync(cfg, p, precision, hw, plan, inventory)[worst_dp]
+    result.comm_minimum_gb = _comm_gb(slowest, dp_needed, micro_total)
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
     flops_per_token = costs.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
@@ -293,21 +308,27 @@ def _stage_traffic(
                 tp_b += 3 * 2 * (p.tp - 1) / p.tp * n * 4
         if s == 0 and p.tp > 1 and p.vocab_parallel:
             tp_b += 2 * 2 * (p.tp - 1) / p.tp * n * cfg.hidden_size * c  # embedding all-reduce, fwd + bwd
-        pp_b = 0.0
+        pp_b = pp_sent = 0.0
         if p.pp > 1:
             sp = p.tp if p.sequence_parallel else 1
-            pp_b = 2 * n * cfg.hidden_size * c / sp * (2 if 0 < s < p.pp - 1 else 1)
-        out.append(dict(flops=flops, tp=tp_b, ep=ep_b, pp=pp_b, bw_tp=bw_tp, bw_ep=bw_ep, bw_pp=bw_pp))
+            # a stage sends its hidden state forward and its input's gradient back (the first stage only the
+            # former, the last only the latter); its time counts what it sends and receives
+            pp_sent = n * cfg.hidden_size * c / sp * (2 if 0 < s < p.pp - 1 else 1)
+            pp_b = 2 * pp_sent
+        out.append(dict(flops=flops, tp=tp_b, ep=ep_b, pp=pp_b, pp_sent=pp_sent, bw_tp=bw_tp, bw_ep=bw_ep, bw_pp=bw_pp))
     return out
 
 
-def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory):
+def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory, accum_steps: int = 1):
+    """Per pipeline stage, (bytes one NPU sends, seconds at nominal bandwidth) of its gradient and parameter
+    synchronisation per step. A frozen embedding under MindSpore's accumulation pass counts too: its gradient is taken to anchor the
+    pass (train/step.py build_step) and all-reduced over its replicas once per step before it is dropped."""
     mesh = Mesh.from_parallel(p)
     stages = layer_stages(cfg.num_hidden_layers, p.pp, p.stage_layers)
-    worst_bytes = worst_time = 0.0
     per_stage = [[0.0, 0.0] for _ in range(p.pp)]
+    anchored = p.pp == 1 and p.accumulation_pass(accum_steps)
     for info in inventory:
-        if not info.trainable:
+        if not info.trainable and not (anchored and info.name.startswith("model.embed_tokens")):
             continue
         layout = costs.param_layout(plan, info.name, mesh)
         split = 1
@@ -316,18 +337,37 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
         group = mesh.stage_devices // split
         if group <= 1:
             continue
-        size = shard_numel(info.shape, layout) * (precision.grad_bytes or itemsize(info.dtype))
-        sent = 2 * (group - 1) / group * size
+        local = shard_numel(info.shape, layout)
+        grad = local * (precision.grad_bytes or itemsize(info.dtype))
+        if (
+            p.optimizer_shard
+            and info.trainable
+            and optimizer_shard_group(info.shape, layout, mesh.stage_devices, itemsize(info.dtype)) > 1
+        ):
+            # once per step: the accumulated gradient reduce-scattered, the updated slice gathered for the next
+            # forward (in the dtype it is gathered in: costs.gathered_bytes); gradient_accumulation_shard off
+            # (parallel_apply/apply.py context_kwargs) keeps both out of the micro-batches
+            sent = (group - 1) / group * (grad + local * costs.gathered_bytes(info, precision))
+        else:
+            sent = 2 * (group - 1) / group * grad  # an all-reduce of the gradient
         # Replicas of a tp-split slice sit tp apart; fully replicated ones span the whole stage.
         stride = p.tp if split > 1 or p.tp == 1 else 1
         bw = costs.group_bandwidth(group, stride, hw)
         s = stage_of_param(info, p.pp, stages)
         per_stage[s][0] += sent
         per_stage[s][1] += sent / bw
-    for sent, t in per_stage:
-        if t > worst_time:
-            worst_bytes, worst_time = sent, t
-    return worst_bytes, worst_time
+    return [(sent, t) for sent, t in per_stage]
+
+
+def _comm_gb(stage: Dict[str, float], dp_bytes: float, micro_total: int) -> Dict[str, float]:
+    """GB one NPU of a stage sends per step, per kind: its per-micro-batch tp / ep / pp traffic times the
+    micro-batches of a step, and its gradient / parameter synchronisation."""
+    return {
+        "tp_allreduce": stage["tp"] * micro_total / GB,
+        "ep_alltoall": stage["ep"] * micro_total / GB,
+        "dp_sync": dp_bytes / GB,
+        "pp_p2p": stage["pp_sent"] * micro_total / GB,
+    }
 
 
 # ------------------------------------------------------------------------- calibration

@@ -507,7 +507,12 @@ def test_lora_v2_lite_one_node_fits_and_needs_less_than_full():
     embedding_gb = cfg.vocab_size * cfg.hidden_size * 2 / 1024**3
     assert lo["gradients"] - embedding_gb < 0.05 * fu["gradients"] and lo["optimizer"] < 0.05 * fu["optimizer"]
     assert best.peak_gb < full.peak_gb - 15
-    assert best.comm_gb["dp_sync"] < 0.05 * full.comm_gb["dp_sync"]  # only adapter gradients sync
+    # only the adapters' gradients are the layout's to synchronise; the anchoring embedding gradient is all-reduced
+    # once per step over the dp replicas (2 (dp-1)/dp of it, as MindSpore compiles it: tests/compile)
+    dp = best.layout.dp
+    anchor_gb = 2 * (dp - 1) / dp * embedding_gb
+    assert best.comm_minimum_gb["dp_sync"] < 0.05 * full.comm_gb["dp_sync"]
+    assert abs(best.comm_gb["dp_sync"] - best.comm_minimum_gb["dp_sync"] - anchor_gb) < 1e-3 * anchor_gb
     assert best.tokens_per_s_per_npu > full.tokens_per_s_per_npu  # no base weight gradients
 
 
