@@ -174,7 +174,7 @@ def anchors(text: str) -> List[Tuple[int, Optional[Tuple[str, ...]]]]:
         out.append((m.start(), command_args(m.group(1))))
     # a recipe path inside a command is the command's, not an anchor of its own
     commands = [(m.start(), m.end()) for m in re.finditer(r"`ms-deepseek plan [^`]*`", text)]
-    out = [(p, a) for p, a in out if not any(s < p < e for s, e in commands) or text.startswith("`ms-", p)]
+    out = [(p, a) for p, a in out if not any(s < p < e for s, e in commands)]
     return sorted(out, key=lambda x: x[0])
 
 
