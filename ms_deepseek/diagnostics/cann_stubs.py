@@ -260,7 +260,8 @@ def stub_symbols(closure: Closure, defined_out: Optional[Set[str]] = None) -> Di
 
 # functions that return a C++ object by value: the caller passes the result's address (x86-64: first
 # argument; AArch64: x8) and reads the object after the call; a stub must hand back a zeroed object
-# (ge::Operator, 24 bytes: graph/operator.h of CANN's metadef; a non-zeroed one segfaults level 1)
+# (ge::Operator, 24 bytes; a stub that leaves it unset segfaults level 1: docs/measurements.md, "MindSpore's dry run
+# on a CPU host")
 BY_VALUE = {
     "_ZN2ge15OperatorFactory14CreateOperatorEPKcS2_": 24,
     "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,

@@ -10,7 +10,7 @@ cannot hold fails then, not an hour later) and the pool may grow up to the cap.
 ``parallel.memory_headroom_gb`` is the margin the estimate should leave below the cap: less
 than that is reported (``tight``) and logged as a warning, not enforced.
 
-On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (MindSpore's CPU backend has no device pool): the
+On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (MindSpore 2.9.0): the
 sizes are still computed and returned, and :func:`memory_metrics` reports zeros.
 """
 
