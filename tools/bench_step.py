@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training-step benchmark against the design's CPU anchors (design.md section 1).
+"""Training-step benchmark against the CPU anchors of docs/measurements.md ("Training step on CPU").
 
     python tools/bench_step.py                                    # the full table (about 10 minutes on 2 cores)
     python tools/bench_step.py --quick                            # fewer steps, no breakdown

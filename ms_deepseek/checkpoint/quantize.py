@@ -212,7 +212,7 @@ def quantize_sharded(
     validate_layout(parallel, cfg)
     view = QuantizedView(opened.model, cfg, spec)
     dtypes = {i.name: opened.model.dtype(i.name) for i in checkpoint_inventory(cfg)}
-    # each distinct slice once, in its owner's folder, as write_sharded does (issue 21, defect 9)
+    # each distinct slice once, in its owner's folder, as write_sharded does
     layout = build_layout(cfg, parallel, dtypes=dtypes, quant=spec).storing_distinct()
     check_destination(src, dst, overwrite)
     kinds = {"model_quant_type": f"W{bits}A16"}

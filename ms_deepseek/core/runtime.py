@@ -93,15 +93,15 @@ def quiet_defaults(verbose: bool = False) -> None:
 # once: the default of MS_DEV_SIDE_EFFECT_LOAD_ELIM ("1") copies every Load of a parameter whose ref key appears
 # in more than one Load (mindspore/ccsrc/pipeline/jit/ps/static_analysis/order_enforce.cc,
 # OrderEnforcer::GetSpecialLoads). The float32 update of weights stored in another dtype reads each weight a second
-# time (train/optim.py AdamW._composite), so every such weight was copied at the start of the step and the copy held
-# until the last backward: 1.15 GiB on v2-sft-64npu's rank 0 at 16 layers, ~7 GB at 60 (level 1, docs/planner.md).
+# time (train/optim.py AdamW._composite), so under the default every such weight is copied at the start of the step
+# and the copy held until the last backward (MindSpore's level-1 accounting of v2-sft-64npu: docs/measurements.md).
 # "3" inserts none (OrderEnforcer::Run returns before GetNeedInsertLoads); MindFormers sets it for its large
 # models (its llama2-70b and telechat-115b instructions). It is exact for our step: a copy is needed only when a
 # value read before a write is used after it, and every read of a weight in the step precedes its update
 # (OrderEnforcer::HandleUpdateState orders a Load's users before the next side effect on the parameter, in every
 # mode). tests/unit/train/test_weight_load_copies.py runs the pipeline step and the trainer in both modes: bit for
 # bit the same. "2" copies only where one node takes two reads of a parameter, but its check (ReCheckUsersOfLoad)
-# kept a tp 2 / pp 2 toy of 8 layers compiling at level 1 past 7 CPU-minutes, where the default took 105 s.
+# made a tp 2 / pp 2 toy of 8 layers compile at level 1 several times longer than the default (docs/measurements.md).
 LOAD_COPIES_ENV = "MS_DEV_SIDE_EFFECT_LOAD_ELIM"
 NO_LOAD_COPIES = "3"
 
@@ -119,7 +119,7 @@ def skip_parameter_load_copies() -> str:
 # failed in `ms-deepseek train`; V2-Lite has 27, V2 60). Measured on MindSpore 2.9.0 with the small model:
 # 16 layers exceed 1000 and 20 layers compile under 2000, so a layer nests 60-100 calls; 120 per layer leaves a
 # margin (tests/unit/train/test_deep_model_compiles.py). The deeper recursion needs C++ stack: 16 layers
-# compiled in a 1 MB stack under MindSpore's dry run, so 60 layers stay within Linux's default 8 MB.
+# compiled in an eighth of Linux's default thread stack under MindSpore's dry run, so 60 layers stay within it.
 CALL_DEPTH_PER_LAYER = 120
 CALL_DEPTH_BASE = 1000  # MindSpore's default, for the embedding, the head, the loss and the optimizer
 

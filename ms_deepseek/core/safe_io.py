@@ -1,6 +1,6 @@
 """Reading and writing what a user hands us, so that bad input is one line, never a traceback.
 
-One place for the checks every command needs (issue 13, bad-input classes 5-10):
+One place for the checks every command needs:
 
 * :func:`json_loads` / :func:`yaml_load`: a document nested deeper than Python's
   parsers can recurse ends in ``RecursionError``; here it is a :class:`UserError`

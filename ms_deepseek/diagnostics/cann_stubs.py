@@ -5,7 +5,7 @@ under ``plugin/ascend/``) links against CANN libraries (``libge_runner.so``, ``l
 ``libascendcl.so``, ...). At ``MS_SIMULATION_LEVEL=0`` (compile only) none of their functions is
 called except a static registration at load (``ge::OperatorCreatorRegister``), so libraries that
 define every symbol the plugin needs, each returning 0, let the real parallel frontend run
-(``../shared/design.md`` section 8, measured on MindSpore 2.9.0).
+(docs/measurements.md, "MindSpore's dry run on a CPU host"; MindSpore 2.9.0).
 
 :func:`ensure_stubs` builds them once per MindSpore version, Python and machine into the user's
 cache folder, from the installed wheel itself:
@@ -24,8 +24,8 @@ Nothing is downloaded: gcc and readelf (binutils) do the work in a few seconds. 
 CANN (``ASCEND_HOME_PATH``) none of this is needed.
 
 ``ensure_stubs(level=1)`` builds a second folder for ``MS_SIMULATION_LEVEL=1`` (compile, then run one
-step without kernels and account its device memory), which needs three more things (design.md
-section 8, measured here):
+step without kernels and account its device memory), which needs three more things (docs/measurements.md,
+"MindSpore's dry run on a CPU host"):
 
 * a CANN tree MindSpore can find: it takes the file that defines ``aclrtMalloc`` (``dladdr``), cuts its
   path after the rightmost ``cann`` or ``latest`` and dlopen()s ``lib64/libascendcl.so``,
@@ -260,7 +260,8 @@ def stub_symbols(closure: Closure, defined_out: Optional[Set[str]] = None) -> Di
 
 # functions that return a C++ object by value: the caller passes the result's address (x86-64: first
 # argument; AArch64: x8) and reads the object after the call; a stub must hand back a zeroed object
-# (ge::Operator, 24 bytes: measured at level 1, design.md section 8)
+# (ge::Operator, 24 bytes; a stub that leaves it unset segfaults level 1: docs/measurements.md, "MindSpore's dry run
+# on a CPU host")
 BY_VALUE = {
     "_ZN2ge15OperatorFactory14CreateOperatorEPKcS2_": 24,
     "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,

@@ -123,18 +123,19 @@ def stage_layers_setting(split: Optional[List[int]]) -> str:
 def default_reduction(
     recipe, layers: Optional[int] = None, micro_batches: Optional[int] = None, moe_per_stage: int = 1
 ) -> Reduction:
-    """Depth and micro-batches that fit a 24 GB host. Depth: the first dense layers and ``moe_per_stage`` MoE
+    """Depth and micro-batches whose compile fits a small host (the CI machine's). Depth: the first dense layers and ``moe_per_stage`` MoE
     layers per pipeline stage (:attr:`Reduction.stage_layers`), at least two MoE layers (identical layers compile
     differently from one: a Reshape that sharding propagation could not cost once there were two MoE layers
     went unseen at one). The memory check asks for two per stage: with one MoE layer after the dense one, stage 0
-    of a pipeline peaked elsewhere than with two or more (level 1 of v2-lora-16npu, docs/planner.md).
+    of a pipeline peaked elsewhere than with two or more (level 1 of v2-lora-16npu, docs/measurements.md).
     Micro-batches: one per stage and one more with pipeline parallelism (1F1B needs one per
     stage; the one more gives every stage a forward after its first backward, the steady state of a recipe's
     many micro-batches: with exactly pp, stage 0's last forward came before its first backward, and MindSpore
     freed the forward-only blocks, such as an optimizer-sharded embedding's gathered table, before the backward
     peak that the recipe's steady state reaches with them), else two accumulation steps (the accumulation passes
     run, the graph stays small).
-    A compile's host memory grows with layers x micro-batches (design.md section 8)."""
+    A compile's host memory grows with layers x micro-batches (docs/measurements.md, "Host memory of the
+    compile check")."""
     cfg, par = recipe.model_config, recipe.parallel
     full_layers = cfg.num_hidden_layers
     dense = min(cfg.first_k_dense_replace, full_layers) if cfg.has_moe else 0
@@ -172,8 +173,9 @@ def layout_overrides(par) -> List[str]:
 # ------------------------------------------------------------------------------- the IR's comm
 # A constant at least this large in the compiled graph is a defect: an activation-shaped tensor the
 # compiler folded (e.g. ``ops.zeros`` of a [B, nh, T, 64] pad, whose shape is static) is held in host
-# memory through the compile and on the device all run. The model's real constants are far smaller
-# (the 2048 x 2048 causal mask: 4 MiB; a V2-Lite pad slice [1, 16, 4096, 64] bfloat16 is 8 MiB).
+# memory through the compile and on the device all run. The model's real constants are smaller than the
+# limit (the 2048 x 2048 uint8 causal mask) or as large as one micro-batch's V2-Lite pad slice
+# ([1, 16, 4096, 64] bfloat16), which sets it.
 LARGE_CONSTANT_MB = 8.0
 
 
@@ -313,8 +315,8 @@ def joined_recompute_regions(path: Path) -> List[Dict[str, object]]:
     """The recompute regions of one IR file that read more than one decoder layer's parameters
     (:func:`recompute_regions`). The plan recomputes each layer as its own segment (``parallel_apply.apply``); a
     region over several layers replays all of them at once, at the start of the backward, and holds each replay
-    until its own layer's backward. What joined them on the pipelines until 2026-12-04 was one operator on the
-    shared rotary table inside every layer (``model/rope.py`` RotaryEmbedding)."""
+    until its own layer's backward. One operator on a table shared by every layer (such as the rotary table,
+    ``model/rope.py`` RotaryEmbedding) is enough to join them."""
     return [{"region": k, "layers": v} for k, v in recompute_regions(path).items() if len(v) > 1]
 
 

@@ -17,7 +17,7 @@ step and the validation graph, checks the compiled parameter layouts against the
 ``MS_SIMULATION_LEVEL=0`` it never runs a step: under the dry run a compiled step returns placeholders.
 With ``"memory": true`` in the request (``plan --compile --memory``, ``MS_SIMULATION_LEVEL=1``) it calls the
 compiled step once, which MindSpore runs without kernels while accounting every device allocation (its
-peak is 0 if the step is only compiled: design.md section 8), and skips the validation graph; nothing is
+peak is 0 if the step is only compiled: docs/planner.md, "Against MindSpore's memory accounting"), and skips the validation graph; nothing is
 saved and the process ends after that step.
 """
 
@@ -182,7 +182,7 @@ class CompileOnlyTrainer(Trainer):
         the weights folder as a sharded run does before step 1 (``parallelism.Sharded.prepare_restore``: the
         optimizer's cut from the compiled layouts, ``converter.load_slices``), initialises what the trainer
         leaves to MindSpore (optimizer moments, accumulation buffers, counters: ``Cell.init_parameters_data``)
-        and writes ``program.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: design.md section 9),
+        and writes ``program.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: diagnostics/execute.py),
         ``values.safetensors`` (every parameter of the graph, as this rank holds it before step 1) and
         ``program.json`` (each parameter's compiled layout and optimizer-shard part)."""
         from mindspore import Tensor

@@ -19,7 +19,8 @@ STATUSES = (PASS, WARN, FAIL, SKIP)
 LEVELS = (1, 8, 16, 64)
 DEVICES_PER_NODE = 8  # Atlas 800T A2
 
-# Reference figures (design.md section 6): HCCS inside a node, RoCE across nodes.
+# Reference figures, the planner's defaults (parallel_plan/costs.py Hardware; docs/planner.md, "Anchors"):
+# HCCS inside a node, RoCE across nodes.
 HCCS_GBPS_PER_PEER = 56.0
 ROCE_GBPS_PER_NPU = 25.0
 

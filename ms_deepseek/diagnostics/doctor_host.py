@@ -278,7 +278,7 @@ def check_npu_health(ctx: DoctorContext) -> CheckResult:
     return failed(f"unhealthy: {text}", fix)
 
 
-HBM_BUSY_FRACTION = 0.15  # an idle 910B shows ~3.3 of 64 GB in use (driver reserve); more means a tenant
+HBM_BUSY_FRACTION = 0.15  # an idle 910B shows a few percent in use (driver reserve); more means a tenant
 
 
 @check("npu_memory", 1, "NPU HBM free before training")

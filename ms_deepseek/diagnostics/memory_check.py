@@ -1,8 +1,8 @@
 """``plan --recipe R --compile --memory``: MindSpore's own device-memory accounting beside the planner's.
 
 Under ``MS_SIMULATION_LEVEL=1`` the compile check's worker compiles the training step and calls it once;
-MindSpore runs it without kernels and accounts every allocation of its device memory pool (design.md
-section 8, MindSpore's "dry run" level 1). Two of its outputs are read here:
+MindSpore runs it without kernels and accounts every allocation of its device memory pool (MindSpore's
+"dry run" level 1; docs/planner.md, "Against MindSpore's memory accounting"). Two of its outputs are read here:
 
 * the pool's peak, printed when the process ends (``plugin/ascend/res_manager/mem_manager/
   ascend_dynamic_mem_adapter.cc`` ``AscendDynamicMemAdapter::DevMemStatistics``): "Used peak memory usage

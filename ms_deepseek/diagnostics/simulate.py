@@ -1,6 +1,7 @@
 """``plan --simulate``: check the parts of a sharded layout whose semantics are ours, on CPU.
 
-SEMI_AUTO_PARALLEL cannot compile on a CPU (docs: design.md section 7), so this module
+SEMI_AUTO_PARALLEL cannot compile on a CPU (MindSpore's parallel frontend, ``GetCommInfo``: "Invalid
+communication backend: CPU for semi_auto_parallel/auto_parallel mode"), so this module
 builds the recipe's model at reduced depth and width with the SAME parallel structure
 (:func:`small_config`: the dp / tp / ep / pp degrees, the experts, routing groups and
 top-k unchanged, heads / vocabulary / intermediate sizes kept divisible by tp, at least

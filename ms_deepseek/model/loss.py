@@ -16,8 +16,8 @@ the vocabulary axis is one MindSpore can split:
 
   - vocabulary not split (``tp == 1`` or ``vocab_parallel: false``; the default, and every shipped recipe
     but one): ``GatherD(logits, 1, labels)`` [N, 1], the logit of the label and nothing else. The
-    one-hot form built a [N, V] float32 tensor per micro-step for this (MindSpore's level-1 accounting of
-    ``v2-lite-sft-8npu``: 1.68 GB each at 4096 tokens x 102400, design.md section 8);
+    one-hot form builds a [N, V] float32 tensor per micro-step for this, which MindSpore's level-1
+    accounting holds through the backward (``plan --compile --memory``, docs/planner.md);
   - vocabulary split over tp (``split_vocab = True``, set by the plan's ``vocab_cross_entropy`` style):
     ``OneHot(labels)`` [N, V/tp] (each device builds its own vocabulary slice of it) times the logits,
     summed over V (a partial sum all-reduced). ``GatherD`` cannot split its gather axis (MindSpore

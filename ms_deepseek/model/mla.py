@@ -62,7 +62,7 @@ class MLAttention(nn.Cell):
         # Under a pipeline MindSpore compiles in ``semi_auto``, where an operation without a strategy splits its
         # first axis only (B = 1 per micro-batch): v2-sft-64npu's compiled graph gathered q and kv of all 128
         # heads onto each of its 8 tensor-parallel ranks, ran the transposes, slices and rotary there, and the
-        # slices' gradients at the global shape (0.7 GiB at the peak). MindFormers' MLA (parallel_core
+        # slices' gradients at the global shape, all alive at the peak. MindFormers' MLA (parallel_core
         # ``MLASelfAttention.shard_self_attn``) shards its split, tile and concat the same way.
         self.to_heads = ops.Transpose()  # [B, T, nh, d] -> [B, nh, T, d]
         self.from_heads = ops.Transpose()  # [B, nh, T, d] -> [B, T, nh, d]
@@ -109,8 +109,8 @@ class MLAttention(nn.Cell):
             self.fa_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), 1))
             # The zero columns that pad q/k/v to one head size are added at run time by PadV3 (parallel-aware:
             # MindSpore's ops_info/pad_info.h PadV3Info). A zeros constant of the padded shape is folded by the
-            # compiler at the graph's global batch ([B, nh, T, 64] bf16 per layer and micro-batch: 2.1 GB each
-            # for v2-pretrain-256npu's B = 32), held in host memory through the compile and on the device
+            # compiler at the graph's global batch ([B, nh, T, 64] bf16 per layer and micro-batch, B = 32 on
+            # v2-pretrain-256npu), held in host memory through the compile and on the device
             # after it; MindFormers' Tile of a small zero block is folded too (the compiler runs the Tile).
             self.pad_head_op = PadV3(mode="constant", paddings_contiguous=True)
             self.pad_value = Tensor(0.0, cdt)  # the kernels want the fill value in the padded tensor's dtype

@@ -239,8 +239,8 @@ class DeepseekV2MoE(nn.Cell):
         # Keys: kept slots of row e keep their stream index, the rest move past 2*k*N; sorting each row
         # puts row e's slots first in k-major order, i.e. by position. Exact in float32 while 3*k*N < 2**24.
         # Written as a broadcasting add, not a select between two broadcast constants: MindSpore folds a
-        # broadcast constant at the graph's global shape (dp 32 at 236B width: [32, 160, 24576] float32,
-        # 0.5 GB per copy, per micro-batch and recomputed forward), which exhausted a 24 GB host.
+        # broadcast constant at the graph's global shape (dp 32 at 236B width: [32, 160, 24576] float32 per copy,
+        # per micro-batch and recomputed forward), more than the compile check's host holds.
         keys = stream + ops.logical_not(mine).astype(ms.float32) * (2.0 * S)  # [G, E, k*N]
         # Outputs are indexed, not unpacked into unused names: an unused element of an unpacked tuple
         # is what graph mode reports as "Some side effect nodes were eliminated by mistake".

@@ -67,7 +67,7 @@ class _Dequant:
         )
         # The unpacking starts from the Parameter alone, so MindSpore's common-subexpression elimination
         # merges it across the accumulation's micro-steps and holds every layer's unpacked image from the
-        # first forward to the last backward (level 1 of v2-qlora-8npu: +2.5 GiB per MoE layer, 190 GB at 60).
+        # first forward to the last backward (MindSpore's level-1 accounting of v2-qlora-8npu: docs/measurements.md).
         # Two MindSpore rules decide the fix:
         # - "side_effect_hidden" (the attribute its random ops carry) keeps CSE from merging calls
         #   (utils/pipeline/cse.h CSE::HasHiddenSideEffect): each micro-step unpacks its own;

@@ -245,10 +245,9 @@ def restore_expert_order(name: str, array: np.ndarray, applied: AppliedPlan) -> 
 def recompute_segments(path: str) -> bool:
     """Whether ``path`` is a segment "full" recompute marks: a decoder layer, ``model.layers.<i>``, with or without a
     pipeline (MindFormers and Megatron recompute whole layers too). MindSpore must then replay each layer as its own
-    region, which the compile check verifies (``diagnostics/compile_check.py`` recompute_regions). Until 2026-12-04
-    a pipeline's segments were each layer's sub-cells, on a wrong reading of level 1; with one region per layer
-    whole layers keep one [tokens, H] a layer instead of four and measured lower on both stages of v2-lora-16npu
-    (docs/planner.md, "One recompute region per layer")."""
+    region, which the compile check verifies (``diagnostics/compile_check.py`` recompute_regions). With one region
+    per layer a recomputed layer keeps one [tokens, H] for its backward; segments of each layer's sub-cells keep four
+    (MindSpore's level-1 accounting of v2-lora-16npu: docs/measurements.md, "One recompute region per layer")."""
     parts = path.split(".")
     return parts[:2] == ["model", "layers"] and len(parts) == 3
 

@@ -10,6 +10,19 @@ read from :func:`ms_deepseek.config.dispatch_shapes.dispatch_buffers`, the shape
 layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
 [dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
 real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel_plan.ranks.ep_group_of_rank`).
+
+Principled terms and fitted constants. Every byte count is principled: shapes times dtype sizes, with
+the lifetimes MindSpore gives them (each rule cites the MindSpore source that sets it), and each is checked
+against MindSpore's own level-1 accounting (``plan --recipe R --compile --memory``; the runs are logged in
+``docs/measurements.md``, never quoted here). Fitted or assumed, and marked so where defined:
+
+* ``LOW`` / ``HIGH``: the efficiencies of the throughput range, each solved at one published run
+  (``planner.calibration_anchors``; docs/planner.md, "Efficiencies");
+* ``UPDATE_TEMPORARIES``: float32 images of a parameter in its composite update, the largest count level 1
+  showed;
+* ``Hardware.runtime_reserved_gb`` and ``Hardware.workspace_gb``: margins for what MindSpore's pool does not
+  account (the CANN runtime, kernel workspaces), assumed, not measured on an NPU; ``Hardware.hccl_buffer_mb``
+  is HCCL's default ``HCCL_BUFFSIZE`` (CANN's environment-variable reference).
 """
 
 from __future__ import annotations
@@ -48,9 +61,9 @@ class Hardware:
     hccs_gbps: float = 56.0  # per peer, inside a node (full mesh)
     roce_gbps: float = 25.0  # per NPU, across nodes
     npus_per_node: int = 8
-    runtime_reserved_gb: float = 3.0  # CANN runtime, kernels, HCCL bookkeeping: outside MindSpore's pool
+    runtime_reserved_gb: float = 3.0  # ASSUMED: CANN runtime, kernels, HCCL bookkeeping, outside MindSpore's pool
     hccl_buffer_mb: float = 200.0  # HCCL_BUFFSIZE, one buffer per communication group
-    workspace_gb: float = 1.0  # operator workspaces and allocator slack
+    workspace_gb: float = 1.0  # ASSUMED: operator workspaces and allocator slack (level 1 counts no workspace)
     low: "Efficiency" = None  # the throughput range's ends (default LOW / HIGH below)
     high: "Efficiency" = None
 
@@ -74,7 +87,7 @@ class Efficiency:
     overlap: float = 0.0
 
 
-# The two ends of the throughput range, each fitted on a published run
+# The two ends of the throughput range, FITTED (not derived), each on one published run
 # (planner.calibration_anchors; tests/unit/parallel_plan/test_planner.py re-derives both):
 # LOW  = MindFormers' 236B fine-tune on 64 x 910B (dp4 tp8 pp2 ep4, seq 4096, cf 2, bf16, eager
 #        attention, full recompute): 36 tokens/s/p. Assumed: collectives at 60% of the nominal
@@ -379,12 +392,12 @@ def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: in
     input each drop it with their own mask, so a shared input is kept once per adapted projection; the
     frozen base needs no copy of its own (its weight takes no gradient). The layer's count already holds
     each input once, so each group adds its adapted projections' masks and its copies beyond the first.
-    MindSpore's level-1 dump of ``v2-lite-lora-8npu`` (3 layers against 2, one MoE layer more): 7
-    ``DropoutDoMask`` outputs, 568 MiB, and 7 ``DropoutGenMask`` masks, 35.5 MiB, kept at the peak.
+    Principled (shapes only); MindSpore's level-1 dump of ``v2-lite-lora-8npu`` agrees to the MiB
+    (docs/measurements.md, "LoRA dropout").
 
     Under recompute MindSpore replays the ``DropoutDoMask`` but never the mask (``recompute_helper.cc``
-    ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks: level 1 of
-    ``v2-qlora-8npu`` (full recompute, 4 layers against 3), 8 masks, 83.2 MiB, one layer more.
+    ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks (level 1 of
+    ``v2-qlora-8npu`` under full recompute: docs/measurements.md, "LoRA dropout").
     """
     lora = w.lora
     if lora is None or lora.dropout <= 0:
@@ -510,9 +523,10 @@ def head_backward_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> f
     return n * V * max(12, 4 + c)
 
 
-# Float32 images of one parameter live at once in the composite update of a bfloat16 / float16 parameter:
-# MindSpore's level-1 accounting held 4 in tests/compile/test_compile_optimizer.py's toy and 2.9 of the
-# largest expert weight on v2-sft-64npu's rank 0 (1.76 GiB at 16 layers); the larger is counted.
+# Float32 images of one parameter live at once in the composite update of a bfloat16 / float16 parameter.
+# FITTED, not derived: the largest count MindSpore's level-1 accounting showed (tests/compile/
+# test_compile_optimizer.py's toy; fewer on v2-sft-64npu's rank 0: docs/measurements.md, "The update's
+# float32 temporaries").
 UPDATE_TEMPORARIES = 4
 
 
@@ -521,9 +535,8 @@ def embedding_reduce_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> flo
 
     A vocabulary split by tp makes each rank's embedding a partial sum, which MindSpore completes with an
     AllReduce of the whole [n, H]. Under sequence parallelism the first layer takes its [n/tp, H] slice, and
-    MindSpore kept the whole AllReduce output from each micro-batch's forward to its backward: level 1 of
-    v2-sft-64npu's rank 0 held 8 of them, 40 MiB each ([4096, 5120] bfloat16), one per micro-batch in flight
-    (docs/planner.md). Without sequence parallelism the AllReduce output is the first layer's input, counted
+    MindSpore keeps the whole AllReduce output from each micro-batch's forward to its backward, one per
+    micro-batch in flight (level 1 of v2-sft-64npu's rank 0: docs/measurements.md). Without sequence parallelism the AllReduce output is the first layer's input, counted
     with its activations."""
     if not (parallel.sequence_parallel and parallel.tp > 1 and parallel.vocab_parallel):
         return 0.0
@@ -581,7 +594,7 @@ def stage_memory(
         if moe_layers and parallel.tp > 1 and parallel.ep == 1:
             # experts split by tp: the row-parallel down_proj's output and the column-parallel input gradient are
             # AllReduces of a whole [E, C, H], one live at the MoE backward (level 1 of v2-sft-64npu and
-            # v2-lora-16npu, stage 0: an AllReduce output of 481 MiB at the peak)
+            # v2-lora-16npu, stage 0: one AllReduce output of [E, C, H] at the peak, docs/measurements.md)
             comm += moe_buffers(cfg, parallel, n)["expert_output"] * c
         if s == 0:
             comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
@@ -596,8 +609,8 @@ def stage_memory(
             # of v2-lite-lora-1npu, 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
             activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
             # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
-            # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches:
-            # +1136 MiB of Casts per layer, the layer's 585M quantized elements in bfloat16)
+            # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches: one
+            # bfloat16 Cast per quantized element of the layer, docs/measurements.md)
             activations += (k - 1) * held[s].get("dequantized", 0.0)
         if s == parallel.pp - 1:
             # The loss's backward runs before any layer's and consumes what the loss kept, so the stage peaks
@@ -607,14 +620,14 @@ def stage_memory(
                 # AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
                 working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
             else:
-                # one micro-batch's loss tensors freed (level 1 of v2-qlora-8npu, 4 layers: the [n, V] Exp
-                # gone when the last layer's recomputed backward peaks at 10.58 GiB)
+                # one micro-batch's loss tensors freed (level 1 of v2-qlora-8npu: the [n, V] Exp is gone
+                # when the last layer's recomputed backward peaks)
                 activations -= head_kept
         gradients = held[s]["gradients"]
         if parallel.pp == 1 and parallel.accumulation_pass(k) and held[s].get("frozen_embedding"):
             # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
             # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
-            # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, 1000 MiB
+            # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, at the peak
             gradients += held[s]["frozen_embedding"]
         dequant = held[s].get("dequant", 0.0)
         # Clipping: the global norm's square sums run one gradient at a time with float32
@@ -625,11 +638,11 @@ def stage_memory(
         # AdamW._composite) with up to UPDATE_TEMPORARIES float32 images of it live; also after the activations.
         working = max(working, UPDATE_TEMPORARIES * held[s]["largest_composite"] * 4)
         # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
-        # held each layer's all-gathered weights from its forward to the end of the step (+60 MiB per MoE
-        # layer at the peak, from 2 to 3 layers), not one layer's at a time
+        # held each layer's all-gathered weights from its forward to the end of the step (one MoE layer's
+        # more at the peak per MoE layer more), not one layer's at a time
         # and every layer's compute-dtype casts of wider, not gathered, weights, also under full recompute: a
         # Cast of a Parameter is never recomputed (MindSpore's step_parallel_utils.cc
-        # SetCastForParamNotRecompute); level 1 of v2-lite-sft-8npu kept 3 expert casts, 132 MiB, per MoE layer
+        # SetCastForParamNotRecompute); level 1 of v2-lite-sft-8npu kept the expert casts of every MoE layer
         copies = held[s]["copies"] + held[s].get("casts", 0.0)
         hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024**2
         mem = StageMemory(

@@ -1,6 +1,6 @@
 """How our custom operators (``ops.Custom``) are sharded the way the plan says, in the form MindSpore reads.
 
-MindSpore 2.9.0's rule, found by compiling (``plan --recipe R --compile``; design.md section 7): every
+MindSpore 2.9.0's rule, found by compiling (``plan --recipe R --compile``): every
 ``Custom`` primitive gets a ``SelfDefineShardInfo`` (``ops_info/self_define_shard_info.cc``), which
 accepts **only** ``mindspore.parallel.Layout`` objects for its inputs *and* outputs: a tuple strategy
 is refused at compile ("self define shard op ... only support config layout rather than strategy"),

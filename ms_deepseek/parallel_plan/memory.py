@@ -10,7 +10,7 @@ cannot hold fails then, not an hour later) and the pool may grow up to the cap.
 ``parallel.memory_headroom_gb`` is the margin the estimate should leave below the cap: less
 than that is reported (``tight``) and logged as a warning, not enforced.
 
-On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (design.md): the
+On CPU ``set_memory`` and the ``memory_*`` counters are no-ops (MindSpore 2.9.0): the
 sizes are still computed and returned, and :func:`memory_metrics` reports zeros.
 """
 
@@ -25,7 +25,7 @@ GB = 1024**3
 
 
 def _gb_string(value: float, up: bool = True) -> str:
-    """MindSpore's size format ("12.5GB"), rounded to 0.1 GB (up, or down for a cap), never "0GB"."""
+    """MindSpore's size format ("12.5GB"), rounded to a tenth (up, or down for a cap), never "0GB"."""
     tenths = math.ceil(value * 10 - 1e-9) if up else math.floor(value * 10 + 1e-9)
     return f"{max(0.1, tenths / 10):.1f}GB"
 

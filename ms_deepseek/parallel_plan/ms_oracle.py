@@ -1,7 +1,7 @@
 """MindSpore's own Python functions, used as the oracle for what the project assumes about MindSpore.
 
 The simulation (``plan --simulate``) and the tests compare the project's rules with these,
-never with the project's own helpers (design.md section 7).
+never with the project's own helpers: a rule about MindSpore is only as good as its source.
 
 * :func:`batch_row_of_rank`: where MindSpore puts a rank's dataset batch in the global batch
   (``mindspore/parallel/_utils.py`` ``_to_full_tensor``: stage rank ``r`` is placed at

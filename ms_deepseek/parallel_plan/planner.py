@@ -373,8 +373,8 @@ def _comm_gb(stage: Dict[str, float], dp_bytes: float, micro_total: int) -> Dict
 # ------------------------------------------------------------------------- calibration
 MINDFORMERS_TOKENS_PER_S = 36.0  # research/deepseek2 README, 64 x 910B
 PAPER_TOKENS_PER_S = 1e12 / (172.8e3 * 3600)  # 172.8K H800 GPU-hours per 1T tokens: 1,607
-# H800 SXM: 989 TFLOPS bf16 dense, 80 GB at 3.35 TB/s, NVLink 400 GB/s (200 GB/s each way, spread
-# over 7 peers through NVSwitch), 8 x 400 Gb/s InfiniBand per node (50 GB/s per GPU).
+# H800 SXM (NVIDIA's datasheet): 989 TFLOPS bf16 dense, HBM at 3.35 TB/s, NVLink 400 GB/s (200 GB/s each way,
+# spread over 7 peers through NVSwitch), 8 x 400 Gb/s InfiniBand per node (50 GB/s per GPU).
 PAPER_H800 = dict(hbm_gb=80.0, peak_tflops=989.0, hbm_tbps=3.35, hccs_gbps=200.0 / 7, roce_gbps=50.0, npus_per_node=8)
 
 

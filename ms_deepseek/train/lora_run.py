@@ -80,8 +80,8 @@ def prepare(
     # exact dropout (train/resume exactness) on CPU, one device or data parallel; on Ascend and in a sharded
     # layout MindSpore's Dropout kernel, whose random state a resume does not replay: StepDropout's hash needs an
     # index tensor of each input's size, which graph mode folds into a constant per adapter (at V2-Lite width
-    # hundreds of MB per expert stack: the compile check's 1-NPU LoRA compile was killed at 21 GB of host
-    # memory), and its ops have no sharding strategy yet
+    # one as large as each expert stack's input, more than the compile check's host holds), and its ops have no
+    # sharding strategy
     from ms_deepseek.core.runtime import detect_device
 
     paths = lora.add_adapters(

@@ -86,7 +86,7 @@ def zero_states(parameters, prefix: str, dtype=None) -> ParameterTuple:
     (MindSpore 2.9's ``AutoParallel`` sets no parallel mode before the compile, so ``Parameter``
     initialises at once: ``Parameter._get_parameter_new_args``), every state was a zero array of the
     parameter's full, unsliced shape for every layer of every stage, which the compile then copied
-    from: 236B pretraining exhausted a 24 GB host in the compile check at 8 of 60 layers."""
+    from, which for 236B pretraining exhausts the compile check's host at a fraction of the depth."""
     from mindspore.nn.utils import no_init_parameters
 
     states = []
@@ -185,10 +185,10 @@ class AdamW(Optimizer):
 
         Each float32 temporary is as large as the parameter, so two parameters' updates must not run side by
         side. Left to itself MindSpore's execution order ran them side by side: every parameter's first
-        products as soon as their inputs existed, the rest later (level 1 of the dry run: v2-sft-64npu's
-        rank 0 held 5.1 GiB of them at 16 layers, docs/planner.md). Ordering them by ``depend`` from one
-        parameter's result to the next gradient kept a small pipeline's compile (tp 2, pp 2, 8 layers: 75 s)
-        running past 10 minutes, hundreds of frames deep in one recursive frontend pass (gdb). So the update
+        products as soon as their inputs existed, the rest later (level 1 of the dry run on v2-sft-64npu's
+        rank 0: docs/measurements.md). Ordering them by ``depend`` from one parameter's result to the next
+        gradient made a small pipeline's compile (tp 2, pp 2, 8 layers) run many times longer, hundreds of
+        frames deep in one recursive frontend pass (gdb). So the update
         starts with a side effect, ``m *= beta1`` in place (``InplaceMuls``): MindSpore keeps side effects
         in program order (its auto-monad), so it comes after the previous parameter's last ``assign``, and
         every temporary below depends on it."""

@@ -12,11 +12,11 @@ Step numbering: optimizer step ``s`` runs from 1 to ``total_steps``. The optimiz
 * ``constant``: linear warmup, then ``lr``.
 
 All three Cells are here, and none branches on a tensor: a Python ``if`` on the step in graph mode is control
-flow, which splits the compiled step into several kernel graphs (MindFormers' ``CosineWithWarmUpLR``, which
-this package used until 2026-12-02, does ``if global_step >= decay_steps: ...``). Under a pipeline the step's
-side-effect ordering (``UpdateState``) then carried activations of every micro-batch out of the forward and
-backward kernel graph, held until the optimizer's graph ran: 5.7 of 8.2 GiB on stage 0 of ``v2-sft-64npu`` in
-MindSpore's level-1 accounting (docs/planner.md). The cosine Cell computes MindFormers' formula with selects,
+flow, which splits the compiled step into several kernel graphs (MindFormers' ``CosineWithWarmUpLR`` does
+``if global_step >= decay_steps: ...``). Under a pipeline the step's side-effect ordering (``UpdateState``)
+then carries activations of every micro-batch out of the forward and backward kernel graph, held until the
+optimizer's graph runs: most of stage 0's peak on ``v2-sft-64npu`` in MindSpore's level-1 accounting
+(docs/measurements.md). The cosine Cell computes MindFormers' formula with selects,
 and a test holds it to ``CosineWithWarmUpLR`` step by step.
 """
 

@@ -162,8 +162,8 @@ def _zeros_in_place_of(accu_grad):
     MindSpore folds ``zeros_like`` of a static shape into a constant of the parameter's full, unsliced
     shape, one per buffer. Found twice: the compile check's IR (an fp32 [102400, 5120] zero tensor for the
     embedding's buffer alone, in host memory) and MindSpore's level-1 accounting of v2-lite-sft-8npu
-    (``plan --compile --memory``: zero constants as large as the buffers, 2.3 GB at 2 layers, held by the
-    device for the whole run). ``nan_to_num`` makes the zeros exact also where the buffer overflowed
+    (``plan --compile --memory``: zero constants as large as the buffers, held by the device for the whole
+    run). ``nan_to_num`` makes the zeros exact also where the buffer overflowed
     (0 * inf is NaN), which a float16 run's skipped step leaves behind."""
     return ops.nan_to_num(accu_grad * 0.0, 0.0, 0.0, 0.0)
 

@@ -12,15 +12,11 @@
      the first ``OUT`` an ``export-lora`` wrote, ``QBASE`` one scratch folder (a quantized base) and
      ``QLORA_RUN`` one scratch run folder (a QLoRA run).
 
-2. Every figure a doc or a recipe comment quotes from ``plan`` equals what ``plan`` prints now: a table
-   row ending in ``<!-- plan ARGS -->`` quotes ``plan ARGS`` (its first ``N GB`` and ``LOW-HIGH``
-   tokens/s), and in a recipe comment, the first ``N GB per NPU`` and ``LOW-HIGH tokens/s`` after a
-   backquoted ``ms-deepseek plan ...`` command (before the next one) are that command's.
+2. The figures the docs and the recipes quote from ``plan`` are checked in ``test_docs_figures.py``.
 """
 
 import contextlib
 import io
-import json
 import re
 import shlex
 from pathlib import Path
@@ -152,66 +148,6 @@ def test_every_documented_command_runs(scratch, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
-# ------------------------------------------------------------------ figures quoted from plan
-def _plan_figures(args):
-    code, out, err = _run(["plan", *args, "--json"])
-    assert code in (0, 1), f"plan {shlex.join(args)}: {err}"
-    data = json.loads(out)
-    memory = data["memory_gb"]  # the headline "FITS: X GB per NPU": the training step or, when higher, validation
-    peak = max(memory["total"], memory.get("eval_total", 0.0))
-    return round(peak, 1), tuple(round(x) for x in data["tokens_per_s_per_npu_range"])
-
-
-def quoted_figures():
-    """(where, plan args, GB quoted, (low, high) quoted or None) of every figure the docs quote."""
-    cases = []
-    for doc in DOCS:
-        for lineno, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
-            m = re.search(r"<!--\s*plan\s+(.*?)\s*-->", line)
-            if m and line.lstrip().startswith("|"):
-                gb = re.search(r"([\d.]+) GB", line)
-                rate = re.search(r"\|\s*(\d+)-(\d+)\s*\|", line)
-                cases.append(
-                    (
-                        f"{doc.relative_to(REPO)}:{lineno}",
-                        shlex.split(m.group(1)),
-                        float(gb.group(1)),
-                        tuple(int(x) for x in rate.groups()) if rate else None,
-                    )
-                )
-    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
-        comment = " ".join(line[1:].strip() for line in recipe.read_text().splitlines() if line.startswith("#"))
-        parts = comment.split("`ms-deepseek plan ")
-        for part in parts[1:]:
-            cmd, _, after = part.partition("`")
-            gb = re.search(r"([\d.]+) GB per NPU", after)
-            rate = re.search(r"(\d+)-(\d+) tokens/s", after)
-            if gb and rate:
-                args = [w for w in shlex.split(cmd) if w != "..."]
-                args = [str(REPO / w) if w.startswith("recipes/") else w for w in args]
-                cases.append((f"recipes/{recipe.name}", args, float(gb.group(1)), tuple(int(x) for x in rate.groups())))
-    return cases
-
-
-FIGURES = quoted_figures()
-
-
-def test_the_docs_quote_plan_figures():
-    assert len(FIGURES) >= 10
-
-
-@pytest.mark.parametrize("where,args,gb,rate", FIGURES, ids=[f"{w}" for w, *_ in FIGURES])
-def test_quoted_plan_figures_are_what_plan_prints(where, args, gb, rate, monkeypatch):
-    monkeypatch.chdir(REPO)
-    got_gb, got_rate = _plan_figures(args)
-    assert gb == got_gb, f"{where}: quotes {gb} GB, `ms-deepseek plan {shlex.join(args)}` prints {got_gb} GB"
-    if rate is not None:
-        assert rate == got_rate, (
-            f"{where}: quotes {rate[0]}-{rate[1]} tokens/s, `ms-deepseek plan "
-            f"{shlex.join(args)}` prints {got_rate[0]}-{got_rate[1]}"
-        )
-
-
 def test_the_qlora_block_makes_what_it_reads():
     """Issue 29, item 8: docs/lora.md's QLoRA block read a BASE no earlier step made and made a QBASE its train
     line never used (it needs --set model.source=QBASE). Each placeholder the block reads is now written by a
@@ -240,7 +176,7 @@ def test_the_qlora_block_makes_what_it_reads():
 
 def test_the_readme_gives_the_quickstart_time_it_takes():
     """Issue 29, item 8: the README promised "about two minutes" for the quickstart; a fresh 2-core machine took
-    3.3 (the recipe's own comment says 2.5 idle, ~5 shared). The README's range holds that measurement."""
+    3.3 (docs/measurements.md, "The quickstart": 2.5 idle, ~5 shared). The README's range holds that measurement."""
     text = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
     m = re.search(r"tiny-cpu\.yaml` \([^)]*\) in ([\d.]+)-([\d.]+) minutes on two cores", text)
     assert m, "the README gives no minutes range for the quickstart"

@@ -1,0 +1,129 @@
+"""The package's comments and docstrings say what the code does now, not what was measured last week.
+
+Every comment (found with ``tokenize``) and docstring (found with ``ast``) of ``ms_deepseek/`` is read, and
+fails on:
+
+* a date (``2026-12-04``): history goes to the commit message, measurements to docs/measurements.md;
+* a memory figure (``5.1 GiB``, ``1.68 GB``, ``481 MiB``): a measurement tied to a recipe, rank or depth is
+  stale the day the code changes; it goes to docs/measurements.md, dated, with its command. A quoted size
+  literal (``"5GB"``, the format a flag takes) and a bandwidth (``GB/s``) are not measurements;
+* a citation of a design note that is not in the repository (``design.md``): cite the MindSpore / CANN
+  source, a doc of this repository, or docs/measurements.md.
+
+The comments of ``recipes/*.yaml`` are held to the same three rules, except that a recipe quotes the
+planner's figures (``N GB per NPU``: ``test_docs_figures.py`` checks each against ``plan``), so only
+``GiB`` / ``MiB`` figures (MindSpore's accounting) fail there; ``tools/*.py`` to the date and design-note rules
+(a tool's usage text gives sizes such as ``--size-gb 8``).
+"""
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from repo_paths import REPO
+
+PACKAGE = REPO / "ms_deepseek"
+RULES = {
+    "a date": re.compile(r"\b(19|20)\d\d-\d\d-\d\d\b"),
+    "a memory figure": re.compile(r"(?<![\"'\w.])\d+(?:\.\d+)?\s?(?:GiB|GB|MiB|TiB)(?![\w/])"),
+    "a design note outside the repository": re.compile(r"\bdesign\.md\b|\bdesign note"),
+}
+
+
+def comment_lines(source: str):
+    """(line, text) of every comment and every line of every docstring of a module's source.
+
+    A docstring is also given joined into one line, so that a figure broken across two lines is seen."""
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if doc is not None:
+            start = node.body[0].lineno
+            lines = doc.splitlines()
+            yield from ((start + i, line) for i, line in enumerate(lines))
+            yield start, " ".join(line.strip() for line in lines)
+
+
+def offences(source: str):
+    found = set()
+    for lineno, text in comment_lines(source):
+        for what, rule in RULES.items():
+            m = rule.search(text)
+            if m:
+                found.add((lineno, what, m.group(0)))
+    return sorted(found)
+
+
+def test_the_rules_catch_what_they_guard_against():
+    planted = '''"""Module.
+
+Measured 2026-12-02 on rank 0: 5.1
+GiB at 16 layers (design.md section 8)."""
+X = 1  # level 1 held 481 MiB here
+Y = "5GB"  # a size such as "5GB", 2 GB/s on the wire
+'''
+    got = {(what, text) for _, what, text in offences(planted)}
+    assert ("a date", "2026-12-02") in got
+    assert ("a memory figure", "5.1 GiB") in got  # across the docstring's line break
+    assert ("a memory figure", "481 MiB") in got
+    assert ("a design note outside the repository", "design.md") in got
+    assert not any("5GB" in text or "2 GB" in text for _, text in got), got
+
+
+def modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_package_has_modules():
+    assert len(modules()) > 50
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_package_comments_are_timeless(path: Path):
+    found = offences(path.read_text(encoding="utf-8"))
+    assert not found, "\n".join(
+        f"{path.relative_to(REPO)}:{line}: {what} in a comment or docstring ({text!r})" for line, what, text in found
+    )
+
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+MEASURED = re.compile(r"\d+(?:\.\d+)?\s?(?:GiB|MiB)\b")
+
+
+def recipe_offences(text: str):
+    found = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        comment = line[line.index("#") :] if "#" in line else ""
+        for what, rule in (("a date", RULES["a date"]), ("a MindSpore figure", MEASURED)):
+            m = rule.search(comment)
+            if m:
+                found.append((lineno, what, m.group(0)))
+        m = RULES["a design note outside the repository"].search(comment)
+        if m:
+            found.append((lineno, "a design note outside the repository", m.group(0)))
+    return found
+
+
+def test_recipe_rules_catch_a_planted_history():
+    planted = "# Planner (planner of 2026-12-01): 46.6 GB per NPU; MindSpore: 9.94 GiB at 3 layers\nlora:\n  r: 16\n"
+    assert {what for _, what, _ in recipe_offences(planted)} == {"a date", "a MindSpore figure"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_comments_are_timeless(path: Path):
+    found = recipe_offences(path.read_text(encoding="utf-8"))
+    assert not found, "\n".join(f"recipes/{path.name}:{line}: {what} ({text!r})" for line, what, text in found)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tools").glob("*.py")), ids=lambda p: p.name)
+def test_tool_comments_have_no_dates_or_design_notes(path: Path):
+    found = [o for o in offences(path.read_text(encoding="utf-8")) if o[1] != "a memory figure"]
+    assert not found, "\n".join(f"tools/{path.name}:{line}: {what} ({text!r})" for line, what, text in found)
