@@ -258,7 +258,10 @@ def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
     for path, cell in cells.items():
         if parallel.recompute == "full" and recompute_segments(path):
             if parallel.uses_semi_auto:
-                cell.recompute(mp_comm_recompute=True, parallel_optimizer_comm_recompute=parallel.optimizer_shard)
+                # The layer's collectives are replayed with it (mp_comm_recompute); the optimizer shard's gathers
+                # are not (MindSpore's default: nn/cell.py Cell.recompute only warns that True "is replaced with
+                # zero3", and its gathers stay once per step: plan --compile counts them).
+                cell.recompute(mp_comm_recompute=True, parallel_optimizer_comm_recompute=False)
             else:
                 cell.recompute()
             applied.recomputed.append(path)

@@ -345,8 +345,10 @@ def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: P
             and optimizer_shard_group(info.shape, layout, mesh.stage_devices, itemsize(info.dtype)) > 1
         ):
             # once per step: the accumulated gradient reduce-scattered, the updated slice gathered for the next
-            # forward (in the dtype it is gathered in: costs.gathered_bytes); gradient_accumulation_shard off
-            # (parallel_apply/apply.py context_kwargs) keeps both out of the micro-batches
+            # forward (in the dtype it is gathered in: costs.gathered_bytes). Optimizer level 1
+            # (parallel_apply/apply.py auto_parallel_wrap: AutoParallel.hsdp) splits weights and optimizer
+            # states, not the accumulated gradients (mindspore/parallel/auto_parallel.py, hsdp), so neither
+            # collective repeats per micro-batch; level 2 and 3 would (plan --compile counts what compiles)
             sent = (group - 1) / group * (grad + local * costs.gathered_bytes(info, precision))
         else:
             sent = 2 * (group - 1) / group * grad  # an all-reduce of the gradient

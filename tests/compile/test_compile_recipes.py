@@ -34,3 +34,9 @@ def test_recipe_compiles_and_matches_the_plan(recipe):
     if report["world_size"] > 1:  # a sharded layout: MindSpore's layouts and strategies against the plan
         assert train["layouts_compared"] > 0 and train["strategies_compared"] > 0, train
     assert report["layers"] < report["full_layers"]  # the command chose a depth for this host and said so
+    # the planner prices what MindSpore compiled: per layout axis, within traffic.TOLERANCE of the compiled step's
+    # bytes for the same reduced model (the planner's tokens/s follows from these)
+    rows = train.get("traffic_vs_planner", [])
+    assert all(row["ok"] for row in rows), json.dumps(rows, indent=1)
+    if report["world_size"] > 1:
+        assert rows, train.get("traffic")
