@@ -10,7 +10,7 @@ and the bytes it moves are those of its **input**, which is a ``Tensor`` or, whe
 or an accumulation buffer directly (the optimizer shard's gather of a weight, the reduce-scatter of an
 ``accu_grads`` buffer), a ``Ref[Tensor[..]]``. Bytes one rank sends on a ring (:func:`wire_factor`): AllGather
 (n-1) x its input, ReduceScatter and AlltoAll (n-1)/n, AllReduce 2(n-1)/n, a Send all of it; the planner counts
-the same way (``parallel_plan/planner.py`` ``_stage_traffic`` / ``_dp_sync``).
+the same way (``parallel_plan/planner.py`` ``_stage_traffic`` / ``dp_sync``).
 
 Each operator's group is one of the layout's axes (:func:`axis_of`): the tensor-parallel group, the expert
 all-to-all, the point-to-point of a pipeline, or the data-parallel side (the optimizer shard's gathers and

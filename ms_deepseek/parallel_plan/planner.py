@@ -213,7 +213,7 @@ def _speed(
     micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)  # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
     traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
-    dp_per_stage = _dp_sync(cfg, p, precision, hw, plan, inventory, result.grad_accumulation)  # nominal bandwidth
+    dp_per_stage = dp_sync(cfg, p, precision, hw, plan, inventory, result.grad_accumulation)  # nominal bandwidth
     worst_dp = max(range(p.pp), key=lambda s: dp_per_stage[s][1])  # the stage whose synchronisation takes longest
     dp_bytes, dp_seconds = dp_per_stage[worst_dp]
     worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
@@ -261,7 +261,7 @@ def _speed(
     # The layout's minimum: every collective of the layout once per pass that runs it (forward, backward, and the
     # forward's replay under full recompute, which MindSpore replays with the layer), the gradients and parameters
     # synchronised once per step, and nothing else (no anchor gradient for a frozen embedding).
-    dp_needed, _ = _dp_sync(cfg, p, precision, hw, plan, inventory)[worst_dp]
+    dp_needed, _ = dp_sync(cfg, p, precision, hw, plan, inventory)[worst_dp]
     result.comm_minimum_gb = _comm_gb(slowest, dp_needed, micro_total)
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
@@ -319,7 +319,7 @@ def _stage_traffic(
     return out
 
 
-def _dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory, accum_steps: int = 1):
+def dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory, accum_steps: int = 1):
     """Per pipeline stage, (bytes one NPU sends, seconds at nominal bandwidth) of its gradient and parameter
     synchronisation per step. A frozen embedding under MindSpore's accumulation pass counts too: its gradient is taken to anchor the
     pass (train/step.py build_step) and all-reduced over its replicas once per step before it is dropped."""

@@ -87,17 +87,17 @@ def test_a_planner_that_syncs_per_micro_batch_disagrees_with_the_compiled_step(t
     reduce-scatter and the parameters' gather): ``plan --compile`` marks the data-parallel axis and says the
     planner's step time does not describe the program. (The program-side form of this mistake, MindSpore's
     optimizer levels 2 and 3, does not compile here: MindSpore 2.9 asks for ``lazy_inline`` with them.)"""
-    from builders import main_captured
-
     from ms_deepseek.parallel_plan import planner
 
-    real = planner._dp_sync
+    from builders import main_captured
+
+    real = planner.dp_sync
 
     def per_micro_batch(*args, **kwargs):
         accum = args[6] if len(args) > 6 else kwargs.get("accum_steps", 1)
         return [(sent * accum, t * accum) for sent, t in real(*args, **kwargs)]
 
-    monkeypatch.setattr(planner, "_dp_sync", per_micro_batch)
+    monkeypatch.setattr(planner, "dp_sync", per_micro_batch)
     recipe = _recipe(tmp_path)
     code, out, err = main_captured(["plan", "--recipe", str(recipe), "--compile", "--ranks", "0", "--no-eval"])
     assert code == 0, out[-3000:]
