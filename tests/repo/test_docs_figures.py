@@ -95,6 +95,15 @@ PROSE = [  # (pattern, what) in prose and comments
     (re.compile(r"of (\d+\.\d) GB usable"), lambda d: d["memory_gb"]["usable"]),
     (re.compile(r"(\d+)-(\d+) tokens/s"), RATE),
     (re.compile(r"MFU (\d+\.\d)%-(\d+\.\d)%"), "mfu"),
+    # traffic per NPU per step, per kind, and its ratio to the layout's minimum
+    *(
+        (re.compile(rf"{kind} (\d+\.\d) GB"), lambda d, kind=kind: d["communication_gb_per_step"][kind])
+        for kind in ("tp_allreduce", "ep_alltoall", "dp_sync", "pp_p2p")
+    ),
+    (
+        re.compile(r"(\d+\.\d+) x the layout's minimum"),
+        lambda d: sum(d["communication_gb_per_step"].values()) / sum(d["communication_minimum_gb_per_step"].values()),
+    ),
 ]
 
 
