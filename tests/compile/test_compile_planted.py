@@ -134,7 +134,7 @@ def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
     split (model/mla.py, plan ``attention_heads``). The compile check's rule (compile_check.gathered_heads) reads
     MindSpore's validate IR: none of the 4 heads' tensors on the 2 ranks as built; planted, the slices' outputs."""
     from ms_deepseek.config.recipe import load_recipe
-    from ms_deepseek.diagnostics.compile_check import HeadShape, _ir_files, gathered_heads, ir_dump_env
+    from ms_deepseek.diagnostics.ir_rules import HeadShape, gathered_heads, ir_dump_env, ir_files
 
     ir = tmp_path / "ir"
     fa = {"use_flash_attention": True}
@@ -143,7 +143,7 @@ def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
     )
     assert _graph(result, "train").get("ok"), result
     heads = HeadShape.of(load_recipe(str(tmp_path / "recipe" / "recipe.yaml")).model_config, 2, 32)
-    found = gathered_heads(_ir_files(ir)[0], heads, limit=100)
+    found = gathered_heads(ir_files(ir)[0], heads, limit=100)
     if not plant:
         assert found == [], found[:3]
     else:
@@ -255,12 +255,12 @@ def test_a_folded_activation_sized_constant_is_found_in_the_compiled_graph(tmp_p
     """The compile check's folded-constant rule (compile_check.large_constants) read from MindSpore's own
     validate IR: the zeros constant is there ([16, 16, 4096, 64] bfloat16, 128 MiB: MindSpore keeps a constant
     whole when its user's input comes from no dataset), PadV3's run-time pad is not."""
-    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env, large_constants
+    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files, large_constants
 
     ir = tmp_path / "ir"
     rc, out = run_dryrun(f"RUNTIME = {runtime}\n" + _PAD_PROBE, tmp_path, world=8, extra_env=ir_dump_env(ir))
     assert rc == 0 and "COMPILED" in out, out[-3000:]
-    (validate,) = _ir_files(ir)
+    (validate,) = ir_files(ir)
     found = large_constants(validate)
     if runtime:
         assert found == [], found
@@ -285,7 +285,7 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
     alone) across the accumulation's micro-steps and hold it all step (level 1 of v2-qlora-8npu: 190 GB per NPU).
     Its first op (``unpack_first``, an ExpandDims) carries ``side_effect_hidden``: the compiled graph unpacks in
     each micro-step. Planted: the attribute removed, MindSpore merges them into one."""
-    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env
+    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files
 
     def unpackings(plant: str) -> int:
         run = tmp_path / ("planted" if plant else "as-built")
@@ -315,7 +315,7 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
         rc, out = run_dryrun(code, work, world=2, extra_env=ir_dump_env(ir))
         result = json.loads((work / "result.json").read_text())
         assert result["graphs"]["train"]["ok"], (result, out[-3000:])
-        return _unpackings(_ir_files(ir)[0], "model.layers.1.mlp.experts.gate_proj.weight")
+        return _unpackings(ir_files(ir)[0], "model.layers.1.mlp.experts.gate_proj.weight")
 
     planted = """
 from mindspore import ops
@@ -352,14 +352,14 @@ def test_each_layer_is_its_own_recompute_region_under_a_pipeline(tmp_path, plant
     about 1 GiB per layer held); this small model's eager attention has the causal mask for the same mistake. The rule (compile_check.recompute_regions) reads MindSpore's own region ids from
     the validate IR: as built each of the stage's 2 layers is one region per micro-batch; planted, one region
     reads both layers' weights (which run_rank refuses: tests/unit/diagnostics/test_compile_check_ir_rules.py)."""
-    from ms_deepseek.diagnostics.compile_check import _ir_files, ir_dump_env, recompute_regions
+    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files, recompute_regions
 
     ir = tmp_path / "ir"
     four = {"num_hidden_layers": 4, "first_k_dense_replace": 1}
     result = _compile(
         tmp_path, plant, world=8, rank=0, pp=2, micro_batches=2, accum=1, extra_env=ir_dump_env(ir), model=four
     )
-    regions = recompute_regions(_ir_files(ir)[0])
+    regions = recompute_regions(ir_files(ir)[0])
     layers = sorted({tuple(v) for v in regions.values() if v})
     if not plant:
         assert _graph(result, "train").get("ok"), result

@@ -5,6 +5,7 @@ naming what the rule found. MindSpore's own IR for these rules is in tests/compi
 import json
 
 from ms_deepseek.diagnostics import compile_check as cc
+from ms_deepseek.diagnostics import ir_rules
 
 # Two operators of one attention as MindSpore prints them after its validate pass: an operator line, its
 # ": (inputs) -> (output)" line and its scope. The first holds all 4 heads of a [B, nh, T, d] tensor. Before them
@@ -83,4 +84,4 @@ def test_layers_recomputed_as_one_region_are_refused(tmp_path, monkeypatch):
     assert result.graphs["train"]["ok"], result.graphs
     ir = tmp_path / "one_each.ir"
     ir.write_text(_regions_ir(1))
-    assert cc.recompute_regions(ir) == {0: [0], 1: [1], 7: []}
+    assert ir_rules.recompute_regions(ir) == {0: [0], 1: [1], 7: []}
