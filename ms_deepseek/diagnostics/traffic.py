@@ -64,6 +64,7 @@ class CommOp:
     shape: Tuple[int, ...]
     group: Tuple[int, ...]
     scope: str = ""
+    instance: str = ""  # MindSpore's instance name: which pass inserted it (SYNC_INSTANCES)
 
     @property
     def mib(self) -> float:
@@ -110,8 +111,16 @@ def read_ops(path: Path) -> List[CommOp]:
         t = _FIRST_INPUT.search(lines[i + 1]) if i + 1 < len(lines) else None
         shape = tuple(int(d) for d in t.group(2).split(",") if d.strip()) if t else (0,)
         scope = re.search(r"# Fullname with scope: \((.*)\)\s*$", lines[i + 2]) if i + 2 < len(lines) else None
+        instance = re.search(r"instance name: (\w+)", line)
         out.append(
-            CommOp(m.group(1), t.group(1) if t else "Float32", shape, _group(line), scope.group(1) if scope else "")
+            CommOp(
+                m.group(1),
+                t.group(1) if t else "Float32",
+                shape,
+                _group(line),
+                scope.group(1) if scope else "",
+                instance.group(1) if instance else "",
+            )
         )
     return out
 
@@ -135,14 +144,23 @@ def _tp_group(rank: int, par: ParallelConfig) -> Tuple[int, ...]:
     return tuple(range(first, first + par.tp))
 
 
+# Instance names MindSpore gives the collectives that synchronise parameters and gradients over their replicas,
+# whatever group that is (a weight replicated over the tensor-parallel ranks is optimizer-sharded over them):
+# the optimizer shard's gather and its gradient's reduce-scatter (step_parallel.cc, "parallel_optimizer_allgather";
+# "grad_" prefixes the backward's), the mirror operators' gradient all-reduce, the global norm's.
+SYNC_INSTANCES = ("parallel_optimizer", "grad_parallel_optimizer", "grad_mirror", "mirror", "PARALLEL_GLOBALNORM")
+
+
 def axis_of(op: CommOp, rank: int, par: ParallelConfig) -> str:
-    """The layout axis an operator's traffic belongs to: ``pp`` (Send / Receive), ``ep`` (an AlltoAll), ``tp`` (a
-    collective over ``rank``'s tensor-parallel group), else ``dp`` (over data-parallel replicas, the stage, or an
-    expert's replicas: the optimizer shard, the gradients, the routing statistics)."""
+    """The layout axis an operator's traffic belongs to: ``pp`` (Send / Receive), ``ep`` (an AlltoAll), ``dp`` (a
+    parameter or gradient synchronisation, :data:`SYNC_INSTANCES`), ``tp`` (another collective over ``rank``'s
+    tensor-parallel group), else ``dp`` (over data-parallel replicas or an expert's: the routing statistics)."""
     if op.kind in ("Send", "Receive"):
         return "pp"
     if op.kind.startswith("AlltoAll"):
         return "ep"
+    if op.instance.startswith(SYNC_INSTANCES):
+        return "dp"
     if par.tp > 1 and tuple(sorted(op.group)) == _tp_group(rank, par):
         return "tp"
     return "dp"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Normal, initializer
+from mindspore.ops.auto_generate import SiLU
 
 from ms_deepseek.core.dtypes import ms_dtype as to_ms_dtype  # noqa: E402,F401  (the one dtype table)
 
@@ -119,6 +120,11 @@ class MLP(nn.Cell):
         self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, **kw)
+        # named, so that the plan splits them like the column-parallel projections' output (parallel_plan/plan.py
+        # "swiglu"): left to MindSpore's default strategy under semi_auto they would split the tokens, and every
+        # layer's [B, T, I/tp] intermediate would be gathered and split again, forward and backward
+        self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
+        self.act_mul = ops.Mul()
 
     def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_mul(self.act(self.gate_proj(x)), self.up_proj(x)))  # [B, T, I] -> [B, T, H]

@@ -81,6 +81,10 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.shared_experts.gate_proj": "colwise",
     "model.layers.*.mlp.shared_experts.up_proj": "colwise",
     "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "model.layers.*.mlp.act": "swiglu",  # SiLU(gate) of a dense layer's MLP [B, T, I]
+    "model.layers.*.mlp.act_mul": "swiglu_pair",  # SiLU(gate) * up
+    "model.layers.*.mlp.shared_experts.act": "swiglu",
+    "model.layers.*.mlp.shared_experts.act_mul": "swiglu_pair",
     "model.layers.*.mlp.gate": "router",
     "model.layers.*.mlp.experts": "experts",
     # stacked adapters (model/lora.py) on the expert rows: the dropout of each projection's input and the sum
@@ -576,6 +580,13 @@ def _expert_rows_styles(mesh: Mesh, tp_last: bool, second: str = "") -> StyleSpe
     return StyleSpec(prims={"": (inputs, None)}, is_primitive=True)
 
 
+def _swiglu(mesh: Mesh, inputs: int) -> StyleSpec:
+    # SiLU(gate) and its product with up on [B, T, I]: split as the column-parallel projections leave them, batch by
+    # dp and the intermediate width by tp (MindFormers' LlamaFeedForward shards its activation and mul the same way)
+    split = (mesh.dp, 1, mesh.tp)
+    return StyleSpec(prims={"": ((split,) * inputs, None)}, is_primitive=True)
+
+
 def _placement_table(mesh: Mesh) -> StyleSpec:
     # The [E, 2] int32 table is tiny and read by every rank: replicated, not trainable.
     return StyleSpec(params={"": (1, 1)})
@@ -612,6 +623,8 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "moe_exchange": _moe_exchange,
     "combine_gather": _batch_local_gather,
     "placement_table": _placement_table,
+    "swiglu": lambda mesh: _swiglu(mesh, 1),
+    "swiglu_pair": lambda mesh: _swiglu(mesh, 2),
     "expert_rows": lambda mesh: _expert_rows_styles(mesh, tp_last=False),
     "expert_rows_tp": lambda mesh: _expert_rows_styles(mesh, tp_last=True),
     "expert_rows_pair": lambda mesh: _expert_rows_styles(mesh, tp_last=False, second="rows"),

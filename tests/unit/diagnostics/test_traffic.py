@@ -22,12 +22,15 @@ IR = """\
   %50(CNode_1) = AlltoAll(%49) primitive_attrs: {split_count: I64(8), group_rank_ids: (0, 1, 2, 3, 4, 5, 6, 7)}
       : (<Tensor[BFloat16], (1, 64, 768, 2048)>) -> (<Tensor[BFloat16], (8, 8, 768, 2048)>)
       # Fullname with scope: (Default/mlp-DeepseekV2MoE/AlltoAll-op0)
-  %60(CNode_2) = AllReduce(%59) primitive_attrs: {group_rank_ids: (0, 1), rank_size: I64(2)}
+  %60(CNode_2) = AllReduce(%59) {instance name: forward_op_123} primitive_attrs: {group_rank_ids: (0, 1), rank_size: I64(2)}
       : (<Tensor[BFloat16], (4096, 2048)>) -> (<Tensor[BFloat16], (4096, 2048)>)
       # Fullname with scope: (Default/o_proj-Linear/AllReduce-op0)
   %70(CNode_3) = Send(%69) primitive_attrs: {dest_rank: I64(8), group_rank_ids: (0, 8), sr_tag: I64(0)}
       : (<Tensor[BFloat16], (4096, 2048)>) -> (<Tensor[BFloat16], (4096, 2048)>)
       # Fullname with scope: (Default/Send-op0)
+  %80(CNode_4) = ReduceScatter(%79) {instance name: grad_parallel_optimizer_allgather_not_recompute} primitive_attrs: {group_rank_ids: (0, 1), rank_size: I64(2)}
+      : (<Tensor[Float32], (1536, 5120)>) -> (<Tensor[Float32], (768, 5120)>)
+      # Fullname with scope: (Gradients/q_a_proj-Linear/Grad__MicroStepAllGather/ReduceScatter-op0)
 """
 
 MIB = 2**20
@@ -49,13 +52,14 @@ def test_each_operator_is_read_from_its_input(ops):
         ("AlltoAll", "BFloat16", (1, 64, 768, 2048)),
         ("AllReduce", "BFloat16", (4096, 2048)),
         ("Send", "BFloat16", (4096, 2048)),
+        ("ReduceScatter", "Float32", (1536, 5120)),
     ]
     assert ops[0].group == tuple(range(8)) and ops[4].group == (0, 1)
     assert ops[2].scope.endswith("ReduceScatter-op0")
 
 
 def test_bytes_sent_on_a_ring(ops):
-    gather, cast_gather, scatter, a2a, allreduce, send = ops
+    gather, cast_gather, scatter, a2a, allreduce, send, _ = ops
     assert gather.wire_mib == pytest.approx(7 * 12800 * 2048 * 4 / MIB)  # its slice to the 7 others
     assert scatter.wire_mib == pytest.approx(7 / 8 * 102400 * 2048 * 4 / MIB)
     assert gather.wire_mib == pytest.approx(scatter.wire_mib)  # a parameter's gather and its gradient's scatter
@@ -67,11 +71,13 @@ def test_bytes_sent_on_a_ring(ops):
 
 def test_operators_sorted_to_the_axis_they_serve(ops):
     par = ParallelConfig(dp=4, tp=2, pp=2, ep=4, micro_batches=2)
-    assert [tr.axis_of(op, 0, par) for op in ops] == ["dp", "dp", "dp", "ep", "tp", "pp"]
+    # the last: a weight replicated over the tp ranks, optimizer-sharded over them; its gradient's reduce-scatter
+    # is a synchronisation (its instance name), not tensor-parallel traffic
+    assert [tr.axis_of(op, 0, par) for op in ops] == ["dp", "dp", "dp", "ep", "tp", "pp", "dp"]
     # with tp 1 a two-rank group is a data-parallel one
     assert tr.axis_of(ops[4], 0, ParallelConfig(dp=2)) == "dp"
     axes = tr.by_axis(ops, 0, par)
-    assert set(axes["dp"]) == {"AllGather", "ReduceScatter"} and axes["dp"]["AllGather"]["count"] == 2
+    assert set(axes["dp"]) == {"AllGather", "ReduceScatter"} and axes["dp"]["ReduceScatter"]["count"] == 2
     totals = tr.axis_totals(axes)
     assert totals["ep"] == pytest.approx(ops[3].wire_mib * MIB / tr.GIB, rel=1e-4)
 
