@@ -174,11 +174,6 @@ class ShardLayout:
     def describe(self) -> str:
         return f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep}" + (" opt-shard" if self.optimizer_shard else "")
 
-    def same_geometry(self, other: "ShardLayout") -> bool:
-        return self.to_json()["parallel"] == other.to_json()["parallel"] and {
-            n: t.to_json() for n, t in self.tensors.items()
-        } == {n: t.to_json() for n, t in other.tensors.items()}
-
     def for_optimizer(self) -> "ShardLayout":
         """The layout of the optimizer file (same degrees)."""
         return ShardLayout(

@@ -19,7 +19,7 @@ The rest of the operators get their strategies by MindSpore's sharding propagati
 hold no strategies and the plan stays one table. On CPU (stand-alone) the strategies
 are recorded but have no effect: the same model runs unsharded.
 
-:func:`context_kwargs` / :func:`set_parallel_context` (the context API) or
+:func:`context_kwargs` (the context API's arguments) or
 :func:`pipeline_wrap` + :func:`auto_parallel_wrap` (the ``AutoParallel`` API) set up the
 distributed run (Ascend only: SEMI/AUTO parallel cannot compile on CPU).
 """
@@ -301,20 +301,6 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
             "optimizer_level": "level1",
             "gradient_accumulation_shard": False,
         }
-    return kwargs
-
-
-def set_parallel_context(parallel: ParallelConfig, strategy_dir: Optional[str] = None) -> Dict[str, object]:
-    """Ascend / msrun: apply :func:`context_kwargs` (call after ``mindspore.communication.init``)."""
-    import mindspore as ms
-
-    kwargs = context_kwargs(parallel)
-    if strategy_dir is not None and "strategy_ckpt_config" in kwargs:
-        kwargs["strategy_ckpt_config"] = {
-            "save_file": f"{strategy_dir}/ckpt_strategy.ckpt",
-            "only_trainable_params": False,
-        }
-    ms.set_auto_parallel_context(**kwargs)
     return kwargs
 
 
