@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 import sys
 import time
 from pathlib import Path
+
+from ms_deepseek.core.atomic import atomic_write_text
 
 VERSION_BYTES = 512
 
@@ -127,9 +128,7 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".result_rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out / f"result_rank{rank}.json")
+    atomic_write_text(out / f"result_rank{rank}.json", json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "ranks"}), flush=True)
     return 0 if result["ok"] else 1
 

@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.core.atomic import PARTIAL
 from ms_deepseek.train.preempt import ACK_SUFFIX, FAILED_SUFFIX, SUPERVISOR_ENV
 
 # msrun's line (mindspore/parallel/cluster/process_entity/_api.py, join_processes)
@@ -144,9 +145,12 @@ def clear_node_entries(folder: Path, ranks, job_start: float) -> None:
     markers) and a first-failure record older than ``job_start`` (a previous job's), and nothing else: on
     a shared run folder the other nodes' entries may belong to the job this node is joining."""
     for rank in ranks:
-        for suffix in ("", ".tmp", FAILED_SUFFIX, ACK_SUFFIX):
+        # the heartbeat, its markers, and the temporary sibling of a write a killed worker left (core/atomic.py)
+        for path in [folder / f"rank_{rank}{suffix}" for suffix in ("", FAILED_SUFFIX, ACK_SUFFIX)] + list(
+            folder.glob(f".rank_{rank}{PARTIAL}*")
+        ):
             try:
-                (folder / f"rank_{rank}{suffix}").unlink()
+                path.unlink()
             except OSError:
                 pass
     try:
