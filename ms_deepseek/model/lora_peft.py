@@ -309,7 +309,7 @@ def attach_adapter(
                     f"{folder / WEIGHTS_NAME}: tensor {shown} has shape {got_s}, this base needs "
                     f"{want_s} (an adapter for another base?)"
                 )
-        lora.attach(holder, experts, r, scale, dropout, a, b, path)
+        lora.attach(holder, scale, dropout, a, b, path)
     params = {p.name: p for p in model.get_parameters()}
     for name, value in routers.items():
         if name not in params or tuple(params[name].shape) != value.shape:
