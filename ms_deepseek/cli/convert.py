@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.layout import is_sharded
-from ms_deepseek.cli.args import LAYOUT_FLAGS, positive_int, resolve_layout
+from ms_deepseek.cli.args import LAYOUT_FLAGS, add_all, arg, positive_int, resolve_layout
 from ms_deepseek.core.errors import UserError
 
 _HELP = {
@@ -50,56 +50,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("src", metavar="SRC", help="source checkpoint folder (holds config.json)")
         p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, unless --overwrite)")
         if name == "quantize":
-            p.add_argument(
-                "--bits",
-                type=int,
-                choices=(8, 4),
-                required=True,
-                help="8: int8, one scale per output channel; 4: int4, two values per byte",
-            )
-            p.add_argument(
-                "--group-size",
-                type=positive_int,
-                default=None,
-                metavar="G",
-                help="one scale per G input columns (default: one per output channel); G must divide "
-                "every quantized layer's input width",
-            )
+            add_all(p, _QUANTIZE_ARGUMENTS)
         if name != "reshard":
-            p.add_argument(
-                "--workers",
-                type=int,
-                default=DEFAULT_WORKERS,
-                help=f"output shards written in parallel (default {DEFAULT_WORKERS})",
-            )
-            p.add_argument(
-                "--shard-size",
-                default=DEFAULT_SHARD_SIZE,
-                help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
-                f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own",
-            )
+            add_all(p, _WRITER_ARGUMENTS)
         if name != "ms-to-hf":
             g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name != "reshard" else ""))
-            g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
-            g.add_argument(
-                "--set",
-                dest="overrides",
-                action="append",
-                default=[],
-                metavar="SECTION.KEY=VALUE",
-                help="recipe override (with --recipe)",
-            )
-            for flag in ("dp", "tp", "pp", "ep"):
-                g.add_argument(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
-        p.add_argument(
-            "--overwrite", action="store_true", help="replace a non-empty DST (only once the new folder is complete)"
-        )
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        p.add_argument(
-            "--no-fsync",
-            action="store_true",
-            help="skip flushing output files to disk before the final rename (faster, less safe)",
-        )
+            add_all(g, _LAYOUT_ARGUMENTS)
+        add_all(p, _OUTPUT_ARGUMENTS)
+
+
+_QUANTIZE_ARGUMENTS = (
+    arg(
+        "--bits",
+        type=int,
+        choices=(8, 4),
+        required=True,
+        help="8: int8, one scale per output channel; 4: int4, two values per byte",
+    ),
+    arg(
+        "--group-size",
+        type=positive_int,
+        default=None,
+        metavar="G",
+        help="one scale per G input columns (default: one per output channel); G must divide "
+        "every quantized layer's input width",
+    ),
+)
+_WRITER_ARGUMENTS = (
+    arg(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help=f"output shards written in parallel (default {DEFAULT_WORKERS})",
+    ),
+    arg(
+        "--shard-size",
+        default=DEFAULT_SHARD_SIZE,
+        help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
+        f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own",
+    ),
+)
+_LAYOUT_ARGUMENTS = (
+    arg("--recipe", help="take the layout from this recipe's parallel: section"),
+    arg(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="recipe override (with --recipe)",
+    ),
+) + tuple(
+    arg(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
+    for flag in ("dp", "tp", "pp", "ep")
+)
+_OUTPUT_ARGUMENTS = (
+    arg("--overwrite", action="store_true", help="replace a non-empty DST (only once the new folder is complete)"),
+    arg("--no-progress", action="store_true", help="no progress bar"),
+    arg(
+        "--no-fsync",
+        action="store_true",
+        help="skip flushing output files to disk before the final rename (faster, less safe)",
+    ),
+)
 
 
 def layout_from_args(args):

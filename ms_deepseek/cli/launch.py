@@ -21,71 +21,70 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ms_deepseek.cli.args import host, positive_int
+from ms_deepseek.cli.args import add_all, arg, host, positive_int
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument(
+ARGUMENTS = (
+    arg("recipe", help="recipe YAML"),
+    arg(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override a recipe field (passed on to every worker; repeatable)",
-    )
-    parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
-    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
-    parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
-    parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
-    parser.add_argument(
+    ),
+    arg("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)"),
+    arg("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)"),
+    arg("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1"),
+    arg("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)"),
+    arg("--master-port", type=int, default=8118, help="scheduler port on node 0"),
+    arg("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)"),
+    arg(
         "--stop-grace",
         type=positive_int,
         default=30,
         metavar="SECONDS",
         help="on SIGTERM / SIGHUP / SIGINT: seconds the workers get to save a checkpoint at their "
         "next step and exit before every process of the job is killed (default 30)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--watchdog-factor",
         type=float,
         default=10.0,
         metavar="F",
         help="stop the job (with every worker's Python stacks) when no step finished within F x "
         "the median step time, after the first step; 0: off (default 10)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--watchdog-min",
         type=positive_int,
         default=120,
         metavar="SECONDS",
         help="the watchdog never fires sooner than this after the last step (default 120)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--cluster-time-out",
         type=positive_int,
         default=600,
         help="seconds msrun waits for all workers to join (default 600)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--hccl-connect-timeout",
         type=positive_int,
         default=None,
         help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default: the environment's "
         "HCCL_CONNECT_TIMEOUT, else 600)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--hccl-exec-timeout",
         type=positive_int,
         default=None,
         help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default: the environment's "
         "HCCL_EXEC_TIMEOUT, else 1800)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--resume",
         nargs="?",
         const="latest",
@@ -93,30 +92,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
         "the run folder holds a complete checkpoint, else start fresh",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--force",
         action="store_true",
         help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
         "set the run's newer ones aside (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--allow-changes",
         action="store_true",
         help="with --resume: accept settings that differ from the run's (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--skip-damaged",
         action="store_true",
         help="with --resume: continue from the newest intact checkpoint when the newest is damaged (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--take-over",
         action="store_true",
         help="take the run folder's lease from a job you know to be dead (passed on to train)",
-    )
-    parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
-    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    ),
+    arg("--max-steps", type=positive_int, default=None, help="passed on to train"),
+    arg("--dry-run", action="store_true", help="print the command and exit"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_all(parser, ARGUMENTS)
 
 
 def msrun_executable() -> List[str]:

@@ -17,24 +17,25 @@ import argparse
 import sys
 from pathlib import Path
 
+from ms_deepseek.cli.args import add_all, arg
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (see recipes/)")
-    parser.add_argument(
+ARGUMENTS = (
+    arg("recipe", help="recipe YAML (see recipes/)"),
+    arg(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--output",
         "-o",
         default=None,
         help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--resume",
         nargs="?",
         const="latest",
@@ -43,42 +44,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
         "when --output holds a complete checkpoint, else start fresh (recipe: "
         "checkpoint.resume: auto)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--force",
         action="store_true",
         help="run even if the memory planner says the layout does not fit; with --resume of an older "
         "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--allow-changes",
         action="store_true",
         help="with --resume: accept settings that differ from the run's (each is named) even where "
         "the resumed run then differs from an uninterrupted one (steps of a schedule that "
         "depends on them, optimizer, batch, data, model, LoRA)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--skip-damaged",
         action="store_true",
         help="with --resume: when the checkpoint's files differ from the digests its state.json recorded at "
         "save time, continue from the newest intact checkpoint instead (the damaged ones are set aside as "
         "step_N.damaged-<time>); without it a damaged checkpoint is refused, naming that one",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--take-over",
         action="store_true",
         help="take the run folder's lease (RUN_DIR/.lease) from the job that holds it, which you know to be "
         "dead (a node that went down); without it a run folder held by a live job is refused, and a lease "
         "is taken over only when its holder's process is gone (same host) or its heartbeat is older than "
         "MS_DEEPSEEK_LEASE_STALE_S (600 s)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--max-steps",
         type=int,
         default=None,
         help="stop after this many steps in total (the LR schedule still spans train.steps)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    ),
+    arg("--quiet", action="store_true", help="no progress bar"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_all(parser, ARGUMENTS)
 
 
 def default_run_dir(recipe_path: str) -> Path:
