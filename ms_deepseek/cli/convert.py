@@ -146,87 +146,91 @@ def _resolve_source(src: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ms_deepseek.checkpoint import sharded
-
-    fsync, progress = not args.no_fsync, not args.no_progress
-    if args.direction == "reshard":
-        par = layout_from_args(args)
-        if par is None:
-            raise UserError("reshard: give the target layout with --recipe RECIPE or --dp/--tp/--pp/--ep")
-        src = _resolve_source(args.src)
-        if par.uses_semi_auto:
-            layout = sharded.write_sharded(src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
-            print(f"reshard: wrote {layout.world_size} rank folders ({layout.describe()}) to {args.dst}")
-        else:
-            sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
-            print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
+    directions = {"reshard": _reshard, "quantize": _quantize, "hf-to-ms": _hf_to_ms, "ms-to-hf": _ms_to_hf}
+    result = directions[args.direction](args, not args.no_fsync, not args.no_progress)
+    if result is None:  # a sharded output: its line is printed
         return 0
-    if args.direction == "quantize":
-        from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
-
-        par = layout_from_args(args)
-        if par is not None:
-            layout = quantize_sharded(
-                args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite, fsync=fsync
-            )
-            print(
-                f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}"
-            )
-            return 0
-        result = quantize_checkpoint(
-            args.src,
-            args.dst,
-            args.bits,
-            args.group_size,
-            shard_size=args.shard_size,
-            overwrite=args.overwrite,
-            progress=progress,
-            fsync=fsync,
-        )
-    elif args.direction == "hf-to-ms":
-        par = layout_from_args(args)
-        if par is not None:
-            layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
-            print(
-                f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                f"{len(layout.tensors)} tensors) to {args.dst}"
-            )
-            return 0
-        result = hf_to_ms(
-            args.src,
-            args.dst,
-            shard_size=args.shard_size,
-            workers=args.workers,
-            overwrite=args.overwrite,
-            progress=progress,
-            fsync=fsync,
-        )
-    else:
-        src = _resolve_source(args.src)
-        if is_sharded(src):
-            result = sharded.merge_to_hf(
-                src,
-                args.dst,
-                shard_size=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress=progress,
-                fsync=fsync,
-            )
-        else:
-            result = ms_to_hf(
-                src,
-                args.dst,
-                shard_size=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress=progress,
-                fsync=fsync,
-            )
     rate = result.total_bytes / max(result.seconds, 1e-9) / 1e9
     print(
         f"{args.direction}: wrote {result.num_tensors} tensors, {result.total_bytes / 1e9:.3f} GB in "
         f"{len(result.files)} file(s) to {result.dst} in {result.seconds:.1f} s ({rate:.2f} GB/s)"
     )
     return 0
+
+
+def _reshard(args: argparse.Namespace, fsync: bool, _progress: bool) -> None:
+    from ms_deepseek.checkpoint import sharded
+
+    par = layout_from_args(args)
+    if par is None:
+        raise UserError("reshard: give the target layout with --recipe RECIPE or --dp/--tp/--pp/--ep")
+    src = _resolve_source(args.src)
+    if par.uses_semi_auto:
+        layout = sharded.write_sharded(src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+        print(f"reshard: wrote {layout.world_size} rank folders ({layout.describe()}) to {args.dst}")
+    else:
+        sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
+        print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
+
+
+def _quantize(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
+
+    par = layout_from_args(args)
+    if par is not None:
+        layout = quantize_sharded(
+            args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite, fsync=fsync
+        )
+        print(
+            f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
+            f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}"
+        )
+        return None
+    return quantize_checkpoint(
+        args.src,
+        args.dst,
+        args.bits,
+        args.group_size,
+        shard_size=args.shard_size,
+        overwrite=args.overwrite,
+        progress=progress,
+        fsync=fsync,
+    )
+
+
+def _hf_to_ms(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint import sharded
+
+    par = layout_from_args(args)
+    if par is not None:
+        layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+        print(
+            f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
+            f"{len(layout.tensors)} tensors) to {args.dst}"
+        )
+        return None
+    return hf_to_ms(
+        args.src,
+        args.dst,
+        shard_size=args.shard_size,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=progress,
+        fsync=fsync,
+    )
+
+
+def _ms_to_hf(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint import sharded
+
+    src = _resolve_source(args.src)
+    write = sharded.merge_to_hf if is_sharded(src) else ms_to_hf
+    return write(
+        src,
+        args.dst,
+        shard_size=args.shard_size,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=progress,
+        fsync=fsync,
+    )

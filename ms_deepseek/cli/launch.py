@@ -259,12 +259,26 @@ def run(args: argparse.Namespace) -> int:
     if holder is not None:
         raise refusal(run_dir, holder)
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
+    full_env = _worker_env(env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = _supervise(args, recipe, cmd, full_env, run_dir)
+    if code != 0:
+        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
+    return code
+
+
+def _worker_env(env: Dict[str, str]) -> Dict[str, str]:
+    """This environment with the command's: this Python first on PATH, this package first on PYTHONPATH."""
     full_env = dict(os.environ, **env)
     full_env["PATH"] = interpreter_dir() + os.pathsep + full_env.get("PATH", "")
     # Workers must import this very package, installed or not.
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    return full_env
+
+
+def _supervise(args: argparse.Namespace, recipe, cmd: List[str], full_env: Dict[str, str], run_dir: Path) -> int:
+    """Run msrun under train/supervise.py; its exit code, with one line on stderr when it failed."""
     from ms_deepseek.train.supervise import clear_node_entries, run_supervised
 
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
@@ -293,8 +307,6 @@ def run(args: argparse.Namespace) -> int:
     elif code != 0:
         where = f"worker logs in {log_dir}" if log_dir.is_dir() else "msrun wrote no worker logs"
         print(f"ms-deepseek launch: msrun exited with {code}; {where}", file=sys.stderr)
-    if code != 0:
-        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
     return code
 
 

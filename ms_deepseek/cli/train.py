@@ -159,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
     except UserError:
         _remove_leftovers(run_dir, before)
         raise
+    return _report(args, recipe, result)
+
+
+def _report(args: argparse.Namespace, recipe, result) -> int:
+    """What the run's end says, and the exit code."""
     if result.dry_run is not None:  # MindSpore's dry run: the step compiled, a step would return placeholders
         import os
 
@@ -191,14 +196,18 @@ def run(args: argparse.Namespace) -> int:
             )
         return 128 + int(signal.Signals[result.preempted])
     if result.metrics_path is not None:  # the main worker (rank 0) reports
-        first = f" (first {result.losses[0]:.4f})" if result.losses else ""
-        print(
-            f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
-            f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s"
-        )
-        if result.checkpoint is not None:
-            print(f"checkpoint: {result.checkpoint}")
-        print(f"metrics:    {result.metrics_path}")
-        if recipe.logging.tensorboard:
-            print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
+        _report_done(recipe, result)
     return 0
+
+
+def _report_done(recipe, result) -> None:
+    first = f" (first {result.losses[0]:.4f})" if result.losses else ""
+    print(
+        f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
+        f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s"
+    )
+    if result.checkpoint is not None:
+        print(f"checkpoint: {result.checkpoint}")
+    print(f"metrics:    {result.metrics_path}")
+    if recipe.logging.tensorboard:
+        print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
