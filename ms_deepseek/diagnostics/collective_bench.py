@@ -71,14 +71,33 @@ def _decode(row) -> str:
     return bytes(int(v) for v in data if v).decode(errors="replace")
 
 
-def main(argv=None) -> int:
+def _who_runs_what(world: int) -> dict:
+    """Every rank's host and versions: AllGather of fixed-size int32 rows ([world * VERSION_BYTES] after the
+    gather)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    info = f"{socket.gethostname()}|{versions_string()}"
+    gathered = ops.AllGather()(ms.Tensor(_encode(info, VERSION_BYTES)[None, :])).asnumpy()
+    ranks = {}
+    for r in range(world):
+        host, _, vers = _decode(gathered[r]).partition("|")
+        ranks[str(r)] = {"host": host, "versions": vers}
+    return ranks
+
+
+def _parse(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for result_rank{R}.json")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
     parser.add_argument("--mb", type=float, default=64.0, help="AllReduce payload, megabytes")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
 
     import mindspore as ms
     import numpy as np
@@ -89,13 +108,7 @@ def main(argv=None) -> int:
     init()
     rank, world = get_rank(), get_group_size()
 
-    # 1. who runs what: AllGather of fixed-size int32 rows ([world * VERSION_BYTES] after the gather)
-    info = f"{socket.gethostname()}|{versions_string()}"
-    gathered = ops.AllGather()(ms.Tensor(_encode(info, VERSION_BYTES)[None, :])).asnumpy()
-    ranks = {}
-    for r in range(world):
-        host, _, vers = _decode(gathered[r]).partition("|")
-        ranks[str(r)] = {"host": host, "versions": vers}
+    ranks = _who_runs_what(world)
 
     # 2. AllReduce timing; a host read of one element waits for the result on CPU and Ascend alike
     numel = max(1, int(args.mb * 1024 * 1024) // 4)
