@@ -328,29 +328,18 @@ def build_layout(
     ``quant``: a quantized base (a QuantSpec, ``convert quantize``): each quantized weight becomes its
     stored weight and scale / offset (:func:`quantized_layouts`).
     """
-    import re
-
-    from ms_deepseek.parallel_plan.placement import placement_table
     from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
 
     plan = plan or Plan()
     mesh = Mesh.from_parallel(parallel)
     devices = parallel.dp * parallel.tp
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    experts = None
-    if cfg.n_routed_experts:
-        table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
-        experts = tuple(
-            ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r) for r in range(parallel.ep)
-        )
+    experts = _experts_of_ranks(cfg, parallel)
     out: Dict[str, TensorLayout] = {}
     for info in checkpoint_inventory(cfg, lora):
         pattern, layout = plan.param_layout(info.name, mesh)
-        style = plan.table[pattern]
-        spec = style_spec(style, mesh)
-        rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
-        match = rx.match(info.name)
-        suffix = info.name[match.end() + 1 :] if match else ""
+        spec = style_spec(plan.table[pattern], mesh)
+        suffix = _suffix_after(pattern, info.name)
         for axis, (dim, k) in enumerate(zip(info.shape, layout)):
             if dim % k:
                 raise UserError(
@@ -379,6 +368,25 @@ def build_layout(
     return ShardLayout(
         parallel.dp, parallel.tp, parallel.pp, parallel.ep, bool(parallel.optimizer_shard), out, lora=lora
     )
+
+
+def _experts_of_ranks(cfg, parallel) -> Optional[Tuple[ExpertIds, ...]]:
+    """The routed experts each expert-parallel rank holds (the placement table), None without experts."""
+    from ms_deepseek.parallel_plan.placement import placement_table
+
+    if not cfg.n_routed_experts:
+        return None
+    table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
+    return tuple(ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r) for r in range(parallel.ep))
+
+
+def _suffix_after(pattern: str, name: str) -> str:
+    """What follows the part of ``name`` the plan's ``pattern`` matched ('' when it matched none)."""
+    import re
+
+    rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+    match = rx.match(name)
+    return name[match.end() + 1 :] if match else ""
 
 
 def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayout]:
