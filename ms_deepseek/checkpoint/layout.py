@@ -328,7 +328,8 @@ def build_layout(
     ``quant``: a quantized base (a QuantSpec, ``convert quantize``): each quantized weight becomes its
     stored weight and scale / offset (:func:`quantized_layouts`).
     """
-    from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
+    from ms_deepseek.parallel_plan.plan import Plan, layer_stages, stage_of_param
+    from ms_deepseek.parallel_plan.styles import Mesh, style_spec
 
     plan = plan or Plan()
     mesh = Mesh.from_parallel(parallel)

@@ -35,8 +35,9 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan.custom_shard import custom_layouts
 from ms_deepseek.parallel_plan.placement import buffer_order, placement_table
-from ms_deepseek.parallel_plan.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
+from ms_deepseek.parallel_plan.plan import STRATEGIC_PRIMITIVES, Plan, layer_stages
 from ms_deepseek.parallel_plan.ranks import dataset_strategy
+from ms_deepseek.parallel_plan.styles import Mesh, fit_layout, style_spec
 
 
 @dataclass

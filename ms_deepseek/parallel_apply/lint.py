@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ms_deepseek.parallel_plan.custom_shard import check_custom_layouts
-from ms_deepseek.parallel_plan.plan import Mesh
+from ms_deepseek.parallel_plan.styles import Mesh
 
 Layout = Tuple[int, ...]
 
@@ -648,7 +648,7 @@ class _Linter:
         return [(p, int(port), transform or "same", sep == "<") for p in self.table if rx.fullmatch(p)]
 
     def residual_stream(self) -> None:
-        from ms_deepseek.parallel_plan.plan import hidden_split
+        from ms_deepseek.parallel_plan.styles import hidden_split
 
         name = f"the hidden stream {_fmt(hidden_split(self.mesh))} (plan.hidden_split)"
         stream = _tokens_to_rows(hidden_split(self.mesh), self.mesh)  # rows [B*T, H]
