@@ -55,6 +55,7 @@ from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import execute as ex
+from ms_deepseek.diagnostics import execute_ranks as xr
 from ms_deepseek.diagnostics.compile_check import (
     compile_environment,
     wire_factor,
@@ -329,9 +330,9 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
         for rank, (program, env) in enumerate(zip(programs, envs)):
             ids, labels = per_rank[rank][step - 1]
             env[program.inputs[0]], env[program.inputs[1]] = Tensor(ids), Tensor(labels)
-        stats: Dict[int, ex.RankStats] = {}
+        stats: Dict[int, xr.RankStats] = {}
         try:
-            outputs = ex.run_ranks(programs, [dict(e) for e in envs], world, kernels, stats)
+            outputs = xr.run_ranks(programs, [dict(e) for e in envs], world, kernels, stats)
         except ex.ExecutionError as exc:
             report.error = str(exc)
             return
