@@ -59,11 +59,11 @@ def quantize_checkpoint(
     check_groups({n: i.shape for n, i in weights.tensors.items()}, spec, "--group-size")
     check_destination(src, dst, overwrite)
 
-    planned, kinds = _plan_tensors(opened, spec)
-    shards = _cut(planned, size)
+    outputs, kinds = _output_tensors(opened, spec)
+    shards = _cut(outputs, size)
     n = len(shards)
     names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)] if n > 1 else ["model.safetensors"]
-    total = sum(t.nbytes for t in planned)
+    total = sum(t.nbytes for t in outputs)
     with atomic_folder(dst, fsync=fsync) as tmp:
         with tqdm(
             total=total,
@@ -86,11 +86,11 @@ def quantize_checkpoint(
             )
         _write_metadata(tmp, opened, src, spec, kinds)
     return ConvertResult(
-        dst=dst, files=names, num_tensors=len(planned), total_bytes=total, seconds=time.perf_counter() - start
+        dst=dst, files=names, num_tensors=len(outputs), total_bytes=total, seconds=time.perf_counter() - start
     )
 
 
-def _plan_tensors(opened, spec: QuantSpec):
+def _output_tensors(opened, spec: QuantSpec):
     """The output tensors in source order (each quantized weight as its stored weight, scale and offset, the
     rest copied), and every tensor's kind for the metadata."""
     from ms_deepseek.checkpoint.safetensors_io import OutTensor
@@ -99,7 +99,7 @@ def _plan_tensors(opened, spec: QuantSpec):
     def read(info):
         return to_float32(opened.model.read(info.name, full_slice(info.shape)), info.dtype)
 
-    planned: List[OutTensor] = []
+    outputs: List[OutTensor] = []
     kinds: Dict[str, str] = {"model_quant_type": f"W{spec.bits}A16"}
     for info in sorted(opened.weights.tensors.values(), key=lambda i: (str(i.file), i.offset)):
         if is_quantized_weight(info.name) and 0 not in info.shape:
@@ -107,9 +107,9 @@ def _plan_tensors(opened, spec: QuantSpec):
             (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
             # The weight and its scale are produced separately (the file orders wide dtypes first), each
             # from one read of the source tensor: memory holds one tensor, not a shard.
-            planned.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
-            planned.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
-            planned.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
+            outputs.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
+            outputs.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
+            outputs.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
             kinds.update(
                 {
                     q_name: kinds["model_quant_type"],
@@ -118,18 +118,18 @@ def _plan_tensors(opened, spec: QuantSpec):
                 }
             )
         else:
-            planned.append(
+            outputs.append(
                 OutTensor(info.name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),))
             )
             kinds[info.name] = "FLOAT"
-    return planned, kinds
+    return outputs, kinds
 
 
-def _cut(planned, size: int):
+def _cut(outputs, size: int):
     """The tensors in order, a new file whenever the next would take this one over ``size`` bytes."""
     shards = [[]]
     used = 0
-    for t in planned:
+    for t in outputs:
         if shards[-1] and used + t.nbytes > size:
             shards.append([])
             used = 0
