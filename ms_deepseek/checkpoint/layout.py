@@ -397,7 +397,7 @@ def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayou
     split of ``in`` must fall on a byte (int4) and on a group boundary (group-wise), else UserError naming
     the tensor. The scale and offset [.., out, in/G] split like the weight's leading and ``out`` axes and,
     group-wise, its ``in`` axis on the groups; a per-channel scale (one group) is whole on that axis, as
-    the plan's dequantisation Mul takes it (parallel_plan/plan.py, ``fit_layout``)."""
+    the plan's dequantisation Mul takes it (parallel_plan/styles.py, ``fit_layout``)."""
     entries = quantized_entries(t.name, t.shape, quant)
     (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
     k = t.split[-1]  # how many ways the input width splits

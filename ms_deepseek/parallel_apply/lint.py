@@ -398,7 +398,7 @@ class _Linter:
     def residual_stream(self) -> None:
         from ms_deepseek.parallel_plan.styles import hidden_split
 
-        name = f"the hidden stream {_fmt(hidden_split(self.mesh))} (plan.hidden_split)"
+        name = f"the hidden stream {_fmt(hidden_split(self.mesh))} (styles.hidden_split)"
         stream = tokens_to_rows(hidden_split(self.mesh), self.mesh)  # rows [B*T, H]
         for src, out, transform, _ in (x for s in RESIDUAL_PRODUCERS for x in self._expand(s)):
             if src not in self.strategies:

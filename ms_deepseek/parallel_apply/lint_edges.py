@@ -32,7 +32,7 @@ def _heads_to_rows(layout: Layout, mesh: Mesh) -> Layout:
 
 def tokens_to_rows(layout: Layout, mesh: Mesh) -> Layout:
     # [B, T, H] -> reshape [B*T, H]. A split of T survives the merge as (b * t) when each rank holds one
-    # sequence (B / b = 1), as every sequence-parallel recipe does (plan.hidden_split); otherwise MindSpore's
+    # sequence (B / b = 1), as every sequence-parallel recipe does (styles.hidden_split); otherwise MindSpore's
     # reshape redistributes (correct, with communication), which this lint does not see.
     b, t, h = layout
     return (b * t, h)
@@ -234,7 +234,7 @@ TRANSFORMS.update(
 )
 
 
-# The residual stream: the hidden states between the sub-layers, split as plan.hidden_split says ([B, T, H]; the
+# The residual stream: the hidden states between the sub-layers, split as styles.hidden_split says ([B, T, H]; the
 # lint compares it as rows [B*T, H]). Producers write into it: their output must have its layout. Consumers
 # read it: the norms' output keeps it, so the matmuls after a norm read it too. A ``>transform`` maps a
 # producer's output (or the stream, for a consumer) onto the compared form; ``<transform`` maps the consumer's own

@@ -75,7 +75,7 @@ def _stored_names(src, cfg):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"int{s.bits}")
 def test_the_plans_scale_layouts_agree_with_the_checkpoint_layout(spec):
-    """parallel_plan/plan.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
+    """parallel_plan/styles.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
     layout.json does."""
     from ms_deepseek.parallel_plan.plan import Plan
     from ms_deepseek.parallel_plan.styles import Mesh, fit_layout
