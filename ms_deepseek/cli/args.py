@@ -131,3 +131,8 @@ def add_all(parser: argparse.ArgumentParser, table) -> None:
     """Add a command's argument table (rows of :func:`arg`) to its parser, in order."""
     for flags, kwargs in table:
         parser.add_argument(*flags, **kwargs)
+
+
+def overrides_arg(help_text: str):
+    """The ``--set SECTION.KEY=VALUE`` row: recipe overrides, repeatable, into ``args.overrides``."""
+    return arg("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help_text)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.layout import is_sharded
-from ms_deepseek.cli.args import LAYOUT_FLAGS, add_all, arg, positive_int, resolve_layout
+from ms_deepseek.cli.args import LAYOUT_FLAGS, add_all, arg, overrides_arg, positive_int, resolve_layout
 from ms_deepseek.core.errors import UserError
 
 _HELP = {
@@ -92,14 +92,7 @@ _WRITER_ARGUMENTS = (
 )
 _LAYOUT_ARGUMENTS = (
     arg("--recipe", help="take the layout from this recipe's parallel: section"),
-    arg(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="recipe override (with --recipe)",
-    ),
+    overrides_arg("recipe override (with --recipe)"),
 ) + tuple(
     arg(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
     for flag in ("dp", "tp", "pp", "ep")
@@ -209,15 +202,7 @@ def _hf_to_ms(args: argparse.Namespace, fsync: bool, progress: bool):
             f"{len(layout.tensors)} tensors) to {args.dst}"
         )
         return None
-    return hf_to_ms(
-        args.src,
-        args.dst,
-        shard_size=args.shard_size,
-        workers=args.workers,
-        overwrite=args.overwrite,
-        progress=progress,
-        fsync=fsync,
-    )
+    return hf_to_ms(args.src, args.dst, **_writer_options(args, fsync, progress))
 
 
 def _ms_to_hf(args: argparse.Namespace, fsync: bool, progress: bool):
@@ -225,12 +210,11 @@ def _ms_to_hf(args: argparse.Namespace, fsync: bool, progress: bool):
 
     src = _resolve_source(args.src)
     write = sharded.merge_to_hf if is_sharded(src) else ms_to_hf
-    return write(
-        src,
-        args.dst,
-        shard_size=args.shard_size,
-        workers=args.workers,
-        overwrite=args.overwrite,
-        progress=progress,
-        fsync=fsync,
+    return write(src, args.dst, **_writer_options(args, fsync, progress))
+
+
+def _writer_options(args: argparse.Namespace, fsync: bool, progress: bool) -> dict:
+    """The keyword options of a whole-checkpoint writer (hf_to_ms, ms_to_hf, merge_to_hf)."""
+    return dict(
+        shard_size=args.shard_size, workers=args.workers, overwrite=args.overwrite, progress=progress, fsync=fsync
     )

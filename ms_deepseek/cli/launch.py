@@ -21,20 +21,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ms_deepseek.cli.args import add_all, arg, host, positive_int
+from ms_deepseek.cli.args import add_all, arg, host, overrides_arg, positive_int
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
 
 ARGUMENTS = (
     arg("recipe", help="recipe YAML"),
-    arg(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe field (passed on to every worker; repeatable)",
-    ),
+    overrides_arg("override a recipe field (passed on to every worker; repeatable)"),
     arg("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)"),
     arg("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)"),
     arg("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1"),

@@ -17,18 +17,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from ms_deepseek.cli.args import add_all, arg
+from ms_deepseek.cli.args import add_all, arg, overrides_arg
 
 ARGUMENTS = (
     arg("recipe", help="recipe YAML (see recipes/)"),
-    arg(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
-    ),
+    overrides_arg("override a recipe field, e.g. --set train.steps=100 (repeatable)"),
     arg(
         "--output",
         "-o",
