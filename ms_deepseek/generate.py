@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -355,9 +355,6 @@ def generate_batch(
         seed = _check_int("seed", seed, 0)
     rng = np.random.default_rng(seed)
 
-    from ms_deepseek.core.progress import progress_bar
-    from ms_deepseek.model.decode import cache_figures
-
     was_training = model.training
     model.set_train(False)  # eval: dropless MoE, whatever the config's capacity factor
     try:
@@ -369,38 +366,12 @@ def generate_batch(
         else:
             step = _UncachedStep(model, B, rows)
         penalty = _Penalty(state.penalty(), repetition_penalty, ids, rows)
-        done = np.zeros(B, bool)
-        reason = ["length"] * B
-        out = [list(map(int, row)) for row in ids]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(eos) if eos else 0)
-        token_s = []  # wall time of each new token: the forward that produced its logits + sampling
-        t0 = time.perf_counter()
-        logits = step(ids)  # prefill
-        bar = progress_bar(total=max_new_tokens, enabled=progress, desc="generating", unit="tok", leave=False)
-        for i in range(max_new_tokens):
-            nxt = sample(penalty(logits), rng, float(temperature), int(top_k), float(top_p))
-            nxt = np.where(done, pad, nxt).astype(np.int32)  # finished rows keep emitting padding
-            for b in range(B):
-                if not done[b]:
-                    out[b].append(int(nxt[b]))
-                    if int(nxt[b]) in eos:
-                        done[b], reason[b] = True, "eos"
-            penalty.add(nxt)
-            token_s.append(time.perf_counter() - t0)
-            bar.update(1)
-            if done.all() or i == max_new_tokens - 1:
-                break
-            t0 = time.perf_counter()
-            logits = step(nxt.reshape(B, 1))
-        bar.close()
+        sampling = (rng, float(temperature), int(top_k), float(top_p))
+        out, reason, token_s = _decode(step, penalty, ids, max_new_tokens, sampling, eos, pad, progress)
     finally:
         model.set_train(was_training)
-    figures = None
-    if use_cache:
-        fig = cache_figures(cfg)
-        figures = dict(
-            fig.as_dict(), buffer_rows=rows, buffer_bytes=fig.latent_bytes_per_token * B * rows, summary=fig.describe()
-        )
+    figures = _cache_figures(cfg, B, rows) if use_cache else None
     timings = _timings(token_s, B)
     return [
         GenerationResult(
@@ -414,6 +385,54 @@ def generate_batch(
         )
         for b in range(B)
     ]
+
+
+def _decode(step, penalty, ids: np.ndarray, max_new_tokens: int, sampling, eos: set, pad: int, progress: bool):
+    """The prefill then one token per step until every row is done or ``max_new_tokens``: (each row's ids,
+    each row's finish reason, the wall time of each new token)."""
+    from ms_deepseek.core.progress import progress_bar
+
+    B = ids.shape[0]
+    rng, temperature, top_k, top_p = sampling
+    done = np.zeros(B, bool)
+    reason = ["length"] * B
+    out = [list(map(int, row)) for row in ids]
+    token_s = []  # wall time of each new token: the forward that produced its logits + sampling
+    t0 = time.perf_counter()
+    logits = step(ids)  # prefill
+    bar = progress_bar(total=max_new_tokens, enabled=progress, desc="generating", unit="tok", leave=False)
+    for i in range(max_new_tokens):
+        nxt = sample(penalty(logits), rng, temperature, top_k, top_p)
+        nxt = np.where(done, pad, nxt).astype(np.int32)  # finished rows keep emitting padding
+        _append_tokens(nxt, out, done, reason, eos)
+        penalty.add(nxt)
+        token_s.append(time.perf_counter() - t0)
+        bar.update(1)
+        if done.all() or i == max_new_tokens - 1:
+            break
+        t0 = time.perf_counter()
+        logits = step(nxt.reshape(B, 1))
+    bar.close()
+    return out, reason, token_s
+
+
+def _append_tokens(nxt: np.ndarray, out: List[List[int]], done: np.ndarray, reason: List[str], eos: set) -> None:
+    """Each unfinished row takes its new token; a row that drew an end-of-sequence id is done."""
+    for b in range(len(out)):
+        if not done[b]:
+            out[b].append(int(nxt[b]))
+            if int(nxt[b]) in eos:
+                done[b], reason[b] = True, "eos"
+
+
+def _cache_figures(cfg, batch: int, rows: int) -> Dict[str, object]:
+    """The KV cache's figures (model/decode.py) for this batch, with its buffer's rows and bytes."""
+    from ms_deepseek.model.decode import cache_figures
+
+    fig = cache_figures(cfg)
+    return dict(
+        fig.as_dict(), buffer_rows=rows, buffer_bytes=fig.latent_bytes_per_token * batch * rows, summary=fig.describe()
+    )
 
 
 def generate(

@@ -3,7 +3,7 @@
 Both directions run the same four steps:
 
 1. open and check the source (index, headers, names, shapes, dtypes) before writing anything;
-2. plan the output shards as byte ranges of the source files (:mod:`.plan`);
+2. map the output shards as byte ranges of the source files (:mod:`.convert_map`);
 3. write the shards into a temporary sibling of the destination, ``workers`` shards at
    a time, each byte range copied in the kernel (``os.copy_file_range``) in 64 MB steps,
    so host memory stays flat whatever the model size;
@@ -112,7 +112,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def _write_shards(
-    plan: ByteMap, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int, bar, fsync: bool
+    byte_map: ByteMap, tmp: Path, file_names: List[str], metadata: Dict[str, str], workers: int, bar, fsync: bool
 ) -> None:
     lock = threading.Lock()
     cancelled = threading.Event()
@@ -124,15 +124,15 @@ def _write_shards(
             bar.update(n)
 
     def one(k: int) -> None:
-        write_file(tmp / file_names[k], plan.shards[k], metadata, on_bytes=on_bytes, fsync=fsync)
+        write_file(tmp / file_names[k], byte_map.shards[k], metadata, on_bytes=on_bytes, fsync=fsync)
 
-    workers = max(1, min(workers, len(plan.shards)))
+    workers = max(1, min(workers, len(byte_map.shards)))
     if workers == 1:
-        for k in range(len(plan.shards)):
+        for k in range(len(byte_map.shards)):
             one(k)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-        futures = [pool.submit(one, k) for k in range(len(plan.shards))]
+        futures = [pool.submit(one, k) for k in range(len(byte_map.shards))]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
         finally:
@@ -165,11 +165,13 @@ class WriteOptions:
     fsync: bool = True  # fsync every file and folder before the rename
 
 
-def _convert(src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], options: WriteOptions) -> ConvertResult:
+def _convert(
+    src, dst, direction: str, tensors_of: Callable[[WeightFiles], list], options: WriteOptions
+) -> ConvertResult:
     src = Path(src)
     parse_size(options.shard_size)
     _check_workers(options.workers)
-    return convert_with(read_weight_files(src), src, dst, direction, plan_fn, options)
+    return convert_with(read_weight_files(src), src, dst, direction, tensors_of, options)
 
 
 def _check_workers(workers) -> None:
@@ -178,7 +180,7 @@ def _check_workers(workers) -> None:
 
 
 def convert_with(
-    ckpt, src, dst, direction: str, plan_fn: Callable[[WeightFiles], list], options: WriteOptions
+    ckpt, src, dst, direction: str, tensors_of: Callable[[WeightFiles], list], options: WriteOptions
 ) -> ConvertResult:
     """Write the planned HF / ms folder for an opened source (``ckpt``: folder, config, config_path)."""
     workers, overwrite, progress, fsync = options.workers, options.overwrite, options.progress, options.fsync
@@ -186,32 +188,32 @@ def convert_with(
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     _check_workers(workers)
-    plan = shard(plan_fn(ckpt), parse_size(shard_size))
+    byte_map = shard(tensors_of(ckpt), parse_size(shard_size))
     _check_destination(src, dst, overwrite)
     new_dirs = created_parents(dst)  # removed again if the conversion fails
     dst.parent.mkdir(parents=True, exist_ok=True)
-    n = len(plan.shards)
+    n = len(byte_map.shards)
     file_names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     metadata = {"format": "ms"} if direction == "hf-to-ms" else {"format": "pt"}
     tmp = temporary_sibling(dst)
     tmp.mkdir()  # not tempfile.mkdtemp: the result keeps the user's umask, not mode 0700
     try:
-        with _progress(plan.total_bytes, direction, progress) as bar:
-            _write_shards(plan, tmp, file_names, metadata, workers, bar, fsync)
-        for k, tensors in enumerate(plan.shards):  # re-read what was written: headers only, cheap
+        with _progress(byte_map.total_bytes, direction, progress) as bar:
+            _write_shards(byte_map, tmp, file_names, metadata, workers, bar, fsync)
+        for k, tensors in enumerate(byte_map.shards):  # re-read what was written: headers only, cheap
             written = read_header(tmp / file_names[k]).tensors
             if [(t.name, t.dtype, t.shape) for t in tensors] != [(i.name, i.dtype, i.shape) for i in written.values()]:
                 raise RuntimeError(f"internal: {file_names[k]} does not hold the planned tensors")
-        weight_map = {t.name: file_names[k] for k, tensors in enumerate(plan.shards) for t in tensors}
+        weight_map = {t.name: file_names[k] for k, tensors in enumerate(byte_map.shards) for t in tensors}
         _write_json(
             tmp / INDEX_NAME,
-            {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+            {"metadata": {"total_size": byte_map.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
             fsync,
         )
         for name in CARRIED_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
-        torch_dtype = DTYPE_NAMES[plan.dtype]
+        torch_dtype = DTYPE_NAMES[byte_map.dtype]
         if direction == "hf-to-ms":
             shutil.copyfile(ckpt.config_path, tmp / "config.json")
         else:
@@ -231,8 +233,8 @@ def convert_with(
     return ConvertResult(
         dst=dst,
         files=file_names,
-        num_tensors=plan.num_tensors,
-        total_bytes=plan.total_bytes,
+        num_tensors=byte_map.num_tensors,
+        total_bytes=byte_map.total_bytes,
         seconds=time.perf_counter() - start,
     )
 

@@ -174,11 +174,6 @@ class ShardLayout:
     def describe(self) -> str:
         return f"dp{self.dp} tp{self.tp} pp{self.pp} ep{self.ep}" + (" opt-shard" if self.optimizer_shard else "")
 
-    def same_geometry(self, other: "ShardLayout") -> bool:
-        return self.to_json()["parallel"] == other.to_json()["parallel"] and {
-            n: t.to_json() for n, t in self.tensors.items()
-        } == {n: t.to_json() for n, t in other.tensors.items()}
-
     def for_optimizer(self) -> "ShardLayout":
         """The layout of the optimizer file (same degrees)."""
         return ShardLayout(
@@ -333,29 +328,19 @@ def build_layout(
     ``quant``: a quantized base (a QuantSpec, ``convert quantize``): each quantized weight becomes its
     stored weight and scale / offset (:func:`quantized_layouts`).
     """
-    import re
-
-    from ms_deepseek.parallel_plan.placement import placement_table
-    from ms_deepseek.parallel_plan.plan import Mesh, Plan, layer_stages, stage_of_param, style_spec
+    from ms_deepseek.parallel_plan.plan import Plan, layer_stages, stage_of_param
+    from ms_deepseek.parallel_plan.styles import Mesh, style_spec
 
     plan = plan or Plan()
     mesh = Mesh.from_parallel(parallel)
     devices = parallel.dp * parallel.tp
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    experts = None
-    if cfg.n_routed_experts:
-        table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
-        experts = tuple(
-            ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r) for r in range(parallel.ep)
-        )
+    experts = _experts_of_ranks(cfg, parallel)
     out: Dict[str, TensorLayout] = {}
     for info in checkpoint_inventory(cfg, lora):
         pattern, layout = plan.param_layout(info.name, mesh)
-        style = plan.table[pattern]
-        spec = style_spec(style, mesh)
-        rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
-        match = rx.match(info.name)
-        suffix = info.name[match.end() + 1 :] if match else ""
+        spec = style_spec(plan.table[pattern], mesh)
+        suffix = _suffix_after(pattern, info.name)
         for axis, (dim, k) in enumerate(zip(info.shape, layout)):
             if dim % k:
                 raise UserError(
@@ -386,6 +371,25 @@ def build_layout(
     )
 
 
+def _experts_of_ranks(cfg, parallel) -> Optional[Tuple[ExpertIds, ...]]:
+    """The routed experts each expert-parallel rank holds (the placement table), None without experts."""
+    from ms_deepseek.parallel_plan.placement import placement_table
+
+    if not cfg.n_routed_experts:
+        return None
+    table = placement_table(cfg.n_routed_experts, parallel.ep, parallel.expert_placement)
+    return tuple(ExpertIds(int(e) for e in range(cfg.n_routed_experts) if table[e, 0] == r) for r in range(parallel.ep))
+
+
+def _suffix_after(pattern: str, name: str) -> str:
+    """What follows the part of ``name`` the plan's ``pattern`` matched ('' when it matched none)."""
+    import re
+
+    rx = re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in pattern.split(".")))
+    match = rx.match(name)
+    return name[match.end() + 1 :] if match else ""
+
+
 def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayout]:
     """The layouts of a quantized weight's tensors (checkpoint/quant_format.py), from the float weight's ``t``.
 
@@ -393,7 +397,7 @@ def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayou
     split of ``in`` must fall on a byte (int4) and on a group boundary (group-wise), else UserError naming
     the tensor. The scale and offset [.., out, in/G] split like the weight's leading and ``out`` axes and,
     group-wise, its ``in`` axis on the groups; a per-channel scale (one group) is whole on that axis, as
-    the plan's dequantisation Mul takes it (parallel_plan/plan.py, ``fit_layout``)."""
+    the plan's dequantisation Mul takes it (parallel_plan/styles.py, ``fit_layout``)."""
     entries = quantized_entries(t.name, t.shape, quant)
     (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
     k = t.split[-1]  # how many ways the input width splits

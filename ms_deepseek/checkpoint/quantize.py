@@ -46,8 +46,7 @@ def quantize_checkpoint(
     from tqdm import tqdm
 
     from ms_deepseek.checkpoint.convert import ConvertResult, parse_size
-    from ms_deepseek.checkpoint.safetensors_io import OutTensor, order_for_alignment, write_file
-    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
+    from ms_deepseek.checkpoint.safetensors_io import order_for_alignment, write_file
     from ms_deepseek.checkpoint.weight_files import INDEX_NAME
     from ms_deepseek.core.atomic import atomic_folder, check_destination
 
@@ -60,43 +59,11 @@ def quantize_checkpoint(
     check_groups({n: i.shape for n, i in weights.tensors.items()}, spec, "--group-size")
     check_destination(src, dst, overwrite)
 
-    def read(info):
-        return to_float32(opened.model.read(info.name, full_slice(info.shape)), info.dtype)
-
-    planned: List[OutTensor] = []
-    kinds: Dict[str, str] = {"model_quant_type": f"W{bits}A16"}
-    for info in sorted(weights.tensors.values(), key=lambda i: (str(i.file), i.offset)):
-        if is_quantized_weight(info.name) and 0 not in info.shape:
-            entries = quantized_entries(info.name, info.shape, spec)
-            (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
-            # The weight and its scale are produced separately (the file orders wide dtypes first), each
-            # from one read of the source tensor: memory holds one tensor, not a shard.
-            planned.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
-            planned.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
-            planned.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
-            kinds.update(
-                {
-                    q_name: kinds["model_quant_type"],
-                    s_name: kinds["model_quant_type"],
-                    o_name: kinds["model_quant_type"],
-                }
-            )
-        else:
-            planned.append(
-                OutTensor(info.name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),))
-            )
-            kinds[info.name] = "FLOAT"
-    shards: List[List[OutTensor]] = [[]]
-    used = 0
-    for t in planned:
-        if shards[-1] and used + t.nbytes > size:
-            shards.append([])
-            used = 0
-        shards[-1].append(t)
-        used += t.nbytes
+    outputs, kinds = _output_tensors(opened, spec)
+    shards = _cut(outputs, size)
     n = len(shards)
     names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)] if n > 1 else ["model.safetensors"]
-    total = sum(t.nbytes for t in planned)
+    total = sum(t.nbytes for t in outputs)
     with atomic_folder(dst, fsync=fsync) as tmp:
         with tqdm(
             total=total,
@@ -119,8 +86,56 @@ def quantize_checkpoint(
             )
         _write_metadata(tmp, opened, src, spec, kinds)
     return ConvertResult(
-        dst=dst, files=names, num_tensors=len(planned), total_bytes=total, seconds=time.perf_counter() - start
+        dst=dst, files=names, num_tensors=len(outputs), total_bytes=total, seconds=time.perf_counter() - start
     )
+
+
+def _output_tensors(opened, spec: QuantSpec):
+    """The output tensors in source order (each quantized weight as its stored weight, scale and offset, the
+    rest copied), and every tensor's kind for the metadata."""
+    from ms_deepseek.checkpoint.safetensors_io import OutTensor
+    from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
+
+    def read(info):
+        return to_float32(opened.model.read(info.name, full_slice(info.shape)), info.dtype)
+
+    outputs: List[OutTensor] = []
+    kinds: Dict[str, str] = {"model_quant_type": f"W{spec.bits}A16"}
+    for info in sorted(opened.weights.tensors.values(), key=lambda i: (str(i.file), i.offset)):
+        if is_quantized_weight(info.name) and 0 not in info.shape:
+            entries = quantized_entries(info.name, info.shape, spec)
+            (q_name, q_dtype, q_shape), (s_name, _, s_shape), (o_name, _, _) = entries
+            # The weight and its scale are produced separately (the file orders wide dtypes first), each
+            # from one read of the source tensor: memory holds one tensor, not a shard.
+            outputs.append(OutTensor(q_name, q_dtype, q_shape, produce=lambda i=info: stored_array(read(i), spec)[0]))
+            outputs.append(OutTensor(s_name, "F32", s_shape, produce=lambda i=info: stored_array(read(i), spec)[1]))
+            outputs.append(OutTensor(o_name, "F32", s_shape, produce=lambda s=s_shape: np.zeros(s, np.float32)))
+            kinds.update(
+                {
+                    q_name: kinds["model_quant_type"],
+                    s_name: kinds["model_quant_type"],
+                    o_name: kinds["model_quant_type"],
+                }
+            )
+        else:
+            outputs.append(
+                OutTensor(info.name, info.dtype, tuple(info.shape), ((info.file, info.offset, info.nbytes),))
+            )
+            kinds[info.name] = "FLOAT"
+    return outputs, kinds
+
+
+def _cut(outputs, size: int):
+    """The tensors in order, a new file whenever the next would take this one over ``size`` bytes."""
+    shards = [[]]
+    used = 0
+    for t in outputs:
+        if shards[-1] and used + t.nbytes > size:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += t.nbytes
+    return shards
 
 
 def _write_metadata(tmp: Path, opened, src: Path, spec: QuantSpec, kinds: Dict[str, str]) -> None:

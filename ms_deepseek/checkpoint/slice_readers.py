@@ -187,7 +187,7 @@ class ShardedSource:
             self._headers[rank] = read_header(path).tensors
         return self._headers[rank]
 
-    def check_rank(self, rank: int, optional_prefixes: Tuple[str, ...] = ()) -> None:
+    def check_rank(self, rank: int) -> None:
         """The rank's file holds exactly its tensors, each with the slice shape and dtype the layout gives."""
         held = self.rank_tensors(rank)
         path = self.folder / rank_dir_name(rank) / self.file_name

@@ -52,15 +52,7 @@ def write_random_checkpoint(
         (name, overrides.get(name, safetensors_code(dtype)), shape) for name, shape in shapes.items()
     ]
     total = sum(numel(s) * DTYPE_SIZES[d] for _, d, s in entries)
-    target = -(-total // num_shards)
-    shards: List[List[Tuple[str, str, Tuple[int, ...]]]] = [[]]
-    size = 0
-    for entry in entries:
-        if size >= target and len(shards) < num_shards:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += numel(entry[2]) * DTYPE_SIZES[entry[1]]
+    shards = _cut(entries, total, num_shards)
     n = len(shards)
     names = [SINGLE_NAME] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     rng = np.random.default_rng(seed)
@@ -77,17 +69,36 @@ def write_random_checkpoint(
             with open(folder / file_name, "wb") as f:
                 f.write(header_bytes(tensors, {"format": "pt" if layout == "hf" else "ms"}))
                 for _name, sf_dtype, shape in tensors:
-                    left = numel(shape)
-                    while left:
-                        step = min(left, _CHUNK)
-                        start = int(rng.integers(0, len(pool) - step + 1))
-                        data = encode_array(pool[start : start + step], sf_dtype)
-                        f.write(data)
-                        bar.update(len(data))
-                        left -= step
+                    _write_random(f, numel(shape), sf_dtype, pool, rng, bar)
     if n > 1:
         (folder / INDEX_NAME).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
         )
     cfg.save(folder / "config.json", dtype=dtype)
     return folder
+
+
+def _cut(entries: List[Tuple[str, str, Tuple[int, ...]]], total: int, num_shards: int):
+    """The tensors in order, cut into at most ``num_shards`` files of roughly equal byte counts."""
+    target = -(-total // num_shards)
+    shards: List[List[Tuple[str, str, Tuple[int, ...]]]] = [[]]
+    size = 0
+    for entry in entries:
+        if size >= target and len(shards) < num_shards:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += numel(entry[2]) * DTYPE_SIZES[entry[1]]
+    return shards
+
+
+def _write_random(f, count: int, sf_dtype: str, pool, rng, bar) -> None:
+    """``count`` values drawn from ``pool`` at random offsets, encoded as ``sf_dtype``, in chunks."""
+    left = count
+    while left:
+        step = min(left, _CHUNK)
+        start = int(rng.integers(0, len(pool) - step + 1))
+        data = encode_array(pool[start : start + step], sf_dtype)
+        f.write(data)
+        bar.update(len(data))
+        left -= step

@@ -1,6 +1,6 @@
 """Tensors in and out of a model or optimizer, and the RNG state, for training checkpoints.
 
-* :func:`save_tensors` / :func:`load_tensors`: one safetensors file (our one writer; MindSpore's reader);
+* :func:`save_tensors`: one safetensors file (our one writer);
 * :func:`model_tensors`: the model's parameters under its own names (the expert placement
   table is plan data, not saved); :func:`hf_ordered` puts stacked experts back in expert
   order when a placement permuted them into buffer order (``apply.restore_expert_order``),
@@ -46,15 +46,6 @@ def host_entry(value):
 
         return (lambda: value.astype(ms.float32).asnumpy()), "BF16", tuple(value.shape)
     return value.asnumpy, safetensors_code(name), tuple(value.shape)
-
-
-def load_tensors(path: Path):
-    import mindspore as ms
-
-    try:
-        return ms.load_checkpoint(str(path), format="safetensors")
-    except Exception as exc:  # MindSpore raises assorted types for damaged files
-        raise UserError(f"{path}: cannot read checkpoint tensors ({str(exc).splitlines()[0]})") from None
 
 
 def model_tensors(model) -> Dict[str, object]:

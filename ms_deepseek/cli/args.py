@@ -120,3 +120,19 @@ def resolve_layout(args: argparse.Namespace, base):
     if ep != base.ep:
         changes["expert_placement"] = None
     return dataclasses.replace(base, **changes)
+
+
+def arg(*flags, **kwargs):
+    """One row of a command's argument table: what ``parser.add_argument`` takes."""
+    return flags, kwargs
+
+
+def add_all(parser: argparse.ArgumentParser, table) -> None:
+    """Add a command's argument table (rows of :func:`arg`) to its parser, in order."""
+    for flags, kwargs in table:
+        parser.add_argument(*flags, **kwargs)
+
+
+def overrides_arg(help_text: str):
+    """The ``--set SECTION.KEY=VALUE`` row: recipe overrides, repeatable, into ``args.overrides``."""
+    return arg("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help_text)

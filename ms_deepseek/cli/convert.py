@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.layout import is_sharded
-from ms_deepseek.cli.args import LAYOUT_FLAGS, positive_int, resolve_layout
+from ms_deepseek.cli.args import LAYOUT_FLAGS, add_all, arg, overrides_arg, positive_int, resolve_layout
 from ms_deepseek.core.errors import UserError
 
 _HELP = {
@@ -50,56 +50,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("src", metavar="SRC", help="source checkpoint folder (holds config.json)")
         p.add_argument("dst", metavar="DST", help="destination folder (must not exist or be empty, unless --overwrite)")
         if name == "quantize":
-            p.add_argument(
-                "--bits",
-                type=int,
-                choices=(8, 4),
-                required=True,
-                help="8: int8, one scale per output channel; 4: int4, two values per byte",
-            )
-            p.add_argument(
-                "--group-size",
-                type=positive_int,
-                default=None,
-                metavar="G",
-                help="one scale per G input columns (default: one per output channel); G must divide "
-                "every quantized layer's input width",
-            )
+            add_all(p, _QUANTIZE_ARGUMENTS)
         if name != "reshard":
-            p.add_argument(
-                "--workers",
-                type=int,
-                default=DEFAULT_WORKERS,
-                help=f"output shards written in parallel (default {DEFAULT_WORKERS})",
-            )
-            p.add_argument(
-                "--shard-size",
-                default=DEFAULT_SHARD_SIZE,
-                help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
-                f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own",
-            )
+            add_all(p, _WRITER_ARGUMENTS)
         if name != "ms-to-hf":
             g = p.add_argument_group("target layout" + (" (pre-sharded output)" if name != "reshard" else ""))
-            g.add_argument("--recipe", help="take the layout from this recipe's parallel: section")
-            g.add_argument(
-                "--set",
-                dest="overrides",
-                action="append",
-                default=[],
-                metavar="SECTION.KEY=VALUE",
-                help="recipe override (with --recipe)",
-            )
-            for flag in ("dp", "tp", "pp", "ep"):
-                g.add_argument(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
-        p.add_argument(
-            "--overwrite", action="store_true", help="replace a non-empty DST (only once the new folder is complete)"
-        )
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        p.add_argument(
-            "--no-fsync",
-            action="store_true",
-            help="skip flushing output files to disk before the final rename (faster, less safe)",
-        )
+            add_all(g, _LAYOUT_ARGUMENTS)
+        add_all(p, _OUTPUT_ARGUMENTS)
+
+
+_QUANTIZE_ARGUMENTS = (
+    arg(
+        "--bits",
+        type=int,
+        choices=(8, 4),
+        required=True,
+        help="8: int8, one scale per output channel; 4: int4, two values per byte",
+    ),
+    arg(
+        "--group-size",
+        type=positive_int,
+        default=None,
+        metavar="G",
+        help="one scale per G input columns (default: one per output channel); G must divide "
+        "every quantized layer's input width",
+    ),
+)
+_WRITER_ARGUMENTS = (
+    arg(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help=f"output shards written in parallel (default {DEFAULT_WORKERS})",
+    ),
+    arg(
+        "--shard-size",
+        default=DEFAULT_SHARD_SIZE,
+        help=f"maximum bytes per output file, e.g. 500MB, 5GB, 2GiB (default "
+        f"{DEFAULT_SHARD_SIZE}); a bigger tensor gets a file of its own",
+    ),
+)
+_LAYOUT_ARGUMENTS = (
+    arg("--recipe", help="take the layout from this recipe's parallel: section"),
+    overrides_arg("recipe override (with --recipe)"),
+) + tuple(
+    arg(f"--{flag}", type=positive_int, help=f"parallel.{flag} (overrides the recipe's)")
+    for flag in ("dp", "tp", "pp", "ep")
+)
+_OUTPUT_ARGUMENTS = (
+    arg("--overwrite", action="store_true", help="replace a non-empty DST (only once the new folder is complete)"),
+    arg("--no-progress", action="store_true", help="no progress bar"),
+    arg(
+        "--no-fsync",
+        action="store_true",
+        help="skip flushing output files to disk before the final rename (faster, less safe)",
+    ),
+)
 
 
 def layout_from_args(args):
@@ -133,87 +139,82 @@ def _resolve_source(src: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ms_deepseek.checkpoint import sharded
-
-    fsync, progress = not args.no_fsync, not args.no_progress
-    if args.direction == "reshard":
-        par = layout_from_args(args)
-        if par is None:
-            raise UserError("reshard: give the target layout with --recipe RECIPE or --dp/--tp/--pp/--ep")
-        src = _resolve_source(args.src)
-        if par.uses_semi_auto:
-            layout = sharded.write_sharded(src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
-            print(f"reshard: wrote {layout.world_size} rank folders ({layout.describe()}) to {args.dst}")
-        else:
-            sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
-            print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
+    directions = {"reshard": _reshard, "quantize": _quantize, "hf-to-ms": _hf_to_ms, "ms-to-hf": _ms_to_hf}
+    result = directions[args.direction](args, not args.no_fsync, not args.no_progress)
+    if result is None:  # a sharded output: its line is printed
         return 0
-    if args.direction == "quantize":
-        from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
-
-        par = layout_from_args(args)
-        if par is not None:
-            layout = quantize_sharded(
-                args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite, fsync=fsync
-            )
-            print(
-                f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}"
-            )
-            return 0
-        result = quantize_checkpoint(
-            args.src,
-            args.dst,
-            args.bits,
-            args.group_size,
-            shard_size=args.shard_size,
-            overwrite=args.overwrite,
-            progress=progress,
-            fsync=fsync,
-        )
-    elif args.direction == "hf-to-ms":
-        par = layout_from_args(args)
-        if par is not None:
-            layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
-            print(
-                f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
-                f"{len(layout.tensors)} tensors) to {args.dst}"
-            )
-            return 0
-        result = hf_to_ms(
-            args.src,
-            args.dst,
-            shard_size=args.shard_size,
-            workers=args.workers,
-            overwrite=args.overwrite,
-            progress=progress,
-            fsync=fsync,
-        )
-    else:
-        src = _resolve_source(args.src)
-        if is_sharded(src):
-            result = sharded.merge_to_hf(
-                src,
-                args.dst,
-                shard_size=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress=progress,
-                fsync=fsync,
-            )
-        else:
-            result = ms_to_hf(
-                src,
-                args.dst,
-                shard_size=args.shard_size,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress=progress,
-                fsync=fsync,
-            )
     rate = result.total_bytes / max(result.seconds, 1e-9) / 1e9
     print(
         f"{args.direction}: wrote {result.num_tensors} tensors, {result.total_bytes / 1e9:.3f} GB in "
         f"{len(result.files)} file(s) to {result.dst} in {result.seconds:.1f} s ({rate:.2f} GB/s)"
     )
     return 0
+
+
+def _reshard(args: argparse.Namespace, fsync: bool, _progress: bool) -> None:
+    from ms_deepseek.checkpoint import sharded
+
+    par = layout_from_args(args)
+    if par is None:
+        raise UserError("reshard: give the target layout with --recipe RECIPE or --dp/--tp/--pp/--ep")
+    src = _resolve_source(args.src)
+    if par.uses_semi_auto:
+        layout = sharded.write_sharded(src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+        print(f"reshard: wrote {layout.world_size} rank folders ({layout.describe()}) to {args.dst}")
+    else:
+        sharded.write_whole(src, args.dst, overwrite=args.overwrite, fsync=fsync)
+        print(f"reshard: wrote a whole checkpoint (data-parallel layouts, any dp) to {args.dst}")
+
+
+def _quantize(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
+
+    par = layout_from_args(args)
+    if par is not None:
+        layout = quantize_sharded(
+            args.src, args.dst, args.bits, args.group_size, par, overwrite=args.overwrite, fsync=fsync
+        )
+        print(
+            f"quantize: wrote {layout.world_size} rank folders ({layout.describe()}, "
+            f"{len(layout.tensors)} tensors, int{args.bits}) to {args.dst}"
+        )
+        return None
+    return quantize_checkpoint(
+        args.src,
+        args.dst,
+        args.bits,
+        args.group_size,
+        shard_size=args.shard_size,
+        overwrite=args.overwrite,
+        progress=progress,
+        fsync=fsync,
+    )
+
+
+def _hf_to_ms(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint import sharded
+
+    par = layout_from_args(args)
+    if par is not None:
+        layout = sharded.write_sharded(args.src, args.dst, par, overwrite=args.overwrite, fsync=fsync)
+        print(
+            f"hf-to-ms: wrote {layout.world_size} rank folders ({layout.describe()}, "
+            f"{len(layout.tensors)} tensors) to {args.dst}"
+        )
+        return None
+    return hf_to_ms(args.src, args.dst, **_writer_options(args, fsync, progress))
+
+
+def _ms_to_hf(args: argparse.Namespace, fsync: bool, progress: bool):
+    from ms_deepseek.checkpoint import sharded
+
+    src = _resolve_source(args.src)
+    write = sharded.merge_to_hf if is_sharded(src) else ms_to_hf
+    return write(src, args.dst, **_writer_options(args, fsync, progress))
+
+
+def _writer_options(args: argparse.Namespace, fsync: bool, progress: bool) -> dict:
+    """The keyword options of a whole-checkpoint writer (hf_to_ms, ms_to_hf, merge_to_hf)."""
+    return dict(
+        shard_size=args.shard_size, workers=args.workers, overwrite=args.overwrite, progress=progress, fsync=fsync
+    )

@@ -177,20 +177,9 @@ def generate_from_checkpoint(
     ``system`` message when given). ``compile_cache``: a folder for MindSpore's compile cache (graph mode;
     :class:`CompileCache`; it must be this process's first compile). ``kwargs`` go to
     :func:`ms_deepseek.generate.generate`."""
-    from ms_deepseek.generate import check_length, check_prompts, check_sampling, generate
+    from ms_deepseek.generate import check_length, check_prompts, generate
 
-    if (prompt is None) == (prompt_ids is None):
-        raise UserError("give exactly one of a text prompt or prompt ids")
-    if system is not None and not chat:
-        raise UserError("--system: a system message is part of the chat template; add --chat")
-    if chat and prompt is None:
-        raise UserError("--chat: the template wraps text; give --prompt TEXT (--prompt-ids are used as given)")
-    check_sampling(
-        kwargs.get("temperature", 0.0),
-        kwargs.get("top_k", 0),
-        kwargs.get("top_p", 1.0),
-        kwargs.get("repetition_penalty", 1.0),
-    )  # fail before loading anything
+    _check_request(prompt, prompt_ids, chat, system, kwargs)  # fail before loading anything
     from ms_deepseek.checkpoint.training import GENERATE, resolve_checkpoint
 
     folder = resolve_checkpoint(path, GENERATE)
@@ -202,32 +191,10 @@ def generate_from_checkpoint(
     allow_graph_depth(cfg.num_hidden_layers)  # the decoding graphs nest with depth too (the training step: ~16)
     tok = find_tokenizer(folder, tokenizer)
     if prompt is not None:
-        if tok is None:
-            raise UserError(
-                f"{folder}: no tokenizer found for a text prompt (no tokenizer.json / tokenizer.model "
-                f"here or in the folders above, no recipe.yaml naming one); pass --tokenizer PATH "
-                f"or use --prompt-ids"
-            )
-        if tok.vocab_size > cfg.vocab_size:
-            raise UserError(
-                f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
-                f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)"
-            )
-        prompt_ids = _chat_ids(tok, prompt, system, add_bos) if chat else tok.encode(prompt, add_bos=add_bos)
-        if not prompt_ids:
-            raise UserError("--prompt: the text encodes to no tokens")
-    from ms_deepseek import DeepseekV2ForCausalLM
-
+        prompt_ids = _encode_prompt(folder, tok, cfg, prompt, chat=chat, system=system, add_bos=add_bos)
     check_prompts([prompt_ids], cfg.vocab_size)  # everything the call can check, before the weights are read
     check_length(len(prompt_ids), max_new_tokens, cfg)
-    from ms_deepseek.checkpoint.opener import open_checkpoint
-
-    if open_checkpoint(folder).lora is not None:  # a LoRA run: its base with the checkpoint's adapters
-        from ms_deepseek.model.lora_export import model_with_adapters
-
-        model = model_with_adapters(folder, show_progress=kwargs.get("progress", False))
-    else:
-        model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=kwargs.get("progress", False))
+    model = _load_model(folder, kwargs.get("progress", False))
     cache = None
     if compile_cache is not None:
         from ms_deepseek.generate import graph_shapes
@@ -246,6 +213,54 @@ def generate_from_checkpoint(
         result.text = tok.decode(result.ids)
         result.completion = tok.decode(result.new_ids)
     return result
+
+
+def _check_request(prompt, prompt_ids, chat: bool, system: Optional[str], kwargs) -> None:
+    """The prompt options and the sampling settings, checked before anything is loaded."""
+    from ms_deepseek.generate import check_sampling
+
+    if (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of a text prompt or prompt ids")
+    if system is not None and not chat:
+        raise UserError("--system: a system message is part of the chat template; add --chat")
+    if chat and prompt is None:
+        raise UserError("--chat: the template wraps text; give --prompt TEXT (--prompt-ids are used as given)")
+    check_sampling(
+        kwargs.get("temperature", 0.0),
+        kwargs.get("top_k", 0),
+        kwargs.get("top_p", 1.0),
+        kwargs.get("repetition_penalty", 1.0),
+    )
+
+
+def _encode_prompt(folder: Path, tok, cfg, prompt: str, *, chat: bool, system: Optional[str], add_bos: bool):
+    """The token ids of a text prompt (as one chat turn with ``chat``), by the checkpoint's tokenizer."""
+    if tok is None:
+        raise UserError(
+            f"{folder}: no tokenizer found for a text prompt (no tokenizer.json / tokenizer.model "
+            f"here or in the folders above, no recipe.yaml naming one); pass --tokenizer PATH "
+            f"or use --prompt-ids"
+        )
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(
+            f"tokenizer {tok.files[0]}: {tok.vocab_size} tokens, more than the model's vocab_size "
+            f"{cfg.vocab_size} (wrong tokenizer for this checkpoint?)"
+        )
+    prompt_ids = _chat_ids(tok, prompt, system, add_bos) if chat else tok.encode(prompt, add_bos=add_bos)
+    if not prompt_ids:
+        raise UserError("--prompt: the text encodes to no tokens")
+    return prompt_ids
+
+
+def _load_model(folder: Path, progress: bool):
+    from ms_deepseek import DeepseekV2ForCausalLM
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+
+    if open_checkpoint(folder).lora is not None:  # a LoRA run: its base with the checkpoint's adapters
+        from ms_deepseek.model.lora_export import model_with_adapters
+
+        return model_with_adapters(folder, show_progress=progress)
+    return DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=progress)
 
 
 # ------------------------------------------------------------------ compile cache

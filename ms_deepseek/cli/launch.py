@@ -21,71 +21,63 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from ms_deepseek.cli.args import host, positive_int
+from ms_deepseek.cli.args import add_all, arg, host, overrides_arg, positive_int
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import check_output_dir, created_parents, remove_empty_dirs
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe field (passed on to every worker; repeatable)",
-    )
-    parser.add_argument("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)")
-    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    parser.add_argument("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)")
-    parser.add_argument("--master-port", type=int, default=8118, help="scheduler port on node 0")
-    parser.add_argument("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)")
-    parser.add_argument(
+ARGUMENTS = (
+    arg("recipe", help="recipe YAML"),
+    overrides_arg("override a recipe field (passed on to every worker; repeatable)"),
+    arg("--output", "-o", default=None, help="run folder (default: runs/<recipe name>)"),
+    arg("--nnodes", type=positive_int, default=1, help="number of nodes (default 1)"),
+    arg("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1"),
+    arg("--master-addr", type=host, default="127.0.0.1", help="address of node 0 (msrun scheduler)"),
+    arg("--master-port", type=int, default=8118, help="scheduler port on node 0"),
+    arg("--log-dir", default=None, help="msrun worker logs (default: RUN_DIR/msrun_logs)"),
+    arg(
         "--stop-grace",
         type=positive_int,
         default=30,
         metavar="SECONDS",
         help="on SIGTERM / SIGHUP / SIGINT: seconds the workers get to save a checkpoint at their "
         "next step and exit before every process of the job is killed (default 30)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--watchdog-factor",
         type=float,
         default=10.0,
         metavar="F",
         help="stop the job (with every worker's Python stacks) when no step finished within F x "
         "the median step time, after the first step; 0: off (default 10)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--watchdog-min",
         type=positive_int,
         default=120,
         metavar="SECONDS",
         help="the watchdog never fires sooner than this after the last step (default 120)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--cluster-time-out",
         type=positive_int,
         default=600,
         help="seconds msrun waits for all workers to join (default 600)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--hccl-connect-timeout",
         type=positive_int,
         default=None,
         help="HCCL_CONNECT_TIMEOUT: seconds to build HCCL links (default: the environment's "
         "HCCL_CONNECT_TIMEOUT, else 600)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--hccl-exec-timeout",
         type=positive_int,
         default=None,
         help="HCCL_EXEC_TIMEOUT: seconds a collective may wait (default: the environment's "
         "HCCL_EXEC_TIMEOUT, else 1800)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--resume",
         nargs="?",
         const="latest",
@@ -93,30 +85,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="workers continue from the newest checkpoint, or from PATH; 'auto': continue when "
         "the run folder holds a complete checkpoint, else start fresh",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--force",
         action="store_true",
         help="run even if the planner says it does not fit; with --resume of an older checkpoint, "
         "set the run's newer ones aside (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--allow-changes",
         action="store_true",
         help="with --resume: accept settings that differ from the run's (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--skip-damaged",
         action="store_true",
         help="with --resume: continue from the newest intact checkpoint when the newest is damaged (passed on to train)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--take-over",
         action="store_true",
         help="take the run folder's lease from a job you know to be dead (passed on to train)",
-    )
-    parser.add_argument("--max-steps", type=positive_int, default=None, help="passed on to train")
-    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    ),
+    arg("--max-steps", type=positive_int, default=None, help="passed on to train"),
+    arg("--dry-run", action="store_true", help="print the command and exit"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_all(parser, ARGUMENTS)
 
 
 def msrun_executable() -> List[str]:
@@ -255,12 +252,26 @@ def run(args: argparse.Namespace) -> int:
     if holder is not None:
         raise refusal(run_dir, holder)
     new_dirs = created_parents(run_dir / "x")  # run_dir and the parents this run creates
+    full_env = _worker_env(env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = _supervise(args, recipe, cmd, full_env, run_dir)
+    if code != 0:
+        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
+    return code
+
+
+def _worker_env(env: Dict[str, str]) -> Dict[str, str]:
+    """This environment with the command's: this Python first on PATH, this package first on PYTHONPATH."""
     full_env = dict(os.environ, **env)
     full_env["PATH"] = interpreter_dir() + os.pathsep + full_env.get("PATH", "")
     # Workers must import this very package, installed or not.
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = package_root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    return full_env
+
+
+def _supervise(args: argparse.Namespace, recipe, cmd: List[str], full_env: Dict[str, str], run_dir: Path) -> int:
+    """Run msrun under train/supervise.py; its exit code, with one line on stderr when it failed."""
     from ms_deepseek.train.supervise import clear_node_entries, run_supervised
 
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
@@ -289,8 +300,6 @@ def run(args: argparse.Namespace) -> int:
     elif code != 0:
         where = f"worker logs in {log_dir}" if log_dir.is_dir() else "msrun wrote no worker logs"
         print(f"ms-deepseek launch: msrun exited with {code}; {where}", file=sys.stderr)
-    if code != 0:
-        remove_empty_dirs(new_dirs)  # a job that wrote nothing leaves no empty run folder behind
     return code
 
 

@@ -17,24 +17,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from ms_deepseek.cli.args import add_all, arg, overrides_arg
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (see recipes/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe field, e.g. --set train.steps=100 (repeatable)",
-    )
-    parser.add_argument(
+ARGUMENTS = (
+    arg("recipe", help="recipe YAML (see recipes/)"),
+    overrides_arg("override a recipe field, e.g. --set train.steps=100 (repeatable)"),
+    arg(
         "--output",
         "-o",
         default=None,
         help="run folder for metrics.jsonl, checkpoints/, tb/ (default: runs/<recipe name>)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--resume",
         nargs="?",
         const="latest",
@@ -43,42 +37,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from the newest checkpoint of --output, or from PATH; 'auto': continue "
         "when --output holds a complete checkpoint, else start fresh (recipe: "
         "checkpoint.resume: auto)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--force",
         action="store_true",
         help="run even if the memory planner says the layout does not fit; with --resume of an older "
         "checkpoint, set the run's newer ones aside (step_N.abandoned-<time>)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--allow-changes",
         action="store_true",
         help="with --resume: accept settings that differ from the run's (each is named) even where "
         "the resumed run then differs from an uninterrupted one (steps of a schedule that "
         "depends on them, optimizer, batch, data, model, LoRA)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--skip-damaged",
         action="store_true",
         help="with --resume: when the checkpoint's files differ from the digests its state.json recorded at "
         "save time, continue from the newest intact checkpoint instead (the damaged ones are set aside as "
         "step_N.damaged-<time>); without it a damaged checkpoint is refused, naming that one",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--take-over",
         action="store_true",
         help="take the run folder's lease (RUN_DIR/.lease) from the job that holds it, which you know to be "
         "dead (a node that went down); without it a run folder held by a live job is refused, and a lease "
         "is taken over only when its holder's process is gone (same host) or its heartbeat is older than "
         "MS_DEEPSEEK_LEASE_STALE_S (600 s)",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--max-steps",
         type=int,
         default=None,
         help="stop after this many steps in total (the LR schedule still spans train.steps)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    ),
+    arg("--quiet", action="store_true", help="no progress bar"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_all(parser, ARGUMENTS)
 
 
 def default_run_dir(recipe_path: str) -> Path:
@@ -153,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
     except UserError:
         _remove_leftovers(run_dir, before)
         raise
+    return _report(args, recipe, result)
+
+
+def _report(args: argparse.Namespace, recipe, result) -> int:
+    """What the run's end says, and the exit code."""
     if result.dry_run is not None:  # MindSpore's dry run: the step compiled, a step would return placeholders
         import os
 
@@ -185,14 +189,18 @@ def run(args: argparse.Namespace) -> int:
             )
         return 128 + int(signal.Signals[result.preempted])
     if result.metrics_path is not None:  # the main worker (rank 0) reports
-        first = f" (first {result.losses[0]:.4f})" if result.losses else ""
-        print(
-            f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
-            f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s"
-        )
-        if result.checkpoint is not None:
-            print(f"checkpoint: {result.checkpoint}")
-        print(f"metrics:    {result.metrics_path}")
-        if recipe.logging.tensorboard:
-            print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")
+        _report_done(recipe, result)
     return 0
+
+
+def _report_done(recipe, result) -> None:
+    first = f" (first {result.losses[0]:.4f})" if result.losses else ""
+    print(
+        f"done: {result.steps} steps, final loss {result.final_loss:.4f}{first}, "
+        f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f}s"
+    )
+    if result.checkpoint is not None:
+        print(f"checkpoint: {result.checkpoint}")
+    print(f"metrics:    {result.metrics_path}")
+    if recipe.logging.tensorboard:
+        print(f"tensorboard: tensorboard --logdir {result.run_dir / 'tb'}")

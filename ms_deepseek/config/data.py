@@ -113,6 +113,14 @@ class DataConfig:
     validation: Optional[ValidationConfig] = None
 
     def __post_init__(self) -> None:
+        self._check_path_list()
+        self._check_numbers()
+        if self.bucket_boundaries is not None:
+            self._check_buckets()
+        self._check_embedded()
+        self._check_path()
+
+    def _check_path_list(self) -> None:
         if isinstance(self.path, list):
             if not self.path:
                 raise UserError("data.path: empty list (one folder, or a list of {path, weight})")
@@ -123,6 +131,8 @@ class DataConfig:
                 dup = next((n for n in names if names.count(n) > 1), None)
                 if dup is not None:
                     raise UserError(f"data.path: {dup} is listed twice (give it one weight)")
+
+    def _check_numbers(self) -> None:
         if self.seq_len is not None and self.seq_len < 2:
             raise UserError(f"data.seq_len: must be at least 2 (one input and one target token), got {self.seq_len}")
         check_at_most("data.seq_len", self.seq_len, MAX_TOKENS, "tokens of one sequence")
@@ -133,32 +143,36 @@ class DataConfig:
             raise UserError(f"data.seed: must be >= 0, got {self.seed}")
         if not 1 <= self.num_workers <= 64:
             raise UserError(f"data.num_workers: must be between 1 and 64, got {self.num_workers}")
-        if self.bucket_boundaries is not None:
-            b = self.bucket_boundaries
-            if not b:
-                raise UserError("data.bucket_boundaries: empty list (leave it out for automatic buckets)")
-            if any(x < 2 for x in b):
-                raise UserError(f"data.bucket_boundaries: every length must be >= 2, got {b}")
-            if any(y <= x for x, y in zip(b, b[1:])):
-                raise UserError(f"data.bucket_boundaries: must be strictly increasing, got {b}")
-            if self.seq_len is not None and b[-1] > self.seq_len:
-                raise UserError(f"data.bucket_boundaries: {b[-1]} is longer than data.seq_len {self.seq_len}")
-            # left out with a folder: checked against the folder's format when it is read; the embedded
-            # default (no data.path) is pretraining text
-            if self.format == "pretrain" or (self.format is None and self.path is None):
-                raise UserError(
-                    "data.bucket_boundaries: only used with data.format 'sft' "
-                    "(pretraining windows all have length seq_len)"
-                )
-            if isinstance(self.path, list):
-                raise UserError(
-                    "data.bucket_boundaries: a weighted mixture pads every sample to seq_len "
-                    "(no length buckets); leave it out"
-                )
+
+    def _check_buckets(self) -> None:
+        b = self.bucket_boundaries
+        if not b:
+            raise UserError("data.bucket_boundaries: empty list (leave it out for automatic buckets)")
+        if any(x < 2 for x in b):
+            raise UserError(f"data.bucket_boundaries: every length must be >= 2, got {b}")
+        if any(y <= x for x, y in zip(b, b[1:])):
+            raise UserError(f"data.bucket_boundaries: must be strictly increasing, got {b}")
+        if self.seq_len is not None and b[-1] > self.seq_len:
+            raise UserError(f"data.bucket_boundaries: {b[-1]} is longer than data.seq_len {self.seq_len}")
+        # left out with a folder: checked against the folder's format when it is read; the embedded
+        # default (no data.path) is pretraining text
+        if self.format == "pretrain" or (self.format is None and self.path is None):
+            raise UserError(
+                "data.bucket_boundaries: only used with data.format 'sft' (pretraining windows all have length seq_len)"
+            )
+        if isinstance(self.path, list):
+            raise UserError(
+                "data.bucket_boundaries: a weighted mixture pads every sample to seq_len "
+                "(no length buckets); leave it out"
+            )
+
+    def _check_embedded(self) -> None:
         if not 512 <= self.embedded_vocab_size <= 65536:
             raise UserError(f"data.embedded_vocab_size: must be between 512 and 65536, got {self.embedded_vocab_size}")
         if self.embedded_max_bytes < 10_000:
             raise UserError(f"data.embedded_max_bytes: must be at least 10000, got {self.embedded_max_bytes}")
+
+    def _check_path(self) -> None:
         if self.path is None:
             if self.format == "sft":
                 raise UserError(

@@ -117,6 +117,10 @@ _IGNORED_HF_KEYS = {
 _DTYPES = FLOAT_NAMES
 
 
+def _fail(key: str, msg: str):
+    raise UserError(f"config {key}: {msg}")
+
+
 @dataclass
 class DeepseekV2Config:
     # --- HuggingFace fields (names and meaning as in the released config.json) ---
@@ -204,9 +208,12 @@ class DeepseekV2Config:
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
-        def fail(key: str, msg: str):
-            raise UserError(f"config {key}: {msg}")
+        self._validate_shapes()
+        self._validate_settings()
+        if self.has_moe:
+            self._validate_moe()
 
+    def _validate_shapes(self) -> None:
         positive = [
             "vocab_size",
             "hidden_size",
@@ -223,66 +230,71 @@ class DeepseekV2Config:
         ]
         for key in positive:
             if getattr(self, key) <= 0:
-                fail(key, f"must be > 0, got {getattr(self, key)}")
+                _fail(key, f"must be > 0, got {getattr(self, key)}")
         if self.qk_nope_head_dim < 0:
-            fail("qk_nope_head_dim", f"must be >= 0, got {self.qk_nope_head_dim}")
+            _fail("qk_nope_head_dim", f"must be >= 0, got {self.qk_nope_head_dim}")
         if self.qk_rope_head_dim % 2:
-            fail("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+            _fail("qk_rope_head_dim", f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            fail("q_lora_rank", f"must be > 0 or null, got {self.q_lora_rank}")
+            _fail("q_lora_rank", f"must be > 0 or null, got {self.q_lora_rank}")
         if self.num_attention_heads % self.num_key_value_heads:
-            fail(
+            _fail(
                 "num_key_value_heads",
                 f"{self.num_key_value_heads} does not divide num_attention_heads {self.num_attention_heads}",
             )
+
+    def _validate_settings(self) -> None:
         if self.hidden_act != "silu":
-            fail("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
+            _fail("hidden_act", f"only 'silu' is supported, got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
-            fail("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+            _fail("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         if self.rope_theta <= 0:
-            fail("rope_theta", f"must be > 0, got {self.rope_theta}")
+            _fail("rope_theta", f"must be > 0, got {self.rope_theta}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
-            fail(
+            _fail(
                 "first_k_dense_replace",
                 f"must be in [0, num_hidden_layers={self.num_hidden_layers}], got {self.first_k_dense_replace}",
             )
         for key in ("compute_dtype", "param_dtype"):
             if getattr(self, key) not in _DTYPES:
-                fail(key, f"must be one of {', '.join(_DTYPES)}, got {getattr(self, key)!r}")
+                _fail(key, f"must be one of {', '.join(_DTYPES)}, got {getattr(self, key)!r}")
         for key in ("capacity_factor", "eval_capacity_factor"):
             if getattr(self, key) is not None and getattr(self, key) <= 0:
-                fail(key, f"must be > 0 or null (dropless), got {getattr(self, key)}")
+                _fail(key, f"must be > 0 or null (dropless), got {getattr(self, key)}")
         for key in ("aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha"):
             if getattr(self, key) < 0:
-                fail(key, f"must be >= 0, got {getattr(self, key)}")
+                _fail(key, f"must be >= 0, got {getattr(self, key)}")
         if self.expert_aux_loss_alpha is not None and self.expert_aux_loss_alpha < 0:
-            fail("expert_aux_loss_alpha", f"must be >= 0, got {self.expert_aux_loss_alpha}")
-        if not self.has_moe:
-            return
+            _fail("expert_aux_loss_alpha", f"must be >= 0, got {self.expert_aux_loss_alpha}")
+
+    def _validate_moe(self) -> None:
         E, k = self.n_routed_experts, self.num_experts_per_tok
         if self.moe_intermediate_size <= 0:
-            fail("moe_intermediate_size", f"must be > 0, got {self.moe_intermediate_size}")
+            _fail("moe_intermediate_size", f"must be > 0, got {self.moe_intermediate_size}")
         if self.n_shared_experts is not None and self.n_shared_experts < 0:
-            fail("n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+            _fail("n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
         if k is None or not 1 <= k <= E:
-            fail("num_experts_per_tok", f"must be in [1, n_routed_experts={E}], got {k}")
+            _fail("num_experts_per_tok", f"must be in [1, n_routed_experts={E}], got {k}")
         if self.scoring_func != "softmax":
-            fail("scoring_func", f"only 'softmax' is supported, got {self.scoring_func!r}")
+            _fail("scoring_func", f"only 'softmax' is supported, got {self.scoring_func!r}")
         if self.topk_method not in ("greedy", "group_limited_greedy"):
-            fail("topk_method", f"must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}")
+            _fail("topk_method", f"must be 'greedy' or 'group_limited_greedy', got {self.topk_method!r}")
         if self.topk_method == "group_limited_greedy":
-            if not self.n_group or E % self.n_group:
-                fail("n_group", f"must divide n_routed_experts={E}, got {self.n_group}")
-            if not self.topk_group or not 1 <= self.topk_group <= self.n_group:
-                fail("topk_group", f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
-            if self.topk_group * (E // self.n_group) < k:
-                fail(
-                    "topk_group",
-                    f"{self.topk_group} groups of {E // self.n_group} experts cannot hold "
-                    f"num_experts_per_tok={k} choices",
-                )
+            self._validate_group_routing()
         if self.routed_scaling_factor <= 0:
-            fail("routed_scaling_factor", f"must be > 0, got {self.routed_scaling_factor}")
+            _fail("routed_scaling_factor", f"must be > 0, got {self.routed_scaling_factor}")
+
+    def _validate_group_routing(self) -> None:
+        E, k = self.n_routed_experts, self.num_experts_per_tok
+        if not self.n_group or E % self.n_group:
+            _fail("n_group", f"must divide n_routed_experts={E}, got {self.n_group}")
+        if not self.topk_group or not 1 <= self.topk_group <= self.n_group:
+            _fail("topk_group", f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.topk_group * (E // self.n_group) < k:
+            _fail(
+                "topk_group",
+                f"{self.topk_group} groups of {E // self.n_group} experts cannot hold num_experts_per_tok={k} choices",
+            )
 
     # ------------------------------------------------------------------- I/O
     @classmethod

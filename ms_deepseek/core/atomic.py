@@ -209,21 +209,25 @@ def remove_stale_partials(dst: Path) -> list:
     return removed
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, fsync: bool = True) -> None:
     """Replace the small file ``path`` in one step (a temporary sibling, fsynced, renamed over it, the folder
-    fsynced): a reader sees the old text or the new, never a half-written file."""
+    fsynced): a reader sees the old text or the new, never a half-written file. ``fsync=False`` keeps the
+    one-step replace and skips both fsyncs, for a file rewritten every step that only live readers need
+    (a heartbeat): a host crash may lose the last write, never leave half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{PARTIAL}{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    fsync_path(path.parent)
+    if fsync:
+        fsync_path(path.parent)
 
 
 def temporary_sibling(dst: Path) -> Path:

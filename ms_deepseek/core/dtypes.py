@@ -50,11 +50,6 @@ def safetensors_code(name: str) -> str:
     return BY_NAME[name].safetensors
 
 
-def name_of(code: str) -> str:
-    """ "BF16" -> "bfloat16"."""
-    return BY_SAFETENSORS[code].name
-
-
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype given by our name or its safetensors code."""
     return (BY_NAME.get(dtype) or BY_SAFETENSORS[dtype]).itemsize

@@ -48,27 +48,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin is Union:
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        if isinstance(value, float) and not math.isfinite(value):  # before "expected float | null, got inf"
-            raise UserError(f"{where}: expected a finite number, got {value!r}")
-        others = [a for a in args if a is not type(None)]
-        if len(others) == 1 and dataclasses.is_dataclass(others[0]) and isinstance(value, Mapping):
-            return coerce(value, others[0], where)  # an optional section: keep its own error message
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, where)
-            except UserError as exc:
-                errors.append((arg, exc))
-        # a list given for a Union with one list alternative: that alternative's error names the item
-        lists = [exc for arg, exc in errors if get_origin(arg) in (list, tuple)]
-        if isinstance(value, (list, tuple)) and len(lists) == 1:
-            raise lists[0]
-        raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        return _coerce_union(value, tp, where)
     if origin is Literal:
         if value not in get_args(tp):
             raise UserError(f"{where}: must be one of {', '.join(repr(a) for a in get_args(tp))}, got {value!r}")
@@ -90,31 +70,66 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise UserError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{where}: expected a number, got {value!r}")
-        try:
-            value = float(value)
-        except OverflowError:  # an integer beyond float range (10**400)
-            raise UserError(f"{where}: {value!r} is out of range") from None
-        if not math.isfinite(value):  # YAML .inf / JSON Infinity: no setting means "infinite"
-            raise UserError(f"{where}: expected a finite number, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise UserError(f"{where}: expected a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, where)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     return value
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    if isinstance(value, float) and not math.isfinite(value):  # before "expected float | null, got inf"
+        raise UserError(f"{where}: expected a finite number, got {value!r}")
+    others = [a for a in args if a is not type(None)]
+    if len(others) == 1 and dataclasses.is_dataclass(others[0]) and isinstance(value, Mapping):
+        return coerce(value, others[0], where)  # an optional section: keep its own error message
+    errors = []
+    for arg in others:
+        try:
+            return coerce(value, arg, where)
+        except UserError as exc:
+            errors.append((arg, exc))
+    # a list given for a Union with one list alternative: that alternative's error names the item
+    lists = [exc for arg, exc in errors if get_origin(arg) in (list, tuple)]
+    if isinstance(value, (list, tuple)) and len(lists) == 1:
+        raise lists[0]
+    raise UserError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _coerce_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _coerce_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where}: expected a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range (10**400)
+        raise UserError(f"{where}: {value!r} is out of range") from None
+    if not math.isfinite(value):  # YAML .inf / JSON Infinity: no setting means "infinite"
+        raise UserError(f"{where}: expected a finite number, got {value!r}")
+    return value
+
+
+def _coerce_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise UserError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
 
 
 # ------------------------------------------------------------------------------- sane upper bounds

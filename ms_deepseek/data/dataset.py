@@ -449,12 +449,59 @@ def build_train_dataset(
         run one graph of one shape, while each data-parallel rank's SFT length buckets differ
         from batch to batch): SFT gets the single bucket seq_len. A mixture is always static.
     """
+    _check_position(batch_size, rank, world_size)
+    seed = data_cfg.seed if seed is None else seed
+    fraction = data_cfg.validation.fraction if data_cfg.validation is not None else None
+    folders, metas = _checked_sources(data_cfg, cache_dir, progress, max_positions, vocab_size)
+    seq_len = int(metas[0]["seq_len"])
+    buckets = None
+    if metas[0]["format"] == "sft":
+        buckets = [seq_len] if static_shapes else bucket_lengths(seq_len, data_cfg.bucket_boundaries)
+
+    common = dict(
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+        buckets=buckets,
+        num_workers=data_cfg.num_workers,
+        holdout_fraction=fraction,
+    )
+
+    def part(i, b, r, w, part_state=None):
+        order_key = (i,) if len(folders) > 1 else ()
+        return TrainDataset(
+            folders[i][1], metas[i], batch_size=b, rank=r, world_size=w, state=part_state, order_key=order_key, **common
+        )
+
+    if len(folders) == 1:
+        return part(0, batch_size, rank, world_size, state)
+    # each source is read sample by sample in its own seeded order; the mixture batches them
+    return _mixture(
+        [part(i, 1, 0, 1) for i in range(len(folders))], folders, (batch_size, rank, world_size), seed, state
+    )
+
+
+def _check_position(batch_size: int, rank: int, world_size: int) -> None:
     if batch_size < 1:
         raise UserError(f"batch size: must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is outside the data-parallel world of size {world_size}")
-    seed = data_cfg.seed if seed is None else seed
-    fraction = data_cfg.validation.fraction if data_cfg.validation is not None else None
+
+
+def _mixture(parts, folders, position, seed: int, state: Optional[Dict]):
+    """The weighted mixture of the sources' datasets, batched for one data-parallel ``position`` (batch size,
+    rank, world size)."""
+    from ms_deepseek.data.mixture import MixtureDataset
+
+    batch_size, rank, world_size = position
+    sources, weights = [str(f) for _, f, _ in folders], [w for _, _, w in folders]
+    return MixtureDataset(
+        parts, sources, weights, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed, state=state
+    )
+
+
+def _checked_sources(data_cfg: DataConfig, cache_dir, progress: bool, max_positions, vocab_size):
+    """The recipe's data folders ((key, folder, weight)) and their checked metadata; every source prepared
+    like the first."""
     folders = source_folders(data_cfg, cache_dir, progress)
     metas = [
         checked_meta(folder, data_cfg, key, max_positions=max_positions, vocab_size=vocab_size)
@@ -462,40 +509,4 @@ def build_train_dataset(
     ]
     for (key, folder, _), meta in zip(folders[1:], metas[1:]):
         check_same_preparation((folders[0][0], folders[0][1], metas[0]), (key, folder, meta))
-    seq_len = int(metas[0]["seq_len"])
-    buckets = None
-    if metas[0]["format"] == "sft":
-        buckets = [seq_len] if static_shapes else bucket_lengths(seq_len, data_cfg.bucket_boundaries)
-
-    def part(i, b, r, w, part_state=None):
-        return TrainDataset(
-            folders[i][1],
-            metas[i],
-            batch_size=b,
-            rank=r,
-            world_size=w,
-            seed=seed,
-            shuffle=data_cfg.shuffle,
-            buckets=buckets,
-            num_workers=data_cfg.num_workers,
-            state=part_state,
-            holdout_fraction=fraction,
-            order_key=(i,) if len(folders) > 1 else (),
-        )
-
-    if len(folders) == 1:
-        return part(0, batch_size, rank, world_size, state)
-    from ms_deepseek.data.mixture import MixtureDataset
-
-    # each source is read sample by sample in its own seeded order; the mixture batches them
-    parts = [part(i, 1, 0, 1) for i in range(len(folders))]
-    return MixtureDataset(
-        parts,
-        [str(f) for _, f, _ in folders],
-        [w for _, _, w in folders],
-        batch_size=batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        state=state,
-    )
+    return folders, metas

@@ -183,7 +183,7 @@ class MixtureDataset:
             self._order_cache[key] = self.parts[s].epoch_order(epoch)
         return int(self._order_cache[key][pos])
 
-    def window_plan(self, start: int, steps: int):
+    def window_draws(self, start: int, steps: int):
         """For ``steps`` steps from stream position ``start``: (source, sample index) of this rank's rows,
         in batch order [steps * B] each."""
         G = self.world_size * self.batch_size
@@ -221,7 +221,7 @@ class MixtureDataset:
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         B, G = self.batch_size, self.world_size * self.batch_size
         while True:
-            src, idx = self.window_plan(self.samples, WINDOW)
+            src, idx = self.window_draws(self.samples, WINDOW)
             rows = self._read(src, idx)
             for t in range(WINDOW):
                 self.samples += G

@@ -105,7 +105,7 @@ class ShardWriter:
     def __enter__(self) -> "ShardWriter":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, *_exc_info) -> None:
         if not self._installed:
             shutil.rmtree(self.tmp, ignore_errors=True)
             remove_empty_dirs(self._new_dirs)

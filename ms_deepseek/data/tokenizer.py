@@ -66,10 +66,6 @@ class Tokenizer(ABC):
     def _encode(self, text: str) -> List[int]:
         """Token ids of ``text`` without special tokens."""
 
-    @property
-    def special_ids(self) -> set:
-        return {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
-
     def sha256(self) -> str:
         """Hash of the defining files' bytes (not their names: ``tok.model`` and ``tokenizer.model``
         holding the same bytes are one tokenizer), the main file first, each prefixed by its length."""

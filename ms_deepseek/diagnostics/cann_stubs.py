@@ -406,27 +406,7 @@ def build_level1_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
                 f"-Wl,-soname,{core}",
             ]
         )
-        empty = tmp / "empty.c"
-        empty.write_text("/* a CANN library: its symbols come from libacl_stub_core.so */\n")
-        for name in sorted(set(closure.missing) | set(acl_libs)):
-            target = lib64 / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            rpath = "$ORIGIN" if target.parent == lib64 else "$ORIGIN/.."
-            _run(
-                [
-                    cc,
-                    "-shared",
-                    "-fPIC",
-                    "-o",
-                    str(target),
-                    str(empty),
-                    f"-Wl,-soname,{Path(name).name}",
-                    "-Wl,--no-as-needed",
-                    f"-L{lib64}",
-                    "-l" + core[3:-3],
-                    f"-Wl,-rpath,{rpath}",
-                ]
-            )
+        _link_to_core(cc, tmp, lib64, core, sorted(set(closure.missing) | set(acl_libs)))
         _write_support(tmp, ms_dir)
         (tmp / "MANIFEST").write_text(
             "\n".join(
@@ -444,6 +424,31 @@ def build_level1_stubs(dest: Path, ms_dir: Optional[Path] = None) -> StubSet:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _link_to_core(cc: str, tmp: Path, lib64: Path, core: str, libraries) -> None:
+    """Each CANN library name as an empty library that links the core stub (which defines every symbol)."""
+    empty = tmp / "empty.c"
+    empty.write_text("/* a CANN library: its symbols come from libacl_stub_core.so */\n")
+    for name in libraries:
+        target = lib64 / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        rpath = "$ORIGIN" if target.parent == lib64 else "$ORIGIN/.."
+        _run(
+            [
+                cc,
+                "-shared",
+                "-fPIC",
+                "-o",
+                str(target),
+                str(empty),
+                f"-Wl,-soname,{Path(name).name}",
+                "-Wl,--no-as-needed",
+                f"-L{lib64}",
+                "-l" + core[3:-3],
+                f"-Wl,-rpath,{rpath}",
+            ]
+        )
 
 
 def _write_support(tmp: Path, ms_dir: Path) -> None:

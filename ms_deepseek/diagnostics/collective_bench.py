@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import socket
 import sys
 import time
 from pathlib import Path
+
+from ms_deepseek.core.atomic import atomic_write_text
 
 VERSION_BYTES = 512
 
@@ -70,14 +71,33 @@ def _decode(row) -> str:
     return bytes(int(v) for v in data if v).decode(errors="replace")
 
 
-def main(argv=None) -> int:
+def _who_runs_what(world: int) -> dict:
+    """Every rank's host and versions: AllGather of fixed-size int32 rows ([world * VERSION_BYTES] after the
+    gather)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    info = f"{socket.gethostname()}|{versions_string()}"
+    gathered = ops.AllGather()(ms.Tensor(_encode(info, VERSION_BYTES)[None, :])).asnumpy()
+    ranks = {}
+    for r in range(world):
+        host, _, vers = _decode(gathered[r]).partition("|")
+        ranks[str(r)] = {"host": host, "versions": vers}
+    return ranks
+
+
+def _parse(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for result_rank{R}.json")
     parser.add_argument("--device", choices=["CPU", "Ascend"], default="CPU")
     parser.add_argument("--mb", type=float, default=64.0, help="AllReduce payload, megabytes")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
 
     import mindspore as ms
     import numpy as np
@@ -88,13 +108,7 @@ def main(argv=None) -> int:
     init()
     rank, world = get_rank(), get_group_size()
 
-    # 1. who runs what: AllGather of fixed-size int32 rows ([world * VERSION_BYTES] after the gather)
-    info = f"{socket.gethostname()}|{versions_string()}"
-    gathered = ops.AllGather()(ms.Tensor(_encode(info, VERSION_BYTES)[None, :])).asnumpy()
-    ranks = {}
-    for r in range(world):
-        host, _, vers = _decode(gathered[r]).partition("|")
-        ranks[str(r)] = {"host": host, "versions": vers}
+    ranks = _who_runs_what(world)
 
     # 2. AllReduce timing; a host read of one element waits for the result on CPU and Ascend alike
     numel = max(1, int(args.mb * 1024 * 1024) // 4)
@@ -127,9 +141,7 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".result_rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out / f"result_rank{rank}.json")
+    atomic_write_text(out / f"result_rank{rank}.json", json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "ranks"}), flush=True)
     return 0 if result["ok"] else 1
 

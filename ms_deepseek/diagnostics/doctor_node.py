@@ -230,7 +230,6 @@ def run_collective_job(ctx: DoctorContext, scope: str) -> dict:
 
     def compute():
         npu = has_npu(ctx) and npu_state(ctx)[0] == "ok"
-        device = "Ascend" if npu else "CPU"
         local = ctx.bench_workers or (len(npu_state(ctx)[2]) if npu else 2)
         if scope == "node":
             world, addr, port, node_rank = local, "127.0.0.1", _free_port(), 0
@@ -240,8 +239,6 @@ def run_collective_job(ctx: DoctorContext, scope: str) -> dict:
                 return {"ok": False, "error": "no master address (--master-addr or MS_SCHED_HOST)"}
             world, port = local * ctx.nodes, ctx.master_port
             node_rank = ctx.node_rank if ctx.node_rank is not None else 0
-        mb = ctx.bench_mb if npu else min(ctx.bench_mb, 8.0)
-        script = Path(__file__).with_name("collective_bench.py")
         repo = str(Path(__file__).resolve().parents[2])
         env = {
             "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
@@ -250,53 +247,50 @@ def run_collective_job(ctx: DoctorContext, scope: str) -> dict:
         }
         with tempfile.TemporaryDirectory(prefix="ms_deepseek_bench_") as tmp:
             out, logs = Path(tmp) / "out", Path(tmp) / "logs"
-            argv = [
-                sys.executable,
-                "-m",
-                "mindspore.parallel.cluster.run",
+            msrun = [
                 f"--worker_num={world}",
                 f"--local_worker_num={local}",
                 f"--master_addr={addr}",
                 f"--master_port={port}",
                 f"--node_rank={node_rank}",
                 f"--log_dir={logs}",
-                "--join=True",
-                f"--cluster_time_out={int(min(ctx.timeout, 600))}",
-                str(script),
-                "--out",
-                str(out),
-                "--device",
-                device,
-                "--mb",
-                str(mb),
-                "--iters",
-                "20" if npu else "5",
             ]
-            result = ctx.probe.run(argv, timeout=ctx.timeout, env=env, cwd=tmp)
-            files = (
-                sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.split("rank")[1]))
-                if out.exists()
-                else []
-            )
-            if files:
-                data = json.loads(files[0].read_text())
-                data["local_workers"] = local
-                return data
-            reason = (
-                "msrun did not start"
-                if result is None
-                else ("timed out" if result.returncode == 124 else f"msrun exit code {result.returncode}")
-            )
-            for log in sorted(logs.glob("worker_*.log")) if logs.exists() else []:
-                errs = [
-                    ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln.lower()
-                ]
-                if errs:
-                    reason += f"; {log.name}: {errs[-1].strip()[:200]}"
-                    break
-            return {"ok": False, "error": reason}
+            result = ctx.probe.run(_bench_argv(ctx, npu, msrun, out), timeout=ctx.timeout, env=env, cwd=tmp)
+            return _bench_result(result, out, logs, local)
 
     return ctx.memo(f"bench:{scope}", compute)
+
+
+def _bench_argv(ctx: DoctorContext, npu: bool, msrun: List[str], out: Path) -> List[str]:
+    """msrun (its module form) with the job's ``msrun`` options, running collective_bench.py into ``out``."""
+    mb = ctx.bench_mb if npu else min(ctx.bench_mb, 8.0)
+    script = Path(__file__).with_name("collective_bench.py")
+    return (
+        [sys.executable, "-m", "mindspore.parallel.cluster.run"]
+        + msrun
+        + ["--join=True", f"--cluster_time_out={int(min(ctx.timeout, 600))}", str(script)]
+        + ["--out", str(out), "--device", "Ascend" if npu else "CPU", "--mb", str(mb), "--iters", "20" if npu else "5"]
+    )
+
+
+def _bench_result(result, out: Path, logs: Path, local: int) -> dict:
+    """The lowest rank's result file, else why there is none (msrun's exit, a worker log's last error line)."""
+    files = sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.split("rank")[1])) if out.exists() else []
+    if files:
+        data = json.loads(files[0].read_text())
+        data["local_workers"] = local
+        return data
+    reason = (
+        "msrun did not start"
+        if result is None
+        else ("timed out" if result.returncode == 124 else f"msrun exit code {result.returncode}")
+    )
+    for log in sorted(logs.glob("worker_*.log")) if logs.exists() else []:
+        errs = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln.lower()]
+        if errs:
+            reason += f"; {log.name}: {errs[-1].strip()[:200]}"
+            break
+    return {"ok": False, "error": reason}
 
 
 def _bw_text(res: dict) -> str:

@@ -4,7 +4,7 @@ A dry-run compile (``plan --compile``) hands back each rank's compiled training 
 (``_cell_graph_executor._get_func_graph_proto(cell, exec_id, "mind_ir")``, ``mindspore.train.mind_ir_pb2``):
 one flat list of nodes in a valid execution order for that rank, after MindSpore's parallel passes, with
 this rank's slice shapes, every collective MindSpore inserted, the backward and the optimizer update
-(``mindspore/train/mind_ir_pb2.py``; ``mindspore/common/api.py`` ``_CellGraphExecutor``). :class:`RankProgram` decodes one such list; :func:`run_ranks` executes
+(``mindspore/train/mind_ir_pb2.py``; ``mindspore/common/api.py`` ``_CellGraphExecutor``). :class:`RankProgram` decodes one such list; :func:`.execute_ranks.run_ranks` executes
 all ranks' lists together:
 
 * every computing primitive runs on MindSpore's own CPU kernel, called in PyNative with the inputs the node
@@ -33,9 +33,8 @@ from __future__ import annotations
 import inspect
 import math
 import operator
-from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -307,7 +306,7 @@ class Kernels:
                 return lambda a: prim(*a)
             if not all(_is_constant(x) for x in args[len(args) - k :]):
                 return None
-            prim = cls(*[_python(x) for x in args[len(args) - k :]])
+            prim = cls(*[python_value(x) for x in args[len(args) - k :]])
             return lambda a: prim(*a[: len(a) - k])
         names = _init_parameters(cls)
         kwargs = {n: node.attrs[n] for n in names if n in node.attrs and node.attrs[n] is not None}
@@ -320,7 +319,7 @@ class Kernels:
     def _call_function(self, node: Node, args: list):
         cls = _primitive_class(node.op)
         k = len(_init_parameters(cls))
-        prim = cls(*[_python(x) for x in args[len(args) - k :]])
+        prim = cls(*[python_value(x) for x in args[len(args) - k :]])
         return prim(*args[: len(args) - k])
 
 
@@ -331,7 +330,7 @@ def _scalar_call(fn: Callable, args: list):
 
     tensors = [a for a in args if isinstance(a, Tensor)]
     if not tensors:
-        return fn(*[_python(x) for x in args])
+        return fn(*[python_value(x) for x in args])
     out = np.asarray(fn(*[a.asnumpy() if isinstance(a, Tensor) else a for a in args]))
     if out.dtype != np.bool_:
         out = out.astype(tensors[0].asnumpy().dtype)
@@ -344,269 +343,10 @@ def _is_constant(x) -> bool:
     return not isinstance(x, Tensor) or x.size == 1
 
 
-def _python(x):
+def python_value(x):
     """An init argument as the primitive's ``__init__`` takes it (a one-element tensor as a Python scalar)."""
     from mindspore import Tensor
 
     if isinstance(x, Tensor):
         return x.asnumpy().item()
     return x
-
-
-# --------------------------------------------------------------------------------- collectives
-@dataclass
-class Request:
-    """What a rank asks of the others at a communication node."""
-
-    rank: int
-    node: Node
-    value: Optional[np.ndarray]  # the input (None for Receive)
-    group: Tuple[int, ...]  # world ranks of the group, in group order
-
-
-@dataclass
-class CommStats:
-    count: int = 0
-    bytes: int = 0
-
-
-@dataclass
-class RankStats:
-    operators: int = 0
-    comm: Dict[Tuple[str, Tuple[int, ...]], CommStats] = field(default_factory=lambda: defaultdict(CommStats))
-
-
-def group_of(node: Node, world: int) -> Tuple[int, ...]:
-    ids = node.attrs.get("group_rank_ids")
-    if ids:
-        return tuple(int(i) for i in ids)
-    ranks = node.attrs.get("group_ranks")
-    if isinstance(ranks, str) and ranks and ranks != "WORLD_GROUP":
-        return tuple(int(i) for i in ranks.split("-"))
-    return tuple(range(world))
-
-
-def _collective(kind: str, node: Node, values: List[np.ndarray]) -> List[np.ndarray]:
-    """MindSpore's semantics (``mindspore/ops/operations/comm_ops.py`` docstrings): the group's inputs in group
-    order -> each member's output."""
-    n = len(values)
-    if kind == "AllReduce":
-        op = node.attrs.get("op", "sum")
-        reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}.get(op)
-        if reduce is None:
-            raise ExecutionError(f"AllReduce with op {op!r}: not supported")
-        total = values[0].copy()
-        for v in values[1:]:
-            total = reduce(total, v)
-        return [total] * n
-    if kind in ("AllGather", "_MicroStepAllGather"):
-        return [np.concatenate(values, axis=0)] * n
-    if kind == "ReduceScatter":
-        total = values[0].copy()
-        for v in values[1:]:
-            total = total + v
-        return list(np.split(total, n, axis=0))
-    if kind == "AlltoAll":
-        split, concat = int(node.attrs["split_dim"]), int(node.attrs["concat_dim"])
-        chunks = [np.split(v, n, axis=split) for v in values]
-        return [np.concatenate([chunks[i][j] for i in range(n)], axis=concat) for j in range(n)]
-    if kind == "Broadcast":
-        root = int(node.attrs.get("root_rank", 0))
-        return [values[root]] * n
-    raise ExecutionError(f"collective {kind}: not supported")
-
-
-# ------------------------------------------------------------------------------------- running
-def _compute(program: RankProgram, node: Node, raw: list, kernels: Kernels):
-    """One computing node's output from its evaluated inputs."""
-    from mindspore import Tensor
-
-    op = node.op
-    if op == "Load":  # the parameter's value now (a copy: a later in-place update must not change it)
-        return Tensor(raw[0].asnumpy()) if isinstance(raw[0], Tensor) else raw[0]
-    if op == "Depend":
-        return raw[0]
-    if op == "UpdateState":
-        return MONAD
-    if op == "MakeTuple":
-        return tuple(raw)
-    if op == "TupleGetItem":
-        return raw[0][int(_python(raw[1]))]
-    args = [a for a in raw if a is not MONAD]
-    try:
-        return kernels.call(node, args)
-    except ExecutionError:
-        raise
-    except Exception as exc:  # MindSpore's kernel refused the inputs: name the node
-        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExecutionError(
-            f"rank {program.rank}: {node.op} at {node.scope or node.output} failed on inputs {shapes}: {first}"
-        ) from None
-
-
-class _Rank:
-    """One rank's execution state: its values, the nodes not yet run, and the order its communication must keep.
-
-    A rank runs like a device with communication streams: a node runs once its inputs exist (the graph's data
-    and monad edges carry every ordering MindSpore keeps), so a ``Receive`` that waits does not stop the nodes
-    that do not need it (a 1F1B stage sends its next forward while the previous backward's gradient is on its
-    way). Collectives of one group, and point-to-point messages of one peer and tag, keep the program's order,
-    as HCCL pairs them by issue order."""
-
-    def __init__(self, program: RankProgram, env: Dict[str, object], stats: RankStats):
-        self.program, self.env, self.stats = program, env, stats
-        self.pending: List[Node] = list(program.nodes)
-        self.posted: Dict[int, "Request"] = {}  # id(node) -> its request, while it waits
-        # per group: the collectives in program order; the next one is the only one this rank may post
-        self.next_of_group: Dict[Tuple[int, ...], List[int]] = defaultdict(list)
-
-    def value(self, name: str):
-        if name in self.env:
-            return self.env[name]
-        return self.program.constants[name]
-
-    def ready(self, node: Node) -> bool:
-        return all(i in self.env or i in self.program.constants for i in node.inputs)
-
-
-def run_ranks(
-    programs: Sequence[RankProgram],
-    envs: Sequence[Dict[str, object]],
-    world: int,
-    kernels: Optional[Kernels] = None,
-    stats: Optional[Dict[int, RankStats]] = None,
-) -> Dict[int, object]:
-    """Run every rank's program once (one training step); returns rank -> the program's output. ``envs``: per
-    rank, the graph's inputs and parameters by their graph names (Parameters for the parameters); each rank's
-    computed values are added to its env."""
-    import mindspore as ms
-    from mindspore import Tensor
-
-    ms.runtime.launch_blocking()  # a kernel's error belongs to its node, not to a later host read
-    kernels = kernels or Kernels()
-    stats = stats if stats is not None else {}
-    ranks: Dict[int, _Rank] = {}
-    for program, env in zip(programs, envs):
-        stats.setdefault(program.rank, RankStats())
-        ranks[program.rank] = _Rank(program, env, stats[program.rank])
-        for node in program.nodes:
-            if node.op in COLLECTIVES:
-                ranks[program.rank].next_of_group[group_of(node, world)].append(id(node))
-    messages: Dict[Tuple[int, int, int], List[np.ndarray]] = defaultdict(list)  # (src, dst, tag) -> queue
-    arrivals: Dict[Tuple[Tuple[int, ...], int], Dict[int, Request]] = {}
-    issued: Dict[Tuple[int, Tuple[int, ...]], int] = defaultdict(int)  # (rank, group) -> collectives posted
-
-    def finish(rank: _Rank, node: Node, out) -> None:
-        rank.env[node.output] = out
-        rank.stats.operators += 1
-
-    while any(r.pending for r in ranks.values()):
-        progressed = False
-        for rank in ranks.values():
-            still: List[Node] = []
-            for node in rank.pending:
-                if node.output in rank.env:  # a collective completed since the last pass
-                    progressed = True
-                    continue
-                if id(node) in rank.posted or not rank.ready(node):
-                    still.append(node)
-                    continue
-                op = node.op
-                if op in COLLECTIVES:
-                    group = group_of(node, world)
-                    if rank.next_of_group[group][0] != id(node):  # an earlier collective of its group first
-                        still.append(node)
-                        continue
-                    rank.next_of_group[group].pop(0)
-                    req = _request(rank, node, world)
-                    key = (group, issued[(rank.program.rank, group)])
-                    issued[(rank.program.rank, group)] += 1
-                    arrivals.setdefault(key, {})[rank.program.rank] = req
-                    rank.posted[id(node)] = req
-                    still.append(node)
-                elif op == "Send":
-                    req = _request(rank, node, world)
-                    # dest_rank / src_rank index the primitive's group (the world group under a pipeline)
-                    dst = group_of(node, world)[int(node.attrs.get("dest_rank", 0))]
-                    messages[(rank.program.rank, dst, int(node.attrs.get("sr_tag", 0)))].append(req.value)
-                    _count(rank, node, world, req.value)
-                    finish(rank, node, None)
-                elif op == "Receive":
-                    src = group_of(node, world)[int(node.attrs.get("src_rank", 0))]
-                    queue = messages.get((src, rank.program.rank, int(node.attrs.get("sr_tag", 0))))
-                    if not queue:
-                        still.append(node)
-                        continue
-                    value = queue.pop(0)
-                    _count(rank, node, world, None)
-                    finish(rank, node, Tensor(value))
-                else:
-                    finish(rank, node, _compute(rank.program, node, [rank.value(i) for i in node.inputs], kernels))
-                progressed = True
-            rank.pending = still
-        for key in [k for k, v in arrivals.items() if set(v) == set(k[0])]:
-            members = arrivals.pop(key)
-            _check_agree(members)
-            group = key[0]
-            first = members[group[0]].node
-            outputs = _collective(first.op, first, [members[r].value for r in group])
-            for r, out in zip(group, outputs):
-                req = members[r]
-                rank = ranks[r]
-                del rank.posted[id(req.node)]
-                _count(rank, req.node, world, req.value)
-                finish(rank, req.node, Tensor(out))
-            progressed = True
-        if not progressed:
-            waiting = {
-                r.program.rank: next(iter(r.posted.values()), None) or _request(r, r.pending[0], world, value=False)
-                for r in ranks.values()
-                if r.pending
-            }
-            done = [r.program.rank for r in ranks.values() if not r.pending]
-            raise ExecutionError(_deadlock(waiting, done))
-    return {r: rank.env[rank.program.output] for r, rank in ranks.items()}
-
-
-def _request(rank: _Rank, node: Node, world: int, value: bool = True) -> Request:
-    from mindspore import Tensor
-
-    args = [rank.value(i) for i in node.inputs if i in rank.env or i in rank.program.constants] if value else []
-    args = [a for a in args if a is not MONAD]
-    x = args[0].asnumpy() if args and isinstance(args[0], Tensor) else None
-    return Request(rank.program.rank, node, x, group_of(node, world))
-
-
-def _count(rank: _Rank, node: Node, world: int, value: Optional[np.ndarray]) -> None:
-    entry = rank.stats.comm[(node.op, group_of(node, world))]
-    entry.count += 1
-    entry.bytes += 0 if value is None else value.nbytes
-
-
-def _check_agree(members: Dict[int, Request]) -> None:
-    ranks = sorted(members)
-    first = members[ranks[0]]
-    for r in ranks[1:]:
-        other = members[r]
-        same_op = other.node.op == first.node.op
-        same_shape = first.node.op == "AlltoAll" or first.value is None or other.value.shape == first.value.shape
-        same_dtype = first.value is None or other.value.dtype == first.value.dtype
-        if not (same_op and same_shape and same_dtype):
-            raise ExecutionError(
-                f"ranks {ranks[0]} and {r} disagree at their collective over group {sorted(members)}: rank "
-                f"{ranks[0]} {first.node.op} {_desc(first.value)} at {first.node.scope or first.node.output}, rank {r} "
-                f"{other.node.op} {_desc(other.value)} at {other.node.scope or other.node.output}"
-            )
-
-
-def _desc(value: Optional[np.ndarray]) -> str:
-    return "" if value is None else f"{list(value.shape)} {value.dtype}"
-
-
-def _deadlock(waiting: Dict[int, Request], done: List[int]) -> str:
-    text = "; ".join(
-        f"rank {r} at {req.node.op} over {list(req.group)} ({req.node.scope or req.node.output})"
-        for r, req in sorted(waiting.items())
-    )
-    return f"deadlock: {text}" + (f"; finished: ranks {sorted(done)}" if done else "")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
@@ -96,8 +96,18 @@ def _per_source_validation(records) -> List[str]:
     return keys
 
 
-def build_plots(records) -> List[str]:
-    parts = []
+def _step_values(records, value_of) -> Tuple[List[int], List[float]]:
+    """(steps, values) of the records where ``value_of(record)`` is a number (not a bool)."""
+    xs, ys = [], []
+    for r in records:
+        v = value_of(r)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(int(r.get("step", 0)))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _loss_plot(records) -> List[str]:
     steps, loss = xy(records, "loss")
     ts, total = xy(records, "total_loss")
     per_source = [
@@ -110,7 +120,7 @@ def build_plots(records) -> List[str]:
         )
         for i, key in enumerate(_per_source_validation(records))
     ]
-    parts.append(
+    return [
         render_chart(
             Chart(
                 "plot-loss",
@@ -124,9 +134,15 @@ def build_plots(records) -> List[str]:
                 + per_source,
             )
         )
-    )
-    parts.append(render_chart(Chart("plot-lr", "Learning rate", [Series("lr", *xy(records, "lr"))])))
-    parts.append(
+    ]
+
+
+def _lr_plot(records) -> List[str]:
+    return [render_chart(Chart("plot-lr", "Learning rate", [Series("lr", *xy(records, "lr"))]))]
+
+
+def _grad_norm_plot(records) -> List[str]:
+    return [
         render_chart(
             Chart(
                 "plot-grad-norm",
@@ -136,8 +152,11 @@ def build_plots(records) -> List[str]:
                 band=Band(GRAD_NORM_LOW, GRAD_NORM_HIGH, f"healthy band [{GRAD_NORM_LOW:g}, {GRAD_NORM_HIGH:g}]"),
             )
         )
-    )
-    parts.append(
+    ]
+
+
+def _tokens_plot(records) -> List[str]:
+    return [
         render_chart(
             Chart(
                 "plot-tokens-per-s",
@@ -145,10 +164,12 @@ def build_plots(records) -> List[str]:
                 [Series("tokens/s", *xy(records, "tokens_per_s"), "#2ca02c")],
             )
         )
-    )
-    layers = _moe_layers(records)
+    ]
+
+
+def _expert_load_plots(records) -> List[str]:
     heat = []
-    for layer in layers:
+    for layer in _moe_layers(records):
         hs, rows = [], []
         for r in records:
             load = _per_layer(r, "expert_load").get(layer)
@@ -160,23 +181,24 @@ def build_plots(records) -> List[str]:
             heat.append(render_heatmap(f"plot-expert-load-layer-{layer}", f"Expert load, MoE layer {layer}", hs, rows))
     if not heat:
         heat.append('<p class="empty">no expert load logged (dense model or no MoE layer)</p>')
-    parts.append(
+    return [
         f'<div class="plot-group" id="plot-expert-load"><h2>Expert load per MoE layer (share of routed '
         f'slots / fair share; bright = overloaded, dark = starved)</h2><div class="grid-plots">'
         f"{''.join(heat)}</div></div>"
-    )
+    ]
+
+
+def _dropped_plot(records) -> List[str]:
     dropped = []
-    for layer in layers:
-        xs, ys = [], []
-        for r in records:
-            v = _per_layer(r, "dropped_fraction").get(layer)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                xs.append(int(r.get("step", 0)))
-                ys.append(float(v))
+    for layer in _moe_layers(records):
+        xs, ys = _step_values(records, lambda r, layer=layer: _per_layer(r, "dropped_fraction").get(layer))
         if xs:
             dropped.append(Series(f"layer {layer}", xs, ys))
-    parts.append(render_chart(Chart("plot-dropped-fraction", "Dropped fraction of routed slots", dropped)))
-    parts.append(
+    return [render_chart(Chart("plot-dropped-fraction", "Dropped fraction of routed slots", dropped))]
+
+
+def _balance_plot(records) -> List[str]:
+    return [
         render_chart(
             Chart(
                 "plot-balance-losses",
@@ -188,66 +210,86 @@ def build_plots(records) -> List[str]:
                 ],
             )
         )
-    )
-    sources = sorted(
-        {
-            name
-            for r in records
-            for name in (r.get("samples_by_source") or {})
-            if isinstance(r.get("samples_by_source"), dict)
-        }
-    )
-    if sources:  # a weighted mixture: samples drawn from each source so far
-        series = []
-        for name in sources:
-            xs, ys = [], []
-            for r in records:
-                v = (
-                    (r.get("samples_by_source") or {}).get(name)
-                    if isinstance(r.get("samples_by_source"), dict)
-                    else None
-                )
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    xs.append(int(r.get("step", 0)))
-                    ys.append(float(v))
-            series.append(Series(name, xs, ys))
-        parts.append(render_chart(Chart("plot-samples-by-source", "Samples drawn per data source", series)))
-    if any(number(r, "data_wait_s") is not None for r in records):
-        parts.append(
-            render_chart(
-                Chart(
-                    "plot-data-wait",
-                    "Data wait per step (s)",
-                    [Series("waiting for the batch", *xy(records, "data_wait_s"), "#9467bd")],
-                )
+    ]
+
+
+def _samples_by_source_plot(records) -> List[str]:
+    """A weighted mixture: samples drawn from each source so far (no plot without one)."""
+    sources = sorted({name for r in records for name in _per_layer(r, "samples_by_source")})
+    if not sources:
+        return []
+    series = [
+        Series(name, *_step_values(records, lambda r, name=name: _per_layer(r, "samples_by_source").get(name)))
+        for name in sources
+    ]
+    return [render_chart(Chart("plot-samples-by-source", "Samples drawn per data source", series))]
+
+
+def _data_wait_plot(records) -> List[str]:
+    if not any(number(r, "data_wait_s") is not None for r in records):
+        return []
+    return [
+        render_chart(
+            Chart(
+                "plot-data-wait",
+                "Data wait per step (s)",
+                [Series("waiting for the batch", *xy(records, "data_wait_s"), "#9467bd")],
             )
         )
-    if any(
+    ]
+
+
+def _memory_plot(records) -> List[str]:
+    if not any(
         number(r, "memory_allocated_gb") is not None or number(r, "memory_reserved_gb") is not None for r in records
     ):
-        parts.append(
-            render_chart(
-                Chart(
-                    "plot-memory",
-                    "Device memory (GB)",
-                    [
-                        Series("allocated", *xy(records, "memory_allocated_gb")),
-                        Series("reserved", *xy(records, "memory_reserved_gb")),
-                    ],
-                )
+        return []
+    return [
+        render_chart(
+            Chart(
+                "plot-memory",
+                "Device memory (GB)",
+                [
+                    Series("allocated", *xy(records, "memory_allocated_gb")),
+                    Series("reserved", *xy(records, "memory_reserved_gb")),
+                ],
             )
         )
-    if any(number(r, "memory_fragmentation") is not None for r in records):
-        parts.append(
-            render_chart(
-                Chart(
-                    "plot-fragmentation",
-                    "Memory fragmentation",
-                    [Series("fragmentation", *xy(records, "memory_fragmentation"), "#8c564b")],
-                )
+    ]
+
+
+def _fragmentation_plot(records) -> List[str]:
+    if not any(number(r, "memory_fragmentation") is not None for r in records):
+        return []
+    return [
+        render_chart(
+            Chart(
+                "plot-fragmentation",
+                "Memory fragmentation",
+                [Series("fragmentation", *xy(records, "memory_fragmentation"), "#8c564b")],
             )
         )
-    return parts
+    ]
+
+
+# the report's plots in page order; each gives its HTML, nothing when its metric was never logged
+PLOTS = (
+    _loss_plot,
+    _lr_plot,
+    _grad_norm_plot,
+    _tokens_plot,
+    _expert_load_plots,
+    _dropped_plot,
+    _balance_plot,
+    _samples_by_source_plot,
+    _data_wait_plot,
+    _memory_plot,
+    _fragmentation_plot,
+)
+
+
+def build_plots(records) -> List[str]:
+    return [html for plot in PLOTS for html in plot(records)]
 
 
 def render_page(run_dir: Path, metrics: MetricsFile, alerts: List[Alert], refresh: Optional[float] = None) -> str:

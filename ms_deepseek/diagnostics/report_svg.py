@@ -105,19 +105,36 @@ def thin(xs: Sequence[float], ys: Sequence[Optional[float]], limit: int = MAX_PO
     return out_x, out_y
 
 
-def render_chart(chart: Chart) -> str:
-    """An SVG line chart inside a <figure id=chart.id>."""
-    pts_x = [x for s in chart.series for x in s.xs]
-    ys = [y for s in chart.series for y in s.ys if y is not None and math.isfinite(y) and (y > 0 or not chart.log_y)]
-    body: List[str] = []
-    if not pts_x or not ys:
-        body.append(f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" class="empty">no data logged</text>')
-        return _frame(chart, "".join(body), legend="")
+@dataclass
+class _Axes:
+    """The plot area of a chart: data ranges (decades on a log axis) and the pixel mapping."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    log_y: bool
+    pw: float = W - PAD_L - PAD_R
+    ph: float = H - PAD_T - PAD_B
+
+    def sx(self, x: float) -> float:
+        return PAD_L + (x - self.x0) / (self.x1 - self.x0) * self.pw
+
+    def sy(self, y: float) -> float:
+        v = math.log10(y) if self.log_y else y
+        return PAD_T + (1 - (v - self.y0) / (self.y1 - self.y0)) * self.ph
+
+    def shown(self, y) -> bool:
+        """A value the line can draw (finite; positive on a log axis)."""
+        return y is not None and math.isfinite(y) and (y > 0 or not self.log_y)
+
+
+def _axes(chart: Chart, pts_x: List[float], ys: List[float]) -> _Axes:
     x0, x1 = min(pts_x), max(pts_x)
     if x1 == x0:
         x1 = x0 + 1
     if chart.band is not None:
-        ys += [chart.band.low, chart.band.high]
+        ys = ys + [chart.band.low, chart.band.high]
     y0, y1 = min(ys), max(ys)
     if chart.log_y:
         y0, y1 = math.floor(math.log10(y0)), math.ceil(math.log10(y1))
@@ -128,64 +145,80 @@ def render_chart(chart: Chart) -> str:
     else:
         margin = (y1 - y0) * 0.05
         y0, y1 = y0 - margin, y1 + margin
-    pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
+    return _Axes(x0, x1, y0, y1, chart.log_y)
 
-    def sx(x: float) -> float:
-        return PAD_L + (x - x0) / (x1 - x0) * pw
 
-    def sy(y: float) -> float:
-        v = math.log10(y) if chart.log_y else y
-        return PAD_T + (1 - (v - y0) / (y1 - y0)) * ph
-
-    # grid and y ticks
-    if chart.log_y:
-        yticks = [10.0**e for e in range(int(y0), int(y1) + 1)]
-    else:
-        yticks = nice_ticks(y0, y1)
+def _grid(ax: _Axes) -> List[str]:
+    """Grid and y ticks, then the x ticks."""
+    body = []
+    yticks = [10.0**e for e in range(int(ax.y0), int(ax.y1) + 1)] if ax.log_y else nice_ticks(ax.y0, ax.y1)
     for t in yticks:
-        y = sy(t)
-        if PAD_T - 0.5 <= y <= PAD_T + ph + 0.5:
-            body.append(f'<line x1="{PAD_L}" x2="{PAD_L + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+        y = ax.sy(t)
+        if PAD_T - 0.5 <= y <= PAD_T + ax.ph + 0.5:
+            body.append(f'<line x1="{PAD_L}" x2="{PAD_L + ax.pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
             body.append(f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{fmt(t)}</text>')
-    for t in nice_ticks(x0, x1, 6):
-        x = sx(t)
-        body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T + ph}" y2="{PAD_T + ph + 4}" class="axis"/>')
-        body.append(f'<text x="{x:.1f}" y="{PAD_T + ph + 17}" text-anchor="middle" class="tick">{fmt(t)}</text>')
-    if chart.band is not None:
-        top, bottom = sy(chart.band.high), sy(chart.band.low)
-        body.append(
-            f'<rect x="{PAD_L}" y="{top:.1f}" width="{pw}" height="{max(0.0, bottom - top):.1f}" '
-            f'fill="{chart.band.color}" fill-opacity="0.12" class="band"><title>{esc(chart.band.label)}'
-            f"</title></rect>"
+    for t in nice_ticks(ax.x0, ax.x1, 6):
+        x = ax.sx(t)
+        body.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD_T + ax.ph}" y2="{PAD_T + ax.ph + 4}" class="axis"/>')
+        body.append(f'<text x="{x:.1f}" y="{PAD_T + ax.ph + 17}" text-anchor="middle" class="tick">{fmt(t)}</text>')
+    return body
+
+
+def _band_rect(ax: _Axes, band: Band) -> str:
+    top, bottom = ax.sy(band.high), ax.sy(band.low)
+    return (
+        f'<rect x="{PAD_L}" y="{top:.1f}" width="{ax.pw}" height="{max(0.0, bottom - top):.1f}" '
+        f'fill="{band.color}" fill-opacity="0.12" class="band"><title>{esc(band.label)}'
+        f"</title></rect>"
+    )
+
+
+def _series_lines(ax: _Axes, s: Series, color: str, marks: list) -> List[str]:
+    """A series as polylines over its runs of drawable points (a lone point as a dot); its non-finite
+    values go to ``marks`` as (x pixel, value)."""
+    xs, ys_ = thin(list(s.xs), list(s.ys))
+    runs, cur = [], []
+    for x, y in zip(xs, ys_):
+        if ax.shown(y):
+            cur.append(f"{ax.sx(x):.1f},{ax.sy(y):.1f}")
+        else:
+            if cur:
+                runs.append(cur)
+            cur = []
+            if y is not None and not math.isfinite(y):
+                marks.append((ax.sx(x), y))
+    if cur:
+        runs.append(cur)
+    dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+    body = []
+    for run in runs:
+        if len(run) == 1:
+            cx, cy = run[0].split(",")
+            body.append(f'<circle cx="{cx}" cy="{cy}" r="1.8" fill="{color}"/>')
+        else:
+            body.append(
+                f'<polyline points="{" ".join(run)}" fill="none" stroke="{color}" '
+                f'stroke-width="{s.width}" stroke-opacity="{s.opacity}"{dash}/>'
+            )
+    return body
+
+
+def render_chart(chart: Chart) -> str:
+    """An SVG line chart inside a <figure id=chart.id>."""
+    pts_x = [x for s in chart.series for x in s.xs]
+    ys = [y for s in chart.series for y in s.ys if y is not None and math.isfinite(y) and (y > 0 or not chart.log_y)]
+    if not pts_x or not ys:
+        return _frame(
+            chart, f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" class="empty">no data logged</text>', ""
         )
-    # series
+    ax = _axes(chart, pts_x, ys)
+    body = _grid(ax)
+    if chart.band is not None:
+        body.append(_band_rect(ax, chart.band))
     legend, marks = [], []
     for i, s in enumerate(chart.series):
         color = s.color or PALETTE[i % len(PALETTE)]
-        xs, ys_ = thin(list(s.xs), list(s.ys))
-        runs, cur = [], []
-        for x, y in zip(xs, ys_):
-            ok = y is not None and math.isfinite(y) and (y > 0 or not chart.log_y)
-            if ok:
-                cur.append(f"{sx(x):.1f},{sy(y):.1f}")
-            else:
-                if cur:
-                    runs.append(cur)
-                cur = []
-                if y is not None and not math.isfinite(y):
-                    marks.append((sx(x), y))
-        if cur:
-            runs.append(cur)
-        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
-        for run in runs:
-            if len(run) == 1:
-                cx, cy = run[0].split(",")
-                body.append(f'<circle cx="{cx}" cy="{cy}" r="1.8" fill="{color}"/>')
-            else:
-                body.append(
-                    f'<polyline points="{" ".join(run)}" fill="none" stroke="{color}" '
-                    f'stroke-width="{s.width}" stroke-opacity="{s.opacity}"{dash}/>'
-                )
+        body += _series_lines(ax, s, color, marks)
         legend.append(f'<span class="key"><i style="background:{color}"></i>{esc(s.label)}</span>')
     for x, y in marks:
         body.append(
@@ -198,8 +231,8 @@ def render_chart(chart: Chart) -> str:
         legend.append(
             f'<span class="key"><i style="background:{chart.band.color};opacity:.3"></i>{esc(chart.band.label)}</span>'
         )
-    body.append(f'<rect x="{PAD_L}" y="{PAD_T}" width="{pw}" height="{ph}" class="frame"/>')
-    body.append(f'<text x="{PAD_L + pw / 2}" y="{H - 4}" text-anchor="middle" class="label">step</text>')
+    body.append(f'<rect x="{PAD_L}" y="{PAD_T}" width="{ax.pw}" height="{ax.ph}" class="frame"/>')
+    body.append(f'<text x="{PAD_L + ax.pw / 2}" y="{H - 4}" text-anchor="middle" class="label">step</text>')
     return _frame(chart, "".join(body), "".join(legend))
 
 

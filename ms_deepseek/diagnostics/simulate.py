@@ -244,7 +244,7 @@ def format_results(results: Sequence[CheckResult]) -> str:
     return "\n".join(lines)
 
 
-def _needs_plan(ctx: SimContext, name: str) -> Optional[CheckResult]:
+def _apply_refused(ctx: SimContext, name: str) -> Optional[CheckResult]:
     if ctx.apply_error is not None:
         return CheckResult(name, "fail", 1.0, f"apply_plan refused the plan: {ctx.apply_error}")
     return None
@@ -271,7 +271,7 @@ def check_layout(ctx: SimContext) -> CheckResult:
 @register("moe")
 def check_moe(ctx: SimContext) -> CheckResult:
     """Every MoE layer: the sharded dispatch simulated per virtual rank vs the unsharded layer."""
-    failed = _needs_plan(ctx, "moe")
+    failed = _apply_refused(ctx, "moe")
     if failed:
         return failed
     try:
@@ -431,7 +431,7 @@ def check_data(ctx: SimContext) -> CheckResult:
 @register("stages")
 def check_stages(ctx: SimContext) -> CheckResult:
     """Each pipeline stage holds the layers and parameters the plan says (inventory vs the built cells)."""
-    failed = _needs_plan(ctx, "stages")
+    failed = _apply_refused(ctx, "stages")
     if failed:
         return failed
     cfg, par, applied = ctx.cfg, ctx.parallel, ctx.applied
@@ -492,7 +492,7 @@ def check_loader(ctx: SimContext) -> CheckResult:
 @register("lint")
 def check_lint(ctx: SimContext) -> CheckResult:
     """The parallel-rules lint over the built reduced model with its applied plan."""
-    failed = _needs_plan(ctx, "lint")
+    failed = _apply_refused(ctx, "lint")
     if failed:
         return failed
     from ms_deepseek.parallel_apply.lint import lint_model

@@ -29,7 +29,7 @@ reductions, the shared experts' tensor parallelism (run whole per rank), LoRA ad
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -107,6 +107,43 @@ def _slices(n: int, parts: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
 
 
+def _dp_to_ep(buffers, outer: int, ep_x: int, Ex: int, ch, view_block):
+    """The emulated dp -> ep AllToAll: ({device: its [Ex, ep*C, H] block}, {device: the dp ranks it gathers
+    from, in order})."""
+    from mindspore import ops
+
+    C, H = ch
+    R = len(buffers)
+    received, members = {}, {}
+    for u in range(outer):
+        for a in range(ep_x):
+            src = [d for d in range(R) if view_block(d)[0] == u]
+            src.sort(key=lambda d: view_block(d)[1])
+            members[u * ep_x + a] = src
+            parts = [buffers[d][0, a * Ex : (a + 1) * Ex] for d in src]  # ep x [Ex, C, H]
+            # [ep, Ex, C, H] -> [Ex, ep, C, H] -> [Ex, ep*C, H]: device (u, a)'s block of [G/ep, E, ep*C, H]
+            received[u * ep_x + a] = ops.stack(parts, 0).transpose(1, 0, 2, 3).reshape(Ex, ep_x * C, H)
+    return received, members
+
+
+def _expert_device(h, e_sl, weights, tp: int, cdt):
+    """One expert device's SwiGLU experts on its received rows ``h`` [Eb, ep*C, H]: the tp slices of the
+    expert intermediate size, down's partial sums all-reduced."""
+    from mindspore import ops
+
+    bmm = ops.BatchMatMul(transpose_b=True)
+    wg, wu, wd = weights
+    I = wg.shape[1]
+    partial = None
+    for t in range(tp):
+        i_sl = _slices(I, tp, t)
+        gate = bmm(h, wg[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
+        upv = bmm(h, wu[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
+        o = bmm(ops.silu(gate) * upv, wd[e_sl, :, i_sl].astype(cdt))  # [Eb, ep*C, H]
+        partial = o if partial is None else partial + o
+    return partial
+
+
 def _sharded_forward(layer, lay, x, wg, wu, wd):
     """The per-rank program: x [B, T, H] and the stacked expert weights -> y [B, T, H] (routed + shared)."""
     from mindspore import ops
@@ -118,7 +155,6 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
     R, outer, ep_x, ep_b, tp = lay["ranks"], lay["outer"], lay["ep_x"], lay["ep_b"], lay["tp"]
     tokens = x.reshape(G, N, H)  # [B, T, H] -> [G, N, H]: rank-major rows, one group per rank (G = R)
     cdt = layer.experts.compute_dtype
-    bmm = ops.BatchMatMul(transpose_b=True)
 
     def view_block(d):
         # (u, j) of data-parallel rank d in the view [G/ep, ep, ...] (the rule the model and plan use)
@@ -134,15 +170,7 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
     # 2. emulated dp -> ep AllToAll: device u*ep + a collects experts block a of view row u, i.e. from the
     #    ranks d with view_block(d) = (u, j), j in ep, in j order (the transpose's (dp/ep, 1, ep) split).
     Ex = E // ep_x
-    received, members = {}, {}
-    for u in range(outer):
-        for a in range(ep_x):
-            src = [d for d in range(R) if view_block(d)[0] == u]
-            src.sort(key=lambda d: view_block(d)[1])
-            members[u * ep_x + a] = src
-            parts = [buffers[d][0, a * Ex : (a + 1) * Ex] for d in src]  # ep x [Ex, C, H]
-            # [ep, Ex, C, H] -> [Ex, ep, C, H] -> [Ex, ep*C, H]: device (u, a)'s block of [G/ep, E, ep*C, H]
-            received[u * ep_x + a] = ops.stack(parts, 0).transpose(1, 0, 2, 3).reshape(Ex, ep_x * C, H)
+    received, members = _dp_to_ep(buffers, outer, ep_x, Ex, (C, H), view_block)
     lay["exchange_groups"] = sorted({tuple(m) for m in members.values()})  # the AllToAll groups (dp ranks)
 
     # 3. each expert device: the slice its matmul strategy says, which must be what it received
@@ -159,16 +187,7 @@ def _sharded_forward(layer, lay, x, wg, wu, wd):
                 f"device {dev}: the AllToAll delivers {tuple(got.shape)} but the expert matmul "
                 f"strategy expects [1, {Eb}, {ep_x * C}, {H}]"
             )
-        e_sl = _slices(E, ep_b, a)
-        h = got.astype(cdt)
-        partial = None
-        for t in range(tp):  # the tp slices of the expert intermediate size; down's partial sums all-reduced
-            i_sl = _slices(I, tp, t)
-            gate = bmm(h, wg[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
-            upv = bmm(h, wu[e_sl, i_sl].astype(cdt))  # [Eb, ep*C, I/tp]
-            o = bmm(ops.silu(gate) * upv, wd[e_sl, :, i_sl].astype(cdt))  # [Eb, ep*C, H]
-            partial = o if partial is None else partial + o
-        outputs[dev] = partial.astype(x.dtype)
+        outputs[dev] = _expert_device(got.astype(cdt), _slices(E, ep_b, a), (wg, wu, wd), tp, cdt).astype(x.dtype)
 
     # 4. emulated ep -> dp AllToAll back and the combine on each rank's tokens
     ys = []
@@ -202,7 +221,6 @@ def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
     then both errors are ``inf``).
     """
     import mindspore as ms
-    from mindspore import Tensor
 
     report: Dict[str, object] = {"forward_max_err": SIM_ERROR, "backward_max_err": SIM_ERROR, "problem": None}
     lay = _layout(layer, mesh)
@@ -219,28 +237,8 @@ def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
     ms.set_context(mode=ms.PYNATIVE_MODE)
     layer.set_train(True)
     try:
-        experts = layer.experts
-        weights = [experts.gate_proj.weight, experts.up_proj.weight, experts.down_proj.weight]
-        rng = np.random.default_rng(0)
-        cot = Tensor(rng.standard_normal(tuple(x.shape)).astype(np.float32))
         report["capacity"] = layer.capacity(B * T // G)
-
-        def unsharded(xx):
-            return (layer(xx)[0].astype(ms.float32) * cot).sum()
-
-        loss_ref, (gx_ref, gw_ref) = ms.value_and_grad(unsharded, 0, weights)(x)
-        y_ref = layer(x)[0]
-
-        w_values = [Tensor(w.asnumpy()) for w in weights]
-
-        def sharded(xx, wg, wu, wd):
-            return (_sharded_forward(layer, lay, xx, wg, wu, wd).astype(ms.float32) * cot).sum()
-
-        y_sim = _sharded_forward(layer, lay, x, *w_values)
-        _, grads = ms.value_and_grad(sharded, (0, 1, 2, 3))(x, *w_values)
-        report["forward_max_err"] = float(np.abs(y_sim.asnumpy() - y_ref.asnumpy()).max())
-        pairs = [(grads[0], gx_ref)] + list(zip(grads[1:], gw_ref))
-        report["backward_max_err"] = float(max(np.abs(a.asnumpy() - b.asnumpy()).max() for a, b in pairs))
+        report["forward_max_err"], report["backward_max_err"] = _compare(layer, lay, x)
         keep = layer.dispatch(x.reshape(G, B * T // G, H))[1][5].asnumpy()
         report["dropped"] = float(1.0 - keep.mean())
         report["exchange_groups"] = [list(g) for g in lay["exchange_groups"]]
@@ -250,3 +248,34 @@ def simulate_moe_layer(layer, x, mesh) -> Dict[str, object]:
         layer.set_train(was_training)
         ms.set_context(mode=old_mode)
     return report
+
+
+def _compare(layer, lay, x) -> Tuple[float, float]:
+    """(max forward difference, max gradient difference) of the emulated sharded layer against the layer
+    itself, the gradients of x and of the stacked expert weights for a fixed random cotangent."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    experts = layer.experts
+    weights = [experts.gate_proj.weight, experts.up_proj.weight, experts.down_proj.weight]
+    rng = np.random.default_rng(0)
+    cot = Tensor(rng.standard_normal(tuple(x.shape)).astype(np.float32))
+
+    def unsharded(xx):
+        return (layer(xx)[0].astype(ms.float32) * cot).sum()
+
+    loss_ref, (gx_ref, gw_ref) = ms.value_and_grad(unsharded, 0, weights)(x)
+    y_ref = layer(x)[0]
+
+    w_values = [Tensor(w.asnumpy()) for w in weights]
+
+    def sharded(xx, wg, wu, wd):
+        return (_sharded_forward(layer, lay, xx, wg, wu, wd).astype(ms.float32) * cot).sum()
+
+    y_sim = _sharded_forward(layer, lay, x, *w_values)
+    _, grads = ms.value_and_grad(sharded, (0, 1, 2, 3))(x, *w_values)
+    pairs = [(grads[0], gx_ref)] + list(zip(grads[1:], gw_ref))
+    return (
+        float(np.abs(y_sim.asnumpy() - y_ref.asnumpy()).max()),
+        float(max(np.abs(a.asnumpy() - b.asnumpy()).max() for a, b in pairs)),
+    )

@@ -120,7 +120,7 @@ class MLP(nn.Cell):
         self.gate_proj = Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, **kw)
-        # named, so that the plan splits them like the column-parallel projections' output (parallel_plan/plan.py
+        # named, so that the plan splits them like the column-parallel projections' output (parallel_plan/styles.py
         # "swiglu"): left to MindSpore's default strategy under semi_auto they would split the tokens, and every
         # layer's [B, T, I/tp] intermediate would be gathered and split again, forward and backward
         self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu

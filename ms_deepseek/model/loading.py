@@ -117,22 +117,31 @@ def load_weights(model, ckpt, show_progress: bool = True) -> None:
             _assign(params[ms_name], read_tensor(info))
             loaded.add(ms_name)
         else:
-            if expert >= E or tuple(info.shape) != tuple(target[1:]):
-                raise UserError(
-                    f"{info.file}: tensor {info.name} has shape {list(info.shape)} / expert {expert}, "
-                    f"config.json implies {E} experts of {list(target[1:])}"
-                )
-            if ms_name not in pending:
-                pending[ms_name] = (np.empty(target, dtype=np.float32), set())
-            stack, seen = pending[ms_name]
-            stack[expert] = read_tensor(info)
-            seen.add(expert)
-            if len(seen) == E:  # the stack is complete: hand it over, free the buffer
-                _assign(params[ms_name], stack)
-                loaded.add(ms_name)
-                del pending[ms_name]
+            _stack_expert(info, ms_name, expert, target, E, pending, params, loaded)
         bar.update(info.nbytes)
     bar.close()
+    _check_all_loaded(expected, loaded, pending, E, folder)
+
+
+def _stack_expert(info, ms_name: str, expert: int, target, E: int, pending, params, loaded: set) -> None:
+    """One expert's tensor into its stack ([E, ...], pending until complete); a complete stack is assigned."""
+    if expert >= E or tuple(info.shape) != tuple(target[1:]):
+        raise UserError(
+            f"{info.file}: tensor {info.name} has shape {list(info.shape)} / expert {expert}, "
+            f"config.json implies {E} experts of {list(target[1:])}"
+        )
+    if ms_name not in pending:
+        pending[ms_name] = (np.empty(target, dtype=np.float32), set())
+    stack, seen = pending[ms_name]
+    stack[expert] = read_tensor(info)
+    seen.add(expert)
+    if len(seen) == E:  # the stack is complete: hand it over, free the buffer
+        _assign(params[ms_name], stack)
+        loaded.add(ms_name)
+        del pending[ms_name]
+
+
+def _check_all_loaded(expected, loaded: set, pending, E: int, folder) -> None:
     missing = [n for n in expected if n not in loaded]
     if missing:
         detail = missing[0]

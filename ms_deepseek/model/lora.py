@@ -157,8 +157,6 @@ class StepDropout(nn.Cell):
 
 def attach(
     holder,
-    experts,
-    r: int,
     scaling: float,
     dropout: float,
     a: np.ndarray,
@@ -205,8 +203,6 @@ def add_adapters(model, spec: LoraSpec, seed: int = 0, key: str = "lora", exact_
         a, b = _init_factors(shape, r, rng)
         attach(
             holder,
-            experts,
-            r,
             spec.alpha / r,
             spec.dropout,
             a,

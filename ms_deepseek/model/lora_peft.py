@@ -162,6 +162,34 @@ def group_adapter(tensors: Dict[str, np.ndarray], cfg: Dict, num_experts: int, w
     split into gate / up / down (gate and up share their fused A; a fused rank 2r stays 2r)."""
     r0, alpha0 = cfg["r"], cfg["lora_alpha"]
     ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    plain, experts, fused, routers = _sort_tensors(tensors, where)
+
+    def scaling(path: str, rank: int) -> float:
+        return float(_pattern_value(alphas, path, alpha0)) / rank
+
+    out: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
+    for path, ab in plain.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise UserError(f"{where}: {PREFIX}{path} has {sorted(ab)} but not both lora_A and lora_B")
+        a, b = ab["lora_A"], ab["lora_B"]
+        out[path] = (a, b, scaling(path, int(_pattern_value(ranks, path, a.shape[0]))))
+    for (stack, proj), ab in experts.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise UserError(f"{where}: {stack}.*.{proj} has {sorted(ab)} but not both lora_A and lora_B")
+        for which, per in ab.items():
+            _check_expert_set(per, f"{stack}.{{}}.{proj}.{which}.weight", proj, num_experts, where)
+        a = np.stack([ab["lora_A"][e] for e in range(num_experts)])  # [E, r, in]
+        b = np.stack([ab["lora_B"][e] for e in range(num_experts)])  # [E, out, r]
+        path = f"{stack}.{proj}"
+        out[path] = (a, b, scaling(f"{stack}.{num_experts - 1}.{proj}", int(a.shape[1])))
+    for stack, parts in fused.items():
+        out.update(_split_fused(stack, parts, num_experts, alphas, alpha0, ranks, r0, where))
+    return out, routers
+
+
+def _sort_tensors(tensors: Dict[str, np.ndarray], where: Path):
+    """PEFT tensors by kind: (plain {path: {lora_A|lora_B: array}}, per-expert {(stack, proj): {which: {expert:
+    array}}}, fused {stack: {part: array}}, routers {name: weight})."""
     plain: Dict[str, Dict[str, np.ndarray]] = {}
     experts: Dict[Tuple[str, str], Dict[str, Dict[int, np.ndarray]]] = {}
     fused: Dict[str, Dict[str, np.ndarray]] = {}
@@ -189,38 +217,24 @@ def group_adapter(tensors: Dict[str, np.ndarray], cfg: Dict, num_experts: int, w
             raise UserError(f"{where}: tensor {full}: not a LoRA factor (lora_A / lora_B .weight) we can load")
         plain.setdefault(m.group(1), {})[m.group(2)] = value
 
-    def scaling(path: str, rank: int) -> float:
-        return float(_pattern_value(alphas, path, alpha0)) / rank
+    return plain, experts, fused, routers
 
-    out: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
-    for path, ab in plain.items():
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise UserError(f"{where}: {PREFIX}{path} has {sorted(ab)} but not both lora_A and lora_B")
-        a, b = ab["lora_A"], ab["lora_B"]
-        out[path] = (a, b, scaling(path, int(_pattern_value(ranks, path, a.shape[0]))))
-    for (stack, proj), ab in experts.items():
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise UserError(f"{where}: {stack}.*.{proj} has {sorted(ab)} but not both lora_A and lora_B")
-        for which, per in ab.items():
-            missing = sorted(set(range(num_experts)) - set(per))
-            extra = sorted(set(per) - set(range(num_experts)))
-            if extra:
-                raise UserError(
-                    f"{where}: tensor {PREFIX}{stack}.{extra[0]}.{proj}.{which}.weight: expert {extra[0]} "
-                    f"does not exist (the base has {num_experts} routed experts)"
-                )
-            if missing:
-                raise UserError(
-                    f"{where}: tensor {PREFIX}{stack}.{missing[0]}.{proj}.{which}.weight is missing "
-                    f"(an adapter for {proj} must cover all {num_experts} experts)"
-                )
-        a = np.stack([ab["lora_A"][e] for e in range(num_experts)])  # [E, r, in]
-        b = np.stack([ab["lora_B"][e] for e in range(num_experts)])  # [E, out, r]
-        path = f"{stack}.{proj}"
-        out[path] = (a, b, scaling(f"{stack}.{num_experts - 1}.{proj}", int(a.shape[1])))
-    for stack, parts in fused.items():
-        out.update(_split_fused(stack, parts, num_experts, alphas, alpha0, ranks, r0, where))
-    return out, routers
+
+def _check_expert_set(per: Dict[int, np.ndarray], name: str, proj: str, num_experts: int, where: Path) -> None:
+    """A per-expert factor covers experts 0..num_experts-1 exactly (``name``: the tensor name, ``{}`` for the
+    expert)."""
+    missing = sorted(set(range(num_experts)) - set(per))
+    extra = sorted(set(per) - set(range(num_experts)))
+    if extra:
+        raise UserError(
+            f"{where}: tensor {PREFIX}{name.format(extra[0])}: expert {extra[0]} "
+            f"does not exist (the base has {num_experts} routed experts)"
+        )
+    if missing:
+        raise UserError(
+            f"{where}: tensor {PREFIX}{name.format(missing[0])} is missing "
+            f"(an adapter for {proj} must cover all {num_experts} experts)"
+        )
 
 
 def _split_fused(stack, parts, E, alphas, alpha0, ranks, r0, where):
@@ -309,7 +323,7 @@ def attach_adapter(
                     f"{folder / WEIGHTS_NAME}: tensor {shown} has shape {got_s}, this base needs "
                     f"{want_s} (an adapter for another base?)"
                 )
-        lora.attach(holder, experts, r, scale, dropout, a, b, path)
+        lora.attach(holder, scale, dropout, a, b, path)
     params = {p.name: p for p in model.get_parameters()}
     for name, value in routers.items():
         if name not in params or tuple(params[name].shape) != value.shape:

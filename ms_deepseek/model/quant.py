@@ -27,7 +27,7 @@ Backends:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -268,12 +268,3 @@ def load_quantized(model, opened, show_progress: bool = False) -> None:
         else:
             np_dtype = np.float16 if param.dtype == ms.float16 else np.float32
             param.set_data(Tensor(np.ascontiguousarray(value, np_dtype), dtype=param.dtype))
-
-
-def quantized_state(model) -> Dict[str, np.ndarray]:
-    """name -> host array of every quantized parameter (for tests and tools)."""
-    return {
-        n: p.asnumpy()
-        for n, p in model.parameters_and_names()
-        if n.endswith((".weight_scale", ".weight_offset")) or p.dtype in (ms.int8, ms.uint8)
-    }

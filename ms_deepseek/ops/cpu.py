@@ -8,8 +8,6 @@ schedule, never the result (the tests shrink them to force tail tiles).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from pathlib import Path
 
 import mindspore as ms
@@ -24,18 +22,6 @@ DEFAULT_UB_BYTES = 196352  # msds::kDefaultUbBytes
 
 def _custom(lib: Path, func: str, out_shape, out_dtype, bprop=None):
     return ops.Custom(f"{lib}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
-
-
-@functools.lru_cache(maxsize=None)
-def _cdll(lib: str) -> ctypes.CDLL:
-    return ctypes.CDLL(lib)
-
-
-def last_error(lib: Path) -> str:
-    """The message a kernel of this library left when it last failed ('' if none)."""
-    fn = _cdll(str(lib)).MsdsLastError
-    fn.restype = ctypes.c_char_p
-    return (fn() or b"").decode()
 
 
 class ExpertLookupCpu(nn.Cell):

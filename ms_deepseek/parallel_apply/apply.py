@@ -19,7 +19,7 @@ The rest of the operators get their strategies by MindSpore's sharding propagati
 hold no strategies and the plan stays one table. On CPU (stand-alone) the strategies
 are recorded but have no effect: the same model runs unsharded.
 
-:func:`context_kwargs` / :func:`set_parallel_context` (the context API) or
+:func:`context_kwargs` (the context API's arguments) or
 :func:`pipeline_wrap` + :func:`auto_parallel_wrap` (the ``AutoParallel`` API) set up the
 distributed run (Ascend only: SEMI/AUTO parallel cannot compile on CPU).
 """
@@ -35,8 +35,9 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan.custom_shard import custom_layouts
 from ms_deepseek.parallel_plan.placement import buffer_order, placement_table
-from ms_deepseek.parallel_plan.plan import STRATEGIC_PRIMITIVES, Mesh, Plan, fit_layout, layer_stages, style_spec
+from ms_deepseek.parallel_plan.plan import STRATEGIC_PRIMITIVES, Plan, layer_stages
 from ms_deepseek.parallel_plan.ranks import dataset_strategy
+from ms_deepseek.parallel_plan.styles import Mesh, fit_layout, style_spec
 
 
 @dataclass
@@ -91,61 +92,10 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
 
     # 1. strategies on matched cells' primitives and on matched primitive paths
     for path, cell in cells.items():
-        hit = plan.match(path)
-        if hit is not None:
-            spec = style_spec(hit[1], mesh)
-            if spec.is_primitive:
-                raise UserError(f"parallel plan: {hit[0]!r} ({hit[1]}) names a primitive but {path!r} is a Cell")
-            for attr, value in spec.attrs.items():  # the cell's form for this layout (the loss's split_vocab)
-                setter = getattr(cell, f"set_{attr}", None)
-                setter(value) if callable(setter) else setattr(cell, attr, value)
-            for attr, (in_s, out_s) in spec.prims.items():
-                prim = getattr(cell, attr, None)
-                if prim is None or not _is_primitive(prim):
-                    continue  # e.g. a router without group top-k
-                prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
-                applied.strategies[join_path(path, attr)] = (in_s, out_s)
-        for attr, prim in primitives_of(cell):
-            ppath = join_path(path, attr)
-            if ppath in applied.strategies:
-                continue
-            phit = plan.match(ppath)
-            if phit is None:
-                continue
-            spec = style_spec(phit[1], mesh)
-            if not spec.is_primitive:
-                raise UserError(f"parallel plan: {phit[0]!r} ({phit[1]}) names a Cell but {ppath!r} is a primitive")
-            in_s, out_s = spec.prims[""]
-            if type(prim).__name__ == "Custom":
-                # the op Cell's non-data inputs (e.g. a CPU kernel's config tensor), replicated
-                in_s = tuple(in_s) + tuple(getattr(cell, "strategy_tail", ()))
-                # MindSpore 2.9 compiles a Custom op only with Layout objects (parallel_plan.custom_shard)
-                _shard_custom(prim, custom_layouts(in_s, getattr(cell, "num_outputs", 1), mesh.dp, mesh.tp))
-            else:
-                prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
-            applied.strategies[ppath] = (in_s, out_s)
-
-    # every primitive that moves sharded data must have a strategy
-    for path, cell in cells.items():
-        for attr, prim in primitives_of(cell):
-            if type(prim).__name__ in STRATEGIC_PRIMITIVES and join_path(path, attr) not in applied.strategies:
-                raise UserError(
-                    f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) matches no rule"
-                )
-
-    # parameter layouts, checked against the primitive that consumes each parameter
-    for name, param in params.items():
-        pattern, layout = plan.param_layout(name, mesh)
-        layout = fit_layout(tuple(param.shape), layout) if len(layout) == len(param.shape) else layout
-        if len(layout) != len(param.shape):
-            raise UserError(
-                f"parallel plan: {name} has shape {tuple(param.shape)} but rule {pattern!r} "
-                f"gives a {len(layout)}-axis layout {layout}"
-            )
-        for axis, (dim, k) in enumerate(zip(param.shape, layout)):
-            if dim % k:
-                raise UserError(f"parallel plan: {name} axis {axis} ({dim}) is not divisible by {k} (rule {pattern!r})")
-        applied.param_layouts[name] = layout
+        _shard_cell(path, cell, plan, mesh, applied)
+        _shard_primitives(path, cell, plan, mesh, applied)
+    _check_strategic(cells, applied)
+    _param_layouts(params, plan, mesh, applied)
     _check_consumers(plan, mesh, cells, applied)
 
     # 2. expert placement
@@ -154,19 +104,7 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
 
     # 3. pipeline stages
     if cfg is not None:
-        stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-        assignment = {
-            "model.embed_tokens": 0,
-            "model.norm": parallel.pp - 1,
-            "lm_head": parallel.pp - 1,
-            "loss_fn": parallel.pp - 1,
-        }
-        assignment.update({f"model.layers.{i}": s for i, s in enumerate(stages)})
-        for path, stage in assignment.items():
-            if path in cells:
-                if parallel.pp > 1:
-                    cells[path].pipeline_stage = stage
-                applied.stage_of_cell[path] = stage
+        _assign_stages(cells, parallel, cfg, applied)
 
     # 4. recompute
     _recompute(cells, parallel, applied)
@@ -180,6 +118,92 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
             if not param.requires_grad:
                 param.parallel_optimizer = False
     return applied
+
+
+def _shard_cell(path: str, cell, plan: Plan, mesh: Mesh, applied: AppliedPlan) -> None:
+    """A cell the plan matches: its form for this layout and the strategies of its primitives."""
+    hit = plan.match(path)
+    if hit is None:
+        return
+    spec = style_spec(hit[1], mesh)
+    if spec.is_primitive:
+        raise UserError(f"parallel plan: {hit[0]!r} ({hit[1]}) names a primitive but {path!r} is a Cell")
+    for attr, value in spec.attrs.items():  # the cell's form for this layout (the loss's split_vocab)
+        setter = getattr(cell, f"set_{attr}", None)
+        setter(value) if callable(setter) else setattr(cell, attr, value)
+    for attr, (in_s, out_s) in spec.prims.items():
+        prim = getattr(cell, attr, None)
+        if prim is None or not _is_primitive(prim):
+            continue  # e.g. a router without group top-k
+        prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
+        applied.strategies[join_path(path, attr)] = (in_s, out_s)
+
+
+def _shard_primitives(path: str, cell, plan: Plan, mesh: Mesh, applied: AppliedPlan) -> None:
+    """The primitives of a cell the plan matches by their own path (not already set through the cell)."""
+    for attr, prim in primitives_of(cell):
+        ppath = join_path(path, attr)
+        if ppath in applied.strategies:
+            continue
+        phit = plan.match(ppath)
+        if phit is None:
+            continue
+        spec = style_spec(phit[1], mesh)
+        if not spec.is_primitive:
+            raise UserError(f"parallel plan: {phit[0]!r} ({phit[1]}) names a Cell but {ppath!r} is a primitive")
+        in_s, out_s = spec.prims[""]
+        if type(prim).__name__ == "Custom":
+            # the op Cell's non-data inputs (e.g. a CPU kernel's config tensor), replicated
+            in_s = tuple(in_s) + tuple(getattr(cell, "strategy_tail", ()))
+            # MindSpore 2.9 compiles a Custom op only with Layout objects (parallel_plan.custom_shard)
+            _shard_custom(prim, custom_layouts(in_s, getattr(cell, "num_outputs", 1), mesh.dp, mesh.tp))
+        else:
+            prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
+        applied.strategies[ppath] = (in_s, out_s)
+
+
+def _check_strategic(cells, applied: AppliedPlan) -> None:
+    """Every primitive that moves sharded data must have a strategy."""
+    for path, cell in cells.items():
+        for attr, prim in primitives_of(cell):
+            if type(prim).__name__ in STRATEGIC_PRIMITIVES and join_path(path, attr) not in applied.strategies:
+                raise UserError(
+                    f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) matches no rule"
+                )
+
+
+def _param_layouts(params, plan: Plan, mesh: Mesh, applied: AppliedPlan) -> None:
+    """Parameter layouts (checked against the primitive that consumes each parameter by
+    :func:`_check_consumers`)."""
+    for name, param in params.items():
+        pattern, layout = plan.param_layout(name, mesh)
+        layout = fit_layout(tuple(param.shape), layout) if len(layout) == len(param.shape) else layout
+        if len(layout) != len(param.shape):
+            raise UserError(
+                f"parallel plan: {name} has shape {tuple(param.shape)} but rule {pattern!r} "
+                f"gives a {len(layout)}-axis layout {layout}"
+            )
+        for axis, (dim, k) in enumerate(zip(param.shape, layout)):
+            if dim % k:
+                raise UserError(f"parallel plan: {name} axis {axis} ({dim}) is not divisible by {k} (rule {pattern!r})")
+        applied.param_layouts[name] = layout
+
+
+def _assign_stages(cells, parallel: ParallelConfig, cfg, applied: AppliedPlan) -> None:
+    """Pipeline stages: the embedding on the first, the final norm, lm_head and loss on the last."""
+    stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
+    assignment = {
+        "model.embed_tokens": 0,
+        "model.norm": parallel.pp - 1,
+        "lm_head": parallel.pp - 1,
+        "loss_fn": parallel.pp - 1,
+    }
+    assignment.update({f"model.layers.{i}": s for i, s in enumerate(stages)})
+    for path, stage in assignment.items():
+        if path in cells:
+            if parallel.pp > 1:
+                cells[path].pipeline_stage = stage
+            applied.stage_of_cell[path] = stage
 
 
 def _check_consumers(plan: Plan, mesh: Mesh, cells, applied: AppliedPlan) -> None:
@@ -303,20 +327,6 @@ def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
             "optimizer_level": "level1",
             "gradient_accumulation_shard": False,
         }
-    return kwargs
-
-
-def set_parallel_context(parallel: ParallelConfig, strategy_dir: Optional[str] = None) -> Dict[str, object]:
-    """Ascend / msrun: apply :func:`context_kwargs` (call after ``mindspore.communication.init``)."""
-    import mindspore as ms
-
-    kwargs = context_kwargs(parallel)
-    if strategy_dir is not None and "strategy_ckpt_config" in kwargs:
-        kwargs["strategy_ckpt_config"] = {
-            "save_file": f"{strategy_dir}/ckpt_strategy.ckpt",
-            "only_trainable_params": False,
-        }
-    ms.set_auto_parallel_context(**kwargs)
     return kwargs
 
 

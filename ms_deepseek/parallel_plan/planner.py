@@ -172,7 +172,7 @@ def estimate(
     held = costs.param_bytes(cfg, parallel, precision, inventory, plan, quant=w.quant)
     result.stages = costs.stage_memory(cfg, parallel, w, precision, hw, held)
     result.fits = result.peak_gb <= result.usable_gb
-    _speed(cfg, parallel, w, precision, hw, held, result, plan, inventory)
+    _speed(result, held, cfg, precision, hw, plan, inventory)
     return result
 
 
@@ -198,18 +198,10 @@ def _model_summary(cfg) -> Dict[str, Any]:
     return dict(_SUMMARIES[key])
 
 
-def _speed(
-    cfg,
-    p: ParallelConfig,
-    w: Workload,
-    precision: Precision,
-    hw: Hardware,
-    held,
-    result: PlanResult,
-    plan: Plan,
-    inventory,
-):
-    """Step time and tokens/s at both ends of the efficiency range (costs.LOW / costs.HIGH)."""
+def _speed(result: PlanResult, held, cfg, precision: Precision, hw: Hardware, plan: Plan, inventory):
+    """Step time and tokens/s at both ends of the efficiency range (costs.LOW / costs.HIGH) of
+    ``result``'s layout and workload."""
+    p, w = result.layout, result.workload
     micro_total = w.global_batch_size // (p.dp * w.micro_batch_size)  # micro-batches per dp rank per step
     result.grad_accumulation = max(1, micro_total // p.micro_batches)
     traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
@@ -223,13 +215,7 @@ def _speed(
     result.bubble_fraction = (p.pp - 1) / (m + p.pp - 1) if p.pp > 1 else 0.0
     per_end = {}
     for eff in (hw.low, hw.high):
-        per_stage = []
-        for st in traffic:
-            t_compute = st["flops"] / (hw.peak_tflops * 1e12 * eff.compute)
-            t_comm = (st["tp"] / st["bw_tp"] + st["ep"] / st["bw_ep"]) / eff.comm
-            t_pp = st["pp"] / st["bw_pp"] / eff.comm
-            per_stage.append((t_compute + (1 - eff.overlap) * t_comm + t_pp, t_compute, st))
-        t_mb, t_compute, slowest = max(per_stage, key=lambda x: x[0])
+        t_mb, t_compute, slowest = _slowest_stage(traffic, hw, eff)
         if p.pp > 1:
             t_pipe = result.grad_accumulation * (m + p.pp - 1) * t_mb
         else:
@@ -267,6 +253,18 @@ def _speed(
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
     flops_per_token = costs.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
     result.mfu_range = tuple(t * flops_per_token / (hw.peak_tflops * 1e12) for t in result.tokens_per_s_range)
+
+
+def _slowest_stage(traffic: List[Dict[str, float]], hw: Hardware, eff) -> tuple:
+    """(seconds per micro-batch, of which compute, the stage's traffic) of the slowest pipeline stage at
+    efficiency ``eff``."""
+    per_stage = []
+    for st in traffic:
+        t_compute = st["flops"] / (hw.peak_tflops * 1e12 * eff.compute)
+        t_comm = (st["tp"] / st["bw_tp"] + st["ep"] / st["bw_ep"]) / eff.comm
+        t_pp = st["pp"] / st["bw_pp"] / eff.comm
+        per_stage.append((t_compute + (1 - eff.overlap) * t_comm + t_pp, t_compute, st))
+    return max(per_stage, key=lambda x: x[0])
 
 
 def _stage_traffic(

@@ -13,6 +13,8 @@ import signal
 import threading
 from typing import Optional
 
+from ms_deepseek.core.atomic import atomic_write_text
+
 
 class StopRequest:
     """Records SIGTERM instead of dying of it (installed only in the main thread)."""
@@ -95,10 +97,8 @@ class Heartbeat:
         text = f"{started} {finished}"
         if self.times:
             text += f" {sorted(self.times)[len(self.times) // 2]:.6f}"
-        tmp = self._sibling(".tmp")
         try:
-            tmp.write_text(text + "\n")
-            self._os.replace(tmp, self.path)
+            atomic_write_text(self.path, text + "\n", fsync=False)
         except OSError:
             pass
 

@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ms_deepseek.core.atomic import PARTIAL
+from ms_deepseek.train.job_processes import alive, descendants, exit_description, kill_job, stat_fields, worker_rank
 from ms_deepseek.train.preempt import ACK_SUFFIX, FAILED_SUFFIX, SUPERVISOR_ENV
 
 # msrun's line (mindspore/parallel/cluster/process_entity/_api.py, join_processes)
@@ -144,9 +146,12 @@ def clear_node_entries(folder: Path, ranks, job_start: float) -> None:
     markers) and a first-failure record older than ``job_start`` (a previous job's), and nothing else: on
     a shared run folder the other nodes' entries may belong to the job this node is joining."""
     for rank in ranks:
-        for suffix in ("", ".tmp", FAILED_SUFFIX, ACK_SUFFIX):
+        # the heartbeat, its markers, and the temporary sibling of a write a killed worker left (core/atomic.py)
+        for path in [folder / f"rank_{rank}{suffix}" for suffix in ("", FAILED_SUFFIX, ACK_SUFFIX)] + list(
+            folder.glob(f".rank_{rank}{PARTIAL}*")
+        ):
             try:
-                (folder / f"rank_{rank}{suffix}").unlink()
+                path.unlink()
             except OSError:
                 pass
     try:
@@ -159,104 +164,6 @@ def clear_node_entries(folder: Path, ranks, job_start: float) -> None:
             (folder / FIRST_FAILURE).unlink()
         except OSError:
             pass
-
-
-def _children_map() -> Dict[int, List[int]]:
-    """ppid -> child pids of every process visible in /proc."""
-    out: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1:
-            out.setdefault(int(fields[1]), []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> List[int]:
-    """Every process below ``pid`` (children first found, breadth first)."""
-    children, out, todo = _children_map(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _worker_rank(pid: int) -> Optional[int]:
-    """RANK_ID of a worker msrun started (MS_ROLE=MS_WORKER), else None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    if env.get(b"MS_ROLE") != b"MS_WORKER" or b"RANK_ID" not in env:
-        return None
-    try:
-        return int(env[b"RANK_ID"])
-    except ValueError:
-        return None
-
-
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _stat_fields(pid: int) -> Optional[List[str]]:
-    """/proc/<pid>/stat after the command name: [state, ppid, pgrp, session, ...]."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read().decode(errors="replace")
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()
-
-
-def session_members(sessions) -> List[int]:
-    """Every live (not zombie) process whose session id is in ``sessions``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields and len(fields) > 3 and fields[0] != "Z" and int(fields[3]) in sessions:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def _kill_job(sessions, timeout_s: float = 5.0) -> None:
-    """SIGKILL every process of the job's sessions until none is left.
-
-    The job is msrun's session (``launch`` starts msrun with ``start_new_session``, its scheduler stays in it)
-    and one session per worker (msrun starts each with ``preexec_fn=os.setsid``: mindspore/parallel/cluster/
-    process_entity/_api.py, _ComputeGraphNode.run). A worker's children keep its session id even when a
-    SIGKILLed worker leaves them to init, which a walk of parent pids cannot find."""
-    deadline = time.time() + timeout_s
-    while True:
-        members = session_members(sessions)
-        if not members or time.time() > deadline:
-            return
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.05)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -337,7 +244,7 @@ def _dump_stacks(workers: Dict[int, int], log_dir: Path, wait_s: float = 15.0) -
             if dumped and sizes.get(pid) == size:
                 done.append(workers[pid])
                 offsets.pop(pid)
-            elif not _alive(pid):
+            elif not alive(pid):
                 offsets.pop(pid)
             sizes[pid] = size
     return sorted(done)
@@ -388,11 +295,13 @@ class Watchdog:
         return None
 
 
+POLL_S = 0.2  # seconds between two looks of the supervisor at the job (processes, markers, heartbeats)
+
+
 def run_supervised(
     cmd: List[str],
     env: Dict[str, str],
     log_dir: Path,
-    poll_s: float = 0.2,
     stop_grace_s: float = 30.0,
     heartbeat_dir: Optional[Path] = None,
     watchdog_factor: float = 10.0,
@@ -412,22 +321,65 @@ def run_supervised(
     logs (msrun kills them as soon as it sees the failed worker); and a first failure another node records
     there after ``job_start`` (default: now) stops this node's workers at once, naming that rank, instead
     of leaving them to wait in their next collective for a rank that is gone."""
-    job_start = time.time() if job_start is None else job_start
-    failed: List[Tuple[int, int, float]] = []  # (pid, exit code, when msrun reported it)
-    stops: List[Tuple[int, float]] = []  # (signal number, when) of the stop signals received
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # before msrun starts: no window without them
-        for sig in STOP_SIGNALS:
-            previous[sig] = signal.signal(sig, lambda signum, _frame: stops.append((signum, time.time())))
-    env = dict(env, **{SUPERVISOR_ENV: str(os.getpid())})  # a failing worker waits for our stack dumps
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    job = _SupervisedJob(
+        log_dir,
+        heartbeat_dir,
+        time.time() if job_start is None else job_start,
+        stop_grace_s,
+        Watchdog(heartbeat_dir, watchdog_factor, watchdog_min_s),
+    )
+    job.start(cmd, env)
+    code = job.supervise()
+    return job.outcome(code)
 
-    def pump(src, dst):
+
+class _SupervisedJob:
+    """One msrun job under :func:`run_supervised`: what its output, the stop signals and each look at the
+    job found, the loop that looks, and the one line that says how the job ended."""
+
+    def __init__(
+        self, log_dir: Path, heartbeat_dir: Optional[Path], job_start: float, stop_grace_s: float, watchdog: Watchdog
+    ):
+        self.log_dir, self.heartbeat_dir, self.job_start = log_dir, heartbeat_dir, job_start
+        self.stop_grace_s, self.watchdog = stop_grace_s, watchdog
+        self.failed: List[Tuple[int, int, float]] = []  # (pid, exit code, when msrun reported it)
+        self.stops: List[Tuple[int, float]] = []  # (signal number, when) of the stop signals received
+        self.previous = {}
+        self.proc: Optional[subprocess.Popen] = None
+        self.pumps: List[threading.Thread] = []
+        self.ranks: Dict[int, int] = {}  # worker pid -> rank
+        self.sessions = set()
+        self.forwarded, self.workers_exited = False, False
+        self.hung: Optional[Tuple[float, Dict[int, Tuple[int, int]]]] = None
+        self.answered: Dict[int, int] = {}  # rank_N.failed markers handled: rank -> step
+        self.dumped: List[
+            int
+        ] = []  # ranks whose stacks were dumped because a peer's step failed while they were behind
+        self.peer_record: Optional[dict] = None  # another node's worker died first: this node's job was stopped for it
+
+    # ---------------------------------------------------------------------------------------- running
+    def start(self, cmd: List[str], env: Dict[str, str]) -> None:
+        if threading.current_thread() is threading.main_thread():  # before msrun starts: no window without them
+            for sig in STOP_SIGNALS:
+                self.previous[sig] = signal.signal(sig, lambda signum, _frame: self.stops.append((signum, time.time())))
+        env = dict(env, **{SUPERVISOR_ENV: str(os.getpid())})  # a failing worker waits for our stack dumps
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr), daemon=True),
+        ]
+        for t in self.pumps:
+            t.start()
+        self.sessions = {self.proc.pid}
+
+    def _pump(self, src, dst) -> None:
         for raw in iter(src.readline, b""):
             line = raw.decode(errors="replace")
             match = _WORKER_FAILED.search(line)
-            if match and not failed:
-                failed.append((int(match.group(1)), int(match.group(2)), time.time()))
+            if match and not self.failed:
+                self.failed.append((int(match.group(1)), int(match.group(2)), time.time()))
             try:
                 dst.write(line)
                 dst.flush()
@@ -435,158 +387,192 @@ def run_supervised(
                 pass
         src.close()
 
-    pumps = [
-        threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
-        threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True),
-    ]
-    for t in pumps:
-        t.start()
-    ranks: Dict[int, int] = {}  # worker pid -> rank
-    sessions = {proc.pid}
-    forwarded, workers_exited = False, False
-    watchdog, hung = Watchdog(heartbeat_dir, watchdog_factor, watchdog_min_s), None
-    answered: Dict[int, int] = {}  # rank_N.failed markers handled: rank -> step
-    dumped: List[int] = []  # ranks whose stacks were dumped because a peer's step failed while they were behind
-    peer_record: Optional[dict] = None  # another node's worker died first: this node's job was stopped for it
-    try:
-        while proc.poll() is None:
-            for pid in descendants(proc.pid):
-                fields = _stat_fields(pid)
-                if fields and len(fields) > 3:
-                    sessions.add(int(fields[3]))
-                if pid not in ranks:
-                    rank = _worker_rank(pid)
-                    if rank is not None:
-                        ranks[pid] = rank
-            if stops:
-                if not forwarded:
-                    for pid in ranks:
-                        try:
-                            os.kill(pid, signal.SIGTERM)
-                        except OSError:
-                            pass
-                    forwarded = True
-                workers_exited = not any(_alive(pid) for pid in ranks)
-                if len(stops) > 1 or workers_exited or time.time() - stops[0][1] > stop_grace_s:
+    def supervise(self) -> int:
+        """Look at the job every :data:`POLL_S` until msrun exits or a look ends it; msrun's exit code."""
+        try:
+            while self.proc.poll() is None:
+                if self._look():
                     break
-            elif failed:
-                break
-            else:
-                dumped += _answer_failed_steps(heartbeat_dir, ranks, log_dir, answered, job_start)
-                record = read_first_failure(heartbeat_dir, since=job_start)
-                if record is not None and ranks and record["rank"] not in ranks.values():
-                    peer_record = record
-                    break
-                hung = watchdog.check()
-                if hung is not None:  # the ranks that beat have faulthandler on SIGUSR1 (else it would kill them)
-                    _dump_stacks({pid: r for pid, r in ranks.items() if r in hung[1] and _alive(pid)}, log_dir)
-                    break
-            time.sleep(poll_s)
-        if failed and not stops:  # published before this node's job (and scheduler) goes: the others read it
-            pid, worker_code, _when = failed[0]
-            rank = ranks.get(pid)
-            log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
-            consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
-            if not consequence and rank is not None:
-                record_first_failure(heartbeat_dir, rank, _how(worker_code), log)
-        if (failed or stops or hung or peer_record) and proc.poll() is None:
-            _kill_job(sessions)  # the scheduler would otherwise wait out its heartbeat timeout
-    except BaseException:  # our own death: never leave workers behind
-        _kill_job(sessions)
-        raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        code = proc.wait()
-        _kill_job(sessions)  # whatever of the job outlived msrun (workers' children)
-        for t in pumps:
-            t.join(timeout=5)
-    if stops:
-        signum, when = stops[0]
+                time.sleep(POLL_S)
+            if self.failed and not self.stops:  # published before this node's job (and scheduler) goes
+                self._record_own_failure()
+            if (self.failed or self.stops or self.hung or self.peer_record) and self.proc.poll() is None:
+                kill_job(self.sessions)  # the scheduler would otherwise wait out its heartbeat timeout
+        except BaseException:  # our own death: never leave workers behind
+            kill_job(self.sessions)
+            raise
+        finally:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+            code = self.proc.wait()
+            kill_job(self.sessions)  # whatever of the job outlived msrun (workers' children)
+            for t in self.pumps:
+                t.join(timeout=5)
+        return code
+
+    def _look(self) -> bool:
+        """One look at the job: True when the loop ends (a stop signal done with, a dead worker, another
+        node's first failure, a hung job)."""
+        self._find_workers()
+        if self.stops:
+            return self._forward_stop()
+        if self.failed:
+            return True
+        self.dumped += _answer_failed_steps(self.heartbeat_dir, self.ranks, self.log_dir, self.answered, self.job_start)
+        record = read_first_failure(self.heartbeat_dir, since=self.job_start)
+        if record is not None and self.ranks and record["rank"] not in self.ranks.values():
+            self.peer_record = record
+            return True
+        self.hung = self.watchdog.check()
+        if self.hung is not None:  # the ranks that beat have faulthandler on SIGUSR1 (else it would kill them)
+            hung_ranks = self.hung[1]
+            _dump_stacks({pid: r for pid, r in self.ranks.items() if r in hung_ranks and alive(pid)}, self.log_dir)
+            return True
+        return False
+
+    def _find_workers(self) -> None:
+        for pid in descendants(self.proc.pid):
+            fields = stat_fields(pid)
+            if fields and len(fields) > 3:
+                self.sessions.add(int(fields[3]))
+            if pid not in self.ranks:
+                rank = worker_rank(pid)
+                if rank is not None:
+                    self.ranks[pid] = rank
+
+    def _forward_stop(self) -> bool:
+        if not self.forwarded:
+            for pid in self.ranks:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
+            self.forwarded = True
+        self.workers_exited = not any(alive(pid) for pid in self.ranks)
+        return len(self.stops) > 1 or self.workers_exited or time.time() - self.stops[0][1] > self.stop_grace_s
+
+    def _first_failed(self) -> Tuple[int, int, float, Optional[int], Path, bool]:
+        """(pid, exit code, when, rank, log, consequence) of the worker msrun reported first; ``consequence``:
+        it died because a peer did, a SIGTERM we did not send (MindSpore stops the survivors when the
+        scheduler loses a node) or a collective that failed waiting for another rank."""
+        pid, worker_code, when = self.failed[0]
+        rank = self.ranks.get(pid)
+        log = self.log_dir / f"worker_{rank}.log" if rank is not None else self.log_dir
+        consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
+        return pid, worker_code, when, rank, log, consequence
+
+    def _record_own_failure(self) -> None:
+        """Our worker died on its own: the other nodes read it from the run folder."""
+        _pid, worker_code, _when, rank, log, consequence = self._first_failed()
+        if not consequence and rank is not None:
+            record_first_failure(self.heartbeat_dir, rank, exit_description(worker_code), log)
+
+    # ---------------------------------------------------------------------------------------- the outcome
+    def outcome(self, code: int) -> Tuple[int, Optional[str]]:
+        if self.stops:
+            return self._stopped()
+        if self.hung is not None:
+            return 1, self._hung_message()
+        if self.peer_record is not None and not self.failed:
+            return 1, self._peer_message()
+        if not self.failed:
+            return code, None
+        return 1, self._failure_message()
+
+    def _stopped(self) -> Tuple[int, str]:
+        signum, when = self.stops[0]
         name = signal.Signals(signum).name
-        saved = "the workers had exited" if workers_exited or not ranks else "the workers were killed"
+        saved = "the workers had exited" if self.workers_exited or not self.ranks else "the workers were killed"
         how = (
-            f"forwarded SIGTERM to the {len(ranks)} worker(s) (each saves a checkpoint at its next step boundary); "
-            if ranks
+            f"forwarded SIGTERM to the {len(self.ranks)} worker(s) (each saves a checkpoint at its next step "
+            "boundary); "
+            if self.ranks
             else ""
         )
         return 128 + signum, (
             f"received {name}: {how}every process of the job stopped "
-            f"{time.time() - when:.1f} s after the signal (grace {stop_grace_s:g} s; {saved})"
+            f"{time.time() - when:.1f} s after the signal (grace {self.stop_grace_s:g} s; {saved})"
         )
-    if hung is not None:
-        stalled, beats = hung
+
+    def _hung_message(self) -> str:
+        stalled, beats = self.hung
         reached = max(st for st, _f in beats.values())
-        behind = sorted(r for r in set(ranks.values()) | set(beats) if beats.get(r, (-1, -1))[0] < reached)
+        behind = sorted(r for r in set(self.ranks.values()) | set(beats) if beats.get(r, (-1, -1))[0] < reached)
         who = (
             f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not reach step {reached}"
             if behind
             else f"every rank is inside step {reached}"
         )
-        return 1, (
-            f"watchdog: no step finished for {stalled:.0f} s (limit {watchdog.limit():.0f} s: "
-            f"{watchdog_factor:g} x the median step time, at least {watchdog_min_s:g} s); {who}; "
-            f"every worker's Python stacks are in {log_dir}/worker_N.log; stopped the job"
+        dog = self.watchdog
+        return (
+            f"watchdog: no step finished for {stalled:.0f} s (limit {dog.limit():.0f} s: "
+            f"{dog.factor:g} x the median step time, at least {dog.min_s:g} s); {who}; "
+            f"every worker's Python stacks are in {self.log_dir}/worker_N.log; stopped the job"
         )
-    if peer_record is not None and not failed:
-        mine = sorted(set(ranks.values()))
-        return 1, (
-            f"worker rank {peer_record['rank']} (on {peer_record.get('host', 'another node')}) died first: "
-            f"it {peer_record.get('how', 'failed')}; its log: {peer_record.get('log')}; this node's "
+
+    def _peer_message(self) -> str:
+        peer, mine = self.peer_record, sorted(set(self.ranks.values()))
+        return (
+            f"worker rank {peer['rank']} (on {peer.get('host', 'another node')}) died first: "
+            f"it {peer.get('how', 'failed')}; its log: {peer.get('log')}; this node's "
             f"worker rank{'s' if len(mine) > 1 else ''} {', '.join(map(str, mine))} would wait for it in "
             f"the next collective: stopped {'them' if len(mine) > 1 else 'it'} when that node's launch recorded it"
         )
-    if not failed:
-        return code, None
-    pid, worker_code, when = failed[0]
-    rank = ranks.get(pid)
-    log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
-    # Our worker died first, or because a peer did: a SIGTERM we did not send (MindSpore stops the survivors
-    # when the scheduler loses a node) or a collective that failed waiting for another rank.
-    consequence = worker_code == -signal.SIGTERM or (rank is not None and _peer_failed(log))
-    first = read_first_failure(heartbeat_dir, wait_s=5.0, since=job_start) if consequence else None
-    if first is not None and first["rank"] != rank:
-        return 1, (
-            f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
-            f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
-            f"then {_how(worker_code)} and every other worker of this node was stopped"
+
+    def _failure_message(self) -> str:
+        pid, worker_code, when, rank, log, consequence = self._first_failed()
+        first = read_first_failure(self.heartbeat_dir, wait_s=5.0, since=self.job_start) if consequence else None
+        if first is not None and first["rank"] != rank:
+            return (
+                f"worker rank {first['rank']} (on {first.get('host', 'another node')}) died first: it "
+                f"{first.get('how', 'failed')}; its log: {first.get('log')}; this node's worker rank {rank} "
+                f"then {exit_description(worker_code)} and every other worker of this node was stopped"
+            )
+        lost = _timed_out_rank(self.log_dir)
+        if lost is not None and lost not in self.ranks.values():
+            # multi-node: a worker of another node died; MindSpore then stops the survivors here (SIGTERM,
+            # when the scheduler's heartbeat for the lost node times out)
+            return (
+                f"worker rank {lost} (on another node) stopped answering the scheduler; its log is in that "
+                f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
+                f"{exit_description(worker_code)} and every other worker of this node was stopped"
+            )
+        who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
+        behind = self._behind_message(who, worker_code, rank, consequence)
+        if behind is not None:
+            return behind
+        if consequence:
+            return (
+                f"a worker on another node died first (no node recorded which: the run folder is not shared "
+                f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
+                f"{who} then {exit_description(worker_code)} waiting for it; its log: {log}"
+            )
+        return (
+            f"{who} {exit_description(worker_code)}; its log: {log}; stopped every other worker of this node "
+            f"{time.time() - when:.1f} s after msrun reported it"
         )
-    lost = _timed_out_rank(log_dir)
-    if lost is not None and lost not in ranks.values():
-        # multi-node: a worker of another node died; MindSpore then stops the survivors here (SIGTERM,
-        # ~30 s after, when the scheduler's heartbeat for the lost node times out)
-        return 1, (
-            f"worker rank {lost} (on another node) stopped answering the scheduler; its log is in that "
-            f"node's msrun log folder (worker_{lost}.log); this node's worker rank {rank} "
-            f"{_how(worker_code)} and every other worker of this node was stopped"
-        )
-    who = f"worker rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
-    beats = _read_beats(heartbeat_dir) if consequence and heartbeat_dir is not None and rank is not None else {}
-    reached = answered.get(rank, beats.get(rank, (-1, -1))[0])
-    behind = sorted(r for r, (started, _done) in beats.items() if r != rank and started < reached)
-    if behind:  # a peer of this job stopped making progress (hung) and the collective gave up first
+
+    def _behind_message(self, who: str, worker_code: int, rank: Optional[int], consequence: bool) -> Optional[str]:
+        """The failed worker's collective gave up on a peer of this job that stopped making progress (hung):
+        the message naming the ranks behind, else None."""
+        folder = self.heartbeat_dir
+        beats = _read_beats(folder) if consequence and folder is not None and rank is not None else {}
+        reached = self.answered.get(rank, beats.get(rank, (-1, -1))[0])
+        behind = sorted(r for r, (started, _done) in beats.items() if r != rank and started < reached)
+        if not behind:
+            return None
         ranks_ = ", ".join(map(str, behind))
-        stacks = [r for r in behind if r in dumped]
+        stacks = [r for r in behind if r in self.dumped]
         where = (
             f"Python stacks of rank{'s' if len(stacks) > 1 else ''} {', '.join(map(str, stacks))} in "
-            f"{log_dir}/worker_N.log"
+            f"{self.log_dir}/worker_N.log"
             if stacks
-            else f"see {log_dir}/worker_N.log"
+            else f"see {self.log_dir}/worker_N.log"
         )
-        return 1, (
-            f"{who} {_how(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
+        return (
+            f"{who} {exit_description(worker_code)} in a collective waiting for rank{'s' if len(behind) > 1 else ''} "
             f"{ranks_}, which did not reach step {reached} (hung: {where}); stopped the job"
         )
-    if consequence:
-        return 1, (
-            f"a worker on another node died first (no node recorded which: the run folder is not shared "
-            f"and this node has no scheduler log naming it; see node 0's launch output); this node's "
-            f"{who} then {_how(worker_code)} waiting for it; its log: {log}"
-        )
-    return 1, (
-        f"{who} {_how(worker_code)}; its log: {log}; stopped every other worker of this node "
-        f"{time.time() - when:.1f} s after msrun reported it"
-    )
 
 
 def _answer_failed_steps(
@@ -603,7 +589,7 @@ def _answer_failed_steps(
             continue
         answered[rank] = step
         beats = _read_beats(folder)
-        behind = {pid: r for pid, r in ranks.items() if r != rank and r in beats and beats[r][0] < step and _alive(pid)}
+        behind = {pid: r for pid, r in ranks.items() if r != rank and r in beats and beats[r][0] < step and alive(pid)}
         if behind:
             dumped += _dump_stacks(behind, log_dir)
         if rank in ranks.values():

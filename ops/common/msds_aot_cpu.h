@@ -2,7 +2,8 @@
 //
 // An aot kernel receives every input then every output as a void* with its
 // shape and dtype name; it returns 0 on success. On failure our kernels also
-// leave a one-line message that Python reads through MsdsLastError().
+// print a one-line message to stderr and keep it in MsdsLastError() (for a
+// debugger or a ctypes caller; the package reads the stderr line).
 #ifndef MSDS_AOT_CPU_H
 #define MSDS_AOT_CPU_H
 

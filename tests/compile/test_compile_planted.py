@@ -115,7 +115,7 @@ def test_pipeline_with_every_degree_above_one_compiles(tmp_path):
 
 # The attention's own slices and casts left without the plan's strategy (as every per-head operation was)
 _UNNAMED_HEAD_OPS = """
-from ms_deepseek.parallel_plan import plan as P
+from ms_deepseek.parallel_plan import styles as P
 _heads = P.STYLES["attention_heads"]
 def planted(mesh):
     spec = _heads(mesh)
@@ -152,7 +152,7 @@ def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
 
 # A plan that splits the contracted axis of a matmul's x but not of its weight: MindSpore's MatMulInfo refuses
 _BAD_MATMUL = """
-from ms_deepseek.parallel_plan import plan as P
+from ms_deepseek.parallel_plan import styles as P
 _colwise = P.STYLES["colwise"]
 def planted(mesh):
     spec = _colwise(mesh)
@@ -171,7 +171,7 @@ def test_a_planted_wrong_strategy_is_refused_by_mindspore(tmp_path):
 
 # The lint's UNSPLITTABLE rules restate MindSpore's: the same planted split is refused by the compiler
 _SPLIT_TOPK_AXIS = """
-from ms_deepseek.parallel_plan import plan as P
+from ms_deepseek.parallel_plan import styles as P
 _router = P.STYLES["router"]
 def planted(mesh):
     spec = _router(mesh)
@@ -181,7 +181,7 @@ P.STYLES["router"] = planted
 """
 
 _SPLIT_CONCAT_AXIS = """
-from ms_deepseek.parallel_plan import plan as P
+from ms_deepseek.parallel_plan import styles as P
 def planted(mesh):
     spec = P.StyleSpec(prims={"": (((1, mesh.dp, 1), (1, mesh.dp, 1)), None)}, is_primitive=True)
     return spec  # Concat of [G, N, H] and [G, 1, H] on axis 1, split on axis 1
@@ -333,7 +333,7 @@ quant._Dequant._init_quant = planted
 
 # The causal mask's scaling left without the plan's replicated strategy, as the rotary table's was until 2026-12-04
 _UNSPLIT_MASK_SCALE = """
-from ms_deepseek.parallel_plan import plan as P
+from ms_deepseek.parallel_plan import styles as P
 _mask = P.STYLES["causal_mask"]
 def planted(mesh):
     spec = _mask(mesh)

@@ -75,9 +75,10 @@ def _stored_names(src, cfg):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"int{s.bits}")
 def test_the_plans_scale_layouts_agree_with_the_checkpoint_layout(spec):
-    """parallel_plan/plan.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
+    """parallel_plan/styles.py's weight_scale / weight_offset layouts (what apply_plan checks) split each scale as
     layout.json does."""
-    from ms_deepseek.parallel_plan.plan import Mesh, Plan, fit_layout
+    from ms_deepseek.parallel_plan.plan import Plan
+    from ms_deepseek.parallel_plan.styles import Mesh, fit_layout
 
     cfg, par = small_config(), ParallelConfig(dp=2, tp=2, ep=2)
     layout, plan, mesh = build_layout(cfg, par, quant=spec), Plan(), Mesh.from_parallel(par)

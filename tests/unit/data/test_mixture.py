@@ -55,7 +55,7 @@ def test_chunk_counts_are_exact_shares():
 def test_proportions_determinism_and_counts(folders):
     ds = build_train_dataset(mix(folders), batch_size=4, seed=7)
     assert isinstance(ds, MixtureDataset)
-    src, _ = ds.window_plan(0, CHUNK // 4)  # one whole chunk of positions
+    src, _ = ds.window_draws(0, CHUNK // 4)  # one whole chunk of positions
     assert np.bincount(src).tolist() == [2867, 1229]  # exactly 0.7 / 0.3
     batches = take(ds, 25)
     drawn = [source_of(r) for b in batches for r in b["input_ids"]]

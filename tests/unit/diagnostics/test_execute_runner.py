@@ -11,6 +11,7 @@ import pytest
 from mindspore import Tensor
 
 from ms_deepseek.diagnostics import execute as ex
+from ms_deepseek.diagnostics import execute_ranks as xr
 
 
 def _node(out, kind, inputs, **attrs):
@@ -23,7 +24,7 @@ def _program(rank, nodes, output):
 
 def _run(programs, inputs, world):
     envs = [{"x": Tensor(v)} for v in inputs]
-    out = ex.run_ranks(programs, envs, world)
+    out = xr.run_ranks(programs, envs, world)
     return {r: (v.asnumpy() if hasattr(v, "asnumpy") else v) for r, v in out.items()}
 
 
@@ -122,7 +123,7 @@ def test_compute_nodes_run_mindspore_kernels_and_scalar_primitives():
     less = ex.Node("w", "LessScalar", "function", {}, ["x", "two"])
     prog = ex.RankProgram(0, {"n": 3, "two": 2.0}, {}, ["x"], [node, scalar, less], "y")
     env = {"x": Tensor(np.array([1.0, 2.0, 3.0], np.float32))}
-    ex.run_ranks([prog], [env], 1)
+    xr.run_ranks([prog], [env], 1)
     np.testing.assert_array_equal(env["y"].asnumpy(), [1.0, 4.0, 9.0])
     assert env["z"] == 9
     np.testing.assert_array_equal(env["w"].asnumpy(), [True, False, False])
@@ -132,4 +133,4 @@ def test_a_kernel_failure_names_the_rank_operator_and_scope():
     node = ex.Node("y", "MatMul", "function", {}, ["x", "x", "f", "f"], scope="model/layers.0/MatMul-op3")
     prog = ex.RankProgram(0, {"f": False}, {}, ["x"], [node], "y")
     with pytest.raises(ex.ExecutionError, match=r"rank 0: MatMul at model/layers.0/MatMul-op3 failed on inputs"):
-        ex.run_ranks([prog], [{"x": Tensor(np.ones((2, 3), np.float32))}], 1)
+        xr.run_ranks([prog], [{"x": Tensor(np.ones((2, 3), np.float32))}], 1)

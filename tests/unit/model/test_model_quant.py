@@ -76,8 +76,6 @@ def test_gradients_reach_x_and_the_adapter_never_the_quantized_weights():
     layer.set_quantized(*stored_array(rng.standard_normal((24, 32)).astype(np.float32), spec))
     attach(
         layer,
-        None,
-        4,
         2.0,
         0.0,
         rng.standard_normal((4, 32)).astype(np.float32) * 0.1,

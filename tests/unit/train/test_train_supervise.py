@@ -111,11 +111,34 @@ def test_a_launch_clears_only_its_own_nodes_heartbeats(tmp_path):
 
     beats = tmp_path / ".heartbeat"
     beats.mkdir()
-    for name in ("rank_0", "rank_1", "rank_2", "rank_3", "rank_2.failed", "rank_3.ack"):
+    # a ".rank_N.partial-<id>" is the temporary sibling of a heartbeat write (core/atomic.py) a killed worker left
+    for name in (
+        "rank_0",
+        "rank_1",
+        "rank_2",
+        "rank_3",
+        "rank_2.failed",
+        "rank_3.ack",
+        ".rank_0.partial-1a2b3c4d",
+        ".rank_3.partial-1a2b3c4d",
+    ):
         (beats / name).write_text("7 7\n")
     (beats / FIRST_FAILURE).write_text(json.dumps({"rank": 5, "time": time.time() - 3600}))
     clear_node_entries(beats, range(2, 4), job_start=time.time())
-    assert sorted(p.name for p in beats.iterdir()) == ["rank_0", "rank_1"]
+    assert sorted(p.name for p in beats.iterdir()) == [".rank_0.partial-1a2b3c4d", "rank_0", "rank_1"]
     (beats / FIRST_FAILURE).write_text(json.dumps({"rank": 0, "time": time.time()}))  # this job's: kept
     clear_node_entries(beats, range(2, 4), job_start=time.time() - 60)
     assert (beats / FIRST_FAILURE).is_file()
+
+
+def test_a_heartbeat_is_replaced_whole_and_leaves_no_temporary_file(tmp_path):
+    from ms_deepseek.train.preempt import Heartbeat
+    from ms_deepseek.train.supervise import _read_beats
+
+    hb = Heartbeat(tmp_path, 1)
+    hb.beat(1, 0)
+    hb.beat(2, 1, step_s=0.25)
+    beats = tmp_path / ".heartbeat"
+    assert sorted(p.name for p in beats.iterdir()) == ["rank_1"]
+    step_s = {}
+    assert _read_beats(beats, step_s) == {1: (2, 1)} and step_s == {1: 0.25}
