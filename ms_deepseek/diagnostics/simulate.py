@@ -334,9 +334,10 @@ def _data_coordinates():
 
 
 def _dataset_strategy(parallel: ParallelConfig):
-    from ms_deepseek.parallel_apply.apply import context_kwargs
+    """What MindSpore is told each rank reads (``auto_parallel_wrap``); plain data parallel splits the batch."""
+    from ms_deepseek.parallel_plan.ranks import dataset_strategy
 
-    return context_kwargs(parallel).get("dataset_strategy", "data_parallel")
+    return dataset_strategy(parallel) if parallel.uses_semi_auto else "data_parallel"
 
 
 def mindspore_batch_slices(strategy, stage_devices: int, inputs: int = 2) -> Tuple[int, Optional[str]]:

@@ -19,7 +19,6 @@ The rest of the operators get their strategies by MindSpore's sharding propagati
 hold no strategies and the plan stays one table. On CPU (stand-alone) the strategies
 are recorded but have no effect: the same model runs unsharded.
 
-:func:`context_kwargs` (the context API's arguments) or
 :func:`pipeline_wrap` + :func:`auto_parallel_wrap` (the ``AutoParallel`` API) set up the
 distributed run (Ascend only: SEMI/AUTO parallel cannot compile on CPU).
 """
@@ -298,38 +297,6 @@ def _recompute(cells, parallel: ParallelConfig, applied: AppliedPlan) -> None:
 
 
 # ------------------------------------------------------------------ distributed context
-def context_kwargs(parallel: ParallelConfig) -> Dict[str, object]:
-    """Arguments for ``mindspore.set_auto_parallel_context`` for this layout (pure, testable)."""
-    if not parallel.uses_semi_auto:
-        return {
-            "parallel_mode": "data_parallel" if parallel.dp > 1 else "stand_alone",
-            "gradients_mean": True,
-            "device_num": parallel.world_size,
-        }
-    kwargs: Dict[str, object] = {
-        # Key operators carry the plan's strategies; the rest follow by sharding propagation.
-        "parallel_mode": "semi_auto_parallel" if search_mode(parallel) == "semi_auto" else "auto_parallel",
-        "search_mode": "sharding_propagation",
-        "device_num": parallel.world_size,
-        "gradients_mean": False,  # the loss is already the global mean: auto_parallel_wrap says why
-        "enable_alltoall": parallel.ep > 1,
-        # what each rank really reads (tp peers share rows): ((dp, 1), (dp, 1)) or "full_batch"
-        "dataset_strategy": dataset_strategy(parallel),
-        "pipeline_stages": parallel.pp,
-        "enable_parallel_optimizer": parallel.optimizer_shard,
-        "strategy_ckpt_config": {"save_file": "./strategy/ckpt_strategy.ckpt", "only_trainable_params": False},
-    }
-    if parallel.pp > 1:
-        kwargs["pipeline_config"] = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
-    if parallel.optimizer_shard:
-        kwargs["parallel_optimizer_config"] = {
-            "parallel_optimizer_threshold": 64,
-            "optimizer_level": "level1",
-            "gradient_accumulation_shard": False,
-        }
-    return kwargs
-
-
 def pipeline_stage_config(applied: AppliedPlan, prefix: str = "") -> Dict[str, int]:
     """``stage_config`` for ``mindspore.parallel.nn.Pipeline`` (cell paths under ``prefix``)."""
     return {join_path(prefix, path): stage for path, stage in applied.stage_of_cell.items()}

@@ -427,18 +427,12 @@ def test_placement_tables():
     assert sorted(assignment) == [0] * 4 + [1] * 4 and abs(per_rank[0] - per_rank[1]) <= 0.05 + 1e-9
 
 
-def test_context_kwargs():
-    from ms_deepseek.parallel_apply.apply import context_kwargs
+def test_search_mode():
+    from ms_deepseek.parallel_apply.apply import search_mode
 
-    kw = context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, optimizer_shard=True))
     # a pipeline compiles in semi_auto (sharding_propagation failed across the stages' subgraphs: tests/compile)
-    assert kw["parallel_mode"] == "semi_auto_parallel"
-    one_stage = context_kwargs(ParallelConfig(dp=4, tp=8, ep=4, optimizer_shard=True))
-    assert one_stage["parallel_mode"] == "auto_parallel" and one_stage["search_mode"] == "sharding_propagation"
-    assert kw["device_num"] == 64 and kw["pipeline_stages"] == 2 and kw["enable_alltoall"] is True
-    assert kw["enable_parallel_optimizer"] is True and kw["pipeline_config"]["pipeline_scheduler"] == "1f1b"
-    assert context_kwargs(ParallelConfig(dp=2))["parallel_mode"] == "data_parallel"
-    assert context_kwargs(ParallelConfig())["parallel_mode"] == "stand_alone"
+    assert search_mode(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20, optimizer_shard=True)) == "semi_auto"
+    assert search_mode(ParallelConfig(dp=4, tp=8, ep=4, optimizer_shard=True)) == "sharding_propagation"
 
 
 # -------------------------------------------------------------------------- LoRA

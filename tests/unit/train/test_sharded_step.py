@@ -74,14 +74,12 @@ def test_tp_peers_read_the_whole_micro_batch():
     assert dataset_strategy(ParallelConfig(dp=2, tp=1, pp=2, micro_batches=2)) == ((2, 1), (2, 1))
 
 
-def test_context_and_auto_parallel_wrap_get_the_dataset_strategy():
-    from ms_deepseek.parallel_apply.apply import context_kwargs
-
+def test_auto_parallel_wrap_gets_the_dataset_strategy():
     par = ParallelConfig(dp=4, tp=1, pp=2, ep=4, micro_batches=4)
-    assert context_kwargs(par)["dataset_strategy"] == ((4, 1), (4, 1))
-    assert context_kwargs(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4))["dataset_strategy"] == "full_batch"
+    assert dataset_strategy(par) == ((4, 1), (4, 1))
+    assert dataset_strategy(ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4)) == "full_batch"
     full = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=4, dataset_strategy="full_batch")
-    assert context_kwargs(full)["dataset_strategy"] == "full_batch"
+    assert dataset_strategy(full) == "full_batch"
 
     # AutoParallel.dataset_strategy takes it as given (the wrapper is built without compiling)
     import mindspore as ms
