@@ -119,7 +119,7 @@ class Trainer:
         self.restore()
         if dry_run_level() is not None:
             return self._compile_only()
-        self._open_outputs()
+        self.open_outputs()
         self.preempted: Optional[str] = None
         step = self.resume.step
         try:
@@ -188,7 +188,7 @@ class Trainer:
         if not fresh:
             self.checkpointer.load(self.resume.folder, self.resume.state)
 
-    def _open_outputs(self) -> None:
+    def open_outputs(self) -> None:
         """Run folder (logging rank), metrics, alerts, throughput, stop request, heartbeat, progress, start lines."""
         recipe, run_dir = self.recipe, self.run_dir
         if self.is_log_rank:
