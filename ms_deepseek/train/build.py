@@ -20,7 +20,7 @@ import numpy as np
 
 from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.core.runtime import allow_graph_depth, detect_device
+from ms_deepseek.core.runtime import allow_graph_depth, detect_device, skip_parameter_load_copies
 from ms_deepseek.train.context import ModelConverter, ModelSource, RunContext, TrainTensors
 from ms_deepseek.train.distributed import is_distributed
 
@@ -133,6 +133,7 @@ def build_model(ctx: RunContext, strategy, converter: ModelConverter, source: Mo
     from ms_deepseek.parallel_plan.memory import reserve_device_memory
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
 
+    skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
     recipe, cfg, par = ctx.recipe, ctx.cfg, ctx.par
     ms.set_seed(recipe.train.seed)
     np.random.seed(recipe.train.seed)
