@@ -76,6 +76,7 @@ def lora_transfer(steps: int) -> None:
     from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.data.prepare import prepare_embedded_default
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,9 +97,9 @@ def lora_transfer(steps: int) -> None:
             "model.overrides.initializer_range=0.2",
         ]
         recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml", sets)
-        trainer = Trainer(recipe, tmp / "run", None, False, False, None)
+        trainer = Trainer(recipe, tmp / "run", TrainOptions(progress=False))
         result = trainer.run()
-        batches = trainer.validation.batches
+        batches = trainer.data.validation.batches
         print(
             f"tiny-qlora-cpu ({recipe.quant.bits}-bit, group {recipe.quant.group_size}), {steps} steps: "
             f"train loss {np.mean(result.losses[:5]):.3f} -> {np.mean(result.losses[-5:]):.3f}"

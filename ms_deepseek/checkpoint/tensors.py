@@ -157,11 +157,11 @@ def rng_state() -> Dict:
 def restore_rng(state: Dict) -> None:
     import mindspore as ms
 
+    if state.get("mindspore_seed") is not None:  # first: mindspore.set_seed seeds numpy's generator too
+        ms.set_seed(int(state["mindspore_seed"]))
     if "numpy" in state:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if state.get("mindspore_seed") is not None:
-        ms.set_seed(int(state["mindspore_seed"]))
     if "mindspore_generator" in state:
         dtype = ms.get_rng_state().asnumpy().dtype  # the generator's own state dtype (uint8)
         ms.set_rng_state(ms.Tensor(np.asarray(state["mindspore_generator"], dtype=dtype)))

@@ -259,7 +259,8 @@ class TrainDataset:
 
     # ------------------------------------------------------------------ iteration
 
-    def _mind_dataset(self, indices: np.ndarray, columns: List[str]):
+    def mind_dataset(self, indices: np.ndarray, columns: List[str]):
+        """MindSpore's reader of the samples ``indices`` (their ``columns``)."""
         import mindspore.dataset as ds
 
         # MindSpore refuses more reader threads than CPUs; the setting is a ceiling.
@@ -276,7 +277,7 @@ class TrainDataset:
             return
         block = self.epoch_order(self.epoch)[start : start + steps * step_samples]
         mine = block[self.rank :: self.world_size]  # rank r: positions r, r+W, ... of the block
-        pipe = self._mind_dataset(mine, ["input_ids", "labels"]).batch(self.batch_size, drop_remainder=True)
+        pipe = self.mind_dataset(mine, ["input_ids", "labels"]).batch(self.batch_size, drop_remainder=True)
         it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
         try:
             for batch in it:
@@ -292,7 +293,7 @@ class TrainDataset:
         total = self._sft_batches(self.epoch)
         if self.batches_in_epoch >= total:
             return
-        pipe = self._mind_dataset(mine, ["input_ids", "labels", "length"])
+        pipe = self.mind_dataset(mine, ["input_ids", "labels", "length"])
         # MindSpore buckets are [0, b0), [b0, b1), ...: boundary = padded length + 1.
         pipe = pipe.bucket_batch_by_length(
             ["length"],

@@ -207,7 +207,7 @@ class MixtureDataset:
             # SFT samples are shorter than seq_len: padded (pretraining windows fill the row)
             got_ids = np.full((uniq.size, self.seq_len), self.pad_id, np.int32)  # [distinct, T]
             got_labels = np.full((uniq.size, self.seq_len), IGNORE_INDEX, np.int32)  # [distinct, T]
-            pipe = self.parts[s]._mind_dataset(uniq, ["input_ids", "labels"])
+            pipe = self.parts[s].mind_dataset(uniq, ["input_ids", "labels"])
             it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
             try:
                 for j, sample in enumerate(it):

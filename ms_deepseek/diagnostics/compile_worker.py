@@ -6,7 +6,7 @@ holds MindSpore's dry run (``MS_SIMULATION_LEVEL=0``, ``RANK_SIZE`` / ``RANK_ID`
 world, ``MS_DEEPSEEK_DEVICE=Ascend``) and CANN's libraries or their stubs
 (:mod:`ms_deepseek.diagnostics.cann_stubs`).
 
-It runs the trainer's own set-up (:class:`ms_deepseek.train.trainer.Trainer`: layout checks,
+It builds the run from the trainer's own parts (:mod:`ms_deepseek.train.build`: the planner's verdict,
 collective group, model, plan, optimizer, step, ``AutoParallel`` wrapper) with two differences,
 both about what is on the machine, not about the graph: no data (the batches are zeros of the
 shape a rank reads, ``[k * rows, seq_len]`` for the step, ``[rows, seq_len]`` for validation) and
@@ -34,8 +34,9 @@ from typing import Dict
 
 import numpy as np
 
+from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.train.trainer import Trainer
+from ms_deepseek.train.context import ModelSource, RunContext
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
@@ -80,136 +81,93 @@ def _install_op_info(work: Path) -> None:
     os.environ["ASCEND_CUSTOM_OPP_PATH"] = ":".join(paths)
 
 
-class CompileOnlyTrainer(Trainer):
-    """The trainer's set-up without data, weights or steps; :meth:`compile_all` compiles its graphs."""
+class CompileRun:
+    """The trainer's set-up (:mod:`ms_deepseek.train.build`) without data, weights or steps; its methods
+    compile its graphs."""
 
-    def _check_layout(self) -> None:
-        # as Trainer, minus what is about the machine: the planner's fit is reported, not enforced
-        from ms_deepseek.train.trainer import fit_plan
-
-        self.plan = fit_plan(self.recipe, force=True)
-
-    def _setup_run(self) -> None:
+    def __init__(self, recipe, out: Path):
         from ms_deepseek.core.runtime import use_device
-        from ms_deepseek.train.trainer import init_distributed, is_distributed
+        from ms_deepseek.train.build import build_model, build_step, fit_plan
+        from ms_deepseek.train.distributed import init_distributed
+        from ms_deepseek.train.lora_run import model_converter
+        from ms_deepseek.train.parallelism import parallelism_of
 
+        par = recipe.parallel
+        plan = fit_plan(recipe, force=True)  # as the trainer, minus what is about the machine: reported, not enforced
         use_device()
-        self.rank, self.world = init_distributed(self.par) if is_distributed() else (0, 1)
-        self.is_main = False
-        self.resume_dir, self.state, self.start_step, self.complete = None, {}, 0, False
-        self.total = self.stop_at = self.recipe.train.steps
-
-    def _build_data(self) -> None:
-        from ms_deepseek.parallel_plan.ranks import data_coordinates
-
-        mb = self.recipe.train.micro_batch_size
-        self.rows = data_coordinates(self.rank, self.par, mb)[2] if self.sharded else mb
-        self.seq_len = self.recipe.data.seq_len
-
-    def _build_model(self) -> None:
-        import mindspore as ms
-        from mindspore.nn.utils import no_init_parameters
-
-        from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
-        from ms_deepseek.parallel_apply.apply import apply_plan
-        from ms_deepseek.parallel_plan.memory import reserve_device_memory
-        from ms_deepseek.parallel_plan.ranks import stage_of_rank
-
-        _install_op_info(self.run_dir)
-        ms.set_seed(self.recipe.train.seed)
-        with no_init_parameters():  # shapes only: nothing allocated, nothing read
-            model = DeepseekV2ForCausalLM(self.cfg)
-        if self.recipe.lora is not None:
-            from ms_deepseek.train import lora_run
-
-            lora_run.prepare(model, self.recipe, self.run_dir, write_base=False, sharded=True, shapes_only=True)
-        model.set_train(True)
-        self.applied = apply_plan(model, self.par, self.cfg)
-        if self.par.reserve_memory:
-            reserve_device_memory(
-                self.plan,
-                self.par.memory_headroom_gb,
-                hbm_gb=self.par.hbm_gb,
-                stage=stage_of_rank(self.rank, self.par) if self.par.pp > 1 else None,
-            )
-        self.model = model
-
-    def _build_step(self) -> None:
-        super()._build_step()
+        rank, world = init_distributed(par)
+        self.ctx = RunContext(recipe, out, rank, world)
+        self.sharded = par.uses_semi_auto
+        strategy = parallelism_of(self.sharded)
+        rows = strategy.data_coordinates(rank, world, par, recipe.train.micro_batch_size)[2]
+        _install_op_info(out)
+        self.converter = model_converter(recipe)
+        source = ModelSource(None, load=False, shapes_only=True)
+        built = build_model(self.ctx, strategy, self.converter, source, plan)
+        self.tensors, _ = build_step(self.ctx, strategy, self.converter, built, (rows, recipe.data.seq_len))
         if self.sharded:  # shapes only: MindSpore would otherwise initialise every parameter slice it compiles
-            self.step_cell.no_init_parameters_in_compile()
+            self.tensors.step_cell.no_init_parameters_in_compile()
+
+    def _zeros(self, shape):
+        from mindspore import Tensor
+
+        return Tensor(np.zeros(shape, np.int32))
 
     def compile_train(self):
         """Compile the training step; returns how many (parameter layouts, primitive strategies) the checks
         compared against the plan."""
-        from mindspore import Tensor
+        from ms_deepseek.train import parallelism
 
-        from ms_deepseek.parallel_apply import compiled_check as cc
-        from ms_deepseek.parallel_plan.ranks import stage_of_rank
-
-        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
-        self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        zeros = self._zeros(self.tensors.input_shape)  # [k * b, T]
+        self.tensors.step_cell.compile(zeros, zeros)
         if not self.sharded:
             return 0, 0
-        compared = cc.check_parameter_layouts(
-            cc.compiled_layouts(self.step_cell), self._layout(), self.rank, self.par.optimizer_shard
-        )
-        self.strategies_compared = cc.check_compiled_strategies(
-            cc.compiled_strategies(self.step_cell),
-            cc.planned_primitives(
-                self.model, self.applied.strategies, self.applied.stage_of_cell, stage_of_rank(self.rank, self.par)
-            ),
-        )
-        return compared, self.strategies_compared
+        layout = parallelism.checkpoint_layout(self.ctx, self.tensors.opt_tensors)
+        return parallelism.check_compiled(self.ctx, self.tensors, layout)
 
     def run_step(self) -> None:
         """Call the compiled step once (``MS_SIMULATION_LEVEL=1``: no kernels run; MindSpore's memory pool
         accounts each allocation and prints its peak when the process ends). The outputs are placeholders."""
-        from mindspore import Tensor
-
         if os.environ.get("MS_SIMULATION_LEVEL") != "1":
             raise UserError(
                 "run_step: only under MS_SIMULATION_LEVEL=1 (a dry run that runs the step without "
                 f"kernels); this process has MS_SIMULATION_LEVEL={os.environ.get('MS_SIMULATION_LEVEL')!r}"
             )
-        shape = (self.k * self.rows, self.seq_len)
-        self.step_cell(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        zeros = self._zeros(self.tensors.input_shape)
+        self.tensors.step_cell(zeros, zeros)
 
     def export_program(self, folder: Path) -> Dict[str, object]:
         """``plan --execute``: this rank's compiled training step and its starting values, for the CPU executor
         (:mod:`ms_deepseek.diagnostics.execute`). Compiles the step as :meth:`compile_train` does but keeps the
         ``exec_id`` MindSpore's executor returns (``Cell.compile`` drops it), then reads this rank's slices of
-        the weights folder as a sharded run does before step 1 (``parallelism.Sharded.prepare_restore``: the
+        the weights folder as a sharded run does before step 1 (``parallelism.Sharded.materialize``: the
         optimizer's cut from the compiled layouts, ``converter.load_slices``), initialises what the trainer
         leaves to MindSpore (optimizer moments, accumulation buffers, counters: ``Cell.init_parameters_data``)
         and writes ``program.mindir`` (``_get_func_graph_proto``, the compiled per-rank graph: diagnostics/execute.py),
         ``values.safetensors`` (every parameter of the graph, as this rank holds it before step 1) and
         ``program.json`` (each parameter's compiled layout and optimizer-shard part)."""
-        from mindspore import Tensor
         from mindspore.common.api import _cell_graph_executor
         from safetensors.numpy import save_file
 
         from ms_deepseek.parallel_apply import compiled_check as cc
+        from ms_deepseek.train.parallelism import checkpoint_layout
 
-        shape = (self.k * self.rows, self.seq_len)  # [k * b, T]
-        zeros = Tensor(np.zeros(shape, np.int32))
-        exec_id, _ = _cell_graph_executor.compile(self.step_cell, zeros, zeros, phase="train")
-        program = _cell_graph_executor._get_func_graph_proto(self.step_cell, exec_id, "mind_ir")
+        tensors, par = self.tensors, self.ctx.par
+        shape = tensors.input_shape  # [k * b, T]
+        zeros = self._zeros(shape)
+        exec_id, _ = _cell_graph_executor.compile(tensors.step_cell, zeros, zeros, phase="train")
+        program = _cell_graph_executor._get_func_graph_proto(tensors.step_cell, exec_id, "mind_ir")
         (folder / "program.mindir").write_bytes(program)
-        layouts = cc.compiled_layouts(self.step_cell) or {}
+        layouts = cc.compiled_layouts(tensors.step_cell) or {}
         parts = {}
-        if self.par.optimizer_shard:
+        if par.optimizer_shard:
             from ms_deepseek.checkpoint.opt_shard import OptimizerShards
 
-            self.opt_shards = OptimizerShards.from_compiled(self.step_cell)
-            parts = {
-                n: [self.opt_shards.group_rank(g), self.opt_shards.group_size(g)]
-                for n, g in self.opt_shards.groups.items()
-            }
-        self.resume_dir = None
-        self.converter.load_slices(self, self._layout())
+            shards = tensors.opt_shards = OptimizerShards.from_compiled(tensors.step_cell)
+            parts = {n: [shards.group_rank(g), shards.group_size(g)] for n, g in shards.groups.items()}
+        self.converter.load_slices(self.ctx, tensors, checkpoint_layout(self.ctx, tensors.opt_tensors), True)
         values = {}
-        for param in self.step_cell.get_parameters():
+        for param in tensors.step_cell.get_parameters():
             if param.has_init:
                 param.init_data()
             values[param.name] = param.asnumpy()
@@ -221,24 +179,24 @@ class CompileOnlyTrainer(Trainer):
             }
             for name, entry in layouts.items()
         }
-        (folder / "program.json").write_text(
-            json.dumps({"rank": self.rank, "input_shape": list(shape), "parameters": entries}, indent=1)
+        atomic_write_text(
+            folder / "program.json",
+            json.dumps({"rank": self.ctx.rank, "input_shape": list(shape), "parameters": entries}, indent=1),
         )
         return {"nodes": len(program), "parameters": len(values)}
 
     def compile_eval(self) -> None:
         """Compile the validation graph as the trainer's first validation would (one micro-batch)."""
-        from mindspore import Tensor
-
         from ms_deepseek.train.evaluate import Evaluator
 
-        evaluator = Evaluator(self.model, [], self.world, parallel=self.par if self.sharded else None)
+        model = self.tensors.model
+        evaluator = Evaluator(model, [], self.ctx.world, parallel=self.ctx.par if self.sharded else None)
         if self.sharded:
             evaluator.cell.no_init_parameters_in_compile()
         evaluator.cell.set_train(False)
-        shape = (self.rows, self.seq_len)  # [b, T]
-        evaluator.cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
-        self.model.set_train(True)
+        zeros = self._zeros((self.tensors.rows, self.tensors.seq_len))  # [b, T]
+        evaluator.cell.compile(zeros, zeros)
+        model.set_train(True)
 
 
 def _graph(result: Dict, name: str, fn) -> bool:
@@ -273,18 +231,13 @@ def run(request_path: str) -> int:
             recipe = load_recipe(
                 request["recipe"], request.get("overrides", []), planning_config_path(request["recipe"])
             )
-            trainer = CompileOnlyTrainer(recipe, out, None, True, False, None)
-            trainer._check_layout()
-            trainer._setup_run()
-            trainer._build_data()
-            trainer._build_model()
-            trainer._build_step()
+            trainer = CompileRun(recipe, out)
         except UserError as e:
             result["graphs"]["setup"] = {"ok": False, "error": str(e), "where": "", "kind": "refused"}
         except Exception as e:
             result["graphs"]["setup"] = {"ok": False, **describe_failure(e)}
         else:
-            result["stage"] = trainer.rank // (trainer.par.dp * trainer.par.tp)
+            result["stage"] = trainer.ctx.rank // (recipe.parallel.dp * recipe.parallel.tp)
             if request.get("execute"):
                 _graph(result, "export", lambda: trainer.export_program(out))
             elif _graph(result, "train", trainer.compile_train):
@@ -295,9 +248,7 @@ def run(request_path: str) -> int:
     finally:
         result["seconds"] = round(time.time() - start, 1)
         result["peak_rss_mb"] = round(peak_rss_mb(), 0)
-        tmp = out / ".result.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out / "result.json")
+        atomic_write_text(out / "result.json", json.dumps(result, indent=1))
     return 0 if all(g.get("ok") for g in result["graphs"].values()) else 1
 
 

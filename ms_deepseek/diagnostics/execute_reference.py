@@ -1,8 +1,8 @@
 """The single-device side of ``plan --execute``: the reduced recipe trained on one CPU device by the product.
 
 Run by :mod:`ms_deepseek.diagnostics.execute_check` as ``python -m ms_deepseek.diagnostics.execute_reference
-REQUEST.json`` in a plain CPU process. It builds the trainer's own one-device run of the recipe (the
-:class:`ms_deepseek.train.trainer.Trainer` phases: the model read from the weights folder, the model converter,
+REQUEST.json`` in a plain CPU process. It builds the trainer's own one-device run of the recipe from the
+trainer's parts (:mod:`ms_deepseek.train.build`: the model read from the weights folder, the model converter,
 the plan, our AdamW and the compiled step in graph mode) and feeds it the global batches the ranks read
 (``batches.npz``: per step ``[k * global rows, T]`` input ids and labels, micro-batch-major). Before the first step
 and after every step it writes every parameter of the step (model, optimizer state, counters) to
@@ -24,30 +24,36 @@ def run(request_path: str) -> int:
     from safetensors.numpy import save_file
 
     from ms_deepseek.config.recipe import load_recipe
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.core.runtime import use_device
+    from ms_deepseek.train.build import build_model, build_step, check_layout
+    from ms_deepseek.train.context import ModelSource, RunContext
+    from ms_deepseek.train.lora_run import model_converter
+    from ms_deepseek.train.parallelism import DATA_PARALLEL
 
     request = json.loads(Path(request_path).read_text())
     out = Path(request_path).parent
     recipe = load_recipe(request["recipe"], request["overrides"])
-    trainer = Trainer(recipe, out / "run", None, True, False, None)
-    trainer._check_layout()
-    trainer._setup_run()
-    trainer._build_data()
-    trainer._build_model()
-    trainer._build_step()
-    trainer._restore()
+    plan = check_layout(recipe, DATA_PARALLEL, force=True)
+    use_device()
+    ctx = RunContext(recipe, out / "run")
+    converter = model_converter(recipe)
+    base = converter.weights_folder(recipe, ctx.run_dir)
+    built = build_model(ctx, DATA_PARALLEL, converter, ModelSource(base, load=True, write_base=base is None), plan)
+    rows = recipe.train.micro_batch_size
+    tensors, _ = build_step(ctx, DATA_PARALLEL, converter, built, (rows, recipe.data.seq_len or 0))
+    DATA_PARALLEL.materialize(ctx, tensors, converter, fresh=True)
     batches = np.load(out / "batches.npz")
 
     def dump(step: int) -> None:
-        values = {p.name: np.ascontiguousarray(p.asnumpy()) for p in trainer.step_cell.get_parameters()}
+        values = {p.name: np.ascontiguousarray(p.asnumpy()) for p in tensors.step_cell.get_parameters()}
         save_file(values, str(out / f"values_{step}.safetensors"))
 
     dump(0)
     steps = []
     for step in range(1, int(request["steps"]) + 1):
-        trainer.converter.before_step(trainer.model, recipe.train.seed, step, 0)
+        converter.before_step(tensors.model, recipe.train.seed, step, 0)
         ids, labels = batches[f"ids_{step}"], batches[f"labels_{step}"]
-        outputs, grad_norm, lr, _, _ = trainer.step_cell(Tensor(ids), Tensor(labels))
+        outputs, grad_norm, lr, _, _ = tensors.step_cell(Tensor(ids), Tensor(labels))
         steps.append(
             {
                 "outputs": outputs.asnumpy().astype(float).tolist(),

@@ -26,14 +26,14 @@ def _cpu_op(name: str):
     from ms_deepseek.ops import build, cpu
 
     if name == "Fp32Softmax":
-        return cpu._custom(
+        return cpu.custom_op(
             build.build("fp32_softmax"),
             "Fp32SoftmaxCpu",
             out_shape=lambda x, cfg: x,
             out_dtype=lambda x, cfg: mstype.float32,
         )
     if name == "ExpertLookup":
-        return cpu._custom(
+        return cpu.custom_op(
             build.build("expert_lookup"),
             "ExpertLookupCpu",
             out_shape=lambda ids, placement, cfg: (ids, ids, ids, ids),

@@ -20,7 +20,8 @@ DEFAULT_CORE_NUM = 48  # msds::kDefaultCoreNum
 DEFAULT_UB_BYTES = 196352  # msds::kDefaultUbBytes
 
 
-def _custom(lib: Path, func: str, out_shape, out_dtype, bprop=None):
+def custom_op(lib: Path, func: str, out_shape, out_dtype, bprop=None):
+    """``ops.Custom`` over the AOT function ``func`` of the built library ``lib``."""
     return ops.Custom(f"{lib}:{func}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
 
 
@@ -56,7 +57,7 @@ class ExpertLookupCpu(nn.Cell):
             # Routing indices are not differentiable.
             return ops.zeros_like(ids), ops.zeros_like(placement), ops.zeros_like(cfg)
 
-        self.op = _custom(
+        self.op = custom_op(
             self.lib,
             "ExpertLookupCpu",
             out_shape=lambda ids, placement, cfg: (ids, ids, ids, ids),
@@ -92,7 +93,7 @@ class FP32SoftmaxCpu(nn.Cell):
         self.lib = Path(lib)
         self.out_dtype = out_dtype
         self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
-        grad = _custom(
+        grad = custom_op(
             self.lib, "Fp32SoftmaxGradCpu", out_shape=lambda y, dy, cfg: y, out_dtype=lambda y, dy, cfg: mstype.float32
         )
 
@@ -100,7 +101,7 @@ class FP32SoftmaxCpu(nn.Cell):
             dx = grad(out, dout.astype(mstype.float32), cfg)  # dL/dx = y * (dy - sum(dy * y))
             return dx.astype(x.dtype), ops.zeros_like(cfg)
 
-        self.op = _custom(
+        self.op = custom_op(
             self.lib, "Fp32SoftmaxCpu", out_shape=lambda x, cfg: x, out_dtype=lambda x, cfg: mstype.float32, bprop=bprop
         )
 
@@ -120,7 +121,7 @@ class RepetitionPenaltyCpu(nn.Cell):
         super().__init__()
         self.lib = Path(lib)
         self.cfg = ms.Tensor([core_num, ub_bytes], mstype.int64)
-        self.op = _custom(
+        self.op = custom_op(
             self.lib,
             "RepetitionPenaltyCpu",
             out_shape=lambda logits, ids, p, cfg: logits,

@@ -4,9 +4,9 @@
 * :class:`RngState`: numpy's and MindSpore's generators (a resume continues their streams);
 * :class:`Throughput`: the metrics counters of the logged interval and of the steady state (steps
   after the first, compile, step of a call): tokens/s, data wait, compile time, the losses;
-* :class:`Checkpointer`: one checkpoint of the run: the model and optimizer tensors (written by the
-  layout, :mod:`ms_deepseek.train.parallelism`) and ``state.json``, assembled from the parts above and
-  the data position (the dataset's own ``state_dict``).
+* :class:`Checkpointer`: one checkpoint of the run, saved and loaded: the model and optimizer tensors
+  (through the layout, :mod:`ms_deepseek.train.parallelism`) and ``state.json``, assembled from the parts
+  above and the data position (the dataset's own ``state_dict``).
 
 The data position is the dataset's (``data.dataset``: ``state_dict()``, and ``state=`` when built).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from ms_deepseek.checkpoint.tensors import restore_rng, rng_state
 
@@ -103,21 +103,39 @@ class Throughput:
 
 
 class Checkpointer:
-    """Saves one checkpoint of every stateful part: ``state.json`` from the parts' ``state_dict`` (the data
-    position, the RNG, the counters) plus the run's fixed shape, the tensors through the layout."""
+    """One checkpoint of every stateful part of a run, saved and loaded.
 
-    def __init__(self, manager, data, rng: RngState, counters: RunCounters, fixed: Dict):
-        self.manager, self.data, self.rng, self.counters, self.fixed = manager, data, rng, counters, fixed
+    ``state.json`` holds ``step``, each named part's ``state_dict`` under its name (the data position, the
+    RNG), the ``merged`` parts' keys at its top level (the counters: ``tokens_seen``, ``elapsed_s``) and the
+    run's fixed shape; the model and optimizer tensors go through ``files``, the layout strategy
+    (:class:`ms_deepseek.train.parallelism.TensorFiles`), which writes whole tensors or this rank's slices.
+
+    :meth:`load` gives every part its state back. A part without ``load_state_dict`` takes its state when it
+    is built: the dataset (``build_train_dataset(state=)``), whose first batch is read before the model
+    is built so that a bad shard at the resumed position stops the run before any compile."""
+
+    def __init__(self, manager, files, parts: Dict[str, object], merged: Sequence[object] = (), fixed=None):
+        self.manager, self.files, self.parts, self.merged = manager, files, dict(parts), list(merged)
+        self.fixed = dict(fixed or {})
 
     def state(self, step: int) -> Dict:
-        return {
-            "step": step,
-            "data": self.data.state_dict(),
-            "rng": self.rng.state_dict(),
-            **self.counters.state_dict(),
-            **self.fixed,
-        }
+        state: Dict = {"step": step}
+        state.update({name: part.state_dict() for name, part in self.parts.items()})
+        for part in self.merged:
+            state.update(part.state_dict())
+        state.update(self.fixed)
+        return state
 
-    def save(self, trainer, step: int) -> Optional[Path]:
+    def save(self, step: int) -> Optional[Path]:
         """Every rank takes part; the path of the checkpoint written (rank 0's), or None on other ranks."""
-        return trainer.parallelism.save(trainer, step, self.state(step))
+        return self.files.save(self.manager, step, self.state(step))
+
+    def load(self, folder: Path, state: Dict) -> None:
+        """Resume from ``folder`` (its ``state.json`` read as ``state``): the tensors first, then every part
+        that takes its state back, in the order given (the RNG after the tensors: reading them draws none)."""
+        self.files.load(folder)
+        for name, part in self.parts.items():
+            if hasattr(part, "load_state_dict"):
+                part.load_state_dict(state.get(name, {}))
+        for part in self.merged:
+            part.load_state_dict(state)

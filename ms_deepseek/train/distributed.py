@@ -1,14 +1,18 @@
 """Collectives of the data-parallel workers, apart from the gradient reduction inside the step.
 
 * :class:`RankMean`: logged values averaged over ranks (one small AllReduce per step);
-* :func:`replica_digests`: replicas proven to hold the same weights at each save.
+* :func:`replica_digests`: replicas proven to hold the same weights at each save;
+* :func:`init_distributed`: joining the collective group (msrun workers, or a rank of MindSpore's dry run).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+import os
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from ms_deepseek.core.errors import UserError
 
 
 def replica_digests(tensors: Dict[str, object], world: int) -> List[str]:
@@ -84,3 +88,38 @@ def checked_on_every_rank(check, rank: int, world: int, any_rank_fn=None):
         )
     if problem is not None:
         raise UserError(problem)
+
+
+def dry_run_level() -> Optional[str]:
+    """``MS_SIMULATION_LEVEL`` when MindSpore's dry run is on, else None.
+
+    Under the dry run a compiled step returns placeholders, not its outputs (an int where the step
+    returns a tuple; ``diagnostics/compile_worker.py`` never runs a step at level 0 for that reason),
+    so training cannot go on past the compile."""
+    level = os.environ.get("MS_SIMULATION_LEVEL", "").strip()
+    return level or None
+
+
+def is_distributed() -> bool:
+    # msrun workers, or one rank of MindSpore's dry run (MS_SIMULATION_LEVEL with RANK_SIZE /
+    # RANK_ID, tools/ascend_dryrun.sh), where init() is simulated
+    dryrun = bool(os.environ.get("MS_SIMULATION_LEVEL")) and int(os.environ.get("RANK_SIZE", "1") or 1) > 1
+    return int(os.environ.get("MS_WORKER_NUM", "1") or 1) > 1 or os.environ.get("MS_ROLE") == "MS_WORKER" or dryrun
+
+
+def init_distributed(par) -> Tuple[int, int]:
+    """Join the collective group when this process is one of several workers; returns (rank, world size)."""
+    if not is_distributed():
+        return 0, 1
+    import mindspore as ms
+    from mindspore.communication import get_group_size, get_rank, init
+
+    init()
+    rank, world = get_rank(), get_group_size()
+    if world != par.world_size:
+        raise UserError(
+            f"parallel: {par.describe()} needs {par.world_size} workers (dp x tp x pp) but msrun started {world}"
+        )
+    if not par.uses_semi_auto:  # sharded layouts get their context from the AutoParallel wrapper
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=world)
+    return rank, world

@@ -176,8 +176,12 @@ class RunLease:
         lease = cls(run_dir, mine)
         if read_holder(run_dir) != mine:  # another job took it in the same moment
             raise refusal(run_dir, read_holder(run_dir))
-        lease._thread.start()
+        lease.keep_renewed()
         return lease
+
+    def keep_renewed(self) -> None:
+        """Start the thread that renews the lease until :meth:`release`."""
+        self._thread.start()
 
     def _renew(self) -> None:
         while not self._stop.wait(RENEW_S):

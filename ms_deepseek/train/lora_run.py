@@ -23,6 +23,8 @@ from ms_deepseek.core.atomic import atomic_folder
 from ms_deepseek.core.dtypes import safetensors_code
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.lora_export import BASE_DIR
+from ms_deepseek.train.context import ModelSource, RunContext, TrainTensors
+from ms_deepseek.train.parallelism import read_weight_slices, this_stage
 
 
 # ------------------------------------------------------------------------------- trainer hooks
@@ -240,7 +242,7 @@ class FullModel:
         """Whether the model is built from the weights folder (a resume reads its checkpoint instead)."""
         return resume_dir is None
 
-    def convert(self, model, recipe, run_dir: Path, write_base: bool, base: Optional[Path], sharded: bool) -> None:
+    def convert(self, model, ctx: RunContext, source: ModelSource) -> None:
         """Nothing to change."""
 
     def checkpoint_tensors(self, model) -> Dict[str, object]:
@@ -254,11 +256,11 @@ class FullModel:
     def before_step(self, model, seed: int, step: int, rank: int) -> None:
         """Nothing keyed by the step."""
 
-    def load_slices(self, trainer, layout) -> None:
-        """Sharded run before a resume or the first step: this rank's slices of the weights folder (a resume
-        reads the checkpoint's instead)."""
-        if trainer.resume_dir is None:
-            trainer._load_weights_slices(layout, trainer.model_tensors)
+    def load_slices(self, ctx: RunContext, tensors: TrainTensors, layout, fresh: bool) -> None:
+        """Sharded run before a resume or the first step: this rank's slices of the weights folder (``fresh``
+        is False when a checkpoint is read after this: a resume reads the checkpoint's slices instead)."""
+        if fresh:
+            read_weight_slices(ctx, tensors, layout, tensors.model_tensors)
 
 
 class LoraModel(FullModel):
@@ -274,11 +276,13 @@ class LoraModel(FullModel):
     def loads_weights(self, resume_dir: Optional[Path]) -> bool:
         return True  # the frozen base is loaded on resume too: LoRA checkpoints hold adapters only
 
-    def convert(self, model, recipe, run_dir: Path, write_base: bool, base: Optional[Path], sharded: bool) -> None:
-        """Adapters + frozen base; a random base is saved once to RUN_DIR/base."""
+    def convert(self, model, ctx: RunContext, source: ModelSource) -> None:
+        """Adapters + frozen base; a random base is saved once to RUN_DIR/base (``source.shapes_only``: the
+        compile check's unallocated adapters, nothing read or written)."""
         from ms_deepseek.model.lora import dropout_key
 
-        prepare(model, recipe, run_dir, write_base=write_base, base=base, sharded=sharded)
+        sharded = ctx.par.uses_semi_auto
+        prepare(model, ctx.recipe, ctx.run_dir, source.write_base, source.base, sharded, source.shapes_only)
         self.dropout_keyed = dropout_key(model) is not None
 
     def checkpoint_tensors(self, model) -> Dict[str, object]:
@@ -296,30 +300,30 @@ class LoraModel(FullModel):
 
             set_dropout_step(model, seed, step, rank)
 
-    def load_slices(self, trainer, layout) -> None:
+    def load_slices(self, ctx: RunContext, tensors: TrainTensors, layout, fresh: bool) -> None:
         """Sharded LoRA run: this rank's slices of the frozen base (a QLoRA run: its quantized tensors, read
         from a quantized model.source or quantized here from a float one: :func:`load_base_slices`); the
-        frozen base is never in a LoRA checkpoint."""
+        frozen base is never in a LoRA checkpoint, so it is read whether or not one follows."""
         from ms_deepseek.checkpoint.layout import build_layout
         from ms_deepseek.checkpoint.tensors import model_tensors
 
-        recipe = trainer.recipe
+        recipe = ctx.recipe
         if recipe.quant is None:
-            base = build_layout(trainer.cfg, trainer.par)
-            trainer._load_weights_slices(
-                base, {n: p for n, p in model_tensors(trainer.model).items() if n in base.tensors}
+            base = build_layout(ctx.cfg, ctx.par)
+            read_weight_slices(
+                ctx, tensors, base, {n: p for n, p in model_tensors(tensors.model).items() if n in base.tensors}
             )
             return
-        quantized = build_layout(trainer.cfg, trainer.par, quant=recipe.quant)
-        params = {n: p for n, p in model_tensors(trainer.model).items() if n in quantized.tensors}
+        quantized = build_layout(ctx.cfg, ctx.par, quant=recipe.quant)
+        params = {n: p for n, p in model_tensors(tensors.model).items() if n in quantized.tensors}
         load_base_slices(
-            trainer._this_stage(params, quantized),
-            base_folder(recipe, trainer.run_dir),
-            trainer.cfg,
-            trainer.par,
+            this_stage(params, quantized, ctx.rank, ctx.par),
+            base_folder(recipe, ctx.run_dir),
+            ctx.cfg,
+            ctx.par,
             recipe.quant,
-            trainer.rank,
-            part=trainer._opt_part,
+            ctx.rank,
+            part=tensors.part,
         )
 
 

@@ -4,16 +4,21 @@
 ``DistributedGradReducer``, rank 0 writes whole checkpoints) and :class:`Sharded` (tp / pp / ep / optimizer
 sharding, Ascend: the model is built unallocated, the step is wrapped by ``AutoParallel`` and compiled before
 any weight is read, every rank reads and writes only its slices, the checkpoint has a ``layout.json``).
-The trainer asks its layout (:func:`parallelism_of`) instead of branching on the layout itself.
+The trainer asks its layout (:func:`parallelism_of`) instead of branching on the layout itself. A strategy
+is given the run (:class:`~.context.RunContext`) and its tensors (:class:`~.context.TrainTensors`), never
+the trainer; it is the checkpointer's file backend (:class:`TensorFiles`).
 """
 
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
 
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.train.context import RunContext, TrainTensors
 
 
 class DataParallel:
@@ -57,29 +62,32 @@ class DataParallel:
     def eval_parallel(self, par):
         return None
 
-    def prepare_restore(self, trainer):
-        """Before a resume's tensors are read; the checkpoint layout to read for (None: whole tensors)."""
+    def materialize(self, ctx: RunContext, tensors: TrainTensors, converter, fresh: bool):
+        """The model was built whole and read its weights then: nothing to do; whole tensors (no layout)."""
         return None
 
-    def save(self, trainer, step: int, state: Dict):
+    def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]:
         """Rank 0 writes whole tensors (experts in HF order whatever the placement); every rank takes part in
         the replicas' digest."""
         from ms_deepseek.checkpoint.tensors import hf_ordered
         from ms_deepseek.train.distributed import replica_digests
 
-        if trainer.world > 1:  # every rank takes part: the replicas must hold the same weights
-            state["replica_sha1"] = replica_digests(trainer.model_tensors, trainer.world)
-        if trainer.rank != 0:
+        if ctx.world > 1:  # every rank takes part: the replicas must hold the same weights
+            state["replica_sha1"] = replica_digests(tensors.model_tensors, ctx.world)
+        if ctx.rank != 0:
             return None
-        # experts in HF order whatever the placement (a whole run's placement is contiguous today)
-        return trainer.manager.save(
+        return manager.save(
             step,
-            hf_ordered(trainer.model_tensors, trainer.applied),
-            hf_ordered(trainer.opt_tensors, trainer.applied),
-            trainer.cfg,
+            hf_ordered(tensors.model_tensors, tensors.applied),
+            hf_ordered(tensors.opt_tensors, tensors.applied),
+            ctx.cfg,
             state,
-            trainer.recipe.to_yaml(),
+            ctx.recipe.to_yaml(),
         )
+
+    def load(self, ctx: RunContext, tensors: TrainTensors, folder: Path) -> None:
+        """The checkpoint's model and optimizer tensors, whole, whatever layout wrote them."""
+        read_checkpoint(ctx, tensors, folder, None)
 
 
 class Sharded:
@@ -115,7 +123,7 @@ class Sharded:
 
     def build_model(self, cfg, weights_folder, show_progress: bool, config_changes: Dict):
         # Built without allocating (no_init_parameters); after the step compiles each rank reads only its
-        # slices of the weights folder (a LoRA run: of its frozen base) or checkpoint (prepare_restore).
+        # slices of the weights folder (a LoRA run: of its frozen base) or checkpoint (materialize, load).
         # LoRA adapters are attached after this, with their data.
         from mindspore.nn.utils import no_init_parameters
 
@@ -139,64 +147,52 @@ class Sharded:
     def eval_parallel(self, par):
         return par
 
-    def prepare_restore(self, trainer):
+    def materialize(self, ctx: RunContext, tensors: TrainTensors, converter, fresh: bool):
         """Compile the step (its parameters are slices then), find the parallel optimizer's cut, check the
-        compiled layouts against the plan on every rank, and read this rank's slices of the weights (or the
-        frozen base); returns the checkpoint layout a resume reads for."""
+        compiled layouts against the plan on every rank, and read this rank's slices of the weights or the
+        frozen base (``fresh``: no checkpoint is read after this); returns the checkpoint layout."""
         from mindspore import Tensor
 
-        shape = (trainer.k * trainer.rows, trainer.seq_len)  # [k * b, T]
-        trainer.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
-        if trainer.par.optimizer_shard:  # the parallel optimizer's cut of each parameter, as compiled
-            from ms_deepseek.checkpoint.opt_shard import OptimizerShards
-
-            trainer.opt_shards = OptimizerShards.from_compiled(trainer.step_cell)
-        layout = trainer._layout()
-        # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line,
-        # on every rank (the others would wait in the step's first collective for this one)
-        from ms_deepseek.parallel_apply import compiled_check as cc
-        from ms_deepseek.parallel_plan.ranks import stage_of_rank
         from ms_deepseek.train.distributed import checked_on_every_rank
 
-        def check():
-            cc.check_parameter_layouts(
-                cc.compiled_layouts(trainer.step_cell), layout, trainer.rank, trainer.par.optimizer_shard
-            )
-            cc.check_compiled_strategies(
-                cc.compiled_strategies(trainer.step_cell),
-                cc.planned_primitives(
-                    trainer.model,
-                    trainer.applied.strategies,
-                    trainer.applied.stage_of_cell,
-                    stage_of_rank(trainer.rank, trainer.par),
-                ),
-            )
+        zeros = Tensor(np.zeros(tensors.input_shape, np.int32))  # [k * b, T]
+        tensors.step_cell.compile(zeros, zeros)
+        if ctx.par.optimizer_shard:  # the parallel optimizer's cut of each parameter, as compiled
+            from ms_deepseek.checkpoint.opt_shard import OptimizerShards
 
-        checked_on_every_rank(check, trainer.rank, trainer.world)
-        trainer.converter.load_slices(trainer, layout)
+            tensors.opt_shards = OptimizerShards.from_compiled(tensors.step_cell)
+        layout = checkpoint_layout(ctx, tensors.opt_tensors)
+        # MindSpore's compiled layouts against the plan, before step 1: a mismatch stops here in one line,
+        # on every rank (the others would wait in the step's first collective for this one)
+        checked_on_every_rank(lambda: check_compiled(ctx, tensors, layout), ctx.rank, ctx.world)
+        converter.load_slices(ctx, tensors, layout, fresh)
         return layout
 
-    def save(self, trainer, step: int, state: Dict):
+    def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]:
         """Every rank writes its slices (experts in HF order by construction), rank 0 completes."""
         from ms_deepseek.checkpoint import training as ckpt_mod
 
-        layout = trainer._layout()  # a rank file holds only its stage's tensors (layout.json: which stage)
-        model = trainer._this_stage(trainer.model_tensors, layout)
-        opt = trainer._this_stage(trainer.opt_tensors, layout.for_optimizer())
-        if trainer.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
-            model, opt = trainer.opt_shards.gathered(model), trainer.opt_shards.gathered(opt)
+        layout = checkpoint_layout(ctx, tensors.opt_tensors)  # a rank file holds only its stage's tensors
+        model = this_stage(tensors.model_tensors, layout, ctx.rank, ctx.par)
+        opt = this_stage(tensors.opt_tensors, layout.for_optimizer(), ctx.rank, ctx.par)
+        if tensors.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
+            model, opt = tensors.opt_shards.gathered(model), tensors.opt_shards.gathered(opt)
         return ckpt_mod.save_sharded(
-            trainer.manager,
+            manager,
             step,
-            trainer.rank,
+            ctx.rank,
             layout,
             model,
             opt,
-            trainer.cfg,
+            ctx.cfg,
             state,
-            trainer.recipe.to_yaml(),
-            trainer.strategy_file,
+            ctx.recipe.to_yaml(),
+            tensors.strategy_file,
         )
+
+    def load(self, ctx: RunContext, tensors: TrainTensors, folder: Path) -> None:
+        """This rank's slices of the checkpoint's model and optimizer tensors, whatever layout wrote them."""
+        read_checkpoint(ctx, tensors, folder, checkpoint_layout(ctx, tensors.opt_tensors))
 
 
 DATA_PARALLEL, SHARDED = DataParallel(), Sharded()
@@ -208,6 +204,50 @@ def parallelism_of(sharded: bool):
     return SHARDED if sharded else DATA_PARALLEL
 
 
+@dataclass(frozen=True)
+class TensorFiles:
+    """A layout strategy as the checkpointer's file backend: one run's model and optimizer tensors."""
+
+    strategy: object  # DataParallel or Sharded
+    ctx: RunContext
+    tensors: TrainTensors
+
+    def save(self, manager, step: int, state: Dict) -> Optional[Path]:
+        return self.strategy.save(self.ctx, self.tensors, manager, step, state)
+
+    def load(self, folder: Path) -> None:
+        self.strategy.load(self.ctx, self.tensors, folder)
+
+
+def checkpoint_layout(ctx: RunContext, opt_tensors: Dict[str, object]):
+    """Which slice of every checkpointed model tensor (a LoRA run: adapters and trained routers) and
+    optimizer tensor this run's ranks hold (``checkpoint.layout``)."""
+    from ms_deepseek.checkpoint.layout import build_layout
+
+    layout = build_layout(ctx.cfg, ctx.par, lora=ctx.recipe.lora)
+    full = {n: t.shape for n, t in layout.tensors.items()}
+    return layout.with_optimizer(
+        {n: (full.get(n.split(".", 1)[-1], tuple(p.shape)), "F32") for n, p in opt_tensors.items()}
+    )
+
+
+def check_compiled(ctx: RunContext, tensors: TrainTensors, layout):
+    """The compiled step's parameter layouts and primitive strategies against the plan; returns how many of
+    each were compared (UserError on a mismatch, naming it)."""
+    from ms_deepseek.parallel_apply import compiled_check as cc
+    from ms_deepseek.parallel_plan.ranks import stage_of_rank
+
+    step_cell, applied = tensors.step_cell, tensors.applied
+    compared = cc.check_parameter_layouts(cc.compiled_layouts(step_cell), layout, ctx.rank, ctx.par.optimizer_shard)
+    strategies = cc.check_compiled_strategies(
+        cc.compiled_strategies(step_cell),
+        cc.planned_primitives(
+            tensors.model, applied.strategies, applied.stage_of_cell, stage_of_rank(ctx.rank, ctx.par)
+        ),
+    )
+    return compared, strategies
+
+
 def this_stage(tensors: Dict[str, object], layout, rank: int, par) -> Dict[str, object]:
     """The tensors this rank's pipeline stage holds (and those on every rank), as MindSpore's
     ``Cell.init_parameters_data`` (``mindspore/nn/cell.py``) initialises only the compiled stage's
@@ -217,3 +257,48 @@ def this_stage(tensors: Dict[str, object], layout, rank: int, par) -> Dict[str, 
         return tensors
     mine = set(layout.tensors_of_rank(rank))
     return {n: t for n, t in tensors.items() if n in mine or n not in layout.tensors}
+
+
+def read_checkpoint(ctx: RunContext, tensors: TrainTensors, folder: Path, layout) -> None:
+    """A resume's model and optimizer tensors (this rank's slices with a ``layout``), read for this run's
+    layout from a checkpoint whole or sharded, of any layout."""
+    from ms_deepseek.checkpoint.opener import open_for_resume
+    from ms_deepseek.checkpoint.tensors import restore_into
+
+    resumed = open_for_resume(folder)
+    opt_layout = layout and layout.for_optimizer()
+    for what, mine, src, lay in (
+        ("model", tensors.model_tensors, resumed.model, layout),
+        ("optimizer", tensors.opt_tensors, resumed.optimizer, opt_layout),
+    ):
+        restore_into(
+            this_stage(mine, lay, ctx.rank, ctx.par),
+            src,
+            what,
+            layout=lay,
+            rank=ctx.rank,
+            applied=tensors.applied,
+            part=tensors.part,
+        )
+
+
+def read_weight_slices(ctx: RunContext, tensors: TrainTensors, layout, params: Dict[str, object]) -> None:
+    """Sharded run: this rank's slices of ``params`` from the weights folder, or a seeded random init."""
+    from ms_deepseek.checkpoint.opener import open_checkpoint
+    from ms_deepseek.checkpoint.tensors import restore_into
+
+    weights = ctx.recipe.weights_folder
+    if weights is None:
+        mine = this_stage({p.name: p for p in tensors.model.get_parameters()}, layout, ctx.rank, ctx.par)
+        for param in mine.values():  # nothing to read: materialise the seeded init (this stage only)
+            if param.has_init:
+                param.init_data()
+        return
+    restore_into(
+        this_stage(params, layout, ctx.rank, ctx.par),
+        open_checkpoint(weights).model,
+        "model",
+        layout=layout,
+        rank=ctx.rank,
+        part=tensors.part,
+    )

@@ -1,5 +1,6 @@
 """Which checkpoint a run resumes from, when several places could disagree.
 
+* :func:`resume_point`: the checkpoint a call continues (:func:`find_resume`), its state and the checks below;
 * :func:`intact`: a damaged checkpoint (a file that differs from its recorded digest) is refused, naming the
   newest intact one, which ``--skip-damaged`` takes;
 * :func:`agree_on_resume`: rank 0 decides, every rank checks it has that checkpoint (multi-worker runs);
@@ -22,7 +23,57 @@ from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.train.context import RunContext, TrainOptions
 from ms_deepseek.train.distributed import gather_ints
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a call continues (``folder`` None: a fresh start), its ``state.json`` and the notes
+    on the settings the command changed (:func:`check_settings`)."""
+
+    folder: Optional[Path] = None
+    state: Dict = dataclasses.field(default_factory=dict)
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return int(self.state.get("step", 0))
+
+
+def resume_point(ctx: RunContext, options: TrainOptions) -> ResumePoint:
+    """Which checkpoint this call continues, every rank agreeing, its state read and the command's changes to
+    its settings checked; a resume from an older checkpoint than the run's newest sets the newer aside."""
+    folder = find_resume(ctx, options)
+    if folder is None:
+        return ResumePoint()
+    state = ckpt_mod.read_state(folder)
+    # a resume continues the run it resumes: the command's changes to its settings are named, and
+    # those that break exactness are refused unless --allow-changes
+    saved = ckpt_mod.read_recipe(folder, missing_ok=True)
+    notes = check_settings(ctx.recipe, saved, state, folder, ctx.run_dir, options.allow_changes)
+    set_aside_newer(ctx.run_dir, int(state.get("step", 0)), folder, options.force, ctx.rank)
+    return ResumePoint(folder, state, notes)
+
+
+def find_resume(ctx: RunContext, options: TrainOptions) -> Optional[Path]:
+    """The checkpoint this call continues (None: a fresh start); every rank agrees on it."""
+    run_dir = ctx.run_dir
+    existing = ckpt_mod.CheckpointManager(run_dir / "checkpoints").latest()
+    resume = options.resume or ctx.recipe.checkpoint.resume  # the command line wins over the recipe
+    if ctx.world > 1 and resume:
+        found = agree_on_resume(resume, existing, run_dir, ctx.rank, options.skip_damaged)
+    elif resume == "auto":  # newest complete checkpoint when there is one, else a fresh start
+        found = intact(existing, options.skip_damaged)
+    else:
+        found = ckpt_mod.resolve_checkpoint(resume, ckpt_mod.RESUME, run_dir) if resume else None
+        found = intact(found, options.skip_damaged)
+    if found is None and existing is not None:
+        raise UserError(
+            f"--output {run_dir}: already holds checkpoints (newest {existing.name}); pass "
+            "--resume to continue that run, or choose another --output"
+        )
+    return found
 
 
 def intact(found: Optional[Path], skip_damaged: bool, announce: bool = True) -> Optional[Path]:

@@ -204,16 +204,13 @@ def test_lint_rules_restating_mindspore_are_refused_by_the_compiler_too(tmp_path
 # The compiled graph is right, the plan the check reads says otherwise (tp 1): the compiled-layout check names it
 _PLAN_SAYS_OTHERWISE = """
 import dataclasses
-from ms_deepseek.diagnostics.compile_worker import CompileOnlyTrainer
-_layout = CompileOnlyTrainer._layout
-def planted(self):
-    real = self.par
-    self.par = dataclasses.replace(real, tp=1, dp=real.dp * real.tp)
-    try:
-        return _layout(self)
-    finally:
-        self.par = real
-CompileOnlyTrainer._layout = planted
+from types import SimpleNamespace
+from ms_deepseek.train import parallelism
+layout = parallelism.checkpoint_layout
+def planted(ctx, opt_tensors):
+    par = dataclasses.replace(ctx.par, tp=1, dp=ctx.par.dp * ctx.par.tp)
+    return layout(SimpleNamespace(cfg=ctx.cfg, par=par, recipe=ctx.recipe), opt_tensors)
+parallelism.checkpoint_layout = planted
 """
 
 

@@ -122,17 +122,28 @@ def kill_during_save_then_resume(monkeypatch, recipe: Path, run_dir: Path, step:
     assert main(["train", str(recipe), "--output", str(run_dir), "--quiet", "--resume"]) == 0
 
 
-def attach_save_state(trainer, tmp_path: Path, seq_len: int = 8) -> None:
-    """The fields ``Trainer._maybe_save`` reads besides the model and the plan, for a Trainer made with
-    ``object.__new__`` to stand for one emulated rank."""
+def emulated_rank(recipe, run_dir: Path, rank: int, model, applied, model_tensors, seq_len: int = 8):
+    """One emulated rank of a sharded run, built from the trainer's parts without a trainer: its
+    ``RunContext`` (``recipe`` needs ``model_config``, ``parallel``, ``lora``, ``weights_folder``,
+    ``global_batch_size`` and ``to_yaml``), its ``TrainTensors`` (no compiled step, no optimizer state) and
+    the ``Checkpointer`` that saves them through the sharded layout."""
     import time
     from types import SimpleNamespace
 
     from ms_deepseek.checkpoint.training import CheckpointManager
+    from ms_deepseek.train.components import Checkpointer, RngState, RunCounters
+    from ms_deepseek.train.context import RunContext, TrainTensors
+    from ms_deepseek.train.parallelism import SHARDED, TensorFiles
 
-    trainer.opt_tensors = {}
-    trainer.manager = CheckpointManager(tmp_path / "checkpoints", 2)
-    trainer.strategy_file = tmp_path / "strategy" / "none.ckpt"
-    trainer.dataset = SimpleNamespace(state_dict=lambda: {})
-    trainer.state, trainer.started, trainer.seq_len, trainer.stop_at = {}, time.time(), seq_len, 1
-    trainer._open_state()  # the counters and the checkpointer over them
+    run_dir = Path(run_dir)
+    ctx = RunContext(recipe, run_dir, rank, recipe.parallel.world_size)
+    strategy_file = run_dir / "strategy" / "none.ckpt"
+    tensors = TrainTensors(model, applied, model_tensors, {}, None, strategy_file, 1, 1, seq_len)
+    checkpointer = Checkpointer(
+        CheckpointManager(run_dir / "checkpoints", 2),
+        TensorFiles(SHARDED, ctx, tensors),
+        {"data": SimpleNamespace(state_dict=lambda: {}), "rng": RngState()},
+        merged=[RunCounters(time.time())],
+        fixed={"world_size": ctx.world, "global_batch_size": recipe.global_batch_size, "seq_len": seq_len},
+    )
+    return SimpleNamespace(ctx=ctx, tensors=tensors, checkpointer=checkpointer)

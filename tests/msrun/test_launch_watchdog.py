@@ -26,27 +26,27 @@ import os, sys, time
 import numpy as np
 from ms_deepseek.cli import main
 from ms_deepseek.train.trainer import Trainer
-save = Trainer._maybe_save
+save = Trainer.maybe_save
 def maybe_save(self, step):
     save(self, step)
     if step == 3 and os.environ["RANK_ID"] == "1":
         time.sleep(600)  # a worker that stops making progress
-Trainer._maybe_save = maybe_save
-run_step = Trainer._run_step
+Trainer.maybe_save = maybe_save
+run_step = Trainer.run_step
 def compiled_together(self):
     # Both ranks compile the step before either runs it: the CPU ring collective gives up after 30 s (not
     # configurable), and on a loaded 2-core machine one worker can finish its compile that much later than the
     # other, which then fails in step 1's all-reduce before the hang this test is about.
     if not getattr(self, "_together", False):
         from mindspore import Tensor
-        shape = (self.k * self.rows, self.seq_len)
-        self.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
+        shape = self.tensors.input_shape
+        self.tensors.step_cell.compile(Tensor(np.zeros(shape, np.int32)), Tensor(np.zeros(shape, np.int32)))
         (self.run_dir / ("compiled_" + os.environ["RANK_ID"])).write_text("")
         while len(list(self.run_dir.glob("compiled_*"))) < 2:
             time.sleep(0.05)
         self._together = True
     return run_step(self)
-Trainer._run_step = compiled_together
+Trainer.run_step = compiled_together
 sys.exit(main(["train", sys.argv[2], "--output", sys.argv[1], "--quiet"]))
 """
 

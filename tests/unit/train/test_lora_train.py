@@ -48,9 +48,10 @@ def _fixture_recipe(data_dir, **changes):
 
 def _run(recipe_dict, run_dir: Path):
     from ms_deepseek.config.recipe import load_recipe_dict
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import Trainer
 
-    trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, None, False, False, None)
+    trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, TrainOptions(progress=False))
     return trainer, trainer.run()
 
 
@@ -90,11 +91,11 @@ def test_training_saves_only_adapters_and_keeps_the_base_bit_identical(fixture_r
     from ms_deepseek.model.loading import read_tensor
 
     base = read_weight_files(FIX / "base")
-    got = _base_params(trainer.model)
+    got = _base_params(trainer.tensors.model)
     assert got.keys() == base.tensors.keys()
     for name, info in base.tensors.items():
         np.testing.assert_array_equal(got[name], read_tensor(info), err_msg=name)
-    assert not any(p.requires_grad for n, p in trainer.model.parameters_and_names() if ".lora_" not in n)
+    assert not any(p.requires_grad for n, p in trainer.tensors.model.parameters_and_names() if ".lora_" not in n)
 
 
 def test_export_reproduces_the_adapter_peft_was_checked_against(fixture_run, tmp_path):
@@ -165,16 +166,17 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     ]  # the recipe's dropout 0.05 stays
     sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
     recipe = load_recipe(REPO / "recipes" / "tiny-lora-cpu.yaml", sets)
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import Trainer
 
     run_dir = tmp_path / "run"
-    trainer = Trainer(recipe, run_dir, None, False, False, None)
+    trainer = Trainer(recipe, run_dir, TrainOptions(progress=False))
     result = trainer.run()
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 0.1, result.losses
     assert (run_dir / "base" / "model.safetensors").is_file()
     base = load_file(str(run_dir / "base" / "model.safetensors"))
-    got = _base_params(trainer.model)
+    got = _base_params(trainer.tensors.model)
     assert got.keys() == base.keys()
     routers = [n for n in base if n.endswith(".mlp.gate.weight")]
     assert routers
@@ -186,9 +188,9 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     # export, reload as base + adapter: the trained model's logits
     assert main(["export-lora", str(run_dir), str(tmp_path / "adapter")]) == 0
     ids = np.arange(24, dtype=np.int32).reshape(2, 12) % 512
-    trainer.model.set_train(False)
+    trainer.tensors.model.set_train(False)
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    want = trainer.model(ms.Tensor(ids)).logits.asnumpy()
+    want = trainer.tensors.model(ms.Tensor(ids)).logits.asnumpy()
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(run_dir / "base")
     assert cfg["modules_to_save"] == ["gate"]  # PEFT's own format for a trained router (checked with PEFT 0.21.2)

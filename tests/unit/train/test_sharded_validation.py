@@ -12,6 +12,7 @@
 The compiled sharded eval (AutoParallel, Ascend) cannot run here (parallel_apply/apply.eval_parallel_wrap).
 """
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -211,13 +212,13 @@ def _recipe(folders, tmp_path, par, **data):
     return load_recipe_dict(spec, [], str(tmp_path / "r.yaml"))
 
 
-def _trainer(recipe, rank):
-    from ms_deepseek.train.trainer import Trainer
+def _data(recipe, rank):
+    """This rank's data as the trainer builds it (``train.build.build_data``) under the sharded layout."""
+    from ms_deepseek.train.build import build_data
+    from ms_deepseek.train.context import RunContext
+    from ms_deepseek.train.parallelism import SHARDED
 
-    t = object.__new__(Trainer)
-    t.recipe, t.cfg, t.par, t.sharded = recipe, recipe.model_config, recipe.parallel, True
-    t.rank, t.world, t.state, t.progress, t.is_main = rank, recipe.parallel.world_size, {}, False, False
-    return t
+    return build_data(RunContext(recipe, Path("unused"), rank, recipe.parallel.world_size), SHARDED, None, False)
 
 
 def test_trainer_builds_this_ranks_validation_for_a_sharded_layout(folders, tmp_path):
@@ -225,8 +226,7 @@ def test_trainer_builds_this_ranks_validation_for_a_sharded_layout(folders, tmp_
     recipe = _recipe(folders, tmp_path, par)
     seen = {}
     for rank in (0, 1, 2, 5):  # slices 0, 1, 2 of stage 0 and a last-stage rank (5 % 4 -> slice 1)
-        t = _trainer(recipe, rank)
-        t._build_data()
+        t = _data(recipe, rank)
         r, w, rows = data_coordinates(rank, par, B)
         ref = build_validation(recipe.data, rows, r, w, 2)
         assert [b["input_ids"].tolist() for b in t.validation.batches] == [b["input_ids"].tolist() for b in ref.batches]
@@ -237,17 +237,12 @@ def test_trainer_builds_this_ranks_validation_for_a_sharded_layout(folders, tmp_
 
 def test_trainer_refuses_length_buckets_for_a_sharded_layout(folders, tmp_path):
     recipe = _recipe(folders, tmp_path, LAYOUTS[0], bucket_boundaries=[16])
-    t = _trainer(recipe, 0)
-    t.force = True
-    import ms_deepseek.train.trainer as trainer_mod
+    from ms_deepseek.train.build import check_layout
+    from ms_deepseek.train.parallelism import SHARDED
 
-    orig = trainer_mod.detect_device
-    trainer_mod.detect_device = lambda: "Ascend"  # the CPU refusal of sharding comes first otherwise
-    try:
-        with pytest.raises(UserError, match=r"^data.bucket_boundaries: .* padded to seq_len"):
-            t._check_layout()
-    finally:
-        trainer_mod.detect_device = orig
+    # on Ascend: the CPU refusal of sharding comes first otherwise
+    with pytest.raises(UserError, match=r"^data.bucket_boundaries: .* padded to seq_len"):
+        check_layout(recipe, SHARDED, force=True, device="Ascend")
 
 
 def test_evaluator_wraps_the_eval_cell_with_the_plan_and_counts_replicas(monkeypatch):

@@ -386,13 +386,13 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
     from ms_deepseek.config.recipe import load_recipe_dict
-    from ms_deepseek.train import trainer
+    from ms_deepseek.train import run_log
     from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
     # alerts are printed as they open (a threshold every step crosses, to see the wiring)
-    monkeypatch.setattr(trainer, "_alert_monitor", lambda: AlertMonitor(AlertConfig(streak=2, grad_high=1e-3)))
+    monkeypatch.setattr(run_log, "alert_monitor", lambda: AlertMonitor(AlertConfig(streak=2, grad_high=1e-3)))
     data = recipe_dict(data_dir, checkpoint={"save_interval": 0}, logging={"tensorboard": False})
     data["model"]["overrides"]["compute_dtype"] = "float16"
     result = train(load_recipe_dict(data), tmp_path / "fp16", progress=False)

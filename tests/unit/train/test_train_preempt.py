@@ -15,20 +15,20 @@ def test_sigterm_saves_at_the_next_step_and_resume_auto_repeats_the_losses(
     reference, data_dir, tmp_path, monkeypatch, capsys
 ):
     from ms_deepseek.checkpoint.training import CheckpointManager
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.train.run_log import RunLog
 
     ref_dir, _ = reference
     # no periodic saves: the only checkpoint can come from the preemption
     recipe = write_recipe(tmp_path, recipe_dict(data_dir, checkpoint={"save_interval": 0, "keep_last": 2}))
     run = tmp_path / "run"
-    log = Trainer._log
+    log = RunLog.log
 
-    def log_then_sigterm(self, step, out, val=None):
-        log(self, step, out, val)
-        if step == 2:  # what a scheduler does, mid-run
+    def log_then_sigterm(self, record):
+        log(self, record)
+        if record["step"] == 2:  # what a scheduler does, mid-run
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(Trainer, "_log", log_then_sigterm)
+    monkeypatch.setattr(RunLog, "log", log_then_sigterm)
     assert main(["train", str(recipe), "--output", str(run), "--quiet"]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ms-deepseek train: stopped by SIGTERM after step 3: saved checkpoint "), err

@@ -74,13 +74,14 @@ def _losses(run_dir):
 @pytest.fixture(scope="module")
 def qlora_run(tmp_path_factory, data_dir):
     from ms_deepseek.config.recipe import load_recipe
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("qlora")
     recipe = load_recipe(
         REPO / "recipes" / "tiny-qlora-cpu.yaml", _sets(data_dir, 30, **{"checkpoint.save_interval": 10})
     )
-    trainer = Trainer(recipe, root / "run", None, False, False, None)
+    trainer = Trainer(recipe, root / "run", TrainOptions(progress=False))
     return trainer, trainer.run()
 
 
@@ -90,7 +91,7 @@ def test_tiny_qlora_trains_over_a_quantized_base_and_keeps_the_original(qlora_ru
     trainer, result = qlora_run
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 0.1, result.losses
-    params = {p.name: p for p in trainer.model.get_parameters()}
+    params = {p.name: p for p in trainer.tensors.model.get_parameters()}
     assert params["model.layers.1.mlp.experts.up_proj.weight"].dtype == ms.uint8  # packed int4
     assert params["model.layers.0.self_attn.o_proj.weight_scale"].shape == (32, 2)  # 16 inputs / group 8
     base = load_file(str(result.run_dir / "base" / "model.safetensors"))  # the ORIGINAL float base
@@ -129,8 +130,8 @@ def test_qlora_export_is_an_adapter_for_the_original_base_and_merges_into_it(qlo
     assert cfg["base_model_name_or_path"] == str(run_dir / "base")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ids = ms.Tensor(np.arange(24, dtype=np.int32).reshape(2, 12) % 512)
-    trainer.model.set_train(False)
-    quantized = trainer.model(ids).logits.asnumpy()
+    trainer.tensors.model.set_train(False)
+    quantized = trainer.tensors.model(ids).logits.asnumpy()
     original = DeepseekV2ForCausalLM.from_pretrained(
         str(run_dir / "base"), adapter=str(tmp_path / "adapter"), show_progress=False
     )

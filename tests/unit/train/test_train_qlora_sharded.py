@@ -1,9 +1,9 @@
 """A sharded (tp / ep) QLoRA run's frozen base, on emulated ranks.
 
-As tests/unit/train/test_stage_per_rank.py does: a Trainer holding a lazily built, plan-applied model of
-one global rank (no compile: the parameters keep their full shapes and take their slices as data). The
-trainer's own path builds the quantized placeholders (lora_run.prepare, sharded) and reads the rank's
-slices (Trainer._load_base_slices). Each rank's quantized parameters must equal what MindSpore's own
+As tests/unit/train/test_stage_per_rank.py does: the run context and tensors of a lazily built, plan-applied
+model of one global rank (no compile: the parameters keep their full shapes and take their slices as data).
+The run's own path builds the quantized placeholders (lora_run.prepare, sharded) and reads the rank's
+slices (``LoraModel.load_slices``). Each rank's quantized parameters must equal what MindSpore's own
 loader (``mindspore.parallel._tensor._load_tensor_by_layout``) cuts from the whole quantized checkpoint,
 bit for bit, whether model.source is the quantized folder or the float one (quantized per rank); the
 LoRA checkpoint a rank saves holds only adapters (and routers).
@@ -20,7 +20,7 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 
-from builders import attach_save_state, small_config
+from builders import emulated_rank, small_config
 
 CFG = small_config(num_hidden_layers=2)
 LORA = LoraSpec(
@@ -41,19 +41,20 @@ def bases(tmp_path_factory):
     return {"float": root / "hf", "quantized": root / "int4"}
 
 
-def _trainer(tmp_path, par, rank, source, quant=INT4):
+def _rank(tmp_path, par, rank, source, quant=INT4):
     from mindspore.nn.utils import no_init_parameters
 
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.model.lora import trainable_tensors as lora_checkpoint_tensors
     from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.train import lora_run
-    from ms_deepseek.train.trainer import Trainer
 
     with no_init_parameters():
         model = DeepseekV2ForCausalLM(CFG)
     recipe = SimpleNamespace(
         weights_folder=source,
+        model_config=CFG,
+        parallel=par,
         lora=LORA,
         quant=quant,
         global_batch_size=2,
@@ -62,20 +63,14 @@ def _trainer(tmp_path, par, rank, source, quant=INT4):
         to_yaml=lambda: "model: {source: tiny}\n",
     )
     lora_run.prepare(model, recipe, tmp_path, write_base=False, base=source, sharded=True)
-    t = object.__new__(Trainer)
-    t.cfg, t.par, t.rank, t.world, t.sharded, t.recipe, t.run_dir = (
-        CFG,
-        par,
-        rank,
-        par.world_size,
-        True,
-        recipe,
-        tmp_path,
-    )
-    t.model, t.applied, t.opt_shards = model, apply_plan(model, par, CFG), None
-    t.model_tensors = lora_checkpoint_tensors(model)
-    attach_save_state(t, tmp_path)
-    return t
+    return emulated_rank(recipe, tmp_path, rank, model, apply_plan(model, par, CFG), lora_checkpoint_tensors(model))
+
+
+def load_base(r):
+    """The converter's own read of this rank's slices of the frozen base, as before a sharded run's step 1."""
+    from ms_deepseek.train.lora_run import LoraModel
+
+    LoraModel().load_slices(r.ctx, r.tensors, None, fresh=True)
 
 
 def _whole(folder, layout):
@@ -104,9 +99,9 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
     assert quantized
     lora_layout = build_layout(CFG, par, lora=LORA)
     for rank in range(par.world_size):
-        t = _trainer(tmp_path / f"{source}{rank}", par, rank, bases[source])
-        t._load_base_slices()
-        params = {p.name: p for p in t.model.get_parameters()}
+        r = _rank(tmp_path / f"{source}{rank}", par, rank, bases[source])
+        load_base(r)
+        params = {p.name: p for p in r.tensors.model.get_parameters()}
         for name in layout.tensors:
             lay = layout.tensors[name]
             entry = (list(lay.dev_matrix), list(lay.tensor_map), list(lay.slice_shape()), 0, 1, "", list(lay.shape))
@@ -122,8 +117,8 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
                     err_msg=name,
                 )
         # the LoRA checkpoint this rank saves: adapters and routers, none of the base
-        t._maybe_save(1)
-        files = list((t.run_dir / "checkpoints").glob(f"*/rank_{rank:05d}/model.safetensors"))
+        r.checkpointer.save(1)
+        files = list((r.ctx.run_dir / "checkpoints").glob(f"*/rank_{rank:05d}/model.safetensors"))
         assert len(files) == 1, files
         with safe_open(str(files[0]), "np") as f:
             saved = set(f.keys())
@@ -133,15 +128,15 @@ def test_each_rank_loads_its_slices_of_the_quantized_base(tmp_path, bases, par, 
 
 def test_a_float_source_whose_split_cuts_scale_groups_is_refused(tmp_path, bases):
     """int8 per channel under tp2: o_proj's input width split in two, its one group per row cut."""
-    t = _trainer(tmp_path, ParallelConfig(dp=1, tp=2), 0, bases["float"], quant=QuantSpec(bits=8, group_size=None))
+    r = _rank(tmp_path, ParallelConfig(dp=1, tp=2), 0, bases["float"], quant=QuantSpec(bits=8, group_size=None))
     with pytest.raises(
         UserError,
         match=r"o_proj\.weight is split 2 ways on its input width .* run "
         r"`ms-deepseek convert quantize` first",
     ):
-        t._load_base_slices()
+        load_base(r)
 
 
 def test_a_sharded_qlora_run_without_model_source_is_refused(tmp_path):
     with pytest.raises(UserError, match="quant: a tp / pp / ep run reads its frozen base from model.source"):
-        _trainer(tmp_path, ParallelConfig(dp=1, tp=2), 0, None)
+        _rank(tmp_path, ParallelConfig(dp=1, tp=2), 0, None)
