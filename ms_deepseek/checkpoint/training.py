@@ -29,6 +29,7 @@ import errno
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -239,22 +240,25 @@ def barrier() -> None:
     ops.AllReduce()(ms.Tensor([1.0], ms.float32)).asnumpy()
 
 
-def save_sharded(
-    manager: CheckpointManager,
-    step: int,
-    rank: int,
-    layout: ShardLayout,
-    model_tensors: Dict,
-    optimizer_tensors: Dict,
-    config,
-    state: Dict,
-    recipe_yaml: str,
-    strategy_file: Path,
-) -> Path:
+@dataclass(frozen=True)
+class RankCheckpoint:
+    """What one rank puts in a sharded checkpoint: its model and optimizer slices, and the files rank 0 writes for
+    all (the model config, the run state, the recipe) with the rank's compiled strategy beside its slices."""
+
+    model_tensors: Dict
+    optimizer_tensors: Dict
+    config: object
+    state: Dict
+    recipe_yaml: str
+    strategy_file: Path
+
+
+def save_sharded(manager: CheckpointManager, step: int, rank: int, layout: ShardLayout, ckpt: RankCheckpoint) -> Path:
     """Every rank writes its slices into a shared temporary folder; rank 0 completes it and swaps it in.
 
     The ranks need one shared file system (as the msrun log folder does); the temporary folder's
     name is the step's, so every rank finds it without a broadcast."""
+    model_tensors, optimizer_tensors, strategy_file = ckpt.model_tensors, ckpt.optimizer_tensors, ckpt.strategy_file
     folder = manager.folder
     final = folder / step_dir_name(step)
     tmp = folder / f".{final.name}.partial-sharded"
@@ -276,7 +280,7 @@ def save_sharded(
     barrier()  # every slice is on disk
     if rank == 0:
         layout.write(tmp / LAYOUT_FILE)
-        _common_files(tmp, config, state, recipe_yaml, _gather_rank_digests(tmp, layout.world_size))
+        _common_files(tmp, ckpt.config, ckpt.state, ckpt.recipe_yaml, _gather_rank_digests(tmp, layout.world_size))
         fsync_tree(tmp)
         install(tmp, final)
         manager.point_latest(final)

@@ -177,18 +177,8 @@ class Sharded:
         opt = this_stage(tensors.opt_tensors, layout.for_optimizer(), ctx.rank, ctx.par)
         if tensors.opt_shards is not None:  # files hold model-parallel slices: gather the optimizer's parts
             model, opt = tensors.opt_shards.gathered(model), tensors.opt_shards.gathered(opt)
-        return ckpt_mod.save_sharded(
-            manager,
-            step,
-            ctx.rank,
-            layout,
-            model,
-            opt,
-            ctx.cfg,
-            state,
-            ctx.recipe.to_yaml(),
-            tensors.strategy_file,
-        )
+        content = ckpt_mod.RankCheckpoint(model, opt, ctx.cfg, state, ctx.recipe.to_yaml(), tensors.strategy_file)
+        return ckpt_mod.save_sharded(manager, step, ctx.rank, layout, content)
 
     def load(self, ctx: RunContext, tensors: TrainTensors, folder: Path) -> None:
         """This rank's slices of the checkpoint's model and optimizer tensors, whatever layout wrote them."""

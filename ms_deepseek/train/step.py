@@ -34,6 +34,7 @@ Wrapping Cells use ``auto_prefix=False`` so the model's parameters keep their ow
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import mindspore as ms
@@ -223,6 +224,16 @@ class PipelineGrads(nn.Cell):
         return self.hyper_map(ops.partial(_take_accumulated, scale), grads, self.accu_grads)
 
 
+@dataclass(frozen=True)
+class LossScaling:
+    """The loss scale's schedule: fixed (``dynamic`` False: the scale stays as set), or dynamic (divided by
+    ``factor`` on an overflow, multiplied by it after ``window`` steps without one)."""
+
+    dynamic: bool = False
+    factor: float = 2.0
+    window: int = 1000
+
+
 class Update(nn.Cell):
     """Gradients -> (grad_norm, lr, overflow, loss_scale used): reduce, unscale, clip, AdamW."""
 
@@ -231,20 +242,19 @@ class Update(nn.Cell):
         optimizer: nn.Cell,
         loss_scale: Parameter,
         clip_norm: Optional[float],
-        dynamic_loss_scale: bool,
-        scale_factor: float = 2.0,
-        scale_window: int = 1000,
+        scaling: Optional["LossScaling"] = None,
         grad_reducer: Optional[nn.Cell] = None,
         dot_norm: Optional[bool] = None,
         pre_unscaled: bool = False,
     ):
         super().__init__(auto_prefix=False)
+        scaling = scaling or LossScaling()
         self.optimizer = optimizer
         self.loss_scale = loss_scale
         self.clip = clip_norm
-        self.dynamic = dynamic_loss_scale
-        self.scale_factor = float(scale_factor)
-        self.scale_window = int(scale_window)
+        self.dynamic = scaling.dynamic
+        self.scale_factor = float(scaling.factor)
+        self.scale_window = int(scaling.window)
         self.good_steps = Parameter(Tensor(0, mstype.int32), name="loss_scale_good_steps", requires_grad=False)
         self.reducer = grad_reducer
         # the CPU GEMV norm (stand-alone / data parallel only: the marker pattern is what a
@@ -374,16 +384,8 @@ def build_step(
         name="loss_scale",
         requires_grad=False,
     )
-    update = Update(
-        optimizer,
-        scale,
-        train.clip_grad_norm,
-        dynamic_loss_scale,
-        train.loss_scale_factor,
-        train.loss_scale_window,
-        grad_reducer,
-        pre_unscaled=pipeline,
-    )
+    scaling = LossScaling(dynamic_loss_scale, train.loss_scale_factor, train.loss_scale_window)
+    update = Update(optimizer, scale, train.clip_grad_norm, scaling, grad_reducer, pre_unscaled=pipeline)
     weights = optimizer.parameters
     embedding = model.model.embed_tokens.weight
     if pipeline and parallel.pp == 1 and not embedding.requires_grad:

@@ -424,7 +424,7 @@ def test_pipeline_step_applies_what_the_pass_accumulated():
         opt_a = _optimizer(model_a)
         grads = Grads(GradAccumulation(StepOutputs(model_a, k, L), k), opt_a.parameters)(ids, ids)
         scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
-        norm_a, *_ = Update(opt_a, scale, 0.5, False, dot_norm=False)(grads)
+        norm_a, *_ = Update(opt_a, scale, 0.5, dot_norm=False)(grads)
 
         opt_b = _optimizer(model_b)
         step_b, _ = build_step(

@@ -224,14 +224,14 @@ def _update_setup(clip, dynamic, window=1000, dot_norm=None):
 
     from ms_deepseek.config.recipe import OptimSection
     from ms_deepseek.train import optim
-    from ms_deepseek.train.step import Update
+    from ms_deepseek.train.step import LossScaling, Update
 
     ms.set_seed(0)
     net = nn.Dense(3, 2)
     opt = optim.build_optimizer(net.trainable_params(), OptimSection(lr=0.1, schedule="constant", weight_decay=0.0), 10)
     ms.set_context(mode=ms.GRAPH_MODE)
     scale = Parameter(Tensor(8.0 if dynamic else 1.0, ms.float32), name="loss_scale", requires_grad=False)
-    return net, opt, Update(opt, scale, clip, dynamic, scale_window=window, dot_norm=dot_norm), scale
+    return net, opt, Update(opt, scale, clip, LossScaling(dynamic, window=window), dot_norm=dot_norm), scale
 
 
 def _grads(values):
@@ -473,7 +473,7 @@ def test_weight_decay_skips_norms_biases_and_routers():
     opt = optim.build_optimizer(params, OptimSection(lr=0.5, schedule="constant", weight_decay=0.1), 10)
     ms.set_context(mode=ms.GRAPH_MODE)
     scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
-    Update(opt, scale, None, False)(tuple(Tensor(np.zeros((2, 2), np.float32)) for _ in names))
+    Update(opt, scale, None)(tuple(Tensor(np.zeros((2, 2), np.float32)) for _ in names))
     got = {n: float(p.asnumpy()[0, 0]) for n, p in zip(names, params)}
     assert got[names[0]] == pytest.approx(1.0 - 0.5 * 0.1)  # decoupled decay, zero gradient
     assert got[names[1]] == got[names[2]] == got[names[3]] == 1.0
