@@ -139,6 +139,25 @@ def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
     return plan.param_layout(name, mesh)[1]
 
 
+# The categories of a stage's device memory, in the order they are summed and printed: the fields of
+# StageMemory that make up its total and the keys of StageMemory.gb(). The last two exist only under a
+# quantized base (QUANT_CATEGORIES).
+MEMORY_CATEGORIES = (
+    "weights",
+    "weight_copies",
+    "gradients",
+    "optimizer",
+    "activations",
+    "working_set",
+    "comm_buffers",
+    "hccl_buffers",
+    "workspace",
+    "scales",
+    "dequant_workspace",
+)
+QUANT_CATEGORIES = ("scales", "dequant_workspace")
+
+
 @dataclass
 class StageMemory:
     stage: int
@@ -160,19 +179,7 @@ class StageMemory:
     @property
     def total(self) -> float:
         """The training step's peak."""
-        return (
-            self.weights
-            + self.weight_copies
-            + self.gradients
-            + self.optimizer
-            + self.activations
-            + self.working_set
-            + self.comm_buffers
-            + self.hccl_buffers
-            + self.workspace
-            + self.scales
-            + self.dequant_workspace
-        )
+        return sum(getattr(self, k) for k in MEMORY_CATEGORIES)
 
     @property
     def peak(self) -> float:
@@ -185,20 +192,7 @@ class StageMemory:
         return self.peak - self.hccl_buffers
 
     def gb(self) -> Dict[str, float]:
-        keys = (
-            "weights",
-            "weight_copies",
-            "gradients",
-            "optimizer",
-            "activations",
-            "working_set",
-            "comm_buffers",
-            "hccl_buffers",
-            "workspace",
-            "scales",
-            "dequant_workspace",
-        )
-        out = {k: round(getattr(self, k) / GB, 3) for k in keys}
+        out = {k: round(getattr(self, k) / GB, 3) for k in MEMORY_CATEGORIES}
         out["total"] = round(self.total / GB, 3)
         if self.eval_peak:
             out["eval_total"] = round(self.eval_peak / GB, 3)
