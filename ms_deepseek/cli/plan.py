@@ -460,8 +460,8 @@ def _run_recipe(args, hw) -> int:
 
 def _run_model(args, hw) -> int:
     """``--model M --npus N ...``: one layout checked (any of --dp/--tp/--pp/--ep given), else a search."""
-    from ms_deepseek.parallel_plan.costs import Workload
     from ms_deepseek.parallel_plan.planner import estimate, search
+    from ms_deepseek.parallel_plan.workload import Workload
 
     if not args.model:
         raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")

@@ -12,7 +12,7 @@ from ms_deepseek.core.errors import UserError
 
 def precision(args, cfg):
     from ms_deepseek.core.dtypes import itemsize
-    from ms_deepseek.parallel_plan.costs import Precision
+    from ms_deepseek.parallel_plan.workload import Precision
 
     return Precision(
         compute_bytes=itemsize(cfg.compute_dtype),
@@ -59,7 +59,7 @@ def lora_workload(args, section):
     else:
         targets = tuple(section.target_modules) if section is not None else DEFAULT_TARGETS
     train_router = args.train_router or bool(section is not None and section.train_router)
-    # the section's dropout sizes activations too (costs.lora_dropout_bytes); --lora-r alone: none
+    # the section's dropout sizes activations too (activations.lora_dropout_bytes); --lora-r alone: none
     dropout = section.dropout if section is not None else 0.0
     return LoraSpec(r=int(r), dropout=dropout, target_modules=list(targets), train_router=train_router)
 
