@@ -49,14 +49,8 @@ def run_compile(args, hw) -> int:
     if args.memory:
         setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=False, memory=True, progress=say)
         return run_memory(args, hw, result, recipe, reduction, ranks, setup)
-    report = cc.compile_recipe(
-        args.recipe,
-        recipe,
-        list(args.overrides) + recipe_overrides(args),
-        ranks,
-        reduction,
-        cc.CompileSetup(cann=cann, work=keep, eval_graph=not args.no_eval, progress=say),
-    )
+    setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=not args.no_eval, progress=say)
+    report = _compile_recipe(args, recipe, ranks, reduction, setup)
     reduced = reduced_plan(args, hw, reduction)
     report.price_traffic(reduced.stage_comm_gb)
     if args.json:
@@ -67,6 +61,15 @@ def run_compile(args, hw) -> int:
     else:
         print(cc.format_report(report))
     return 0 if report.ok else 1
+
+
+def _compile_recipe(args, recipe, ranks, reduction, setup):
+    """``compile_check.compile_recipe`` on the recipe with the command line's --set and the plan flags standing
+    for recipe keys."""
+    from ms_deepseek.diagnostics import compile_check as cc
+
+    overrides = list(args.overrides) + recipe_overrides(args)
+    return cc.compile_recipe(args.recipe, recipe, overrides, ranks, reduction, setup)
 
 
 def reduced_plan(args, hw, reduction):
@@ -154,19 +157,10 @@ def _memory_depth(args, hw, recipe, red, ranks, setup, lines, points):
     """One depth of ``--memory``: the selected ranks compiled and run at level 1 with ``red``'s layers, each beside
     the planner on the same reduced model; (the depth's JSON entry, whether every rank agreed). Each rank's
     (layers on its stage, planner total, MindSpore total) is added to ``points``."""
-    from ms_deepseek.diagnostics import compile_check as cc
-
     layers = red.layers
     reduced = reduced_plan(args, hw, red)  # the planner on the same reduced model
     work = setup.work / f"layers_{layers}" if setup.work else None
-    report = cc.compile_recipe(
-        args.recipe,
-        recipe,
-        list(args.overrides) + recipe_overrides(args),
-        ranks,
-        red,
-        dataclasses.replace(setup, work=work),
-    )
+    report = _compile_recipe(args, recipe, ranks, red, dataclasses.replace(setup, work=work))
     lines.append(f"  {red.describe()} ({report.provider})")
     entry = {"layers": layers, "stage_layers": red.stage_layers, "ranks": []}
     ok = True
