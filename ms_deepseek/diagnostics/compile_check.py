@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import traffic
@@ -240,59 +240,56 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
     return env, how
 
 
-def run_rank(
-    recipe_path: str,
-    overrides: List[str],
-    rank: int,
-    world: int,
-    cann: Optional[str],
-    work: Path,
-    eval_graph: bool = True,
-    timeout: float = WORKER_TIMEOUT_S,
-    memory: bool = False,
-    heads: Optional[HeadShape] = None,
-    par=None,
-) -> RankResult:
-    """Compile one rank in its own process; its folder under ``work`` holds request, log and result. With
-    ``memory`` the process runs at ``MS_SIMULATION_LEVEL=1``: the step runs once without kernels and
-    ``graphs["step"]["memory"]`` holds MindSpore's accounting (:mod:`ms_deepseek.diagnostics.memory_check`).
-    ``heads``: the attention's per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`).
-    ``par``: the layout, to sort each communication operator to the axis it serves (``traffic.by_axis``)."""
-    folder = work / f"rank_{rank:05d}"
+@dataclass
+class RankJob:
+    """What a rank's compile worker is given, the same for every rank of one compile: the recipe and its
+    overrides, the world size, the CANN install (None: stubs), the folder that holds each rank's request, log
+    and result, whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
+    process runs at ``MS_SIMULATION_LEVEL=1`` (the step runs once without kernels and ``graphs["step"]["memory"]``
+    holds MindSpore's accounting, :mod:`ms_deepseek.diagnostics.memory_check`), ``heads``: the attention's
+    per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`), and ``par``: the layout,
+    to sort each communication operator to the axis it serves (``traffic.by_axis``)."""
+
+    recipe: str
+    overrides: List[str]
+    world: int
+    cann: Optional[str]
+    work: Path
+    eval_graph: bool = True
+    timeout: float = WORKER_TIMEOUT_S
+    memory: bool = False
+    heads: Optional[HeadShape] = None
+    par: Any = None
+
+
+def run_rank(job: RankJob, rank: int) -> RankResult:
+    """Compile one rank in its own process; its folder under ``job.work`` holds request, log and result."""
+    folder = job.work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
     request.write_text(
         json.dumps(
-            {"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "eval": eval_graph, "memory": memory}
+            {
+                "recipe": str(Path(job.recipe).resolve()),
+                "overrides": job.overrides,
+                "eval": job.eval_graph,
+                "memory": job.memory,
+            }
         )
     )
     ir_dir = folder / "ir"
-    env, _ = compile_environment(rank, world, cann, ir_dir, level=1 if memory else 0)
+    env, _ = compile_environment(rank, job.world, job.cann, ir_dir, level=1 if job.memory else 0)
     log = folder / "worker.log"
     start = time.time()
-    with open(log, "wb") as out:
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
-                cwd=folder,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return RankResult(
-                rank,
-                graphs={"setup": {"ok": False, "error": f"no answer after {timeout:.0f} s (stopped)", "where": ""}},
-                seconds=time.time() - start,
-                log=str(log),
-            )
+    failed = _launch(job, request, folder, env, log)
     result_file = folder / "result.json"
-    if not result_file.is_file():
+    if failed is None and not result_file.is_file():
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        failed = "the worker died: " + " | ".join(tail)
+    if failed is not None:
         return RankResult(
             rank,
-            graphs={"setup": {"ok": False, "error": "the worker died: " + " | ".join(tail), "where": ""}},
+            graphs={"setup": {"ok": False, "error": failed, "where": ""}},
             seconds=time.time() - start,
             log=str(log),
         )
@@ -305,52 +302,76 @@ def run_rank(
         data.get("peak_rss_mb", 0.0),
         str(log),
     )
-    if memory and result.graphs.get("step", {}).get("ok"):
+    if job.memory and result.graphs.get("step", {}).get("ok"):
         from ms_deepseek.diagnostics.memory_check import read_accounting
 
         result.graphs["step"]["memory"] = read_accounting(log, folder / f"rank_{rank}")
         return result
     compiled = [g for g in ("train", "eval") if result.graphs.get(g, {}).get("ok")]
     for name, path in zip(compiled, ir_files(ir_dir)):
-        ops = traffic.read_ops(path)
-        result.graphs[name]["communication"] = traffic.by_kind(ops)
-        if par is not None:
-            result.graphs[name]["traffic"] = traffic.by_axis(ops, rank, par)
-        constants = large_constants(path)
-        if constants:
-            big = constants[0]
-            more = f"; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB" if len(constants) > 1 else ""
-            _refuse(
-                result.graphs[name],
-                large_constants=constants,
-                error=f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
-                f"{big['uses']} places{more}) into the graph: it would be held on the device all run "
-                "(build it at run time, from a tensor)",
-            )
-        gathered = gathered_heads(path, heads) if heads is not None else []
-        if gathered and result.graphs[name].get("ok"):
-            g = gathered[0]
-            _refuse(
-                result.graphs[name],
-                gathered_heads=gathered,
-                error=f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
-                f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
-                "tensor without the plan's strategy; name it and give it one: model/mla.py)",
-            )
-        joined = joined_recompute_regions(path) if name == "train" else []
-        if joined and result.graphs[name].get("ok"):
-            _refuse(
-                result.graphs[name],
-                joined_recompute_regions=joined,
-                error=f"MindSpore recomputes layers {joined[0]['layers']} as one region ({len(joined)} such regions): "
-                "it replays them together at the start of the backward and holds each replay until its own "
-                "layer's backward (an operator shared by the layers' recomputed cells joins them; "
-                "diagnostics/compile_check.py recompute_regions)",
-            )
-        if name == "train" and world > 1:
-            result.graphs[name]["global_norm_allreduce"] = global_norm_reduced(path)
+        _check_ir(result.graphs[name], name, path, job, rank)
     shutil.rmtree(ir_dir, ignore_errors=True)  # large; the counts are kept
     return result
+
+
+def _launch(job: RankJob, request: Path, folder: Path, env: Dict[str, str], log: Path) -> Optional[str]:
+    """Run the compile worker on ``request``, its output into ``log``; why it gave no answer in time, else None."""
+    with open(log, "wb") as out:
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "ms_deepseek.diagnostics.compile_worker", str(request)],
+                cwd=folder,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=job.timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return f"no answer after {job.timeout:.0f} s (stopped)"
+    return None
+
+
+def _check_ir(graph: Dict, name: str, path: Path, job: RankJob, rank: int) -> None:
+    """The compiled graph ``name``'s communication from its validate IR at ``path``, and the IR's rules: a graph
+    that holds a large constant, gathers the attention's heads or joins layers' recompute regions is refused."""
+    ops = traffic.read_ops(path)
+    graph["communication"] = traffic.by_kind(ops)
+    if job.par is not None:
+        graph["traffic"] = traffic.by_axis(ops, rank, job.par)
+    constants = large_constants(path)
+    if constants:
+        big = constants[0]
+        more = f"; {len(constants) - 1} more over {LARGE_CONSTANT_MB:.0f} MiB" if len(constants) > 1 else ""
+        _refuse(
+            graph,
+            large_constants=constants,
+            error=f"MindSpore folded a constant of {big['shape']} {big['dtype']} ({big['mb']:.0f} MiB, used in "
+            f"{big['uses']} places{more}) into the graph: it would be held on the device all run "
+            "(build it at run time, from a tensor)",
+        )
+    heads = job.heads
+    gathered = gathered_heads(path, heads) if heads is not None else []
+    if gathered and graph.get("ok"):
+        g = gathered[0]
+        _refuse(
+            graph,
+            gathered_heads=gathered,
+            error=f"MindSpore computes attention tensors of all {heads.heads} heads on each of the {heads.tp} "
+            f"tensor-parallel ranks: {g['op']} {g['shape']} at {g['scope']} (an operation on a per-head "
+            "tensor without the plan's strategy; name it and give it one: model/mla.py)",
+        )
+    joined = joined_recompute_regions(path) if name == "train" else []
+    if joined and graph.get("ok"):
+        _refuse(
+            graph,
+            joined_recompute_regions=joined,
+            error=f"MindSpore recomputes layers {joined[0]['layers']} as one region ({len(joined)} such regions): "
+            "it replays them together at the start of the backward and holds each replay until its own "
+            "layer's backward (an operator shared by the layers' recomputed cells joins them; "
+            "diagnostics/compile_check.py recompute_regions)",
+        )
+    if name == "train" and job.world > 1:
+        graph["global_norm_allreduce"] = global_norm_reduced(path)
 
 
 def _refuse(graph: Dict, error: str, **found) -> None:
@@ -413,17 +434,27 @@ class CompileReport:
         }
 
 
+@dataclass(frozen=True)
+class CompileSetup:
+    """How :func:`compile_recipe` runs its workers: the CANN install (None: stubs), the folder for each rank's
+    request, log and result (None: a temporary one, removed when every rank compiled), whether the validation
+    graph is compiled too, whether each step runs at MindSpore's level 1 (``memory``: :class:`RankJob`), and
+    where progress lines go (None: nowhere)."""
+
+    cann: Optional[str] = None
+    work: Optional[Path] = None
+    eval_graph: bool = True
+    memory: bool = False
+    progress: Optional[Callable[[str], None]] = None
+
+
 def compile_recipe(
     recipe_path: str,
     recipe,
     user_overrides: List[str],
     ranks: List[int],
     reduction: Reduction,
-    cann: Optional[str] = None,
-    work: Optional[Path] = None,
-    eval_graph: bool = True,
-    progress=None,
-    memory: bool = False,
+    setup: CompileSetup = CompileSetup(),
 ) -> CompileReport:
     """Compile the recipe (already loaded with ``user_overrides`` and any layout flags applied) for ``ranks``."""
     par = recipe.parallel
@@ -435,22 +466,22 @@ def compile_recipe(
 
     compiled_recipe = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
     heads = HeadShape.of(compiled_recipe.model_config, par.tp, compiled_recipe.data.seq_len)
-    _, provider = compile_environment(0, world, cann, Path(tempfile.gettempdir()), level=1 if memory else 0)
-    own = work is None
-    work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(work)
+    memory = setup.memory
+    _, provider = compile_environment(0, world, setup.cann, Path(tempfile.gettempdir()), level=1 if memory else 0)
+    own = setup.work is None
+    work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(setup.work)
+    job = RankJob(
+        recipe_path, overrides, world, setup.cann, work, setup.eval_graph, memory=memory, heads=heads, par=par
+    )
     results = []
     try:
         for rank in ranks:
-            if progress is not None:
-                progress(
+            if setup.progress is not None:
+                setup.progress(
                     f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
                     f"{reduction.describe()} ..."
                 )
-            results.append(
-                run_rank(
-                    recipe_path, overrides, rank, world, cann, work, eval_graph, memory=memory, heads=heads, par=par
-                )
-            )
+            results.append(run_rank(job, rank))
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
             shutil.rmtree(work, ignore_errors=True)  # kept when something failed: the logs are there

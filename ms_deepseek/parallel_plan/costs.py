@@ -1,17 +1,14 @@
-"""Per-NPU cost model of one training step: bytes held, bytes moved, FLOPs.
+"""Per-NPU memory of one training step: the bytes each pipeline stage holds, by category.
 
 Pure Python, no MindSpore. The formulas are written out in ``docs/planner.md``;
 names here follow that document. Everything is per NPU and per micro-batch unless
 the name says otherwise. ``n`` = tokens of one micro-batch on one data-parallel
-rank (micro_batch_size * seq_len); tp ranks see the same n tokens.
+rank (micro_batch_size * seq_len); tp ranks see the same n tokens. What one micro-batch's
+tensors take is :mod:`ms_deepseek.parallel_plan.activations`; FLOPs, traffic and bandwidth,
+:mod:`ms_deepseek.parallel_plan.throughput`; the workload and precision,
+:mod:`ms_deepseek.parallel_plan.workload`.
 
-The MoE buffers and the expert AllToAll volume are not a formula of their own: they are
-read from :func:`ms_deepseek.config.dispatch_shapes.dispatch_buffers`, the shapes the MoE
-layer builds (capacity per data-parallel rank, [G, E, C, H] dispatch / combine buffers,
-[dp/ep, E, ep*C, H] expert input split (dp/ep, ep, 1, 1)). The AllToAll's bandwidth is that of the
-real expert-parallel groups (:func:`ep_alltoall_bandwidth`, from :func:`ms_deepseek.parallel_plan.ranks.ep_group_of_rank`).
-
-Principled terms and fitted constants. Every byte count is principled: shapes times dtype sizes, with
+Principled terms and fitted constants. Every byte count (here and in ``activations``) is principled: shapes times dtype sizes, with
 the lifetimes MindSpore gives them (each rule cites the MindSpore source that sets it), and each is checked
 against MindSpore's own level-1 accounting (``plan --recipe R --compile --memory``; the runs are logged in
 ``docs/measurements.md``, never quoted here). Fitted or assumed, and marked so where defined:
@@ -28,14 +25,22 @@ against MindSpore's own level-1 accounting (``plan --recipe R --compile --memory
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.config.dispatch_shapes import dispatch_buffers
-from ms_deepseek.config.lora import LoraSpec, targeted
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec, is_quantized
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.parallel_plan.activations import (
+    embedding_reduce_bytes,
+    eval_layer_bytes,
+    head_activation_bytes,
+    head_backward_bytes,
+    layer_activation_bytes,
+    lora_dropout_bytes,
+    moe_buffers,
+    moe_transient_bytes,
+)
 from ms_deepseek.parallel_plan.plan import (
     Mesh,
     ParamInfo,
@@ -46,7 +51,7 @@ from ms_deepseek.parallel_plan.plan import (
     shard_numel,
     stage_of_param,
 )
-from ms_deepseek.parallel_plan.ranks import ep_group_of_rank
+from ms_deepseek.parallel_plan.workload import Precision, Workload
 
 GB = 1024**3
 
@@ -101,29 +106,6 @@ LOW = Efficiency("low", compute=0.161, comm=0.6, overlap=0.0)
 HIGH = Efficiency("high", compute=0.449, comm=0.8, overlap=0.5)
 
 
-@dataclass
-class Precision:
-    """Bytes per element. ``grad_bytes`` None: gradients in each parameter's own dtype (MindSpore)."""
-
-    compute_bytes: int = 2  # activations (bfloat16 on Ascend)
-    grad_bytes: Optional[int] = None
-    optimizer_bytes: int = 8  # AdamW m and v in float32 (train.optim.AdamW)
-    master_bytes: int = 0  # extra float32 master copy (0: parameters are updated in place)
-    optimizer_level: str = "level1"  # MindSpore parallel optimizer: level1 shards weights + states,
-    # level2/level3 also gradients
-
-
-@dataclass
-class Workload:
-    seq_len: int
-    global_batch_size: int
-    micro_batch_size: int = 1
-    flash_attention: bool = False  # True: fused attention (FlashAttentionScore) keeps no [T, T] scores
-    lora: Optional[LoraSpec] = None  # None: full fine-tuning / pretraining
-    quant: Optional[QuantSpec] = None  # a quantized frozen base under LoRA (None: the base in param_dtype)
-    validation: bool = False  # data.validation: the eval graph's peak counts too (eval_peak)
-
-
 def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
     """A parameter's layout from the plan; an adapter without a rule of its own is split like its
     base weight: A [.., r, in] keeps the base's split of ``in``, B [.., out, r] its split of
@@ -137,6 +119,25 @@ def param_layout(plan: Plan, name: str, mesh: Mesh) -> Tuple[int, ...]:
                 *lead, o, i = base
                 return tuple(lead) + ((1, i) if part == ".lora_A.weight" else (o, 1))
     return plan.param_layout(name, mesh)[1]
+
+
+# The categories of a stage's device memory, in the order they are summed and printed: the fields of
+# StageMemory that make up its total and the keys of StageMemory.gb(). The last two exist only under a
+# quantized base (QUANT_CATEGORIES).
+MEMORY_CATEGORIES = (
+    "weights",
+    "weight_copies",
+    "gradients",
+    "optimizer",
+    "activations",
+    "working_set",
+    "comm_buffers",
+    "hccl_buffers",
+    "workspace",
+    "scales",
+    "dequant_workspace",
+)
+QUANT_CATEGORIES = ("scales", "dequant_workspace")
 
 
 @dataclass
@@ -160,19 +161,7 @@ class StageMemory:
     @property
     def total(self) -> float:
         """The training step's peak."""
-        return (
-            self.weights
-            + self.weight_copies
-            + self.gradients
-            + self.optimizer
-            + self.activations
-            + self.working_set
-            + self.comm_buffers
-            + self.hccl_buffers
-            + self.workspace
-            + self.scales
-            + self.dequant_workspace
-        )
+        return sum(getattr(self, k) for k in MEMORY_CATEGORIES)
 
     @property
     def peak(self) -> float:
@@ -185,20 +174,7 @@ class StageMemory:
         return self.peak - self.hccl_buffers
 
     def gb(self) -> Dict[str, float]:
-        keys = (
-            "weights",
-            "weight_copies",
-            "gradients",
-            "optimizer",
-            "activations",
-            "working_set",
-            "comm_buffers",
-            "hccl_buffers",
-            "workspace",
-            "scales",
-            "dequant_workspace",
-        )
-        out = {k: round(getattr(self, k) / GB, 3) for k in keys}
+        out = {k: round(getattr(self, k) / GB, 3) for k in MEMORY_CATEGORIES}
         out["total"] = round(self.total / GB, 3)
         if self.eval_peak:
             out["eval_total"] = round(self.eval_peak / GB, 3)
@@ -225,22 +201,7 @@ def param_bytes(
     inventory = inventory if inventory is not None else parameter_inventory(cfg)
     mesh = Mesh.from_parallel(parallel)
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    out = [
-        dict(
-            weights=0.0,
-            gradients=0.0,
-            optimizer=0.0,
-            copies=0.0,
-            casts=0.0,
-            params=0,
-            largest_grad=0,
-            largest_composite=0,  # elements of the largest non-float32 optimizer shard (the composite update)
-            scales=0.0,
-            dequant=0.0,
-            dequantized=0.0,  # every quantized weight in the compute dtype (the unpacked images)
-        )
-        for _ in range(parallel.pp)
-    ]
+    out = [_held_slot() for _ in range(parallel.pp)]
     level2 = precision.optimizer_level in ("level2", "level3")
     for info in inventory:
         layout = param_layout(plan, info.name, mesh)
@@ -266,21 +227,45 @@ def param_bytes(
             if not info.is_buffer and size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
                 slot["copies"] += local * precision.compute_bytes
             continue
-        grad = precision.grad_bytes or size
-        slot["gradients"] += local * grad / (group if level2 else 1)
-        slot["largest_grad"] = max(slot["largest_grad"], local)
-        if size < 4:  # updated by train/optim.py's float32 composite, on this rank's optimizer shard
-            slot["largest_composite"] = max(slot["largest_composite"], local / group)
-        slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
-        # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
-        # all-gathered full slice of an optimizer-sharded parameter. The embedding table is gathered in its
-        # own dtype (the Gather reads the table, the cast comes after): MindSpore's level-1 dump of
-        # v2-lite-sft-8npu held its AllGather output, [102400, 2048] float32, through the micro-step.
-        if group > 1:
-            slot["copies"] += local * gathered_bytes(info, precision)
-        elif size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
-            slot["casts"] += local * precision.compute_bytes
+        _trainable_bytes(slot, info, local, group, precision, level2)
     return out
+
+
+def _held_slot() -> Dict[str, float]:
+    """One stage's counters of :func:`param_bytes`, all zero."""
+    return dict(
+        weights=0.0,
+        gradients=0.0,
+        optimizer=0.0,
+        copies=0.0,
+        casts=0.0,
+        params=0,
+        largest_grad=0,
+        largest_composite=0,  # elements of the largest non-float32 optimizer shard (the composite update)
+        scales=0.0,
+        dequant=0.0,
+        dequantized=0.0,  # every quantized weight in the compute dtype (the unpacked images)
+    )
+
+
+def _trainable_bytes(slot, info: ParamInfo, local: int, group: int, precision: Precision, level2: bool) -> None:
+    """Add a trainable parameter's gradient, optimizer states and compute-dtype copies (``local`` elements on this
+    NPU, its optimizer states sharded ``group`` ways, its gradient too at ``level2``) to its stage's ``slot``."""
+    size = itemsize(info.dtype)
+    grad = precision.grad_bytes or size
+    slot["gradients"] += local * grad / (group if level2 else 1)
+    slot["largest_grad"] = max(slot["largest_grad"], local)
+    if size < 4:  # updated by train/optim.py's float32 composite, on this rank's optimizer shard
+        slot["largest_composite"] = max(slot["largest_composite"], local / group)
+    slot["optimizer"] += local * (precision.optimizer_bytes + precision.master_bytes) / group
+    # Compute-dtype copies the forward keeps for backward: casts of wider parameters, and the
+    # all-gathered full slice of an optimizer-sharded parameter. The embedding table is gathered in its
+    # own dtype (the Gather reads the table, the cast comes after): MindSpore's level-1 dump of
+    # v2-lite-sft-8npu held its AllGather output, [102400, 2048] float32, through the micro-step.
+    if group > 1:
+        slot["copies"] += local * gathered_bytes(info, precision)
+    elif size > precision.compute_bytes and not info.name.endswith("mlp.gate.weight"):
+        slot["casts"] += local * precision.compute_bytes
 
 
 def gathered_bytes(info: ParamInfo, precision: Precision) -> int:
@@ -330,217 +315,11 @@ def quant_layout_problems(inventory: List[ParamInfo], plan: Plan, mesh: Mesh, qu
     return []
 
 
-_MOE_BUFFERS: Dict[tuple, Dict[str, float]] = {}  # the planner asks the same layer shape for every layer
-
-
-def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) -> Dict[str, float]:
-    """Elements one NPU holds in one MoE layer's forward for one micro-batch, from the dispatch as
-    built (``dispatch_buffers``; n = tokens per data-parallel rank), and one AllToAll's elements.
-    ``training`` False: at the evaluation capacity (``eval_capacity_factor``; None = dropless, C = n).
-    Memoised on what the dispatch reads (a search asks it hundreds of thousands of times)."""
-    key = (
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.capacity_factor,
-        getattr(cfg, "eval_capacity_factor", None),
-        parallel.dp,
-        parallel.ep,
-        parallel.tp,
-        int(n),
-        bool(training),
-    )
-    found = _MOE_BUFFERS.get(key)
-    if found is None:
-        built = dispatch_buffers(cfg, parallel.dp, parallel.ep, parallel.tp, n, training=training)
-        found = {name: float(b["elements_per_device"]) for name, b in built["buffers"].items()}
-        found["alltoall"] = float(built["alltoall_elements_per_device"])
-        found["capacity"] = float(built["capacity"])
-        if len(_MOE_BUFFERS) > 65536:
-            _MOE_BUFFERS.clear()
-        _MOE_BUFFERS[key] = found
-    return dict(found)
-
-
-def _expert_rows(cfg, parallel: ParallelConfig, n: int) -> float:
-    """Rows of the expert input [E, G*C, H] one NPU computes: (E/ep) x (ep*C) = E*C."""
-    return moe_buffers(cfg, parallel, n)["expert_input"] / cfg.hidden_size
-
-
-def moe_transient_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
-    """Peak bytes of one MoE layer's temporaries that are not kept for backward.
-
-    Forward: the float32 sort keys of the slot assignment with the sorted copy and its indices
-    (3 x slot_keys x 4). Backward: the float32 gradient of the combined outputs, two
-    [E, C, H] gradients live across an AllToAll (send and receive), and the three expert-hidden
-    gradients (gate, up, product).
-    """
-    b = moe_buffers(cfg, parallel, n)
-    forward = 3 * b["slot_keys"] * 4
-    backward = b["combined"] * 4 + 2 * b["expert_output"] * c + 3 * b["expert_hidden"] * c
-    return max(forward, backward)
-
-
-def lora_dropout_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, masks_only: bool = False) -> float:
-    """Bytes the LoRA dropout adds to what :func:`layer_activation_bytes` keeps of layer ``i``, for one
-    micro-batch on one NPU, without recompute (``masks_only``: under recompute, see below).
-
-    On the NPU each adapter's dropout is MindSpore's ``nn.Dropout`` (``train/lora_run.py``): a
-    ``DropoutGenMask`` bit mask (one bit per element) and a ``DropoutDoMask`` output in the compute dtype,
-    both kept for the backward (``lora_A``'s gradient reads the dropped input). Projections that share an
-    input each drop it with their own mask, so a shared input is kept once per adapted projection; the
-    frozen base needs no copy of its own (its weight takes no gradient). The layer's count already holds
-    each input once, so each group adds its adapted projections' masks and its copies beyond the first.
-    Principled (shapes only); MindSpore's level-1 dump of ``v2-lite-lora-8npu`` agrees to the MiB
-    (docs/measurements.md, "LoRA dropout").
-
-    Under recompute MindSpore replays the ``DropoutDoMask`` but never the mask (``recompute_helper.cc``
-    ``CanNotRecomputed`` lists ``DropoutGenMask``), so a recomputed layer keeps its masks (level 1 of
-    ``v2-qlora-8npu`` under full recompute: docs/measurements.md, "LoRA dropout").
-    """
-    lora = w.lora
-    if lora is None or lora.dropout <= 0:
-        return 0.0
-    n = w.micro_batch_size * w.seq_len
-    t = parallel.tp
-    H = cfg.hidden_size
-    layer = f"model.layers.{i}"
-    q = "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
-    # groups of projections that read one input: (module paths, elements of that input on one NPU)
-    attention = [
-        ([f"{layer}.self_attn.{q}", f"{layer}.self_attn.kv_a_proj_with_mqa"], n * H),
-        ([f"{layer}.self_attn.kv_b_proj"], n * cfg.kv_lora_rank),
-        ([f"{layer}.self_attn.o_proj"], n * cfg.num_attention_heads * cfg.v_head_dim / t),
-    ]
-    if cfg.q_lora_rank is not None:
-        attention.append(([f"{layer}.self_attn.q_b_proj"], n * cfg.q_lora_rank))
-    mlp = f"{layer}.mlp"
-    if cfg.is_moe_layer(i):
-        rows = _expert_rows(cfg, parallel, n)
-        feed = [
-            ([f"{mlp}.experts.gate_proj", f"{mlp}.experts.up_proj"], rows * H),
-            ([f"{mlp}.experts.down_proj"], moe_buffers(cfg, parallel, n)["expert_hidden"]),
-        ]
-        if cfg.n_shared_experts:
-            shared = f"{mlp}.shared_experts"
-            feed.append(([f"{shared}.gate_proj", f"{shared}.up_proj"], n * H))
-            feed.append(([f"{shared}.down_proj"], n * cfg.moe_intermediate_size * cfg.n_shared_experts / t))
-    else:
-        feed = [
-            ([f"{mlp}.gate_proj", f"{mlp}.up_proj"], n * H),
-            ([f"{mlp}.down_proj"], n * cfg.intermediate_size / t),
-        ]
-    extra = 0.0
-    for modules, elements in attention + feed:
-        adapted = sum(1 for m in modules if targeted(m, lora.target_modules))
-        if adapted:
-            extra += adapted * elements / 8 + (0 if masks_only else (adapted - 1) * elements * c)
-    return extra
-
-
-def layer_activation_bytes(
-    cfg, i: int, parallel: ParallelConfig, w: Workload, c: int, policy: str, training: bool = True
-) -> float:
-    """Bytes one decoder layer keeps for backward, for one micro-batch on one NPU (``training``
-    False: the same tensors at the evaluation capacity, see :func:`eval_layer_bytes`)."""
-    n = w.micro_batch_size * w.seq_len
-    t = parallel.tp
-    sp = t if parallel.sequence_parallel else 1
-    H = cfg.hidden_size
-    if policy == "full":
-        kept = n * H * c / sp  # the layer input (the segment is the whole layer: parallel_apply.apply)
-        return kept + (lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) if training else 0.0)
-    nh, qk, v, rope = cfg.num_attention_heads / t, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
-    norm = lambda d, div=1: n * d * (4 + c) / div  # noqa: E731  float32 input + normed output
-    a = norm(H, sp)  # input_layernorm
-    if cfg.q_lora_rank is not None:
-        a += norm(cfg.q_lora_rank)
-    a += norm(cfg.kv_lora_rank) + n * rope * c  # latent norm, k_pe before rotary
-    a += n * nh * (2 * qk + 2 * v + rope) * c  # q, k, v for the score / value matmuls, o_proj input, q_pe
-    scores = w.micro_batch_size * nh * w.seq_len * w.seq_len
-    if w.flash_attention:
-        a += scores / w.seq_len * 8  # FlashAttentionScore keeps max and sum per row
-    elif policy == "selective":
-        a += scores * (4 + c)  # softmax input (float32) and probs; exp is replayed
-    else:
-        a += scores * (8 + c)  # float32 scores and exp, probs in compute dtype
-    a += norm(H, sp)  # post_attention_layernorm
-    if cfg.is_moe_layer(i):
-        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-        a += n * (4 * H + 8 * E)  # float32 router input, scores / softmax
-        b = moe_buffers(cfg, parallel, n, training)  # the dispatch as built, per device
-        a += b["expert_input"] * c  # expert inputs (after the AllToAll), for the weight grads
-        a += 4 * b["expert_hidden"] * c  # gate, up, silu(gate), product
-        a += b["combined"] * 4  # float32 combined outputs, for the routing-weight grad
-        a += (b["topk_ids"] + b["combine_index"] + b["dispatch_index"]) * 4  # int32 gather indices
-        if cfg.n_shared_experts:
-            a += 4 * n * c * I * cfg.n_shared_experts / t
-    else:
-        a += 4 * n * c * cfg.intermediate_size / t
-    if training:
-        a += lora_dropout_bytes(cfg, i, parallel, w, c)
-    return a
-
-
-def eval_layer_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """Peak bytes of one decoder layer's forward in the validation graph (nothing is kept for a
-    backward, so only the layer being run is live): every tensor the layer creates, as
-    :func:`layer_activation_bytes` counts them without recompute, at the evaluation capacity, plus
-    for an MoE layer the dispatch and combine buffers [G, E, C, H], the expert output and the
-    float32 sort keys (three copies). Dropless evaluation (C = n) makes these E*n*H per device,
-    the term that can exceed the training step."""
-    a = layer_activation_bytes(cfg, i, parallel, w, c, "none", training=False)
-    if cfg.is_moe_layer(i):
-        n = w.micro_batch_size * w.seq_len
-        b = moe_buffers(cfg, parallel, n, training=False)
-        a += (b["dispatch_buffer"] + b["expert_output"] + b["combine_buffer"]) * c + 3 * b["slot_keys"] * 4
-    return a
-
-
-def vocab_split(parallel: ParallelConfig) -> int:
-    """How many ways the loss's vocabulary axis is split (the plan's ``vocab_cross_entropy`` style)."""
-    return parallel.tp if parallel.vocab_parallel else 1
-
-
-def head_activation_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """Final norm, head input and the loss's [n, V/tp] float32 tensors kept for backward. On a whole
-    vocabulary (model/loss.py: the target logit by GatherD) only exp(logits - max): MindSpore's level-1
-    accounting of v2-lite-lora-1npu (``plan --compile --memory``) held one [n, V] float32 Exp per
-    micro-batch in backward and nothing else of the loss's forward. On a split vocabulary also the logits
-    and the one-hot slice (MindFormers' CrossEntropyLoss pattern; not measured: no such recipe compiles)."""
-    n = w.micro_batch_size * w.seq_len
-    V = cfg.vocab_size / vocab_split(parallel)
-    return n * (cfg.hidden_size * (4 + 2 * c) + V * (12 if vocab_split(parallel) > 1 else 4))
-
-
-def head_backward_bytes(cfg, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """The loss's backward at its peak, besides the kept Exp: three [n, V/tp] float32 tensors at once
-    (MindSpore's level-1 per-block dump of v2-lite-lora-1npu: the ReduceSum gradient's Tile, the Exp
-    gradient's Mul and the GatherD gradient), then the logits' gradient cast to the compute dtype."""
-    n = w.micro_batch_size * w.seq_len
-    V = cfg.vocab_size / vocab_split(parallel)
-    return n * V * max(12, 4 + c)
-
-
 # Float32 images of one parameter live at once in the composite update of a bfloat16 / float16 parameter.
 # FITTED, not derived: the largest count MindSpore's level-1 accounting showed (tests/compile/
 # test_compile_optimizer.py's toy; fewer on v2-sft-64npu's rank 0: docs/measurements.md, "The update's
 # float32 temporaries").
 UPDATE_TEMPORARIES = 4
-
-
-def embedding_reduce_bytes(cfg, parallel: ParallelConfig, n: int, c: int) -> float:
-    """The embedding's all-reduced output kept per micro-batch, beyond the layers' activations.
-
-    A vocabulary split by tp makes each rank's embedding a partial sum, which MindSpore completes with an
-    AllReduce of the whole [n, H]. Under sequence parallelism the first layer takes its [n/tp, H] slice, and
-    MindSpore keeps the whole AllReduce output from each micro-batch's forward to its backward, one per
-    micro-batch in flight (level 1 of v2-sft-64npu's rank 0: docs/measurements.md). Without sequence parallelism the AllReduce output is the first layer's input, counted
-    with its activations."""
-    if not (parallel.sequence_parallel and parallel.tp > 1 and parallel.vocab_parallel):
-        return 0.0
-    return float(n * cfg.hidden_size * c)
 
 
 def in_flight(parallel: ParallelConfig, stage: int) -> int:
@@ -564,107 +343,136 @@ def comm_groups(parallel: ParallelConfig) -> int:
 def stage_memory(
     cfg, parallel: ParallelConfig, w: Workload, precision: Precision, hw: Hardware, held: List[Dict[str, float]]
 ) -> List[StageMemory]:
+    """Per pipeline stage: one NPU's device memory at the training step's peak, by category (and at the
+    validation graph's, with ``w.validation``), from the bytes :func:`param_bytes` found it holds (``held``)."""
     c = precision.compute_bytes
-    counts = [0] * parallel.pp
     stages = layer_stages(cfg.num_hidden_layers, parallel.pp, parallel.stage_layers)
-    for s in stages:
-        counts[s] += 1
-    n = w.micro_batch_size * w.seq_len
     result = []
     for s in range(parallel.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
-        kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
-        head_kept = head_activation_bytes(cfg, parallel, w, c) if s == parallel.pp - 1 else 0.0
-        kept += head_kept
-        full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
-        working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
-        moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
-        transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
-        comm = 0.0
-        if parallel.recompute != "none":
-            # the layer being recomputed and its dispatch's temporaries, one layer at a time (MindSpore replays each
-            # layer as its own region: diagnostics/compile_check.py recompute_regions checks the compiled graph);
-            # no all-to-all buffers beside them: the transients hold the exchange's two [E, C, H] gradients (level 1
-            # of v2-pretrain-256npu, stage 0: no AlltoAll output alive at the MoE layer's backward)
-            working += max(full) + transient
-        else:
-            working += transient
-            if cfg.has_moe and parallel.ep > 1 and moe_layers:
-                comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
-        if moe_layers and parallel.tp > 1 and parallel.ep == 1:
-            # experts split by tp: the row-parallel down_proj's output and the column-parallel input gradient are
-            # AllReduces of a whole [E, C, H], one live at the MoE backward (level 1 of v2-sft-64npu and
-            # v2-lora-16npu, stage 0: one AllReduce output of [E, C, H] at the peak, docs/measurements.md)
-            comm += moe_buffers(cfg, parallel, n)["expert_output"] * c
-        if s == 0:
-            comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
-        # micro-batches accumulate in order: the pipeline's 1F1B, MindSpore's accumulation pass in a sharded
-        # layout, train/step.py OrderedAccumulation otherwise (one micro-batch's activations at a time)
-        activations = kept * in_flight(parallel, s)
-        k = max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
-        if parallel.ordered_accumulation(k):
-            # OrderedAccumulation (no MindSpore accumulation pass: ParallelConfig.ordered_accumulation, which
-            # train/step.py build_step asks too): a DropoutGenMask takes only a shape, so MindSpore generates
-            # every micro-batch's LoRA masks at the step's start and holds each until its micro-batch (level 1
-            # of v2-lite-lora-1npu, 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
-            activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
-            # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
-            # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches: one
-            # bfloat16 Cast per quantized element of the layer, docs/measurements.md)
-            activations += (k - 1) * held[s].get("dequantized", 0.0)
-        if s == parallel.pp - 1:
-            # The loss's backward runs before any layer's and consumes what the loss kept, so the stage peaks
-            # either there (the loss's kept tensors and its backward) or in a layer's backward (without them).
-            if head_kept + head_backward_bytes(cfg, parallel, w, c) >= working + comm:
-                # the all-to-all buffers are transients of the MoE layers, not live then (level 1: no
-                # AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
-                working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
-            else:
-                # one micro-batch's loss tensors freed (level 1 of v2-qlora-8npu: the [n, V] Exp is gone
-                # when the last layer's recomputed backward peaks)
-                activations -= head_kept
-        gradients = held[s]["gradients"]
-        if parallel.pp == 1 and parallel.accumulation_pass(k) and held[s].get("frozen_embedding"):
-            # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
-            # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
-            # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, at the peak
-            gradients += held[s]["frozen_embedding"]
-        dequant = held[s].get("dequant", 0.0)
-        # Clipping: the global norm's square sums run one gradient at a time with float32
-        # accumulation (train/step.py), at most a float32 image of the largest local gradient;
-        # activations are freed by then, so it competes with the working set, not with them.
-        working = max(working, held[s]["largest_grad"] * 4)
-        # The float32 update of weights stored narrower runs one parameter at a time (train/optim.py
-        # AdamW._composite) with up to UPDATE_TEMPORARIES float32 images of it live; also after the activations.
-        working = max(working, UPDATE_TEMPORARIES * held[s]["largest_composite"] * 4)
-        # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
-        # held each layer's all-gathered weights from its forward to the end of the step (one MoE layer's
-        # more at the peak per MoE layer more), not one layer's at a time
-        # and every layer's compute-dtype casts of wider, not gathered, weights, also under full recompute: a
-        # Cast of a Parameter is never recomputed (MindSpore's step_parallel_utils.cc
-        # SetCastForParamNotRecompute); level 1 of v2-lite-sft-8npu kept the expert casts of every MoE layer
-        copies = held[s]["copies"] + held[s].get("casts", 0.0)
-        hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024**2
-        mem = StageMemory(
-            stage=s,
-            layers=len(layers),
-            weights=held[s]["weights"],
-            weight_copies=copies,
-            gradients=gradients,
-            optimizer=held[s]["optimizer"],
-            activations=activations,
-            working_set=working,
-            comm_buffers=comm,
-            hccl_buffers=hccl,
-            workspace=hw.workspace_gb * GB,
-            scales=held[s].get("scales", 0.0),
-            dequant_workspace=dequant,
-            params=int(held[s]["params"]),
-        )
+        mem = _one_stage(cfg, parallel, w, c, hw, s, layers, held[s])
         if w.validation:
             mem.eval_peak = _eval_peak(cfg, parallel, w, c, layers, s, mem, held[s])
         result.append(mem)
     return result
+
+
+def _accumulated(parallel: ParallelConfig, w: Workload) -> int:
+    """Micro-batches one optimizer step accumulates on a data-parallel rank."""
+    return max(1, w.global_batch_size // max(1, parallel.dp * w.micro_batch_size))
+
+
+def _one_stage(
+    cfg, parallel: ParallelConfig, w: Workload, c: int, hw: Hardware, s: int, layers: List[int], held: Dict[str, float]
+) -> StageMemory:
+    """Stage ``s`` (its decoder ``layers``, the bytes it holds ``held``) at the training step's peak."""
+    activations, working, comm = _live_bytes(cfg, parallel, w, c, s, layers, held)
+    k = _accumulated(parallel, w)
+    gradients = held["gradients"]
+    if parallel.pp == 1 and parallel.accumulation_pass(k) and held.get("frozen_embedding"):
+        # a frozen embedding under MindSpore's accumulation pass: its gradient is taken into a whole
+        # accu_grads buffer to anchor the pass (train/step.py build_step), then dropped; level 1 of
+        # v2-qlora-8npu: accu_grads.model.embed_tokens.weight, [102400, 5120] bfloat16, at the peak
+        gradients += held["frozen_embedding"]
+    dequant = held.get("dequant", 0.0)
+    # Clipping: the global norm's square sums run one gradient at a time with float32
+    # accumulation (train/step.py), at most a float32 image of the largest local gradient;
+    # activations are freed by then, so it competes with the working set, not with them.
+    working = max(working, held["largest_grad"] * 4)
+    # The float32 update of weights stored narrower runs one parameter at a time (train/optim.py
+    # AdamW._composite) with up to UPDATE_TEMPORARIES float32 images of it live; also after the activations.
+    working = max(working, UPDATE_TEMPORARIES * held["largest_composite"] * 4)
+    # every layer's copies, also under full recompute: MindSpore's level-1 dump of v2-lite-sft-8npu
+    # held each layer's all-gathered weights from its forward to the end of the step (one MoE layer's
+    # more at the peak per MoE layer more), not one layer's at a time
+    # and every layer's compute-dtype casts of wider, not gathered, weights, also under full recompute: a
+    # Cast of a Parameter is never recomputed (MindSpore's step_parallel_utils.cc
+    # SetCastForParamNotRecompute); level 1 of v2-lite-sft-8npu kept the expert casts of every MoE layer
+    copies = held["copies"] + held.get("casts", 0.0)
+    hccl = comm_groups(parallel) * hw.hccl_buffer_mb * 1024**2
+    return StageMemory(
+        stage=s,
+        layers=len(layers),
+        weights=held["weights"],
+        weight_copies=copies,
+        gradients=gradients,
+        optimizer=held["optimizer"],
+        activations=activations,
+        working_set=working,
+        comm_buffers=comm,
+        hccl_buffers=hccl,
+        workspace=hw.workspace_gb * GB,
+        scales=held.get("scales", 0.0),
+        dequant_workspace=dequant,
+        params=int(held["params"]),
+    )
+
+
+def _live_bytes(
+    cfg, parallel: ParallelConfig, w: Workload, c: int, s: int, layers: List[int], held: Dict[str, float]
+) -> Tuple[float, float, float]:
+    """(activations kept, working set, communication buffers) of stage ``s`` at its peak, before the
+    clipping and the update, which run after the activations are freed."""
+    n = w.micro_batch_size * w.seq_len
+    kept = sum(layer_activation_bytes(cfg, i, parallel, w, c, parallel.recompute) for i in layers)
+    head_kept = head_activation_bytes(cfg, parallel, w, c) if s == parallel.pp - 1 else 0.0
+    kept += head_kept
+    working, comm = _layers_working_set(cfg, parallel, w, c, layers)
+    if s == 0:
+        comm += embedding_reduce_bytes(cfg, parallel, n, c) * in_flight(parallel, 0)
+    # micro-batches accumulate in order: the pipeline's 1F1B, MindSpore's accumulation pass in a sharded
+    # layout, train/step.py OrderedAccumulation otherwise (one micro-batch's activations at a time)
+    activations = kept * in_flight(parallel, s)
+    k = _accumulated(parallel, w)
+    if parallel.ordered_accumulation(k):
+        # OrderedAccumulation (no MindSpore accumulation pass: ParallelConfig.ordered_accumulation, which
+        # train/step.py build_step asks too): a DropoutGenMask takes only a shape, so MindSpore generates
+        # every micro-batch's LoRA masks at the step's start and holds each until its micro-batch (level 1
+        # of v2-lite-lora-1npu, 4 micro-batches: 4 sets of masks per layer, generated before the first forward)
+        activations += (k - 1) * sum(lora_dropout_bytes(cfg, i, parallel, w, c, masks_only=True) for i in layers)
+        # and so for a quantized base's unpacking, which reads only the Parameters: each later micro-batch's
+        # compute-dtype image of every layer's weights (level 1 of v2-lite-qlora-1npu, 2 micro-batches: one
+        # bfloat16 Cast per quantized element of the layer, docs/measurements.md)
+        activations += (k - 1) * held.get("dequantized", 0.0)
+    if s == parallel.pp - 1:
+        # The loss's backward runs before any layer's and consumes what the loss kept, so the stage peaks
+        # either there (the loss's kept tensors and its backward) or in a layer's backward (without them).
+        if head_kept + head_backward_bytes(cfg, parallel, w, c) >= working + comm:
+            # the all-to-all buffers are transients of the MoE layers, not live then (level 1: no
+            # AlltoAll output among the blocks at v2-lite-sft-8npu's peak)
+            working, comm = head_backward_bytes(cfg, parallel, w, c), 0.0
+        else:
+            # one micro-batch's loss tensors freed (level 1 of v2-qlora-8npu: the [n, V] Exp is gone
+            # when the last layer's recomputed backward peaks)
+            activations -= head_kept
+    return activations, working, comm
+
+
+def _layers_working_set(cfg, parallel: ParallelConfig, w: Workload, c: int, layers: List[int]) -> Tuple[float, float]:
+    """(working set, communication buffers) of a layer's backward on a stage of ``layers``: the activation
+    gradients in flight, the MoE layer's temporaries, a recomputed layer, the expert exchanges' buffers."""
+    n = w.micro_batch_size * w.seq_len
+    full = [layer_activation_bytes(cfg, i, parallel, w, c, "none") for i in layers] or [0.0]
+    working = n * cfg.hidden_size * 4 * 4  # activation gradients in flight
+    moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
+    transient = moe_transient_bytes(cfg, parallel, n, c) if moe_layers else 0.0
+    comm = 0.0
+    if parallel.recompute != "none":
+        # the layer being recomputed and its dispatch's temporaries, one layer at a time (MindSpore replays each
+        # layer as its own region: diagnostics/compile_check.py recompute_regions checks the compiled graph);
+        # no all-to-all buffers beside them: the transients hold the exchange's two [E, C, H] gradients (level 1
+        # of v2-pretrain-256npu, stage 0: no AlltoAll output alive at the MoE layer's backward)
+        working += max(full) + transient
+    else:
+        working += transient
+        if cfg.has_moe and parallel.ep > 1 and moe_layers:
+            comm += 2 * moe_buffers(cfg, parallel, n)["expert_input"] * c  # all-to-all send + receive
+    if moe_layers and parallel.tp > 1 and parallel.ep == 1:
+        # experts split by tp: the row-parallel down_proj's output and the column-parallel input gradient are
+        # AllReduces of a whole [E, C, H], one live at the MoE backward (level 1 of v2-sft-64npu and
+        # v2-lora-16npu, stage 0: one AllReduce output of [E, C, H] at the peak, docs/measurements.md)
+        comm += moe_buffers(cfg, parallel, n)["expert_output"] * c
+    return working, comm
 
 
 def _eval_peak(
@@ -691,121 +499,3 @@ def _eval_peak(
         comm = 2 * moe_buffers(cfg, parallel, n, training=False)["expert_input"] * c
     static = mem.weights + held["copies"] + mem.gradients + mem.optimizer + mem.hccl_buffers + mem.workspace
     return static + live + comm
-
-
-# ------------------------------------------------------------------------ FLOPs and traffic
-def layer_flops(cfg, i: int, parallel: ParallelConfig, w: Workload) -> Tuple[float, float]:
-    """(forward FLOPs of one micro-batch of layer i on one NPU, of which attention core)."""
-    n = w.micro_batch_size * w.seq_len
-    t = parallel.tp
-    H, nh = cfg.hidden_size, cfg.num_attention_heads / t
-    f = 0.0
-    if cfg.q_lora_rank is None:
-        f += 2 * n * H * nh * cfg.qk_head_dim
-    else:
-        f += 2 * n * H * cfg.q_lora_rank + 2 * n * cfg.q_lora_rank * nh * cfg.qk_head_dim
-    f += 2 * n * H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    f += 2 * n * cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    f += 2 * n * nh * cfg.v_head_dim * H
-    pairs = w.seq_len * w.seq_len / (2 if w.flash_attention else 1)  # flash skips masked blocks
-    core = 2 * w.micro_batch_size * nh * pairs * (cfg.qk_head_dim + cfg.v_head_dim)
-    f += core
-    if cfg.is_moe_layer(i):
-        I = cfg.moe_intermediate_size
-        f += 2 * n * H * cfg.n_routed_experts  # router
-        f += 2 * _expert_rows(cfg, parallel, n) * 3 * H * I / t  # every capacity slot is computed
-        f += 2 * n * 3 * H * I * (cfg.n_shared_experts or 0) / t
-    else:
-        f += 2 * n * 3 * H * cfg.intermediate_size / t
-    return f, core
-
-
-def lora_adapter_dims(adapters: List[ParamInfo]) -> Dict[int, List[Tuple[bool, int, int, int]]]:
-    """Decoder layer -> [(stacked over experts, r, in, out)] of its adapters."""
-    shapes = {a.name: a.shape for a in adapters if ".lora_" in a.name}
-    out: Dict[int, List[Tuple[bool, int, int, int]]] = {}
-    for name, shape in shapes.items():
-        if not name.endswith(".lora_A.weight"):
-            continue
-        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-        b = shapes[name.replace(".lora_A.", ".lora_B.")]
-        out.setdefault(layer, []).append((len(shape) == 3, shape[-2], shape[-1], b[-2]))
-    return out
-
-
-def layer_lora_flops(
-    cfg, i: int, parallel: ParallelConfig, w: Workload, dims: Dict[int, List[Tuple[bool, int, int, int]]]
-) -> float:
-    """Forward + backward (3x) FLOPs of layer i's adapters on one NPU for one micro-batch: each
-    row passes A then B (2*r*(in+out)); a stacked routed-expert adapter sees the expert rows this
-    NPU computes (every capacity slot, E*C); a tp share of each."""
-    n = w.micro_batch_size * w.seq_len
-    f = 0.0
-    for stacked, r, in_f, out_f in dims.get(i, ()):
-        rows = _expert_rows(cfg, parallel, n) if stacked else n
-        f += 2 * rows * r * (in_f + out_f) / parallel.tp
-    return 3 * f
-
-
-def layer_tp_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """Bytes one NPU sends in tp all-reduces for one forward of layer i (ring: 2(t-1)/t x size)."""
-    t = parallel.tp
-    if t == 1:
-        return 0.0
-    n = w.micro_batch_size * w.seq_len
-    size = n * cfg.hidden_size * c * 2  # o_proj + MLP / shared-expert down_proj
-    if cfg.is_moe_layer(i):
-        size += _expert_rows(cfg, parallel, n) * cfg.hidden_size * c  # expert down_bmm partial sums
-    return 2 * (t - 1) / t * size
-
-
-def layer_ep_bytes(cfg, i: int, parallel: ParallelConfig, w: Workload, c: int) -> float:
-    """Bytes one NPU sends in the dispatch + combine all-to-alls for one forward of layer i."""
-    if not cfg.is_moe_layer(i) or parallel.ep == 1:
-        return 0.0
-    n = w.micro_batch_size * w.seq_len
-    return 2 * moe_buffers(cfg, parallel, n)["alltoall"] * c  # dispatch + combine exchanges
-
-
-def model_flops_per_token(cfg, seq_len: int, lora: bool = False) -> float:
-    """Training FLOPs per token of the model itself, the MFU numerator: forward + backward (3x)
-    of every matmul a token activates (k routed experts, no capacity padding, no recompute) and
-    of causal attention (half the score matrix), on one device. Under LoRA the frozen weights
-    get no weight gradient: 2x for their matmuls (the adapters' own FLOPs are left out)."""
-    exact = cfg.replace(capacity_factor=1.0) if cfg.has_moe else cfg
-    w = Workload(seq_len=seq_len, global_batch_size=1, micro_batch_size=1, flash_attention=True)
-    p = ParallelConfig()
-    f = core = 0.0
-    for i in range(cfg.num_hidden_layers):
-        layer, attention = layer_flops(exact, i, p, w)
-        f += layer
-        core += attention
-    f += 2 * seq_len * cfg.hidden_size * cfg.vocab_size  # lm_head
-    return ((2 * f + core) if lora else 3 * f) / seq_len
-
-
-def group_bandwidth(size: int, stride: int, hw: Hardware) -> float:
-    """Bytes/s one NPU can send inside a collective over ``size`` ranks spaced ``stride`` apart."""
-    if size <= 1:
-        return float("inf")
-    if size * stride <= hw.npus_per_node:
-        return hw.hccs_gbps * 1e9 * (size - 1)  # full mesh: one HCCS link per peer
-    return hw.roce_gbps * 1e9
-
-
-def ranks_bandwidth(group: Sequence[int], hw: Hardware) -> float:
-    """Bytes/s one NPU can send inside a collective over the global ranks ``group``: the HCCS full mesh
-    when they share a node (one link per peer), else RoCE."""
-    if len(group) <= 1:
-        return float("inf")
-    if len({r // hw.npus_per_node for r in group}) == 1:
-        return hw.hccs_gbps * 1e9 * (len(group) - 1)
-    return hw.roce_gbps * 1e9
-
-
-def ep_alltoall_bandwidth(par, hw: Hardware) -> float:
-    """The MoE AllToAll's bandwidth: the slowest expert-parallel group of a stage, the groups from the one
-    rank rule the model's exchange view, the plan and the simulation share (:func:`ranks.ep_group_of_rank`)."""
-    if par.ep == 1:  # no expert parallelism: no AllToAll (and no walk over the ranks)
-        return float("inf")
-    return min(ranks_bandwidth(ep_group_of_rank(r, par), hw) for r in range(par.dp * par.tp))

@@ -10,7 +10,9 @@ recompute / optimizer sharding / sequence parallel for a device count and ranks
 the layouts that fit by tokens/s per NPU. ``check_recipe_fits`` is what
 ``train`` and ``launch`` call before building anything.
 
-The cost formulas live in :mod:`ms_deepseek.parallel_plan.costs` and ``docs/planner.md``.
+The cost formulas live in :mod:`ms_deepseek.parallel_plan.costs` (memory), :mod:`~ms_deepseek.parallel_plan.activations`
+(what a micro-batch keeps) and :mod:`~ms_deepseek.parallel_plan.throughput` (FLOPs, traffic, bandwidth), and in
+``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import group_size_problem
 from ms_deepseek.core.dtypes import itemsize
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel_plan import costs
-from ms_deepseek.parallel_plan.costs import GB, Hardware, Precision, StageMemory, Workload
+from ms_deepseek.parallel_plan import costs, throughput
+from ms_deepseek.parallel_plan.costs import GB, Hardware, StageMemory
 from ms_deepseek.parallel_plan.plan import (
     Mesh,
     Plan,
@@ -37,6 +39,7 @@ from ms_deepseek.parallel_plan.plan import (
     stage_of_param,
 )
 from ms_deepseek.parallel_plan.validate import layout_problems
+from ms_deepseek.parallel_plan.workload import Precision, Workload
 
 TP_CHOICES = (1, 2, 4, 8, 16)
 DEFAULT_PLAN = Plan()
@@ -251,7 +254,7 @@ def _speed(result: PlanResult, held, cfg, precision: Precision, hw: Hardware, pl
     result.comm_minimum_gb = _comm_gb(slowest, dp_needed, micro_total)
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
-    flops_per_token = costs.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
+    flops_per_token = throughput.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
     result.mfu_range = tuple(t * flops_per_token / (hw.peak_tflops * 1e12) for t in result.tokens_per_s_range)
 
 
@@ -277,16 +280,16 @@ def _stage_traffic(
     n = w.micro_batch_size * w.seq_len
     # Forward passes that repeat the collectives: recompute="full" replays each layer's forward.
     replays = 1 + (p.recompute == "full")
-    bw_tp = costs.group_bandwidth(p.tp, 1, hw)
-    bw_ep = costs.ep_alltoall_bandwidth(p, hw)  # the real expert-parallel groups (ranks.ep_group_of_rank)
-    bw_pp = costs.group_bandwidth(2, p.dp * p.tp, hw)
+    bw_tp = throughput.group_bandwidth(p.tp, 1, hw)
+    bw_ep = throughput.ep_alltoall_bandwidth(p, hw)  # the real expert-parallel groups (ranks.ep_group_of_rank)
+    bw_pp = throughput.group_bandwidth(2, p.dp * p.tp, hw)
     out = []
-    adapters = costs.lora_adapter_dims(inventory) if w.lora is not None else {}
+    adapters = throughput.lora_adapter_dims(inventory) if w.lora is not None else {}
     for s in range(p.pp):
         layers = [i for i, st in enumerate(stages) if st == s]
         flops = tp_b = ep_b = 0.0
         for i in layers:
-            f, core = costs.layer_flops(cfg, i, p, w)
+            f, core = throughput.layer_flops(cfg, i, p, w)
             extra = f if p.recompute == "full" else (core if p.recompute == "selective" else 0.0)
             if w.lora is None:
                 flops += 3 * f + extra  # forward + backward (2x) + recompute
@@ -294,9 +297,9 @@ def _stage_traffic(
                 # frozen weights: the backward computes activation gradients but no weight
                 # gradients (the attention core has no weights: its backward stays 2x), plus the
                 # adapters' forward + backward
-                flops += 2 * f + core + extra + costs.layer_lora_flops(cfg, i, p, w, adapters)
-            tp_b += (1 + replays) * costs.layer_tp_bytes(cfg, i, p, w, c)  # forward(s) + backward
-            ep_b += (1 + replays) * costs.layer_ep_bytes(cfg, i, p, w, c)
+                flops += 2 * f + core + extra + throughput.layer_lora_flops(cfg, i, p, w, adapters)
+            tp_b += (1 + replays) * throughput.layer_tp_bytes(cfg, i, p, w, c)  # forward(s) + backward
+            ep_b += (1 + replays) * throughput.layer_ep_bytes(cfg, i, p, w, c)
         if s == p.pp - 1:
             V = cfg.vocab_size / (p.tp if p.vocab_parallel else 1)
             flops += (3 if w.lora is None else 2) * 2 * n * cfg.hidden_size * V
@@ -352,7 +355,7 @@ def dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Pl
             sent = 2 * (group - 1) / group * grad  # an all-reduce of the gradient
         # Replicas of a tp-split slice sit tp apart; fully replicated ones span the whole stage.
         stride = p.tp if split > 1 or p.tp == 1 else 1
-        bw = costs.group_bandwidth(group, stride, hw)
+        bw = throughput.group_bandwidth(group, stride, hw)
         s = stage_of_param(info, p.pp, stages)
         per_stage[s][0] += sent
         per_stage[s][1] += sent / bw

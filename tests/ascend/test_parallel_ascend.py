@@ -29,7 +29,7 @@ WORKER = textwrap.dedent("""
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.parallel_apply.apply import apply_plan, auto_parallel_wrap
     from ms_deepseek.config.parallel import ParallelConfig
-    from ms_deepseek.parallel_plan.costs import Workload
+    from ms_deepseek.parallel_plan.workload import Workload
     from ms_deepseek.parallel_plan.memory import memory_metrics, reserve_device_memory
     from ms_deepseek.parallel_plan.planner import estimate
 

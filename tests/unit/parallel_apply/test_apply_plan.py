@@ -12,8 +12,9 @@ import pytest
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel_plan.costs import Precision, param_bytes
+from ms_deepseek.parallel_plan.costs import param_bytes
 from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan, parameter_inventory
+from ms_deepseek.parallel_plan.workload import Precision
 
 CFG = get_preset("tiny")
 STRATEGIC = ("MatMul", "BatchMatMul", "Gather", "TopK", "FlashAttentionScore", "Custom", "Sort", "Transpose", "Concat")

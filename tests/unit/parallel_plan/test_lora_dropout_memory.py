@@ -1,4 +1,4 @@
-"""The planner's LoRA-dropout bytes (costs.lora_dropout_bytes) against the dropouts the model runs.
+"""The planner's LoRA-dropout bytes (activations.lora_dropout_bytes) against the dropouts the model runs.
 
 The oracle is the model itself: one training-mode forward of a tiny LoRA model on CPU with MindSpore's
 ``nn.Dropout`` (what an NPU run uses, ``train/lora_run.py``), recording every adapter dropout's input. Each
@@ -16,14 +16,10 @@ from mindspore import nn
 from ms_deepseek.config.lora import LoraSpec
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
-from ms_deepseek.parallel_plan.costs import (
-    Precision,
-    Workload,
-    in_flight,
-    layer_activation_bytes,
-    lora_dropout_bytes,
-)
+from ms_deepseek.parallel_plan.activations import layer_activation_bytes, lora_dropout_bytes
+from ms_deepseek.parallel_plan.costs import in_flight
 from ms_deepseek.parallel_plan.planner import estimate
+from ms_deepseek.parallel_plan.workload import Precision, Workload
 
 SEQ = 16
 C = 2  # bytes per activation element (bfloat16 on the NPU)

@@ -13,7 +13,7 @@ import pytest
 from ms_deepseek.checkpoint.layout import build_layout
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
-from ms_deepseek.parallel_plan import costs, ranks
+from ms_deepseek.parallel_plan import costs, ranks, throughput
 
 from repo_paths import REPO  # noqa: E402
 
@@ -129,10 +129,10 @@ def test_planner_prices_the_alltoall_on_the_real_group():
     par = _pretrain_256npu()
     hw = costs.Hardware()
     group = ranks.ep_group_of_rank(0, par)
-    assert costs.ranks_bandwidth(group, hw) == hw.hccs_gbps * 1e9 * (par.ep - 1)
+    assert throughput.ranks_bandwidth(group, hw) == hw.hccs_gbps * 1e9 * (par.ep - 1)
     # a group that leaves the node (the old ep-outer order: ranks 0, 4, 8, ...) is priced on RoCE
-    assert costs.ranks_bandwidth(list(range(0, 4 * par.ep, 4)), hw) == hw.roce_gbps * 1e9
-    assert costs.ep_alltoall_bandwidth(par, hw) == costs.ranks_bandwidth(group, hw)
+    assert throughput.ranks_bandwidth(list(range(0, 4 * par.ep, 4)), hw) == hw.roce_gbps * 1e9
+    assert throughput.ep_alltoall_bandwidth(par, hw) == throughput.ranks_bandwidth(group, hw)
 
 
 def test_lint_fails_on_the_ep_outer_order():

@@ -9,9 +9,10 @@ from ms_deepseek.config.inventory import count_parameters
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel_plan.costs import GB, Precision, Workload, in_flight, param_bytes
+from ms_deepseek.parallel_plan.costs import GB, in_flight, param_bytes
 from ms_deepseek.parallel_plan.plan import parameter_inventory, stage_layer_counts
 from ms_deepseek.parallel_plan.planner import check_recipe_fits, estimate, search
+from ms_deepseek.parallel_plan.workload import Precision, Workload
 
 from builders import ATLAS_RECIPES
 from repo_paths import REPO
@@ -67,7 +68,8 @@ def test_efficiencies_are_the_calibrated_ones(end):
 def test_moe_buffers_come_from_the_dispatch_as_built():
     """The planner's MoE memory and AllToAll bytes are dispatch_shapes' per-device shapes."""
     from ms_deepseek.config.dispatch_shapes import dispatch_buffers
-    from ms_deepseek.parallel_plan.costs import layer_ep_bytes, moe_buffers
+    from ms_deepseek.parallel_plan.activations import moe_buffers
+    from ms_deepseek.parallel_plan.throughput import layer_ep_bytes
 
     cfg = V2.replace(capacity_factor=2.0)
     layout = ParallelConfig(dp=4, tp=8, pp=2, ep=4, micro_batches=20)
@@ -384,7 +386,7 @@ import mindspore as ms
 ms.set_device("Ascend")
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
-from ms_deepseek.parallel_plan.costs import Workload
+from ms_deepseek.parallel_plan.workload import Workload
 from ms_deepseek.parallel_plan.memory import memory_metrics, reserve_device_memory
 from ms_deepseek.parallel_plan.planner import estimate
 cfg = get_preset("deepseek-v2", compute_dtype="bfloat16", param_dtype="bfloat16", capacity_factor=2.0)
@@ -628,7 +630,7 @@ def test_the_last_stage_peaks_with_the_loss_or_in_a_layer_not_both():
     """The loss's backward runs first and consumes the loss's kept tensors: the last stage peaks either
     there (loss kept + its backward) or in a recomputed layer's backward without them (level 1 of
     v2-qlora-8npu, 4 layers: the [n, V] Exp gone at the last layer's backward peak)."""
-    from ms_deepseek.parallel_plan.costs import head_activation_bytes, head_backward_bytes, layer_activation_bytes
+    from ms_deepseek.parallel_plan.activations import head_activation_bytes, head_backward_bytes, layer_activation_bytes
 
     w = Workload(seq_len=64, global_batch_size=1, micro_batch_size=1)
     par = ParallelConfig(recompute="full")
@@ -650,7 +652,7 @@ def test_all_to_all_buffers_are_counted_without_recompute_only():
     """A recomputed MoE layer's working set holds the exchange's two [E, C, H] gradients among its dispatch
     transients; no AlltoAll output was alive beside them at the MoE layer's backward (level 1 of
     v2-pretrain-256npu, stage 0). Without recompute the forward's send and receive buffers are counted."""
-    from ms_deepseek.parallel_plan.costs import moe_buffers
+    from ms_deepseek.parallel_plan.activations import moe_buffers
 
     cfg = get_preset("tiny").replace(num_hidden_layers=4)
     w = Workload(seq_len=64, global_batch_size=4, micro_batch_size=1)
@@ -668,7 +670,7 @@ def test_full_recompute_keeps_the_layer_input_and_replays_one_layer_at_a_time():
     also under a pipeline: the stage's working set does not grow with its layers. MindSpore's level 1 (docs/planner.md)
     shows both once each layer is its own recompute region (diagnostics/compile_check.py recompute_regions); the
     planner counted four tensors a layer and the replays of all but one attention while it was not."""
-    from ms_deepseek.parallel_plan.costs import layer_activation_bytes
+    from ms_deepseek.parallel_plan.activations import layer_activation_bytes
 
     cfg = V2.replace(param_dtype="bfloat16", capacity_factor=2.0)
     w = Workload(seq_len=4096, global_batch_size=8, flash_attention=True)

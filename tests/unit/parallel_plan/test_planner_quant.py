@@ -12,8 +12,9 @@ from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.parallel_plan.costs import Precision, Workload, param_bytes
+from ms_deepseek.parallel_plan.costs import param_bytes
 from ms_deepseek.parallel_plan.planner import estimate
+from ms_deepseek.parallel_plan.workload import Precision, Workload
 
 from repo_paths import REPO
 
