@@ -27,10 +27,10 @@ def _recipe(tmp_path):
 def test_a_model_past_sixteen_layers_compiles_its_training_step(tmp_path, monkeypatch, planted):
     import mindspore as ms
 
-    from ms_deepseek.train import trainer
+    from ms_deepseek.train import build
 
     if planted:
-        monkeypatch.setattr(trainer, "allow_graph_depth", lambda layers: ms.set_recursion_limit(1000))
+        monkeypatch.setattr(build, "allow_graph_depth", lambda layers: ms.set_recursion_limit(1000))
     argv = ["train", str(_recipe(tmp_path)), "--output", str(tmp_path / "run")]
     try:
         if planted:
