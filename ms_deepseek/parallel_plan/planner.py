@@ -210,7 +210,7 @@ def _speed(result: PlanResult, held, cfg, precision: Precision, hw: Hardware, pl
     traffic = _stage_traffic(cfg, p, w, precision, hw, inventory)
     dp_per_stage = dp_sync(cfg, p, precision, hw, plan, inventory, result.grad_accumulation)  # nominal bandwidth
     worst_dp = max(range(p.pp), key=lambda s: dp_per_stage[s][1])  # the stage whose synchronisation takes longest
-    dp_bytes, dp_seconds = dp_per_stage[worst_dp]
+    dp_bytes, dp_seconds, dp_anchor = dp_per_stage[worst_dp]
     worst_held = max(held, key=lambda h: h["weights"] + h["optimizer"])
     t_opt = 2 * (worst_held["weights"] + worst_held["optimizer"] + worst_held["gradients"]) / (hw.hbm_tbps * 1e12)
     tokens = w.global_batch_size * w.seq_len
@@ -246,12 +246,11 @@ def _speed(result: PlanResult, held, cfg, precision: Precision, hw: Hardware, pl
     }
     slowest = low["slowest"]
     result.comm_gb = _comm_gb(slowest, dp_bytes, micro_total)
-    result.stage_comm_gb = [_comm_gb(st, dp, micro_total) for st, (dp, _) in zip(traffic, dp_per_stage)]
+    result.stage_comm_gb = [_comm_gb(st, dp, micro_total) for st, (dp, _, _) in zip(traffic, dp_per_stage)]
     # The layout's minimum: every collective of the layout once per pass that runs it (forward, backward, and the
     # forward's replay under full recompute, which MindSpore replays with the layer), the gradients and parameters
     # synchronised once per step, and nothing else (no anchor gradient for a frozen embedding).
-    dp_needed, _ = dp_sync(cfg, p, precision, hw, plan, inventory)[worst_dp]
-    result.comm_minimum_gb = _comm_gb(slowest, dp_needed, micro_total)
+    result.comm_minimum_gb = _comm_gb(slowest, dp_bytes - dp_anchor, micro_total)
     result.tokens_per_s_per_npu = low["tokens"]
     result.tokens_per_s_range = (low["tokens"], high["tokens"])
     flops_per_token = throughput.model_flops_per_token(cfg, w.seq_len, lora=w.lora is not None)
@@ -321,12 +320,13 @@ def _stage_traffic(
 
 
 def dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Plan, inventory, accum_steps: int = 1):
-    """Per pipeline stage, (bytes one NPU sends, seconds at nominal bandwidth) of its gradient and parameter
-    synchronisation per step. A frozen embedding under MindSpore's accumulation pass counts too: its gradient is taken to anchor the
-    pass (train/step.py build_step) and all-reduced over its replicas once per step before it is dropped."""
+    """Per pipeline stage, (bytes one NPU sends, seconds at nominal bandwidth, the bytes of those that are an
+    anchor) of its gradient and parameter synchronisation per step. A frozen embedding under MindSpore's accumulation
+    pass counts too, as the anchor: its gradient is taken to anchor the pass (train/step.py build_step) and
+    all-reduced over its replicas once per step before it is dropped; the layout's minimum leaves it out."""
     mesh = Mesh.from_parallel(p)
     stages = layer_stages(cfg.num_hidden_layers, p.pp, p.stage_layers)
-    per_stage = [[0.0, 0.0] for _ in range(p.pp)]
+    per_stage = [[0.0, 0.0, 0.0] for _ in range(p.pp)]
     anchored = p.pp == 1 and p.accumulation_pass(accum_steps)
     for info in inventory:
         if not info.trainable and not (anchored and info.name.startswith("model.embed_tokens")):
@@ -359,7 +359,9 @@ def dp_sync(cfg, p: ParallelConfig, precision: Precision, hw: Hardware, plan: Pl
         s = stage_of_param(info, p.pp, stages)
         per_stage[s][0] += sent
         per_stage[s][1] += sent / bw
-    return [(sent, t) for sent, t in per_stage]
+        if not info.trainable:
+            per_stage[s][2] += sent
+    return [tuple(stage) for stage in per_stage]
 
 
 def _comm_gb(stage: Dict[str, float], dp_bytes: float, micro_total: int) -> Dict[str, float]:

@@ -105,7 +105,7 @@ def test_a_planner_that_syncs_per_micro_batch_disagrees_with_the_compiled_step(s
 
     def per_micro_batch(*args, **kwargs):
         accum = args[6] if len(args) > 6 else kwargs.get("accum_steps", 1)
-        return [(sent * accum, t * accum) for sent, t in real(*args, **kwargs)]
+        return [(sent * accum, t * accum, anchor * accum) for sent, t, anchor in real(*args, **kwargs)]
 
     monkeypatch.setattr(planner, "dp_sync", per_micro_batch)
     reduced = [
