@@ -172,7 +172,10 @@ def by_axis(ops: Sequence[CommOp], rank: int, par: ParallelConfig) -> Dict[str, 
     for op in ops:
         entry = out.setdefault(axis_of(op, rank, par), {}).setdefault(op.kind, {"count": 0, "wire_mb": 0.0})
         entry["count"] += 1
-        entry["wire_mb"] = round(entry["wire_mb"] + op.wire_mib, 3)
+        entry["wire_mb"] += op.wire_mib
+    for kinds in out.values():
+        for entry in kinds.values():
+            entry["wire_mb"] = round(entry["wire_mb"], 3)
     return out
 
 
