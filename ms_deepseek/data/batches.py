@@ -1,16 +1,47 @@
 """A training step's input batches: the first one read up front, k micro-batches stacked into one.
 
 * :func:`first_batch_checked`: an unreadable dataset fails as one line before anything compiles;
-* :func:`stack_micro_batches`: a step's k micro-batches -> one [k * b, T] pair.
+* :func:`stack_micro_batches`: a step's k micro-batches -> one [k * b, T] pair;
+* :func:`rank_positions`: which positions of the global sample stream a data-parallel rank reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List
 
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
+
+
+def rank_positions(n: int, rank: int, world: int, block_rows: int = 1) -> np.ndarray:
+    """The positions among ``n`` consecutive ones of the stream (``n`` a multiple of ``world * block_rows``) that
+    rank ``rank`` of ``world`` reads: ``block_rows`` consecutive positions out of every ``world * block_rows``.
+
+    ``block_rows`` 1 is the strided layout of MindDataset's own ``num_shards`` / ``shard_id`` (rank r: positions r,
+    r+W, ...). A sharded step (SEMI_AUTO_PARALLEL) with k micro-batches of b rows per rank reads blocks of k * b:
+    MindSpore takes each rank's [k * b, T] input as one contiguous block of the global [k * W * b, T] input
+    (``mindspore/parallel/_utils.py`` ``_to_full_tensor``: rank r's rows at ``r * k * b``) and cuts micro-batch
+    ``i`` from the global input as rows ``[i * W * b, (i + 1) * W * b)`` (``mindspore/nn/wrap/cell_wrapper.py``
+    ``_MicroBatch``), so micro-batch i holds the stream's positions ``[i * W * b, (i + 1) * W * b)`` of the step,
+    as on one device, only when each rank reads its step's rows as one block."""
+    if n % (world * block_rows):
+        raise ValueError(f"{n} positions do not split into blocks of {block_rows} over {world} ranks")
+    return np.arange(n, dtype=np.int64).reshape(-1, world, block_rows)[:, rank, :].reshape(-1)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """A data-parallel rank's share of the stream: rank ``rank`` of ``world``, reading ``block_rows`` consecutive
+    positions together (:func:`rank_positions`)."""
+
+    rank: int
+    world: int
+    block_rows: int = 1
+
+    def positions(self, n: int) -> np.ndarray:
+        return rank_positions(n, self.rank, self.world, self.block_rows)
 
 
 def stack_micro_batches(parts: List[Dict[str, np.ndarray]], pad_id: int):

@@ -17,7 +17,9 @@ How the order is made (the same on every run and every rank):
 * rank ``r`` of ``W`` reads positions ``r, r+W, r+2W, ...`` of that order: the
   strided layout MindDataset's own ``num_shards``/``shard_id`` use, applied to
   the seeded order through a ``SubsetSampler`` (MindDataset's built-in shuffle
-  draws from the process-global dataset seed and cannot start mid-epoch);
+  draws from the process-global dataset seed and cannot start mid-epoch); a
+  sharded step reads blocks of ``block_rows`` consecutive positions instead
+  (:func:`ms_deepseek.data.batches.rank_positions` says why);
 * pretraining: each step takes the next ``W*B`` positions (rank r gets its B of
   them); the tail of an epoch smaller than ``W*B`` is skipped. The position is
   global (``epoch``, ``samples_in_epoch``), the same on every rank, and stays
@@ -42,6 +44,7 @@ import numpy as np
 
 from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.batches import RankShare, rank_positions
 from ms_deepseek.data.chat import IGNORE_INDEX
 from ms_deepseek.data.storage import DestinationRaced, find_meta, load_lengths, load_meta, shard_paths
 
@@ -54,8 +57,7 @@ def default_cache_dir() -> Path:
 def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] = None, progress: bool = True) -> Path:
     """The embedded default corpus for ``cfg``, built under ``cache_dir/data/`` if not there yet.
 
-    Safe to call from every rank at once: the folder is installed by one atomic
-    rename, a process that loses the race uses the winner's (identical) folder.
+    Safe to call from every rank at once (:func:`_built_once`).
     """
     import platform
 
@@ -63,27 +65,52 @@ def ensure_embedded_default(cfg: DataConfig, cache_dir: Union[str, Path, None] =
 
     py = "".join(platform.python_version_tuple()[:2])
     name = f"embedded-py{py}-s{cfg.embedded_seq_len}-v{cfg.embedded_vocab_size}-b{cfg.embedded_max_bytes}"
+
+    def build(dest: Path) -> str:
+        return prepare_embedded_default(
+            dest,
+            seq_len=cfg.embedded_seq_len,
+            vocab_size=cfg.embedded_vocab_size,
+            max_bytes=cfg.embedded_max_bytes,
+            progress=progress,
+        )[1]
+
+    return _built_once(name, build, cache_dir, "embedded default corpus" if progress else None)
+
+
+def ensure_embedded_chat(cfg: DataConfig, cache_dir: Union[str, Path, None] = None) -> Path:
+    """The embedded chat corpus (SFT: :func:`ms_deepseek.data.prepare.prepare_embedded_chat`) at ``cfg``'s
+    embedded sequence length, tokenized with the embedded default corpus's tokenizer; built once under
+    ``cache_dir/data/``."""
+    import platform
+
+    from ms_deepseek.data.prepare import prepare_embedded_chat
+    from ms_deepseek.data.tokenizer import find_tokenizer_file
+
+    tokenizer = find_tokenizer_file(ensure_embedded_default(cfg, cache_dir, progress=False))
+    py = "".join(platform.python_version_tuple()[:2])
+    name = f"embedded-chat-py{py}-s{cfg.embedded_seq_len}-v{cfg.embedded_vocab_size}-b{cfg.embedded_max_bytes}"
+    return _built_once(name, lambda dest: prepare_embedded_chat(dest, tokenizer, cfg.embedded_seq_len)[1], cache_dir)
+
+
+def _built_once(name: str, build, cache_dir: Union[str, Path, None], announce: Optional[str] = None) -> Path:
+    """``cache_dir/data/<name>``, made by ``build(dest) -> summary`` if not there yet. Safe to call from every
+    rank at once: the folder is installed by one atomic rename, ranks on one host wait for the first builder
+    instead of all building, and a process that loses the race across hosts uses the winner's (identical)
+    folder."""
     dest = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dest = dest / "data" / name
     if find_meta(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # Ranks on one host wait for the first builder instead of all building; across
-    # hosts on a shared file system the atomic rename below still keeps it safe.
     with open(dest.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if find_meta(dest):
             return dest
         try:
-            _, summary = prepare_embedded_default(
-                dest,
-                seq_len=cfg.embedded_seq_len,
-                vocab_size=cfg.embedded_vocab_size,
-                max_bytes=cfg.embedded_max_bytes,
-                progress=progress,
-            )
-            if progress:
-                print(f"embedded default corpus: {summary}")
+            summary = build(dest)
+            if announce:
+                print(f"{announce}: {summary}")
         except (DestinationRaced, UserError):
             if not find_meta(dest):
                 raise
@@ -143,7 +170,13 @@ class TrainDataset:
         state: Optional[Dict] = None,
         holdout_fraction: Optional[float] = None,
         order_key: Sequence[int] = (),
+        block_rows: int = 1,
     ):
+        if block_rows > 1 and block_rows % batch_size:
+            raise UserError(
+                f"data: a rank's block of {block_rows} rows is not a whole number of batches of {batch_size}"
+            )
+        self.block_rows = block_rows
         self.data_dir, self.meta = data_dir, meta
         self.format, self.seq_len = meta["format"], int(meta["seq_len"])
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -164,7 +197,11 @@ class TrainDataset:
                 f"({batch_size} per rank x {world_size} ranks)"
             )
         self.buckets = buckets if self.format == "sft" else None
-        self.steps_per_epoch = self.num_samples // global_batch if self.format == "pretrain" else None
+        group = world_size * block_rows  # positions the ranks read together
+        per_group = block_rows // batch_size if block_rows > 1 else 1
+        self.steps_per_epoch = (
+            (self.num_samples // max(group, global_batch)) * per_group if self.format == "pretrain" else None
+        )
         self.epoch, self.samples_in_epoch, self.batches_in_epoch, self.steps = 0, 0, 0, 0
         if state is not None:
             self._restore(state)
@@ -192,6 +229,7 @@ class TrainDataset:
             "world_size": self.world_size,
             "buckets": self.buckets,
             "holdout": self.holdout,
+            "block_rows": self.block_rows,
         }
 
     def _restore(self, state: Dict) -> None:
@@ -216,8 +254,8 @@ class TrainDataset:
             self.epoch, self.samples_in_epoch = int(state["epoch"]), int(state["samples_in_epoch"])
             self.batches_in_epoch = int(state["batches_in_epoch"])
             return
-        for key in ("batch_size", "world_size", "buckets"):
-            if state.get(key) != getattr(self, key):
+        for key in ("batch_size", "world_size", "buckets", "block_rows"):
+            if state.get(key, 1 if key == "block_rows" else None) != getattr(self, key):
                 raise UserError(
                     f"resume: SFT data position was saved with {key}={state.get(key)}, now "
                     f"{getattr(self, key)}; length bucketing continues exactly only with the same value"
@@ -244,9 +282,16 @@ class TrainDataset:
     def _bucket_of(self, lengths: np.ndarray) -> np.ndarray:
         return np.searchsorted(np.asarray(self.buckets), lengths, side="left")  # first bucket >= length
 
+    def _mine(self, order: np.ndarray) -> np.ndarray:
+        """This rank's positions of ``order`` (its whole blocks; ``data.batches.rank_positions``)."""
+        if self.block_rows == 1:
+            return order[self.rank :: self.world_size]
+        n = order.size - order.size % (self.world_size * self.block_rows)
+        return order[:n][rank_positions(n, self.rank, self.world_size, self.block_rows)]
+
     def _sft_batches(self, epoch: int) -> int:
         """Full batches this rank gets in ``epoch`` (bucketing keeps only full batches per bucket)."""
-        mine = self.epoch_order(epoch)[self.rank :: self.world_size]
+        mine = self._mine(self.epoch_order(epoch))
         counts = np.bincount(self._bucket_of(self.lengths[mine]), minlength=len(self.buckets))
         n = int((counts // self.batch_size).sum())
         if n == 0:
@@ -271,12 +316,13 @@ class TrainDataset:
 
     def _pretrain_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
         step_samples = self.batch_size * self.world_size
+        group = max(step_samples, self.world_size * self.block_rows)  # positions the ranks read together
         start = self.samples_in_epoch
-        steps = (self.num_samples - start) // step_samples
-        if steps <= 0:
+        groups = (self.num_samples - start) // group
+        if groups <= 0:
             return
-        block = self.epoch_order(self.epoch)[start : start + steps * step_samples]
-        mine = block[self.rank :: self.world_size]  # rank r: positions r, r+W, ... of the block
+        block = self.epoch_order(self.epoch)[start : start + groups * group]
+        mine = self._mine(block)  # rank r: positions r, r+W, ... of the block (or its blocks of block_rows)
         pipe = self.mind_dataset(mine, ["input_ids", "labels"]).batch(self.batch_size, drop_remainder=True)
         it = pipe.create_dict_iterator(num_epochs=1, output_numpy=True)
         try:
@@ -289,7 +335,7 @@ class TrainDataset:
             it.stop()
 
     def _sft_epoch(self) -> Iterator[Dict[str, np.ndarray]]:
-        mine = self.epoch_order(self.epoch)[self.rank :: self.world_size]
+        mine = self._mine(self.epoch_order(self.epoch))
         total = self._sft_batches(self.epoch)
         if self.batches_in_epoch >= total:
             return
@@ -433,6 +479,7 @@ def build_train_dataset(
     seed: Optional[int] = None,
     progress: bool = True,
     static_shapes: bool = False,
+    block_rows: int = 1,
 ):
     """The training batches for one data-parallel rank: a :class:`TrainDataset`, or for a weighted
     mixture (``data.path`` a list) a :class:`ms_deepseek.data.mixture.MixtureDataset`.
@@ -449,6 +496,8 @@ def build_train_dataset(
     static_shapes: every batch [B, seq_len] (a sharded run: under SEMI_AUTO_PARALLEL all ranks
         run one graph of one shape, while each data-parallel rank's SFT length buckets differ
         from batch to batch): SFT gets the single bucket seq_len. A mixture is always static.
+    block_rows: the rank reads this many consecutive positions of every ``world_size * block_rows`` (1: strided;
+        a sharded step with k micro-batches of ``batch_size``: k * batch_size, ``data.batches.rank_positions``).
     """
     _check_position(batch_size, rank, world_size)
     seed = data_cfg.seed if seed is None else seed
@@ -474,10 +523,23 @@ def build_train_dataset(
         )
 
     if len(folders) == 1:
-        return part(0, batch_size, rank, world_size, state)
+        return TrainDataset(
+            folders[0][1],
+            metas[0],
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            state=state,
+            block_rows=block_rows,
+            **common,
+        )
     # each source is read sample by sample in its own seeded order; the mixture batches them
     return _mixture(
-        [part(i, 1, 0, 1) for i in range(len(folders))], folders, (batch_size, rank, world_size), seed, state
+        [part(i, 1, 0, 1) for i in range(len(folders))],
+        folders,
+        (batch_size, rank, world_size, block_rows),
+        seed,
+        state,
     )
 
 
@@ -490,13 +552,19 @@ def _check_position(batch_size: int, rank: int, world_size: int) -> None:
 
 def _mixture(parts, folders, position, seed: int, state: Optional[Dict]):
     """The weighted mixture of the sources' datasets, batched for one data-parallel ``position`` (batch size,
-    rank, world size)."""
+    rank, world size, block rows)."""
     from ms_deepseek.data.mixture import MixtureDataset
 
-    batch_size, rank, world_size = position
+    batch_size, rank, world_size, block_rows = position
     sources, weights = [str(f) for _, f, _ in folders], [w for _, _, w in folders]
     return MixtureDataset(
-        parts, sources, weights, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed, state=state
+        parts,
+        sources,
+        weights,
+        batch_size=batch_size,
+        share=RankShare(rank, world_size, block_rows),
+        seed=seed,
+        state=state,
     )
 
 

@@ -12,8 +12,9 @@ How the global sample stream is made (the same on every run and every rank):
 * the ``i``-th draw of source ``s`` is sample ``epoch_order(i // N_s)[i % N_s]`` of that
   source: its own seeded permutation per epoch (``default_rng([seed, s, epoch])``), so
   a small source repeats (epochs) while a large one is still in its first;
-* rank ``r`` of ``W`` reads positions ``r, r+W, ...`` of each step's ``W*B`` positions,
-  as the single-folder dataset does. The position (samples drawn) is global, so it stays
+* rank ``r`` of ``W`` reads positions ``r, r+W, ...`` of each step's ``W*B`` positions
+  (or blocks of ``block_rows`` positions: ``data.batches.rank_positions``), as the single-folder
+  dataset does. The position (samples drawn) is global, so it stays
   valid when the world size or batch size changes between runs; the per-source counts
   (``source_counts``) are global too and go into ``state.json`` and the metrics.
 
@@ -31,6 +32,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.data.batches import RankShare
 from ms_deepseek.data.chat import IGNORE_INDEX
 
 CHUNK = 4096  # stream positions per exact-proportion chunk
@@ -67,13 +69,15 @@ class MixtureDataset:
         weights: List[float],
         *,
         batch_size: int,
-        rank: int,
-        world_size: int,
+        share: RankShare,
         seed: int,
         state: Optional[Dict] = None,
     ):
+        self.share = share
+        # a window is a whole number of the blocks the ranks read together
+        self.window = WINDOW * max(1, share.block_rows // batch_size)
         self.parts, self.names, self.weights = parts, list(names), [float(w) for w in weights]
-        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        self.batch_size, self.rank, self.world_size, self.seed = batch_size, share.rank, share.world, seed
         self.data_dir = parts[0].data_dir
         self.format = parts[0].format  # the sources share it (check_same_preparation)
         self.seq_len, self.pad_id = parts[0].seq_len, parts[0].pad_id
@@ -191,7 +195,7 @@ class MixtureDataset:
         # draw number of each position within its source: draws before the window + running count
         onehot = src[:, None] == np.arange(len(self.parts))[None, :]  # [steps * G, S]
         draw = (np.cumsum(onehot, axis=0) - 1)[np.arange(src.size), src] + self._drawn_before(start)[src]
-        mine = np.arange(self.rank, steps * G, self.world_size)  # rank r: positions r, r+W, ...
+        mine = self.share.positions(steps * G)  # rank r: r, r+W, ... (or blocks)
         return src[mine], np.asarray([self._sample(s, d) for s, d in zip(src[mine], draw[mine])], np.int64)
 
     # ------------------------------------------------------------------ iteration
@@ -221,9 +225,9 @@ class MixtureDataset:
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         B, G = self.batch_size, self.world_size * self.batch_size
         while True:
-            src, idx = self.window_draws(self.samples, WINDOW)
+            src, idx = self.window_draws(self.samples, self.window)
             rows = self._read(src, idx)
-            for t in range(WINDOW):
+            for t in range(self.window):
                 self.samples += G
                 self.steps += 1
                 yield {k: v[t * B : (t + 1) * B] for k, v in rows.items()}

@@ -77,6 +77,17 @@ def data_coordinates(rank: int, par: ParallelConfig, micro_batch_size: int) -> T
     return data_slice(rank, par), slices, micro_batch_size * par.dp // slices
 
 
+def block_rows(par: ParallelConfig, micro_batch_size: int, micro_batches: int) -> int:
+    """How many consecutive positions of the sample stream a rank reads together (``data.batches.rank_positions``):
+    its whole step, ``micro_batches`` x its rows, when the batch axis is split and the step has several
+    micro-batches, since MindSpore takes a rank's step input as one contiguous block of the global input and cuts
+    the micro-batches from that (``_utils.py`` ``_to_full_tensor``, ``cell_wrapper.py`` ``_MicroBatch``); 1 (the
+    strided layout) when one micro-batch or the whole batch is read, where both layouts give MindSpore the same
+    micro-batches."""
+    _, slices, rows = data_coordinates(0, par, micro_batch_size)
+    return micro_batches * rows if slices > 1 and micro_batches > 1 else 1
+
+
 def rows_of_rank(rank: int, par: ParallelConfig, micro_batch_size: int) -> List[int]:
     """Rows of the global micro-batch [dp * b, T] that a rank holds, as MindSpore sees them."""
     _, slices, rows = data_coordinates(rank, par, micro_batch_size)

@@ -87,7 +87,8 @@ class TrainData:
 def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bool) -> TrainData:
     """This rank's batches from the data position ``position`` (None: the start), first batch read (a bad
     dataset stops the run before anything is compiled), and its validation sets, read once. A sharded rank
-    reads its rows by the training rule (``data_coordinates``): one micro-batch ``[rows, T]`` each."""
+    reads its rows by the training rule (``data_coordinates``, ``block_rows``): one micro-batch ``[rows, T]``
+    each."""
     from ms_deepseek.data.batches import first_batch_checked
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.validation import build_validation, build_validation_by_source
@@ -104,6 +105,7 @@ def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bo
         vocab_size=cfg.vocab_size,
         progress=progress,
         static_shapes=strategy.static_shapes,
+        block_rows=strategy.block_rows(ctx.par, recipe.train.micro_batch_size, micro_batches(recipe)),
     )
     batches = first_batch_checked(dataset)
     shape = dict(max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)

@@ -39,6 +39,9 @@ class DataParallel:
     def data_coordinates(self, rank: int, world: int, par, micro_batch: int):
         return rank, world, micro_batch
 
+    def block_rows(self, par, micro_batch: int, micro_batches: int) -> int:
+        return 1  # each worker cuts its own micro-batches from its own rows
+
     def build_model(self, cfg, weights_folder, show_progress: bool, config_changes: Dict):
         from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 
@@ -120,6 +123,11 @@ class Sharded:
         from ms_deepseek.parallel_plan.ranks import data_coordinates
 
         return data_coordinates(rank, par, micro_batch)
+
+    def block_rows(self, par, micro_batch: int, micro_batches: int) -> int:
+        from ms_deepseek.parallel_plan.ranks import block_rows
+
+        return block_rows(par, micro_batch, micro_batches)
 
     def build_model(self, cfg, weights_folder, show_progress: bool, config_changes: Dict):
         # Built without allocating (no_init_parameters); after the step compiles each rank reads only its

@@ -88,6 +88,40 @@ def test_dp_ranks_are_disjoint_and_cover_the_epoch(folders, pt_rows):
     assert [i for b in take(plain, 2) for i in ids_of(b, pt_rows)] == [1, 3, 5, 7, 9, 11]
 
 
+@pytest.mark.parametrize("name", ["pt", "sft"])
+def test_a_sharded_step_gives_mindspore_the_micro_batches_one_device_reads(folders, pt_rows, sft_rows, name):
+    """A sharded rank reads its step as one block (``block_rows`` = k x b), so that MindSpore's view of the step
+    (each rank's [k * b, T] input one contiguous block of the global input, ``_to_full_tensor``; micro-batch i the
+    global rows [i * W * b, (i + 1) * W * b), ``_MicroBatch``) holds in micro-batch i exactly the rows one device
+    reads as its micro-batch i. The strided layout does not: its micro-batch 0 would be rank 0's rows."""
+    rows = pt_rows if name == "pt" else {k: v[0] for k, v in sft_rows.items()}
+    k, b, world = 2, 2, 2
+    one = take(build_train_dataset(cfg(folders, name), batch_size=world * b, static_shapes=True), 2 * k)
+
+    def ids_of(batch, rows):  # a batch's rows by their index in the folder (SFT rows: padded to seq_len)
+        keys = [r.tolist() for r in batch["input_ids"]]
+        keys = [tuple(key[: len(key) - next(i for i, t in enumerate(reversed(key)) if t != PAD_ID)]) for key in keys]
+        return [rows[key] for key in keys]
+
+    def micro_batches(block_rows):
+        ranks = [
+            build_train_dataset(
+                cfg(folders, name), batch_size=b, rank=r, world_size=world, static_shapes=True, block_rows=block_rows
+            )
+            for r in range(world)
+        ]
+        steps = [[ids_of(batch, rows) for batch in take(ds, 2 * k)] for ds in ranks]
+        out = []
+        for s in range(2):
+            # the global step input, rank-major (each rank's k micro-batches stacked), cut into k micro-batches
+            global_input = [i for r in range(world) for batch in steps[r][s * k : (s + 1) * k] for i in batch]
+            out += [sorted(global_input[i * world * b : (i + 1) * world * b]) for i in range(k)]
+        return out
+
+    assert micro_batches(k * b) == [sorted(ids_of(batch, rows)) for batch in one]
+    assert micro_batches(1) != [sorted(ids_of(batch, rows)) for batch in one]
+
+
 def test_seeded_shuffle_is_reproducible(folders, pt_rows):
     def run(seed, n, workers=1):
         ds = build_train_dataset(cfg(folders, seed=seed, num_workers=workers), batch_size=4)
