@@ -260,3 +260,47 @@ def prepare_embedded_default(
         }
         meta = writer.install(meta)
     return meta, _summary(stats, writer, time.time() - start)
+
+
+# --------------------------------------------------------------------------- embedded chat corpus
+
+
+def stdlib_conversations(limit: int, max_chars: int = 48) -> List[Dict]:
+    """Up to ``limit`` chat records from the standard library's documented functions and classes: the user names
+    one, the assistant answers with the first words of its docstring (at most ``max_chars``). The answers differ
+    in length, so the rows of an SFT corpus made from them hold different numbers of labelled tokens."""
+    import ast
+
+    root, files = stdlib_files(4_000_000)
+    records: List[Dict] = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue  # our own corpus, not user input: an odd file is simply left out
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+            if not doc or node.name.startswith("_"):
+                continue
+            answer = doc.strip().splitlines()[0].strip()[:max_chars]
+            if len(answer) < 8:
+                continue
+            turns = [{"role": "user", "content": node.name}, {"role": "assistant", "content": answer}]
+            records.append({"messages": turns})
+            if len(records) >= limit:
+                return records
+    return records
+
+
+def prepare_embedded_chat(
+    output_dir: Union[str, Path], tokenizer: Union[str, Path], seq_len: int, conversations: int = 512
+) -> Tuple[Dict, str]:
+    """An SFT folder of :func:`stdlib_conversations` (prompts masked, rows of different lengths) tokenized with
+    ``tokenizer``; returns (meta, summary line). It is the SFT corpus of ``plan --execute``."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ms-deepseek-chat-") as tmp:
+        source = Path(tmp) / "conversations.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in stdlib_conversations(conversations)))
+        return prepare_data([source], output_dir, tokenizer, seq_len, fmt="sft", progress=False)

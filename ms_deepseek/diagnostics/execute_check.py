@@ -17,21 +17,20 @@ sharded step computes the numbers of the same step on one device. Here, for a re
    reading its slices of one random float32 checkpoint as a sharded run does before step 1; each hands back its
    compiled MindIR, its starting values and its parameters' compiled layouts.
 3. **The batches**: each rank's inputs from the product's loader (``data.dataset.build_train_dataset`` with the
-   rank's ``parallel_plan.ranks.data_coordinates``), and the global batch one device sees assembled from them:
-   micro-batch ``i`` is every data slice's micro-batch ``i``, in slice order (MindSpore's view of a
-   data-parallel input: ``_utils.py`` ``_to_full_tensor``).
-4. **One device** (:mod:`.execute_reference`): the product's single-device run of the reduced recipe on those
+   rank's ``parallel_plan.ranks.data_coordinates``), and the global batch one device reads from the same loader
+   at world size 1 (:func:`.execute_setup.one_device_batches`). The rows the ranks hold, each where MindSpore
+   places it (``_utils.py`` ``_to_full_tensor``), must be exactly the one-device micro-batches' rows
+   (:func:`.execute_setup.check_rows`): a loader that hands two replicas the same rows, or drops one, is refused
+   before anything runs.
+4. **One device** (:mod:`.execute_reference`): the product's single-device run of the reduced recipe on its own
    global batches, from the same checkpoint.
 5. **The execution** (:mod:`.execute`): all ranks' programs on CPU for ``steps`` optimizer steps, the
    collectives done between them. Then, per step, the loss vector and gradient norm of every rank that computes
-   them, and every parameter, optimizer state and counter each rank holds against the slice of the one-device
-   value that the rank's compiled layout names (``mindspore.parallel._tensor`` ``_get_tensor_slice_index``:
-   device matrix and tensor map, then the parallel optimizer's part ``np.split(slice, size)[index]``). The
-   starting values are compared too: a rank that read the wrong slice fails before any step.
-
-Tolerances are relative to the largest magnitude of the one-device tensor (float32; different reduction
-orders differ in the last bits, and Adam's first steps turn a near-zero gradient's rounding into a full
-``lr``-sized move, so the tolerance on updated tensors is stated separately from the loss's).
+   them, and every tensor each rank holds against the slice of the one-device value that the rank's compiled
+   layout names (``mindspore.parallel._tensor`` ``_get_tensor_slice_index``: device matrix and tensor map, then
+   the parallel optimizer's part ``np.split(slice, size)[index]``): the starting values, each trained weight's
+   change per step, every other tensor's value; every tensor covered and counted (:mod:`.execute_compare`, which
+   also states the tolerances).
 """
 
 from __future__ import annotations
@@ -55,38 +54,25 @@ from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import execute as ex
+from ms_deepseek.diagnostics import execute_compare as cmp
 from ms_deepseek.diagnostics import execute_ranks as xr
 from ms_deepseek.diagnostics.compile_check import compile_environment
 from ms_deepseek.diagnostics.execute_setup import (
     ExecReduction,
+    check_rows,
+    one_device_batches,
     rank_batches,
     reduce_recipe,
     reduced_overrides,
     single_device_overrides,
-    slice_for_rank,
 )
 from ms_deepseek.diagnostics.traffic import wire_factor
 from ms_deepseek.parallel_plan.planner import check_recipe_fits
 
-LOSS_TOLERANCE = 1e-5  # relative, on the loss vector, the gradient norm and the learning rate
-VALUE_TOLERANCE = 1e-4  # relative to the whole tensor's largest magnitude, on optimizer states and counters
-# Adam's update m / (sqrt(v) + eps) turns a gradient element near zero (|g| ~ eps) into a move of up to lr whose
-# size depends on the last bits of g: a weight may differ by that much more (a fraction of the learning rates
-# applied so far) without any difference in the math
-ADAM_LR_FRACTION = 0.25
 WORKER_TIMEOUT_S = 1800
 
 
 # ----------------------------------------------------------------------------------------- running
-@dataclass
-class Difference:
-    step: int
-    rank: int
-    name: str
-    rel: float
-    detail: str = ""
-
-
 @dataclass
 class ExecReport:
     recipe: str
@@ -97,15 +83,33 @@ class ExecReport:
     error: str = ""
     losses: List[List[float]] = field(default_factory=list)  # per step: one device, then sharded
     grad_norms: List[List[float]] = field(default_factory=list)
-    largest: Optional[Difference] = None  # the largest difference found, within or not
-    first_failure: Optional[Difference] = None
-    compared: int = 0
+    verdict: Optional[cmp.Comparison] = None
     comm: Dict[str, Dict[str, float]] = field(default_factory=dict)  # "Kind ranks" -> {count, mb} per step
     operators: Dict[int, int] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)
     work: Optional[str] = None
     stage_size: int = 1  # ranks per pipeline stage of the reduced layout
     planner_gb: Dict[str, float] = field(default_factory=dict)  # the planner's traffic per NPU and step, same layout
+
+    @property
+    def first_failure(self) -> Optional[cmp.Difference]:
+        return self.verdict.first_failure if self.verdict else None
+
+    def _verdict_dict(self) -> Dict:
+        v = self.verdict
+        diff = lambda d: dataclasses.asdict(d) if d else None  # noqa: E731
+        return {
+            "compared": v.compared if v else 0,
+            "updates_compared": v.updates if v else 0,
+            "reassembled": v.reassembled if v else 0,
+            "unused": sorted(v.unused) if v else [],
+            "mindspore_buffers": dict(v.buffers) if v else {},
+            "adam_allowance_elements": v.adam_allowance if v else 0,
+            "rounding_allowance_elements": v.rounding_allowance if v else 0,
+            "largest_difference": diff(v.largest) if v else None,
+            "largest_update_difference": diff(v.largest_update) if v else None,
+            "first_failure": diff(v.first_failure) if v else None,
+        }
 
     def to_dict(self) -> Dict:
         return {
@@ -119,9 +123,7 @@ class ExecReport:
             "error": self.error,
             "loss": self.losses,
             "grad_norm": self.grad_norms,
-            "compared": self.compared,
-            "largest_difference": dataclasses.asdict(self.largest) if self.largest else None,
-            "first_failure": dataclasses.asdict(self.first_failure) if self.first_failure else None,
+            **self._verdict_dict(),
             "communication_per_step": self.comm,
             "planner_communication_gb_per_npu": self.planner_gb,
             "operators_per_step": {str(k): v for k, v in self.operators.items()},
@@ -233,18 +235,6 @@ def _finish_reference(proc: subprocess.Popen, work: Path) -> Dict:
     return json.loads((folder / "result.json").read_text())
 
 
-def _rel(a: np.ndarray, b: np.ndarray, scale: Optional[float] = None) -> float:
-    """max |a - b| over the largest magnitude of ``b`` (or ``scale``: the whole tensor's, for a slice)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.shape != b.shape:
-        return math.inf
-    if a.size == 0:
-        return 0.0
-    if scale is None:
-        scale = float(np.max(np.abs(b))) if b.size else 0.0
-    return float(np.max(np.abs(a - b))) / max(scale, 1e-30)
-
-
 def execute_recipe(
     recipe_path: str,
     recipe,
@@ -268,11 +258,18 @@ def execute_recipe(
     clock = time.time()
     base = dataclasses.replace(recipe.model_config, **red.config)
     weights = write_random_checkpoint(work / "weights", base, dtype="float32", seed=recipe.train.seed)
-    overrides = list(user_overrides) + reduced_overrides(red, weights, recipe)
+    overrides = list(user_overrides) + reduced_overrides(red, weights, recipe, _sft_folder(red))
     reduced = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
     if reduced.parallel.world_size != red.world:
         raise UserError(f"--execute: the reduced layout has {reduced.parallel.world_size} ranks, expected {red.world}")
-    per_rank, global_batches = rank_batches(reduced, steps)
+    per_rank = rank_batches(reduced, steps)
+    global_batches = one_device_batches(reduced, steps)
+    report.verdict = cmp.Comparison(report.stage_size, cmp.Adam(reduced.optim.beta1, reduced.optim.eps))
+    for step, rank, problem in check_rows(reduced, per_rank, global_batches):
+        report.verdict.note(cmp.Difference(step, rank, "batch rows", math.inf, problem), 0.0)
+    if report.first_failure is not None:  # the data is wrong: nothing to run
+        report.seconds["setup"] = round(time.time() - clock, 1)
+        return report
 
     report.planner_gb = dict(check_recipe_fits(reduced).comm_gb)
     report.seconds["setup"] = round(time.time() - clock, 1)
@@ -298,6 +295,17 @@ def execute_recipe(
     return report
 
 
+def _sft_folder(red: ExecReduction) -> Optional[Path]:
+    """The embedded chat corpus at the reduction's sequence length and vocabulary (an SFT recipe's data)."""
+    if not red.sft:
+        return None
+    from ms_deepseek.config.data import DataConfig
+    from ms_deepseek.data.dataset import ensure_embedded_chat
+    from ms_deepseek.diagnostics.execute_setup import SEQ_LEN
+
+    return ensure_embedded_chat(DataConfig(seq_len=SEQ_LEN, embedded_vocab_size=int(red.config["vocab_size"])))
+
+
 def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: Dict, steps: int) -> None:
     import mindspore as ms
     from mindspore import Parameter, Tensor
@@ -307,23 +315,22 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
     par = recipe.parallel
     world = par.world_size
     stage_size = par.dp * par.tp
-    programs, envs, metas = [], [], []
+    programs, envs, held = [], [], []
     for rank in range(world):
         folder = work / "ranks" / f"rank_{rank:05d}"
         program = ex.RankProgram.from_bytes(rank, (folder / "program.mindir").read_bytes())
         values = load_file(str(folder / "values.safetensors"))
-        meta = json.loads((folder / "program.json").read_text())
-        env = {g: Parameter(Tensor(values[name]), name=name) for g, name in program.parameters.items()}
+        layouts = json.loads((folder / "program.json").read_text())["parameters"]
+        envs.append({g: Parameter(Tensor(values[name]), name=name) for g, name in program.parameters.items()})
         programs.append(program)
-        envs.append(env)
-        metas.append(meta)
+        held.append(cmp.RankValues(rank, _values(program, envs[-1]), {}, layouts))
+    verdict = report.verdict
     last_stage = [r for r in range(world) if r // stage_size == par.pp - 1]
-    ref0 = load_file(str(work / "one_device" / "values_0.safetensors"))
-    _compare_values(report, 0, programs, envs, metas, ref0, stage_size)
+    before = load_file(str(work / "one_device" / "values_0.safetensors"))
+    verdict.tensors(0, held, before)
     kernels = ex.Kernels()
-    lr_applied = 0.0
     for step in range(1, steps + 1):
-        if report.first_failure is not None:
+        if verdict.first_failure is not None:
             break
         for rank, (program, env) in enumerate(zip(programs, envs)):
             ids, labels = per_rank[rank][step - 1]
@@ -337,80 +344,31 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
         if step == 1:
             _communication(report, stats)
         expected = one["steps"][step - 1]
-        lr_applied += expected["lr"]
+        experts = recipe.model_config.n_routed_experts or 0
         for rank in last_stage:
-            vec, norm = outputs[rank][0].asnumpy(), float(outputs[rank][1].asnumpy())
+            vec, norm = outputs[rank][0].asnumpy(), outputs[rank][1].asnumpy()
             want = np.asarray(expected["outputs"])
-            where = _loss_part(int(np.argmax(np.abs(vec - want))), recipe.model_config.n_routed_experts or 0)
-            _note(report, Difference(step, rank, "loss vector", _rel(vec, want), where), LOSS_TOLERANCE)
-            _note(report, Difference(step, rank, "gradient norm", _rel(norm, expected["grad_norm"])), LOSS_TOLERANCE)
+            where = cmp.loss_part(int(np.nanargmax(np.abs(vec - want))), experts) if vec.shape == want.shape else ""
+            if os.environ.get("MS_DEEPSEEK_EXECUTE_TRACE"):
+                print(f"step {step} rank {rank} loss vector {vec.tolist()} one device {want.tolist()}", file=sys.stderr)
+            verdict.scalars(step, rank, "loss vector", vec, want, where)
+            verdict.scalars(step, rank, "gradient norm", norm, expected["grad_norm"])
         for rank in range(world):
-            lr = float(outputs[rank][2].asnumpy())
-            _note(report, Difference(step, rank, "learning rate", _rel(lr, expected["lr"])), LOSS_TOLERANCE)
+            verdict.scalars(step, rank, "learning rate", outputs[rank][2].asnumpy(), expected["lr"])
         first = outputs[last_stage[0]]
         report.losses.append([expected["outputs"][1], float(first[0].asnumpy()[1])])
         report.grad_norms.append([expected["grad_norm"], float(first[1].asnumpy())])
-        ref = load_file(str(work / "one_device" / f"values_{step}.safetensors"))
-        _compare_values(report, step, programs, envs, metas, ref, stage_size, lr_applied)
-    report.ok = not report.error and report.first_failure is None and report.compared > 0
+        now = load_file(str(work / "one_device" / f"values_{step}.safetensors"))
+        for values, program, env in zip(held, programs, envs):
+            values.before, values.now = values.now, _values(program, env)
+        verdict.tensors(step, held, now, before)
+        before = now
+    report.ok = not report.error and verdict.first_failure is None and verdict.compared > 0
 
 
-def _compare_values(report, step, programs, envs, metas, ref, stage_size, lr_applied: float = 0.0) -> None:
-    """Every tensor a rank holds against its slice of the one-device value: starting values within
-    ``LOSS_TOLERANCE``, optimizer states and counters within ``VALUE_TOLERANCE`` of the whole tensor's largest
-    magnitude, trained weights within that plus ``ADAM_LR_FRACTION`` of the learning rates applied so far."""
-    for program, env, meta in zip(programs, envs, metas):
-        for graph_name, name in program.parameters.items():
-            if name not in ref or name.endswith(".expert_placement"):
-                # MindSpore's own buffers (accu_grads, the accumulation's) have no one-device value; the expert
-                # placement table is the layout's (identity on one device): a wrong one shows in the loss
-                continue
-            entry = meta["parameters"].get(name, {"layout": [[], [], [], 0, True, "", []], "part": None})
-            full = ref[name]
-            expected = slice_for_rank(full, entry, program.rank, stage_size)
-            got = env[graph_name].asnumpy()
-            scale = float(np.max(np.abs(full))) if full.size else 0.0
-            report.compared += 1
-            tolerance = VALUE_TOLERANCE
-            if step == 0:
-                tolerance = LOSS_TOLERANCE
-            elif f"adam_m.{name}" in ref:  # a trained weight
-                tolerance += ADAM_LR_FRACTION * lr_applied / max(scale, 1e-30)
-            detail = _layout_text(entry)
-            if got.shape != expected.shape:
-                detail += f"; shape {list(got.shape)} against {list(expected.shape)}"
-            rel = _rel(got, expected, scale)
-            if os.environ.get("MS_DEEPSEEK_EXECUTE_TRACE"):
-                print(f"step {step} rank {program.rank} {name} {rel:.2e} {tolerance:.1e}", file=sys.stderr)
-            _note(report, Difference(step, program.rank, name, rel, detail), tolerance)
-
-
-def _loss_part(index: int, experts: int) -> str:
-    """What entry ``index`` of the step's output vector is (``train.step.StepOutputs``: total, loss, balance loss,
-    then per MoE layer its expert loads, dropped fraction and three balance-loss terms)."""
-    if index < 3:
-        return ("total loss", "LM loss", "balance loss")[index]
-    layer, field = divmod(index - 3, experts + 4)
-    what = (
-        f"expert {field} load" if field < experts else ("dropped fraction", "l_exp", "l_dev", "l_com")[field - experts]
-    )
-    return f"MoE layer {layer} (of the model's MoE layers): {what}; a routing difference"
-
-
-def _layout_text(entry: Dict) -> str:
-    """How the rank holds the tensor, as MindSpore compiled it: device matrix, tensor map, optimizer part."""
-    dev, tmap = entry["layout"][0], entry["layout"][1]
-    text = f"compiled layout: device matrix {list(dev)}, tensor map {list(tmap)}" if tmap else "replicated"
-    if entry.get("part"):
-        text += f", optimizer-shard part {entry['part'][0]} of {entry['part'][1]}"
-    return text
-
-
-def _note(report: ExecReport, diff: Difference, tolerance: float) -> None:
-    if report.largest is None or diff.rel > report.largest.rel:
-        report.largest = diff
-    if diff.rel > tolerance and report.first_failure is None:
-        report.first_failure = diff
+def _values(program, env) -> Dict[str, np.ndarray]:
+    """A rank's tensors by their own names, as numpy copies (the next step updates the Parameters in place)."""
+    return {name: env[graph_name].asnumpy().copy() for graph_name, name in program.parameters.items()}
 
 
 def _communication(report: ExecReport, stats) -> None:
@@ -427,6 +385,10 @@ def _communication(report: ExecReport, stats) -> None:
             factor = {"Send": 1.0, "Receive": 0.0}.get(kind, wire_factor(kind, len(group)))
             entry["wire_mb"] = round(entry["wire_mb"] + c.bytes * factor / 2**20, 4)
         report.operators = {r: s.operators for r, s in stats.items()}
+
+
+def _where(report: ExecReport, d: cmp.Difference) -> str:
+    return "all ranks" if d.rank < 0 else f"rank {d.rank} (stage {d.rank // report.stage_size})"
 
 
 def format_report(report: ExecReport) -> str:
@@ -452,11 +414,18 @@ def format_report(report: ExecReport) -> str:
         )
     if report.operators:
         lines.append(f"  operators per step: {sum(report.operators.values())} over {len(report.operators)} ranks")
-    if report.largest is not None:
-        d = report.largest
-        lines.append(
-            f"  largest difference: {d.rel:.2e} (step {d.step}, rank {d.rank}, {d.name}); {report.compared} tensors compared"
-        )
+    verdict = report.verdict
+    if verdict is not None and verdict.largest is not None:
+        d = verdict.largest
+        lines.append(f"  largest difference: {d.rel:.2e} of its scale (step {d.step}, {_where(report, d)}, {d.name})")
+        if verdict.largest_update is not None:
+            u = verdict.largest_update
+            lines.append(
+                f"  largest difference of a step's change: {u.rel:.2e} of the largest one-device change (step "
+                f"{u.step}, {_where(report, u)}, {u.name})"
+            )
+    if verdict is not None:
+        lines += [f"  {line}" for line in cmp.summary(verdict)]
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in report.seconds.items())
     lines.append(f"  time: {timing}")
     if report.error:
@@ -464,12 +433,14 @@ def format_report(report: ExecReport) -> str:
     elif report.first_failure is not None:
         d = report.first_failure
         lines.append(
-            f"DIFFERS: step {d.step}, rank {d.rank} (stage {d.rank // report.stage_size}): {d.name} differs from one "
-            f"device by {d.rel:.2e} of its largest magnitude{' (' + d.detail + ')' if d.detail else ''}"
+            f"DIFFERS: step {d.step}, {_where(report, d)}: {d.name} differs from one device by {d.rel:.2e} of its "
+            f"scale{' (' + d.detail + ')' if d.detail else ''}"
         )
     else:
         lines.append(
-            f"agrees with one device within {LOSS_TOLERANCE:g} (loss, gradient norm) and {VALUE_TOLERANCE:g} (values)"
+            f"agrees with one device within {cmp.LOSS_TOLERANCE:g} (loss, gradient norm, learning rate, starting "
+            f"values), {cmp.UPDATE_TOLERANCE:g} (each step's change of a trained weight) and "
+            f"{cmp.VALUE_TOLERANCE:g} (other values)"
         )
     if report.work:
         lines.append(f"  kept: {report.work}")
