@@ -38,13 +38,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics.execute_errors import ExecutionError
 
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "_MicroStepAllGather")
-
-
-class ExecutionError(UserError):
-    """A compiled program could not be executed as MindSpore would run it (names the rank and the operator)."""
 
 
 class _Monad:
