@@ -101,16 +101,19 @@ def _compute(program: RankProgram, node: Node, raw: list, kernels: Kernels):
     if op == "TupleGetItem":
         return raw[0][int(python_value(raw[1]))]
     args = [a for a in raw if a is not MONAD]
+    where = node.scope or node.output
     try:
         return kernels.call(node, args)
-    except ExecutionError:
-        raise
+    except ExecutionError as exc:
+        raise ExecutionError(f"rank {program.rank}: {exc}") from None
     except Exception as exc:  # MindSpore's kernel refused the inputs: name the node
-        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExecutionError(
-            f"rank {program.rank}: {node.op} at {node.scope or node.output} failed on inputs {shapes}: {first}"
-        ) from None
+        if "unregistered" in first:  # pyboost_utils.cc SelectKernel: "The kernel <op> unregistered."
+            raise ExecutionError(
+                f"rank {program.rank}: {node.op} at {where}: no MindSpore CPU kernel and no stand-in in execute_refs"
+            ) from None
+        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
+        raise ExecutionError(f"rank {program.rank}: {node.op} at {where} failed on inputs {shapes}: {first}") from None
 
 
 class _Rank:
