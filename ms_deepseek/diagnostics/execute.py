@@ -21,9 +21,13 @@ all ranks' lists together:
   (``mindspore.ops.AllReduce`` / ``AllGather`` / ``ReduceScatter`` / ``AlltoAll`` / ``Send`` / ``Receive``)
   over the members each primitive carries (``group_rank_ids``; the world group when it has none).
 
+What the executor cannot run as MindSpore would is refused by name, never approximated: an attribute that did
+not decode when something reads it (:class:`Attrs`), a primitive with neither a CPU kernel nor a stand-in, and a
+communication primitive it does not run between the ranks (:func:`is_communication`).
+
 Each rank runs as a generator that yields at a collective; the scheduler resumes a group's ranks when all
 of them have arrived at the same collective (the group's n-th on each), after checking that they agree on
-the operator, shape and dtype. A rank waiting on ranks that can no longer come is a deadlock, reported with
+the operator, its attributes, shape and dtype; a received message must be what its ``Receive`` declares. A rank waiting on ranks that can no longer come is a deadlock, reported with
 every waiting rank's operator and group, never a hang. Per rank the executor counts the operators run and,
 per group and kind, the collectives and the bytes they moved.
 """
