@@ -21,30 +21,32 @@ all ranks' lists together:
   (``mindspore.ops.AllReduce`` / ``AllGather`` / ``ReduceScatter`` / ``AlltoAll`` / ``Send`` / ``Receive``)
   over the members each primitive carries (``group_rank_ids``; the world group when it has none).
 
+What the executor cannot run as MindSpore would is refused by name, never approximated: an attribute that did
+not decode when something reads it (:class:`Attrs`), a primitive with neither a CPU kernel nor a stand-in, and a
+communication primitive it does not run between the ranks (:func:`is_communication`).
+
 Each rank runs as a generator that yields at a collective; the scheduler resumes a group's ranks when all
 of them have arrived at the same collective (the group's n-th on each), after checking that they agree on
-the operator, shape and dtype. A rank waiting on ranks that can no longer come is a deadlock, reported with
+the operator, its attributes, shape and dtype; a received message must be what its ``Receive`` declares. A rank waiting on ranks that can no longer come is a deadlock, reported with
 every waiting rank's operator and group, never a hang. Per rank the executor counts the operators run and,
 per group and kind, the collectives and the bytes they moved.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.core.errors import UserError
+from ms_deepseek.diagnostics.execute_errors import ExecutionError
 
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "_MicroStepAllGather")
-
-
-class ExecutionError(UserError):
-    """A compiled program could not be executed as MindSpore would run it (names the rank and the operator)."""
+POINT_TO_POINT = ("Send", "Receive")
 
 
 class _Monad:
@@ -118,6 +120,8 @@ def attribute_value(attr):
         values = [attribute_value(v) for v in attr.values]
         return tuple(values) if kind == "TUPLE" else values
     if kind == "TENSORS":
+        if _is_type_only(attr.tensors[0]):
+            return _type_of(attr.tensors[0].data_type)
         return tensor_of(attr.tensors[0])
     if kind == "TENSOR":
         return tensor_of(attr.t)
@@ -128,6 +132,75 @@ def attribute_value(attr):
     if kind == "SCALAR" and attr.HasField("t"):
         return tensor_of(attr.t)
     raise ExecutionError(f"attribute {attr.name!r} of MindIR type {kind}: not supported by the executor")
+
+
+def _is_type_only(proto) -> bool:
+    """A tensor with a data type and nothing else: how MindIR stores an attribute whose value is a type
+    (``Receive(..., dtype=mstype.float32)``: one ``TensorProto`` with ``data_type`` only; measured on an exported
+    primitive attribute)."""
+    values = (proto.float_data, proto.int32_data, proto.int64_data, proto.double_data, proto.uint64_data)
+    return not proto.dims and not proto.raw_data and not any(len(v) for v in values)
+
+
+# mind_ir.proto's TensorProto.DataType name -> mindspore.common.dtype name
+_MS_TYPES = {
+    "FLOAT": "float32",
+    "FLOAT64": "float64",
+    "DOUBLE": "float64",
+    "FLOAT16": "float16",
+    "BFLOAT16": "bfloat16",
+    "BOOL": "bool_",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+}
+
+
+def _type_of(data_type: int):
+    from mindspore.common import dtype as mstype
+    from mindspore.train import mind_ir_pb2 as pb
+
+    name = pb.TensorProto.DataType.Name(data_type)
+    if name not in _MS_TYPES:
+        raise ExecutionError(f"a type attribute of MindIR data type {name}: not supported by the executor")
+    return getattr(mstype, _MS_TYPES[name])
+
+
+@dataclass(frozen=True)
+class Undecoded:
+    """An attribute the decoder could not read, kept by name and MindIR type: decoding stays tolerant of attributes
+    nobody reads (a strategy, a layout), and :class:`Attrs` refuses the read of one."""
+
+    name: str
+    mindir_type: str
+    reason: str
+
+
+class Attrs(dict):
+    """A primitive's attributes. Reading one that did not decode (``attrs[name]``, ``attrs.get(name)``) raises
+    :class:`ExecutionError` naming the operator, the attribute and its MindIR type: a default in its place would
+    run the primitive with a value the program does not hold."""
+
+    def __init__(self, values, op: str = "", where: str = ""):
+        super().__init__(values)
+        self.op, self.where = op, where
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        if isinstance(value, Undecoded):
+            raise ExecutionError(
+                f"{self.op} at {self.where}: its attribute {name!r} of MindIR type {value.mindir_type} is read "
+                f"and did not decode ({value.reason})"
+            )
+        return value
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
 
 
 @dataclass
@@ -141,6 +214,10 @@ class Node:
     inputs: List[str]
     scope: str = ""
     prim_name: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.attrs, Attrs):
+            self.attrs = Attrs(self.attrs, self.op, self.scope or self.output)
 
 
 @dataclass
@@ -177,14 +254,15 @@ class RankProgram:
                 raise ExecutionError(f"rank {rank}: node {n.name} calls {n.op_type}, not a primitive")
             prim = prims[n.op_type[5:]]
             kind = pb.PrimitiveProto.PrimType.Name(prim.prim_type)
+            scope = n.domain or n.doc_string
             nodes.append(
                 Node(
                     output=n.output[0],
                     op=prim.op_type,
                     kind="function" if kind == "PRIMITIVE_FUNCTION" else "primitive",
-                    attrs={a.name: _safe_attr(a) for a in prim.attribute},
+                    attrs=Attrs({a.name: _safe_attr(a) for a in prim.attribute}, prim.op_type, scope or n.output[0]),
                     inputs=list(n.input),
-                    scope=n.domain or n.doc_string,
+                    scope=scope,
                     prim_name=prim.instance_name,
                 )
             )
@@ -193,10 +271,14 @@ class RankProgram:
 
 
 def _safe_attr(attr):
+    """The attribute's value, or an :class:`Undecoded` marker that refuses its read (a strategy of a type the
+    executor does not decode is never read)."""
+    from mindspore.train import mind_ir_pb2 as pb
+
     try:
         return attribute_value(attr)
-    except ExecutionError:
-        return None  # an attribute the kernels never read (e.g. a strategy of a type we do not decode)
+    except ExecutionError as exc:
+        return Undecoded(attr.name, pb.AttributeProto.AttributeType.Name(attr.type), str(exc))
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -240,6 +322,51 @@ def _primitive_class(name: str):
     from mindspore.ops import operations as P
 
     return getattr(P, name, None)
+
+
+# names of MindSpore's communication primitives outside ``comm_ops`` (``gen_ops_prim``: DistComm*, InnerComm*, the
+# fused MatmulAllReduce* / AllGatherMatmul / MatmulReduceScatter)
+_COMMUNICATION_PARTS = (
+    "AllReduce",
+    "AllGather",
+    "ReduceScatter",
+    "AlltoAll",
+    "AllToAll",
+    "AllSwap",
+    "Barrier",
+    "Isend",
+    "Irecv",
+    "NeighborExchange",
+    "CollectiveScatter",
+    "CollectiveGather",
+    "MirrorOperator",
+    "MirrorMicroStep",
+    "MirrorMiniStep",
+    "DistComm",
+    "InnerComm",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _comm_op_names() -> FrozenSet[str]:
+    """The primitives ``mindspore/ops/operations/comm_ops.py`` defines."""
+    from mindspore.ops import Primitive
+    from mindspore.ops.operations import comm_ops
+
+    return frozenset(
+        name
+        for name, cls in vars(comm_ops).items()
+        if isinstance(cls, type) and issubclass(cls, Primitive) and cls.__module__ == comm_ops.__name__
+    )
+
+
+def is_communication(op: str) -> bool:
+    """A primitive that communicates: one of ``comm_ops``, or named like a collective. In PyNative on one process
+    MindSpore runs such a primitive as if the process were alone (an ``AllReduce`` returns its input), so the
+    executor runs only those it implements between the ranks (:data:`COLLECTIVES`, :data:`POINT_TO_POINT`)."""
+    return (
+        op in _comm_op_names() or op in ("Send", "Receive", "Broadcast") or any(p in op for p in _COMMUNICATION_PARTS)
+    )
 
 
 def _dtype_positions(op: str) -> Tuple[int, ...]:
@@ -295,9 +422,15 @@ class Kernels:
         if node.op in self.references:
             ref = self.references[node.op]
             return lambda a: ref(node, a)
+        where = node.scope or node.output
+        if is_communication(node.op):
+            raise ExecutionError(
+                f"{node.op} at {where}: a communication primitive the executor does not run between the ranks (it "
+                f"runs {', '.join(COLLECTIVES + POINT_TO_POINT)}); MindSpore's kernel would run it as if alone"
+            )
         cls = _primitive_class(node.op)
         if cls is None:
-            raise ExecutionError(f"no CPU kernel or reference for {node.op} (at {node.scope or node.output})")
+            raise ExecutionError(f"{node.op} at {where}: no MindSpore CPU kernel and no stand-in in execute_refs")
         if node.kind == "function":
             names = _init_parameters(cls)
             k = len(names)

@@ -54,28 +54,35 @@ def group_of(node: Node, world: int) -> Tuple[int, ...]:
     return tuple(range(world))
 
 
+_REDUCTIONS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+def _reduce(node: Node, values: List[np.ndarray]) -> np.ndarray:
+    op = node.attrs.get("op", "sum")
+    reduce = _REDUCTIONS.get(op)
+    if reduce is None:
+        raise ExecutionError(f"{node.op} with op {op!r} at {node.scope or node.output}: not supported")
+    total = values[0].copy()
+    for v in values[1:]:
+        total = reduce(total, v)
+    return total
+
+
 def _collective(kind: str, node: Node, values: List[np.ndarray]) -> List[np.ndarray]:
     """MindSpore's semantics (``mindspore/ops/operations/comm_ops.py`` docstrings): the group's inputs in group
-    order -> each member's output."""
+    order -> each member's output. The members' attributes agree (:func:`_check_agree`), so the first's serve."""
     n = len(values)
     if kind == "AllReduce":
-        op = node.attrs.get("op", "sum")
-        reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}.get(op)
-        if reduce is None:
-            raise ExecutionError(f"AllReduce with op {op!r}: not supported")
-        total = values[0].copy()
-        for v in values[1:]:
-            total = reduce(total, v)
-        return [total] * n
+        return [_reduce(node, values)] * n
     if kind in ("AllGather", "_MicroStepAllGather"):
         return [np.concatenate(values, axis=0)] * n
     if kind == "ReduceScatter":
-        total = values[0].copy()
-        for v in values[1:]:
-            total = total + v
-        return list(np.split(total, n, axis=0))
+        return list(np.split(_reduce(node, values), n, axis=0))
     if kind == "AlltoAll":
         split, concat = int(node.attrs["split_dim"]), int(node.attrs["concat_dim"])
+        count = int(node.attrs.get("split_count", n))
+        if count != n:  # comm_ops.AlltoAll: split_count must equal the group's size
+            raise ExecutionError(f"AlltoAll at {node.scope or node.output}: split_count {count} over a group of {n}")
         chunks = [np.split(v, n, axis=split) for v in values]
         return [np.concatenate([chunks[i][j] for i in range(n)], axis=concat) for j in range(n)]
     if kind == "Broadcast":
@@ -101,16 +108,19 @@ def _compute(program: RankProgram, node: Node, raw: list, kernels: Kernels):
     if op == "TupleGetItem":
         return raw[0][int(python_value(raw[1]))]
     args = [a for a in raw if a is not MONAD]
+    where = node.scope or node.output
     try:
         return kernels.call(node, args)
-    except ExecutionError:
-        raise
+    except ExecutionError as exc:
+        raise ExecutionError(f"rank {program.rank}: {exc}") from None
     except Exception as exc:  # MindSpore's kernel refused the inputs: name the node
-        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExecutionError(
-            f"rank {program.rank}: {node.op} at {node.scope or node.output} failed on inputs {shapes}: {first}"
-        ) from None
+        if "unregistered" in first:  # pyboost_utils.cc SelectKernel: "The kernel <op> unregistered."
+            raise ExecutionError(
+                f"rank {program.rank}: {node.op} at {where}: no MindSpore CPU kernel and no stand-in in execute_refs"
+            ) from None
+        shapes = [tuple(a.shape) if isinstance(a, Tensor) else a for a in args][:6]
+        raise ExecutionError(f"rank {program.rank}: {node.op} at {where} failed on inputs {shapes}: {first}") from None
 
 
 class _Rank:
@@ -224,12 +234,14 @@ class _Scheduler:
             self.finish(rank, node, None)
         elif op == "Receive":
             src = group_of(node, world)[int(node.attrs.get("src_rank", 0))]
-            queue = self.messages.get((src, rank.program.rank, int(node.attrs.get("sr_tag", 0))))
+            tag = int(node.attrs.get("sr_tag", 0))
+            queue = self.messages.get((src, rank.program.rank, tag))
             if not queue:
                 return _WAIT
-            value = queue.pop(0)
+            message = Tensor(queue.pop(0))
+            _check_message(node, message, src, rank.program.rank, tag)
             _count(rank, node, world, None)
-            self.finish(rank, node, Tensor(value))
+            self.finish(rank, node, message)
         else:
             self.finish(rank, node, _compute(rank.program, node, [rank.value(i) for i in node.inputs], self.kernels))
         return _RAN
@@ -294,20 +306,54 @@ def _count(rank: _Rank, node: Node, world: int, value: Optional[np.ndarray]) -> 
     entry.bytes += 0 if value is None else value.nbytes
 
 
+def _check_message(node: Node, message, src: int, dst: int, tag: int) -> None:
+    """A received message against the ``shape`` and ``dtype`` its ``Receive`` declares (``comm_ops.Receive(sr_tag,
+    src_rank, shape, dtype, group)``: the receiver allocates that buffer, HCCL fills it with the sender's bytes)."""
+    where = node.scope or node.output
+    for name in ("shape", "dtype"):
+        if name not in node.attrs:
+            raise ExecutionError(f"Receive at {where} (rank {dst} from rank {src}, tag {tag}): no {name} attribute")
+    shape, dtype = tuple(int(d) for d in node.attrs["shape"]), node.attrs["dtype"]
+    if tuple(message.shape) != shape or message.dtype != dtype:
+        raise ExecutionError(
+            f"rank {dst} received from rank {src} with tag {tag} at {where}: declared {list(shape)} {dtype}, got "
+            f"{list(message.shape)} {message.dtype}"
+        )
+
+
+def _fields(req: Request) -> Dict[str, object]:
+    """What the members of one collective must agree on, in the order a disagreement is reported."""
+    node = req.node
+    fields: Dict[str, object] = {"kind": node.op, "group": list(req.group)}
+    if node.op in ("AllReduce", "ReduceScatter"):
+        fields["op"] = node.attrs.get("op", "sum")
+    if node.op == "AlltoAll":
+        for name in ("split_dim", "concat_dim", "split_count"):
+            fields[name] = node.attrs.get(name)
+    if node.op == "Broadcast":
+        fields["root_rank"] = node.attrs.get("root_rank", 0)
+    fields["shape"] = None if req.value is None else list(req.value.shape)
+    fields["dtype"] = None if req.value is None else str(req.value.dtype)
+    return fields
+
+
 def _check_agree(members: Dict[int, Request]) -> None:
+    """The members of one collective (the group's n-th on each) agree on its kind, group, attributes, and their
+    inputs' shape and dtype (every member's input alike, AlltoAll's too: HCCL's all-to-all sends equal blocks)."""
     ranks = sorted(members)
     first = members[ranks[0]]
+    want = _fields(first)
     for r in ranks[1:]:
         other = members[r]
-        same_op = other.node.op == first.node.op
-        same_shape = first.node.op == "AlltoAll" or first.value is None or other.value.shape == first.value.shape
-        same_dtype = first.value is None or other.value.dtype == first.value.dtype
-        if not (same_op and same_shape and same_dtype):
-            raise ExecutionError(
-                f"ranks {ranks[0]} and {r} disagree at their collective over group {sorted(members)}: rank "
-                f"{ranks[0]} {first.node.op} {_desc(first.value)} at {first.node.scope or first.node.output}, rank {r} "
-                f"{other.node.op} {_desc(other.value)} at {other.node.scope or other.node.output}"
-            )
+        got = _fields(other)
+        for name, value in want.items():
+            if got.get(name) != value:
+                raise ExecutionError(
+                    f"ranks {ranks[0]} and {r} disagree on the {name} of their collective over group {ranks}: "
+                    f"rank {ranks[0]} {value} ({first.node.op} {_desc(first.value)} at "
+                    f"{first.node.scope or first.node.output}), rank {r} {got.get(name)} ({other.node.op} "
+                    f"{_desc(other.value)} at {other.node.scope or other.node.output})"
+                )
 
 
 def _desc(value: Optional[np.ndarray]) -> str:

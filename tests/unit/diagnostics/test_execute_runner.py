@@ -2,13 +2,16 @@
 
 Each collective is checked against the result written out independently (numpy on the whole tensor), with
 ranks of different group orders; the scheduler runs ranks that reach their collectives in different orders,
-pairs Send / Receive, and names both ranks of a disagreement and every waiting rank of a deadlock instead of
-hanging.
+pairs Send / Receive (a message unlike what its Receive declares is refused), and names both ranks, the field and
+both values of a disagreement and every waiting rank of a deadlock instead of hanging.
 """
+
+import re
 
 import numpy as np
 import pytest
 from mindspore import Tensor
+from mindspore.common import dtype as mstype
 
 from ms_deepseek.diagnostics import execute as ex
 from ms_deepseek.diagnostics import execute_ranks as xr
@@ -91,7 +94,7 @@ def test_ranks_reaching_collectives_in_another_order_and_send_receive_pairs():
     p2 = _program(
         2,
         [
-            _node("r", "Receive", [], sr_tag=7, src_rank=0, group_rank_ids=(1, 2)),
+            _node("r", "Receive", [], sr_tag=7, src_rank=0, shape=(2,), dtype=mstype.float32, group_rank_ids=(1, 2)),
             _node("b", "AllReduce", ["r"], op="sum", group_rank_ids=(0, 2)),
         ],
         "b",
@@ -112,9 +115,66 @@ def test_a_rank_that_never_arrives_is_a_named_deadlock_not_a_hang():
 def test_members_that_disagree_on_the_shape_are_named():
     progs = [_program(r, [_node("y", "AllReduce", ["x"], op="sum", group_rank_ids=(0, 1))], "y") for r in range(2)]
     with pytest.raises(
-        ex.ExecutionError, match=r"ranks 0 and 1 disagree .* rank 0 AllReduce \[2\] float32.* rank 1 AllReduce \[3\]"
+        ex.ExecutionError,
+        match=r"ranks 0 and 1 disagree on the shape .*: rank 0 \[2\] \(AllReduce \[2\] float32 at test/AllReduce\), "
+        r"rank 1 \[3\]",
     ):
         _run(progs, [np.ones(2, np.float32), np.ones(3, np.float32)], 2)
+
+
+A2A = {"split_dim": 1, "concat_dim": 0, "split_count": 2}
+
+
+@pytest.mark.parametrize(
+    "kind, field, attrs0, attrs1, shapes, dtypes",
+    [
+        ("AllReduce", "kind", {"op": "sum"}, {"kind": "AllGather"}, None, None),
+        ("AllReduce", "op", {"op": "sum"}, {"op": "max"}, None, None),
+        ("ReduceScatter", "op", {"op": "sum"}, {"op": "prod"}, None, None),
+        ("AlltoAll", "split_dim", A2A, dict(A2A, split_dim=0), None, None),
+        ("AlltoAll", "concat_dim", A2A, dict(A2A, concat_dim=1), None, None),
+        ("AlltoAll", "split_count", A2A, dict(A2A, split_count=4), None, None),
+        ("AlltoAll", "shape", A2A, A2A, ((4, 4), (4, 8)), None),
+        ("AllGather", "dtype", {}, {}, None, (np.float32, np.float16)),
+    ],
+)
+def test_members_that_disagree_on_a_field_are_named(kind, field, attrs0, attrs1, shapes, dtypes):
+    """Each field the members of one collective must share, planted on rank 1: both ranks, the field and both values
+    are named (the collective used to compute with the first member's attributes)."""
+    shapes, dtypes = shapes or ((4, 4), (4, 4)), dtypes or (np.float32, np.float32)
+    progs = []
+    for r, attrs in enumerate((attrs0, attrs1)):
+        attrs = dict(attrs)
+        op = attrs.pop("kind", kind)
+        progs.append(_program(r, [_node("y", op, ["x"], group_rank_ids=(0, 1), **attrs)], "y"))
+    values = {"kind": (kind, "AllGather"), "shape": ([4, 4], [4, 8]), "dtype": ("float32", "float16")}.get(
+        field, (attrs0.get(field), attrs1.get(field))
+    )
+    with pytest.raises(
+        ex.ExecutionError,
+        match=rf"ranks 0 and 1 disagree on the {field} of their collective over group \[0, 1\]: "
+        rf"rank 0 {re.escape(str(values[0]))} .*, rank 1 {re.escape(str(values[1]))} ",
+    ):
+        _run(progs, [np.ones(s, d) for s, d in zip(shapes, dtypes)], 2)
+
+
+@pytest.mark.parametrize("declared", [dict(shape=(3,), dtype=mstype.float32), dict(shape=(2,), dtype=mstype.float16)])
+def test_a_message_unlike_its_receive_is_refused(declared):
+    """Receive declares the buffer it receives into (comm_ops.Receive(sr_tag, src_rank, shape, dtype, group))."""
+    send = _program(0, [_node("s", "Send", ["x"], sr_tag=3, dest_rank=1, group_rank_ids=(0, 1))], "x")
+    recv = _program(1, [_node("r", "Receive", [], sr_tag=3, src_rank=0, group_rank_ids=(0, 1), **declared)], "r")
+    want = f"{list(declared['shape'])} {declared['dtype']}"
+    with pytest.raises(
+        ex.ExecutionError,
+        match=rf"rank 1 received from rank 0 with tag 3 at test/Receive: declared {re.escape(want)}, got \[2\] Float32",
+    ):
+        _run([send, recv], [np.ones(2, np.float32)] * 2, 2)
+    good = _program(
+        1,
+        [_node("r", "Receive", [], sr_tag=3, src_rank=0, group_rank_ids=(0, 1), shape=(2,), dtype=mstype.float32)],
+        "r",
+    )
+    assert _run([send, good], [np.full(2, 5.0, np.float32)] * 2, 2)[1].tolist() == [5.0, 5.0]
 
 
 def test_compute_nodes_run_mindspore_kernels_and_scalar_primitives():
