@@ -39,7 +39,9 @@ def test_mindformers_236b_finetune_fits():
     assert r.problems == [] and r.fits
     assert r.peak_gb < 59.0
     mem = r.memory_gb
-    assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k not in ("total", "stage")), abs=0.01)
+    parts = [v for k, v in mem.items() if k not in ("total", "stage")]
+    # each entry and the total are rounded to 1e-3 GB (costs.StageMemory.gb): half a step each at most
+    assert mem["total"] == pytest.approx(sum(parts), abs=0.0005 * (len(parts) + 1))
     # the estimate (the low end, calibrated on this very run) within 0.5x-1.5x of the published 36
     assert 0.5 * 36 <= r.tokens_per_s_per_npu <= 1.5 * 36
     low, high = r.tokens_per_s_range
