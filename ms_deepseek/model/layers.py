@@ -86,7 +86,14 @@ class RMSNorm(nn.Cell):
         self.weight = Parameter(initializer("ones", [dim], param_dtype), name="weight")
         self.eps = eps
         self.cast_in = ops.Cast()
-        self.square = ops.Mul()
+        # x^2 as one Square, not Mul(x, x): the two gradient terms of Mul(x, x), dout * x + dout * x, form the
+        # AddN(Mul(AllReduce(X), Y), Z) that MindSpore's AdjustAllReduceMulAdd rewrites to
+        # Mul(AllReduce(AddN(Z, X)), Y) without any condition (frontend/optimizer/irpass/arithmetic_simplify.cc,
+        # run in opt_a's a_1 list, pipeline/jit/ps/pass.cc), which equals the original only when
+        # AllReduce(Z) * Y == Z. When x is an AllReduce's output (the vocabulary-split embedding's, at float32
+        # compute where no Cast separates it from the norm) the rewrite drops the variance term of x's gradient.
+        # Square's gradient is one term, (dout * x) * 2 (grad_math_ops.cc, the "Square" bprop): no AddN to rewrite
+        self.square = ops.Square()
         self.mean = ops.ReduceMean(keep_dims=True)
         self.add_eps = ops.Add()
         self.rsqrt = ops.Rsqrt()
@@ -98,7 +105,7 @@ class RMSNorm(nn.Cell):
     def construct(self, x):
         dtype = x.dtype
         x32 = self.cast_in(x, ms.float32)
-        variance = self.mean(self.square(x32, x32), -1)  # [..., 1]
+        variance = self.mean(self.square(x32), -1)  # [..., 1]
         normed = self.normalize(x32, self.rsqrt(self.add_eps(variance, self.eps)))
         # The batch operand first, the weight second, as in Linear (x @ W^T). Gradient accumulation
         # relies on it: MindSpore marks the *primitive* of the first node (in graph order: depth first,

@@ -226,7 +226,7 @@ def _rms_norm(s: Tuple[int, ...]) -> StyleSpec:
     return StyleSpec(
         prims={
             "cast_in": ((s,), None),
-            "square": ((s, s), None),
+            "square": ((s,), None),
             "mean": ((s,), None),  # ReduceMean over the last axis, keep_dims: [..., 1]
             "add_eps": ((s, ()), None),
             "rsqrt": ((s,), None),

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from builders import main_captured
+from builders import main_captured, write_recipe
 from repo_paths import RECIPES
 
 RECIPE = RECIPES / "v2-lite-sft-8npu.yaml"
@@ -82,13 +82,13 @@ PLANTS = {
 }
 
 
-def _execute(tmp_path, monkeypatch, plant=None, layout=()):
+def _execute(tmp_path, monkeypatch, plant=None, layout=(), recipe=str(RECIPE)):
     if plant is not None:
         folder = tmp_path / "plant"
         folder.mkdir(parents=True)
         (folder / "sitecustomize.py").write_text(PRELUDE + textwrap.dedent(PLANTS[plant]).replace("\n", "\n    "))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
-    code, out, _ = main_captured(["plan", "--recipe", str(RECIPE), *layout, "--execute", "--json"])
+    code, out, _ = main_captured(["plan", "--recipe", recipe, *layout, "--execute", "--json"])
     return code, json.loads(out)
 
 
@@ -114,3 +114,53 @@ def test_tp_peers_reading_different_rows_are_refused(tmp_path, monkeypatch):
     )
     code, report = _execute(tmp_path, monkeypatch, layout=TP_LAYOUT)
     assert code == 1 and report["first_failure"] is not None, json.dumps(report, indent=1)[:3000]
+
+
+# RMSNorm's square as Mul(x, x) (model/layers.py squares with one Square): under the vocabulary split the first norm's
+# input is the embedding's AllReduce, and MindSpore's AdjustAllReduceMulAdd rewrites the two gradient terms of
+# Mul(x, x) into one that drops the variance term of the embedding's gradient
+MUL_SQUARE = """
+    import mindspore as ms
+    from mindspore import ops
+    from ms_deepseek.model import layers
+    from ms_deepseek.parallel_plan import styles
+    _init = layers.RMSNorm.__init__
+    def __init__(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        self.square = ops.Mul()
+    def construct(self, x):
+        dtype = x.dtype
+        x32 = self.cast_in(x, ms.float32)
+        variance = self.mean(self.square(x32, x32), -1)
+        normed = self.normalize(x32, self.rsqrt(self.add_eps(variance, self.eps)))
+        return self.scale(self.cast_out(normed, dtype), self.cast_weight(self.weight, dtype))
+    layers.RMSNorm.__init__ = __init__
+    layers.RMSNorm.construct = construct
+    _rms_norm = styles._rms_norm
+    def rms_norm(s):
+        spec = _rms_norm(s)
+        spec.prims["square"] = ((s, s), None)
+        return spec
+    styles._rms_norm = rms_norm
+"""
+
+
+def test_vocab_split_embedding_gradient_agrees_and_mul_square_is_refused(tmp_path, monkeypatch):
+    """dp2 tp2 ep2 with the vocabulary split, at a learning rate that moves the weights (the Atlas recipes' warmup
+    moves them by less than the comparison's resolution: the plant's embedding moments differ by about 6e-5 of
+    their largest value there, under VALUE_TOLERANCE)."""
+    data = {
+        "model": {"source": "deepseek-v2-lite", "overrides": {"use_flash_attention": True}},
+        "data": {"seq_len": 64},
+        "train": {"steps": 10, "micro_batch_size": 1, "seed": 7},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "parallel": {"dp": 2, "tp": 2, "pp": 1, "ep": 2, "vocab_parallel": True},
+        "logging": {"tensorboard": False},
+    }
+    recipe = str(write_recipe(tmp_path / "recipe", data))
+    code, report = _execute(tmp_path, monkeypatch, recipe=recipe)
+    assert code == 0 and report["agrees"], json.dumps(report, indent=1)[:3000]
+    monkeypatch.setitem(PLANTS, "mul_square", MUL_SQUARE)
+    code, report = _execute(tmp_path, monkeypatch, "mul_square", recipe=recipe)
+    assert code == 1 and not report["error"], json.dumps(report, indent=1)[:3000]
+    assert "embed_tokens" in report["first_failure"]["name"], report["first_failure"]
