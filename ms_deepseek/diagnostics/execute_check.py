@@ -36,6 +36,7 @@ sharded step computes the numbers of the same step on one device. Here, for a re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -97,7 +98,11 @@ class ExecReport:
 
     def _verdict_dict(self) -> Dict:
         v = self.verdict
-        diff = lambda d: dataclasses.asdict(d) if d else None  # noqa: E731
+
+        def diff(d: Optional[cmp.Difference]) -> Optional[Dict]:
+            # JSON has no infinity: a difference that is not a number (a NaN, a shape, a missing tensor) is null
+            return dict(dataclasses.asdict(d), rel=d.rel if math.isfinite(d.rel) else None) if d else None
+
         return {
             "compared": v.compared if v else 0,
             "updates_compared": v.updates if v else 0,
@@ -329,6 +334,7 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
     before = load_file(str(work / "one_device" / "values_0.safetensors"))
     verdict.tensors(0, held, before)
     kernels = ex.Kernels()
+    describe = functools.partial(cmp.loss_part, experts=recipe.model_config.n_routed_experts or 0)
     for step in range(1, steps + 1):
         if verdict.first_failure is not None:
             break
@@ -339,19 +345,17 @@ def _execute_and_compare(report: ExecReport, recipe, work: Path, per_rank, one: 
         try:
             outputs = xr.run_ranks(programs, [dict(e) for e in envs], world, kernels, stats)
         except ex.ExecutionError as exc:
-            report.error = str(exc)
+            report.error = f"step {step}: {exc}"
             return
         if step == 1:
             _communication(report, stats)
         expected = one["steps"][step - 1]
-        experts = recipe.model_config.n_routed_experts or 0
         for rank in last_stage:
             vec, norm = outputs[rank][0].asnumpy(), outputs[rank][1].asnumpy()
             want = np.asarray(expected["outputs"])
-            where = cmp.loss_part(int(np.nanargmax(np.abs(vec - want))), experts) if vec.shape == want.shape else ""
             if os.environ.get("MS_DEEPSEEK_EXECUTE_TRACE"):
                 print(f"step {step} rank {rank} loss vector {vec.tolist()} one device {want.tolist()}", file=sys.stderr)
-            verdict.scalars(step, rank, "loss vector", vec, want, where)
+            verdict.scalars(step, rank, "loss vector", vec, want, describe)
             verdict.scalars(step, rank, "gradient norm", norm, expected["grad_norm"])
         for rank in range(world):
             verdict.scalars(step, rank, "learning rate", outputs[rank][2].asnumpy(), expected["lr"])

@@ -43,8 +43,12 @@ import numpy as np
 
 from ms_deepseek.diagnostics.execute_setup import slice_for_rank
 
-LOSS_TOLERANCE = 1e-5  # relative, on the loss vector, the gradient norm, the learning rate and starting values
-VALUE_TOLERANCE = 1e-4  # relative to the whole tensor's largest magnitude: optimizer states, counters, frozen weights
+LOSS_TOLERANCE = (
+    1e-5  # relative to each entry of the loss vector, the gradient norm, the learning rate, starting values
+)
+# relative to the whole tensor's largest magnitude: optimizer states, counters, frozen weights. A moment is a sum over
+# at most a few hundred token rows here: float32 summation order moves it by about sqrt(n) eps of its scale (~2e-6)
+VALUE_TOLERANCE = 1e-5
 UPDATE_TOLERANCE = 1e-4  # relative to the whole tensor's largest one-device change: a trained weight's change
 ROUNDING_SPACINGS = 2.0  # the stored weight's float32 spacing, once per side
 # Adam's update m / (sqrt(v) + eps): for |g| within a few eps of zero the ratio is set by the last bits of g
@@ -110,14 +114,20 @@ class Comparison:
         if _above(diff.rel, tolerance) and self.first_failure is None:
             self.first_failure = diff
 
-    def scalars(self, step: int, rank: int, name: str, got, want, detail: str = "") -> None:
-        """A step output (loss vector, gradient norm, learning rate) within :data:`LOSS_TOLERANCE`."""
+    def scalars(self, step: int, rank: int, name: str, got, want, describe=None) -> None:
+        """A step output (loss vector, gradient norm, learning rate), each entry within :data:`LOSS_TOLERANCE` of
+        its own magnitude (the loss vector's entries range from the loss to balance-loss terms a thousand times
+        smaller; an entry that is zero on one device must be zero). ``describe(i)`` names entry ``i``."""
         got, want = np.atleast_1d(np.asarray(got, np.float64)), np.atleast_1d(np.asarray(want, np.float64))
         bad = _non_finite(got, want)
-        if bad:
-            self.note(Difference(step, rank, name, math.inf, bad), LOSS_TOLERANCE)
+        if bad or got.shape != want.shape:
+            detail = bad or f"shape {list(got.shape)} against {list(want.shape)}"
+            self.note(Difference(step, rank, name, math.inf, detail), LOSS_TOLERANCE)
             return
-        self.note(Difference(step, rank, name, rel(got, want), detail), LOSS_TOLERANCE)
+        each = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
+        worst = int(np.argmax(each)) if each.size else 0
+        detail = describe(worst) if describe and each.size > 1 else ""
+        self.note(Difference(step, rank, name, float(each[worst]) if each.size else 0.0, detail), LOSS_TOLERANCE)
 
     # ------------------------------------------------------------------------------------- tensors
     def tensors(self, step: int, ranks: List["RankValues"], ref: Dict, before: Optional[Dict] = None) -> None:

@@ -25,6 +25,24 @@ RECIPE = RECIPES / "v2-lite-sft-8npu.yaml"
 TP_LAYOUT = ["--dp", "1", "--tp", "2", "--ep", "1", "--no-vocab-parallel"]
 
 
+# The optimizer's fused update (train/optim.py AdamW: one AdamWeightDecay call per parameter) behind a Cell that a
+# plant overrides; ``step`` is the optimizer's global_step (already advanced when the update runs)
+ADAM_WRAPPER = """
+    import mindspore as ms
+    from mindspore import nn, ops
+    from ms_deepseek.train import optim
+    class _Fused(nn.Cell):
+        def __init__(self, fused, step):
+            super().__init__()
+            self.fused, self.step = fused, step
+    def _install(cls):
+        _init = optim.AdamW.__init__
+        def __init__(self, *args, **kwargs):
+            _init(self, *args, **kwargs)
+            self.fused = cls(self.fused, self.global_step)
+        optim.AdamW.__init__ = __init__
+"""
+
 PRELUDE = """
 import os
 if os.environ.get("MS_SIMULATION_LEVEL") is not None:
@@ -79,6 +97,68 @@ PLANTS = {
         return opt_shard.own_part(value, size, (self.group_rank(group) + 1) % size, name)
     opt_shard.OptimizerShards.part = part
 """,
+    # every rank applies half the learning rate; the learning rate the step reports is unchanged
+    "half_learning_rate": ADAM_WRAPPER
+    + """
+    class Planted(_Fused):
+        def construct(self, param, m, v, lr, beta1, beta2, eps, decay, grad):
+            return self.fused(param, m, v, lr * 0.5, beta1, beta2, eps, decay, grad)
+    _install(Planted)
+""",
+    # rank 0 drops Adam's bias correction (the kernel's lr' = lr sqrt(bc2) / bc1, eps' = eps sqrt(bc2),
+    # decay' = decay bc1 / sqrt(bc2): train/optim.py AdamW) and updates with lr, eps and decay as given
+    "no_bias_correction": ADAM_WRAPPER
+    + """
+    class Planted(_Fused):
+        def construct(self, param, m, v, lr, beta1, beta2, eps, decay, grad):
+            t = self.step.astype(ms.float32)
+            bc1, root_bc2 = 1.0 - ops.pow(beta1, t), ops.sqrt(1.0 - ops.pow(beta2, t))
+            return self.fused(param, m, v, lr * bc1 / root_bc2, beta1, beta2, eps / root_bc2, decay * root_bc2 / bc1, grad)
+    if os.environ.get("RANK_ID") == "0":
+        _install(Planted)
+""",
+    # rank 1's update at step 2 takes a NaN gradient
+    "nan_update": ADAM_WRAPPER
+    + """
+    class Planted(_Fused):
+        def construct(self, param, m, v, lr, beta1, beta2, eps, decay, grad):
+            poison = ops.select(self.step == 2, ops.fill(ms.float32, (), float("nan")), ops.ones((), ms.float32))
+            return self.fused(param, m, v, lr, beta1, beta2, eps, decay, grad * poison)
+    if os.environ.get("RANK_ID") == "1":
+        _install(Planted)
+""",
+    # the second moments named otherwise on the sharded side
+    "renamed_state": """
+    from ms_deepseek.train import optim
+    _state = optim.AdamW._state
+    def _renamed(self, prefix):
+        return _state(self, "adam_s" if prefix == "adam_v" else prefix)
+    optim.AdamW._state = _renamed
+""",
+    # each rank divides its micro-batch loss by the labelled tokens it holds (a mean of the ranks' means, the
+    # reduced layout's 2 data-parallel slices) instead of by the micro-batch's
+    "own_token_count": """
+    import mindspore as ms
+    from mindspore import ops
+    from ms_deepseek.model import loss
+    SLICES = 2
+    def construct(self, logits, labels):
+        B, T = labels.shape
+        flat = logits.reshape(B * T, self.vocab_size)
+        last = ops.full((B, 1), loss.IGNORE_INDEX, dtype=ms.int32)
+        shifted = ops.concat((labels[:, 1:].astype(ms.int32), last), 1).reshape(-1)
+        valid = shifted != loss.IGNORE_INDEX
+        safe = ops.select(valid, shifted, ops.zeros_like(shifted))
+        picked = self.gather_target(flat, 1, safe.reshape(-1, 1)).reshape(-1)
+        flat = ops.depend(flat, picked)
+        row_max = ops.stop_gradient(self.row_max(flat, -1))
+        lse = self.log(self.sum_exp(self.exp(self.sub(flat, row_max)), -1)) + row_max.reshape(-1)
+        validf = valid.astype(ms.float32)
+        per_slice = ((lse - picked) * validf).reshape(SLICES, -1).sum(-1)
+        counts = ops.maximum(validf.reshape(SLICES, -1).sum(-1), 1.0)
+        return (per_slice / counts).mean()
+    loss.VocabParallelCrossEntropy.construct = construct
+""",
 }
 
 
@@ -95,10 +175,28 @@ def _execute(tmp_path, monkeypatch, plant=None, layout=(), recipe=str(RECIPE)):
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_a_planted_mistake_compiles_and_is_refused(tmp_path, monkeypatch, plant):
     code, report = _execute(tmp_path, monkeypatch, plant)
+    failure = report["first_failure"]
+    print("REFUSED", plant, json.dumps(failure), report["error"][:300])
     assert code == 1 and not report["agrees"], json.dumps(report, indent=1)[:3000]
     assert not report["error"], report["error"]  # every rank compiled and ran: the comparison refused it
-    failure = report["first_failure"]
     assert failure is not None and failure["rel"] > 1e-3, failure
+
+
+def test_data_parallel_ranks_reading_the_same_rows_are_refused(tmp_path, monkeypatch):
+    """The loader ignores the rank: every data-parallel slice reads rank 0's rows. The one-device run reads its own
+    global batch, so the ranks' rows are refused before anything runs, at the micro-batch they part."""
+    from ms_deepseek.data import dataset
+
+    build = dataset.build_train_dataset
+
+    def same_rows(data_cfg, batch_size, rank=0, world_size=1, **kwargs):
+        return build(data_cfg, batch_size, 0, world_size, **kwargs)
+
+    monkeypatch.setattr(dataset, "build_train_dataset", same_rows)
+    code, report = _execute(tmp_path, monkeypatch)
+    failure = report["first_failure"]
+    print("REFUSED same_rows", json.dumps(failure))
+    assert code == 1 and not report["agrees"] and report["loss"] == [], json.dumps(report, indent=1)[:3000]
 
 
 def test_tp_peers_reading_different_rows_are_refused(tmp_path, monkeypatch):
@@ -146,9 +244,8 @@ MUL_SQUARE = """
 
 
 def test_vocab_split_embedding_gradient_agrees_and_mul_square_is_refused(tmp_path, monkeypatch):
-    """dp2 tp2 ep2 with the vocabulary split, at a learning rate that moves the weights (the Atlas recipes' warmup
-    moves them by less than the comparison's resolution: the plant's embedding moments differ by about 6e-5 of
-    their largest value there, under VALUE_TOLERANCE)."""
+    """dp2 tp2 ep2 with the vocabulary split agrees with one device; with RMSNorm's square planted back to
+    Mul(x, x), the embedding's gradient loses its variance term and the comparison refuses the embedding."""
     data = {
         "model": {"source": "deepseek-v2-lite", "overrides": {"use_flash_attention": True}},
         "data": {"seq_len": 64},

@@ -63,6 +63,6 @@ def test_a_gradient_given_another_micro_batchs_statistics_is_refused(monkeypatch
     assert report["loss"] == [] and report["first_failure"] is None, brief
     assert report["largest_difference"] is None or report["largest_difference"]["step"] == 0, brief
     assert re.match(
-        rf"rank {PLANTED_RANK}: FlashAttentionScoreGrad at \S+: its input softmax_max disagrees with the forward",
+        rf"step 1: rank {PLANTED_RANK}: FlashAttentionScoreGrad at \S+: its input softmax_max disagrees with the forward",
         report["error"],
     ), brief
