@@ -39,6 +39,11 @@ def run(request_path: str) -> int:
     converter = model_converter(recipe)
     base = converter.weights_folder(recipe, ctx.run_dir)
     built = build_model(ctx, DATA_PARALLEL, converter, ModelSource(base, load=True, write_base=base is None), plan)
+    # the device-level and communication balance losses are defined over the layout's expert-parallel device groups
+    # (model/router.py set_expert_parallel): one device computes them over the groups of the layout it is compared with
+    for _, cell in built[0].cells_and_names():
+        if callable(getattr(getattr(cell, "gate", None), "set_expert_parallel", None)):
+            cell.gate.set_expert_parallel(int(request.get("expert_parallel", 1)))
     rows = recipe.train.micro_batch_size
     tensors, _ = build_step(ctx, DATA_PARALLEL, converter, built, (rows, recipe.data.seq_len or 0))
     DATA_PARALLEL.materialize(ctx, tensors, converter, fresh=True)

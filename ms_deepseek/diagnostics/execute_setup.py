@@ -84,6 +84,8 @@ def reduce_recipe(recipe) -> ExecReduction:
         if sft
         else f"the embedded corpus at seq_len {SEQ_LEN}, pretrain packing",
     ]
+    if cfg.has_moe and ep > 1:
+        notes.append(f"the one-device balance losses over the layout's {ep} expert-parallel device groups")
     if recipe.lora is not None:
         targets = ", ".join(recipe.lora.target_modules)
         notes.append(

@@ -16,9 +16,18 @@ def _assert_agrees(code, out):
     assert code == 0 and report["agrees"], json.dumps(
         {k: v for k, v in report.items() if k != "communication_per_step"}, indent=1
     )
-    assert report["compared"] > 0 and len(report["loss"]) == report["steps"] == 2
+    # every tensor accounted for: compared at each step, trained weights by their change, reassembled on one device
+    assert report["compared"] > 0 and report["updates_compared"] > 0 and report["reassembled"] > 0, report
+    assert len(report["loss"]) == report["steps"] == 2
     for one_device, sharded in report["loss"]:
         assert abs(one_device - sharded) <= 1e-5 * abs(one_device)
+    update = report["largest_update_difference"]
+    print(
+        f"EXECUTED {report['recipe']}: {report['reduction']}; {report['compared']} tensor comparisons "
+        f"({report['updates_compared']} updates), {report['reassembled']} reassembled, Adam allowance "
+        f"{report['adam_allowance_elements']}, rounding allowance {report['rounding_allowance_elements']}, largest "
+        f"update difference {update['rel']:.2e} ({update['name']}), seconds {report['seconds']}"
+    )
     return report
 
 
@@ -28,6 +37,9 @@ def test_recipe_executes_like_one_device(recipe):
     report = _assert_agrees(code, out)
     if report["world_size"] > 1:  # the ranks communicated, and the report says how much per group
         assert report["communication_per_step"], report
+    # the recipe's own kind of data: SFT recipes on the chat corpus (prompts masked, rows of different lengths)
+    sft = "format: sft" in recipe.read_text()
+    assert any("chat corpus" in n for n in report["notes"]) == sft, report["notes"]
 
 
 # layouts with every degree above 1, which no shipped recipe has: V2-Lite's and V2's architectures (MLA without and
