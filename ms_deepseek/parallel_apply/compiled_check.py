@@ -14,7 +14,8 @@ silent mismatch.
   (``_tensor._get_tensor_slice_index``) must be the plan's, and the optimizer-shard group
   must be present exactly when the plan expects the parallel optimizer to cut the parameter
   (:func:`ms_deepseek.parallel_plan.plan.optimizer_shard_group`). Every parameter of this rank's
-  stage must be in the compiled graph.
+  stage must be in the compiled graph. A LoRA run's frozen base (float or quantized: what its loader reads
+  by the plan) is compared the same way, and must have no optimizer-shard group.
 * Primitives: the strategies MindSpore compiled (its graph executor's ``get_strategy``, keyed by
   operator scope) against the plan's, primitive by primitive. (Reading ``prim.attrs`` after the
   compile, as this check first did, could never fire: MindSpore marks a ``BatchParallel`` fallback on
@@ -23,7 +24,7 @@ silent mismatch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -36,11 +37,21 @@ def _fmt(dev, tmap) -> str:
 
 
 def check_parameter_layouts(
-    compiled: Mapping[str, Sequence], layout, rank: int, optimizer_shard: bool = False, threshold_kb: int = 64
+    compiled: Mapping[str, Sequence],
+    layout,
+    rank: int,
+    optimizer_shard: bool = False,
+    threshold_kb: int = 64,
+    frozen: Optional[Set[str]] = None,
 ) -> int:
     """Compare every tensor of ``rank``'s stage in ``layout`` with MindSpore's compiled entry.
 
-    Returns how many parameters were compared; raises UserError naming the first mismatch."""
+    ``frozen``: with it, ``layout`` is a LoRA run's frozen base (float or quantized, ``checkpoint.layout.build_layout``)
+    and only these names of it are compared: what the loader reads (``train/lora_run.py``) and the planner prices
+    (``parallel_plan/costs.py``: whole slices by the plan, never cut by the parallel optimizer, as
+    ``parallel_apply/apply.py`` marks them) must be what MindSpore compiled. A frozen tensor the step does not
+    read (a quantized layer's ``weight_offset`` outside Ascend's fused int8 matmul) is not in the compiled
+    graph, and is skipped. Returns how many parameters were compared; raises UserError naming the first mismatch."""
     from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
 
     from ms_deepseek.parallel_plan.plan import optimizer_shard_group
@@ -49,7 +60,9 @@ def check_parameter_layouts(
     compared = 0
     for name in layout.tensors_of_rank(rank):
         t = layout.tensors[name]
-        if t.stage < 0:
+        if t.stage < 0 or (frozen is not None and name not in frozen):
+            continue
+        if frozen is not None and name not in compiled:
             continue
         if name not in compiled:
             raise UserError(
@@ -74,7 +87,11 @@ def check_parameter_layouts(
                     f"under {theirs}, slice {mine} under the {ours}"
                 )
         group = str(entry[5]) if len(entry) > 5 and entry[5] else ""
-        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype), threshold_kb) > 1
+        want = (
+            frozen is None
+            and optimizer_shard
+            and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype), threshold_kb) > 1
+        )
         if bool(group) != bool(want):
             raise UserError(
                 f"compiled layout: parameter {name}: MindSpore's optimizer-shard group is "
