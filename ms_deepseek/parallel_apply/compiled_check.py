@@ -24,7 +24,7 @@ silent mismatch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -124,7 +124,11 @@ def compiled_strategies(cell) -> Dict[str, list]:
     return dict(_cell_graph_executor._get_shard_strategy(cell) or {})
 
 
-def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping[str, Tuple[str, tuple]]) -> int:
+def check_compiled_strategies(
+    compiled: Mapping[str, Sequence],
+    planned: Mapping[str, Tuple[str, tuple]],
+    unreported: AbstractSet[str] = frozenset(),
+) -> int:
     """The primitives the plan gives a strategy were compiled with that strategy.
 
     ``compiled``: :func:`compiled_strategies`; ``planned``: primitive path (``model.layers.1.mlp.to_experts``)
@@ -134,7 +138,10 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
     graph may hold functional operators of the same type with propagated strategies. A mismatch is a
     planned strategy found nowhere in its cell *and* a compiled one that is none of the planned: one of
     ours compiled with another strategy (e.g. MindSpore's ``BatchParallel`` fallback,
-    ``step_parallel_utils.cc`` ``OperatorInstance``). Returns how many planned strategies were found."""
+    ``step_parallel_utils.cc`` ``OperatorInstance``). ``unreported``: planned primitives MindSpore may leave out of
+    its strategies (sharded by ``Layout`` objects, :func:`layout_sharded`: under semi_auto ``get_strategy`` omits
+    them, under sharding propagation it lists them): their strategies count among the planned, their absence is
+    no mismatch. Returns how many planned strategies were found."""
     by_cell: Dict[Tuple[str, str], List[tuple]] = {}
     for scope, strategy in compiled.items():
         path = _scope_cell_path(scope)
@@ -152,9 +159,9 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
         if not got:
             continue  # not in this graph (another stage's cell, or unused)
         planned_set = {s for _, s in entries}
-        missing = [(p, s) for p, s in entries if s not in got]
+        missing = [(p, s) for p, s in entries if s not in got and p not in unreported]
         stray = [s for s in got if s not in planned_set]
-        found += len(entries) - len(missing)
+        found += sum(1 for _, s in entries if s in got)
         if missing and stray:
             path, want = missing[0]
             raise UserError(
@@ -192,14 +199,25 @@ def planned_primitives(
             continue
         unused = set(getattr(cell, "graph_unused", ()))  # held for other code (model/quant.py's fused path)
         for attr, prim in primitives_of(cell):
-            # sharded by Layout objects: the graph executor's get_strategy does not report these (measured on a
-            # dp 2 x tp 2 compile, where the same operators sharded by tuples were reported); their layouts reach
-            # the parameters they read, which check_parameter_layouts compares
-            if attr in unused or "in_layout" in (getattr(prim, "attrs", None) or {}):
+            if attr in unused:
                 continue
             p = join_path(path, attr)
             if p in strategies:
                 out[p] = (getattr(prim, "name", type(prim).__name__), strategies[p][0])
+    return out
+
+
+def layout_sharded(model, planned: Mapping[str, Tuple[str, tuple]]) -> Set[str]:
+    """The paths of ``planned`` whose primitive is sharded by ``mindspore.parallel.Layout`` objects (its ``in_layout``
+    attribute, ``mindspore/ops/primitive.py`` ``shard``): ``check_compiled_strategies``' ``unreported``."""
+    from ms_deepseek.parallel_apply.apply import join_path, primitives_of
+
+    out: Set[str] = set()
+    for path, cell in model.cells_and_names():
+        for attr, prim in primitives_of(cell):
+            p = join_path(path, attr)
+            if p in planned and "in_layout" in (getattr(prim, "attrs", None) or {}):
+                out.add(p)
     return out
 
 

@@ -90,9 +90,9 @@ class NamedLayout:
     device matrix's leading (slowest) axes, the rest repeating rightmost (MindSpore
     ``ops_info/operator_info.cc`` ``OperatorInfo::SetRepeatedCalcDevMatrix``), so
     a weight split tp ways by an elementwise operator lands on the devices' dp index, where the plan's MatMuls
-    put tp fastest (checkpoint/layout.py ``_dev_matrix_for``). Measured: an ExpandDims sharded ``((2, 1),)`` on
-    dp 2 x tp 2 compiled its weight tensor map [1, -1] on a [2, 2] matrix, ``Layout((2, 2), ("dp", "tp"))("tp",
-    "None")`` gave [0, -1], the MatMul's."""
+    put tp fastest (checkpoint/layout.py ``_dev_matrix_for``): on dp 2 x tp 2 an ExpandDims sharded ``((2, 1),)``
+    gives the weight it reads the tensor map [1, -1] on a [2, 2] matrix, ``Layout((2, 2), ("dp", "tp"))("tp",
+    "None")`` gives [0, -1], the MatMul's."""
 
     device_matrix: Tuple[int, ...]
     axes: Tuple[str, ...]
@@ -113,7 +113,7 @@ def dequant_layouts(device_matrix: Tuple[int, ...], axes: Tuple[str, ...], weigh
     axis split over all the stage's devices (MindSpore ``frontend/parallel/step_parallel.cc``
     ``ExtractStrategyAndInit`` -> ``GenerateBatchParallelStrategy``; ``ops_info/operator_info.cc``
     ``GenerateBatchStrategiesBySplitFlag``), and the weight and its scales take the layout of the operator that
-    reads them: dp 2 tp 2 pp 2 compiled a replicated q_a_proj's int4 weight [48, 32] as [12, 32] per device.
+    reads them: at dp 2 tp 2 pp 2 a replicated int4 weight [48, 32] would be held as [12, 32] on each device.
     The scale / offset [.., out, in/G] split like the weight on both axes: the dequantisation Mul on
     [.., out, in/G, G] keeps the weight's split of ``in`` (group-wise: on the groups, which the scale shares;
     per channel: on G = in, against a scale [.., out, 1, 1] whose one-group axis stays whole, see ``fit_layout``)."""

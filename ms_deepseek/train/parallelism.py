@@ -244,11 +244,11 @@ def check_compiled(ctx: RunContext, tensors: TrainTensors, layout):
     if base is not None:  # a LoRA run's frozen base, read by the plan's layout (lora_run.LoraModel.load_slices)
         frozen = set(base.tensors) - set(layout.tensors)
         compared += cc.check_parameter_layouts(compiled, base, ctx.rank, ctx.par.optimizer_shard, frozen=frozen)
+    planned = cc.planned_primitives(
+        tensors.model, applied.strategies, applied.stage_of_cell, stage_of_rank(ctx.rank, ctx.par)
+    )
     strategies = cc.check_compiled_strategies(
-        cc.compiled_strategies(step_cell),
-        cc.planned_primitives(
-            tensors.model, applied.strategies, applied.stage_of_cell, stage_of_rank(ctx.rank, ctx.par)
-        ),
+        cc.compiled_strategies(step_cell), planned, cc.layout_sharded(tensors.model, planned)
     )
     return compared, strategies
 
