@@ -88,7 +88,7 @@ class StackedWeight(nn.Cell):
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] through the stacked weight (+ its adapter, same batched matmuls)."""
-        return stacked_project(self, self.weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
+        return stacked_project(self, self.weight.astype(cdt), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
     def rows(self, idx, cdt):
         """The weights of the experts ``idx`` [n] -> [n, out, in] (a decode step reads only its chosen experts)."""
@@ -96,9 +96,9 @@ class StackedWeight(nn.Cell):
 
 
 def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
-    """x [D, E, C, in] -> [D, E, C, out] through ``weight`` [E, out, in] and ``holder``'s adapter, if any
-    (StackedWeight, and model/quant.py's QuantStackedWeight with its dequantised weight)."""
-    y = bmm(x, _batched(weight.astype(cdt), x, broadcast))  # [D, E, C, out]
+    """x [D, E, C, in] -> [D, E, C, out] through ``weight`` [E, out, in] in the compute dtype ``cdt`` and ``holder``'s
+    adapter, if any (StackedWeight, and model/quant.py's QuantStackedWeight with its dequantised weight)."""
+    y = bmm(x, _batched(weight, x, broadcast))  # [D, E, C, out]
     if holder.lora_A is not None:
         h = x if holder.lora_dropout is None else holder.lora_dropout(x)
         h = lora_a_bmm(h, _batched(holder.lora_A.weight.astype(cdt), h, broadcast))  # [D, E, C, r]

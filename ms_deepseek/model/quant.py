@@ -21,8 +21,9 @@ Backends:
   input after the weight to the tensor map ``{0}``: a 1-D tensor split like the weight's output
   axis. That fits a per-channel scale [out] and nothing else, so group-wise scales, int4 and the
   stacked experts (one scale row per expert) take the dequantise-then-matmul path on Ascend too,
-  whose Mul and (Batch)MatMul shard by the plan (parallel_plan/plan.py: scales split like the weight's
-  output axis, ``weight_scale``/``weight_offset`` layouts beside ``weight``).
+  every step of which (the unpacking, the scale's Mul, the cast to the compute dtype:
+  :data:`DEQUANT_PRIMITIVES`) and the (Batch)MatMul shard by the plan, like the weight
+  (parallel_plan/styles.py ``dequant_layouts``; ``weight_scale``/``weight_offset`` layouts beside ``weight``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,23 @@ from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.moe import RoutedExperts, StackedWeight, stacked_project
+
+# the dequantisation's primitives (``_Dequant``), each split like the weight by the plan
+# (parallel_plan/styles.py ``dequant_layouts``)
+DEQUANT_PRIMITIVES = (
+    "unpack_first",
+    "unpack_cast",
+    "nibble_div",
+    "nibble_bias",
+    "nibble_mod",
+    "nibble_center",
+    "int_cast",
+    "scale_expand",
+    "group_scale_expand",
+    "dequant_mul",
+    "group_dequant_mul",
+    "weight_cast",
+)
 
 
 def _on_ascend() -> bool:
@@ -76,31 +94,56 @@ class _Dequant:
         #   the backward: the first op is an ExpandDims of the packed bytes, and the Cast follows it.
         self.unpack_first = ops.ExpandDims()
         self.unpack_first.add_prim_attr("side_effect_hidden", True)
-        # the low and high nibble of each byte: (u // (1, 16)) % 16, a broadcast over a new last axis
-        self.nibble_divisors = Tensor(np.array([1, 16], np.int32))
-        # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names so the plan can split them apart
-        # (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise: the groups do)
-        self.dequant_mul = ops.Mul()
-        self.group_dequant_mul = ops.Mul()
+        # Every step of the unpacking is a named primitive, so that the plan gives each the weight's split
+        # (parallel_plan/styles.py ``dequant_layouts``). An operator without a strategy takes semi_auto's
+        # default, its first axis split over all the stage's devices (MindSpore frontend/parallel/step_parallel.cc
+        # ExtractStrategyAndInit -> GenerateBatchParallelStrategy; ops_info/operator_info.cc
+        # GenerateBatchStrategiesBySplitFlag), and a Parameter takes the layout of the operator that reads it: the
+        # weight and its scales would be split over the stage's dp x tp devices by rows (the plan keeps a
+        # replicated layer whole, a column-parallel one split tp ways) and all-gathered before the dequantisation.
+        self.int_cast = ops.Cast()  # the integers as float32
+        if spec.bits == 4:
+            self.unpack_cast = ops.Cast()  # the packed bytes as int32
+            # the low and high nibble of each byte as a signed int4: ((u // (1, 16) + 8) % 16) - 8, a broadcast
+            # over a new last axis (n + 8 mod 16, less 8, maps 0..7 to itself and 8..15 to -8..-1)
+            self.nibble_divisors = Tensor(np.array([1, 16], np.int32))
+            self.nibble_div = ops.FloorDiv()
+            self.nibble_bias = ops.Add()
+            self.nibble_mod = ops.FloorMod()
+            self.nibble_center = ops.Sub()
+        # q [.., out, in/G, G] * scale [.., out, in/G, 1]: two names for the two forms, so the plan can split
+        # them apart (per channel: in/G = 1 and the input axis G = in splits like the weight's; group-wise:
+        # the groups do). A layer holds only the form it uses: the compile check matches the plan's
+        # strategies with the compiled operators of a cell by type (parallel_apply/compiled_check.py).
+        if self.groups == 1:
+            self.scale_expand = ops.ExpandDims()
+            self.dequant_mul = ops.Mul()
+        else:
+            self.group_scale_expand = ops.ExpandDims()
+            self.group_dequant_mul = ops.Mul()
+        self.weight_cast = ops.Cast()  # the dequantised weight in the compute dtype
+        # primitives this layer holds that its training graph does not use (QuantLinear's fused Ascend path)
+        self.graph_unused = ()
 
     def _int_values(self):
         """The weight's integers as float32 [..., out, in] (int4: nibbles sign-extended and interleaved)."""
         packed = self.unpack_first(self.weight, -1)  # [..., out, in, 1] (int8) or [..., out, in/2, 1] (int4)
         if self.bits == 8:
-            return packed.astype(ms.float32).reshape(self.dense_shape)  # -> [..., out, in]
-        u = packed.astype(ms.int32)  # [..., out, in/2, 1]
-        both = ops.floor_mod(ops.floor_div(u, self.nibble_divisors), 16)  # [..., out, in/2, 2]: column 2j, 2j+1
-        both = ops.select(both >= 8, both - 16, both)
-        shape = self.dense_shape
-        return both.reshape(shape).astype(ms.float32)  # [..., out, in/2, 2] -> [..., out, in]
+            return self.int_cast(packed, ms.float32).reshape(self.dense_shape)  # -> [..., out, in]
+        u = self.unpack_cast(packed, ms.int32)  # [..., out, in/2, 1]
+        both = self.nibble_bias(self.nibble_div(u, self.nibble_divisors), 8)  # [..., out, in/2, 2]: column 2j, 2j+1
+        both = self.nibble_center(self.nibble_mod(both, 16), 8)
+        return self.int_cast(both, ms.float32).reshape(self.dense_shape)  # [..., out, in/2, 2] -> [..., out, in]
 
     def dequantized(self):
         """float32 [..., out, in]: q * scale per group of ``self.group`` input columns."""
         shape = self.dense_shape
         q = self._int_values().reshape(shape[:-1] + (self.groups, self.group))  # [..., out, in/G, G]
-        scale = self.weight_scale.expand_dims(-1)  # [..., out, in/G] -> [..., out, in/G, 1]
-        mul = self.dequant_mul if self.groups == 1 else self.group_dequant_mul
-        return mul(q, scale).reshape(shape)  # -> [..., out, in]
+        if self.groups == 1:
+            scale = self.scale_expand(self.weight_scale, -1)  # [..., out, 1] -> [..., out, 1, 1]
+            return self.dequant_mul(q, scale).reshape(shape)  # -> [..., out, in]
+        scale = self.group_scale_expand(self.weight_scale, -1)  # [..., out, in/G] -> [..., out, in/G, 1]
+        return self.group_dequant_mul(q, scale).reshape(shape)
 
     def set_quantized(self, stored: np.ndarray, scale: np.ndarray) -> None:
         self.weight.set_data(Tensor(np.ascontiguousarray(stored)))
@@ -112,7 +155,7 @@ class QuantLinear(_Dequant, Linear):
 
     def base_weight(self, dtype):
         """The dequantised weight [out, in] (``weight`` holds the integers)."""
-        return self.dequantized().astype(dtype)
+        return self.weight_cast(self.dequantized(), dtype)
 
     def __init__(self, in_features: int, out_features: int, spec: QuantSpec, compute_dtype=ms.float32):
         nn.Cell.__init__(self)
@@ -133,6 +176,8 @@ class QuantLinear(_Dequant, Linear):
             from mindspore.ops.auto_generate import WeightQuantBatchMatmul
 
             self.qmatmul = WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)
+            # the dequantisation serves only code that reads the matrix itself (``effective_weight``: decoding)
+            self.graph_unused = DEQUANT_PRIMITIVES
 
     def construct(self, x):
         lead = x.shape[:-1]
@@ -143,7 +188,7 @@ class QuantLinear(_Dequant, Linear):
                 x2, self.weight, self.weight_scale.astype(cdt).reshape(-1), self.weight_offset.astype(cdt).reshape(-1)
             )
         else:
-            y = self.matmul(x2, self.dequantized().astype(cdt))  # [N, out]
+            y = self.matmul(x2, self.weight_cast(self.dequantized(), cdt))  # [N, out]
         if self.lora_A is not None:
             h = x2 if self.lora_dropout is None else self.lora_dropout(x2)
             h = self.lora_a_matmul(h, self.lora_A.weight.astype(cdt))  # [N, r]
@@ -162,7 +207,8 @@ class QuantStackedWeight(_Dequant, StackedWeight):
 
     def project(self, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
         """x [D, E, C, in] -> [D, E, C, out] (as StackedWeight.project, on the dequantised stack)."""
-        return stacked_project(self, self.dequantized(), x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
+        weight = self.weight_cast(self.dequantized(), cdt)
+        return stacked_project(self, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast)
 
     def rows(self, idx, cdt):
         """The experts ``idx`` [n] of the dequantised stack -> [n, out, in]."""

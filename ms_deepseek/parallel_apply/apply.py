@@ -76,6 +76,14 @@ def _shard_custom(prim, layouts) -> None:
     )
 
 
+def _shard_named(prim, named) -> None:
+    """``prim.shard`` with one ``mindspore.parallel.Layout`` per input (``styles.NamedLayout``)."""
+    from mindspore.parallel import Layout
+
+    layout = Layout(named.device_matrix, named.axes)
+    prim.shard(in_strategy=tuple(layout(*names) for names in named.inputs))
+
+
 def join_path(path: str, attr: str) -> str:
     return f"{path}.{attr}" if path else attr
 
@@ -136,6 +144,12 @@ def _shard_cell(path: str, cell, plan: Plan, mesh: Mesh, applied: AppliedPlan) -
             continue  # e.g. a router without group top-k
         prim.shard(in_s, out_s) if out_s is not None else prim.shard(in_s)
         applied.strategies[join_path(path, attr)] = (in_s, out_s)
+    for attr, named in spec.layouts.items():
+        prim = getattr(cell, attr, None)
+        if prim is None or not _is_primitive(prim):
+            continue  # e.g. an int8 layer has no nibbles
+        _shard_named(prim, named)
+        applied.strategies[join_path(path, attr)] = (named.strategy(), None)
 
 
 def _shard_primitives(path: str, cell, plan: Plan, mesh: Mesh, applied: AppliedPlan) -> None:

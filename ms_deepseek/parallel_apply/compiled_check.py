@@ -14,7 +14,8 @@ silent mismatch.
   (``_tensor._get_tensor_slice_index``) must be the plan's, and the optimizer-shard group
   must be present exactly when the plan expects the parallel optimizer to cut the parameter
   (:func:`ms_deepseek.parallel_plan.plan.optimizer_shard_group`). Every parameter of this rank's
-  stage must be in the compiled graph.
+  stage must be in the compiled graph. A LoRA run's frozen base (float or quantized: what its loader reads
+  by the plan) is compared the same way, and must have no optimizer-shard group.
 * Primitives: the strategies MindSpore compiled (its graph executor's ``get_strategy``, keyed by
   operator scope) against the plan's, primitive by primitive. (Reading ``prim.attrs`` after the
   compile, as this check first did, could never fire: MindSpore marks a ``BatchParallel`` fallback on
@@ -23,7 +24,7 @@ silent mismatch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -36,11 +37,21 @@ def _fmt(dev, tmap) -> str:
 
 
 def check_parameter_layouts(
-    compiled: Mapping[str, Sequence], layout, rank: int, optimizer_shard: bool = False, threshold_kb: int = 64
+    compiled: Mapping[str, Sequence],
+    layout,
+    rank: int,
+    optimizer_shard: bool = False,
+    threshold_kb: int = 64,
+    frozen: Optional[Set[str]] = None,
 ) -> int:
     """Compare every tensor of ``rank``'s stage in ``layout`` with MindSpore's compiled entry.
 
-    Returns how many parameters were compared; raises UserError naming the first mismatch."""
+    ``frozen``: with it, ``layout`` is a LoRA run's frozen base (float or quantized, ``checkpoint.layout.build_layout``)
+    and only these names of it are compared: what the loader reads (``train/lora_run.py``) and the planner prices
+    (``parallel_plan/costs.py``: whole slices by the plan, never cut by the parallel optimizer, as
+    ``parallel_apply/apply.py`` marks them) must be what MindSpore compiled. A frozen tensor the step does not
+    read (a quantized layer's ``weight_offset`` outside Ascend's fused int8 matmul) is not in the compiled
+    graph, and is skipped. Returns how many parameters were compared; raises UserError naming the first mismatch."""
     from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
 
     from ms_deepseek.parallel_plan.plan import optimizer_shard_group
@@ -49,7 +60,9 @@ def check_parameter_layouts(
     compared = 0
     for name in layout.tensors_of_rank(rank):
         t = layout.tensors[name]
-        if t.stage < 0:
+        if t.stage < 0 or (frozen is not None and name not in frozen):
+            continue
+        if frozen is not None and name not in compiled:
             continue
         if name not in compiled:
             raise UserError(
@@ -74,7 +87,11 @@ def check_parameter_layouts(
                     f"under {theirs}, slice {mine} under the {ours}"
                 )
         group = str(entry[5]) if len(entry) > 5 and entry[5] else ""
-        want = optimizer_shard and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype), threshold_kb) > 1
+        want = (
+            frozen is None
+            and optimizer_shard
+            and optimizer_shard_group(t.shape, t.split, devices, itemsize(t.dtype), threshold_kb) > 1
+        )
         if bool(group) != bool(want):
             raise UserError(
                 f"compiled layout: parameter {name}: MindSpore's optimizer-shard group is "
@@ -107,7 +124,11 @@ def compiled_strategies(cell) -> Dict[str, list]:
     return dict(_cell_graph_executor._get_shard_strategy(cell) or {})
 
 
-def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping[str, Tuple[str, tuple]]) -> int:
+def check_compiled_strategies(
+    compiled: Mapping[str, Sequence],
+    planned: Mapping[str, Tuple[str, tuple]],
+    unreported: AbstractSet[str] = frozenset(),
+) -> int:
     """The primitives the plan gives a strategy were compiled with that strategy.
 
     ``compiled``: :func:`compiled_strategies`; ``planned``: primitive path (``model.layers.1.mlp.to_experts``)
@@ -117,7 +138,10 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
     graph may hold functional operators of the same type with propagated strategies. A mismatch is a
     planned strategy found nowhere in its cell *and* a compiled one that is none of the planned: one of
     ours compiled with another strategy (e.g. MindSpore's ``BatchParallel`` fallback,
-    ``step_parallel_utils.cc`` ``OperatorInstance``). Returns how many planned strategies were found."""
+    ``step_parallel_utils.cc`` ``OperatorInstance``). ``unreported``: planned primitives MindSpore may leave out of
+    its strategies (sharded by ``Layout`` objects, :func:`layout_sharded`: under semi_auto ``get_strategy`` omits
+    them, under sharding propagation it lists them): their strategies count among the planned, their absence is
+    no mismatch. Returns how many planned strategies were found."""
     by_cell: Dict[Tuple[str, str], List[tuple]] = {}
     for scope, strategy in compiled.items():
         path = _scope_cell_path(scope)
@@ -135,9 +159,9 @@ def check_compiled_strategies(compiled: Mapping[str, Sequence], planned: Mapping
         if not got:
             continue  # not in this graph (another stage's cell, or unused)
         planned_set = {s for _, s in entries}
-        missing = [(p, s) for p, s in entries if s not in got]
+        missing = [(p, s) for p, s in entries if s not in got and p not in unreported]
         stray = [s for s in got if s not in planned_set]
-        found += len(entries) - len(missing)
+        found += sum(1 for _, s in entries if s in got)
         if missing and stray:
             path, want = missing[0]
             raise UserError(
@@ -173,10 +197,27 @@ def planned_primitives(
     for path, cell in model.cells_and_names():
         if not on_stage(path):
             continue
+        unused = set(getattr(cell, "graph_unused", ()))  # held for other code (model/quant.py's fused path)
         for attr, prim in primitives_of(cell):
+            if attr in unused:
+                continue
             p = join_path(path, attr)
             if p in strategies:
                 out[p] = (getattr(prim, "name", type(prim).__name__), strategies[p][0])
+    return out
+
+
+def layout_sharded(model, planned: Mapping[str, Tuple[str, tuple]]) -> Set[str]:
+    """The paths of ``planned`` whose primitive is sharded by ``mindspore.parallel.Layout`` objects (its ``in_layout``
+    attribute, ``mindspore/ops/primitive.py`` ``shard``): ``check_compiled_strategies``' ``unreported``."""
+    from ms_deepseek.parallel_apply.apply import join_path, primitives_of
+
+    out: Set[str] = set()
+    for path, cell in model.cells_and_names():
+        for attr, prim in primitives_of(cell):
+            p = join_path(path, attr)
+            if p in planned and "in_layout" in (getattr(prim, "attrs", None) or {}):
+                out.add(p)
     return out
 
 

@@ -80,13 +80,10 @@ DEEPSEEK_V2_PLAN: Dict[str, str] = {
     "model.layers.*.mlp.from_experts": "moe_exchange",
     "model.layers.*.mlp.combine_gather": "combine_gather",
     "model.layers.*.mlp.expert_placement": "placement_table",
-    # a quantized base (model/quant.py QuantStackedWeight): the dequantisation Mul of each expert stack
-    "model.layers.*.mlp.experts.gate_proj.dequant_mul": "expert_dequant_colwise",
-    "model.layers.*.mlp.experts.gate_proj.group_dequant_mul": "expert_dequant_colwise",
-    "model.layers.*.mlp.experts.up_proj.dequant_mul": "expert_dequant_colwise",
-    "model.layers.*.mlp.experts.up_proj.group_dequant_mul": "expert_dequant_colwise",
-    "model.layers.*.mlp.experts.down_proj.dequant_mul": "expert_dequant_rowwise",
-    "model.layers.*.mlp.experts.down_proj.group_dequant_mul": "expert_group_dequant_rowwise",
+    # a quantized base (model/quant.py QuantStackedWeight): each expert stack's dequantisation
+    "model.layers.*.mlp.experts.gate_proj": "expert_quant_colwise",
+    "model.layers.*.mlp.experts.up_proj": "expert_quant_colwise",
+    "model.layers.*.mlp.experts.down_proj": "expert_quant_rowwise",
     "model.norm": "hidden_norm",
     "lm_head": "vocab_head",
     "loss_fn": "vocab_cross_entropy",

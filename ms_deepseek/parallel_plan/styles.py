@@ -76,6 +76,71 @@ class StyleSpec:
     # cell attribute -> value, set on the matched cell (a form that depends on the layout, e.g. the loss's
     # ``split_vocab``)
     attrs: Dict[str, object] = field(default_factory=dict)
+    # primitive attribute -> its shard as named axes (``mindspore.parallel.Layout``), where a tuple strategy
+    # would not say which device axis a split takes
+    layouts: Dict[str, "NamedLayout"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NamedLayout:
+    """A primitive's shard in ``mindspore.parallel.Layout`` form: the stage's device matrix with named axes and,
+    per input, the device axis each tensor axis is split over ("None": whole; a scalar input has no axes).
+
+    A tuple strategy names only split counts: a split that uses fewer than all the stage's devices takes the
+    device matrix's leading (slowest) axes, the rest repeating rightmost (MindSpore
+    ``ops_info/operator_info.cc`` ``OperatorInfo::SetRepeatedCalcDevMatrix``), so
+    a weight split tp ways by an elementwise operator lands on the devices' dp index, where the plan's MatMuls
+    put tp fastest (checkpoint/layout.py ``_dev_matrix_for``): on dp 2 x tp 2 an ExpandDims sharded ``((2, 1),)``
+    gives the weight it reads the tensor map [1, -1] on a [2, 2] matrix, ``Layout((2, 2), ("dp", "tp"))("tp",
+    "None")`` gives [0, -1], the MatMul's."""
+
+    device_matrix: Tuple[int, ...]
+    axes: Tuple[str, ...]
+    inputs: Tuple[Tuple[str, ...], ...]
+
+    def strategy(self) -> Strategy:
+        """The same shard as split counts per input axis."""
+        size = dict(zip(self.axes, self.device_matrix))
+        return tuple(tuple(size.get(name, 1) for name in names) for names in self.inputs)
+
+
+def dequant_layouts(device_matrix: Tuple[int, ...], axes: Tuple[str, ...], weight: Tuple[str, ...]):
+    """The shards of a quantized layer's dequantisation (model/quant.py ``DEQUANT_PRIMITIVES``), all split like
+    its weight [.., out, in] (``weight``: the device axis of each weight axis; the stored int8 [.., out, in] or
+    packed int4 [.., out, in/2] splits the same way, a byte holding two adjacent columns).
+
+    Every step is named: an operator without a strategy takes semi_auto's default (under a pipeline), its first
+    axis split over all the stage's devices (MindSpore ``frontend/parallel/step_parallel.cc``
+    ``ExtractStrategyAndInit`` -> ``GenerateBatchParallelStrategy``; ``ops_info/operator_info.cc``
+    ``GenerateBatchStrategiesBySplitFlag``), and the weight and its scales take the layout of the operator that
+    reads them: at dp 2 tp 2 pp 2 a replicated int4 weight [48, 32] would be held as [12, 32] on each device.
+    The scale / offset [.., out, in/G] split like the weight on both axes: the dequantisation Mul on
+    [.., out, in/G, G] keeps the weight's split of ``in`` (group-wise: on the groups, which the scale shares;
+    per channel: on G = in, against a scale [.., out, 1, 1] whose one-group axis stays whole, see ``fit_layout``)."""
+    w = tuple(weight)
+    ints = w + ("None",)  # the unpacked integers [.., out, in, 1] / [.., out, in/2, 2]
+    lead = w[:-1]
+    inputs = {
+        "unpack_first": (w,),  # ExpandDims of the stored weight
+        "unpack_cast": (ints,),
+        "nibble_div": (ints, ("None",)),  # against the divisors (1, 16)
+        "nibble_bias": (ints, ()),
+        "nibble_mod": (ints, ()),
+        "nibble_center": (ints, ()),
+        "int_cast": (ints,),
+        "scale_expand": (lead + ("None",),),  # a per-channel scale [.., out, 1]
+        "group_scale_expand": (w,),  # group-wise [.., out, in/G]
+        "dequant_mul": (lead + ("None", w[-1]), lead + ("None", "None")),
+        "group_dequant_mul": (ints, ints),
+        "weight_cast": (w,),  # the dequantised weight [.., out, in] to the compute dtype
+    }
+    return {attr: NamedLayout(tuple(device_matrix), tuple(axes), ins) for attr, ins in inputs.items()}
+
+
+def _linear_dequant(mesh: Mesh, weight: Tuple[int, int]):
+    """A quantized Linear's dequantisation on the stage's (dp, tp) matrix, tp fastest (the plan's MatMuls)."""
+    names = tuple("tp" if k > 1 else "None" for k in weight)
+    return dequant_layouts((mesh.dp, mesh.tp), ("dp", "tp"), names)
 
 
 def _linear(
@@ -86,20 +151,15 @@ def _linear(
     # A LoRA adapter shards with its base layer: A [r, in] splits ``in`` as the weight does
     # (a rowwise layer's partial sums are reduced after x A^T), B [out, r] splits ``out``.
     lora_a, lora_b = (1, weight[1]), (weight[0], 1)
-    # A quantized base layer (model/quant.py): scale / offset [out, in/G] split like the weight [out, in]
-    # on both axes: the dequantisation Mul on [out, in/G, G] keeps the weight's split of ``in`` (group-wise:
-    # on the groups, which the scale shares; per channel: on G = in, against a scale [out, 1, 1] whose
-    # one-group axis stays whole, see ``fit_layout``). Ascend's WeightQuantBatchMatmul gets x, weight
-    # [out, in] (transpose_weight) and the 1-D scale / offset [out], which MindSpore's
-    # WeightQuantBatchMatmulInfo::InferTensorMap (ops_info/weight_quant_batch_matmul_info.cc) maps to
-    # the weight's output axis.
+    # A quantized base layer (model/quant.py): its dequantisation split like the weight (``dequant_layouts``);
+    # Ascend's WeightQuantBatchMatmul gets x, weight [out, in] (transpose_weight) and the 1-D scale / offset
+    # [out], which MindSpore's WeightQuantBatchMatmulInfo::InferTensorMap (ops_info/weight_quant_batch_matmul_info.cc)
+    # maps to the weight's output axis.
     scale = (weight[0], weight[1])
     return StyleSpec(
         prims={
             "matmul": ((x, weight), out),
             "qmatmul": ((x, weight, (weight[0],), (weight[0],)), out),
-            "dequant_mul": (((weight[0], 1, weight[1]), (weight[0], 1, 1)), None),
-            "group_dequant_mul": (((weight[0], weight[1], 1), (weight[0], weight[1], 1)), None),
             "add_bias": (((out_rows, bias_cols), bias), None),
             "lora_a_matmul": ((x, lora_a), None),
             "lora_b_matmul": (((x[0], 1), lora_b), None),
@@ -118,6 +178,7 @@ def _linear(
             "lora_A.weight": ("lora_a_matmul", 1),
             "lora_B.weight": ("lora_b_matmul", 1),
         },
+        layouts=_linear_dequant(mesh, weight),
     )
 
 
@@ -330,24 +391,25 @@ def _experts(mesh: Mesh) -> StyleSpec:
     )
 
 
-def _expert_dequant(weight_of) -> Callable[[Mesh], StyleSpec]:
-    """The dequantisation Mul of a quantized stacked expert projection (model/quant.py), split like its
-    weight: q [E, out, in/G, G] * scale [E, out, in/G, 1] (group-wise: ``in`` split on the groups axis;
-    per channel, in/G = 1: on G, against a whole scale axis). ``weight_of(mesh)`` -> the
-    4-D split of q and of the scale."""
+def _expert_quant(weight_of) -> Callable[[Mesh], StyleSpec]:
+    """A quantized stacked expert projection (model/quant.py ``QuantStackedWeight``): its dequantisation split
+    like its weight [E, out, in] (``weight_of(mesh)``: the device axis of each weight axis, as ``_experts``
+    splits it), on the stage's matrix (dp/ep, ep, tp): the expert-parallel groups are adjacent data-parallel
+    ranks and tp is fastest, as the expert BatchMatMuls' device matrix (x (dp/ep, ep, 1, 1) then the weight's
+    ``out``: checkpoint/layout.py ``_dev_matrix_for``). A float ``StackedWeight`` at the same path has none of
+    these primitives."""
 
     def build(mesh: Mesh) -> StyleSpec:
-        q, scale = weight_of(mesh)
-        return StyleSpec(prims={"": ((q, scale), None)}, is_primitive=True)
+        matrix = (mesh.dp // mesh.ep, mesh.ep, mesh.tp)
+        return StyleSpec(layouts=dequant_layouts(matrix, ("dp_outer", "ep", "tp"), weight_of(mesh)))
 
     return build
 
 
 # gate / up [E, I, H] split (ep, tp, 1); down [E, H, I] split (ep, 1, tp), as the weights (_experts)
-_EXPERT_DEQUANT = {
-    "expert_dequant_colwise": lambda m: ((m.ep, m.tp, 1, 1), (m.ep, m.tp, 1, 1)),
-    "expert_dequant_rowwise": lambda m: ((m.ep, 1, 1, m.tp), (m.ep, 1, 1, 1)),  # per channel
-    "expert_group_dequant_rowwise": lambda m: ((m.ep, 1, m.tp, 1), (m.ep, 1, m.tp, 1)),  # group-wise
+_EXPERT_QUANT = {
+    "expert_quant_colwise": lambda m: ("ep", "tp", "None"),
+    "expert_quant_rowwise": lambda m: ("ep", "None", "tp"),
 }
 
 
@@ -535,7 +597,7 @@ STYLES: Dict[str, Callable[[Mesh], StyleSpec]] = {
     "expert_rows_tp_pair": lambda mesh: _expert_rows_styles(mesh, tp_last=True, second="rows"),
     "expert_rows_scalar": lambda mesh: _expert_rows_styles(mesh, tp_last=False, second="scalar"),
     "expert_rows_tp_scalar": lambda mesh: _expert_rows_styles(mesh, tp_last=True, second="scalar"),
-    **{name: _expert_dequant(rule) for name, rule in _EXPERT_DEQUANT.items()},
+    **{name: _expert_quant(rule) for name, rule in _EXPERT_QUANT.items()},
 }
 
 

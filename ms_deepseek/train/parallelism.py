@@ -229,19 +229,34 @@ def checkpoint_layout(ctx: RunContext, opt_tensors: Dict[str, object]):
     )
 
 
+def frozen_base_layout(ctx: RunContext):
+    """A LoRA run's whole model as its loader reads it (float, or quantized with a ``quant:`` section:
+    ``lora_run.LoraModel.load_slices``), None for a run that checkpoints every tensor."""
+    from ms_deepseek.checkpoint.layout import build_layout
+
+    if ctx.recipe.lora is None:
+        return None
+    return build_layout(ctx.cfg, ctx.par, quant=ctx.recipe.quant)
+
+
 def check_compiled(ctx: RunContext, tensors: TrainTensors, layout):
-    """The compiled step's parameter layouts and primitive strategies against the plan; returns how many of
-    each were compared (UserError on a mismatch, naming it)."""
+    """The compiled step's parameter layouts (a LoRA run: its frozen base's too) and primitive strategies against
+    the plan; returns how many of each were compared (UserError on a mismatch, naming it)."""
     from ms_deepseek.parallel_apply import compiled_check as cc
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
 
     step_cell, applied = tensors.step_cell, tensors.applied
-    compared = cc.check_parameter_layouts(cc.compiled_layouts(step_cell), layout, ctx.rank, ctx.par.optimizer_shard)
+    compiled = cc.compiled_layouts(step_cell)
+    compared = cc.check_parameter_layouts(compiled, layout, ctx.rank, ctx.par.optimizer_shard)
+    base = frozen_base_layout(ctx)
+    if base is not None:  # a LoRA run's frozen base, read by the plan's layout (lora_run.LoraModel.load_slices)
+        frozen = set(base.tensors) - set(layout.tensors)
+        compared += cc.check_parameter_layouts(compiled, base, ctx.rank, ctx.par.optimizer_shard, frozen=frozen)
+    planned = cc.planned_primitives(
+        tensors.model, applied.strategies, applied.stage_of_cell, stage_of_rank(ctx.rank, ctx.par)
+    )
     strategies = cc.check_compiled_strategies(
-        cc.compiled_strategies(step_cell),
-        cc.planned_primitives(
-            tensors.model, applied.strategies, applied.stage_of_cell, stage_of_rank(ctx.rank, ctx.par)
-        ),
+        cc.compiled_strategies(step_cell), planned, cc.layout_sharded(tensors.model, planned)
     )
     return compared, strategies
 

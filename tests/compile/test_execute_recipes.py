@@ -68,10 +68,8 @@ HIDDEN = {
 }
 
 
-# A defect this check found and that is not fixed yet: with tp 2 and pp 2 MindSpore compiles the frozen int4 base's
-# q_a_proj weight (and its scales) split over the stage's 4 devices along its rows ([48, 32] -> [12, 32]), while the
-# plan and the loader (lora_run.load_base_slices) keep it whole on every rank: step 0's comparison refuses it.
-KNOWN_DEFECTS = {"v2-lora-int4-dp2-tp2-pp2-ep2"}
+# Layouts with a defect this check found that is not fixed yet, each a strict xfail
+KNOWN_DEFECTS: set = set()
 
 
 @pytest.mark.heavy

@@ -144,3 +144,19 @@ def test_quantized_weights_and_scales_shard_by_the_same_plan(group):
         ((4, 1, 1, 2), (4, 1, 1, 1)) if group is None else ((4, 1, 2, 1), (4, 1, 2, 1))
     )
     assert strat[f"model.layers.0.self_attn.o_proj.{mul}"][0][0] == ((1, 1, 2) if group is None else (1, 2, 1))
+    # every step of the dequantisation has the plan's strategy: under a pipeline (semi_auto) one without would split
+    # its first axis over the stage's devices, and the weight and scales, which take the layout of the operator
+    # that reads them, would be cut by rows (dp2 tp2 pp2 ep2 compiled them [48, 32] -> [12, 32])
+    from ms_deepseek.model.quant import DEQUANT_PRIMITIVES, QuantLinear, QuantStackedWeight
+
+    expand = "scale_expand" if group is None else "group_scale_expand"
+    for path, cell in model.cells_and_names():
+        if not isinstance(cell, (QuantLinear, QuantStackedWeight)):
+            continue
+        held = [a for a in DEQUANT_PRIMITIVES if getattr(cell, a, None) is not None]
+        assert len(held) == 10, (path, held)  # int4: the three casts, the four nibble steps, one scale form, the Mul
+        for attr in held:
+            assert f"{path}.{attr}" in strat, f"{path}.{attr}"
+        # the operators that read the Parameters take their layouts
+        assert strat[f"{path}.unpack_first"][0] == (lay[f"{path}.weight"],), path
+        assert strat[f"{path}.{expand}"][0] == (lay[f"{path}.weight_scale"],), path

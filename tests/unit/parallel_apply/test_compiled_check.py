@@ -150,3 +150,20 @@ def test_under_a_pipeline_only_the_ranks_stage_is_compared():
     assert cc.check_compiled_strategies(compiled, staged) == 1
     with pytest.raises(UserError, match=r"model.layers.1.mlp.pad_tokens \(Concat\)"):  # the whole model's plan
         cc.check_compiled_strategies(compiled, cc.planned_primitives(model, strategies))
+
+
+def test_primitives_sharded_by_layouts_count_among_the_planned_but_may_go_unreported():
+    """A quantized layer without a bias: its planned ``add_bias`` is not in the graph, its nibble Add (sharded by a
+    Layout, model/quant.py) is. Sharding propagation lists the Add with its strategy, semi_auto leaves it out."""
+    quant = _SCOPE + "mlp-MLP/down_proj-QuantLinear/"
+    planned = {
+        "model.layers.1.mlp.down_proj.add_bias": ("Add", ((8, 1), (1,))),
+        "model.layers.1.mlp.down_proj.nibble_bias": ("Add", ((1, 1, 1), ())),
+    }
+    layouts = {"model.layers.1.mlp.down_proj.nibble_bias"}
+    propagated = {quant + "Add-op0": [[1, 1, 1], []]}
+    assert cc.check_compiled_strategies(propagated, planned, layouts) == 1
+    assert cc.check_compiled_strategies({}, planned, layouts) == 0  # semi_auto: not reported
+    # as an operator of the plan it is no stray; without it, it reads as add_bias compiled otherwise
+    with pytest.raises(UserError, match=r"down_proj.add_bias \(Add\)"):
+        cc.check_compiled_strategies(propagated, {k: v for k, v in planned.items() if "nibble" not in k})
