@@ -1,5 +1,6 @@
 """ms-deepseek: DeepSeek-V2 training with MindSpore on Ascend (and CPU)."""
 
+import os
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
@@ -11,6 +12,23 @@ def read_pins(name):
     """Requirement lines of a pins file (comments and blanks dropped)."""
     lines = (HERE / name).read_text().splitlines()
     return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+def runtime_pins():
+    """The pins file of the MindSpore line asked for at install time: ``MS_DEEPSEEK_MINDSPORE`` unset (or the
+    line requirements.txt pins) installs requirements.txt, another line its ``requirements-ms<line>.txt``. A pip
+    constraints file cannot do this (constraints narrow a requirement, they never replace an exact pin), nor can
+    an extra (extras add requirements to the default ones)."""
+    line = os.environ.get("MS_DEEPSEEK_MINDSPORE", "").strip()
+    default = next(r for r in read_pins("requirements.txt") if r.startswith("mindspore=="))
+    if not line or default.split("==")[1].startswith(line + "."):
+        return read_pins("requirements.txt")
+    name = f"requirements-ms{line}.txt"
+    if not (HERE / name).is_file():
+        lines = sorted(p.name[len("requirements-ms") : -len(".txt")] for p in HERE.glob("requirements-ms*.txt"))
+        supported = ", ".join([default.split("==")[1].rsplit(".", 1)[0], *lines])
+        raise SystemExit(f"MS_DEEPSEEK_MINDSPORE={line}: not a supported MindSpore line (supported: {supported})")
+    return read_pins(name)
 
 
 setup(
@@ -30,7 +48,7 @@ setup(
     include_package_data=True,
     package_data={"ms_deepseek.ops_src": ["**/*"]},
     exclude_package_data={"": ["*.so", "*.o", "*.pyc"]},  # kernels built in place on first use stay out
-    install_requires=read_pins("requirements.txt"),
+    install_requires=runtime_pins(),
     extras_require={"test": read_pins("requirements-test.txt")},
     entry_points={"console_scripts": ["ms-deepseek=ms_deepseek.cli:main"]},
 )

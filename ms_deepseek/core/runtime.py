@@ -37,15 +37,28 @@ def detect_device() -> str:
     return "CPU"
 
 
-# The MindSpore release line ms-deepseek runs on (requirements.txt pins 2.9.0). The compile and execution checks
-# (plan --compile / --execute) load MindSpore's Ascend plugin against generated stub CANN libraries built for this
-# release's symbols (diagnostics/cann_stubs.py); another release's plugin is not checked by them, so it is refused
+# The MindSpore release lines ms-deepseek runs on, the default first: requirements.txt pins the default (2.9.0),
+# requirements-ms<line>.txt each other line (setup.py installs one when MS_DEEPSEEK_MINDSPORE=<line> is set). The
+# compile and execution checks (plan --compile / --execute) load MindSpore's Ascend plugin against stub CANN
+# libraries generated from the installed wheel (diagnostics/cann_stubs.py); a line they were not run on is refused
 # at start rather than trained on unchecked (README: which releases and why).
-SUPPORTED_MINDSPORE = "2.9"
+SUPPORTED_MINDSPORE_LINES = ("2.9", "2.10")
+MINDSPORE_LINE_ENV = "MS_DEEPSEEK_MINDSPORE"  # read by setup.py at install time
 
 
-def check_mindspore_version(found: Optional[str] = None) -> None:
-    """One line, no traceback, when the installed MindSpore is not of :data:`SUPPORTED_MINDSPORE`'s line."""
+def mindspore_line(version: str) -> str:
+    """``major.minor`` of a MindSpore version string (``2.10.0+cpu`` -> ``2.10``)."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def pins_file(line: str) -> str:
+    """The pins file of a supported line (requirements.txt for the default)."""
+    return "requirements.txt" if line == SUPPORTED_MINDSPORE_LINES[0] else f"requirements-ms{line}.txt"
+
+
+def check_mindspore_version(found: Optional[str] = None) -> str:
+    """The installed MindSpore's line; one line, no traceback, when it is not one of
+    :data:`SUPPORTED_MINDSPORE_LINES`."""
     if found is None:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -53,11 +66,15 @@ def check_mindspore_version(found: Optional[str] = None) -> None:
             found = version("mindspore")
         except PackageNotFoundError:
             raise UserError("MindSpore is not installed: pip install -r requirements.txt") from None
-    if found.split("+")[0].split(".")[:2] != SUPPORTED_MINDSPORE.split("."):
+    line = mindspore_line(found)
+    if line not in SUPPORTED_MINDSPORE_LINES:
+        lines = " and ".join(f"{s}.x" for s in SUPPORTED_MINDSPORE_LINES)
         raise UserError(
-            f"MindSpore {found}: ms-deepseek runs on MindSpore {SUPPORTED_MINDSPORE}.x (requirements.txt pins it; "
-            "its compile and execution checks are built against that release): pip install -r requirements.txt"
+            f"MindSpore {found}: ms-deepseek runs on MindSpore {lines} (its compile and execution checks are run on "
+            f"those lines): pip install -e . for {SUPPORTED_MINDSPORE_LINES[0]}, or "
+            f"{MINDSPORE_LINE_ENV}=<line> pip install -e . for another"
         )
+    return line
 
 
 def use_device(target: Optional[str] = None) -> str:

@@ -3,9 +3,10 @@
 MindSpore's Ascend plugin (``mindspore/lib/plugin/libmindspore_ascend.so.2`` and the libraries
 under ``plugin/ascend/``) links against CANN libraries (``libge_runner.so``, ``libhccl.so``,
 ``libascendcl.so``, ...). At ``MS_SIMULATION_LEVEL=0`` (compile only) none of their functions is
-called except a static registration at load (``ge::OperatorCreatorRegister``), so libraries that
-define every symbol the plugin needs, each returning 0, let the real parallel frontend run
-(docs/measurements.md, "MindSpore's dry run on a CPU host"; MindSpore 2.9.0).
+called except static registrations at load (``ge::OperatorCreatorRegister``; from MindSpore 2.10 also
+``ge::StatusFactory::Instance()``, see :data:`CONSTRUCTED`), so libraries that define every symbol the
+plugin needs, each returning 0 but for those registrations, let the real parallel frontend run
+(docs/measurements.md, "MindSpore's dry run on a CPU host"; MindSpore 2.9.0 and 2.10.0).
 
 :func:`ensure_stubs` builds them once per MindSpore version, Python and machine into the user's
 cache folder, from the installed wheel itself:
@@ -16,7 +17,8 @@ cache folder, from the installed wheel itself:
 2. collect the undefined, non-weak dynamic symbols of the closure's own libraries
    (``readelf --dyn-syms``) that no library of the closure (nor the Python executable) defines;
 3. compile one C file with a ``long f(void) { return 0; }`` per symbol (its mangled name given
-   with ``__asm__``) into ``libcann_stub_core.so``, and give every missing library an empty
+   with ``__asm__``; a singleton getter a static initializer uses returns a constructed object instead,
+   :data:`CONSTRUCTED`) into ``libcann_stub_core.so``, and give every missing library an empty
    ``.so`` with that SONAME which depends on the core;
 4. write ``py/hccl/sys_version.py`` (``mindspore.communication.init()`` imports it).
 
@@ -55,7 +57,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ms_deepseek.core.errors import UserError
 
-STUB_VERSION = 3  # bump when what is built changes: the cache key includes it
+STUB_VERSION = 4  # bump when what is built changes: the cache key includes it
 SIM_STUB_VERSION = 2  # the level-1 folder's own version (bump when what it holds changes)
 HCCL_VERSION = "8.1.0"  # what mindspore.communication's _check_version reads from hccl.sys_version
 
@@ -267,6 +269,21 @@ BY_VALUE = {
     "_ZN2ge15OperatorFactory14CreateOperatorERKSsS2_": 24,
     "_ZN2ge15OperatorFactory14CreateOperatorERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEES8_": 24,
 }
+# singleton getters that a static initializer of the plugin calls at load and then uses: a stub must return a real,
+# constructed object of the same layout, not 0. ge::StatusFactory (graphengine inc/external/ge/ge_api_error_codes.h)
+# holds one std::map<uint32_t, std::string> err_desc_; every GE_ERRORNO in a library is a static ErrorNoRegisterar
+# whose constructor runs StatusFactory::Instance()->RegisterErrorNo(err, desc), inlined into the caller (MindSpore
+# 2.10's plugin/ascend/libd_collective.so, libmindspore_graph_ir.so, ...), which inserts into that map. The stub is
+# an empty libstdc++ std::map (bits/stl_tree.h _Rb_tree_impl: the 8-byte key compare, then the header node
+# {color red = 0, parent = 0, left = right = &header}, then the node count): the plugin's own inlined code allocates
+# and links the nodes (old-ABI std::string values), and no destructor of ours ever touches them.
+CONSTRUCTED = {
+    "_ZN2ge13StatusFactory8InstanceEv": (
+        "static struct {{ long compare; int color; void *parent, *left, *right; unsigned long count; }}\n"
+        "    status_factory = {{0, 0, 0, &status_factory.color, &status_factory.color, 0}};\n"
+        'void *f_{i}(void) __asm__("{name}");\nvoid *f_{i}(void) {{ return &status_factory; }}'
+    ),
+}
 # what MindSpore's plugin dlsym()s from the CANN tree it found: ACL, ACLNN, runtime and HCCL entry points
 _ACL_NAME = re.compile(
     rb"(?<![A-Za-z0-9_])((?:acl|aclrt|aclnn|aclop|aclmdl|aclprof|acltdt|rt|Hccl|mstx)[A-Z][A-Za-z0-9_]*)"
@@ -297,6 +314,8 @@ def _c_source(symbols: Dict[str, str]) -> str:
     for i, (name, kind) in enumerate(symbols.items()):
         if name in BY_VALUE:
             lines.append(_by_value_stub(i, name, BY_VALUE[name]))
+        elif name in CONSTRUCTED:
+            lines.append(CONSTRUCTED[name].format(i=i, name=name))
         elif kind == "OBJECT":
             lines.append(f'char o_{i}[256] __asm__("{name}");')
         else:

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from typing import List, Optional, Tuple
 
+from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.runtime import SUPPORTED_MINDSPORE_LINES, check_mindspore_version
 from ms_deepseek.diagnostics import npu_parse, pins
 from ms_deepseek.diagnostics.doctor_core import (
     NO_NPU,
@@ -132,7 +134,17 @@ def _check_pinned(ctx: DoctorContext, name: str, extra: str = "") -> CheckResult
 
 @check("mindspore", 1, "MindSpore version")
 def check_mindspore(ctx: DoctorContext) -> CheckResult:
-    return _check_pinned(ctx, "mindspore")
+    """The installed MindSpore's line (one of ``core/runtime.SUPPORTED_MINDSPORE_LINES``) and its pin."""
+    found = pins.installed_version("mindspore")
+    if found is None:
+        return _check_pinned(ctx, "mindspore")
+    try:
+        line = check_mindspore_version(found)
+    except UserError as err:
+        return failed(str(err), f"pip install -e . (MindSpore {SUPPORTED_MINDSPORE_LINES[0]}.x)")
+    result = _check_pinned(ctx, "mindspore")
+    result.message += f"; MindSpore line {line} (supported: {', '.join(SUPPORTED_MINDSPORE_LINES)})"
+    return result
 
 
 @check("numpy", 1, "numpy version")

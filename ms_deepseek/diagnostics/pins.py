@@ -1,9 +1,11 @@
 """The pinned versions, read at run time from the one source of truth.
 
-``requirements.txt`` at the repository root holds the runtime pins; setup.py
-turns them into ``install_requires``, so an installed package carries the same
-pins in its metadata (``Requires-Dist``). Lookup order: an explicit path, the
-checkout this module sits in, then the installed distribution's metadata.
+``requirements.txt`` at the repository root holds the runtime pins of the default
+MindSpore line, ``requirements-ms<line>.txt`` those of each other supported line
+(``core/runtime.SUPPORTED_MINDSPORE_LINES``); setup.py turns the chosen file into
+``install_requires``, so an installed package carries the same pins in its metadata
+(``Requires-Dist``). Lookup order: an explicit path, the checkout's file of the
+installed MindSpore's line, then the installed distribution's metadata.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def read_pins(path: Optional[str] = None) -> Tuple[str, Dict[str, Pin]]:
         except OSError as exc:
             raise UserError(f"--requirements {path}: cannot read ({exc.strerror or exc})") from None
         return str(p), parse_requirement_lines(text.splitlines())
-    local = REPO_ROOT / "requirements.txt"
+    local = REPO_ROOT / local_pins_name()
     if local.is_file() and (REPO_ROOT / "setup.py").is_file():
         return str(local), parse_requirement_lines(local.read_text().splitlines())
     import importlib.metadata as md
@@ -93,6 +95,16 @@ def read_pins(path: Optional[str] = None) -> Tuple[str, Dict[str, Pin]]:
     raise UserError(
         "requirements.txt not found next to the package and ms-deepseek is not installed; pass --requirements PATH"
     )
+
+
+def local_pins_name() -> str:
+    """The checkout's pins file for the installed MindSpore's line (requirements.txt when MindSpore is missing or
+    of no supported line: its checks then say what to install)."""
+    from ms_deepseek.core.runtime import SUPPORTED_MINDSPORE_LINES, mindspore_line, pins_file
+
+    found = installed_version("mindspore")
+    line = mindspore_line(found) if found else ""
+    return pins_file(line) if line in SUPPORTED_MINDSPORE_LINES else "requirements.txt"
 
 
 def python_requires() -> Optional[str]:

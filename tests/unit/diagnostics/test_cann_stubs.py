@@ -66,3 +66,68 @@ def test_level1_stubs_sit_where_mindspore_looks_for_cann_and_fill_by_value_resul
         fn.restype = ctypes.c_void_p
         assert fn(buf, None, None) == ctypes.addressof(buf)
         assert buf.raw[:24] == b"\0" * 24 and buf.raw[24:32] == b"\xff" * 8  # 24 bytes, not one more
+
+
+_GE_STATUS_USER = r"""
+// what a GE_ERRORNO does at load (graphengine inc/external/ge/ge_api_error_codes.h): a static registrar whose
+// constructor inserts into the singleton's map through inline code of the caller, old-ABI std::string as in CANN
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+namespace ge {
+class StatusFactory {
+ public:
+  static StatusFactory *Instance();
+  void RegisterErrorNo(uint32_t err, const std::string &desc) {
+    if (err_desc_.find(err) != err_desc_.end()) return;
+    err_desc_[err] = desc;
+  }
+  std::string GetErrDesc(uint32_t err) { auto it = err_desc_.find(err); return it == err_desc_.end() ? "" : it->second; }
+  size_t Size() const { return err_desc_.size(); }
+ private:
+  std::map<uint32_t, std::string> err_desc_;
+};
+struct ErrorNoRegisterar {
+  ErrorNoRegisterar(uint32_t err, const std::string &desc) { StatusFactory::Instance()->RegisterErrorNo(err, desc); }
+};
+}
+static ge::ErrorNoRegisterar a(0, "Success"), b(0xFFFFFFFFu, "Failed"), c(0, "again");
+int main() {
+  ge::StatusFactory *f = ge::StatusFactory::Instance();
+  std::printf("%zu %s %s\n", f->Size(), f->GetErrDesc(0).c_str(), f->GetErrDesc(0xFFFFFFFFu).c_str());
+  return 0;
+}
+"""
+
+
+def _status_factory_user(tmp_path, monkeypatch, constructed):
+    import shutil
+
+    import pytest
+
+    if not (shutil.which("g++") and shutil.which("gcc")):
+        pytest.skip("g++ and gcc build the check of a singleton stub")
+    monkeypatch.setattr(cann_stubs, "CONSTRUCTED", constructed)
+    (tmp_path / "core.c").write_text(cann_stubs._c_source({"_ZN2ge13StatusFactory8InstanceEv": "FUNC"}))
+    core = tmp_path / "libcore.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-w", "-o", str(core), str(tmp_path / "core.c")], check=True)
+    (tmp_path / "user.cc").write_text(_GE_STATUS_USER)
+    exe = tmp_path / "user"
+    cxx = ["g++", "-D_GLIBCXX_USE_CXX11_ABI=0", "-O1", "-o", str(exe), str(tmp_path / "user.cc")]
+    subprocess.run([*cxx, f"-L{tmp_path}", "-lcore", f"-Wl,-rpath,{tmp_path}"], check=True)
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+
+
+def test_a_singleton_a_static_initializer_fills_is_a_constructed_empty_map(tmp_path, monkeypatch):
+    """MindSpore 2.10's plugin/ascend/libd_collective.so registers GE error codes at load through
+    ge::StatusFactory::Instance(): the stub hands back an empty std::map the caller's own code inserts into."""
+    proc = _status_factory_user(tmp_path, monkeypatch, cann_stubs.CONSTRUCTED)
+    assert proc.returncode == 0 and proc.stdout.split() == ["2", "Success", "Failed"], proc
+
+
+def test_a_singleton_stub_returning_0_crashes_at_load(tmp_path, monkeypatch):
+    """The plant: the getter stubbed like every other function (return 0) segfaults in the static initializer,
+    as MindSpore 2.10 did."""
+    proc = _status_factory_user(tmp_path, monkeypatch, {})
+    assert proc.returncode < 0, proc

@@ -81,7 +81,9 @@ def test_parse_ecc_hccn_mtu_iplink_cann():
     assert not npu_parse.cann_release_matches("8.0.0", "9.0.0")
 
 
-def test_pins_come_from_requirements_txt():
+def test_pins_come_from_requirements_txt(monkeypatch):
+    real = pins.installed_version
+    monkeypatch.setattr(pins, "installed_version", lambda name: "2.9.0" if name == "mindspore" else real(name))
     source, pinned = pins.read_pins()
     text = (REPO / "requirements.txt").read_text()
     assert source.endswith("requirements.txt")
@@ -92,6 +94,23 @@ def test_pins_come_from_requirements_txt():
     assert pins.satisfies("3.11.4", ">=3.9,<3.12") and not pins.satisfies("3.12.0", ">=3.9,<3.12")
     # the pinned MindSpore has a known CANN pairing (doctor:cann and the Dockerfile rely on it)
     assert pinned["mindspore"].exact in pins.MINDSPORE_CANN
+
+
+@pytest.mark.parametrize("found, line", [("2.9.0", "2.9"), ("2.10.0", "2.10")])
+def test_doctor_reports_the_mindspore_line_against_that_lines_pins(monkeypatch, found, line):
+    real = pins.installed_version
+    monkeypatch.setattr(pins, "installed_version", lambda name: found if name == "mindspore" else real(name))
+    res = run_check(REGISTRY["mindspore"], DoctorContext(probe=RecordedProbe()))
+    assert res.status == PASS, res.message
+    assert res.message == f"mindspore {found} matches =={found}; MindSpore line {line} (supported: 2.9, 2.10)"
+
+
+def test_doctor_fails_an_untested_mindspore_line_in_one_line(monkeypatch):
+    real = pins.installed_version
+    monkeypatch.setattr(pins, "installed_version", lambda name: "2.11.0" if name == "mindspore" else real(name))
+    res = run_check(REGISTRY["mindspore"], DoctorContext(probe=RecordedProbe()))
+    assert res.status == FAIL and res.message.startswith("MindSpore 2.11.0: ms-deepseek runs on MindSpore 2.9.x and")
+    assert "\n" not in res.message
 
 
 def test_version_specs_without_packaging(monkeypatch):
