@@ -222,7 +222,7 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     env["MS_DEEPSEEK_DEVICE"] = "CPU"
     # the reference operators, MindSpore's own (ops.reference): a float32 softmax compiled for Ascend is MindSpore's
     # Softmax (ops/api.py FP32Softmax), which the executor runs on MindSpore's CPU kernel; our C++ kernel on one
-    # device would differ from it by that kernel's rounding (design.md section 1), not by the layout
+    # device would differ from it by the two kernels' rounding of exp, not by the layout
     env["MS_DEEPSEEK_OPS"] = "reference"
     env.setdefault("GLOG_v", "3")
     with open(folder / "reference.log", "wb") as log:
