@@ -59,6 +59,7 @@ from ms_deepseek.diagnostics import execute_compare as cmp
 from ms_deepseek.diagnostics import execute_ranks as xr
 from ms_deepseek.diagnostics.compile_check import compile_environment
 from ms_deepseek.diagnostics.execute_setup import (
+    SEQ_LEN,
     ExecReduction,
     check_rows,
     one_device_batches,
@@ -316,7 +317,6 @@ def _sft_folder(red: ExecReduction) -> Optional[Path]:
         return None
     from ms_deepseek.config.data import DataConfig
     from ms_deepseek.data.dataset import ensure_embedded_chat
-    from ms_deepseek.diagnostics.execute_setup import SEQ_LEN
 
     return ensure_embedded_chat(DataConfig(seq_len=SEQ_LEN, embedded_vocab_size=int(red.config["vocab_size"])))
 

@@ -278,12 +278,14 @@ def check_rows(recipe, per_rank: Dict[int, List[Batch]], one_device: List[Batch]
     k = accumulation_of(recipe)
     width = recipe.parallel.dp * recipe.train.micro_batch_size  # rows of the global micro-batch
     problems: List[Tuple[int, int, str]] = []
+    # where each rank's rows go: the same every step (the step input's shape does not change)
+    where = {rank: global_rows(recipe, rank, batches[0][0].shape[0]) for rank, batches in per_rank.items()}
     for s, (ids, labels) in enumerate(one_device, start=1):
         placed: Dict[int, Tuple[int, bytes]] = {}
         for rank in sorted(per_rank):
             r_ids, r_labels = per_rank[rank][s - 1]
             mine = _row_keys(r_ids, r_labels)
-            for j, position in enumerate(global_rows(recipe, rank, len(mine))):
+            for j, position in enumerate(where[rank]):
                 other = placed.setdefault(int(position), (rank, mine[j]))
                 if other[1] != mine[j]:
                     problems.append(
