@@ -2,7 +2,8 @@
 
 * Every test runs with a temporary working directory, so MindSpore's compile
   droppings (rank_*/, kernel_meta/) never land in the checkout.
-* The embedded default corpus is cached in a session temporary folder (MS_DEEPSEEK_CACHE).
+* The embedded default corpus is cached in a session temporary folder (MS_DEEPSEEK_CACHE), and so is
+  ``plan --execute``'s one-device run (MS_DEEPSEEK_EXECUTE_CACHE): the planted-mistake runs of a recipe share it.
 * MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
   into the temporary folder.
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
@@ -23,6 +24,7 @@ os.environ.setdefault("GLOG_v", "3")
 # The embedded corpus is built once per test session in a temporary folder, never in ~/.cache.
 _CACHE = tempfile.mkdtemp(prefix="ms-deepseek-test-cache-")
 os.environ.setdefault("MS_DEEPSEEK_CACHE", _CACHE)
+os.environ.setdefault("MS_DEEPSEEK_EXECUTE_CACHE", os.path.join(_CACHE, "one-device"))
 atexit.register(shutil.rmtree, _CACHE, True)
 os.environ.setdefault("MS_SUBMODULE_LOG_v", "{}")
 

@@ -55,6 +55,7 @@ from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.diagnostics import execute as ex
+from ms_deepseek.diagnostics import execute_cache
 from ms_deepseek.diagnostics import execute_compare as cmp
 from ms_deepseek.diagnostics import execute_ranks as xr
 from ms_deepseek.diagnostics.compile_check import compile_environment
@@ -204,19 +205,16 @@ def _worker_failure(folder: Path, rank: int) -> List[str]:
 
 def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path, ep: int):
     """The one-device run in its own CPU process (:mod:`.execute_reference`), started beside the compile workers;
-    its balance losses over the ``ep`` device groups of the layout it is compared with."""
+    its balance losses over the ``ep`` device groups of the layout it is compared with. Returns the process (None
+    when :mod:`.execute_cache` held the same run and restored it) and the run's cache key."""
     folder = work / "one_device"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {}
     for s, (ids, labels) in enumerate(batches, start=1):
         arrays[f"ids_{s}"], arrays[f"labels_{s}"] = ids, labels
     np.savez(folder / "batches.npz", **arrays)
-    request = folder / "request.json"
-    request.write_text(
-        json.dumps(
-            {"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "steps": steps, "expert_parallel": ep}
-        )
-    )
+    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "steps": steps, "expert_parallel": ep}
+    (folder / "request.json").write_text(json.dumps(request))
     env = dict(os.environ)
     for key in ("MS_SIMULATION_LEVEL", "RANK_SIZE", "RANK_ID", "MS_WORKER_NUM", "MS_ROLE", "MS_DEEPSEEK_DEVICE"):
         env.pop(key, None)
@@ -226,18 +224,24 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     # device would differ from it by the two kernels' rounding of exp, not by the layout
     env["MS_DEEPSEEK_OPS"] = "reference"
     env.setdefault("GLOG_v", "3")
+    cache_key = execute_cache.key(load_recipe(recipe_path, overrides), arrays, request, env)
+    if execute_cache.restore(cache_key, folder):
+        return None, cache_key
     with open(folder / "reference.log", "wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ms_deepseek.diagnostics.execute_reference", str(request)],
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ms_deepseek.diagnostics.execute_reference", str(folder / "request.json")],
             cwd=folder,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    return proc, cache_key
 
 
-def _finish_reference(proc: subprocess.Popen, work: Path) -> Dict:
+def _finish_reference(proc: Optional[subprocess.Popen], work: Path, cache_key: str) -> Dict:
     folder = work / "one_device"
+    if proc is None:  # restored from the cache
+        return json.loads((folder / "result.json").read_text())
     try:
         code = proc.wait(timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -248,6 +252,7 @@ def _finish_reference(proc: subprocess.Popen, work: Path) -> Dict:
     if code != 0 or not (folder / "result.json").is_file():
         tail = (folder / "reference.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise UserError(f"the one-device run failed: {' | '.join(tail)} (log: {folder / 'reference.log'})")
+    execute_cache.store(cache_key, folder)
     return json.loads((folder / "result.json").read_text())
 
 
@@ -291,14 +296,16 @@ def execute_recipe(
     report.seconds["setup"] = round(time.time() - clock, 1)
     clock = time.time()
     say(f"training the same {steps} steps on one device, beside the compiles ...")
-    one_device = _start_reference(
+    one_device, cache_key = _start_reference(
         recipe_path, overrides + single_device_overrides(reduced), global_batches, steps, work, red.layout["ep"]
     )
+    if one_device is None:
+        red.notes.append(f"one device: the same run restored from {execute_cache.ENV} ({cache_key})")
     try:
         _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
-        one = _finish_reference(one_device, work)
+        one = _finish_reference(one_device, work, cache_key)
     finally:
-        if one_device.poll() is None:
+        if one_device is not None and one_device.poll() is None:
             one_device.kill()
     report.seconds["compile_and_one_device"] = round(time.time() - clock, 1)
     clock = time.time()
