@@ -7,17 +7,21 @@
 * MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
   into the temporary folder.
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
+* Tiers (tests/helpers/tiers.py): every test under tests/compile and tests/msrun is marked ``slow`` (the full tier);
+  a test that starts a compile or an msrun job without a ``slow``, ``heavy`` or ``smoke`` mark fails.
 * PyNative launches ops synchronously (``launch_blocking``): faster on a 2-core CPU.
 """
 
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
+import tiers
 from repo_paths import FIXTURES, REPO  # tests/helpers is on pytest's pythonpath (pytest.ini)
 
 os.environ.setdefault("GLOG_v", "3")
@@ -41,6 +45,47 @@ def ascend_available() -> bool:
     from ms_deepseek.core.runtime import detect_device
 
     return detect_device() == "Ascend"
+
+
+# what the running test started that only a slow, heavy or smoke test may start (tiers.launches_heavy_work)
+_STARTED: list = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _recording_popen_init(self, args, *rest, **kwargs):
+    what = tiers.launches_heavy_work(args, kwargs.get("env"))
+    if what:
+        _STARTED.append(what)
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+
+
+def pytest_itemcollected(item):
+    marker = tiers.tier_marker(str(Path(str(item.path)).relative_to(REPO / "tests")))
+    if marker:
+        item.add_marker(marker)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _STARTED.clear()  # before the fixtures of the test, whatever their scope
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if _STARTED and not any(item.get_closest_marker(m) for m in tiers.MAY_COMPILE):
+        started = sorted(set(_STARTED))
+        _STARTED.clear()
+        pytest.fail(
+            f"{item.nodeid} started {', '.join(started)}: only a test marked slow (or smoke, for the default tier's "
+            "one compile and one execution) may; see ARCHITECTURE.md, where a test goes",
+            pytrace=False,
+        )
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

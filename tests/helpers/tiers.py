@@ -1,0 +1,49 @@
+"""The test suite's two tiers, and the guard that keeps compiles and multi-process jobs out of the default one.
+
+* **default** (``bash tools/test.sh``): lint, format, unit, CLI and repository tests, and the tests marked ``smoke``
+  (one small ``plan --compile``, one small ``plan --execute``).
+* **full** (``bash tools/test.sh --full``, what CI runs): the default tier and every test marked ``slow``: each
+  recipe's compile and execution, the planted mistakes, msrun jobs, the docs' commands.
+
+A test belongs to the full tier when it is marked ``slow``; every test under ``tests/compile`` and ``tests/msrun`` is
+(:func:`tier_marker`). :func:`launches_heavy_work` names what a test may start only when it is marked ``slow``,
+``heavy`` or ``smoke``: a MindSpore compile worker or one-device run of ``plan --compile`` / ``--execute``, an msrun
+job, or the CLI asked for either; the conftest records every process a test starts and fails a test in the default
+tier that started one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+# folders whose every test is in the full tier
+FULL_TIER_FOLDERS = ("compile", "msrun")
+# the marks that let a test start a compile or an msrun job
+MAY_COMPILE = ("slow", "heavy", "smoke")
+# the process modules of plan --compile / --execute (diagnostics/compile_check.py and execute_check.py start them)
+_WORKER_MODULES = ("ms_deepseek.diagnostics.compile_worker", "ms_deepseek.diagnostics.execute_reference")
+
+
+def tier_marker(relative_path: str) -> Optional[str]:
+    """``slow`` for a test file under one of :data:`FULL_TIER_FOLDERS` (``relative_path`` from ``tests/``)."""
+    parts = relative_path.replace(os.sep, "/").split("/")
+    return "slow" if parts and parts[0] in FULL_TIER_FOLDERS else None
+
+
+def launches_heavy_work(argv: Sequence[str], env: Optional[dict] = None) -> Optional[str]:
+    """What a started process is, when it is a compile or an msrun job; None for anything else."""
+    args = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else str(argv).split()
+    for module in _WORKER_MODULES:
+        if module in args:
+            return f"a MindSpore compile ({module})"
+    if any(os.path.basename(a) == "msrun" for a in args) or "mindspore.parallel.cluster.run" in args:
+        return "an msrun job"
+    if env and env.get("MS_SIMULATION_LEVEL") is not None:
+        return "a MindSpore dry-run compile (MS_SIMULATION_LEVEL)"
+    cli = any(a in ("ms_deepseek.cli", "ms-deepseek") or a.endswith("/ms-deepseek") for a in args)
+    if cli and "plan" in args and ("--compile" in args or "--execute" in args):
+        return "plan --compile / --execute"
+    if cli and "launch" in args and "--dry-run" not in args:
+        return "an msrun job (launch)"
+    return None
