@@ -64,7 +64,7 @@ subprocess.Popen.__init__ = _recording_popen_init
 
 def pytest_itemcollected(item):
     marker = tiers.tier_marker(str(Path(str(item.path)).relative_to(REPO / "tests")))
-    if marker:
+    if marker and not item.get_closest_marker("smoke"):
         item.add_marker(marker)
 
 

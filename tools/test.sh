@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
-# The README's test command: create .venv if missing, install the package with its
-# test extra from the pinned files, install headless Chromium for the report test
-# (Debian package, when root and missing), run ruff (lint and format check, pyproject.toml),
-# then run the whole suite.
+# The README's test commands.
+#   bash tools/test.sh          the default tier: lint, format, unit, CLI and repository tests, one small compile and
+#                               one small execution (tests marked slow or heavy left out)
+#   bash tools/test.sh --full   the full tier, what CI runs: every test but the heavy ones (each recipe's compile and
+#                               execution, the planted mistakes, msrun jobs, the docs' commands); then the tests
+#                               marked `lines` again on the other MindSpore line (2.10, in .venv-ms2.10), and
+#                               tools/compare_lines.py fails on any difference between the two lines' results
+# Both create .venv if missing, install the package with its test extra from the pinned files, install headless
+# Chromium for the report test (Debian package, when root and missing), run ruff (lint and format check,
+# pyproject.toml), then pytest; other arguments go to pytest. tests/helpers/tiers.py says what each tier holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=(-m "not heavy and not slow")
+full=0
+args=()
+for a in "$@"; do
+  if [ "$a" = "--full" ]; then tier=(-m "not heavy"); full=1; else args+=("$a"); fi
+done
+OTHER_LINE=2.10
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -15,4 +28,19 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
 fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
-exec .venv/bin/python -m pytest tests "$@"
+if [ "$full" = 0 ]; then
+  exec .venv/bin/python -m pytest tests "${tier[@]}" ${args[@]+"${args[@]}"}
+fi
+rm -rf .lines
+MS_DEEPSEEK_LINE_RESULTS="$PWD/.lines/default" .venv/bin/python -m pytest tests "${tier[@]}" ${args[@]+"${args[@]}"}
+if [ "${#args[@]}" -gt 0 ]; then
+  echo "pytest options given (${args[*]}): the MindSpore $OTHER_LINE line's comparison needs the whole tier; not run"
+  exit 0
+fi
+other=".venv-ms$OTHER_LINE"
+echo "MindSpore $OTHER_LINE line: installing into $other, then the tests marked lines"
+[ -x "$other/bin/python" ] || "$PY" -m venv "$other"
+"$other/bin/python" -m pip install -q --upgrade pip
+MS_DEEPSEEK_MINDSPORE="$OTHER_LINE" "$other/bin/python" -m pip install -q -e '.[test]'
+MS_DEEPSEEK_LINE_RESULTS="$PWD/.lines/$OTHER_LINE" "$other/bin/python" -m pytest tests -m lines -p no:cacheprovider
+.venv/bin/python tools/compare_lines.py .lines/default ".lines/$OTHER_LINE"

@@ -77,7 +77,9 @@ def key(recipe, batches: Dict[str, np.ndarray], request: Dict, env: Dict[str, st
     for name in sorted(batches):
         h.update(name.encode())
         h.update(np.ascontiguousarray(batches[name]).tobytes())
-    h.update(json.dumps({k: v for k, v in request.items() if k not in ("recipe", "overrides")}, sort_keys=True).encode())
+    h.update(
+        json.dumps({k: v for k, v in request.items() if k not in ("recipe", "overrides")}, sort_keys=True).encode()
+    )
     h.update(json.dumps({k: env.get(k) for k in ("MS_DEEPSEEK_OPS", "MS_DEEPSEEK_DEVICE")}).encode())
     h.update(f"{mindspore.__version__} {sys.version}".encode())
     for path in _package_files():

@@ -213,7 +213,12 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     for s, (ids, labels) in enumerate(batches, start=1):
         arrays[f"ids_{s}"], arrays[f"labels_{s}"] = ids, labels
     np.savez(folder / "batches.npz", **arrays)
-    request = {"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "steps": steps, "expert_parallel": ep}
+    request = {
+        "recipe": str(Path(recipe_path).resolve()),
+        "overrides": overrides,
+        "steps": steps,
+        "expert_parallel": ep,
+    }
     (folder / "request.json").write_text(json.dumps(request))
     env = dict(os.environ)
     for key in ("MS_SIMULATION_LEVEL", "RANK_SIZE", "RANK_ID", "MS_WORKER_NUM", "MS_ROLE", "MS_DEEPSEEK_DEVICE"):

@@ -15,9 +15,34 @@ import json
 import pytest
 
 from builders import ATLAS_RECIPES, main_captured
+from lines import record
+from repo_paths import RECIPES
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(p, id=p.stem) for p in ATLAS_RECIPES])
+@pytest.mark.smoke
+def test_a_small_sharded_layout_compiles_and_matches_the_plan():
+    """The default tier's compile: the tiny recipe on two ranks (dp 2, ep 2) with optimizer sharding, rank 0, train and
+    validation graphs; MindSpore's layouts, strategies and traffic against the plan."""
+    code, out, err = main_captured(
+        ["plan", "--recipe", str(RECIPES / "tiny-cpu.yaml"), "--dp", "2", "--ep", "2", "--optimizer-shard"]
+        + ["--compile", "--ranks", "0", "--json"]
+    )
+    report = json.loads(out)
+    assert code == 0 and report["compiled"] and report["world_size"] == 2, err[-2000:]
+    train = report["ranks"][0]["graphs"]["train"]
+    assert train["layouts_compared"] > 0 and train["strategies_compared"] > 0, train
+    rows = train["traffic_vs_planner"]
+    assert rows and all(row["ok"] for row in rows), json.dumps(rows, indent=1)
+
+
+# compiled on both MindSpore lines and compared (tests/helpers/lines.py): a pipeline layout
+LINES = {"v2-lora-16npu"}
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [pytest.param(p, id=p.stem, marks=[pytest.mark.lines] if p.stem in LINES else []) for p in ATLAS_RECIPES],
+)
 def test_recipe_compiles_and_matches_the_plan(recipe):
     import yaml
 
@@ -40,3 +65,5 @@ def test_recipe_compiles_and_matches_the_plan(recipe):
     assert all(row["ok"] for row in rows), json.dumps(rows, indent=1)
     if report["world_size"] > 1:
         assert rows, train.get("traffic")
+    kept = ("layouts_compared", "strategies_compared", "communication", "traffic_vs_planner", "global_norm_allreduce")
+    record(f"compile {recipe.stem}", {name: {k: g.get(k) for k in kept} for name, g in graphs.items()})

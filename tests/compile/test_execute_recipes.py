@@ -9,6 +9,8 @@ import json
 import pytest
 
 from builders import ATLAS_RECIPES, main_captured, write_recipe
+from lines import record
+from repo_paths import RECIPES
 
 
 def _assert_agrees(code, out):
@@ -31,15 +33,40 @@ def _assert_agrees(code, out):
     return report
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(p, id=p.stem) for p in ATLAS_RECIPES])
+# v2-lite-sft-8npu (dp2 ep2 reduced, two ranks) is the default tier's execution, and runs on both MindSpore lines
+SMOKE = "v2-lite-sft-8npu"
+# what is compared between the lines (tests/helpers/lines.py): the step's numbers and what the ranks exchanged
+LINE_RESULT = ("agrees", "loss", "grad_norm", "compared", "updates_compared", "reassembled", "communication_per_step")
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(p, id=p.stem, marks=[pytest.mark.smoke, pytest.mark.lines] if p.stem == SMOKE else [])
+        for p in ATLAS_RECIPES
+    ],
+)
 def test_recipe_executes_like_one_device(recipe):
     code, out, _ = main_captured(["plan", "--recipe", str(recipe), "--execute", "--json"])
     report = _assert_agrees(code, out)
+    record(f"execute {recipe.stem}", {k: report[k] for k in LINE_RESULT})
     if report["world_size"] > 1:  # the ranks communicated, and the report says how much per group
         assert report["communication_per_step"], report
     # the recipe's own kind of data: SFT recipes on the chat corpus (prompts masked, rows of different lengths)
     sft = "format: sft" in recipe.read_text()
     assert any("chat corpus" in n for n in report["notes"]) == sft, report["notes"]
+
+
+@pytest.mark.lines
+def test_pipeline_and_tensor_parallel_execute_like_one_device():
+    """v2-sft-64npu at two pipeline stages (tp2 pp2 reduced, four ranks): the lines' pipeline and tensor-parallel
+    execution, compared between them."""
+    code, out, _ = main_captured(
+        ["plan", "--recipe", str(RECIPES / "v2-sft-64npu.yaml"), "--pp", "2", "--execute"] + ["--json"]
+    )
+    report = _assert_agrees(code, out)
+    assert report["world_size"] == 4 and "tp2 pp2" in report["reduction"], report["reduction"]
+    record("execute v2-sft-64npu --pp 2", {k: report[k] for k in LINE_RESULT})
 
 
 # layouts with every degree above 1, which no shipped recipe has: V2-Lite's and V2's architectures (MLA without and

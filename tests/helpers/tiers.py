@@ -5,7 +5,7 @@
 * **full** (``bash tools/test.sh --full``, what CI runs): the default tier and every test marked ``slow``: each
   recipe's compile and execution, the planted mistakes, msrun jobs, the docs' commands.
 
-A test belongs to the full tier when it is marked ``slow``; every test under ``tests/compile`` and ``tests/msrun`` is
+A test belongs to the full tier when it is marked ``slow``; every test under ``tests/compile``, ``tests/lines`` and ``tests/msrun`` is
 (:func:`tier_marker`). :func:`launches_heavy_work` names what a test may start only when it is marked ``slow``,
 ``heavy`` or ``smoke``: a MindSpore compile worker or one-device run of ``plan --compile`` / ``--execute``, an msrun
 job, or the CLI asked for either; the conftest records every process a test starts and fails a test in the default
@@ -18,7 +18,7 @@ import os
 from typing import Optional, Sequence
 
 # folders whose every test is in the full tier
-FULL_TIER_FOLDERS = ("compile", "msrun")
+FULL_TIER_FOLDERS = ("compile", "lines", "msrun")
 # the marks that let a test start a compile or an msrun job
 MAY_COMPILE = ("slow", "heavy", "smoke")
 # the process modules of plan --compile / --execute (diagnostics/compile_check.py and execute_check.py start them)
