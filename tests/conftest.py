@@ -68,6 +68,14 @@ def pytest_itemcollected(item):
         item.add_marker(marker)
 
 
+def pytest_collection_finish(session):
+    # one line per collected test with its tier marks, for tests/repo/test_tiers.py (pytest --collect-only -m "")
+    if os.environ.get(tiers.LIST_ENV):
+        for item in session.items:
+            marks = sorted({m.name for m in item.iter_markers()} & {"slow", "heavy", "smoke", "lines"})
+            print(f"TIER {item.nodeid} {','.join(marks)}")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     _STARTED.clear()  # before the fixtures of the test, whatever their scope

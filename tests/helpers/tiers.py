@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 # folders whose every test is in the full tier
 FULL_TIER_FOLDERS = ("compile", "lines", "msrun")
+# set: the conftest lists every collected test with its tier marks (tests/repo/test_tiers.py reads it)
+LIST_ENV = "MS_DEEPSEEK_LIST_TIERS"
 # the marks that let a test start a compile or an msrun job
 MAY_COMPILE = ("slow", "heavy", "smoke")
 # the process modules of plan --compile / --execute (diagnostics/compile_check.py and execute_check.py start them)
