@@ -53,6 +53,8 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 # Relative allowance for a value computed in float32 by two summation orders (the batch split over ranks,
 # the gradient reduced over ranks): a few hundred roundings of eps / 2 each, far below any planted error.
 SUM_ORDER_TOL = 1e-5
+# MindSpore's world group on CPU (msrun workers): the only group its CPU collectives take
+CPU_WORLD = "mccl_world_group"
 
 
 def parse_args(argv=None):
@@ -328,6 +330,18 @@ def run_probe():
         ("mint.distributed.reduce_scatter_tensor", into((2, 3), lambda o: dist.reduce_scatter_tensor(o, two))),
         ("mint.distributed.all_to_all_single", into((4, 3), lambda o: dist.all_to_all_single(o, two))),
     ]
+
+    def point_to_point():
+        o = ms.Tensor(np.zeros((2, 3), np.float32))
+        if rank == 0:
+            dist.send(x, dst=1, group=CPU_WORLD)
+            dist.recv(o, src=1, group=CPU_WORLD)
+        else:
+            dist.recv(o, src=0, group=CPU_WORLD)
+            dist.send(x, dst=0, group=CPU_WORLD)
+        return o
+
+    cases.append(("mint.distributed.send / recv", point_to_point))
     for name, fn in cases:
         try:
             out = fn()
