@@ -93,6 +93,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--probe-collectives", action="store_true", help="only list which collectives run in PyNative on CPU"
     )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every decoder layer in the backward (Cell.recompute, the plan's recompute=full)",
+    )
     p.add_argument("--keep", type=Path, help="keep the exchanged arrays and worker logs in this folder")
     p.add_argument("--master-port", type=int, default=8741, help="msrun's master port; default 8741")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
@@ -127,7 +132,7 @@ def setup_mindspore():
     return ms
 
 
-def build_model(ms):
+def build_model(ms, recompute=False):
     """The ``tiny`` preset, cross-entropy only and dropless (see the module docstring)."""
     from ms_deepseek.config.model import get_preset
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
@@ -143,6 +148,9 @@ def build_model(ms):
     )
     ms.set_seed(1234)
     model = DeepseekV2ForCausalLM(cfg)
+    if recompute:
+        for layer in model.model.layers:
+            layer.recompute()
     model.set_train(True)
     return cfg, model
 
@@ -172,7 +180,7 @@ def run_single(args):
     ms = setup_mindspore()
     from mindspore import nn
 
-    cfg, model = build_model(ms)
+    cfg, model = build_model(ms, args.recompute)
     params = model.trainable_params()
     names = [p.name for p in params]
     init = {n: p.asnumpy().copy() for n, p in zip(names, params)}
@@ -248,7 +256,7 @@ def run_worker(args):
         cpu_collectives(MindSporePlatform, ms)
     from hyper_parallel import hsdp, parallelize_value_and_grad
 
-    cfg, model = build_model(ms)
+    cfg, model = build_model(ms, args.recompute)
     full_shapes = {p.name: tuple(p.shape) for p in model.trainable_params()}
     # sum over ranks, then 1/world: the gradient of the mean loss, as one device computes it
     hsdp(model, shard_size=-1, threshold=0, optimizer_level=args.optimizer_level, grad_scale=1.0 / world)
@@ -387,6 +395,7 @@ def self_command(args, role, out):
     cmd = [__file__, "--role", role, "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch)]
     cmd += ["--seq-len", str(args.seq_len), "--lr", str(args.lr), "--momentum", str(args.momentum)]
     cmd += ["--optimizer-level", args.optimizer_level, "--plant", args.plant, "--workers", str(args.workers)]
+    cmd += ["--recompute"] if args.recompute else []
     return cmd + (["--stock-collectives"] if args.stock_collectives else [])
 
 
@@ -488,6 +497,7 @@ def report(args, single, sharded, others, rows, ok, single_wall, sharded_wall):
         "batch": [args.batch, args.seq_len],
         "collectives": "stock" if args.stock_collectives else "CPU primitives (world group)",
         "plant": args.plant,
+        "recompute": args.recompute,
         "steps": [
             {
                 "step": i + 1,
@@ -512,7 +522,8 @@ def report(args, single, sharded, others, rows, ok, single_wall, sharded_wall):
         print(json.dumps(summary, indent=2))
         return
     print(f"pynative step: tiny preset ({n_params} tensors), batch {args.batch} x {args.seq_len}, SGD lr {args.lr}")
-    print(f"  {summary['layout']}; collectives: {summary['collectives']}; plant: {args.plant}")
+    print(f"  {summary['layout']}; collectives: {summary['collectives']}; plant: {args.plant}", end="")
+    print("; every decoder layer recomputed" if args.recompute else "")
     print(f"  {len(sharded['sharded'])} of {n_params} parameters sharded")
     for st in summary["steps"]:
         print(
