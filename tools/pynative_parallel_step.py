@@ -353,6 +353,9 @@ def run_probe():
         return o
 
     cases.append(("mint.distributed.send / recv", point_to_point))
+    # the backward of a collective (a DTensor layer's redistribution is differentiated through it)
+    cases.append(("grad of ops.AllGather", lambda: ms.grad(lambda t: ops.AllGather()(t).sum())(x)))
+    cases.append(("grad of ops.AllReduce", lambda: ms.grad(lambda t: ops.AllReduce()(t).sum())(x)))
     for name, fn in cases:
         try:
             out = fn()
