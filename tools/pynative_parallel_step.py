@@ -317,7 +317,11 @@ def run_probe():
 
     init()
     rank = get_rank()
-    x = ms.Tensor(np.full((2, 3), rank + 1, np.float32))
+
+    def fresh():
+        return ms.Tensor(np.full((2, 3), rank + 1, np.float32))
+
+    x = fresh()
     two = mint.cat([x, x])
 
     def into(shape, fn):
@@ -327,20 +331,6 @@ def run_probe():
             return o
 
         return run
-
-    cases = [
-        ("ops.AllGather", lambda: ops.AllGather()(x)),
-        ("ops.AllReduce", lambda: ops.AllReduce()(x)),
-        ("ops.ReduceScatter", lambda: ops.ReduceScatter()(two)),
-        ("ops.AlltoAll", lambda: ops.AlltoAll(2, 0, 0)(two)),
-        ("comm_func.all_gather_into_tensor", lambda: comm_func.all_gather_into_tensor(x)),
-        ("comm_func.all_reduce", lambda: comm_func.all_reduce(x)),
-        ("comm_func.reduce_scatter_tensor", lambda: comm_func.reduce_scatter_tensor(two)),
-        ("mint.distributed.all_reduce", into((2, 3), lambda o: (o.copy_(x), dist.all_reduce(o)))),
-        ("mint.distributed.all_gather_into_tensor", into((4, 3), lambda o: dist.all_gather_into_tensor(o, x))),
-        ("mint.distributed.reduce_scatter_tensor", into((2, 3), lambda o: dist.reduce_scatter_tensor(o, two))),
-        ("mint.distributed.all_to_all_single", into((4, 3), lambda o: dist.all_to_all_single(o, two))),
-    ]
 
     def point_to_point():
         o = ms.Tensor(np.zeros((2, 3), np.float32))
@@ -352,15 +342,34 @@ def run_probe():
             dist.send(x, dst=0, group=CPU_WORLD)
         return o
 
-    cases.append(("mint.distributed.send / recv", point_to_point))
-    # the backward of a collective (a DTensor layer's redistribution is differentiated through it)
-    cases.append(("grad of ops.AllGather", lambda: ms.grad(lambda t: ops.AllGather()(t).sum())(x)))
-    cases.append(("grad of ops.AllReduce", lambda: ms.grad(lambda t: ops.AllReduce()(t).sum())(x)))
-    for name, fn in cases:
+    # (name, call, rank 0's expected sum). Rank r holds x = r + 1 in a [2, 3] tensor, two workers: every
+    # gathered, reduced, scattered or exchanged result sums to 18 on rank 0; the gradients of the sums are
+    # 2 per element (12); rank 0 receives rank 1's x (12). The ones that run on CPU go first: a refused
+    # collective can leave the workers' later collectives out of step.
+    cases = [
+        ("ops.AllGather", lambda: ops.AllGather()(x), 18),
+        ("ops.AllReduce", lambda: ops.AllReduce()(x), 18),
+        ("mint.distributed.all_reduce", into((2, 3), lambda o: (o.copy_(x), dist.all_reduce(o))), 18),
+        # the backward of a collective (a DTensor layer's redistribution is differentiated through it)
+        ("grad of ops.AllReduce", lambda: ms.grad(lambda t: ops.AllReduce()(t).sum())(fresh()), 12),
+        ("ops.ReduceScatter", lambda: ops.ReduceScatter()(two), 18),
+        ("ops.AlltoAll", lambda: ops.AlltoAll(2, 0, 0)(two), 18),
+        ("comm_func.all_gather_into_tensor", lambda: comm_func.all_gather_into_tensor(x), 18),
+        ("comm_func.all_reduce", lambda: comm_func.all_reduce(x), 18),
+        ("comm_func.reduce_scatter_tensor", lambda: comm_func.reduce_scatter_tensor(two), 18),
+        ("mint.distributed.all_gather_into_tensor", into((4, 3), lambda o: dist.all_gather_into_tensor(o, x)), 18),
+        ("mint.distributed.reduce_scatter_tensor", into((2, 3), lambda o: dist.reduce_scatter_tensor(o, two)), 18),
+        ("mint.distributed.all_to_all_single", into((4, 3), lambda o: dist.all_to_all_single(o, two)), 18),
+        ("mint.distributed.send / recv", point_to_point, 12),
+        ("grad of ops.AllGather", lambda: ms.grad(lambda t: ops.AllGather()(t).sum())(fresh()), 12),
+    ]
+    for name, fn, expected in cases:
         try:
             out = fn()
             out = out[0] if isinstance(out, tuple) else out
-            verdict = f"runs (shape {tuple(out.shape)}, sum {float(out.sum().asnumpy()):g})"
+            total = float(out.sum().asnumpy())
+            value = "as expected" if total == expected else f"WRONG: sum {total:g}, expected {expected}"
+            verdict = f"runs (shape {tuple(out.shape)}, {value})"
         except Exception as exc:  # noqa: BLE001 - the probe reports each failure in one line
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.strip().startswith("-")]
             verdict = f"fails: {'; '.join(lines[:3]) or type(exc).__name__}"

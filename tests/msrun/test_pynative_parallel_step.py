@@ -99,6 +99,7 @@ def test_which_collectives_run_in_pynative_on_cpu():
     assert runs == {"ops.AllGather", "ops.AllReduce", "mint.distributed.all_reduce", "grad of ops.AllReduce"}, (
         proc.stdout
     )
+    assert all("as expected" in verdicts[name] for name in runs), proc.stdout  # and compute the right values
     assert "InnerCommAllGather unregistered" in verdicts["comm_func.all_gather_into_tensor"]
     # an AllGather differentiates into a ReduceScatter, which has no CPU kernel
     assert "Unsupported op [ReduceScatter] on CPU" in verdicts["grad of ops.AllGather"]
