@@ -204,6 +204,9 @@ def run_single(args):
             }
         )
     out["param_bytes"] = int(sum(v.nbytes for v in init.values()))
+    # which implementation each of the project's custom operators got (ms_deepseek/ops/backend.py)
+    kinds = {type(c).__name__ + ": " + c.impl.kind for _, c in model.cells_and_names() if hasattr(c, "impl")}
+    out["custom_ops"] = sorted(kinds)
     out["peak_rss_mb"] = peak_rss_mb()
     save(args.out, out)
 
@@ -520,6 +523,7 @@ def report(args, single, sharded, others, rows, ok, single_wall, sharded_wall):
             for i, (a, b) in enumerate(zip(single["steps"], sharded["steps"]))
         ],
         "comparisons": [{"step": s, "what": w, "rel": r, "allowed": t} for s, w, r, t in rows],
+        "custom_ops": single["custom_ops"],
         "parameters": n_params,
         "sharded_parameters": len(sharded["sharded"]),
         "param_bytes": {"one_device": single["param_bytes"], "per_rank": [sharded["local_param_bytes"]]},
@@ -536,7 +540,7 @@ def report(args, single, sharded, others, rows, ok, single_wall, sharded_wall):
     print(f"pynative step: tiny preset ({n_params} tensors), batch {args.batch} x {args.seq_len}, SGD lr {args.lr}")
     print(f"  {summary['layout']}; collectives: {summary['collectives']}; plant: {args.plant}", end="")
     print("; every decoder layer recomputed" if args.recompute else "")
-    print(f"  {len(sharded['sharded'])} of {n_params} parameters sharded")
+    print(f"  {len(sharded['sharded'])} of {n_params} parameters sharded; custom operators {single['custom_ops']}")
     for st in summary["steps"]:
         print(
             f"  step {st['step']}: loss one device {st['loss'][0]:.7f}, sharded {st['loss'][1]:.7f}; "
