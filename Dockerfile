@@ -22,6 +22,11 @@
 # for (CANN 9.0.0, driver/firmware 26.0.RC1 on the host; `ms-deepseek doctor` checks
 # both). Python 3.11 matches setup.py's python_requires. Override it for a mirror or
 # another OS: --build-arg CANN_IMAGE=<registry>/cann:9.0.0-910b-openeuler24.03-py3.11
+#
+# MindSpore line: 2.9 (requirements.txt) by default; --build-arg MS_DEEPSEEK_MINDSPORE=2.10 installs
+# requirements-ms2.10.txt instead (setup.py runtime_pins). Give it the CANN image that MindSpore 2.10 is built
+# for with --build-arg CANN_IMAGE=...: no CANN release is recorded for 2.10 here (pins.MINDSPORE_CANN), and
+# `ms-deepseek doctor` warns that it knows no pairing for it.
 ARG CANN_IMAGE=quay.io/ascend/cann:9.0.0-910b-ubuntu22.04-py3.11
 FROM ${CANN_IMAGE}
 
@@ -36,9 +41,15 @@ ENV PYTHONUNBUFFERED=1 \
     GLOG_v=2
 
 WORKDIR /opt/ms-deepseek
-# The pins: requirements.txt is the one source of truth (setup.py reads the same file).
-COPY requirements.txt requirements-test.txt setup.py README.md ./
-RUN python3 -m pip install --no-cache-dir -r requirements.txt
+# The pins: requirements.txt (or the chosen line's requirements-ms<line>.txt) is the one source of truth
+# (setup.py reads the same file, choosing it by MS_DEEPSEEK_MINDSPORE, which the build arg sets for every RUN).
+ARG MS_DEEPSEEK_MINDSPORE=
+COPY requirements.txt requirements-ms2.10.txt requirements-test.txt setup.py README.md ./
+RUN if [ -z "${MS_DEEPSEEK_MINDSPORE}" ] || [ "${MS_DEEPSEEK_MINDSPORE}" = 2.9 ]; then \
+      python3 -m pip install --no-cache-dir -r requirements.txt; \
+    else \
+      python3 -m pip install --no-cache-dir -r "requirements-ms${MS_DEEPSEEK_MINDSPORE}.txt"; \
+    fi
 # ms_deepseek/ops_src is a symlink to ../ops (the kernel sources): both must be in the image,
 # or the installed package carries a dangling link and no kernel sources.
 COPY ms_deepseek ./ms_deepseek
