@@ -7,8 +7,9 @@
 * MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
   into the temporary folder.
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
-* Tiers (tests/helpers/tiers.py): every test under tests/compile and tests/msrun is marked ``slow`` (the full tier);
-  a test that starts a compile or an msrun job without a ``slow``, ``heavy`` or ``smoke`` mark fails.
+* Tiers (tests/helpers/tiers.py): every test under tests/compile, tests/lines and tests/msrun, and every test marked
+  ``msrun``, is marked ``slow`` (the full tier); a test that starts a compile or an msrun job without a ``slow``,
+  ``heavy`` or ``smoke`` mark fails. The compiles and the msrun jobs each form a pytest-xdist group.
 * PyNative launches ops synchronously (``launch_blocking``): faster on a 2-core CPU.
 """
 
@@ -63,9 +64,14 @@ subprocess.Popen.__init__ = _recording_popen_init
 
 
 def pytest_itemcollected(item):
-    marker = tiers.tier_marker(str(Path(str(item.path)).relative_to(REPO / "tests")))
-    if marker and not item.get_closest_marker("smoke"):
+    where = str(Path(str(item.path)).relative_to(REPO / "tests"))
+    marks = {m.name for m in item.iter_markers()}
+    marker = tiers.tier_marker(where, marks)
+    if marker:
         item.add_marker(marker)
+    group = tiers.process_group(where, marks)
+    if group:
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):

@@ -27,15 +27,31 @@ MAY_COMPILE = ("slow", "heavy", "smoke")
 _WORKER_MODULES = ("ms_deepseek.diagnostics.compile_worker", "ms_deepseek.diagnostics.execute_reference")
 
 
-def tier_marker(relative_path: str) -> Optional[str]:
-    """``slow`` for a test file under one of :data:`FULL_TIER_FOLDERS` (``relative_path`` from ``tests/``)."""
+def tier_marker(relative_path: str, marks: Sequence[str] = ()) -> Optional[str]:
+    """``slow`` for a test file under one of :data:`FULL_TIER_FOLDERS` (``relative_path`` from ``tests/``) or a test
+    marked ``msrun``, unless it is marked ``smoke``."""
+    if "smoke" in marks:
+        return None
     parts = relative_path.replace(os.sep, "/").split("/")
-    return "slow" if parts and parts[0] in FULL_TIER_FOLDERS else None
+    return "slow" if (parts and parts[0] in FULL_TIER_FOLDERS) or "msrun" in marks else None
+
+
+def process_group(relative_path: str, marks: Sequence[str] = ()) -> Optional[str]:
+    """The pytest-xdist group (``--dist loadgroup``: a group's tests run one after another in one process) of a test:
+    the compiles and executions, several GB of host memory each and two compile workers of their own, never two at a
+    time; the msrun jobs (ports, watchdog timings), never two at a time."""
+    parts = relative_path.replace(os.sep, "/").split("/")
+    if parts and parts[0] in ("compile", "lines"):
+        return "compile"
+    if "msrun" in marks or (parts and parts[0] == "msrun"):
+        return "msrun"
+    return None
 
 
 def launches_heavy_work(argv: Sequence[str], env: Optional[dict] = None) -> Optional[str]:
     """What a started process is, when it is a compile or an msrun job; None for anything else."""
-    args = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else str(argv).split()
+    # a shell command line (``bash -c "..."``) counts by its words
+    args = [word for a in (argv if isinstance(argv, (list, tuple)) else [argv]) for word in str(a).split()]
     for module in _WORKER_MODULES:
         if module in args:
             return f"a MindSpore compile ({module})"

@@ -89,6 +89,7 @@ def run_tool(*args, timeout=900):
 
 
 @pytest.mark.msrun
+@pytest.mark.lines  # tools/test.sh --full runs it on the 2.10 line
 @needs_210
 def test_which_collectives_run_in_pynative_on_cpu():
     proc = run_tool("--probe-collectives", timeout=300)

@@ -57,6 +57,7 @@ def test_the_default_tier_holds_no_slow_test_and_the_two_smoke_tests():
         (["python", "-m", "ms_deepseek.cli", "launch", "r.yaml", "--dry-run"], None, None),
         (["python", "-m", "ms_deepseek.cli", "train", "r.yaml"], {"MS_DEEPSEEK_DEVICE": "CPU"}, None),
         ("g++ --version", None, None),
+        (["bash", "-c", "cd /tmp && ms-deepseek plan --recipe r.yaml --compile --ranks 0"], None, "plan --compile"),
     ],
 )
 def test_what_counts_as_a_compile_or_an_msrun_job(argv, env, what):
