@@ -193,6 +193,7 @@ def test_huge_declared_world_size_in_layout_json(tmp_path, fixtures):
 
 
 # ---------------------------------------------------------------------------- the fuzzer
+@pytest.mark.slow
 def test_mutated_inputs_are_accepted_or_refused_in_one_line(fixtures, tmp_path, capsys):
     work = tmp_path / "cases"
     work.mkdir()

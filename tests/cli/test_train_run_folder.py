@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from builders import SMALL_MODEL
@@ -40,6 +41,7 @@ def _train_process(argv, env=None, **kw):
 
 
 # ---------------------------------------------------------------------------- MindSpore's dry run
+@pytest.mark.slow
 def test_dry_run_stops_after_the_compile_in_one_line(tmp_path):
     """Item 4: under MS_SIMULATION_LEVEL=0 the compiled step returns a placeholder (an int); the trainer
     unpacked it and died of a TypeError traceback. Now: one line, exit 0, no run folder."""
@@ -90,6 +92,7 @@ def _used(folder):
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
     """Item 3: ENOSPC in safetensors_io.write_file ended the run with a raw OSError traceback. Simulated at
     the write call (a real small file system needs root to mount)."""
@@ -119,6 +122,7 @@ def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, caps
     assert (ckpts / "step_00000004").is_dir()
 
 
+@pytest.mark.slow
 def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, monkeypatch):
     """A disk that holds one checkpoint and a half: a warning at start, the second save refused before a byte of
     it is written."""
@@ -148,6 +152,7 @@ def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, m
 
 
 # ---------------------------------------------------------------------------- one writer per run folder
+@pytest.mark.slow
 def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
     """Item 1: B (`train --output SAME --resume`) removed A's partial checkpoint and trained beside it. Now B
     is refused in one line naming A (host, pid, since, heartbeat) and touches nothing; once A is dead (killed),

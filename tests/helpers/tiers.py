@@ -52,6 +52,8 @@ def launches_heavy_work(argv: Sequence[str], env: Optional[dict] = None) -> Opti
     """What a started process is, when it is a compile or an msrun job; None for anything else."""
     # a shell command line (``bash -c "..."``) counts by its words
     args = [word for a in (argv if isinstance(argv, (list, tuple)) else [argv]) for word in str(a).split()]
+    if "--help" in args or "-h" in args:  # a command's help starts nothing
+        return None
     for module in _WORKER_MODULES:
         if module in args:
             return f"a MindSpore compile ({module})"

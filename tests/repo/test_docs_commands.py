@@ -132,6 +132,7 @@ def test_the_docs_hold_commands():
     assert len(CASES) >= 8 and {argv[0] for _, argv in CASES} >= {"train", "launch", "export-lora", "plan"}
 
 
+@pytest.mark.slow
 def test_every_documented_command_runs(scratch, monkeypatch):
     monkeypatch.chdir(scratch)
     monkeypatch.setenv("MS_DEEPSEEK_QUIET", "1")

@@ -55,6 +55,7 @@ def test_the_default_tier_holds_no_slow_test_and_the_two_smoke_tests():
         (["python", "x.py"], {"MS_SIMULATION_LEVEL": "0"}, "a MindSpore dry-run compile"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml"], None, None),
         (["python", "-m", "ms_deepseek.cli", "launch", "r.yaml", "--dry-run"], None, None),
+        (["python", "-m", "ms_deepseek.cli", "launch", "--help"], None, None),
         (["python", "-m", "ms_deepseek.cli", "train", "r.yaml"], {"MS_DEEPSEEK_DEVICE": "CPU"}, None),
         ("g++ --version", None, None),
         (["bash", "-c", "cd /tmp && ms-deepseek plan --recipe r.yaml --compile --ranks 0"], None, "plan --compile"),

@@ -129,6 +129,7 @@ def test_sources_that_disagree_are_named(folders):
         )
 
 
+@pytest.mark.slow
 def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
     """The trainer end to end: per-source counts in metrics.jsonl and state.json, validation from both tails."""
     import contextlib
@@ -160,6 +161,7 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
     assert "val_loss" in recs[-1]
 
 
+@pytest.mark.slow
 def test_a_mixture_reports_validation_loss_per_source(folders, tmp_path):
     """Issue 29, item 6: with data.validation over a weighted mixture, val_loss/<source> is logged beside the
     overall val_loss, each from that source's own held-out tail (one set per source, the same eval graph), and

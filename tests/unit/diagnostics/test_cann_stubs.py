@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from ms_deepseek.diagnostics import cann_stubs
 
 
+@pytest.mark.slow
 def test_stubs_cover_what_the_ascend_plugin_needs_and_are_reused(tmp_path):
     first = cann_stubs.ensure_stubs(tmp_path)
     assert first.built and first.folder.parent == tmp_path
@@ -22,6 +25,7 @@ def test_stubs_cover_what_the_ascend_plugin_needs_and_are_reused(tmp_path):
     assert not again.built and again.folder == first.folder and again.missing == first.missing
 
 
+@pytest.mark.slow
 def test_mindspore_imports_its_ascend_plugin_against_the_stubs(tmp_path):
     """The oracle is MindSpore itself: with the stubs first on the library path, setting the Ascend device in
     a dry run loads the plugin (without them: it cannot, no CANN here)."""
@@ -33,6 +37,7 @@ def test_mindspore_imports_its_ascend_plugin_against_the_stubs(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("Ascend"), proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_level1_stubs_sit_where_mindspore_looks_for_cann_and_fill_by_value_results(tmp_path):
     """MS_SIMULATION_LEVEL=1 dlopen()s <ascend path>/lib64/libascendcl.so ..., the ascend path cut from the
     file defining aclrtMalloc after its rightmost "cann" or "latest" (MindSpore symbol_utils.cc

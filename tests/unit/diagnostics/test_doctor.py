@@ -373,6 +373,7 @@ def test_cli_bad_arguments():
     assert proc.returncode == 0 and "doctor:hccn_conf" in proc.stdout
 
 
+@pytest.mark.slow
 def test_doctor_level1_on_this_machine():
     """The real thing: versions, host settings and the 10-step smoke training run; exit 0."""
     proc = _cli("--level", "1", "--json")

@@ -305,6 +305,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert ink > 0.08, ink  # plots, heatmaps and text: far from a blank page
 
 
+@pytest.mark.slow
 def test_real_tiny_training_run_produces_a_report(tmp_path):
     proc = subprocess.run(
         [

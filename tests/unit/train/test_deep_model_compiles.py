@@ -8,6 +8,8 @@ import pytest
 
 from builders import SMALL_MODEL, main_captured, write_recipe
 
+pytestmark = pytest.mark.slow  # a deep model's compile, minutes: the full tier
+
 LAYERS = 17  # 16 already fails at MindSpore's default
 
 

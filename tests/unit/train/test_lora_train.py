@@ -423,6 +423,7 @@ def test_export_refuses_an_output_that_is_holds_or_lies_inside_the_run(fixture_r
     assert sorted(str(p) for p in [*run.rglob("*"), *base.rglob("*")]) == before
 
 
+@pytest.mark.slow
 def test_dropout_is_exact_across_runs_and_resume(data_dir, tmp_path):
     """Issue 29, item 3: MindSpore's Dropout kernel keeps its random state inside: a resumed run drew other masks
     than the uninterrupted one, and on CPU two seeded graph-mode runs parted after a few steps. LoRA dropout is

@@ -6,11 +6,13 @@ so, and `--resume auto` repeats the uninterrupted run's losses exactly. (SIGTERM
 import os
 import signal
 
+import pytest
 from test_train import data_dir, losses_of, recipe_dict, reference, write_recipe  # noqa: F401 (fixtures)
 
 from ms_deepseek.cli import main
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_resume_auto_repeats_the_losses(
     reference, data_dir, tmp_path, monkeypatch, capsys
 ):

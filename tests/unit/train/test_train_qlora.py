@@ -14,6 +14,8 @@ from builders import kill_during_save_then_resume
 from repo_paths import REPO
 from tolerances import assert_close_to_scale
 
+pytestmark = pytest.mark.slow  # trainings of minutes: the full tier
+
 SMALL_MODEL = {
     "vocab_size": 512,
     "hidden_size": 32,

@@ -5,11 +5,13 @@ never pruned, and `--resume auto` continues the new line of saves."""
 
 import shutil
 
+import pytest
 from test_train import data_dir, losses_of, recipe_dict, reference, write_recipe  # noqa: F401 (fixtures)
 
 from ms_deepseek.cli import main
 
 
+@pytest.mark.slow
 def test_resume_from_an_older_checkpoint_refuses_or_sets_newer_ones_aside(reference, tmp_path, capsys):
     ref_dir, _ = reference
     run = tmp_path / "run"

@@ -13,6 +13,7 @@ from ms_deepseek.core.errors import UserError
 from builders import SMALL_MODEL, main_captured
 
 
+@pytest.mark.slow
 def test_a_resume_without_the_runs_settings_is_refused_naming_them(data_dir, tmp_path):
     recipe = write_recipe(tmp_path, recipe_dict(data_dir, checkpoint={"save_interval": 2, "keep_last": 2}))
     run = tmp_path / "run"

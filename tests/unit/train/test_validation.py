@@ -150,6 +150,7 @@ def test_logged_val_loss_equals_an_independent_evaluation(run, corpus):
     assert final == pytest.approx(nll / tokens, rel=2e-5)
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_validation_set_and_order(run, tmp_path):
     root, recipe, _ = run
     piece = tmp_path / "piece"

@@ -25,12 +25,15 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from ms_deepseek.core.runtime import LOAD_COPIES_ENV
 from ms_deepseek.diagnostics.ir_rules import ir_dump_env
 
 from builders import SMALL_MODEL, write_recipe
+
+pytestmark = pytest.mark.slow  # two trainings or two compiled steps per test: the full tier
 
 FLOAT16_MODEL = dict(SMALL_MODEL, param_dtype="float16", compute_dtype="float16")
 
