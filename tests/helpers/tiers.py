@@ -5,11 +5,13 @@
 * **full** (``bash tools/test.sh --full``, what CI runs): the default tier and every test marked ``slow``: each
   recipe's compile and execution, the planted mistakes, msrun jobs, the docs' commands.
 
-A test belongs to the full tier when it is marked ``slow``; every test under ``tests/compile``, ``tests/lines`` and ``tests/msrun`` is
-(:func:`tier_marker`). :func:`launches_heavy_work` names what a test may start only when it is marked ``slow``,
-``heavy`` or ``smoke``: a MindSpore compile worker or one-device run of ``plan --compile`` / ``--execute``, an msrun
-job, or the CLI asked for either; the conftest records every process a test starts and fails a test in the default
-tier that started one.
+A test belongs to the full tier when it is marked ``slow``: every test under ``tests/compile``, ``tests/lines`` and
+``tests/msrun`` and every test marked ``msrun`` is (:func:`tier_marker`). :func:`launches_heavy_work` names what a
+test may start only when it is marked ``slow``, ``heavy`` or ``smoke``: a compile worker or the one-device run of
+``plan --compile`` / ``--execute``, a dry-run compile, msrun, or the CLI asked for ``plan --compile`` /
+``--execute`` in a process of its own; the conftest records every process a test starts and fails a test that
+started one without such a mark. ``bash tools/test.sh`` runs the tiers on two pytest-xdist processes
+(:func:`process_group` keeps the compiles, and the msrun jobs, one at a time).
 """
 
 from __future__ import annotations
@@ -64,6 +66,4 @@ def launches_heavy_work(argv: Sequence[str], env: Optional[dict] = None) -> Opti
     cli = any(a in ("ms_deepseek.cli", "ms-deepseek") or a.endswith("/ms-deepseek") for a in args)
     if cli and "plan" in args and ("--compile" in args or "--execute" in args):
         return "plan --compile / --execute"
-    if cli and "launch" in args and "--dry-run" not in args:
-        return "an msrun job (launch)"
     return None

@@ -51,7 +51,6 @@ def test_the_default_tier_holds_no_slow_test_and_the_two_smoke_tests():
         (["/venv/bin/msrun", "--worker_num=2", "train.py"], None, "an msrun job"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml", "--compile"], None, "plan --compile"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml", "--execute"], None, "plan --compile"),
-        (["/venv/bin/ms-deepseek", "launch", "r.yaml"], None, "an msrun job (launch)"),
         (["python", "x.py"], {"MS_SIMULATION_LEVEL": "0"}, "a MindSpore dry-run compile"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml"], None, None),
         (["python", "-m", "ms_deepseek.cli", "launch", "r.yaml", "--dry-run"], None, None),
