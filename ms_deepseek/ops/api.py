@@ -122,3 +122,45 @@ class RepetitionPenalty(nn.Cell):
 
     def construct(self, logits, token_ids, penalty_value):  # pragma: no cover - __call__ is the entry
         return self.impl(logits, token_ids, penalty_value)
+
+
+class GroupedMatmul(nn.Cell):
+    """Grouped matmul over rows sorted by expert: ``y = gmm(x, weight, group_list)``.
+
+    * ``x`` [M, in]; ``weight`` [E, out, in] (the stacked expert layout); ``group_list`` [E] integer row counts
+      per expert (not cumulative), summing to at most M; rows of expert e are ``x[sum(group_list[:e]) :
+      sum(group_list[:e+1])]`` and give ``y = x_e @ weight[e]^T``; rows past the sum give 0 (CPU and reference).
+    * Differentiable in x and weight (dx by the grouped product with the untransposed weights,
+      dw[e] = dy_e^T x_e); shapes are static, so it compiles in graph mode.
+
+    Implementations (``impl.kind``): on Ascend MindSpore's own ``GroupedMatmulV4`` (``"builtin"``, see
+    :class:`ms_deepseek.ops.ascend.GroupedMatmulBuiltin`); on CPU the C++ kernel ``ops/grouped_matmul``
+    (``"cpu"``, float32, oneDNN's sgemm per expert block); ``MS_DEEPSEEK_OPS=reference`` or a kernel that does
+    not build: every expert on every row, masked (``"reference"``, E times the FLOPs).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.impl = _grouped_matmul_impl()
+
+    def construct(self, x, weight, group_list):
+        return self.impl(x, weight, group_list)
+
+
+def _grouped_matmul_impl():
+    if backend.forced_reference():
+        return reference.GroupedMatmulReference()
+    target = backend.device_target()
+    if target == "Ascend":
+        from ms_deepseek.ops.ascend import GroupedMatmulBuiltin
+
+        return GroupedMatmulBuiltin()
+    if target == "CPU":
+        from ms_deepseek.ops import build, cpu
+
+        try:
+            return cpu.GroupedMatmulCpu(build.build("grouped_matmul"))
+        except build.KernelBuildError as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            backend.warn_once("grouped_matmul", f"cpu kernel unavailable ({first_line}); using the reference")
+    return reference.GroupedMatmulReference()

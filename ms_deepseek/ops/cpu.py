@@ -131,3 +131,29 @@ class RepetitionPenaltyCpu(nn.Cell):
     def construct(self, logits, token_ids, penalty):
         # penalty: python float (validated by the public Cell)
         return self.op(logits, token_ids.astype(mstype.int32), ms.Tensor([penalty], mstype.float32), self.cfg)
+
+
+class GroupedMatmulCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.GroupedMatmul` (float32; oneDNN's sgemm per expert block) with its
+    gradient: dx = the grouped product with the untransposed weights, dw[e] = dy_e^T x_e."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path):
+        super().__init__()
+        self.lib = Path(lib)
+        rows_shape = lambda x, w, g: (x[0], w[1])  # noqa: E731 - y_e = x_e w_e^T: [M, out]
+        f32 = lambda *args: mstype.float32  # noqa: E731
+        input_grad = custom_op(self.lib, "GroupedMatmulNnCpu", out_shape=lambda dy, w, g: (dy[0], w[2]), out_dtype=f32)
+        weight_grad = custom_op(
+            self.lib, "GroupedMatmulWeightGradCpu", out_shape=lambda dy, x, g: (g[0], dy[1], x[1]), out_dtype=f32
+        )
+
+        def bprop(x, weight, group_list, out, dout):
+            dout = dout.astype(mstype.float32)
+            return input_grad(dout, weight, group_list), weight_grad(dout, x, group_list), ops.zeros_like(group_list)
+
+        self.op = custom_op(self.lib, "GroupedMatmulNtCpu", out_shape=rows_shape, out_dtype=f32, bprop=bprop)
+
+    def construct(self, x, weight, group_list):
+        return self.op(x.astype(mstype.float32), weight.astype(mstype.float32), group_list.astype(mstype.int32))
