@@ -57,7 +57,7 @@ from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
-from ms_deepseek.ops import ExpertLookup, GroupedMatmul
+from ms_deepseek.ops import ExpertLookup, GroupedMatmul, GroupedSwiglu
 from ms_deepseek.ops.backend import device_target
 from ms_deepseek.parallel_plan.ranks import exchange_view
 
@@ -94,6 +94,10 @@ class StackedWeight(nn.Cell):
     def rows(self, idx, cdt):
         """The weights of the experts ``idx`` [n] -> [n, out, in] (a decode step reads only its chosen experts)."""
         return ops.gather(self.weight, idx, 0).astype(cdt)
+
+    def dense(self, cdt):
+        """The stacked weight [E, out, in] in the compute dtype."""
+        return self.weight.astype(cdt)
 
     def grouped(self, x, group_list, gmm, cdt):
         """x [M, in] sorted by expert -> [M, out] through the stacked weight (+ its adapter) by the grouped matmul."""
@@ -172,8 +176,11 @@ class RoutedExperts(nn.Cell):
         self.cast_in = ops.Cast()
         self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
         self.act_mul = ops.Mul()
-        # the dropless path's grouped matmul (built only for it: on CPU its first use compiles a C++ kernel)
-        self.gmm = GroupedMatmul() if cfg.moe_dispatch == "dropless" else None
+        # the dropless path's grouped matmul, and the fused SwiGLU of its three for experts without adapters (built
+        # only for it: on CPU their first use compiles a C++ kernel)
+        dropless = cfg.moe_dispatch == "dropless"
+        self.gmm = GroupedMatmul() if dropless else None
+        self.swiglu = GroupedSwiglu() if dropless else None
 
     def has_adapters(self) -> bool:
         return self.gate_proj.lora_A is not None or self.up_proj.lora_A is not None or self.down_proj.lora_A is not None
@@ -192,6 +199,9 @@ class RoutedExperts(nn.Cell):
         its rows (the dropless path; the same SwiGLU as :meth:`construct`)."""
         cdt = self.compute_dtype
         x = self.cast_in(x, cdt)
+        if not self.has_adapters():  # one fused call (CPU: a C++ kernel, its gradient one more)
+            weights = (self.gate_proj.dense(cdt), self.up_proj.dense(cdt), self.down_proj.dense(cdt))
+            return self.swiglu(x, weights[0], weights[1], weights[2], group_list)  # [M, H]
         gate = self.gate_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
         up = self.up_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
         hidden = self.act_mul(self.act(gate), up).astype(cdt)  # [M, I]

@@ -214,6 +214,10 @@ class QuantStackedWeight(_Dequant, StackedWeight):
         """The experts ``idx`` [n] of the dequantised stack -> [n, out, in]."""
         return ops.gather(self.dequantized(), idx, 0).astype(cdt)
 
+    def dense(self, cdt):
+        """The dequantised stack [E, out, in] in the compute dtype."""
+        return self.weight_cast(self.dequantized(), cdt)
+
     def grouped(self, x, group_list, gmm, cdt):
         """x [M, in] sorted by expert -> [M, out] (as StackedWeight.grouped, on the dequantised stack)."""
         return grouped_project(self, self.weight_cast(self.dequantized(), cdt), x, group_list, gmm, cdt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mindspore import nn
+from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
 from ms_deepseek.core.errors import UserError
@@ -164,3 +164,46 @@ def _grouped_matmul_impl():
             first_line = str(exc).strip().splitlines()[0]
             backend.warn_once("grouped_matmul", f"cpu kernel unavailable ({first_line}); using the reference")
     return reference.GroupedMatmulReference()
+
+
+class GroupedSwiglu(nn.Cell):
+    """Every expert's SwiGLU MLP on its rows: ``y = down(silu(gate(x)) * up(x))`` by grouped matmuls.
+
+    x [M, H] sorted by expert; ``w_gate`` / ``w_up`` [E, I, H], ``w_down`` [E, H, I] (the stacked layouts);
+    ``group_list`` [E] row counts -> y [M, H] (float32 from the CPU kernel). Differentiable in x and the weights.
+    On CPU one C++ call for the forward and one for the gradient (``impl.kind == "cpu"``); elsewhere, or when
+    that kernel does not build, three :class:`GroupedMatmul` calls and MindSpore's SiLU (``"composed"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.impl = _grouped_swiglu_impl()
+
+    def construct(self, x, w_gate, w_up, w_down, group_list):
+        return self.impl(x, w_gate, w_up, w_down, group_list)
+
+
+class GroupedSwigluComposed(nn.Cell):
+    """:class:`GroupedSwiglu` as three grouped matmuls and SiLU (Ascend, and the CPU fallback)."""
+
+    kind = "composed"
+
+    def __init__(self):
+        super().__init__()
+        self.gmm = GroupedMatmul()
+
+    def construct(self, x, w_gate, w_up, w_down, group_list):
+        gate = self.gmm(x, w_gate, group_list)
+        up = self.gmm(x, w_up, group_list)
+        return self.gmm((ops.silu(gate) * up).astype(x.dtype), w_down, group_list)
+
+
+def _grouped_swiglu_impl():
+    if not backend.forced_reference() and backend.device_target() == "CPU":
+        from ms_deepseek.ops import build, cpu
+
+        try:
+            return cpu.GroupedSwigluCpu(build.build("grouped_matmul"))
+        except build.KernelBuildError as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            backend.warn_once("grouped_matmul", f"cpu kernel unavailable ({first_line}); using the reference")
+    return GroupedSwigluComposed()

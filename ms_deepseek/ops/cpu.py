@@ -157,3 +157,39 @@ class GroupedMatmulCpu(nn.Cell):
 
     def construct(self, x, weight, group_list):
         return self.op(x.astype(mstype.float32), weight.astype(mstype.float32), group_list.astype(mstype.int32))
+
+
+class GroupedSwigluCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.GroupedSwiglu`: the three grouped matmuls and the SwiGLU of every
+    expert's rows in one call (float32), and its gradient in one more (the gate and up products are kept)."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path):
+        super().__init__()
+        self.lib = Path(lib)
+        grad = custom_op(
+            self.lib,
+            "GroupedSwigluGradCpu",
+            out_shape=lambda dy, x, wg, wu, wd, gate, up, g: (x, wg, wu, wd),
+            out_dtype=lambda *args: (mstype.float32,) * 4,
+        )
+
+        def bprop(x, wg, wu, wd, group_list, out, dout):
+            dx, dwg, dwu, dwd = grad(dout[0].astype(mstype.float32), x, wg, wu, wd, out[1], out[2], group_list)
+            return dx, dwg, dwu, dwd, ops.zeros_like(group_list)
+
+        self.op = custom_op(
+            self.lib,
+            "GroupedSwigluCpu",
+            out_shape=lambda x, wg, wu, wd, g: ((x[0], wd[1]), (x[0], wg[1]), (x[0], wg[1])),
+            out_dtype=lambda *args: (mstype.float32,) * 3,
+            bprop=bprop,
+        )
+
+    def construct(self, x, w_gate, w_up, w_down, group_list):
+        f32 = mstype.float32
+        out = self.op(
+            x.astype(f32), w_gate.astype(f32), w_up.astype(f32), w_down.astype(f32), group_list.astype(mstype.int32)
+        )
+        return out[0]

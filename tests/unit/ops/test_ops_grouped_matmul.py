@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mindspore import Tensor, nn, ops
 
-from ms_deepseek.ops import GroupedMatmul, build, cpu, reference
+from ms_deepseek.ops import GroupedMatmul, GroupedSwiglu, build, cpu, reference
+from ms_deepseek.ops.api import GroupedSwigluComposed
 
 from tolerances import assert_close_to_scale
 
@@ -92,3 +93,40 @@ def test_public_cell_picks_the_cpu_kernel_and_refuses_bad_counts(kernel):
 def test_reference_forced_by_the_switch(monkeypatch):
     monkeypatch.setenv("MS_DEEPSEEK_OPS", "reference")
     assert GroupedMatmul().impl.kind == "reference"
+
+
+class SwigluLoss(nn.Cell):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def construct(self, x, wg, wu, wd, g, dy):
+        return (self.op(x, wg, wu, wd, g) * dy).sum()
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+@pytest.mark.parametrize("counts, m", CASES[:2])
+def test_fused_swiglu_matches_the_composed_one(counts, m, mode):
+    """GroupedSwiglu's CPU kernel (one call forward, one backward) against three GroupedMatmul calls and SiLU."""
+    rng = np.random.default_rng(m)
+    h, i, e = 24, 40, len(counts)
+    x = rng.standard_normal((m, h)).astype(np.float32)
+    wg, wu = (rng.standard_normal((e, i, h)).astype(np.float32) * 0.3 for _ in range(2))
+    wd = rng.standard_normal((e, h, i)).astype(np.float32) * 0.3
+    dy = rng.standard_normal((m, h)).astype(np.float32)
+    args = [Tensor(a) for a in (x, wg, wu, wd)] + [Tensor(np.array(counts, np.int32)), Tensor(dy)]
+    fused, composed = GroupedSwiglu(), GroupedSwigluComposed()
+    assert fused.impl.kind == "cpu"
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        got = [fused(*args[:5]).asnumpy()] + [
+            g.asnumpy() for g in ops.GradOperation(get_all=True)(SwigluLoss(fused))(*args)[:4]
+        ]
+        want = [composed(*args[:5]).asnumpy()] + [
+            g.asnumpy() for g in ops.GradOperation(get_all=True)(SwigluLoss(composed))(*args)[:4]
+        ]
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    for name, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), got, want):
+        assert_close_to_scale(a, b, terms=max(h, i, max(counts)), err_msg=name)
+    assert not got[0][sum(counts) :].any()
