@@ -250,11 +250,13 @@ class DeepseekV2MoE(nn.Cell):
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
         # the dropless path (model.moe_dispatch: dropless): sort the choices by expert, gather, unsort
+        # (only on a dropless layer: the parallel plan names every primitive a layer holds, and has no rule for these)
         self.dropless = cfg.moe_dispatch == "dropless"
-        self.choice_sort = ops.Sort()
-        self.inverse_sort = ops.Sort()
-        self.sorted_gather = ops.Gather()
-        self.unsort_gather = ops.Gather()
+        if self.dropless:
+            self.choice_sort = ops.Sort()
+            self.inverse_sort = ops.Sort()
+            self.sorted_gather = ops.Gather()
+            self.unsort_gather = ops.Gather()
 
     def set_expert_placement(self, table: np.ndarray, groups: int, ep: int) -> None:
         """The plan's expert placement (``parallel_apply.apply``): the placement table [E, 2] (rank, slot), the
