@@ -16,9 +16,11 @@
 //                             -> dx [M, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]
 // All float32. Each GEMM is oneDNN's dnnl_sgemm (row-major), taken from the libdnnl.so.3 that MindSpore's
 // CPU backend has already loaded (mindspore/lib/libdnnl.so.3); without it a plain loop computes the same
-// sums. Work is split over at most hardware_concurrency threads: Nt / Nn by row ranges, the weight gradient
-// by ranges of N, so no two threads write the same output.
+// sums. Work is handed out as tasks to at most hardware_concurrency threads: blocks of an expert's rows, or of a
+// weight gradient's output rows, so no two threads write the same output.
 #include <dlfcn.h>
+
+#include <atomic>
 
 #include "msds_aot_cpu.h"
 
@@ -55,23 +57,32 @@ void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int
   }
 }
 
-int64_t Threads(int64_t work) {
-  int64_t hw = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max<int64_t>(1, std::min<int64_t>({hw, 16, work}));
-}
-
-// fn(t) for t in [0, threads) on that many threads.
+// fn(task) for task in [0, tasks), handed out one at a time to at most hardware_concurrency threads: on cores
+// shared with other processes a thread that falls behind takes fewer tasks instead of holding up an even split.
 template <typename F>
-void Parallel(int64_t threads, F fn) {
+void ForTasks(int64_t tasks, F fn) {
+  int64_t hw = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  int64_t threads = std::min<int64_t>({hw, 16, tasks});
   if (threads <= 1) {
-    fn(0);
+    for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
   }
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(t);
+  };
   std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back([t, &fn]() { fn(t); });
-  fn(0);
+  for (int64_t i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
   for (auto& th : pool) th.join();
 }
+
+// Rows per GEMM task: large enough that the weight block each sgemm call packs is reused over many rows.
+constexpr int64_t kRowBlock = 256;
+// Output rows of a weight gradient per task.
+constexpr int64_t kGradBlock = 128;
+// Elements per task of an elementwise pass.
+constexpr int64_t kElementBlock = 1 << 15;
 
 // Row offsets [E + 1] of the experts, or an error message.
 std::string Offsets(const int32_t* counts, int64_t experts, int64_t rows, std::vector<int64_t>* offsets) {
@@ -98,41 +109,48 @@ std::string Check(int nparam, int* ndims, int64_t** shapes, const char** dtypes,
   return "";
 }
 
-// The weight gradient dw_e = dy_e^T x_e for every expert, threads over ranges of N (dy [M, N], x [M, K]).
+// The weight gradient dw_e = dy_e^T x_e for every expert (dy [M, N], x [M, K] -> dw [E, N, K]); one task per
+// expert and block of N.
 void WeightGrad(const float* dy, const float* x, const std::vector<int64_t>& offsets, int64_t experts, int64_t n,
                 int64_t k, float* dw) {
-  int64_t threads = Threads(n / 16);
-  Parallel(threads, [&](int64_t t) {
-    int64_t n0 = n * t / threads, n1 = n * (t + 1) / threads;
-    for (int64_t e = 0; e < experts; ++e) {
-      float* out = dw + e * n * k + n0 * k;
-      int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
-      if (rows == 0) {
-        std::fill(out, out + (n1 - n0) * k, 0.0f);
-        continue;
-      }
-      Gemm('T', 'N', n1 - n0, k, rows, dy + r0 * n + n0, n, x + r0 * k, k, out, k);
+  int64_t blocks = (n + kGradBlock - 1) / kGradBlock;
+  ForTasks(experts * blocks, [&](int64_t task) {
+    int64_t e = task / blocks, n0 = task % blocks * kGradBlock, n1 = std::min(n, n0 + kGradBlock);
+    float* out = dw + e * n * k + n0 * k;
+    int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+    if (rows == 0) {
+      std::fill(out, out + (n1 - n0) * k, 0.0f);
+      return;
     }
+    Gemm('T', 'N', n1 - n0, k, rows, dy + r0 * n + n0, n, x + r0 * k, k, out, k);
   });
 }
 
 // y = x_e w_e^T (transpose_w: w [E, out, in]) or x_e w_e (w [E, in, out]) on every expert's rows, x [M, in] ->
-// y [M, out] (+ y when beta is 1); threads over row ranges; padding rows -> 0 (beta 0).
+// y [M, out] (+ y when beta is 1); one task per block of an expert's rows; padding rows -> 0 (beta 0).
 void Rows(const float* x, const float* w, const std::vector<int64_t>& offsets, int64_t experts, int64_t rows,
           int64_t in, int64_t out, bool transpose_w, float* y, float beta = 0.0f) {
-  int64_t threads = Threads(rows / 64);
-  Parallel(threads, [&](int64_t t) {
-    int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
-    for (int64_t e = 0; e < experts; ++e) {
-      int64_t lo = std::max(r0, offsets[e]), hi = std::min(r1, offsets[e + 1]);
-      if (lo >= hi) continue;
-      const float* we = w + e * in * out;
-      Gemm('N', transpose_w ? 'T' : 'N', hi - lo, out, in, x + lo * in, in, we, transpose_w ? in : out, y + lo * out,
-           out, beta);
+  std::vector<int64_t> starts, experts_of;  // the tasks: [starts[t], next block or the expert's end)
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowBlock) {
+      starts.push_back(r);
+      experts_of.push_back(e);
     }
-    if (beta == 0.0f) {
-      for (int64_t r = std::max(r0, offsets[experts]); r < r1; ++r) std::fill(y + r * out, y + (r + 1) * out, 0.0f);
-    }
+  }
+  ForTasks(static_cast<int64_t>(starts.size()), [&](int64_t t) {
+    int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock);
+    const float* we = w + e * in * out;
+    Gemm('N', transpose_w ? 'T' : 'N', hi - lo, out, in, x + lo * in, in, we, transpose_w ? in : out, y + lo * out,
+         out, beta);
+  });
+  if (beta == 0.0f) std::fill(y + offsets[experts] * out, y + rows * out, 0.0f);
+}
+
+// fn(i) for i in [0, n), in blocks over the threads.
+template <typename F>
+void Elementwise(int64_t n, F fn) {
+  ForTasks((n + kElementBlock - 1) / kElementBlock, [&](int64_t t) {
+    for (int64_t i = t * kElementBlock, end = std::min(n, i + kElementBlock); i < end; ++i) fn(i);
   });
 }
 
@@ -226,7 +244,8 @@ extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t**
   Rows(x, static_cast<const float*>(params[1]), offsets, e, m, h, i, true, gate);
   Rows(x, static_cast<const float*>(params[2]), offsets, e, m, h, i, true, up);
   std::vector<float> act(static_cast<size_t>(m * i));
-  for (int64_t p = 0; p < m * i; ++p) act[p] = gate[p] * Sigmoid(gate[p]) * up[p];
+  float* a = act.data();
+  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
   Rows(act.data(), static_cast<const float*>(params[3]), offsets, e, m, i, h, true, y);
   return 0;
 }
@@ -248,14 +267,16 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
   float* dx = static_cast<float*>(params[8]);
   size_t mi = static_cast<size_t>(m * i);
   std::vector<float> act(mi), da(mi), dgate(mi), dup(mi);
-  for (size_t p = 0; p < mi; ++p) act[p] = gate[p] * Sigmoid(gate[p]) * up[p];
+  float* a = act.data();
+  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
   WeightGrad(dy, act.data(), offsets, e, h, i, static_cast<float*>(params[11]));  // dwd_e = dy_e^T act_e
   Rows(dy, wd, offsets, e, m, h, i, false, da.data());                           // da_e = dy_e wd_e
-  for (size_t p = 0; p < mi; ++p) {
+  float *d_act = da.data(), *d_gate = dgate.data(), *d_up = dup.data();
+  Elementwise(m * i, [&](int64_t p) {
     float s = Sigmoid(gate[p]);
-    dup[p] = da[p] * gate[p] * s;
-    dgate[p] = da[p] * up[p] * s * (1.0f + gate[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
-  }
+    d_up[p] = d_act[p] * gate[p] * s;
+    d_gate[p] = d_act[p] * up[p] * s * (1.0f + gate[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
+  });
   WeightGrad(dgate.data(), x, offsets, e, i, h, static_cast<float*>(params[9]));
   WeightGrad(dup.data(), x, offsets, e, i, h, static_cast<float*>(params[10]));
   Rows(dgate.data(), wg, offsets, e, m, i, h, false, dx);
