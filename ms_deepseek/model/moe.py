@@ -194,14 +194,20 @@ class RoutedExperts(nn.Cell):
         up = self.up_bmm(x, self.up_proj.rows(idx, cdt))  # [n, 1, I]
         return self.down_bmm(self.act_mul(self.act(gate), up), self.down_proj.rows(idx, cdt))  # [n, 1, H]
 
+    def fused(self, tokens, order, group_list):
+        """The dropless path without adapters: tokens [N, H], order [S] (the slot token * k + choice at each
+        position sorted by expert), group_list [E] int32 row counts -> [S, H] float32 in slot order, every expert's
+        SwiGLU on exactly its rows in one :class:`ms_deepseek.ops.GroupedSwiglu` call (CPU: one C++ kernel)."""
+        cdt = self.compute_dtype
+        weights = (self.gate_proj.dense(cdt), self.up_proj.dense(cdt), self.down_proj.dense(cdt))
+        return self.swiglu(self.cast_in(tokens, cdt), order, weights[0], weights[1], weights[2], group_list)
+
     def grouped(self, x, group_list):
         """x [M, H] sorted by expert, group_list [E] int32 row counts -> [M, H] float32: every expert on exactly
-        its rows (the dropless path; the same SwiGLU as :meth:`construct`)."""
+        its rows, each projection (and each factor of its adapter) one grouped matmul; the same SwiGLU as
+        :meth:`construct`."""
         cdt = self.compute_dtype
         x = self.cast_in(x, cdt)
-        if not self.has_adapters():  # one fused call (CPU: a C++ kernel, its gradient one more)
-            weights = (self.gate_proj.dense(cdt), self.up_proj.dense(cdt), self.down_proj.dense(cdt))
-            return self.swiglu(x, weights[0], weights[1], weights[2], group_list)  # [M, H]
         gate = self.gate_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
         up = self.up_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
         hidden = self.act_mul(self.act(gate), up).astype(cdt)  # [M, I]
@@ -335,18 +341,22 @@ class DeepseekV2MoE(nn.Cell):
     def dropless_experts(self, tokens, topk_idx, topk_weight):
         """The routed experts without capacity: tokens [N, H], the router's topk_idx / topk_weight [N, k] ->
         [N, H] float32. All N*k choices are sorted by expert (static shapes: [N*k, H] rows, the per-expert counts
-        ``group_list`` [E] a tensor), every expert runs on exactly its rows by one grouped matmul per projection
-        (:class:`ms_deepseek.ops.GroupedMatmul`), and the rows go back to their (token, choice) slots and are mixed
-        with the routing weights as :meth:`combine` does."""
+        ``group_list`` [E] a tensor), every expert runs on exactly its rows (without adapters one fused
+        :class:`ms_deepseek.ops.GroupedSwiglu` call; with them one :class:`ms_deepseek.ops.GroupedMatmul` per
+        projection and adapter factor), and the rows go back to their (token, choice) slots and are mixed with the
+        routing weights as :meth:`combine` does."""
         N, H = tokens.shape
         k, E, S = self.top_k, self.num_experts, tokens.shape[0] * self.top_k
         choice = topk_idx.reshape(S).astype(ms.int32)  # token-major slot s = i*k + j
         # unique int32 keys expert*S + s: ascending order is by expert, then by slot (a stable sort by expert)
         keys = choice * S + ops.arange(0, S, dtype=ms.int32)
         order = ops.stop_gradient(self.choice_sort(keys)[1])  # [S]: the slot at each sorted position
-        inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # [S]: the sorted position of each slot
         experts = ops.arange(0, E, dtype=ms.int32).reshape(1, E)
         group_list = ops.stop_gradient((choice.reshape(S, 1) == experts).astype(ms.int32).sum(0))  # [E] counts
+        if not self.experts.has_adapters():  # gather, experts and the way back in one call
+            back = self.experts.fused(tokens, order, group_list).reshape(N, k, H)  # [N, k, H] in slot order
+            return (back.astype(ms.float32) * topk_weight.reshape(N, k, 1)).sum(1)  # [N, H]
+        inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # [S]: the sorted position of each slot
         rows = self.sorted_gather(tokens, ops.floor_div(order, k), 0)  # [S, H] sorted by expert
         out = self.experts.grouped(rows, group_list)  # [S, H] float32
         back = self.unsort_gather(out, inverse, 0).reshape(N, k, H)  # [N, k, H] in slot order

@@ -160,8 +160,9 @@ class GroupedMatmulCpu(nn.Cell):
 
 
 class GroupedSwigluCpu(nn.Cell):
-    """CPU kernel of :class:`ms_deepseek.ops.GroupedSwiglu`: the three grouped matmuls and the SwiGLU of every
-    expert's rows in one call (float32), and its gradient in one more (the gate and up products are kept)."""
+    """CPU kernel of :class:`ms_deepseek.ops.GroupedSwiglu`: the gather of the sorted rows, the three grouped
+    matmuls, the SwiGLU and the write-back to slot order in one call (float32), and its gradient in one more (the
+    gate and up products are kept; each token's k row gradients are summed in the kernel)."""
 
     kind = "cpu"
 
@@ -171,25 +172,30 @@ class GroupedSwigluCpu(nn.Cell):
         grad = custom_op(
             self.lib,
             "GroupedSwigluGradCpu",
-            out_shape=lambda dy, x, wg, wu, wd, gate, up, g: (x, wg, wu, wd),
+            out_shape=lambda dy, t, o, wg, wu, wd, gate, up, g: (t, wg, wu, wd),
             out_dtype=lambda *args: (mstype.float32,) * 4,
         )
 
-        def bprop(x, wg, wu, wd, group_list, out, dout):
-            dx, dwg, dwu, dwd = grad(dout[0].astype(mstype.float32), x, wg, wu, wd, out[1], out[2], group_list)
-            return dx, dwg, dwu, dwd, ops.zeros_like(group_list)
+        def bprop(tokens, order, wg, wu, wd, group_list, out, dout):
+            d = grad(dout[0].astype(mstype.float32), tokens, order, wg, wu, wd, out[1], out[2], group_list)
+            return d[0], ops.zeros_like(order), d[1], d[2], d[3], ops.zeros_like(group_list)
 
         self.op = custom_op(
             self.lib,
             "GroupedSwigluCpu",
-            out_shape=lambda x, wg, wu, wd, g: ((x[0], wd[1]), (x[0], wg[1]), (x[0], wg[1])),
+            out_shape=lambda t, o, wg, wu, wd, g: ((o[0], t[1]), (o[0], wg[1]), (o[0], wg[1])),
             out_dtype=lambda *args: (mstype.float32,) * 3,
             bprop=bprop,
         )
 
-    def construct(self, x, w_gate, w_up, w_down, group_list):
-        f32 = mstype.float32
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
+        f32, i32 = mstype.float32, mstype.int32
         out = self.op(
-            x.astype(f32), w_gate.astype(f32), w_up.astype(f32), w_down.astype(f32), group_list.astype(mstype.int32)
+            tokens.astype(f32),
+            order.astype(i32),
+            w_gate.astype(f32),
+            w_up.astype(f32),
+            w_down.astype(f32),
+            group_list.astype(i32),
         )
         return out[0]

@@ -9,11 +9,13 @@
 //                             (the input gradient of Nt: dx_e = dy_e w_e)
 // GroupedMatmulWeightGradCpu: dy [M, N], x [M, K], group_list [E] -> dw [E, N, K], dw_e = dy_e^T x_e
 //                             (an expert with no rows gets dw_e = 0)
-// GroupedSwigluCpu:           x [M, H], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E]
-//                             -> y [M, H], gate [M, I], up [M, I]: every expert's SwiGLU MLP on its rows,
-//                             y_e = (silu(x_e wg_e^T) * (x_e wu_e^T)) wd_e^T; gate and up are kept for the gradient
-// GroupedSwigluGradCpu:       dy [M, H], x, wg, wu, wd, gate, up, group_list
-//                             -> dx [M, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]
+// GroupedSwigluCpu:           tokens [N, H], order [S], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E]
+//                             -> out [S, H], gate [S, I], up [S, I]: every expert's SwiGLU MLP on its rows, the rows
+//                             sorted by expert being tokens[order[p] / k] (k = S / N; order a permutation of the
+//                             slots s = token * k + choice), y_e = (silu(x_e wg_e^T) * (x_e wu_e^T)) wd_e^T, written
+//                             back to slot order; gate and up (sorted order) are kept for the gradient
+// GroupedSwigluGradCpu:       dout [S, H], tokens, order, wg, wu, wd, gate, up, group_list
+//                             -> dtokens [N, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]
 // All float32. Each GEMM is oneDNN's dnnl_sgemm (row-major), taken from the libdnnl.so.3 that MindSpore's
 // CPU backend has already loaded (mindspore/lib/libdnnl.so.3); without it a plain loop computes the same
 // sums. Work is handed out as tasks to at most hardware_concurrency threads: blocks of an expert's rows, or of a
@@ -203,83 +205,152 @@ extern "C" int GroupedMatmulWeightGradCpu(int nparam, void** params, int* ndims,
 
 namespace {
 
-// Checks of the SwiGLU entries: every data input float32 and group_list int32 [E] at `gl`; x [M, H], wg / wu
-// [E, I, H], wd [E, H, I]. Fills M, H, I, E and the row offsets.
-std::string SwigluShapes(int nparam, int expected, int gl, int* ndims, int64_t** shapes, const char** dtypes, int xi,
-                         int64_t* m, int64_t* h, int64_t* i, int64_t* e, std::vector<int64_t>* offsets,
-                         void** params) {
+// The SwiGLU entries' shapes: tokens [N, H], order int32 [S] (S = N * k), wg / wu [E, I, H], wd [E, H, I],
+// group_list int32 [E]; `first` is the index of tokens among the parameters (after dy in the gradient), `gl`
+// the index of group_list (after gate and up in the gradient).
+struct Swiglu {
+  int64_t n = 0, s = 0, k = 0, h = 0, i = 0, e = 0;
+  std::vector<int64_t> offsets;
+  const float *tokens = nullptr, *wg = nullptr, *wu = nullptr, *wd = nullptr;
+  const int32_t* order = nullptr;
+};
+
+std::string ReadSwiglu(int nparam, int expected, int first, int gl, void** params, int* ndims, int64_t** shapes,
+                       const char** dtypes, Swiglu* g) {
   if (nparam != expected) return "wrong number of inputs and outputs";
+  int order_idx = first + 1;
   for (int p = 0; p < nparam; ++p) {
-    bool want_int = p == gl;
+    bool want_int = p == order_idx || p == gl;
     DType dt = msds::cpu::ParseDType(dtypes[p]);
-    if (want_int ? dt != DType::kInt32 : dt != DType::kFloat32) return "data must be float32, group_list int32";
+    if (want_int ? dt != DType::kInt32 : dt != DType::kFloat32) return "data must be float32, order and group_list int32";
   }
-  if (ndims[xi] != 2 || ndims[xi + 1] != 3 || ndims[xi + 2] != 3 || ndims[xi + 3] != 3 || ndims[gl] != 1) {
-    return "expected x [M, H], wg / wu [E, I, H], wd [E, H, I], group_list [E]";
+  if (ndims[first] != 2 || ndims[order_idx] != 1 || ndims[first + 2] != 3 || ndims[first + 3] != 3 ||
+      ndims[first + 4] != 3 || ndims[gl] != 1) {
+    return "expected tokens [N, H], order [S], wg / wu [E, I, H], wd [E, H, I], group_list [E]";
   }
-  *m = shapes[xi][0];
-  *h = shapes[xi][1];
-  *e = shapes[xi + 1][0];
-  *i = shapes[xi + 1][1];
-  for (int w = 1; w <= 2; ++w) {
-    if (shapes[xi + w][0] != *e || shapes[xi + w][1] != *i || shapes[xi + w][2] != *h) return "wg / wu must be [E, I, H]";
+  g->n = shapes[first][0];
+  g->h = shapes[first][1];
+  g->s = shapes[order_idx][0];
+  g->e = shapes[first + 2][0];
+  g->i = shapes[first + 2][1];
+  if (g->n <= 0 || g->s % g->n) return "order's length must be a multiple of the tokens";
+  g->k = g->s / g->n;
+  for (int w = 2; w <= 3; ++w) {
+    if (shapes[first + w][0] != g->e || shapes[first + w][1] != g->i || shapes[first + w][2] != g->h) {
+      return "wg / wu must be [E, I, H]";
+    }
   }
-  if (shapes[xi + 3][0] != *e || shapes[xi + 3][1] != *h || shapes[xi + 3][2] != *i) return "wd must be [E, H, I]";
-  if (shapes[gl][0] != *e) return "group_list must be [E]";
-  return Offsets(static_cast<const int32_t*>(params[gl]), *e, *m, offsets);
+  if (shapes[first + 4][0] != g->e || shapes[first + 4][1] != g->h || shapes[first + 4][2] != g->i) {
+    return "wd must be [E, H, I]";
+  }
+  if (shapes[gl][0] != g->e) return "group_list must be [E]";
+  g->tokens = static_cast<const float*>(params[first]);
+  g->order = static_cast<const int32_t*>(params[order_idx]);
+  g->wg = static_cast<const float*>(params[first + 2]);
+  g->wu = static_cast<const float*>(params[first + 3]);
+  g->wd = static_cast<const float*>(params[first + 4]);
+  for (int64_t p = 0; p < g->s; ++p) {
+    if (g->order[p] < 0 || g->order[p] >= g->s) return "order holds a slot outside [0, S)";
+  }
+  return Offsets(static_cast<const int32_t*>(params[gl]), g->e, g->s, &g->offsets);
+}
+
+// x[p] = tokens[order[p] / k]: the rows sorted by expert.
+std::vector<float> SortedRows(const Swiglu& g) {
+  std::vector<float> x(static_cast<size_t>(g.s * g.h));
+  float* out = x.data();
+  ForTasks((g.s + 63) / 64, [&](int64_t t) {
+    for (int64_t p = t * 64, end = std::min(g.s, p + 64); p < end; ++p) {
+      std::copy(g.tokens + (g.order[p] / g.k) * g.h, g.tokens + (g.order[p] / g.k + 1) * g.h, out + p * g.h);
+    }
+  });
+  return x;
 }
 
 }  // namespace
 
+// Every expert's SwiGLU on its rows. Inputs: tokens [N, H], order [S] (the slot s = token * k + choice at each
+// sorted position), wg, wu, wd, group_list; outputs: out [S, H] in slot order, gate [S, I] and up [S, I] in
+// sorted order (kept for the gradient).
 extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
-  int64_t m = 0, h = 0, i = 0, e = 0;
-  std::vector<int64_t> offsets;
-  std::string err = SwigluShapes(nparam, 8, 4, ndims, shapes, dtypes, 0, &m, &h, &i, &e, &offsets, params);
+  Swiglu g;
+  std::string err = ReadSwiglu(nparam, 9, 0, 5, params, ndims, shapes, dtypes, &g);
   if (!err.empty()) return MsdsFail("GroupedSwiglu: " + err);
-  const float* x = static_cast<const float*>(params[0]);
-  float* y = static_cast<float*>(params[5]);
-  float* gate = static_cast<float*>(params[6]);
-  float* up = static_cast<float*>(params[7]);
-  Rows(x, static_cast<const float*>(params[1]), offsets, e, m, h, i, true, gate);
-  Rows(x, static_cast<const float*>(params[2]), offsets, e, m, h, i, true, up);
-  std::vector<float> act(static_cast<size_t>(m * i));
-  float* a = act.data();
+  float* out = static_cast<float*>(params[6]);
+  float* gate = static_cast<float*>(params[7]);
+  float* up = static_cast<float*>(params[8]);
+  int64_t m = g.s, h = g.h, i = g.i;
+  std::vector<float> x = SortedRows(g);
+  Rows(x.data(), g.wg, g.offsets, g.e, m, h, i, true, gate);
+  Rows(x.data(), g.wu, g.offsets, g.e, m, h, i, true, up);
+  float* a = x.data();  // reused: act [S, I] fits in the rows' [S, H] only when I <= H
+  std::vector<float> act_store;
+  if (i > h) {
+    act_store.resize(static_cast<size_t>(m * i));
+    a = act_store.data();
+  }
   Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  Rows(act.data(), static_cast<const float*>(params[3]), offsets, e, m, i, h, true, y);
+  std::vector<float> y(static_cast<size_t>(m * h));
+  Rows(a, g.wd, g.offsets, g.e, m, i, h, true, y.data());
+  const float* ys = y.data();
+  ForTasks((m + 63) / 64, [&](int64_t t) {
+    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
+      std::copy(ys + p * h, ys + (p + 1) * h, out + static_cast<int64_t>(g.order[p]) * h);
+    }
+  });
   return 0;
 }
 
+// Its gradient. Inputs: dout [S, H] (slot order), tokens, order, wg, wu, wd, gate, up, group_list; outputs:
+// dtokens [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I].
 extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                     void* stream, void* extra) {
-  // inputs: dy, x, wg, wu, wd, gate, up, group_list; outputs: dx, dwg, dwu, dwd
-  int64_t m = 0, h = 0, i = 0, e = 0;
-  std::vector<int64_t> offsets;
-  std::string err = SwigluShapes(nparam, 12, 7, ndims, shapes, dtypes, 1, &m, &h, &i, &e, &offsets, params);
+  Swiglu g;
+  std::string err = ReadSwiglu(nparam, 13, 1, 8, params, ndims, shapes, dtypes, &g);
   if (!err.empty()) return MsdsFail("GroupedSwigluGrad: " + err);
-  const float* dy = static_cast<const float*>(params[0]);
-  const float* x = static_cast<const float*>(params[1]);
-  const float* wg = static_cast<const float*>(params[2]);
-  const float* wu = static_cast<const float*>(params[3]);
-  const float* wd = static_cast<const float*>(params[4]);
-  const float* gate = static_cast<const float*>(params[5]);
-  const float* up = static_cast<const float*>(params[6]);
-  float* dx = static_cast<float*>(params[8]);
-  size_t mi = static_cast<size_t>(m * i);
-  std::vector<float> act(mi), da(mi), dgate(mi), dup(mi);
+  const float* dout = static_cast<const float*>(params[0]);
+  const float* gate = static_cast<const float*>(params[6]);
+  const float* up = static_cast<const float*>(params[7]);
+  float* dtokens = static_cast<float*>(params[9]);
+  int64_t m = g.s, h = g.h, i = g.i, e = g.e;
+  const std::vector<int64_t>& offsets = g.offsets;
+  std::vector<float> x = SortedRows(g);
+  size_t mi = static_cast<size_t>(m * i), mh = static_cast<size_t>(m * h);
+  std::vector<float> dy(mh), act(mi), da(mi), dgate(mi), dup(mi);
+  float* dys = dy.data();
+  ForTasks((m + 63) / 64, [&](int64_t t) {  // the output gradient in sorted order
+    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
+      std::copy(dout + static_cast<int64_t>(g.order[p]) * h, dout + (static_cast<int64_t>(g.order[p]) + 1) * h,
+                dys + p * h);
+    }
+  });
   float* a = act.data();
   Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  WeightGrad(dy, act.data(), offsets, e, h, i, static_cast<float*>(params[11]));  // dwd_e = dy_e^T act_e
-  Rows(dy, wd, offsets, e, m, h, i, false, da.data());                           // da_e = dy_e wd_e
+  WeightGrad(dys, a, offsets, e, h, i, static_cast<float*>(params[12]));  // dwd_e = dy_e^T act_e
+  Rows(dys, g.wd, offsets, e, m, h, i, false, da.data());                 // da_e = dy_e wd_e
   float *d_act = da.data(), *d_gate = dgate.data(), *d_up = dup.data();
   Elementwise(m * i, [&](int64_t p) {
     float s = Sigmoid(gate[p]);
     d_up[p] = d_act[p] * gate[p] * s;
     d_gate[p] = d_act[p] * up[p] * s * (1.0f + gate[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
   });
-  WeightGrad(dgate.data(), x, offsets, e, i, h, static_cast<float*>(params[9]));
-  WeightGrad(dup.data(), x, offsets, e, i, h, static_cast<float*>(params[10]));
-  Rows(dgate.data(), wg, offsets, e, m, i, h, false, dx);
-  Rows(dup.data(), wu, offsets, e, m, i, h, false, dx, 1.0f);
+  WeightGrad(d_gate, x.data(), offsets, e, i, h, static_cast<float*>(params[10]));
+  WeightGrad(d_up, x.data(), offsets, e, i, h, static_cast<float*>(params[11]));
+  float* dx = dy.data();  // reused: dy is read no more
+  Rows(d_gate, g.wg, offsets, e, m, i, h, false, dx);
+  Rows(d_up, g.wu, offsets, e, m, i, h, false, dx, 1.0f);
+  std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
+  for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
+  ForTasks((g.n + 31) / 32, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
+    for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
+      float* row = dtokens + n * h;
+      std::fill(row, row + h, 0.0f);
+      for (int64_t j = 0; j < g.k; ++j) {
+        const float* src = dx + position[n * g.k + j] * h;
+        for (int64_t c = 0; c < h; ++c) row[c] += src[c];
+      }
+    }
+  });
   return 0;
 }
