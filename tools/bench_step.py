@@ -18,6 +18,8 @@ Each row runs in its own subprocess (a fresh MindSpore or torch, its own compile
 * ``moe cf=2.0`` / ``moe cf=1.0``: the trainer's compiled step (``ms_deepseek.train.step.
   build_step``: forward + backward + clip + AdamW (fused kernel), one graph) in GRAPH_MODE,
   with the capacity factor given; the dropped fraction of routed slots is printed.
+* ``moe dropless``: the same step with ``moe_dispatch: dropless`` (every routed choice, sorted by expert,
+  through the grouped matmul; nothing dropped).
 * ``dense``: the same step on the dense baseline.
 * ``moe cf=2.0 pynative`` (async launch, as the trainer runs it) and ``... pynative+blocking``
   (``ms.runtime.launch_blocking()``): the same step Cell in PyNative, fewer steps.
@@ -127,6 +129,8 @@ def _ms_worker(case: str, args) -> None:
     values = dict(BENCH_CONFIG)
     if case == "dense":
         values["first_k_dense_replace"] = values["num_hidden_layers"]  # every layer the (k + shared) * I MLP
+    elif case == "moe_dropless":
+        values["moe_dispatch"] = "dropless"  # every routed choice through the grouped matmul
     else:
         values["capacity_factor"] = 1.0 if case == "moe_cf1" else 2.0
     cfg = DeepseekV2Config(**values)
@@ -177,7 +181,8 @@ def _ms_worker(case: str, args) -> None:
         result["dropped"] = {str(i): float(stats[j, E]) for j, i in enumerate(moe_layers)}
         first = last["first"][3:].reshape(len(moe_layers), E + 4)
         result["dropped_init"] = {str(i): float(first[j, E]) for j, i in enumerate(moe_layers)}
-        result["capacity"] = model.model.layers[moe_layers[0]].mlp.capacity(BATCH * SEQ)
+        moe = model.model.layers[moe_layers[0]].mlp
+        result["capacity"] = "dropless" if moe.dropless else moe.capacity(BATCH * SEQ)
     if case == "moe_cf2" and args.breakdown:
         result["parts"] = _breakdown(model, step_cell, update, ids_t, labels_t, args)
     _emit(result)
@@ -280,6 +285,7 @@ def _torch_worker(case: str, args) -> None:
 LABELS = {
     "moe_cf2": "moe cf=2.0 graph",
     "moe_cf1": "moe cf=1.0 graph",
+    "moe_dropless": "moe dropless (grouped matmul) graph",
     "dense": "dense (equal activated FLOPs) graph",
     "moe_pynative": "moe cf=2.0 pynative (async launch)",
     "moe_pynative_blocking": "moe cf=2.0 pynative+launch_blocking",
@@ -357,7 +363,7 @@ def parse_args(argv=None):
         description="Time the ms_deepseek training step (forward + backward + AdamW) on the 43.6M-parameter "
         "benchmark config (hidden 512, 4 layers, 16 experts top-2 + 2 shared, 2 x 512 tokens, fp32) "
         "against a dense baseline of equal activated FLOPs, PyNative, and optionally transformers.",
-        epilog="Rows: moe cf=2.0 / cf=1.0 graph, dense graph, moe pynative (async and blocking launch), "
+        epilog="Rows: moe cf=2.0 / cf=1.0 graph, moe dropless graph, dense graph, moe pynative (async and blocking launch), "
         "transformers eager and sdpa+grouped_mm (--torch-python). Ratios are s/step over the dense row "
         "and over each transformers row. Each row runs in its own subprocess.",
     )
@@ -400,7 +406,7 @@ def main(argv=None) -> int:
         (_torch_worker if args.worker.startswith("hf_") else _ms_worker)(args.worker, args)
         return 0
     args.breakdown = not args.quick
-    cases = ["moe_cf2", "moe_cf1", "dense", "moe_pynative", "moe_pynative_blocking"]
+    cases = ["moe_cf2", "moe_cf1", "moe_dropless", "dense", "moe_pynative", "moe_pynative_blocking"]
     if args.torch_python:
         cases += ["hf_eager", "hf_sdpa"]
     if args.only:

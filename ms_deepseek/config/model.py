@@ -28,6 +28,7 @@ from ms_deepseek.core.schema import from_dict
 # already take ~8 s in `plan`, 10**9 never end. DeepSeek-V2 has 60, V3 61; 1024 leaves room for any real one.
 MAX_LAYERS = 1024
 MAX_EXPERTS = 65_536  # routed experts (DeepSeek-V2: 160)
+MOE_DISPATCH = ("capacity", "dropless")  # DeepseekV2Config.moe_dispatch
 
 # The other sizes of a model config ms_deepseek lists, plans or builds (each far beyond DeepSeek-V2's, in the
 # comment): a config.json or a recipe asking for more is refused before a loop or an allocation trusts it.
@@ -166,6 +167,10 @@ class DeepseekV2Config:
     device_aux_loss_alpha: float = 0.0  # device-level balance (paper's alpha2)
     comm_aux_loss_alpha: float = 0.0  # communication balance (paper's alpha3)
     capacity_factor: Optional[float] = None  # per-expert capacity in training; None = dropless
+    # How the routed experts run in training: "capacity" (per-expert buffers of capacity_factor, overflow
+    # dropped: the paper's token dropping) or "dropless" (every choice, sorted by expert, through a grouped
+    # matmul; capacity_factor is not read). Evaluation follows eval_capacity_factor on the capacity path.
+    moe_dispatch: str = "capacity"
     eval_capacity_factor: Optional[float] = None  # in evaluation (set_train(False)); None = dropless
     compute_dtype: str = "float32"  # float32 on CPU, bfloat16 on Ascend
     param_dtype: str = "float32"  # master weights
@@ -258,6 +263,8 @@ class DeepseekV2Config:
         for key in ("compute_dtype", "param_dtype"):
             if getattr(self, key) not in _DTYPES:
                 _fail(key, f"must be one of {', '.join(_DTYPES)}, got {getattr(self, key)!r}")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            _fail("moe_dispatch", f"must be one of {', '.join(MOE_DISPATCH)}, got {self.moe_dispatch!r}")
         for key in ("capacity_factor", "eval_capacity_factor"):
             if getattr(self, key) is not None and getattr(self, key) <= 0:
                 _fail(key, f"must be > 0 or null (dropless), got {getattr(self, key)}")
@@ -338,6 +345,7 @@ class DeepseekV2Config:
             "comm_aux_loss_alpha",
             "capacity_factor",
             "eval_capacity_factor",
+            "moe_dispatch",
             "compute_dtype",
             "param_dtype",
             "use_flash_attention",

@@ -30,7 +30,7 @@ import yaml
 from ms_deepseek.config.data import DataConfig
 from ms_deepseek.config.dispatch_shapes import max_tokens_per_group
 from ms_deepseek.config.lora import LoraSpec
-from ms_deepseek.config.model import DeepseekV2Config, check_model_size, load_model_config
+from ms_deepseek.config.model import MOE_DISPATCH, DeepseekV2Config, check_model_size, load_model_config
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
@@ -51,6 +51,9 @@ class ModelSection:
     expert_aux_loss_alpha: Optional[float] = None
     device_aux_loss_alpha: Optional[float] = None
     comm_aux_loss_alpha: Optional[float] = None
+    # The routed experts' training path: capacity (buffers of capacity_factor, overflow dropped) or dropless
+    # (every routed choice through a grouped matmul); null keeps the config's (capacity unless overridden).
+    moe_dispatch: Optional[str] = None
     # Load the folder's weights when ``source`` is a checkpoint folder (else: random init).
     load_weights: bool = True
 
@@ -61,6 +64,8 @@ class ModelSection:
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise UserError(f"model.{key}: must be >= 0, got {value}")
+        if self.moe_dispatch is not None and self.moe_dispatch not in MOE_DISPATCH:
+            raise UserError(f"model.moe_dispatch: must be one of {', '.join(MOE_DISPATCH)}, got {self.moe_dispatch!r}")
 
 
 @dataclass
@@ -282,7 +287,7 @@ def build_model_config(section: ModelSection, config_fallbacks: Sequence[Union[s
         if key not in known:
             raise UserError(f"model.overrides.{key}: not a model config field")
         values[key] = value
-    for key in ("expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha"):
+    for key in ("expert_aux_loss_alpha", "device_aux_loss_alpha", "comm_aux_loss_alpha", "moe_dispatch"):
         if getattr(section, key) is not None:
             values[key] = getattr(section, key)
     try:
@@ -320,6 +325,11 @@ def validate(recipe: Recipe) -> None:
                 f"per data-parallel rank exceed the {limit} the MoE dispatch orders exactly with top-"
                 f"{cfg.num_experts_per_tok} routing (float32 sort keys); use a smaller micro-batch"
             )
+    if cfg.n_routed_experts and cfg.moe_dispatch == "dropless" and recipe.parallel.uses_semi_auto:
+        raise UserError(
+            f"model.moe_dispatch: dropless runs on one device or data-parallel layouts (parallel.dp only); "
+            f"{recipe.parallel.describe()} shards the model, which needs the capacity path"
+        )
     if recipe.parallel.pp > 1 and recipe.train.grad_accum_steps != 1:
         raise UserError(
             f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="

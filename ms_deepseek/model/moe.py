@@ -54,9 +54,10 @@ from mindspore.ops.auto_generate import SiLU
 
 from ms_deepseek.config import dispatch_shapes
 from ms_deepseek.config.model import DeepseekV2Config
+from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import MLP, to_ms_dtype
 from ms_deepseek.model.router import Router
-from ms_deepseek.ops import ExpertLookup
+from ms_deepseek.ops import ExpertLookup, GroupedMatmul, GroupedSwiglu
 from ms_deepseek.ops.backend import device_target
 from ms_deepseek.parallel_plan.ranks import exchange_view
 
@@ -93,6 +94,27 @@ class StackedWeight(nn.Cell):
     def rows(self, idx, cdt):
         """The weights of the experts ``idx`` [n] -> [n, out, in] (a decode step reads only its chosen experts)."""
         return ops.gather(self.weight, idx, 0).astype(cdt)
+
+    def dense(self, cdt):
+        """The stacked weight [E, out, in] in the compute dtype."""
+        return self.weight.astype(cdt)
+
+    def grouped(self, x, group_list, gmm, cdt):
+        """x [M, in] sorted by expert -> [M, out] through the stacked weight (+ its adapter) by the grouped matmul."""
+        return grouped_project(self, self.weight.astype(cdt), x, group_list, gmm, cdt)
+
+
+def grouped_project(holder, weight, x, group_list, gmm, cdt):
+    """The dropless path's :func:`stacked_project`: x [M, in] (rows sorted by expert, ``group_list`` [E] counts)
+    -> [M, out] float32 through ``weight`` [E, out, in] and ``holder``'s adapter, if any, each factor of the
+    adapter one more grouped matmul on the same rows (A [E, r, in], B [E, out, r])."""
+    y = gmm(x, weight, group_list)  # [M, out]
+    if holder.lora_A is not None:
+        h = x if holder.lora_dropout is None else holder.lora_dropout(x)
+        h = gmm(h, holder.lora_A.weight.astype(cdt), group_list).astype(cdt)  # [M, r]
+        delta = gmm(h, holder.lora_B.weight.astype(cdt), group_list)  # [M, out]
+        y = y + delta * holder.lora_scaling
+    return y
 
 
 def stacked_project(holder, weight, x, bmm, lora_a_bmm, lora_b_bmm, cdt, broadcast: bool):
@@ -154,6 +176,11 @@ class RoutedExperts(nn.Cell):
         self.cast_in = ops.Cast()
         self.act = SiLU()  # ops.auto_generate: the primitive behind ops.silu
         self.act_mul = ops.Mul()
+        # the dropless path's grouped matmul, and the fused SwiGLU of its three for experts without adapters (built
+        # only for it: on CPU their first use compiles a C++ kernel)
+        dropless = cfg.moe_dispatch == "dropless"
+        self.gmm = GroupedMatmul() if dropless else None
+        self.swiglu = GroupedSwiglu() if dropless else None
 
     def has_adapters(self) -> bool:
         return self.gate_proj.lora_A is not None or self.up_proj.lora_A is not None or self.down_proj.lora_A is not None
@@ -166,6 +193,25 @@ class RoutedExperts(nn.Cell):
         gate = self.gate_bmm(x, self.gate_proj.rows(idx, cdt))  # [n, 1, I]
         up = self.up_bmm(x, self.up_proj.rows(idx, cdt))  # [n, 1, I]
         return self.down_bmm(self.act_mul(self.act(gate), up), self.down_proj.rows(idx, cdt))  # [n, 1, H]
+
+    def fused(self, tokens, order, group_list):
+        """The dropless path without adapters: tokens [N, H], order [S] (the slot token * k + choice at each
+        position sorted by expert), group_list [E] int32 row counts -> [S, H] float32 in slot order, every expert's
+        SwiGLU on exactly its rows in one :class:`ms_deepseek.ops.GroupedSwiglu` call (CPU: one C++ kernel)."""
+        cdt = self.compute_dtype
+        weights = (self.gate_proj.dense(cdt), self.up_proj.dense(cdt), self.down_proj.dense(cdt))
+        return self.swiglu(self.cast_in(tokens, cdt), order, weights[0], weights[1], weights[2], group_list)
+
+    def grouped(self, x, group_list):
+        """x [M, H] sorted by expert, group_list [E] int32 row counts -> [M, H] float32: every expert on exactly
+        its rows, each projection (and each factor of its adapter) one grouped matmul; the same SwiGLU as
+        :meth:`construct`."""
+        cdt = self.compute_dtype
+        x = self.cast_in(x, cdt)
+        gate = self.gate_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
+        up = self.up_proj.grouped(x, group_list, self.gmm, cdt)  # [M, I]
+        hidden = self.act_mul(self.act(gate), up).astype(cdt)  # [M, I]
+        return self.down_proj.grouped(hidden, group_list, self.gmm, cdt)  # [M, H]
 
     def construct(self, x):
         """x [D, E, C, H] -> [D, E, C, H] (D = G/ep blocks of the exchange view, the experts on axis 1)."""
@@ -209,12 +255,24 @@ class DeepseekV2MoE(nn.Cell):
         self.to_experts = ops.Transpose()
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
+        # the dropless path (model.moe_dispatch: dropless): sort the choices by expert, gather, unsort
+        # (only on a dropless layer: the parallel plan names every primitive a layer holds, and has no rule for these)
+        self.dropless = cfg.moe_dispatch == "dropless"
+        if self.dropless:
+            self.choice_sort = ops.Sort()
+            self.inverse_sort = ops.Sort()
+            self.sorted_gather = ops.Gather()
+            self.unsort_gather = ops.Gather()
 
     def set_expert_placement(self, table: np.ndarray, groups: int, ep: int) -> None:
         """The plan's expert placement (``parallel_apply.apply``): the placement table [E, 2] (rank, slot), the
         token groups (the plan's dp: capacity and slots per rank) and ep (the exchange view
         [G/ep, ep, E, C, H], ``ranks.exchange_view``); the router's device-level balance losses and the
         lookup's experts per rank follow. The stacked weights' buffer order is the plan's to set."""
+        if self.dropless and (groups > 1 or ep > 1):
+            raise UserError(
+                f"model.moe_dispatch: dropless runs unsharded; this plan splits the MoE tokens {groups} ways (ep {ep})"
+            )
         self.expert_placement.set_data(Tensor(table))
         self.groups, self.ep = groups, ep
         self.gate.set_expert_parallel(ep)
@@ -280,9 +338,35 @@ class DeepseekV2MoE(nn.Cell):
         weight = topk_weight.reshape(G, N, k) * keep  # [G, N, k]
         return (picked.astype(ms.float32) * weight.reshape(G, N, k, 1)).sum(2)  # [G, N, H]
 
+    def dropless_experts(self, tokens, topk_idx, topk_weight):
+        """The routed experts without capacity: tokens [N, H], the router's topk_idx / topk_weight [N, k] ->
+        [N, H] float32. All N*k choices are sorted by expert (static shapes: [N*k, H] rows, the per-expert counts
+        ``group_list`` [E] a tensor), every expert runs on exactly its rows (without adapters one fused
+        :class:`ms_deepseek.ops.GroupedSwiglu` call; with them one :class:`ms_deepseek.ops.GroupedMatmul` per
+        projection and adapter factor), and the rows go back to their (token, choice) slots and are mixed with the
+        routing weights as :meth:`combine` does."""
+        N, H = tokens.shape
+        k, E, S = self.top_k, self.num_experts, tokens.shape[0] * self.top_k
+        choice = topk_idx.reshape(S).astype(ms.int32)  # token-major slot s = i*k + j
+        # unique int32 keys expert*S + s: ascending order is by expert, then by slot (a stable sort by expert)
+        keys = choice * S + ops.arange(0, S, dtype=ms.int32)
+        order = ops.stop_gradient(self.choice_sort(keys)[1])  # [S]: the slot at each sorted position
+        experts = ops.arange(0, E, dtype=ms.int32).reshape(1, E)
+        group_list = ops.stop_gradient((choice.reshape(S, 1) == experts).astype(ms.int32).sum(0))  # [E] counts
+        if not self.experts.has_adapters():  # gather, experts and the way back in one call
+            back = self.experts.fused(tokens, order, group_list).reshape(N, k, H)  # [N, k, H] in slot order
+            return (back.astype(ms.float32) * topk_weight.reshape(N, k, 1)).sum(1)  # [N, H]
+        inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # [S]: the sorted position of each slot
+        rows = self.sorted_gather(tokens, ops.floor_div(order, k), 0)  # [S, H] sorted by expert
+        out = self.experts.grouped(rows, group_list)  # [S, H] float32
+        back = self.unsort_gather(out, inverse, 0).reshape(N, k, H)  # [N, k, H] in slot order
+        return (back.astype(ms.float32) * topk_weight.reshape(N, k, 1)).sum(1)  # [N, H]
+
     def construct(self, x):
         """x [B, T, H] -> (y [B, T, H], aux_loss scalar, stats [E + 4], scores [B*T, E], topk_idx [B*T, k],
         topk_weight [B*T, k])."""
+        if self.dropless and (self.training or self.eval_capacity_factor is None):
+            return self.construct_dropless(x)
         B, T, H = x.shape
         E, k, G, ep = self.num_experts, self.top_k, self.groups, self.ep
         # Internal guards (graph mode raises only builtin exceptions): apply_plan and the recipe checks
@@ -316,6 +400,21 @@ class DeepseekV2MoE(nn.Cell):
         # The pieces stop the gradient, not the concat: a StopGradient cannot be a stage's border node
         # (MindSpore's pipeline pass: "Only PipelineSplit cared node can be a border")
         pieces = ops.stop_gradient(ops.stack((dropped, l_exp, l_dev, l_com)))  # [4]
+        stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
+        return y, aux, stats, scores, topk_idx, topk_weight
+
+    def construct_dropless(self, x):
+        """:meth:`construct` on the dropless path (one token group: the plan never splits it), same outputs; the
+        dropped fraction in ``stats`` is 0."""
+        B, T, H = x.shape
+        tokens = x.reshape(B * T, H)
+        scores, topk_idx, topk_weight = self.gate(tokens)  # [B*T, E], [B*T, k], [B*T, k]
+        y = self.dropless_experts(tokens, topk_idx, topk_weight).astype(x.dtype).reshape(B, T, H)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        l_exp, l_dev, l_com, load = self.gate.balance_losses(scores, topk_idx, B)
+        aux = self.alphas[0] * l_exp + self.alphas[1] * l_dev + self.alphas[2] * l_com
+        pieces = ops.stop_gradient(ops.stack((ops.zeros((), ms.float32), l_exp, l_dev, l_com)))  # [4]
         stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight
 

@@ -39,7 +39,7 @@ from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, s
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear
-from ms_deepseek.model.moe import RoutedExperts, StackedWeight, stacked_project
+from ms_deepseek.model.moe import RoutedExperts, StackedWeight, grouped_project, stacked_project
 
 # the dequantisation's primitives (``_Dequant``), each split like the weight by the plan
 # (parallel_plan/styles.py ``dequant_layouts``)
@@ -213,6 +213,14 @@ class QuantStackedWeight(_Dequant, StackedWeight):
     def rows(self, idx, cdt):
         """The experts ``idx`` [n] of the dequantised stack -> [n, out, in]."""
         return ops.gather(self.dequantized(), idx, 0).astype(cdt)
+
+    def dense(self, cdt):
+        """The dequantised stack [E, out, in] in the compute dtype."""
+        return self.weight_cast(self.dequantized(), cdt)
+
+    def grouped(self, x, group_list, gmm, cdt):
+        """x [M, in] sorted by expert -> [M, out] (as StackedWeight.grouped, on the dequantised stack)."""
+        return grouped_project(self, self.weight_cast(self.dequantized(), cdt), x, group_list, gmm, cdt)
 
 
 # ------------------------------------------------------------------------------ building

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mindspore import nn
+from mindspore import nn, ops
 from mindspore.common import dtype as mstype
 
 from ms_deepseek.core.errors import UserError
@@ -122,3 +122,97 @@ class RepetitionPenalty(nn.Cell):
 
     def construct(self, logits, token_ids, penalty_value):  # pragma: no cover - __call__ is the entry
         return self.impl(logits, token_ids, penalty_value)
+
+
+class GroupedMatmul(nn.Cell):
+    """Grouped matmul over rows sorted by expert: ``y = gmm(x, weight, group_list)``.
+
+    * ``x`` [M, in]; ``weight`` [E, out, in] (the stacked expert layout); ``group_list`` [E] integer row counts
+      per expert (not cumulative), summing to at most M; rows of expert e are ``x[sum(group_list[:e]) :
+      sum(group_list[:e+1])]`` and give ``y = x_e @ weight[e]^T``; rows past the sum give 0 (CPU and reference).
+    * Differentiable in x and weight (dx by the grouped product with the untransposed weights,
+      dw[e] = dy_e^T x_e); shapes are static, so it compiles in graph mode.
+
+    Implementations (``impl.kind``): on Ascend MindSpore's own ``GroupedMatmulV4`` (``"builtin"``, see
+    :class:`ms_deepseek.ops.ascend.GroupedMatmulBuiltin`); on CPU the C++ kernel ``ops/grouped_matmul``
+    (``"cpu"``, float32, oneDNN's sgemm per expert block); ``MS_DEEPSEEK_OPS=reference`` or a kernel that does
+    not build: every expert on every row, masked (``"reference"``, E times the FLOPs).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.impl = _grouped_matmul_impl()
+
+    def construct(self, x, weight, group_list):
+        return self.impl(x, weight, group_list)
+
+
+def _grouped_matmul_impl():
+    if backend.forced_reference():
+        return reference.GroupedMatmulReference()
+    target = backend.device_target()
+    if target == "Ascend":
+        from ms_deepseek.ops.ascend import GroupedMatmulBuiltin
+
+        return GroupedMatmulBuiltin()
+    if target == "CPU":
+        from ms_deepseek.ops import build, cpu
+
+        try:
+            return cpu.GroupedMatmulCpu(build.build("grouped_matmul"))
+        except build.KernelBuildError as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            backend.warn_once("grouped_matmul", f"cpu kernel unavailable ({first_line}); using the reference")
+    return reference.GroupedMatmulReference()
+
+
+class GroupedSwiglu(nn.Cell):
+    """Every expert's SwiGLU MLP on the routed copies of the tokens: ``out = swiglu(tokens, order, w_gate, w_up,
+    w_down, group_list)``.
+
+    ``tokens`` [N, H]; ``order`` [S] int32, S = N * k: the slot ``s = token * k + choice`` at each position of the
+    rows sorted by expert (a permutation), so row p is ``tokens[order[p] // k]``; ``w_gate`` / ``w_up`` [E, I, H],
+    ``w_down`` [E, H, I] (the stacked layouts); ``group_list`` [E] row counts -> ``out`` [S, H] float32 in slot
+    order, ``out[s]`` = the SwiGLU of slot s's expert on its token. Differentiable in tokens and the weights.
+    On CPU one C++ call for the forward and one for the gradient (``impl.kind == "cpu"``); elsewhere, or when that
+    kernel does not build, gathers, three :class:`GroupedMatmul` calls and MindSpore's SiLU (``"composed"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.impl = _grouped_swiglu_impl()
+
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
+        return self.impl(tokens, order, w_gate, w_up, w_down, group_list)
+
+
+class GroupedSwigluComposed(nn.Cell):
+    """:class:`GroupedSwiglu` as a gather of the sorted rows, three grouped matmuls and SiLU, and the gather back
+    to slot order (Ascend, and the CPU fallback)."""
+
+    kind = "composed"
+
+    def __init__(self):
+        super().__init__()
+        self.gmm = GroupedMatmul()
+        self.inverse_sort = ops.Sort()
+
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
+        k = order.shape[0] // tokens.shape[0]
+        x = ops.gather(tokens, ops.floor_div(order, k), 0)  # [S, H] sorted by expert
+        gate = self.gmm(x, w_gate, group_list)
+        up = self.gmm(x, w_up, group_list)
+        y = self.gmm((ops.silu(gate) * up).astype(x.dtype), w_down, group_list)  # [S, H] sorted
+        inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # the sorted position of each slot
+        return ops.gather(y, inverse, 0)
+
+
+def _grouped_swiglu_impl():
+    if not backend.forced_reference() and backend.device_target() == "CPU":
+        from ms_deepseek.ops import build, cpu
+
+        try:
+            return cpu.GroupedSwigluCpu(build.build("grouped_matmul"))
+        except build.KernelBuildError as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            backend.warn_once("grouped_matmul", f"cpu kernel unavailable ({first_line}); using the reference")
+    return GroupedSwigluComposed()

@@ -204,3 +204,42 @@ def make(op_name: str, **kwargs):
         "repetition_penalty": RepetitionPenaltyAscend,
     }[op_name]
     return cls(**kwargs)
+
+
+class GroupedMatmulBuiltin(nn.Cell):
+    """:class:`ms_deepseek.ops.GroupedMatmul` on Ascend: MindSpore's own ``GroupedMatmulV4``
+    (``mindspore.ops.auto_generate``), which runs CANN's ``aclnnGroupedMatmulV4``
+    (``mindspore/ops/kernel/ascend/opapi/aclnn/grouped_matmul_v4_aclnn_kernel.h``; the older ``GroupedMatmul``
+    primitive runs ``aclnnGroupedMatmulV3``, ``grouped_matmul_aclnn_kernel.h``, with cumulative group lists). Its constraints, from the
+    primitive's docstring (``gen_ops_def.py`` ``grouped_matmul_v4``) and CANN's ``aclnnGroupedMatmulV4.md``:
+    one tensor per list (``split_item=3``), grouping on the M axis (``group_type=0``), ``group_list`` int64 [E]
+    of per-expert row counts (``group_list_type=1``; 0 would mean a cumulative sum), x [M, in] and weight
+    [E, in, out] (our stacked [E, out, in] is transposed: V4 has no transpose flag), float16 / bfloat16 /
+    float32 with no bias, scale or antiquant inputs; the counts must sum to at most M (the MoE passes exactly M).
+    Its gradient is MindSpore's bprop ``REG_BPROP_BUILDER("GroupedMatmulV4")`` (``grad_math_ops.cc``,
+    ``GmmV2Backward``: dx by a grouped matmul with the transposed weights, dw per group)."""
+
+    kind = "builtin"
+
+    def __init__(self):
+        super().__init__()
+        from mindspore.ops.auto_generate import GroupedMatmulV4
+
+        self.op = GroupedMatmulV4()
+
+    def construct(self, x, weight, group_list):
+        out = self.op(
+            [x],
+            [weight.swapaxes(1, 2)],  # [E, out, in] -> [E, in, out]
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            group_list.astype(mstype.int64),
+            split_item=3,
+            group_type=0,
+            group_list_type=1,
+        )
+        return out[0]

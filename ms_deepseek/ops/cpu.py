@@ -131,3 +131,71 @@ class RepetitionPenaltyCpu(nn.Cell):
     def construct(self, logits, token_ids, penalty):
         # penalty: python float (validated by the public Cell)
         return self.op(logits, token_ids.astype(mstype.int32), ms.Tensor([penalty], mstype.float32), self.cfg)
+
+
+class GroupedMatmulCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.GroupedMatmul` (float32; oneDNN's sgemm per expert block) with its
+    gradient: dx = the grouped product with the untransposed weights, dw[e] = dy_e^T x_e."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path):
+        super().__init__()
+        self.lib = Path(lib)
+        rows_shape = lambda x, w, g: (x[0], w[1])  # noqa: E731 - y_e = x_e w_e^T: [M, out]
+        f32 = lambda *args: mstype.float32  # noqa: E731
+        input_grad = custom_op(self.lib, "GroupedMatmulNnCpu", out_shape=lambda dy, w, g: (dy[0], w[2]), out_dtype=f32)
+        weight_grad = custom_op(
+            self.lib, "GroupedMatmulWeightGradCpu", out_shape=lambda dy, x, g: (g[0], dy[1], x[1]), out_dtype=f32
+        )
+
+        def bprop(x, weight, group_list, out, dout):
+            dout = dout.astype(mstype.float32)
+            return input_grad(dout, weight, group_list), weight_grad(dout, x, group_list), ops.zeros_like(group_list)
+
+        self.op = custom_op(self.lib, "GroupedMatmulNtCpu", out_shape=rows_shape, out_dtype=f32, bprop=bprop)
+
+    def construct(self, x, weight, group_list):
+        return self.op(x.astype(mstype.float32), weight.astype(mstype.float32), group_list.astype(mstype.int32))
+
+
+class GroupedSwigluCpu(nn.Cell):
+    """CPU kernel of :class:`ms_deepseek.ops.GroupedSwiglu`: the gather of the sorted rows, the three grouped
+    matmuls, the SwiGLU and the write-back to slot order in one call (float32), and its gradient in one more (the
+    gate and up products are kept; each token's k row gradients are summed in the kernel)."""
+
+    kind = "cpu"
+
+    def __init__(self, lib: Path):
+        super().__init__()
+        self.lib = Path(lib)
+        grad = custom_op(
+            self.lib,
+            "GroupedSwigluGradCpu",
+            out_shape=lambda dy, t, o, wg, wu, wd, gate, up, g: (t, wg, wu, wd),
+            out_dtype=lambda *args: (mstype.float32,) * 4,
+        )
+
+        def bprop(tokens, order, wg, wu, wd, group_list, out, dout):
+            d = grad(dout[0].astype(mstype.float32), tokens, order, wg, wu, wd, out[1], out[2], group_list)
+            return d[0], ops.zeros_like(order), d[1], d[2], d[3], ops.zeros_like(group_list)
+
+        self.op = custom_op(
+            self.lib,
+            "GroupedSwigluCpu",
+            out_shape=lambda t, o, wg, wu, wd, g: ((o[0], t[1]), (o[0], wg[1]), (o[0], wg[1])),
+            out_dtype=lambda *args: (mstype.float32,) * 3,
+            bprop=bprop,
+        )
+
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
+        f32, i32 = mstype.float32, mstype.int32
+        out = self.op(
+            tokens.astype(f32),
+            order.astype(i32),
+            w_gate.astype(f32),
+            w_up.astype(f32),
+            w_down.astype(f32),
+            group_list.astype(i32),
+        )
+        return out[0]

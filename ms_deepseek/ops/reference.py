@@ -164,3 +164,21 @@ class RepetitionPenaltyReference(nn.Cell):
         index = ops.stack([rows, ids], axis=-1)  # [B, L, 2] = (row, token id)
         # Duplicated ids write the same value (gathered before any update), so order does not matter.
         return ops.tensor_scatter_update(padded, index, scaled)[:, :vocab]  # [B, V]
+
+
+class GroupedMatmulReference(nn.Cell):
+    """:class:`ms_deepseek.ops.GroupedMatmul` in plain MindSpore ops: every expert on every row, each row keeping
+    its own expert's product (E times the FLOPs of the grouped kernel; the test oracle and the fallback).
+
+    x [M, in], weight [E, out, in], group_list [E] int32 counts -> [M, out]; rows past sum(group_list) give 0."""
+
+    kind = "reference"
+
+    def construct(self, x, weight, group_list):
+        m, e = x.shape[0], weight.shape[0]
+        ends = ops.cumsum(group_list.astype(mstype.int32), 0)  # [E] exclusive ends of the experts' rows
+        starts = ends - group_list.astype(mstype.int32)
+        rows = ops.arange(0, m, dtype=mstype.int32).reshape(1, m)  # [1, M]
+        mine = ops.logical_and(rows >= starts.reshape(e, 1), rows < ends.reshape(e, 1))  # [E, M]
+        every = ops.matmul(x.reshape(1, m, -1), weight.swapaxes(1, 2))  # [1, M, in] @ [E, in, out] -> [E, M, out]
+        return (every * ops.stop_gradient(mine.astype(x.dtype)).reshape(e, m, 1)).sum(0)  # [M, out]
