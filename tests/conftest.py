@@ -9,7 +9,7 @@
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
 * Tiers (tests/helpers/tiers.py): every test under tests/compile, tests/lines and tests/msrun, and every test marked
   ``msrun``, is marked ``slow`` (the full tier); a test that starts a compile or an msrun job without a ``slow``,
-  ``heavy`` or ``smoke`` mark fails. The compiles and the msrun jobs each form a pytest-xdist group.
+  ``heavy`` or ``smoke`` mark fails.
 * PyNative launches ops synchronously (``launch_blocking``): faster on a 2-core CPU.
 """
 
@@ -69,9 +69,6 @@ def pytest_itemcollected(item):
     marker = tiers.tier_marker(where, marks)
     if marker:
         item.add_marker(marker)
-    group = tiers.process_group(where, marks)
-    if group:
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):

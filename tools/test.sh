@@ -8,17 +8,16 @@
 #                               tools/compare_lines.py fails on any difference between the two lines' results
 # Both create .venv if missing, install the package with its test extra from the pinned files, install headless
 # Chromium for the report test (Debian package, when root and missing), run ruff (lint and format check,
-# pyproject.toml), then pytest on two processes (pytest-xdist; MS_DEEPSEEK_TEST_PROCESSES=0 runs them in one), the compiles
-# one at a time and the msrun jobs one at a time; other arguments go to pytest. tests/helpers/tiers.py says what
-# each tier holds.
+# pyproject.toml), then pytest: the default tier on two processes (pytest-xdist; MS_DEEPSEEK_TEST_PROCESSES=0 runs
+# it in one), with --full then the slow tests in one process (compiles and msrun jobs one at a time); other
+# arguments go to pytest. tests/helpers/tiers.py says what each tier holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tier=(-m "not heavy and not slow")
-processes=(-n "${MS_DEEPSEEK_TEST_PROCESSES:-2}" --dist loadgroup)
+default=(-m "not heavy and not slow" -n "${MS_DEEPSEEK_TEST_PROCESSES:-2}")
 full=0
 args=()
 for a in "$@"; do
-  if [ "$a" = "--full" ]; then tier=(-m "not heavy"); full=1; else args+=("$a"); fi
+  if [ "$a" = "--full" ]; then full=1; else args+=("$a"); fi
 done
 OTHER_LINE=2.10
 PY=${PYTHON:-python3}
@@ -32,11 +31,13 @@ fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 if [ "$full" = 0 ]; then
-  exec .venv/bin/python -m pytest tests "${tier[@]}" "${processes[@]}" ${args[@]+"${args[@]}"}
+  exec .venv/bin/python -m pytest tests "${default[@]}" ${args[@]+"${args[@]}"}
 fi
 rm -rf .lines
-MS_DEEPSEEK_LINE_RESULTS="$PWD/.lines/default" .venv/bin/python -m pytest tests "${tier[@]}" "${processes[@]}" \
-  ${args[@]+"${args[@]}"}
+export MS_DEEPSEEK_LINE_RESULTS="$PWD/.lines/default"
+.venv/bin/python -m pytest tests "${default[@]}" ${args[@]+"${args[@]}"}
+.venv/bin/python -m pytest tests -m "slow and not heavy" ${args[@]+"${args[@]}"}
+unset MS_DEEPSEEK_LINE_RESULTS
 if [ "${#args[@]}" -gt 0 ]; then
   echo "pytest options given (${args[*]}): the MindSpore $OTHER_LINE line's comparison needs the whole tier; not run"
   exit 0

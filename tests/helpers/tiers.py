@@ -10,8 +10,12 @@ A test belongs to the full tier when it is marked ``slow``: every test under ``t
 test may start only when it is marked ``slow``, ``heavy`` or ``smoke``: a compile worker or the one-device run of
 ``plan --compile`` / ``--execute``, a dry-run compile, msrun, or the CLI asked for ``plan --compile`` /
 ``--execute`` in a process of its own; the conftest records every process a test starts and fails a test that
-started one without such a mark. ``bash tools/test.sh`` runs the tiers on two pytest-xdist processes
-(:func:`process_group` keeps the compiles, and the msrun jobs, one at a time).
+started one without such a mark.
+
+``bash tools/test.sh`` runs the default tier on two pytest-xdist processes; ``--full`` then runs the slow tests in
+one process: each compile or execution keeps both cores busy with its own compile workers and holds several GB
+of host memory, and the msrun jobs bind ports and time their workers' heartbeats, so two at a time would gain
+little and risk much.
 """
 
 from __future__ import annotations
@@ -36,18 +40,6 @@ def tier_marker(relative_path: str, marks: Sequence[str] = ()) -> Optional[str]:
         return None
     parts = relative_path.replace(os.sep, "/").split("/")
     return "slow" if (parts and parts[0] in FULL_TIER_FOLDERS) or "msrun" in marks else None
-
-
-def process_group(relative_path: str, marks: Sequence[str] = ()) -> Optional[str]:
-    """The pytest-xdist group (``--dist loadgroup``: a group's tests run one after another in one process) of a test:
-    the compiles and executions, several GB of host memory each and two compile workers of their own, never two at a
-    time; the msrun jobs (ports, watchdog timings), never two at a time."""
-    parts = relative_path.replace(os.sep, "/").split("/")
-    if parts and parts[0] in ("compile", "lines"):
-        return "compile"
-    if "msrun" in marks or (parts and parts[0] == "msrun"):
-        return "msrun"
-    return None
 
 
 def launches_heavy_work(argv: Sequence[str], env: Optional[dict] = None) -> Optional[str]:
