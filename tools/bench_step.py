@@ -312,8 +312,7 @@ def _run_case(case: str, python: str, args, hf_config: str, workdir: Path) -> di
     if args.breakdown:
         cmd.append("--breakdown")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), GLOG_v="3")
-    case_dir = workdir / case  # MindSpore writes compile droppings into the cwd
-    case_dir.mkdir()
+    case_dir = Path(tempfile.mkdtemp(prefix=case + "-", dir=workdir))  # MindSpore writes compile droppings into the cwd
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=case_dir, env=env, capture_output=True, text=True)
@@ -327,6 +326,18 @@ def _run_case(case: str, python: str, args, hf_config: str, workdir: Path) -> di
             return result
     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     return {"case": case, "error": f"exit {proc.returncode}: {tail}"}
+
+
+def _merge(previous, result):
+    """One row from its rounds: every round's step times, the first round's other fields, the load range."""
+    if previous is None or "times" not in previous:
+        return result
+    if "times" not in result:
+        return previous
+    merged = dict(previous)
+    merged["times"] = previous["times"] + result["times"]
+    merged["load"] = (min(previous["load"][0], result["load"][0]), max(previous["load"][1], result["load"][1]))
+    return merged
 
 
 def _table(results, tokens: int) -> str:
@@ -387,12 +398,21 @@ def parse_args(argv=None):
         help="a Python with torch + transformers >= 5.15 "
         "(e.g. /work/.venv-ref/bin/python): adds transformers rows measured in this run",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the rows this many times in turn (row A, B, ..., A, B, ...) and pool each row's step times: "
+        "on a host shared with other processes every row then sees the same spread of load (default 1)",
+    )
     p.add_argument("--only", metavar="CASES", help="comma-separated subset of: " + ",".join(LABELS))
     p.add_argument("--json", metavar="PATH", help="also write the raw results (every step time) here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--hf-config", help=argparse.SUPPRESS)
     p.add_argument("--breakdown", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1 (the first warm-up step compiles)")
     if args.quick and not args.worker:
@@ -445,12 +465,13 @@ def main(argv=None) -> int:
         hf_config.write_text(json.dumps(hf))
         from tqdm import tqdm
 
-        bar = tqdm(cases, desc="bench", unit="run", leave=False)
+        by_case = {}
+        bar = tqdm([c for _ in range(args.rounds) for c in cases], desc="bench", unit="run", leave=False)
         for case in bar:
             bar.set_postfix_str(case)
             python = args.torch_python if case.startswith("hf_") else sys.executable
             result = _run_case(case, python, args, str(hf_config), workdir)
-            results.append(result)
+            by_case[case] = _merge(by_case.get(case), result)
             if "times" in result:
                 bar.write(
                     f"  {LABELS[case]}: median {statistics.median(result['times']):.3f} s/step "
@@ -459,6 +480,7 @@ def main(argv=None) -> int:
             else:
                 bar.write(f"  {LABELS[case]}: FAILED {result['error']}")
         bar.close()
+    results = [by_case[c] for c in cases]
     print()
     print(_table(results, BATCH * SEQ))
     print(
