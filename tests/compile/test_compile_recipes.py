@@ -66,4 +66,5 @@ def test_recipe_compiles_and_matches_the_plan(recipe):
     if report["world_size"] > 1:
         assert rows, train.get("traffic")
     kept = ("layouts_compared", "strategies_compared", "communication", "traffic_vs_planner", "global_norm_allreduce")
-    record(f"compile {recipe.stem}", {name: {k: g.get(k) for k in kept} for name, g in graphs.items()})
+    if recipe.stem in LINES:  # the other line runs only these
+        record(f"compile {recipe.stem}", {name: {k: g.get(k) for k in kept} for name, g in graphs.items()})
