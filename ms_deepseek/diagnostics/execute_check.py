@@ -206,7 +206,7 @@ def _worker_failure(folder: Path, rank: int) -> List[str]:
 def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path, ep: int):
     """The one-device run in its own CPU process (:mod:`.execute_reference`), started beside the compile workers;
     its balance losses over the ``ep`` device groups of the layout it is compared with. Returns the process (None
-    when :mod:`.execute_cache` held the same run and restored it) and the run's cache key."""
+    when :mod:`.execute_cache` held the same run and restored it) and the run's cache key (None without a cache folder)."""
     folder = work / "one_device"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {}
@@ -229,8 +229,11 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     # device would differ from it by the two kernels' rounding of exp, not by the layout
     env["MS_DEEPSEEK_OPS"] = "reference"
     env.setdefault("GLOG_v", "3")
-    cache_key = execute_cache.key(load_recipe(recipe_path, overrides), arrays, request, env)
-    if execute_cache.restore(cache_key, folder):
+    # the key reads the recipe, the named files and the package: only worth it with a cache folder to look in
+    cache_key = (
+        execute_cache.key(load_recipe(recipe_path, overrides), arrays, request, env) if execute_cache.folder() else None
+    )
+    if cache_key and execute_cache.restore(cache_key, folder):
         return None, cache_key
     with open(folder / "reference.log", "wb") as log:
         proc = subprocess.Popen(
@@ -243,7 +246,7 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     return proc, cache_key
 
 
-def _finish_reference(proc: Optional[subprocess.Popen], work: Path, cache_key: str) -> Dict:
+def _finish_reference(proc: Optional[subprocess.Popen], work: Path, cache_key: Optional[str]) -> Dict:
     folder = work / "one_device"
     if proc is None:  # restored from the cache
         return json.loads((folder / "result.json").read_text())
@@ -257,7 +260,8 @@ def _finish_reference(proc: Optional[subprocess.Popen], work: Path, cache_key: s
     if code != 0 or not (folder / "result.json").is_file():
         tail = (folder / "reference.log").read_text(errors="replace").strip().splitlines()[-3:]
         raise UserError(f"the one-device run failed: {' | '.join(tail)} (log: {folder / 'reference.log'})")
-    execute_cache.store(cache_key, folder)
+    if cache_key:
+        execute_cache.store(cache_key, folder)
     return json.loads((folder / "result.json").read_text())
 
 
