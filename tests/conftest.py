@@ -4,6 +4,9 @@
   droppings (rank_*/, kernel_meta/) never land in the checkout.
 * The embedded default corpus is cached in a session temporary folder (MS_DEEPSEEK_CACHE), and so is
   ``plan --execute``'s one-device run (MS_DEEPSEEK_EXECUTE_CACHE): the planted-mistake runs of a recipe share it.
+* Every temporary file of the session, in this process and the ones it starts, goes under one session folder
+  (``TMPDIR``) removed at exit: what a failing run keeps on purpose for its user, like ``plan --execute``'s work
+  folder of a planted mistake, does not pile up in /tmp.
 * MindSpore logs only errors; mindformers (imported lazily by the trainer) logs
   into the temporary folder.
 * Tests marked ``ascend`` are skipped unless an Ascend device is present.
@@ -26,6 +29,9 @@ import tiers
 from repo_paths import FIXTURES, REPO  # tests/helpers is on pytest's pythonpath (pytest.ini)
 
 os.environ.setdefault("GLOG_v", "3")
+_TMP = tempfile.mkdtemp(prefix="ms-deepseek-test-tmp-")
+os.environ["TMPDIR"] = tempfile.tempdir = _TMP
+atexit.register(shutil.rmtree, _TMP, True)
 # The embedded corpus is built once per test session in a temporary folder, never in ~/.cache.
 _CACHE = tempfile.mkdtemp(prefix="ms-deepseek-test-cache-")
 os.environ.setdefault("MS_DEEPSEEK_CACHE", _CACHE)

@@ -9,8 +9,8 @@
 # Both create .venv if missing, install the package with its test extra from the pinned files, install headless
 # Chromium for the report test (Debian package, when root and missing), run ruff (lint and format check,
 # pyproject.toml), then pytest: the default tier on two processes (pytest-xdist; MS_DEEPSEEK_TEST_PROCESSES=0 runs
-# it in one), with --full then the slow tests in one process (compiles and msrun jobs one at a time); other
-# arguments go to pytest. tests/helpers/tiers.py says what each tier holds.
+# it in one), with --full then the slow tests in two processes (tests/compile in one, the rest in the other);
+# other arguments go to pytest. tests/helpers/tiers.py says what each tier holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 default=(-m "not heavy and not slow" -n "${MS_DEEPSEEK_TEST_PROCESSES:-2}")
@@ -36,7 +36,25 @@ fi
 rm -rf .lines
 export MS_DEEPSEEK_LINE_RESULTS="$PWD/.lines/default"
 .venv/bin/python -m pytest tests "${default[@]}" ${args[@]+"${args[@]}"}
-.venv/bin/python -m pytest tests -m "slow and not heavy" ${args[@]+"${args[@]}"}
+# The slow tier in two processes side by side: the MindSpore compiles and executions of tests/compile beside the
+# rest (trainings and msrun jobs, which spend much of their time waiting on workers, timeouts and heartbeats, so the
+# compiles take the cores they leave). The second one's report follows the first's; an interrupt stops both.
+others_log=$(mktemp)
+.venv/bin/python -m pytest tests -m "slow and not heavy" --ignore=tests/compile ${args[@]+"${args[@]}"} \
+  >"$others_log" 2>&1 &
+others=$!
+trap 'kill -- "$others" 2>/dev/null' INT TERM
+compile_status=0
+.venv/bin/python -m pytest tests/compile -m "slow and not heavy" ${args[@]+"${args[@]}"} || compile_status=$?
+others_status=0
+wait "$others" || others_status=$?
+echo "The slow tier's other tests (beside tests/compile):"
+cat "$others_log"
+rm -f "$others_log"
+if [ "$compile_status" != 0 ] || [ "$others_status" != 0 ]; then
+  echo "slow tier failed: tests/compile exited $compile_status, the others $others_status" >&2
+  exit 1
+fi
 unset MS_DEEPSEEK_LINE_RESULTS
 if [ "${#args[@]}" -gt 0 ]; then
   echo "pytest options given (${args[*]}): the MindSpore $OTHER_LINE line's comparison needs the whole tier; not run"

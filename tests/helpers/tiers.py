@@ -13,9 +13,10 @@ test may start only when it is marked ``slow``, ``heavy`` or ``smoke``: a compil
 started one without such a mark.
 
 ``bash tools/test.sh`` runs the default tier on two pytest-xdist processes; ``--full`` then runs the slow tests in
-one process: each compile or execution keeps both cores busy with its own compile workers and holds several GB
-of host memory, and the msrun jobs bind ports and time their workers' heartbeats, so two at a time would gain
-little and risk much.
+two processes side by side, each one test at a time: ``tests/compile`` (every compile or execution keeps the cores
+busy with its own compile workers and holds several GB of host memory, so two of them at once would gain little
+and risk much) and the rest (trainings and msrun jobs, which bind ports, time their workers' heartbeats and wait on
+them much of the time). A test that compiles a recipe's layout belongs under ``tests/compile``.
 """
 
 from __future__ import annotations
