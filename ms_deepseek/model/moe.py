@@ -276,10 +276,11 @@ class DeepseekV2MoE(nn.Cell):
         token picks an expert at most once (top-k without repeats), so no expert of a group receives more than
         N rows and nothing is dropped, by construction; the buffers are static ([G, E, N, H]), which is what
         SEMI_AUTO_PARALLEL compiles, and the dp -> ep layout change is the capacity path's AllToAll. A variable
-        exchange (AlltoAllV with counts) is not what the plan uses: in MindSpore 2.9 the only parallel
-        operator info for a grouped matmul, ``GroupedMatmulInfo`` (``frontend/parallel/ops_info/
-        grouped_matmul_info.cc`` ``InferTensorMap``), maps the stacked weight's expert axis to -1 (never
-        split), so an expert-split grouped matmul has no strategy to compile with. Memory and compute are the
+        exchange (AlltoAllV with counts) is not what the plan uses: MindSpore 2.9's parallel frontend has no
+        operator info for ``AlltoAllV`` (none under ``frontend/parallel/ops_info/``), and its only one for a
+        grouped matmul, ``GroupedMatmulInfo`` (``grouped_matmul_info.cc`` ``InferTensorMap``, registered for
+        the ``GroupedMatmul`` primitive, not ``GroupedMatmulV4``), maps the stacked weight's expert axis to -1
+        (never split), so an expert-split grouped matmul on the received rows has no strategy to compile with. Memory and compute are the
         worst case (every one of the E x N slots per group, mostly empty rows); the planner prices them so.
         The sorted path's primitives are removed: nothing in this graph runs them, and the plan has no rule
         for them (``parallel_apply.apply._check_strategic``)."""
