@@ -260,7 +260,8 @@ class DeepseekV2MoE(nn.Cell):
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
         # the dropless path (model.moe_dispatch: dropless): sort the choices by expert, gather, unsort
-        # (only on a dropless layer: the parallel plan names every primitive a layer holds, and has no rule for these)
+        # (only on a dropless layer; the plan has no rule for them: outside SEMI_AUTO_PARALLEL none is needed, under it
+        # use_bounded_exchange removes them)
         self.dropless = cfg.moe_dispatch == "dropless"
         # a dropless layer under a parallel plan runs the bounded exchange (:meth:`use_bounded_exchange`)
         self.bounded_exchange = False
@@ -280,8 +281,9 @@ class DeepseekV2MoE(nn.Cell):
         operator info for ``AlltoAllV`` (none under ``frontend/parallel/ops_info/``), and its only one for a
         grouped matmul, ``GroupedMatmulInfo`` (``grouped_matmul_info.cc`` ``InferTensorMap``, registered for
         the ``GroupedMatmul`` primitive, not ``GroupedMatmulV4``), maps the stacked weight's expert axis to -1
-        (never split), so an expert-split grouped matmul on the received rows has no strategy to compile with. Memory and compute are the
-        worst case (every one of the E x N slots per group, mostly empty rows); the planner prices them so.
+        (never split), so an expert-split grouped matmul on the received rows has no strategy to compile with.
+        Memory and compute are the worst case (every one of the E x N slots per group, mostly empty rows); the
+        planner prices them so.
         The sorted path's primitives are removed: nothing in this graph runs them, and the plan has no rule
         for them (``parallel_apply.apply._check_strategic``)."""
         if not self.dropless:
