@@ -55,6 +55,16 @@ def capacity(tokens_per_group: int, k: int, num_experts: int, factor: Optional[f
     return -(-c // multiple) * multiple
 
 
+def training_factor(cfg) -> Optional[float]:
+    """The capacity factor of the training buffers: ``cfg.capacity_factor``, or None (C = N) for a dropless
+    layer (``moe_dispatch: dropless``), whose sharded form is the worst-case exchange
+    (``model/moe.py`` ``DeepseekV2MoE.use_bounded_exchange``). Unsharded, a dropless layer holds its k*N sorted
+    rows instead, fewer than the E*N slots counted here: the price is the sharded one, an upper bound."""
+    if getattr(cfg, "moe_dispatch", "capacity") == "dropless":
+        return None
+    return cfg.capacity_factor
+
+
 def _numel(shape: Tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -85,7 +95,7 @@ def dispatch_buffers(cfg, dp: int, ep: int, tp: int, tokens_per_group: int, trai
     I = cfg.moe_intermediate_size
     N, G = int(tokens_per_group), int(dp)
     outer = dp // ep if ep and dp % ep == 0 else 1  # the exchange view's outer factor: dp = outer * ep
-    C = capacity(N, k, E, cfg.capacity_factor if training else getattr(cfg, "eval_capacity_factor", None))
+    C = capacity(N, k, E, training_factor(cfg) if training else getattr(cfg, "eval_capacity_factor", None))
     table = {
         "tokens": ((G, N, H), (dp, 1, 1)),
         "topk_ids": ((G, N, k), (dp, 1, 1)),

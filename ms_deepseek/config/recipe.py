@@ -325,11 +325,6 @@ def validate(recipe: Recipe) -> None:
                 f"per data-parallel rank exceed the {limit} the MoE dispatch orders exactly with top-"
                 f"{cfg.num_experts_per_tok} routing (float32 sort keys); use a smaller micro-batch"
             )
-    if cfg.n_routed_experts and cfg.moe_dispatch == "dropless" and recipe.parallel.uses_semi_auto:
-        raise UserError(
-            f"model.moe_dispatch: dropless runs on one device or data-parallel layouts (parallel.dp only); "
-            f"{recipe.parallel.describe()} shards the model, which needs the capacity path"
-        )
     if recipe.parallel.pp > 1 and recipe.train.grad_accum_steps != 1:
         raise UserError(
             f"train.grad_accum_steps: must be 1 with pipeline parallelism (parallel.pp="

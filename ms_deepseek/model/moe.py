@@ -224,6 +224,10 @@ class RoutedExperts(nn.Cell):
         )  # [D, E, C, H]
 
 
+# the primitives of the sorted dropless path (DeepseekV2MoE.dropless_experts)
+SORTED_PATH_PRIMITIVES = ("choice_sort", "inverse_sort", "sorted_gather", "unsort_gather")
+
+
 class DeepseekV2MoE(nn.Cell):
     def __init__(self, cfg: DeepseekV2Config):
         super().__init__()
@@ -256,22 +260,60 @@ class DeepseekV2MoE(nn.Cell):
         self.from_experts = ops.Transpose()
         self.combine_gather = ops.Gather(batch_dims=1)
         # the dropless path (model.moe_dispatch: dropless): sort the choices by expert, gather, unsort
-        # (only on a dropless layer: the parallel plan names every primitive a layer holds, and has no rule for these)
+        # (only on a dropless layer; the plan has no rule for them: outside SEMI_AUTO_PARALLEL none is needed, under it
+        # use_bounded_exchange removes them)
         self.dropless = cfg.moe_dispatch == "dropless"
+        # a dropless layer under a parallel plan runs the bounded exchange (:meth:`use_bounded_exchange`)
+        self.bounded_exchange = False
         if self.dropless:
             self.choice_sort = ops.Sort()
             self.inverse_sort = ops.Sort()
             self.sorted_gather = ops.Gather()
             self.unsort_gather = ops.Gather()
 
+    def use_bounded_exchange(self) -> None:
+        """A dropless layer under a parallel plan (``parallel_apply.apply``): :meth:`construct`'s dispatch,
+        exchange and batched experts at the worst-case capacity C = N, a token group's whole token count. A
+        token picks an expert at most once (top-k without repeats), so no expert of a group receives more than
+        N rows and nothing is dropped, by construction; the buffers are static ([G, E, N, H]), which is what
+        SEMI_AUTO_PARALLEL compiles, and the dp -> ep layout change is the capacity path's AllToAll. A variable
+        exchange (AlltoAllV with counts) is not what the plan uses: MindSpore 2.9's parallel frontend has no
+        operator info for ``AlltoAllV`` (none under ``frontend/parallel/ops_info/``), and its only one for a
+        grouped matmul, ``GroupedMatmulInfo`` (``grouped_matmul_info.cc`` ``InferTensorMap``, registered for
+        the ``GroupedMatmul`` primitive, not ``GroupedMatmulV4``), maps the stacked weight's expert axis to -1
+        (never split), so an expert-split grouped matmul on the received rows has no strategy to compile with.
+        Memory and compute are the worst case (every one of the E x N slots per group, mostly empty rows); the
+        planner prices them so.
+        The sorted path's primitives are removed: nothing in this graph runs them, and the plan has no rule
+        for them (``parallel_apply.apply._check_strategic``)."""
+        if not self.dropless:
+            return
+        self.bounded_exchange = True
+        for name in SORTED_PATH_PRIMITIVES:
+            # nn.Cell keeps a primitive attribute both in the instance and in its ``_primitives`` table
+            self.__dict__.pop(name, None)
+            self._primitives.pop(name, None)
+        self.experts.gmm = self.experts.swiglu = None
+
+    def sorted_path_members(self):
+        """Paths, relative to this layer, of what only the sorted dropless path runs (primitives and the grouped
+        matmul cells); empty on a capacity layer or on the bounded exchange. Outside SEMI_AUTO_PARALLEL they need no
+        strategy: MindSpore reads a primitive's strategy only in the semi-auto and auto modes
+        (``mindspore/ops/primitive.py`` ``Primitive.shard``)."""
+        if not self.dropless or self.bounded_exchange:
+            return ()
+        return SORTED_PATH_PRIMITIVES + ("experts.gmm", "experts.swiglu")
+
     def set_expert_placement(self, table: np.ndarray, groups: int, ep: int) -> None:
         """The plan's expert placement (``parallel_apply.apply``): the placement table [E, 2] (rank, slot), the
         token groups (the plan's dp: capacity and slots per rank) and ep (the exchange view
         [G/ep, ep, E, C, H], ``ranks.exchange_view``); the router's device-level balance losses and the
         lookup's experts per rank follow. The stacked weights' buffer order is the plan's to set."""
-        if self.dropless and (groups > 1 or ep > 1):
+        # the sorted path runs every choice of its tokens, however they are grouped; split experts need the exchange
+        if self.dropless and not self.bounded_exchange and ep > 1:
             raise UserError(
-                f"model.moe_dispatch: dropless runs unsharded; this plan splits the MoE tokens {groups} ways (ep {ep})"
+                f"model.moe_dispatch: dropless splits the experts {ep} ways only on the bounded exchange "
+                "(DeepseekV2MoE.use_bounded_exchange, which apply_plan calls under SEMI_AUTO_PARALLEL)"
             )
         self.expert_placement.set_data(Tensor(table))
         self.groups, self.ep = groups, ep
@@ -282,6 +324,8 @@ class DeepseekV2MoE(nn.Cell):
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
         (None: dropless); the rule is :func:`ms_deepseek.config.dispatch_shapes.capacity`."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if self.dropless and self.training:
+            factor = None  # the bounded exchange: C = N drops nothing (use_bounded_exchange)
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor, self.capacity_multiple)
 
     def dispatch_index(self, buffer_row, keep, C: int):
@@ -365,7 +409,7 @@ class DeepseekV2MoE(nn.Cell):
     def construct(self, x):
         """x [B, T, H] -> (y [B, T, H], aux_loss scalar, stats [E + 4], scores [B*T, E], topk_idx [B*T, k],
         topk_weight [B*T, k])."""
-        if self.dropless and (self.training or self.eval_capacity_factor is None):
+        if self.dropless and not self.bounded_exchange and (self.training or self.eval_capacity_factor is None):
             return self.construct_dropless(x)
         B, T, H = x.shape
         E, k, G, ep = self.num_experts, self.top_k, self.groups, self.ep
@@ -404,8 +448,9 @@ class DeepseekV2MoE(nn.Cell):
         return y, aux, stats, scores, topk_idx, topk_weight
 
     def construct_dropless(self, x):
-        """:meth:`construct` on the dropless path (one token group: the plan never splits it), same outputs; the
-        dropped fraction in ``stats`` is 0."""
+        """:meth:`construct` on the sorted dropless path (every choice of the local tokens runs, so token groups do
+        not change it; split experts take the bounded exchange instead), same outputs; the dropped fraction in
+        ``stats`` is 0."""
         B, T, H = x.shape
         tokens = x.reshape(B * T, H)
         scores, topk_idx, topk_weight = self.gate(tokens)  # [B*T, E], [B*T, k], [B*T, k]

@@ -97,11 +97,19 @@ def apply_plan(model, parallel: ParallelConfig, cfg=None, plan: Optional[Plan] =
     cells = dict(model.cells_and_names())
     params = {p.name: p for p in model.get_parameters()}
 
+    # 0. under SEMI_AUTO_PARALLEL, dropless MoE layers take the bounded exchange, whose primitives are the capacity
+    # path's (model/moe.py); on one device and in plain data parallel they keep the sorted grouped-matmul path
+    if parallel.uses_semi_auto:
+        for cell in cells.values():
+            if callable(getattr(cell, "use_bounded_exchange", None)):
+                cell.use_bounded_exchange()
+        cells = dict(model.cells_and_names())  # without the sorted path's cells it removed
+
     # 1. strategies on matched cells' primitives and on matched primitive paths
     for path, cell in cells.items():
         _shard_cell(path, cell, plan, mesh, applied)
         _shard_primitives(path, cell, plan, mesh, applied)
-    _check_strategic(cells, applied)
+    _check_strategic(cells, applied, _sorted_dropless_paths(cells) if not parallel.uses_semi_auto else ())
     _param_layouts(params, plan, mesh, applied)
     _check_consumers(plan, mesh, cells, applied)
 
@@ -175,11 +183,25 @@ def _shard_primitives(path: str, cell, plan: Plan, mesh: Mesh, applied: AppliedP
         applied.strategies[ppath] = (in_s, out_s)
 
 
-def _check_strategic(cells, applied: AppliedPlan) -> None:
-    """Every primitive that moves sharded data must have a strategy."""
+def _sorted_dropless_paths(cells) -> tuple:
+    """Paths of the sorted dropless MoE path's primitives and cells (``DeepseekV2MoE.sorted_path_members``)."""
+    found = []
+    for path, cell in cells.items():
+        members = getattr(cell, "sorted_path_members", None)
+        if callable(members):
+            found += [join_path(path, m) for m in members()]
+    return tuple(found)
+
+
+def _check_strategic(cells, applied: AppliedPlan, exempt: tuple = ()) -> None:
+    """Every primitive that moves sharded data must have a strategy; ``exempt``: paths (and what is under them)
+    that run only outside SEMI_AUTO_PARALLEL, where MindSpore reads no strategy."""
     for path, cell in cells.items():
         for attr, prim in primitives_of(cell):
-            if type(prim).__name__ in STRATEGIC_PRIMITIVES and join_path(path, attr) not in applied.strategies:
+            ppath = join_path(path, attr)
+            if any(ppath == e or ppath.startswith(e + ".") for e in exempt):
+                continue
+            if type(prim).__name__ in STRATEGIC_PRIMITIVES and ppath not in applied.strategies:
                 raise UserError(
                     f"parallel plan: primitive {join_path(path, attr)} ({type(prim).__name__}) matches no rule"
                 )

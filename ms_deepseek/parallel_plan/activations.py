@@ -33,6 +33,7 @@ def moe_buffers(cfg, parallel: ParallelConfig, n: int, training: bool = True) ->
         cfg.hidden_size,
         cfg.moe_intermediate_size,
         cfg.capacity_factor,
+        getattr(cfg, "moe_dispatch", "capacity"),
         getattr(cfg, "eval_capacity_factor", None),
         parallel.dp,
         parallel.ep,

@@ -95,7 +95,7 @@ def model_flops_per_token(cfg, seq_len: int, lora: bool = False) -> float:
     of every matmul a token activates (k routed experts, no capacity padding, no recompute) and
     of causal attention (half the score matrix), on one device. Under LoRA the frozen weights
     get no weight gradient: 2x for their matmuls (the adapters' own FLOPs are left out)."""
-    exact = cfg.replace(capacity_factor=1.0) if cfg.has_moe else cfg
+    exact = cfg.replace(capacity_factor=1.0, moe_dispatch="capacity") if cfg.has_moe else cfg
     w = Workload(seq_len=seq_len, global_batch_size=1, micro_batch_size=1, flash_attention=True)
     p = ParallelConfig()
     f = core = 0.0

@@ -70,6 +70,22 @@ def test_pipeline_and_tensor_parallel_execute_like_one_device():
     record("execute v2-sft-64npu --pp 2", {k: report[k] for k in LINE_RESULT})
 
 
+@pytest.mark.parametrize(
+    "layout", [("--dp", "2", "--ep", "2"), ("--dp", "2", "--pp", "2", "--ep", "2")], ids=["dp2-ep2", "dp2-pp2-ep2"]
+)
+def test_dropless_tiny_executes_like_one_device(layout):
+    """model.moe_dispatch: dropless on the tiny recipe, sharded (the bounded exchange, model/moe.py
+    use_bounded_exchange) against the one-device sorted grouped-matmul path: two ranks with ep, and four with a
+    pipeline too; the exchange's AllToAll is in every ep group's traffic."""
+    code, out, _ = main_captured(
+        ["plan", "--recipe", str(RECIPES / "tiny-cpu.yaml"), "--set", "model.moe_dispatch=dropless", *layout]
+        + ["--execute", "--json"]
+    )
+    report = _assert_agrees(code, out)
+    assert report["world_size"] == (4 if "--pp" in layout else 2), report["reduction"]
+    assert any(key.startswith("AlltoAll") for key in report["communication_per_step"]), report
+
+
 # layouts with every degree above 1, which no shipped recipe has: V2-Lite's and V2's architectures (MLA without and
 # with q compression, greedy and group-limited routing), a pipeline whose micro-batches are the accumulation,
 # sequence parallelism, and LoRA on an int4 base

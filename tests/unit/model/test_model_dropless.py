@@ -178,10 +178,71 @@ def test_config_refuses_an_unknown_dispatch_naming_the_key():
         small_config(moe_dispatch="drop")
 
 
-def test_sharded_plan_is_refused_by_the_layer():
+def test_split_experts_without_the_exchange_are_refused_by_the_layer():
     model = DeepseekV2ForCausalLM(small_config(moe_dispatch="dropless"))
-    with pytest.raises(UserError, match="model.moe_dispatch: dropless runs unsharded"):
-        _moe_layers(model)[0].set_expert_placement(np.zeros((8, 2), np.int32), groups=2, ep=2)
+    layer = _moe_layers(model)[0]
+    layer.set_expert_placement(np.zeros((8, 2), np.int32), groups=2, ep=1)  # plain data parallel: groups do not matter
+    with pytest.raises(UserError, match=r"^model.moe_dispatch: dropless splits the experts 2 ways only on the bounded"):
+        layer.set_expert_placement(np.zeros((8, 2), np.int32), groups=2, ep=2)
+
+
+# ----------------------------------------------------------------------------- sharded: the bounded exchange
+
+
+def _bounded_pair(**over):
+    """The same random dropless model twice: the sorted path, and the bounded exchange at groups 2, ep 2 (its
+    sharded form, run here on one device: the groups and the exchange view are reshapes of the same tokens)."""
+    from ms_deepseek.model.moe import default_placement
+
+    models = []
+    for bounded in (False, True):
+        ms.set_seed(7)
+        model = DeepseekV2ForCausalLM(small_config(moe_dispatch="dropless", **over))
+        if bounded:
+            for layer in _moe_layers(model):
+                layer.use_bounded_exchange()
+                layer.set_expert_placement(default_placement(8, 2), groups=2, ep=2)
+        model.set_train(True)
+        models.append(model)
+    ms.load_param_into_net(models[1], models[0].parameters_dict())
+    return models
+
+
+def test_bounded_exchange_equals_the_sorted_path_and_drops_nothing():
+    """Under a parallel plan a dropless layer runs the capacity path's exchange at C = N per group, which holds
+    every choice: loss and gradients equal the sorted path's, nothing dropped, whatever capacity_factor says."""
+    sorted_path, bounded = _bounded_pair(capacity_factor=0.5)  # a factor the dropless layer must not read
+    ids = Tensor(np.random.default_rng(1).integers(0, sorted_path.config.vocab_size, (2, 24)).astype(np.int32))
+    E = sorted_path.config.n_routed_experts
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert not bounded(ids, ids).moe_stats.asnumpy().reshape(-1, E + 4)[:, E].any()
+    loss_s, grads_s = _loss_and_grads(sorted_path, ids, "pynative")
+    loss_b, grads_b = _loss_and_grads(bounded, ids, "pynative")
+    hidden = sorted_path.config.hidden_size
+    assert abs(loss_b - loss_s) <= 2 * hidden * np.finfo(np.float32).eps * abs(loss_s)
+    assert grads_s.keys() == grads_b.keys() and any(".experts." in n for n in grads_s)
+    for name in grads_s:
+        scale = max(float(np.abs(grads_s[name]).max()), 1e-30)
+        err = float(np.abs(grads_b[name] - grads_s[name]).max()) / scale
+        assert err <= 1e-4, f"{name}: the bounded exchange's gradient differs from the sorted path's by {err:.3g}"
+
+
+def test_plan_takes_the_bounded_exchange_only_under_semi_auto():
+    """apply_plan: with ep the sorted path's primitives are gone (none is left without a strategy); on one device
+    the layer keeps them (no strategy needed outside SEMI_AUTO_PARALLEL) and runs the sorted path."""
+    from ms_deepseek.config.parallel import ParallelConfig
+    from ms_deepseek.parallel_apply.apply import apply_plan
+
+    cfg = small_config(moe_dispatch="dropless")
+    sharded = DeepseekV2ForCausalLM(cfg)
+    applied = apply_plan(sharded, ParallelConfig(dp=2, ep=2), cfg)
+    for layer in _moe_layers(sharded):
+        assert layer.bounded_exchange and layer.sorted_path_members() == ()
+        assert not hasattr(layer, "choice_sort") and layer.experts.gmm is None
+    assert any(p.endswith(".mlp.slot_sort") for p in applied.strategies)
+    one = DeepseekV2ForCausalLM(cfg)
+    apply_plan(one, ParallelConfig(), cfg)
+    assert all(not layer.bounded_exchange and hasattr(layer, "choice_sort") for layer in _moe_layers(one))
 
 
 def test_recipe_key_model_moe_dispatch():
@@ -192,11 +253,11 @@ def test_recipe_key_model_moe_dispatch():
     assert load_recipe_dict({"model": {"source": "tiny"}}).model_config.moe_dispatch == "capacity"
     with pytest.raises(UserError, match=r"^model.moe_dispatch: must be one of capacity, dropless, got 'sparse'$"):
         load_recipe_dict({"model": {"source": "tiny", "moe_dispatch": "sparse"}})
-    with pytest.raises(UserError, match=r"^model.moe_dispatch: dropless runs on one device or data-parallel layouts"):
-        load_recipe_dict(
-            {
-                "model": {"source": "tiny", "moe_dispatch": "dropless"},
-                "parallel": {"dp": 2, "ep": 2},
-                "train": {"micro_batch_size": 2},
-            }
-        )
+    sharded = load_recipe_dict(
+        {
+            "model": {"source": "tiny", "moe_dispatch": "dropless"},
+            "parallel": {"dp": 2, "ep": 2},
+            "train": {"micro_batch_size": 2},
+        }
+    )
+    assert sharded.parallel.uses_semi_auto and sharded.model_config.moe_dispatch == "dropless"

@@ -20,6 +20,7 @@ from repo_paths import REPO
 V2 = get_preset("deepseek-v2", compute_dtype="bfloat16")
 RECIPES = {
     "v2-lite-sft-8npu": "deepseek-v2-lite",
+    "v2-lite-dropless-8npu": "deepseek-v2-lite",  # dropless: the bounded exchange's worst-case buffers
     "v2-lite-pretrain-16npu": "deepseek-v2-lite",
     "v2-sft-64npu": "deepseek-v2",
     "v2-pretrain-256npu": "deepseek-v2",
