@@ -8,7 +8,11 @@ fails on:
   stale the day the code changes; it goes to docs/measurements.md, dated, with its command. A quoted size
   literal (``"5GB"``, the format a flag takes) and a bandwidth (``GB/s``) are not measurements;
 * a citation of a design note that is not in the repository (``design.md``): cite the MindSpore / CANN
-  source, a doc of this repository, or docs/measurements.md.
+  source, a doc of this repository, or docs/measurements.md;
+* a time figure (``31.5 s``, ``1-3 minutes``, ``0.6-0.7 s``): how long something took here is a measurement too.
+  A log format's example (``| 62s``) is not;
+* a before / now story (``before, SIGTERM left msrun running``, ``previously``, ``formerly``): the code says what
+  it does; what it used to do is the commit message's.
 
 The comments of ``recipes/*.yaml`` are held to the same three rules, except that a recipe quotes the
 planner's figures (``N GB per NPU``: ``test_docs_figures.py`` checks each against ``plan``), so only
@@ -31,6 +35,10 @@ RULES = {
     "a date": re.compile(r"\b(19|20)\d\d-\d\d-\d\d\b"),
     "a memory figure": re.compile(r"(?<![\"'\w.])\d+(?:\.\d+)?\s?(?:GiB|GB|MiB|TiB)(?![\w/])"),
     "a design note outside the repository": re.compile(r"\bdesign\.md\b|\bdesign note"),
+    "a time figure": re.compile(
+        r"(?<![\w.,])\d+(?:\.\d+)?(?:\s?-\s?\d+(?:\.\d+)?)?\s(?:s|ms|seconds|minutes)(?![-\w])"
+    ),
+    "a before / now story": re.compile(r"(?:^|[.;:(]\s*)(?:before|until now),\s|\b(?:previously|formerly)\b", re.I),
 }
 
 
@@ -69,13 +77,23 @@ Measured 2026-12-02 on rank 0: 5.1
 GiB at 16 layers (design.md section 8)."""
 X = 1  # level 1 held 481 MiB here
 Y = "5GB"  # a size such as "5GB", 2 GB/s on the wire
+Z = 2  # msrun exited 31.5 s after the kill
+U = 4  # a compile takes ~1-3 minutes here
+W = 3  # launch exits with 128 + the signal; before, SIGTERM left msrun running
+T = 5  # formerly a bug
+V = "| 62s"  # the log line ends with the run's seconds, e.g. "lr=1e-3 ms-deepseek"
 '''
     got = {(what, text) for _, what, text in offences(planted)}
     assert ("a date", "2026-12-02") in got
     assert ("a memory figure", "5.1 GiB") in got  # across the docstring's line break
     assert ("a memory figure", "481 MiB") in got
     assert ("a design note outside the repository", "design.md") in got
+    assert ("a time figure", "31.5 s") in got
+    assert ("a time figure", "1-3 minutes") in got
+    assert ("a before / now story", "; before, ") in got
+    assert ("a before / now story", "formerly") in got
     assert not any("5GB" in text or "2 GB" in text for _, text in got), got
+    assert not any(text in ("62s", "3 ms") for _, text in got), got
 
 
 def modules():
