@@ -62,9 +62,8 @@ def test_a_scalar_optimizer_tensor_stays_a_scalar_after_restore(tmp_path):
 
 
 def test_a_plan_search_says_what_it_is_doing_before_it_does_it(capsys):
-    """Issue 29, item 8: `plan --model deepseek-v2 --npus 256 ...` searched 20 s with no output through a pipe
-    (the bar draws only on a terminal). It now says how many layouts it estimates first (and takes half the time:
-    the model summary and the MoE buffer shapes are computed once per search, not per layout and layer)."""
+    """A `plan --model ... --npus N` search says on its first stderr line how many layouts it estimates, also
+    through a pipe (the progress bar draws only on a terminal), before the layout it prints."""
     from bad_input_helpers import run_cli
 
     code, out, err = run_cli(

@@ -150,9 +150,9 @@ def test_every_documented_command_runs(scratch, monkeypatch):
 
 
 def test_the_qlora_block_makes_what_it_reads():
-    """Issue 29, item 8: docs/lora.md's QLoRA block read a BASE no earlier step made and made a QBASE its train
-    line never used (it needs --set model.source=QBASE). Each placeholder the block reads is now written by a
-    command before it in the block, and the quantized base it makes is trained over."""
+    """docs/lora.md's QLoRA block: each placeholder it reads (such as BASE) is written by a command before it in
+    the block, and the quantized base QBASE it makes is trained over (a train line with --set
+    model.source=QBASE)."""
     text = (REPO / "docs" / "lora.md").read_text(encoding="utf-8")
     section = text[text.index("## A quantized frozen base (QLoRA)") :]
     _, body = bash_blocks(section)[0]

@@ -444,9 +444,8 @@ def test_level16_two_nodes_gather_versions_over_msrun():
 
 
 def test_every_recipe_key_a_fix_names_exists():
-    """Issue 29, item 8: doctor's disk-space fix told the user to set checkpoint.dir, a key `train` refuses as
-    unknown (and checkpoint.keep, for keep_last). Every `section.key` in the messages of the doctor's checks, the
-    report and the training alerts is a key a recipe takes."""
+    """Every `section.key` in the messages of the doctor's checks, the report and the training alerts is a key a
+    recipe takes (not, say, checkpoint.dir or checkpoint.keep, which `train` refuses as unknown)."""
     import ast
     import dataclasses
     import re

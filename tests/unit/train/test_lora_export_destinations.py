@@ -1,6 +1,6 @@
 """export-lora never deletes what it reads: OUT that is, holds or lies inside an input is refused
 before anything is written, and the PEFT / base writers replace an old folder only once the new one
-is in place (issue 21, defect 7). The run-folder cases are in test_lora_train.py (they need a run)."""
+is in place. The run-folder cases are in test_lora_train.py (they need a run)."""
 
 import os
 import shutil
