@@ -15,8 +15,8 @@ subprocess, the installed entry point of this venv). A case FAILS when
   case's folder; a case may list paths it is allowed to create, or that must be gone),
 * it does not finish within ``--timeout`` seconds (a hang: killed, reported).
 
-Exit status: 0 when every case passes, 1 otherwise. Issue 13 items 5-11, several cases per
-class; a developer tool (each case starts a process, some import MindSpore): 89 s here on 2 shared cores.
+Exit status: 0 when every case passes, 1 otherwise. Several cases per class of bad input; a developer tool:
+each case starts a process and some import MindSpore, so a run takes minutes.
 """
 
 from __future__ import annotations

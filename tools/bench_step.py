@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training-step benchmark against the CPU anchors of docs/measurements.md ("Training step on CPU").
 
-    python tools/bench_step.py                                    # the full table (about 10 minutes on 2 cores)
+    python tools/bench_step.py                                    # the full table: every row, with its breakdown
     python tools/bench_step.py --quick                            # fewer steps, no breakdown
     python tools/bench_step.py --torch-python /work/.venv-ref/bin/python   # + transformers, same run
 

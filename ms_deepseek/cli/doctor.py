@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = context_from_args(args)
     checks = select_checks(args.level, args.only)
     if any(c.level >= 16 for c in checks) and not (args.master_addr or ctx.probe.env("MS_SCHED_HOST")):
-        # a usage error, said before the node checks spend their time (they took 23 s here)
+        # a usage error, said before the node checks spend their time
         raise UserError(
             f"--level {args.level}: a cluster check needs node 0's address: pass --master-addr <node 0 "
             "IP> --node-rank <this node's rank> (the same command on every node), or export "

@@ -24,8 +24,8 @@ from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.safe_io import json_loads
 from ms_deepseek.core.schema import from_dict
 
-# Every consumer walks the layers one by one (the inventory, the planner's per-stage sums): 10,000 layers
-# already take ~8 s in `plan`, 10**9 never end. DeepSeek-V2 has 60, V3 61; 1024 leaves room for any real one.
+# Every consumer walks the layers one by one (the inventory, the planner's per-stage sums), so a layer count far
+# past any real model makes `plan` slow or endless. DeepSeek-V2 has 60, V3 61; 1024 leaves room for any real one.
 MAX_LAYERS = 1024
 MAX_EXPERTS = 65_536  # routed experts (DeepSeek-V2: 160)
 MOE_DISPATCH = ("capacity", "dropless")  # DeepseekV2Config.moe_dispatch

@@ -47,7 +47,7 @@ from ms_deepseek.diagnostics.ir_rules import (
     large_constants,
 )
 
-# a full-width compile of one rank takes ~1-3 minutes here; a hung compile is stopped
+# a full-width compile of one rank takes minutes; a hung compile is stopped
 WORKER_TIMEOUT_S = 1800
 
 

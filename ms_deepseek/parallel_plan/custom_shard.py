@@ -5,9 +5,8 @@ MindSpore 2.9.0's rule, found by compiling (``plan --recipe R --compile``): ever
 accepts **only** ``mindspore.parallel.Layout`` objects for its inputs *and* outputs: a tuple strategy
 is refused at compile ("self define shard op ... only support config layout rather than strategy"),
 no shard at all fails ("tuple in tuple input does not support GenerateBatchParallelStrategy"). The
-four CustomInfo attributes older MindSpore read (``dev_matrix_shape``, ``inputs_tensor_map``,
-``outputs_tensor_map``, ``as_loss_divisor``; ``custom_info.cc``) are no longer read, and the earlier
-form of this module, which set them, was refused by the compiler.
+four CustomInfo attributes of ``custom_info.cc`` (``dev_matrix_shape``, ``inputs_tensor_map``,
+``outputs_tensor_map``, ``as_loss_divisor``) are not among what it reads.
 
 :func:`custom_layouts` turns the plan's per-axis split counts into the named axes of one layout:
 the stage's device matrix ``(dp, tp)`` (``Layout((dp, tp), ("dp", "tp"))``; tp is the fastest axis,

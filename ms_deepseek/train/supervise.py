@@ -1,30 +1,20 @@
 """Fail fast when a worker dies: ``launch`` watches msrun and stops the whole job at once.
 
-What really happens on this machine (MindSpore 2.9, msrun on CPU, measured with a 2-worker
-data-parallel run and one worker killed by SIGKILL): msrun's own process supervision
-(``process_entity/_api.py: join_processes``) polls its local workers every second, logs
-``Worker process <pid> exit with exception. Error code: <code>.`` and kills the other local
-workers; it then waits for its scheduler process, which only gives up when its heartbeat
-timeout for the dead node expires: msrun exited 31.5 s after the kill, with a traceback
-and no word of which rank died. Without msrun's supervision the survivors would wait in
-the collective until HCCL_EXEC_TIMEOUT (1,800 s in the anchors' recipes).
+msrun's own process supervision (``process_entity/_api.py: join_processes``) polls its local workers every
+second, logs ``Worker process <pid> exit with exception. Error code: <code>.`` and kills the other local workers;
+it then waits for its scheduler process, which gives up only when its heartbeat timeout for the dead node
+expires, and exits with a traceback that names no rank. Without it the survivors would wait in the collective
+until ``HCCL_EXEC_TIMEOUT``.
 
-:func:`run_supervised` builds on msrun's supervision instead of replacing it: it echoes
-msrun's output, records which pid is which rank (msrun exports ``RANK_ID`` to each worker
-it starts: read from ``/proc/<pid>/environ`` while the workers live), and as soon as msrun
-reports a worker exit with an error it kills what is left of the job (scheduler, workers,
-msrun) and prints one line naming the rank, how it ended and its log file. Only workers on
-this node are watched: on a multi-node job each node's ``launch`` watches its own. Measured with
-two "nodes" on this host (two ``launch --nnodes 2`` of one worker each, the node-1 worker
-SIGKILLed): node 1's launch exited 1.6 s after the kill, node 0's 31.4 s after (MindSpore's
-scheduler times out the lost node's heartbeat and its survivors are stopped with SIGTERM; node
-0's line then names the lost rank from ``scheduler.log``). With three such nodes and node 0's worker
-SIGKILLed, nodes 1 and 2 exited 35.7-39.1 s after (their all-reduce with rank 0 failed, or MindSpore
-SIGTERMed them) and each named its own worker: a worker that dies on its own is now recorded in the shared
-run folder (``record_first_failure``), and a node whose worker died of a peer names the recorded rank. Every
-node's launch also reads that record while its job runs and stops its own workers as soon as another node's
-rank is recorded: the same three nodes now all exit 1.3-1.5 s after the kill, each naming rank 0 (a node
-exited at 68.7 s on a busy machine before). A record older than the job (``job_start``) is a previous job's
+:func:`run_supervised` builds on msrun's supervision instead of replacing it: it echoes msrun's output, records
+which pid is which rank (msrun exports ``RANK_ID`` to each worker it starts: read from ``/proc/<pid>/environ``
+while the workers live), and as soon as msrun reports a worker exit with an error it kills what is left of the
+job (scheduler, workers, msrun) and prints one line naming the rank, how it ended and its log file.
+
+Several nodes: each node's ``launch`` watches its own workers. A worker that dies on its own is recorded in the
+shared run folder (``record_first_failure``); every node's launch reads that record while its job runs and stops
+its own workers as soon as another node's rank is recorded, naming that rank, so no node waits for MindSpore's
+scheduler to time out the lost node's heartbeat. A record older than the job (``job_start``) is a previous job's
 in the same run folder and is ignored, and each node's launch clears only its own ranks' heartbeat files.
 
 Hung ranks: the workers write their progress and median step time (train/preempt.py, ``Heartbeat``); the
@@ -34,13 +24,12 @@ stacks of the ranks that had not started that step (``_answer_failed_steps``), w
 SIGKILL the moment the failing worker exits.
 
 Stop signals: SIGTERM, SIGHUP and SIGINT to ``launch`` (``timeout``, ``kill``, a closed ssh session, a
-scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoint at the next step and
-exit, see train/preempt.py); when they are gone, after ``--stop-grace`` seconds or at a second signal,
-every process of the job is SIGKILLed by session: msrun's own and each worker's (msrun starts every
-worker with ``os.setsid``), so children a killed worker left to init go too. Measured here (2-worker
-CPU job, signal soon after the workers started, tests/msrun/test_launch_signals.py): launch exited 0.6-0.7 s
-after each signal with 128 + the signal number and no process of the job left; before, SIGTERM and
-SIGHUP left msrun, the scheduler and both workers running.
+scheduler's stop) are forwarded to the workers as SIGTERM (they save a checkpoint at the next step and exit, see
+train/preempt.py); when they are gone, after ``--stop-grace`` seconds or at a second signal, every process of
+the job is SIGKILLed by session: msrun's own and each worker's (msrun starts every worker with ``os.setsid``), so
+children a killed worker left to init go too. launch then exits with 128 + the signal number.
+
+How fast each of these stops a job, measured: docs/measurements.md, "Stopping a job".
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The argparse validators of ms_deepseek/cli/args.py the commands share: what they accept and their bounds
-(issue 13 item 7)."""
+"""The argparse validators of ms_deepseek/cli/args.py the commands share: what they accept and their bounds."""
 
 import argparse
 

@@ -1,6 +1,6 @@
 """Bad input to ``ms-deepseek convert``: destinations that would destroy or pollute the source, leftovers of
 failed and killed runs, config values of the wrong type, runaway nesting, nonsense rope_scaling values,
-unwritable outputs. One line naming the culprit, exit 2, nothing left behind (issue 13 items 5-11)."""
+unwritable outputs. One line naming the culprit, exit 2, nothing left behind."""
 
 import os
 import signal

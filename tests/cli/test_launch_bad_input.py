@@ -1,5 +1,5 @@
 """Bad input to ``ms-deepseek launch``: --master-addr values refused by name, an unresolvable master creates
-nothing (issue 13 items 7, 9)."""
+nothing."""
 
 import pytest
 import yaml
@@ -33,7 +33,8 @@ def test_launch_master_addr(capsys, tmp_path, addr):
 
 
 def test_launch_resume_into_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
-    """Issue 29, item 8: launch made the run folder, then every worker said 'no complete checkpoint'."""
+    """`launch --resume` into a run folder that does not exist is one line saying so, before any folder is made
+    or any worker starts (rather than every worker reporting 'no complete checkpoint')."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(

@@ -1,5 +1,5 @@
 """Bad input to ``ms-deepseek plan``: nonsense flag values, invalid layouts, runaway-nested recipes, the error
-line after a progress bar (issue 13 items 5, 7, 11)."""
+line after a progress bar."""
 
 import sys
 
@@ -174,9 +174,9 @@ HUGE = 10**30
 
 @pytest.mark.parametrize("key", _whole_number_keys() + _model_size_keys())
 def test_a_huge_value_anywhere_in_a_recipe_is_refused_at_once(capsys, key):
-    """Issue 29, item 2: `parallel.dp: 10**30` made `plan --recipe` spin for minutes (the planner walked every
-    rank). Every whole number of a recipe and every size of the model config now has a sane upper bound: one
-    line naming the key, long before any loop could trust the value."""
+    """Every whole number of a recipe and every size of the model config has a sane upper bound: a huge value
+    (such as `parallel.dp: 10**30`, which a planner walking every rank would spin on) makes `plan --recipe`
+    refuse it in one line naming the key, long before any loop could trust the value."""
     import signal
 
     from repo_paths import RECIPES

@@ -1,5 +1,5 @@
 """Bad input to ``ms-deepseek prepare-data``: FIFOs, lone surrogates, destinations inside an input, leftovers,
-unwritable outputs (issue 13 items 6, 8-10)."""
+unwritable outputs."""
 
 import json
 import os

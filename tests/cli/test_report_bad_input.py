@@ -1,5 +1,5 @@
 """Bad input to ``ms-deepseek report``: bad metrics.jsonl lines are warnings naming file:line, unwritable
-outputs one line naming the path (issue 13 items 5, 6, 10)."""
+outputs one line naming the path."""
 
 import json
 

@@ -1,5 +1,5 @@
 """Bad input to ``ms-deepseek train``: refusals leave nothing behind (or keep an existing run folder's files),
-unwritable outputs are one line naming the path (issue 13 items 6, 9)."""
+unwritable outputs are one line naming the path."""
 
 import pytest
 import yaml
@@ -77,7 +77,7 @@ def test_train_output(capsys, tmp_path, target, name):
 
 
 def test_a_recipe_that_does_not_exist_names_the_nearest_one(capsys):
-    """Issue 29, item 8: `train recipes/tiny.yaml` said only that the file does not exist."""
+    """`train recipes/tiny.yaml` (no such file) says so and names the nearest recipe that exists."""
     from repo_paths import RECIPES
 
     code, _, err = run_cli(capsys, ["train", RECIPES / "tiny.yaml"])

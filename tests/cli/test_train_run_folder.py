@@ -1,4 +1,4 @@
-"""``ms-deepseek train`` and its run folder (issue 46): MindSpore's dry run stops after the compile in one
+"""``ms-deepseek train`` and its run folder: MindSpore's dry run stops after the compile in one
 line; one writer per run folder; checkpoints that prove they are intact; a full disk in one line."""
 
 import os
@@ -43,8 +43,8 @@ def _train_process(argv, env=None, **kw):
 # ---------------------------------------------------------------------------- MindSpore's dry run
 @pytest.mark.slow
 def test_dry_run_stops_after_the_compile_in_one_line(tmp_path):
-    """Item 4: under MS_SIMULATION_LEVEL=0 the compiled step returns a placeholder (an int); the trainer
-    unpacked it and died of a TypeError traceback. Now: one line, exit 0, no run folder."""
+    """Under MS_SIMULATION_LEVEL=0 the compiled step returns a placeholder (an int), which the trainer does not
+    unpack as a step's results: one line, exit 0, no run folder, no traceback."""
     recipe = _recipe(tmp_path)
     proc = _train_process([recipe, "--output", tmp_path / "run"], env=dict(os.environ, MS_SIMULATION_LEVEL="0"))
     assert proc.returncode == 0, proc.stderr
@@ -65,7 +65,8 @@ def _flip_middle(path, n=16):
 
 
 def test_resume_refuses_a_damaged_checkpoint_and_takes_the_intact_one_when_told(tmp_path, capsys):
-    """Item 2: 16 bytes flipped in the newest model.safetensors were loaded by --resume without a word."""
+    """16 bytes flipped in the newest model.safetensors: --resume and --resume auto refuse it naming the file,
+    and --skip-damaged sets it aside and resumes the intact checkpoint before it."""
     from bad_input_helpers import assert_refused, run_cli
 
     recipe, run = _recipe(tmp_path, steps=6), tmp_path / "run"
@@ -94,8 +95,9 @@ def _used(folder):
 
 @pytest.mark.slow
 def test_a_full_disk_at_the_write_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
-    """Item 3: ENOSPC in safetensors_io.write_file ended the run with a raw OSError traceback. Simulated at
-    the write call (a real small file system needs root to mount)."""
+    """ENOSPC in safetensors_io.write_file ends the run in one line naming the checkpoint and the last complete
+    one, leaves no partial, and --resume continues. Simulated at the write call (a real small file system needs
+    root to mount)."""
     import errno
 
     from ms_deepseek.checkpoint import safetensors_io
@@ -154,9 +156,9 @@ def test_free_space_is_checked_at_start_and_before_each_save(tmp_path, capsys, m
 # ---------------------------------------------------------------------------- one writer per run folder
 @pytest.mark.slow
 def test_a_second_writer_is_refused_while_the_first_trains(tmp_path, capsys):
-    """Item 1: B (`train --output SAME --resume`) removed A's partial checkpoint and trained beside it. Now B
-    is refused in one line naming A (host, pid, since, heartbeat) and touches nothing; once A is dead (killed),
-    its lease is taken over without a word and the run resumes."""
+    """While A trains, B (`train --output SAME --resume`) neither removes A's partial checkpoint nor trains
+    beside it: B is refused in one line naming A (host, pid, since, heartbeat) and touches nothing; once A is
+    dead (killed), its lease is taken over without a word and the run resumes."""
     import signal
     import socket
     import time

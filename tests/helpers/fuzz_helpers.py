@@ -1,4 +1,4 @@
-"""A seeded mutation fuzzer over the files users hand to ms-deepseek (issue 21, defect 11).
+"""A seeded mutation fuzzer over the files users hand to ms-deepseek.
 
 Formats: config.json, safetensors headers, the shard index, layout.json, recipes and
 metrics.jsonl. Each case copies one small fixture folder, mutates one file of it and runs

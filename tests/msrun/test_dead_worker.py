@@ -121,7 +121,7 @@ def test_a_killed_worker_stops_the_job_fast_and_resume_continues_exactly(tmp_pat
     assert resume_from, (sorted(logged), manager.complete())
     saved_at, start = max(resume_from)
     assert is_complete(start)
-    # an older checkpoint than the run's newest: --force sets the newer one aside (issue 21, defect 3)
+    # an older checkpoint than the run's newest: --force sets the newer one aside
     resume_arg = ["--resume"] if start == latest else ["--resume", str(start), "--force"]
 
     stop = min(max(logged), saved_at + 3)

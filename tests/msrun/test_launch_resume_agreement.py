@@ -1,8 +1,7 @@
-"""Ranks agree on the checkpoint to resume (issue 21, defect 2): each rank once picked its own newest
-complete checkpoint, so without a shared file system (or with NFS lag) ranks started at different steps.
-Two msrun workers each see their own run folder (as on two nodes with local disks): rank 0 holds step 2
-and step 4, rank 1 only step 2. Rank 0 decides (step 4); rank 1 lacks it, and the job stops with a line
-naming rank 1, before any model is built."""
+"""Ranks agree on the checkpoint to resume: rank 0 decides, so that without a shared file system (or with NFS lag)
+ranks whose newest complete checkpoints differ do not start at different steps. Two msrun workers each see their own
+run folder (as on two nodes with local disks): rank 0 holds step 2 and step 4, rank 1 only step 2. Rank 0 decides
+(step 4); rank 1 lacks it, and the job stops with a line naming rank 1, before any model is built."""
 
 import json
 import os

@@ -1,13 +1,13 @@
-"""A hung worker is found (issue 21, defect 4): only process exits were watched, so a worker stuck in a
-collective waited out HCCL_EXEC_TIMEOUT. Rank 1 of a 2-worker CPU job is made to hang after step 3; the
+"""A hung worker is found: besides process exits, launch watches step progress, so a worker stuck in a
+collective does not wait out HCCL_EXEC_TIMEOUT. Rank 1 of a 2-worker CPU job is made to hang after step 3; the
 watchdog (no step within F x the median step time, at least --watchdog-min) dumps every worker's Python
 stacks into its log, stops the job and names rank 1 as the one that did not reach step 4.
 
 With the watchdog off, the CPU ring collective of rank 0 gives up waiting for rank 1 (30 s here); rank 0's
 failed step then waits for launch to dump the stacks of rank 1 (the rank behind) before it exits, since
-msrun kills rank 1 as soon as rank 0 is gone. Both used to race on a loaded 2-core machine (issue 29): the
-watchdog measured the step time only between two of its own looks, and could find step 3 already done at its
-first look and never fire; the collective then gave up first and msrun killed rank 1 with no stacks."""
+msrun kills rank 1 as soon as rank 0 is gone. The two must not race on a loaded 2-core machine: the watchdog
+fires even when its first look finds step 3 already done (a step time measured only between two of its own
+looks would never fire then, the collective would give up first and msrun would kill rank 1 with no stacks)."""
 
 import os
 import sys

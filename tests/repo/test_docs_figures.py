@@ -317,7 +317,7 @@ ms-deepseek plan --recipe recipes/v2-qlora-8npu.yaml              # FITS: 42.2 G
 
 
 def test_planted_stale_figures_fail():
-    """The stale figures issue 47 found, planted in a doc (42.2 GB for v2-qlora-8npu in a table row, in prose,
+    """Stale figures planted in a doc (42.2 GB for v2-qlora-8npu in a table row, in prose,
     in a plan line's comment; 42.2 for v2-lite-lora-1npu): each fails naming what plan prints; the figures
     that are right pass; a figure without a command fails."""
     verdicts = {(q.where.split(" ")[0], q.text): check(q) for q in doc_quotes("planted.md", PLANTED_DOC)}

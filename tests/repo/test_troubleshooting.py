@@ -1,6 +1,6 @@
 """docs/troubleshooting.md cites doctor checks and alert rules by id: every cited id must exist in
-the code's registries, every registered id must be documented, and every failure in the
-issue's list has a section with symptom, detector and fix."""
+the code's registries, every registered id must be documented, and every failure
+of FAILURES (the OOM, HCCL, loss and expert failures users meet) has a section with symptom, detector and fix."""
 
 import re
 

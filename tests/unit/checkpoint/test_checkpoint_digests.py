@@ -1,4 +1,4 @@
-"""Checkpoint digests (issue 46, item 2): every file's SHA-256 is taken while it is written, kept in the
+"""Checkpoint digests: every file's SHA-256 is taken while it is written, kept in the
 checkpoint's state.json, and checked wherever a checkpoint is read; a flipped byte is refused naming the file."""
 
 import hashlib
@@ -12,7 +12,7 @@ from builders import small_config
 
 
 def _flip(path, at=None, n=16):
-    """Invert ``n`` bytes in the middle of ``path`` (what the issue did to model.safetensors)."""
+    """Invert ``n`` bytes in the middle of ``path`` (how the tests damage model.safetensors)."""
     data = bytearray(path.read_bytes())
     at = len(data) // 2 if at is None else at
     data[at : at + n] = bytes(b ^ 0xFF for b in data[at : at + n])

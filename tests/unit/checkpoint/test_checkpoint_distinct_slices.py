@@ -1,10 +1,9 @@
-"""Pre-sharded conversion stores each distinct slice once (issue 21, defect 9).
+"""Pre-sharded conversion stores each distinct slice once.
 
-``convert hf-to-ms --dp/--tp...`` and ``convert reshard`` used to write every rank's slices into its
-folder: dp identical copies of every replicated slice, while every reader took the lowest rank's.
-Now the lowest rank holding a slice (its owner, ``ShardLayout.distinct_slices``) stores it and
-layout.json says so (version 2, ``"slices": "distinct"``); version-1 folders (every rank stores all of
-its slices: older conversions, training checkpoints) read as before.
+``convert hf-to-ms --dp/--tp...`` and ``convert reshard`` do not write dp identical copies of every
+replicated slice (every reader takes the lowest rank's): the lowest rank holding a slice (its owner,
+``ShardLayout.distinct_slices``) stores it and layout.json says so (version 2, ``"slices": "distinct"``);
+version-1 folders (every rank stores all of its slices: older conversions, training checkpoints) still read.
 """
 
 import filecmp

@@ -165,7 +165,7 @@ def test_hf_to_per_rank_to_hf_is_byte_identical(pristine, tmp_path, capsys):
     assert code == 0, out.err
     assert "8 rank folders" in out.out
     layout = read_layout(tmp_path / "sh")
-    assert layout.distinct_only  # each distinct slice once (defect 9), in its owner's folder
+    assert layout.distinct_only  # each distinct slice once, in its owner's folder
     copies = {}
     for rank in range(8):
         stored = load_file(str(tmp_path / "sh" / f"rank_{rank:05d}" / "model.safetensors"))

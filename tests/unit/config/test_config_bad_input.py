@@ -1,4 +1,4 @@
-"""Model config: an optional rope_scaling key set to null means its default (issue 13 item 7)."""
+"""Model config: an optional rope_scaling key set to null means its default."""
 
 
 def test_rope_scaling_optional_key_null_means_its_default():

@@ -1,6 +1,6 @@
 """The rename fallback of the atomic writer (file systems without RENAME_EXCHANGE, e.g. NFS): a writer
 killed between its two renames leaves `.old-` and `.partial-` copies and no destination; the next start's
-cleanup puts the complete one back instead of deleting both (issue 21, defect 8)."""
+cleanup puts the complete one back instead of deleting both."""
 
 import os
 import subprocess

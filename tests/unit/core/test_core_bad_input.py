@@ -1,5 +1,5 @@
 """core's output checks: stale partial folders of dead writers only are removed, a read-only folder is found
-by trying (issue 13 items 6, 9)."""
+by trying."""
 
 import os
 import socket

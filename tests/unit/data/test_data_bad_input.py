@@ -1,5 +1,5 @@
 """Bad data folders and records: paths named in a prepared folder stay inside it, non-regular and pickled
-files are refused, runaway-nested records are one line naming file:line (issue 13 items 5, 10)."""
+files are refused, runaway-nested records are one line naming file:line."""
 
 import json
 

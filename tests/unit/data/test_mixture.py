@@ -68,7 +68,7 @@ def test_proportions_determinism_and_counts(folders):
 
 
 def test_a_source_read_more_than_four_epochs_is_named(folders):
-    """Issue 21: a warning at start when the run would repeat a source more than MAX_EPOCHS times."""
+    """A warning at start names a source the run would repeat more than MAX_EPOCHS times."""
     ds = build_train_dataset(mix(folders), batch_size=4, seed=7)
     a, b = ds.num_samples
     # 0.3 of the draws go to b: 4.5 epochs of b, well under 4 of the larger a (the split is the chunk's)
@@ -163,7 +163,7 @@ def test_training_on_a_mixture_counts_samples_per_source(folders, tmp_path):
 
 @pytest.mark.slow
 def test_a_mixture_reports_validation_loss_per_source(folders, tmp_path):
-    """Issue 29, item 6: with data.validation over a weighted mixture, val_loss/<source> is logged beside the
+    """With data.validation over a weighted mixture, val_loss/<source> is logged beside the
     overall val_loss, each from that source's own held-out tail (one set per source, the same eval graph), and
     the report plots it; a source whose tail is too small for one batch says so instead."""
     import contextlib

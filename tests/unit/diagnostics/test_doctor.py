@@ -444,9 +444,8 @@ def test_level16_two_nodes_gather_versions_over_msrun():
 
 
 def test_every_recipe_key_a_fix_names_exists():
-    """Issue 29, item 8: doctor's disk-space fix told the user to set checkpoint.dir, a key `train` refuses as
-    unknown (and checkpoint.keep, for keep_last). Every `section.key` in the messages of the doctor's checks, the
-    report and the training alerts is a key a recipe takes."""
+    """Every `section.key` in the messages of the doctor's checks, the report and the training alerts is a key a
+    recipe takes (not, say, checkpoint.dir or checkpoint.keep, which `train` refuses as unknown)."""
     import ast
     import dataclasses
     import re
@@ -476,3 +475,22 @@ def test_every_recipe_key_a_fix_names_exists():
     assert named, "the scan found no recipe key at all"
     unknown = [f"{name}:{line}: {section}.{key}" for name, line, section, key in named if key not in sections[section]]
     assert not unknown, unknown
+
+
+def test_swappiness_is_not_a_warning_without_swap():
+    from ms_deepseek.diagnostics import doctor_host  # noqa: F401  (registers the host checks)
+    from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, WARN, DoctorContext, run_check
+    from ms_deepseek.diagnostics.probe import RecordedProbe
+
+    def result(swap_kb):
+        probe = RecordedProbe(
+            files={
+                "/proc/sys/vm/swappiness": "60\n",
+                "/proc/meminfo": f"MemTotal: 1000 kB\nSwapTotal:       {swap_kb} kB\n",
+            }
+        )
+        return run_check(REGISTRY["swappiness"], DoctorContext(probe=probe))
+
+    none = result(0)
+    assert none.status == PASS and "no swap" in none.message
+    assert result(4 * 1024**2).status == WARN

@@ -376,8 +376,8 @@ def test_report_plots_the_data_wait_when_logged(tmp_path):
 
 @pytest.mark.parametrize("content", ["", "\n\n", 'not json\n{"loss": 1}\n', '{"step": -1}\n', '{"step": 1'])
 def test_report_with_no_valid_record_says_so_and_fails(tmp_path, capsys, content):
-    """An empty page with "No alerts." once passed for a report (issue 21, defect 10): like a missing file,
-    a metrics file without one valid step record is one line and a non-zero exit, and no page is written."""
+    """An empty page with "No alerts." does not pass for a report: like a missing file, a metrics file without
+    one valid step record is one line and a non-zero exit, and no page is written."""
     from ms_deepseek.cli import main
 
     run = tmp_path / "run"

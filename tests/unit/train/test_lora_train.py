@@ -252,7 +252,7 @@ def test_sharded_lora_checkpoint_exports_merges_and_resumes_like_the_whole_one(f
     assert layout.optimizer["adam_m.model.layers.1.mlp.experts.down_proj.lora_A.weight"].split == (2, 1, 2)
     for rank in range(layout.world_size):
         held = load_file(str(sharded / f"rank_{rank:05d}" / "model.safetensors"))
-        assert sorted(held) == sorted(layout.stored_in(rank))  # each distinct slice once (issue 21)
+        assert sorted(held) == sorted(layout.stored_in(rank))  # each distinct slice once
 
     # export: PEFT folder and merged HF folder, the same bytes from either checkpoint
     base = str(FIX / "base")
@@ -407,8 +407,8 @@ def test_a_whole_lora_checkpoint_generates_with_its_adapters_and_other_commands_
 
 @pytest.mark.parametrize("where", ["run", "inside_run", "holds_run", "run_base"])
 def test_export_refuses_an_output_that_is_holds_or_lies_inside_the_run(fixture_run, tmp_path, where, capsys):
-    """`export-lora RUN RUN --overwrite` once replaced the run folder (checkpoints, base, metrics) with the
-    adapter (issue 21, defect 7): every overlap of OUT with an input is refused, nothing is touched."""
+    """`export-lora RUN RUN --overwrite` does not replace the run folder (checkpoints, base, metrics) with the
+    adapter: every overlap of OUT with an input is refused, nothing is touched."""
     import shutil
 
     _trainer, result = fixture_run
@@ -425,10 +425,9 @@ def test_export_refuses_an_output_that_is_holds_or_lies_inside_the_run(fixture_r
 
 @pytest.mark.slow
 def test_dropout_is_exact_across_runs_and_resume(data_dir, tmp_path):
-    """Issue 29, item 3: MindSpore's Dropout kernel keeps its random state inside: a resumed run drew other masks
-    than the uninterrupted one, and on CPU two seeded graph-mode runs parted after a few steps. LoRA dropout is
-    now a stateless hash of (seed, step, rank, adapter, element): two runs and a run resumed halfway give the
-    same losses and adapters, bit for bit."""
+    """LoRA dropout is a stateless hash of (seed, step, rank, adapter, element), not MindSpore's Dropout kernel
+    (which keeps its random state inside, so a resumed run would draw other masks and two seeded graph-mode runs
+    on CPU part): two runs and a run resumed halfway give the same losses and adapters, bit for bit."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         yaml.safe_dump(

@@ -3,10 +3,10 @@
 MindSpore compiles sharded graphs only on Ascend; what is ours is checked here:
 
 * the rank geometry (``ms_deepseek.parallel_plan.ranks``): which rows every rank reads, and the
-  dataset strategy MindSpore is told, from the same rule (issue 10 item 3);
-* the pipeline step's ``accu_grads`` Parameters and its gradient hand-off (item 4);
-* the global gradient norm in MindSpore's ``grad_scale`` marker pattern (item 5);
-* the vocabulary-parallel cross-entropy (item 6) against the gather form it replaced.
+  dataset strategy MindSpore is told, from the same rule;
+* the pipeline step's ``accu_grads`` Parameters and its gradient hand-off;
+* the global gradient norm in MindSpore's ``grad_scale`` marker pattern;
+* the vocabulary-parallel cross-entropy against the gather form.
 """
 
 import mindspore as ms
@@ -221,7 +221,7 @@ def test_vocab_parallel_cross_entropy_splits_over_the_vocabulary():
     assert ms.get_context("device_target") == "CPU"
 
 
-# ------------------------------------------------------------------ global gradient norm (item 5)
+# ------------------------------------------------------------------------- global gradient norm
 def test_norm_marker_is_the_one_mindspore_completes():
     """The marker pattern: an ExpandDims carrying grad_scale after each gradient's square sum, then
     AddN and Sqrt; its value equals the CPU GEMV form (float32) and the float64 norm."""
@@ -242,7 +242,7 @@ def test_norm_marker_is_the_one_mindspore_completes():
     assert float(global_norm(tuple(Tensor(a) for a in big), as_dot=False).asnumpy()) == pytest.approx(1200.0)
 
 
-# ------------------------------------------------------------------------ pipeline step (item 4)
+# ------------------------------------------------------------------------------- pipeline step
 @pytest.fixture(scope="module")
 def tiny_model():
     from ms_deepseek.config.model import get_preset

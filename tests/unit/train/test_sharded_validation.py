@@ -1,4 +1,4 @@
-"""Validation under sharding (issue 17, defect 5), on emulated ranks: what can run on CPU.
+"""Validation under sharding, on emulated ranks: what can run on CPU.
 
 * each rank reads its rows of every validation batch by the training rule (ranks.data_coordinates),
   checked against MindSpore's own placement (``_utils._to_full_tensor``, parallel_plan/ms_oracle.py): the

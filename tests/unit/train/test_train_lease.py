@@ -1,4 +1,4 @@
-"""The run folder's lease (train/lease.py, issue 46 item 1): one holder, renewed by its heartbeat; a live holder
+"""The run folder's lease (train/lease.py): one holder, renewed by its heartbeat; a live holder
 refuses a second job in one line naming it; a dead one's lease is taken over (its pid gone on this host, a stale
 heartbeat, or --take-over); a job whose lease was taken over stops before writing more."""
 

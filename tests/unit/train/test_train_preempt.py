@@ -1,4 +1,4 @@
-"""Preemption (issue 21, defect 6): SIGTERM to `train` once killed it (exit 143) with no checkpoint. Now the
+"""Preemption: on SIGTERM to `train` (which by default would kill it, exit 143, with no checkpoint) the
 step in flight finishes, a complete checkpoint of it is saved, the run exits 128 + 15 with one line saying
 so, and `--resume auto` repeats the uninterrupted run's losses exactly. (SIGTERM reaching every rank of a
 2-worker job through `launch` is in test_launch_signals.py.)"""

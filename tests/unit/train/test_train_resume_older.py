@@ -1,7 +1,7 @@
-"""Resuming from an older checkpoint than the run's newest (issue 21, defect 3): the newer ones once stayed
-and won a later `--resume auto`, and pruning deleted the checkpoint resumed from. Now the resume is refused
-without --force; with --force the newer ones are kept aside as `step_N.abandoned-<time>`, the resumed one is
-never pruned, and `--resume auto` continues the new line of saves."""
+"""Resuming from an older checkpoint than the run's newest: the newer ones must not win a later `--resume auto`, nor
+pruning delete the checkpoint resumed from. The resume is refused without --force; with --force the newer ones are
+kept aside as `step_N.abandoned-<time>`, the resumed one is never pruned, and `--resume auto` continues the new line
+of saves."""
 
 import shutil
 

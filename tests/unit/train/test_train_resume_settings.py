@@ -1,9 +1,9 @@
-"""A resume continues the run it resumes (issue 29, item 7). Tried as a new user would: a run trained with
-`--set train.steps=30`, then `--resume` with the recipe alone, trained on to the recipe's 300 steps with no
-word, its cosine learning rate jumping from 3.0e-4 to 2.97e-3, and overwrote the run's recipe.yaml. Now the
-command's settings are compared field by field with the checkpoint's recipe.yaml: what breaks exactness is
-refused in one line naming each field and its consequence (unless --allow-changes), what keeps it is named
-and applied, and a LoRA run resumed without `lora:` (or the reverse) says so."""
+"""A resume continues the run it resumes. Tried as a new user would: a run trained with `--set train.steps=30`, then
+`--resume` with the recipe alone must not train on to the recipe's 300 steps with no word (its cosine learning rate
+jumping from 3.0e-4 to 2.97e-3) nor overwrite the run's recipe.yaml. The command's settings are compared field by
+field with the checkpoint's recipe.yaml: what breaks exactness is refused in one line naming each field and its
+consequence (unless --allow-changes), what keeps it is named and applied, and a LoRA run resumed without `lora:` (or
+the reverse) says so."""
 
 import pytest
 from test_train import data_dir, losses_of, recipe_dict, write_recipe  # noqa: F401 (fixtures)

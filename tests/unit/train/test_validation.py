@@ -162,8 +162,8 @@ def test_resume_keeps_the_validation_set_and_order(run, tmp_path):
 
 
 def test_tokens_per_s_leaves_validation_out_and_data_wait_is_logged(tmp_path, corpus, monkeypatch):
-    """Issue 21: an evaluation showed as a throughput dip; tokens/s now counts training time only, and
-    every record says how long its steps waited for their batches (data_wait_s)."""
+    """An evaluation does not show as a throughput dip: tokens/s counts training time only, and every record
+    says how long its steps waited for their batches (data_wait_s)."""
     import time
 
     from ms_deepseek.train import evaluate

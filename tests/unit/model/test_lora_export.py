@@ -1,6 +1,7 @@
-"""export-lora never deletes what it reads: OUT that is, holds or lies inside an input is refused
-before anything is written, and the PEFT / base writers replace an old folder only once the new one
-is in place (issue 21, defect 7). The run-folder cases are in test_lora_train.py (they need a run)."""
+"""export-lora (model/lora_export.py) and the folders it reads and writes: it never deletes what it reads (OUT
+that is, holds or lies inside an input is refused before anything is written, and the PEFT / base writers replace
+an old folder only once the new one is in place), and the random base of a run is recorded by its absolute path.
+The run-folder cases are in tests/unit/train/test_lora_train.py (they need a run)."""
 
 import os
 import shutil
@@ -64,3 +65,15 @@ def test_write_adapter_keeps_a_complete_folder_when_the_final_rename_fails(tmp_p
         pass
     monkeypatch.undo()
     assert (out / lora_peft.WEIGHTS_NAME).is_file() and (out / lora_peft.CONFIG_NAME).is_file()
+
+
+def test_export_lora_records_an_absolute_random_base(tmp_path, monkeypatch):
+    from ms_deepseek.model.lora_export import run_base
+
+    step = tmp_path / "runs" / "r" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "base").mkdir()
+    (tmp_path / "runs" / "r" / "base" / "model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    base = run_base(Path("runs/r/checkpoints/step_00000002"), {"source": "tiny"})
+    assert base.is_absolute() and base == (tmp_path / "runs" / "r" / "base").resolve()

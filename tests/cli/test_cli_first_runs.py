@@ -1,4 +1,4 @@
-"""What a newcomer meets on the first runs (issue 22's friction list), tried the way a user does.
+"""What a newcomer meets on the first runs, tried the way a user does.
 
 One LoRA fine-tune of a small model on a small SFT folder (``ms-deepseek train`` in a fresh
 process, its output redirected to a pipe as in a scheduler's log) gives the run the tests read:
@@ -283,8 +283,8 @@ def test_generate_writes_no_bar_frames_into_a_log(run, capsys):
 
 
 def test_a_merged_folder_carries_the_runs_tokenizer(run, folders, capsys):
-    """Issue 29, item 8: `generate` on an `export-lora --merge` folder stopped for lack of a tokenizer (a random
-    base has none, and nothing said where the run's was). The merged folder now carries the run's tokenizer."""
+    """An `export-lora --merge` folder carries the run's tokenizer (a random base has none) and says so, and
+    `generate` runs on it."""
     from ms_deepseek import cli
 
     run_dir, rc, out = run
