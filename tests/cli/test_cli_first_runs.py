@@ -13,6 +13,8 @@ import json
 
 import pytest
 
+import builders
+
 
 class _Terminal(io.StringIO):
     def isatty(self):
@@ -82,22 +84,8 @@ def test_an_sft_folder_needs_no_data_format(folders):
         build_train_dataset(DataConfig(path=str(folders / "pt"), bucket_boundaries=[8], num_workers=1), batch_size=2)
 
 
-SMALL_MODEL = {
-    "vocab_size": 512,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 24,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 8,
-    "max_position_embeddings": 64,
-    "capacity_factor": 2.0,
-}
+# the small training recipes' model (tests/helpers/builders.py), with capacity buffers that drop nothing
+SMALL_MODEL = {**builders.SMALL_MODEL, "capacity_factor": 2.0}
 
 
 def sft_recipe(folders, **sections):
