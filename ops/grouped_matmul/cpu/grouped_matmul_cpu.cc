@@ -83,8 +83,6 @@ void ForTasks(int64_t tasks, F fn) {
 constexpr int64_t kRowBlock = 256;
 // Output rows of a weight gradient per task.
 constexpr int64_t kGradBlock = 128;
-// Elements per task of an elementwise pass.
-constexpr int64_t kElementBlock = 1 << 15;
 
 // Row offsets [E + 1] of the experts, or an error message.
 std::string Offsets(const int32_t* counts, int64_t experts, int64_t rows, std::vector<int64_t>* offsets) {
@@ -146,14 +144,6 @@ void Rows(const float* x, const float* w, const std::vector<int64_t>& offsets, i
          out, beta);
   });
   if (beta == 0.0f) std::fill(y + offsets[experts] * out, y + rows * out, 0.0f);
-}
-
-// fn(i) for i in [0, n), in blocks over the threads.
-template <typename F>
-void Elementwise(int64_t n, F fn) {
-  ForTasks((n + kElementBlock - 1) / kElementBlock, [&](int64_t t) {
-    for (int64_t i = t * kElementBlock, end = std::min(n, i + kElementBlock); i < end; ++i) fn(i);
-  });
 }
 
 inline float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
@@ -255,23 +245,30 @@ std::string ReadSwiglu(int nparam, int expected, int first, int gl, void** param
   return Offsets(static_cast<const int32_t*>(params[gl]), g->e, g->s, &g->offsets);
 }
 
-// x[p] = tokens[order[p] / k]: the rows sorted by expert.
-std::vector<float> SortedRows(const Swiglu& g) {
-  std::vector<float> x(static_cast<size_t>(g.s * g.h));
-  float* out = x.data();
-  ForTasks((g.s + 63) / 64, [&](int64_t t) {
-    for (int64_t p = t * 64, end = std::min(g.s, p + 64); p < end; ++p) {
-      std::copy(g.tokens + (g.order[p] / g.k) * g.h, g.tokens + (g.order[p] / g.k + 1) * g.h, out + p * g.h);
-    }
+// Rows [lo, hi) of the sorted order gathered from the tokens: xb[p - lo] = tokens[order[p] / k].
+void GatherRows(const Swiglu& g, int64_t lo, int64_t hi, float* xb) {
+  for (int64_t p = lo; p < hi; ++p) {
+    const float* src = g.tokens + static_cast<int64_t>(g.order[p] / g.k) * g.h;
+    std::copy(src, src + g.h, xb + (p - lo) * g.h);
+  }
+}
+
+// The experts in descending order of their row counts: handed out first, the largest tasks do not end last.
+std::vector<int64_t> LargestFirst(const std::vector<int64_t>& offsets, int64_t experts) {
+  std::vector<int64_t> ids(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) ids[e] = e;
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
+    return offsets[a + 1] - offsets[a] > offsets[b + 1] - offsets[b];
   });
-  return x;
+  return ids;
 }
 
 }  // namespace
 
 // Every expert's SwiGLU on its rows. Inputs: tokens [N, H], order [S] (the slot s = token * k + choice at each
 // sorted position), wg, wu, wd, group_list; outputs: out [S, H] in slot order, gate [S, I] and up [S, I] in
-// sorted order (kept for the gradient).
+// sorted order (kept for the gradient). One task per block of an expert's rows runs the gather, the three
+// products, the SwiGLU and the write-back on that block while it is in cache, one pass over the threads in all.
 extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
   Swiglu g;
@@ -281,29 +278,38 @@ extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t**
   float* gate = static_cast<float*>(params[7]);
   float* up = static_cast<float*>(params[8]);
   int64_t m = g.s, h = g.h, i = g.i;
-  std::vector<float> x = SortedRows(g);
-  Rows(x.data(), g.wg, g.offsets, g.e, m, h, i, true, gate);
-  Rows(x.data(), g.wu, g.offsets, g.e, m, h, i, true, up);
-  float* a = x.data();  // reused: act [S, I] fits in the rows' [S, H] only when I <= H
-  std::vector<float> act_store;
-  if (i > h) {
-    act_store.resize(static_cast<size_t>(m * i));
-    a = act_store.data();
-  }
-  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  std::vector<float> y(static_cast<size_t>(m * h));
-  Rows(a, g.wd, g.offsets, g.e, m, i, h, true, y.data());
-  const float* ys = y.data();
-  ForTasks((m + 63) / 64, [&](int64_t t) {
-    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
-      std::copy(ys + p * h, ys + (p + 1) * h, out + static_cast<int64_t>(g.order[p]) * h);
+  const std::vector<int64_t>& offsets = g.offsets;
+  std::vector<int64_t> starts, experts_of;  // the tasks: [starts[t], next block or the expert's end)
+  for (int64_t e : LargestFirst(offsets, g.e)) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowBlock) {
+      starts.push_back(r);
+      experts_of.push_back(e);
     }
+  }
+  ForTasks(static_cast<int64_t>(starts.size()), [&](int64_t t) {
+    int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock), rows = hi - lo;
+    std::vector<float> xb(static_cast<size_t>(rows * h)), act(static_cast<size_t>(rows * i));
+    GatherRows(g, lo, hi, xb.data());
+    float *gb = gate + lo * i, *ub = up + lo * i;
+    Gemm('N', 'T', rows, i, h, xb.data(), h, g.wg + e * i * h, h, gb, i);
+    Gemm('N', 'T', rows, i, h, xb.data(), h, g.wu + e * i * h, h, ub, i);
+    for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
+    float* yb = xb.data();  // reused: the rows are read no more
+    Gemm('N', 'T', rows, h, i, act.data(), i, g.wd + e * h * i, i, yb, h);
+    for (int64_t p = lo; p < hi; ++p) std::copy(yb + (p - lo) * h, yb + (p - lo + 1) * h, out + g.order[p] * h);
   });
+  int64_t used = offsets[g.e];  // rows past the experts' counts: zero gate, up and output
+  std::fill(gate + used * i, gate + m * i, 0.0f);
+  std::fill(up + used * i, up + m * i, 0.0f);
+  for (int64_t p = used; p < m; ++p) std::fill(out + g.order[p] * h, out + (g.order[p] + 1) * h, 0.0f);
   return 0;
 }
 
 // Its gradient. Inputs: dout [S, H] (slot order), tokens, order, wg, wu, wd, gate, up, group_list; outputs:
-// dtokens [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I].
+// dtokens [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]. One task per expert
+// (its weight gradients sum over all its rows, so no two tasks write one output): gather its rows and output
+// gradient, recompute the SwiGLU, the three weight gradients and its rows' input gradient; then each token sums
+// its k rows.
 extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                     void* stream, void* extra) {
   Swiglu g;
@@ -313,41 +319,54 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
   const float* gate = static_cast<const float*>(params[6]);
   const float* up = static_cast<const float*>(params[7]);
   float* dtokens = static_cast<float*>(params[9]);
-  int64_t m = g.s, h = g.h, i = g.i, e = g.e;
+  float* dwg = static_cast<float*>(params[10]);
+  float* dwu = static_cast<float*>(params[11]);
+  float* dwd = static_cast<float*>(params[12]);
+  int64_t m = g.s, h = g.h, i = g.i;
   const std::vector<int64_t>& offsets = g.offsets;
-  std::vector<float> x = SortedRows(g);
-  size_t mi = static_cast<size_t>(m * i), mh = static_cast<size_t>(m * h);
-  std::vector<float> dy(mh), act(mi), da(mi), dgate(mi), dup(mi);
-  float* dys = dy.data();
-  ForTasks((m + 63) / 64, [&](int64_t t) {  // the output gradient in sorted order
-    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
-      std::copy(dout + static_cast<int64_t>(g.order[p]) * h, dout + (static_cast<int64_t>(g.order[p]) + 1) * h,
-                dys + p * h);
+  std::vector<float> dx(static_cast<size_t>(m * h), 0.0f);  // the rows' input gradient, sorted order
+  std::vector<int64_t> experts = LargestFirst(offsets, g.e);
+  ForTasks(g.e, [&](int64_t t) {
+    int64_t e = experts[t], r0 = offsets[e], rows = offsets[e + 1] - r0;
+    float *dwg_e = dwg + e * i * h, *dwu_e = dwu + e * i * h, *dwd_e = dwd + e * h * i;
+    if (rows == 0) {
+      std::fill(dwg_e, dwg_e + i * h, 0.0f);
+      std::fill(dwu_e, dwu_e + i * h, 0.0f);
+      std::fill(dwd_e, dwd_e + h * i, 0.0f);
+      return;
     }
+    std::vector<float> xb(static_cast<size_t>(rows * h)), dyb(static_cast<size_t>(rows * h));
+    std::vector<float> act(static_cast<size_t>(rows * i)), da(static_cast<size_t>(rows * i));
+    GatherRows(g, r0, r0 + rows, xb.data());
+    for (int64_t p = 0; p < rows; ++p) {
+      const float* src = dout + static_cast<int64_t>(g.order[r0 + p]) * h;
+      std::copy(src, src + h, dyb.data() + p * h);
+    }
+    const float *gb = gate + r0 * i, *ub = up + r0 * i;
+    for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
+    Gemm('T', 'N', h, i, rows, dyb.data(), h, act.data(), i, dwd_e, i);        // dwd_e = dy_e^T act_e
+    Gemm('N', 'N', rows, i, h, dyb.data(), h, g.wd + e * h * i, i, da.data(), i);  // da_e = dy_e wd_e
+    float *d_gate = da.data(), *d_up = act.data();  // in place: act and da are read no more after this pass
+    for (int64_t p = 0; p < rows * i; ++p) {
+      float s = Sigmoid(gb[p]), d = da[p];
+      d_up[p] = d * gb[p] * s;
+      d_gate[p] = d * ub[p] * s * (1.0f + gb[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
+    }
+    Gemm('T', 'N', i, h, rows, d_gate, i, xb.data(), h, dwg_e, h);  // dwg_e = dgate_e^T x_e
+    Gemm('T', 'N', i, h, rows, d_up, i, xb.data(), h, dwu_e, h);    // dwu_e = dup_e^T x_e
+    float* dxb = dx.data() + r0 * h;
+    Gemm('N', 'N', rows, h, i, d_gate, i, g.wg + e * i * h, h, dxb, h);
+    Gemm('N', 'N', rows, h, i, d_up, i, g.wu + e * i * h, h, dxb, h, 1.0f);
   });
-  float* a = act.data();
-  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  WeightGrad(dys, a, offsets, e, h, i, static_cast<float*>(params[12]));  // dwd_e = dy_e^T act_e
-  Rows(dys, g.wd, offsets, e, m, h, i, false, da.data());                 // da_e = dy_e wd_e
-  float *d_act = da.data(), *d_gate = dgate.data(), *d_up = dup.data();
-  Elementwise(m * i, [&](int64_t p) {
-    float s = Sigmoid(gate[p]);
-    d_up[p] = d_act[p] * gate[p] * s;
-    d_gate[p] = d_act[p] * up[p] * s * (1.0f + gate[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
-  });
-  WeightGrad(d_gate, x.data(), offsets, e, i, h, static_cast<float*>(params[10]));
-  WeightGrad(d_up, x.data(), offsets, e, i, h, static_cast<float*>(params[11]));
-  float* dx = dy.data();  // reused: dy is read no more
-  Rows(d_gate, g.wg, offsets, e, m, i, h, false, dx);
-  Rows(d_up, g.wu, offsets, e, m, i, h, false, dx, 1.0f);
   std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
   for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
+  const float* dxs = dx.data();
   ForTasks((g.n + 31) / 32, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
     for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
       float* row = dtokens + n * h;
       std::fill(row, row + h, 0.0f);
       for (int64_t j = 0; j < g.k; ++j) {
-        const float* src = dx + position[n * g.k + j] * h;
+        const float* src = dxs + position[n * g.k + j] * h;
         for (int64_t c = 0; c < h; ++c) row[c] += src[c];
       }
     }
