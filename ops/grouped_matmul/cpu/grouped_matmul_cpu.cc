@@ -61,10 +61,13 @@ void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int
 
 // fn(task) for task in [0, tasks), handed out one at a time to at most hardware_concurrency threads: on cores
 // shared with other processes a thread that falls behind takes fewer tasks instead of holding up an even split.
+// rows: the rows of the whole call; below kParallelRows the caller's thread runs every task, since a thread
+// started per call (and, on shared cores, its wait to be scheduled) costs more than the work it would take.
+constexpr int64_t kParallelRows = 64;
 template <typename F>
-void ForTasks(int64_t tasks, F fn) {
+void ForTasks(int64_t tasks, int64_t rows, F fn) {
   int64_t hw = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  int64_t threads = std::min<int64_t>({hw, 16, tasks});
+  int64_t threads = rows < kParallelRows ? 1 : std::min<int64_t>({hw, 16, tasks});
   if (threads <= 1) {
     for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
@@ -114,7 +117,7 @@ std::string Check(int nparam, int* ndims, int64_t** shapes, const char** dtypes,
 void WeightGrad(const float* dy, const float* x, const std::vector<int64_t>& offsets, int64_t experts, int64_t n,
                 int64_t k, float* dw) {
   int64_t blocks = (n + kGradBlock - 1) / kGradBlock;
-  ForTasks(experts * blocks, [&](int64_t task) {
+  ForTasks(experts * blocks, offsets[experts], [&](int64_t task) {
     int64_t e = task / blocks, n0 = task % blocks * kGradBlock, n1 = std::min(n, n0 + kGradBlock);
     float* out = dw + e * n * k + n0 * k;
     int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
@@ -137,7 +140,7 @@ void Rows(const float* x, const float* w, const std::vector<int64_t>& offsets, i
       experts_of.push_back(e);
     }
   }
-  ForTasks(static_cast<int64_t>(starts.size()), [&](int64_t t) {
+  ForTasks(static_cast<int64_t>(starts.size()), offsets[experts], [&](int64_t t) {
     int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock);
     const float* we = w + e * in * out;
     Gemm('N', transpose_w ? 'T' : 'N', hi - lo, out, in, x + lo * in, in, we, transpose_w ? in : out, y + lo * out,
@@ -286,7 +289,7 @@ extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t**
       experts_of.push_back(e);
     }
   }
-  ForTasks(static_cast<int64_t>(starts.size()), [&](int64_t t) {
+  ForTasks(static_cast<int64_t>(starts.size()), offsets[g.e], [&](int64_t t) {
     int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock), rows = hi - lo;
     std::vector<float> xb(static_cast<size_t>(rows * h)), act(static_cast<size_t>(rows * i));
     GatherRows(g, lo, hi, xb.data());
@@ -326,7 +329,7 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
   const std::vector<int64_t>& offsets = g.offsets;
   std::vector<float> dx(static_cast<size_t>(m * h), 0.0f);  // the rows' input gradient, sorted order
   std::vector<int64_t> experts = LargestFirst(offsets, g.e);
-  ForTasks(g.e, [&](int64_t t) {
+  ForTasks(g.e, offsets[g.e], [&](int64_t t) {
     int64_t e = experts[t], r0 = offsets[e], rows = offsets[e + 1] - r0;
     float *dwg_e = dwg + e * i * h, *dwu_e = dwu + e * i * h, *dwd_e = dwd + e * h * i;
     if (rows == 0) {
@@ -361,7 +364,7 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
   std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
   for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
   const float* dxs = dx.data();
-  ForTasks((g.n + 31) / 32, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
+  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
     for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
       float* row = dtokens + n * h;
       std::fill(row, row + h, 0.0f);
