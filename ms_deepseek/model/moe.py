@@ -258,6 +258,9 @@ class DeepseekV2MoE(nn.Cell):
         # the dropless path (model.moe_dispatch: dropless): sort the choices by expert, gather, unsort
         # (only on a dropless layer: the parallel plan names every primitive a layer holds, and has no rule for these)
         self.dropless = cfg.moe_dispatch == "dropless"
+        # a decode step's path (:meth:`set_decode_mode`): the chosen experts' gathered weights (:meth:`one_token`)
+        # unless a dropless layer decodes in graph mode
+        self.one_token_decode = True
         if self.dropless:
             self.choice_sort = ops.Sort()
             self.inverse_sort = ops.Sort()
@@ -418,11 +421,22 @@ class DeepseekV2MoE(nn.Cell):
         stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight
 
+    def set_decode_mode(self, graph: bool) -> None:
+        """Which path a decode step takes (``ms_deepseek.generate`` calls this before decoding): in graph mode a
+        dropless layer that evaluates dropless runs its dropless path (:meth:`construct_dropless`: the B*k rows
+        through the grouped kernel, which reads the chosen experts' weights in place), which on CPU takes less
+        time than :meth:`one_token`'s gather of those weights and batched matmuls; op by op (PyNative) its
+        longer chain of ops costs more than the compute it saves, and every layer takes :meth:`one_token`
+        (docs/measurements.md, "Training step on CPU"). Both compute the same sums."""
+        dropless_eval = self.dropless and self.eval_capacity_factor is None
+        self.one_token_decode = not (graph and dropless_eval)
+
     def one_token_fits(self, x) -> bool:
         """Whether :meth:`one_token` serves x [B, T, H]: one token per row, evaluation, one token group, at most
-        E routed rows (never more weight rows read than the stack holds), no expert adapters."""
+        E routed rows (never more weight rows read than the stack holds), no expert adapters, and the decode
+        mode's choice (:meth:`set_decode_mode`)."""
         B, T = x.shape[0], x.shape[1]
-        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1
+        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1 and self.one_token_decode
         return fits and not self.training and not self.experts.has_adapters()
 
     def one_token(self, x):
