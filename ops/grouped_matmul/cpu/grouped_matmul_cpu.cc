@@ -9,13 +9,14 @@
 //                             (the input gradient of Nt: dx_e = dy_e w_e)
 // GroupedMatmulWeightGradCpu: dy [M, N], x [M, K], group_list [E] -> dw [E, N, K], dw_e = dy_e^T x_e
 //                             (an expert with no rows gets dw_e = 0)
-// GroupedSwigluCpu:           tokens [N, H], order [S], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E]
-//                             -> out [S, H], gate [S, I], up [S, I]: every expert's SwiGLU MLP on its rows, the rows
-//                             sorted by expert being tokens[order[p] / k] (k = S / N; order a permutation of the
-//                             slots s = token * k + choice), y_e = (silu(x_e wg_e^T) * (x_e wu_e^T)) wd_e^T, written
-//                             back to slot order; gate and up (sorted order) are kept for the gradient
-// GroupedSwigluGradCpu:       dout [S, H], tokens, order, wg, wu, wd, gate, up, group_list
-//                             -> dtokens [N, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]
+// GroupedSwigluCpu:           tokens [N, H], order [S], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E],
+//                             weight [N, k] -> out [N, H], gate [S, I], up [S, I], y [S, H]: every expert's SwiGLU
+//                             MLP on its rows, the rows sorted by expert being tokens[order[p] / k] (k = S / N; order
+//                             a permutation of the slots s = token * k + choice), y_e = (silu(x_e wg_e^T) *
+//                             (x_e wu_e^T)) wd_e^T, and out[n] = sum_j weight[n, j] * y[slot n * k + j] (the routing
+//                             weights' combine); gate, up and y (sorted order) are kept for the gradient
+// GroupedSwigluGradCpu:       dout [N, H], tokens, order, wg, wu, wd, gate, up, y, group_list, weight
+//                             -> dtokens [N, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I], dweight [N, k]
 // All float32. Each GEMM is oneDNN's dnnl_sgemm (row-major), taken from the libdnnl.so.3 that MindSpore's
 // CPU backend has already loaded (mindspore/lib/libdnnl.so.3); without it a plain loop computes the same
 // sums. Work is handed out as tasks to at most hardware_concurrency threads: blocks of an expert's rows, or of a
@@ -268,18 +269,27 @@ std::vector<int64_t> LargestFirst(const std::vector<int64_t>& offsets, int64_t e
 
 }  // namespace
 
-// Every expert's SwiGLU on its rows. Inputs: tokens [N, H], order [S] (the slot s = token * k + choice at each
-// sorted position), wg, wu, wd, group_list; outputs: out [S, H] in slot order, gate [S, I] and up [S, I] in
-// sorted order (kept for the gradient). One task per block of an expert's rows runs the gather, the three
-// products, the SwiGLU and the write-back on that block while it is in cache, one pass over the threads in all.
+// The routing weight of each sorted row's slot: [N, k] float32, checked after ReadSwiglu.
+std::string CheckWeight(int idx, int* ndims, int64_t** shapes, const Swiglu& g) {
+  if (ndims[idx] != 2 || shapes[idx][0] != g.n || shapes[idx][1] != g.k) return "weight must be [N, k]";
+  return "";
+}
+
+// Every expert's SwiGLU on its rows and the combine. Inputs: tokens [N, H], order [S] (the slot s = token * k +
+// choice at each sorted position), wg, wu, wd, group_list, weight [N, k]; outputs: out [N, H], gate [S, I], up
+// [S, I] and y [S, H] in sorted order (kept for the gradient). One task per block of an expert's rows runs the
+// gather, the three products and the SwiGLU on that block while it is in cache; then each token sums its k rows.
 extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
   Swiglu g;
-  std::string err = ReadSwiglu(nparam, 9, 0, 5, params, ndims, shapes, dtypes, &g);
+  std::string err = ReadSwiglu(nparam, 11, 0, 5, params, ndims, shapes, dtypes, &g);
+  if (err.empty()) err = CheckWeight(6, ndims, shapes, g);
   if (!err.empty()) return MsdsFail("GroupedSwiglu: " + err);
-  float* out = static_cast<float*>(params[6]);
-  float* gate = static_cast<float*>(params[7]);
-  float* up = static_cast<float*>(params[8]);
+  const float* weight = static_cast<const float*>(params[6]);
+  float* out = static_cast<float*>(params[7]);
+  float* gate = static_cast<float*>(params[8]);
+  float* up = static_cast<float*>(params[9]);
+  float* ys = static_cast<float*>(params[10]);
   int64_t m = g.s, h = g.h, i = g.i;
   const std::vector<int64_t>& offsets = g.offsets;
   std::vector<int64_t> starts, experts_of;  // the tasks: [starts[t], next block or the expert's end)
@@ -297,35 +307,51 @@ extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t**
     Gemm('N', 'T', rows, i, h, xb.data(), h, g.wg + e * i * h, h, gb, i);
     Gemm('N', 'T', rows, i, h, xb.data(), h, g.wu + e * i * h, h, ub, i);
     for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
-    float* yb = xb.data();  // reused: the rows are read no more
-    Gemm('N', 'T', rows, h, i, act.data(), i, g.wd + e * h * i, i, yb, h);
-    for (int64_t p = lo; p < hi; ++p) std::copy(yb + (p - lo) * h, yb + (p - lo + 1) * h, out + g.order[p] * h);
+    Gemm('N', 'T', rows, h, i, act.data(), i, g.wd + e * h * i, i, ys + lo * h, h);
   });
   int64_t used = offsets[g.e];  // rows past the experts' counts: zero gate, up and output
   std::fill(gate + used * i, gate + m * i, 0.0f);
   std::fill(up + used * i, up + m * i, 0.0f);
-  for (int64_t p = used; p < m; ++p) std::fill(out + g.order[p] * h, out + (g.order[p] + 1) * h, 0.0f);
+  std::fill(ys + used * h, ys + m * h, 0.0f);
+  std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
+  for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
+  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // out[n] = sum_j weight[n, j] * y[its slot j]
+    for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
+      float* row = out + n * h;
+      std::fill(row, row + h, 0.0f);
+      for (int64_t j = 0; j < g.k; ++j) {
+        const float* src = ys + position[n * g.k + j] * h;
+        float w = weight[n * g.k + j];
+        for (int64_t c = 0; c < h; ++c) row[c] += w * src[c];
+      }
+    }
+  });
   return 0;
 }
 
-// Its gradient. Inputs: dout [S, H] (slot order), tokens, order, wg, wu, wd, gate, up, group_list; outputs:
-// dtokens [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]. One task per expert
-// (its weight gradients sum over all its rows, so no two tasks write one output): gather its rows and output
-// gradient, recompute the SwiGLU, the three weight gradients and its rows' input gradient; then each token sums
-// its k rows.
+// Its gradient. Inputs: dout [N, H], tokens, order, wg, wu, wd, gate, up, y, group_list, weight; outputs: dtokens
+// [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I], dweight [N, k]. One task per
+// expert (its weight gradients sum over all its rows, so no two tasks write one output): gather its rows and their
+// output gradient (weight * dout of the token), recompute the SwiGLU, the three weight gradients and its rows'
+// input gradient; then each token sums its k rows and takes its routing weights' gradient dout . y.
 extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                     void* stream, void* extra) {
   Swiglu g;
-  std::string err = ReadSwiglu(nparam, 13, 1, 8, params, ndims, shapes, dtypes, &g);
+  std::string err = ReadSwiglu(nparam, 16, 1, 9, params, ndims, shapes, dtypes, &g);
+  if (err.empty()) err = CheckWeight(10, ndims, shapes, g);
+  if (err.empty() && (ndims[0] != 2 || shapes[0][0] != g.n || shapes[0][1] != g.h)) err = "dout must be [N, H]";
   if (!err.empty()) return MsdsFail("GroupedSwigluGrad: " + err);
   const float* dout = static_cast<const float*>(params[0]);
   const float* gate = static_cast<const float*>(params[6]);
   const float* up = static_cast<const float*>(params[7]);
-  float* dtokens = static_cast<float*>(params[9]);
-  float* dwg = static_cast<float*>(params[10]);
-  float* dwu = static_cast<float*>(params[11]);
-  float* dwd = static_cast<float*>(params[12]);
-  int64_t m = g.s, h = g.h, i = g.i;
+  const float* ys = static_cast<const float*>(params[8]);
+  const float* weight = static_cast<const float*>(params[10]);
+  float* dtokens = static_cast<float*>(params[11]);
+  float* dwg = static_cast<float*>(params[12]);
+  float* dwu = static_cast<float*>(params[13]);
+  float* dwd = static_cast<float*>(params[14]);
+  float* dweight = static_cast<float*>(params[15]);
+  int64_t m = g.s, h = g.h, i = g.i, k = g.k;
   const std::vector<int64_t>& offsets = g.offsets;
   std::vector<float> dx(static_cast<size_t>(m * h), 0.0f);  // the rows' input gradient, sorted order
   std::vector<int64_t> experts = LargestFirst(offsets, g.e);
@@ -341,13 +367,16 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
     std::vector<float> xb(static_cast<size_t>(rows * h)), dyb(static_cast<size_t>(rows * h));
     std::vector<float> act(static_cast<size_t>(rows * i)), da(static_cast<size_t>(rows * i));
     GatherRows(g, r0, r0 + rows, xb.data());
-    for (int64_t p = 0; p < rows; ++p) {
-      const float* src = dout + static_cast<int64_t>(g.order[r0 + p]) * h;
-      std::copy(src, src + h, dyb.data() + p * h);
+    for (int64_t p = 0; p < rows; ++p) {  // dy of the row = its routing weight * dout of its token
+      int64_t slot = g.order[r0 + p];
+      const float* src = dout + slot / k * h;
+      float w = weight[slot];
+      float* dst = dyb.data() + p * h;
+      for (int64_t c = 0; c < h; ++c) dst[c] = w * src[c];
     }
     const float *gb = gate + r0 * i, *ub = up + r0 * i;
     for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
-    Gemm('T', 'N', h, i, rows, dyb.data(), h, act.data(), i, dwd_e, i);        // dwd_e = dy_e^T act_e
+    Gemm('T', 'N', h, i, rows, dyb.data(), h, act.data(), i, dwd_e, i);            // dwd_e = dy_e^T act_e
     Gemm('N', 'N', rows, i, h, dyb.data(), h, g.wd + e * h * i, i, da.data(), i);  // da_e = dy_e wd_e
     float *d_gate = da.data(), *d_up = act.data();  // in place: act and da are read no more after this pass
     for (int64_t p = 0; p < rows * i; ++p) {
@@ -364,13 +393,20 @@ extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64
   std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
   for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
   const float* dxs = dx.data();
-  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
+  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // per token: its k rows summed, its routing weights' gradient
     for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
       float* row = dtokens + n * h;
+      const float* dn = dout + n * h;
       std::fill(row, row + h, 0.0f);
-      for (int64_t j = 0; j < g.k; ++j) {
-        const float* src = dxs + position[n * g.k + j] * h;
-        for (int64_t c = 0; c < h; ++c) row[c] += src[c];
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t p = position[n * k + j];
+        const float *src = dxs + p * h, *y = ys + p * h;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < h; ++c) {
+          row[c] += src[c];
+          dot += dn[c] * y[c];
+        }
+        dweight[n * k + j] = dot;
       }
     }
   });
