@@ -357,6 +357,10 @@ def generate_batch(
 
     was_training = model.training
     model.set_train(False)  # eval: dropless MoE, whatever the config's capacity factor
+    graph = _mode_name() == "graph"
+    for layer in model.model.layers:  # each MoE layer's decode-step path for this mode
+        if layer.is_moe:
+            layer.mlp.set_decode_mode(graph)
     try:
         state = _ModelState.of(model)
         shapes = graph_shapes(cfg, B, T, max_new_tokens)

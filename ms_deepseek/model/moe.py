@@ -194,13 +194,14 @@ class RoutedExperts(nn.Cell):
         up = self.up_bmm(x, self.up_proj.rows(idx, cdt))  # [n, 1, I]
         return self.down_bmm(self.act_mul(self.act(gate), up), self.down_proj.rows(idx, cdt))  # [n, 1, H]
 
-    def fused(self, tokens, order, group_list):
+    def fused(self, tokens, order, group_list, weight):
         """The dropless path without adapters: tokens [N, H], order [S] (the slot token * k + choice at each
-        position sorted by expert), group_list [E] int32 row counts -> [S, H] float32 in slot order, every expert's
-        SwiGLU on exactly its rows in one :class:`ms_deepseek.ops.GroupedSwiglu` call (CPU: one C++ kernel)."""
+        position sorted by expert), group_list [E] int32 row counts, weight [N, k] the routing weights -> [N, H]
+        float32, every expert's SwiGLU on exactly its rows and each token's k outputs weighted and summed, in one
+        :class:`ms_deepseek.ops.GroupedSwiglu` call (CPU: one C++ kernel)."""
         cdt = self.compute_dtype
         weights = (self.gate_proj.dense(cdt), self.up_proj.dense(cdt), self.down_proj.dense(cdt))
-        return self.swiglu(self.cast_in(tokens, cdt), order, weights[0], weights[1], weights[2], group_list)
+        return self.swiglu(self.cast_in(tokens, cdt), order, weights[0], weights[1], weights[2], group_list, weight)
 
     def grouped(self, x, group_list):
         """x [M, H] sorted by expert, group_list [E] int32 row counts -> [M, H] float32: every expert on exactly
@@ -265,6 +266,9 @@ class DeepseekV2MoE(nn.Cell):
         self.dropless = cfg.moe_dispatch == "dropless"
         # a dropless layer under a parallel plan runs the bounded exchange (:meth:`use_bounded_exchange`)
         self.bounded_exchange = False
+        # a decode step's path (:meth:`set_decode_mode`): the chosen experts' gathered weights (:meth:`one_token`)
+        # unless a dropless layer decodes in graph mode
+        self.one_token_decode = True
         if self.dropless:
             self.choice_sort = ops.Sort()
             self.inverse_sort = ops.Sort()
@@ -385,10 +389,10 @@ class DeepseekV2MoE(nn.Cell):
     def dropless_experts(self, tokens, topk_idx, topk_weight):
         """The routed experts without capacity: tokens [N, H], the router's topk_idx / topk_weight [N, k] ->
         [N, H] float32. All N*k choices are sorted by expert (static shapes: [N*k, H] rows, the per-expert counts
-        ``group_list`` [E] a tensor), every expert runs on exactly its rows (without adapters one fused
+        ``group_list`` [E] a tensor), every expert runs on exactly its rows, and the rows go back to their (token, choice) slots and are mixed
+        with the routing weights as :meth:`combine` does (without adapters all of it one fused
         :class:`ms_deepseek.ops.GroupedSwiglu` call; with them one :class:`ms_deepseek.ops.GroupedMatmul` per
-        projection and adapter factor), and the rows go back to their (token, choice) slots and are mixed with the
-        routing weights as :meth:`combine` does."""
+        projection and adapter factor)."""
         N, H = tokens.shape
         k, E, S = self.top_k, self.num_experts, tokens.shape[0] * self.top_k
         choice = topk_idx.reshape(S).astype(ms.int32)  # token-major slot s = i*k + j
@@ -397,9 +401,8 @@ class DeepseekV2MoE(nn.Cell):
         order = ops.stop_gradient(self.choice_sort(keys)[1])  # [S]: the slot at each sorted position
         experts = ops.arange(0, E, dtype=ms.int32).reshape(1, E)
         group_list = ops.stop_gradient((choice.reshape(S, 1) == experts).astype(ms.int32).sum(0))  # [E] counts
-        if not self.experts.has_adapters():  # gather, experts and the way back in one call
-            back = self.experts.fused(tokens, order, group_list).reshape(N, k, H)  # [N, k, H] in slot order
-            return (back.astype(ms.float32) * topk_weight.reshape(N, k, 1)).sum(1)  # [N, H]
+        if not self.experts.has_adapters():  # gather, experts and the weighted way back in one call
+            return self.experts.fused(tokens, order, group_list, topk_weight)  # [N, H]
         inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # [S]: the sorted position of each slot
         rows = self.sorted_gather(tokens, ops.floor_div(order, k), 0)  # [S, H] sorted by expert
         out = self.experts.grouped(rows, group_list)  # [S, H] float32
@@ -463,11 +466,22 @@ class DeepseekV2MoE(nn.Cell):
         stats = ops.concat((ops.stop_gradient(load), pieces), 0)  # [E + 4]
         return y, aux, stats, scores, topk_idx, topk_weight
 
+    def set_decode_mode(self, graph: bool) -> None:
+        """Which path a decode step takes (``ms_deepseek.generate`` calls this before decoding): in graph mode a
+        dropless layer that evaluates dropless runs its dropless path (:meth:`construct_dropless`: the B*k rows
+        through the grouped kernel, which reads the chosen experts' weights in place), which on CPU takes less
+        time than :meth:`one_token`'s gather of those weights and batched matmuls; op by op (PyNative) its
+        longer chain of ops costs more than the compute it saves, and every layer takes :meth:`one_token`
+        (docs/measurements.md, "Training step on CPU"). Both compute the same sums."""
+        dropless_eval = self.dropless and self.eval_capacity_factor is None
+        self.one_token_decode = not (graph and dropless_eval)
+
     def one_token_fits(self, x) -> bool:
         """Whether :meth:`one_token` serves x [B, T, H]: one token per row, evaluation, one token group, at most
-        E routed rows (never more weight rows read than the stack holds), no expert adapters."""
+        E routed rows (never more weight rows read than the stack holds), no expert adapters, and the decode
+        mode's choice (:meth:`set_decode_mode`)."""
         B, T = x.shape[0], x.shape[1]
-        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1
+        fits = T == 1 and B * self.top_k <= self.num_experts and self.groups == 1 and self.one_token_decode
         return fits and not self.training and not self.experts.has_adapters()
 
     def one_token(self, x):

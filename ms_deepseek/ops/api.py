@@ -167,27 +167,29 @@ def _grouped_matmul_impl():
 
 
 class GroupedSwiglu(nn.Cell):
-    """Every expert's SwiGLU MLP on the routed copies of the tokens: ``out = swiglu(tokens, order, w_gate, w_up,
-    w_down, group_list)``.
+    """Every expert's SwiGLU MLP on the routed copies of the tokens, combined with the routing weights: ``out =
+    swiglu(tokens, order, w_gate, w_up, w_down, group_list, weight)``.
 
     ``tokens`` [N, H]; ``order`` [S] int32, S = N * k: the slot ``s = token * k + choice`` at each position of the
     rows sorted by expert (a permutation), so row p is ``tokens[order[p] // k]``; ``w_gate`` / ``w_up`` [E, I, H],
-    ``w_down`` [E, H, I] (the stacked layouts); ``group_list`` [E] row counts -> ``out`` [S, H] float32 in slot
-    order, ``out[s]`` = the SwiGLU of slot s's expert on its token. Differentiable in tokens and the weights.
+    ``w_down`` [E, H, I] (the stacked layouts); ``group_list`` [E] row counts; ``weight`` [N, k] the routing
+    weights -> ``out`` [N, H] float32, ``out[n] = sum_j weight[n, j] * y[n * k + j]`` with ``y[s]`` the SwiGLU of
+    slot s's expert on its token. Differentiable in tokens, the expert weights and ``weight``.
     On CPU one C++ call for the forward and one for the gradient (``impl.kind == "cpu"``); elsewhere, or when that
-    kernel does not build, gathers, three :class:`GroupedMatmul` calls and MindSpore's SiLU (``"composed"``)."""
+    kernel does not build, gathers, three :class:`GroupedMatmul` calls, MindSpore's SiLU and the weighted sum
+    (``"composed"``)."""
 
     def __init__(self):
         super().__init__()
         self.impl = _grouped_swiglu_impl()
 
-    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
-        return self.impl(tokens, order, w_gate, w_up, w_down, group_list)
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list, weight):
+        return self.impl(tokens, order, w_gate, w_up, w_down, group_list, weight)
 
 
 class GroupedSwigluComposed(nn.Cell):
-    """:class:`GroupedSwiglu` as a gather of the sorted rows, three grouped matmuls and SiLU, and the gather back
-    to slot order (Ascend, and the CPU fallback)."""
+    """:class:`GroupedSwiglu` as a gather of the sorted rows, three grouped matmuls and SiLU, the gather back
+    to slot order and the weighted sum over each token's k slots (Ascend, and the CPU fallback)."""
 
     kind = "composed"
 
@@ -196,14 +198,15 @@ class GroupedSwigluComposed(nn.Cell):
         self.gmm = GroupedMatmul()
         self.inverse_sort = ops.Sort()
 
-    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
-        k = order.shape[0] // tokens.shape[0]
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list, weight):
+        n, k = tokens.shape[0], order.shape[0] // tokens.shape[0]
         x = ops.gather(tokens, ops.floor_div(order, k), 0)  # [S, H] sorted by expert
         gate = self.gmm(x, w_gate, group_list)
         up = self.gmm(x, w_up, group_list)
         y = self.gmm((ops.silu(gate) * up).astype(x.dtype), w_down, group_list)  # [S, H] sorted
         inverse = ops.stop_gradient(self.inverse_sort(order)[1])  # the sorted position of each slot
-        return ops.gather(y, inverse, 0)
+        back = ops.gather(y, inverse, 0).reshape(n, k, -1)  # [N, k, H] in slot order
+        return (back.astype(mstype.float32) * weight.astype(mstype.float32).reshape(n, k, 1)).sum(1)  # [N, H]
 
 
 def _grouped_swiglu_impl():

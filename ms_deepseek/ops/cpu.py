@@ -161,8 +161,8 @@ class GroupedMatmulCpu(nn.Cell):
 
 class GroupedSwigluCpu(nn.Cell):
     """CPU kernel of :class:`ms_deepseek.ops.GroupedSwiglu`: the gather of the sorted rows, the three grouped
-    matmuls, the SwiGLU and the write-back to slot order in one call (float32), and its gradient in one more (the
-    gate and up products are kept; each token's k row gradients are summed in the kernel)."""
+    matmuls, the SwiGLU and the routing weights' combine in one call (float32), and its gradient in one more (the
+    gate and up products and the rows' outputs are kept; each token's k row gradients are summed in the kernel)."""
 
     kind = "cpu"
 
@@ -172,23 +172,25 @@ class GroupedSwigluCpu(nn.Cell):
         grad = custom_op(
             self.lib,
             "GroupedSwigluGradCpu",
-            out_shape=lambda dy, t, o, wg, wu, wd, gate, up, g: (t, wg, wu, wd),
-            out_dtype=lambda *args: (mstype.float32,) * 4,
+            out_shape=lambda dy, t, o, wg, wu, wd, gate, up, y, g, w: (t, wg, wu, wd, w),
+            out_dtype=lambda *args: (mstype.float32,) * 5,
         )
 
-        def bprop(tokens, order, wg, wu, wd, group_list, out, dout):
-            d = grad(dout[0].astype(mstype.float32), tokens, order, wg, wu, wd, out[1], out[2], group_list)
-            return d[0], ops.zeros_like(order), d[1], d[2], d[3], ops.zeros_like(group_list)
+        def bprop(tokens, order, wg, wu, wd, group_list, weight, out, dout):  # noqa: PLR0913 - the op's inputs, out, dout
+            d = grad(
+                dout[0].astype(mstype.float32), tokens, order, wg, wu, wd, out[1], out[2], out[3], group_list, weight
+            )
+            return d[0], ops.zeros_like(order), d[1], d[2], d[3], ops.zeros_like(group_list), d[4]
 
         self.op = custom_op(
             self.lib,
             "GroupedSwigluCpu",
-            out_shape=lambda t, o, wg, wu, wd, g: ((o[0], t[1]), (o[0], wg[1]), (o[0], wg[1])),
-            out_dtype=lambda *args: (mstype.float32,) * 3,
+            out_shape=lambda t, o, wg, wu, wd, g, w: (t, (o[0], wg[1]), (o[0], wg[1]), (o[0], t[1])),
+            out_dtype=lambda *args: (mstype.float32,) * 4,
             bprop=bprop,
         )
 
-    def construct(self, tokens, order, w_gate, w_up, w_down, group_list):
+    def construct(self, tokens, order, w_gate, w_up, w_down, group_list, weight):
         f32, i32 = mstype.float32, mstype.int32
         out = self.op(
             tokens.astype(f32),
@@ -197,5 +199,6 @@ class GroupedSwigluCpu(nn.Cell):
             w_up.astype(f32),
             w_down.astype(f32),
             group_list.astype(i32),
+            weight.astype(f32),
         )
         return out[0]

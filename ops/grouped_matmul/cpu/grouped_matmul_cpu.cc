@@ -9,13 +9,14 @@
 //                             (the input gradient of Nt: dx_e = dy_e w_e)
 // GroupedMatmulWeightGradCpu: dy [M, N], x [M, K], group_list [E] -> dw [E, N, K], dw_e = dy_e^T x_e
 //                             (an expert with no rows gets dw_e = 0)
-// GroupedSwigluCpu:           tokens [N, H], order [S], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E]
-//                             -> out [S, H], gate [S, I], up [S, I]: every expert's SwiGLU MLP on its rows, the rows
-//                             sorted by expert being tokens[order[p] / k] (k = S / N; order a permutation of the
-//                             slots s = token * k + choice), y_e = (silu(x_e wg_e^T) * (x_e wu_e^T)) wd_e^T, written
-//                             back to slot order; gate and up (sorted order) are kept for the gradient
-// GroupedSwigluGradCpu:       dout [S, H], tokens, order, wg, wu, wd, gate, up, group_list
-//                             -> dtokens [N, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I]
+// GroupedSwigluCpu:           tokens [N, H], order [S], wg [E, I, H], wu [E, I, H], wd [E, H, I], group_list [E],
+//                             weight [N, k] -> out [N, H], gate [S, I], up [S, I], y [S, H]: every expert's SwiGLU
+//                             MLP on its rows, the rows sorted by expert being tokens[order[p] / k] (k = S / N; order
+//                             a permutation of the slots s = token * k + choice), y_e = (silu(x_e wg_e^T) *
+//                             (x_e wu_e^T)) wd_e^T, and out[n] = sum_j weight[n, j] * y[slot n * k + j] (the routing
+//                             weights' combine); gate, up and y (sorted order) are kept for the gradient
+// GroupedSwigluGradCpu:       dout [N, H], tokens, order, wg, wu, wd, gate, up, y, group_list, weight
+//                             -> dtokens [N, H], dwg [E, I, H], dwu [E, I, H], dwd [E, H, I], dweight [N, k]
 // All float32. Each GEMM is oneDNN's dnnl_sgemm (row-major), taken from the libdnnl.so.3 that MindSpore's
 // CPU backend has already loaded (mindspore/lib/libdnnl.so.3); without it a plain loop computes the same
 // sums. Work is handed out as tasks to at most hardware_concurrency threads: blocks of an expert's rows, or of a
@@ -61,10 +62,13 @@ void Gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int
 
 // fn(task) for task in [0, tasks), handed out one at a time to at most hardware_concurrency threads: on cores
 // shared with other processes a thread that falls behind takes fewer tasks instead of holding up an even split.
+// rows: the rows of the whole call; below kParallelRows the caller's thread runs every task, since a thread
+// started per call (and, on shared cores, its wait to be scheduled) costs more than the work it would take.
+constexpr int64_t kParallelRows = 64;
 template <typename F>
-void ForTasks(int64_t tasks, F fn) {
+void ForTasks(int64_t tasks, int64_t rows, F fn) {
   int64_t hw = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  int64_t threads = std::min<int64_t>({hw, 16, tasks});
+  int64_t threads = rows < kParallelRows ? 1 : std::min<int64_t>({hw, 16, tasks});
   if (threads <= 1) {
     for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
@@ -83,8 +87,6 @@ void ForTasks(int64_t tasks, F fn) {
 constexpr int64_t kRowBlock = 256;
 // Output rows of a weight gradient per task.
 constexpr int64_t kGradBlock = 128;
-// Elements per task of an elementwise pass.
-constexpr int64_t kElementBlock = 1 << 15;
 
 // Row offsets [E + 1] of the experts, or an error message.
 std::string Offsets(const int32_t* counts, int64_t experts, int64_t rows, std::vector<int64_t>* offsets) {
@@ -116,7 +118,7 @@ std::string Check(int nparam, int* ndims, int64_t** shapes, const char** dtypes,
 void WeightGrad(const float* dy, const float* x, const std::vector<int64_t>& offsets, int64_t experts, int64_t n,
                 int64_t k, float* dw) {
   int64_t blocks = (n + kGradBlock - 1) / kGradBlock;
-  ForTasks(experts * blocks, [&](int64_t task) {
+  ForTasks(experts * blocks, offsets[experts], [&](int64_t task) {
     int64_t e = task / blocks, n0 = task % blocks * kGradBlock, n1 = std::min(n, n0 + kGradBlock);
     float* out = dw + e * n * k + n0 * k;
     int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
@@ -139,21 +141,13 @@ void Rows(const float* x, const float* w, const std::vector<int64_t>& offsets, i
       experts_of.push_back(e);
     }
   }
-  ForTasks(static_cast<int64_t>(starts.size()), [&](int64_t t) {
+  ForTasks(static_cast<int64_t>(starts.size()), offsets[experts], [&](int64_t t) {
     int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock);
     const float* we = w + e * in * out;
     Gemm('N', transpose_w ? 'T' : 'N', hi - lo, out, in, x + lo * in, in, we, transpose_w ? in : out, y + lo * out,
          out, beta);
   });
   if (beta == 0.0f) std::fill(y + offsets[experts] * out, y + rows * out, 0.0f);
-}
-
-// fn(i) for i in [0, n), in blocks over the threads.
-template <typename F>
-void Elementwise(int64_t n, F fn) {
-  ForTasks((n + kElementBlock - 1) / kElementBlock, [&](int64_t t) {
-    for (int64_t i = t * kElementBlock, end = std::min(n, i + kElementBlock); i < end; ++i) fn(i);
-  });
 }
 
 inline float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
@@ -255,100 +249,164 @@ std::string ReadSwiglu(int nparam, int expected, int first, int gl, void** param
   return Offsets(static_cast<const int32_t*>(params[gl]), g->e, g->s, &g->offsets);
 }
 
-// x[p] = tokens[order[p] / k]: the rows sorted by expert.
-std::vector<float> SortedRows(const Swiglu& g) {
-  std::vector<float> x(static_cast<size_t>(g.s * g.h));
-  float* out = x.data();
-  ForTasks((g.s + 63) / 64, [&](int64_t t) {
-    for (int64_t p = t * 64, end = std::min(g.s, p + 64); p < end; ++p) {
-      std::copy(g.tokens + (g.order[p] / g.k) * g.h, g.tokens + (g.order[p] / g.k + 1) * g.h, out + p * g.h);
-    }
+// Rows [lo, hi) of the sorted order gathered from the tokens: xb[p - lo] = tokens[order[p] / k].
+void GatherRows(const Swiglu& g, int64_t lo, int64_t hi, float* xb) {
+  for (int64_t p = lo; p < hi; ++p) {
+    const float* src = g.tokens + static_cast<int64_t>(g.order[p] / g.k) * g.h;
+    std::copy(src, src + g.h, xb + (p - lo) * g.h);
+  }
+}
+
+// The experts in descending order of their row counts: handed out first, the largest tasks do not end last.
+std::vector<int64_t> LargestFirst(const std::vector<int64_t>& offsets, int64_t experts) {
+  std::vector<int64_t> ids(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) ids[e] = e;
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
+    return offsets[a + 1] - offsets[a] > offsets[b + 1] - offsets[b];
   });
-  return x;
+  return ids;
 }
 
 }  // namespace
 
-// Every expert's SwiGLU on its rows. Inputs: tokens [N, H], order [S] (the slot s = token * k + choice at each
-// sorted position), wg, wu, wd, group_list; outputs: out [S, H] in slot order, gate [S, I] and up [S, I] in
-// sorted order (kept for the gradient).
+// The routing weight of each sorted row's slot: [N, k] float32, checked after ReadSwiglu.
+std::string CheckWeight(int idx, int* ndims, int64_t** shapes, const Swiglu& g) {
+  if (ndims[idx] != 2 || shapes[idx][0] != g.n || shapes[idx][1] != g.k) return "weight must be [N, k]";
+  return "";
+}
+
+// Every expert's SwiGLU on its rows and the combine. Inputs: tokens [N, H], order [S] (the slot s = token * k +
+// choice at each sorted position), wg, wu, wd, group_list, weight [N, k]; outputs: out [N, H], gate [S, I], up
+// [S, I] and y [S, H] in sorted order (kept for the gradient). One task per block of an expert's rows runs the
+// gather, the three products and the SwiGLU on that block while it is in cache; then each token sums its k rows.
 extern "C" int GroupedSwigluCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                 void* stream, void* extra) {
   Swiglu g;
-  std::string err = ReadSwiglu(nparam, 9, 0, 5, params, ndims, shapes, dtypes, &g);
+  std::string err = ReadSwiglu(nparam, 11, 0, 5, params, ndims, shapes, dtypes, &g);
+  if (err.empty()) err = CheckWeight(6, ndims, shapes, g);
   if (!err.empty()) return MsdsFail("GroupedSwiglu: " + err);
-  float* out = static_cast<float*>(params[6]);
-  float* gate = static_cast<float*>(params[7]);
-  float* up = static_cast<float*>(params[8]);
+  const float* weight = static_cast<const float*>(params[6]);
+  float* out = static_cast<float*>(params[7]);
+  float* gate = static_cast<float*>(params[8]);
+  float* up = static_cast<float*>(params[9]);
+  float* ys = static_cast<float*>(params[10]);
   int64_t m = g.s, h = g.h, i = g.i;
-  std::vector<float> x = SortedRows(g);
-  Rows(x.data(), g.wg, g.offsets, g.e, m, h, i, true, gate);
-  Rows(x.data(), g.wu, g.offsets, g.e, m, h, i, true, up);
-  float* a = x.data();  // reused: act [S, I] fits in the rows' [S, H] only when I <= H
-  std::vector<float> act_store;
-  if (i > h) {
-    act_store.resize(static_cast<size_t>(m * i));
-    a = act_store.data();
+  const std::vector<int64_t>& offsets = g.offsets;
+  std::vector<int64_t> starts, experts_of;  // the tasks: [starts[t], next block or the expert's end)
+  for (int64_t e : LargestFirst(offsets, g.e)) {
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowBlock) {
+      starts.push_back(r);
+      experts_of.push_back(e);
+    }
   }
-  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  std::vector<float> y(static_cast<size_t>(m * h));
-  Rows(a, g.wd, g.offsets, g.e, m, i, h, true, y.data());
-  const float* ys = y.data();
-  ForTasks((m + 63) / 64, [&](int64_t t) {
-    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
-      std::copy(ys + p * h, ys + (p + 1) * h, out + static_cast<int64_t>(g.order[p]) * h);
+  ForTasks(static_cast<int64_t>(starts.size()), offsets[g.e], [&](int64_t t) {
+    int64_t e = experts_of[t], lo = starts[t], hi = std::min(offsets[e + 1], lo + kRowBlock), rows = hi - lo;
+    std::vector<float> xb(static_cast<size_t>(rows * h)), act(static_cast<size_t>(rows * i));
+    GatherRows(g, lo, hi, xb.data());
+    float *gb = gate + lo * i, *ub = up + lo * i;
+    Gemm('N', 'T', rows, i, h, xb.data(), h, g.wg + e * i * h, h, gb, i);
+    Gemm('N', 'T', rows, i, h, xb.data(), h, g.wu + e * i * h, h, ub, i);
+    for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
+    Gemm('N', 'T', rows, h, i, act.data(), i, g.wd + e * h * i, i, ys + lo * h, h);
+  });
+  int64_t used = offsets[g.e];  // rows past the experts' counts: zero gate, up and output
+  std::fill(gate + used * i, gate + m * i, 0.0f);
+  std::fill(up + used * i, up + m * i, 0.0f);
+  std::fill(ys + used * h, ys + m * h, 0.0f);
+  std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
+  for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
+  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // out[n] = sum_j weight[n, j] * y[its slot j]
+    for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
+      float* row = out + n * h;
+      std::fill(row, row + h, 0.0f);
+      for (int64_t j = 0; j < g.k; ++j) {
+        const float* src = ys + position[n * g.k + j] * h;
+        float w = weight[n * g.k + j];
+        for (int64_t c = 0; c < h; ++c) row[c] += w * src[c];
+      }
     }
   });
   return 0;
 }
 
-// Its gradient. Inputs: dout [S, H] (slot order), tokens, order, wg, wu, wd, gate, up, group_list; outputs:
-// dtokens [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I].
+// Its gradient. Inputs: dout [N, H], tokens, order, wg, wu, wd, gate, up, y, group_list, weight; outputs: dtokens
+// [N, H] (each token's k rows summed), dwg [E, I, H], dwu [E, I, H], dwd [E, H, I], dweight [N, k]. One task per
+// expert (its weight gradients sum over all its rows, so no two tasks write one output): gather its rows and their
+// output gradient (weight * dout of the token), recompute the SwiGLU, the three weight gradients and its rows'
+// input gradient; then each token sums its k rows and takes its routing weights' gradient dout . y.
 extern "C" int GroupedSwigluGradCpu(int nparam, void** params, int* ndims, int64_t** shapes, const char** dtypes,
                                     void* stream, void* extra) {
   Swiglu g;
-  std::string err = ReadSwiglu(nparam, 13, 1, 8, params, ndims, shapes, dtypes, &g);
+  std::string err = ReadSwiglu(nparam, 16, 1, 9, params, ndims, shapes, dtypes, &g);
+  if (err.empty()) err = CheckWeight(10, ndims, shapes, g);
+  if (err.empty() && (ndims[0] != 2 || shapes[0][0] != g.n || shapes[0][1] != g.h)) err = "dout must be [N, H]";
   if (!err.empty()) return MsdsFail("GroupedSwigluGrad: " + err);
   const float* dout = static_cast<const float*>(params[0]);
   const float* gate = static_cast<const float*>(params[6]);
   const float* up = static_cast<const float*>(params[7]);
-  float* dtokens = static_cast<float*>(params[9]);
-  int64_t m = g.s, h = g.h, i = g.i, e = g.e;
+  const float* ys = static_cast<const float*>(params[8]);
+  const float* weight = static_cast<const float*>(params[10]);
+  float* dtokens = static_cast<float*>(params[11]);
+  float* dwg = static_cast<float*>(params[12]);
+  float* dwu = static_cast<float*>(params[13]);
+  float* dwd = static_cast<float*>(params[14]);
+  float* dweight = static_cast<float*>(params[15]);
+  int64_t m = g.s, h = g.h, i = g.i, k = g.k;
   const std::vector<int64_t>& offsets = g.offsets;
-  std::vector<float> x = SortedRows(g);
-  size_t mi = static_cast<size_t>(m * i), mh = static_cast<size_t>(m * h);
-  std::vector<float> dy(mh), act(mi), da(mi), dgate(mi), dup(mi);
-  float* dys = dy.data();
-  ForTasks((m + 63) / 64, [&](int64_t t) {  // the output gradient in sorted order
-    for (int64_t p = t * 64, end = std::min(m, p + 64); p < end; ++p) {
-      std::copy(dout + static_cast<int64_t>(g.order[p]) * h, dout + (static_cast<int64_t>(g.order[p]) + 1) * h,
-                dys + p * h);
+  std::vector<float> dx(static_cast<size_t>(m * h), 0.0f);  // the rows' input gradient, sorted order
+  std::vector<int64_t> experts = LargestFirst(offsets, g.e);
+  ForTasks(g.e, offsets[g.e], [&](int64_t t) {
+    int64_t e = experts[t], r0 = offsets[e], rows = offsets[e + 1] - r0;
+    float *dwg_e = dwg + e * i * h, *dwu_e = dwu + e * i * h, *dwd_e = dwd + e * h * i;
+    if (rows == 0) {
+      std::fill(dwg_e, dwg_e + i * h, 0.0f);
+      std::fill(dwu_e, dwu_e + i * h, 0.0f);
+      std::fill(dwd_e, dwd_e + h * i, 0.0f);
+      return;
     }
+    std::vector<float> xb(static_cast<size_t>(rows * h)), dyb(static_cast<size_t>(rows * h));
+    std::vector<float> act(static_cast<size_t>(rows * i)), da(static_cast<size_t>(rows * i));
+    GatherRows(g, r0, r0 + rows, xb.data());
+    for (int64_t p = 0; p < rows; ++p) {  // dy of the row = its routing weight * dout of its token
+      int64_t slot = g.order[r0 + p];
+      const float* src = dout + slot / k * h;
+      float w = weight[slot];
+      float* dst = dyb.data() + p * h;
+      for (int64_t c = 0; c < h; ++c) dst[c] = w * src[c];
+    }
+    const float *gb = gate + r0 * i, *ub = up + r0 * i;
+    for (int64_t p = 0; p < rows * i; ++p) act[p] = gb[p] * Sigmoid(gb[p]) * ub[p];
+    Gemm('T', 'N', h, i, rows, dyb.data(), h, act.data(), i, dwd_e, i);            // dwd_e = dy_e^T act_e
+    Gemm('N', 'N', rows, i, h, dyb.data(), h, g.wd + e * h * i, i, da.data(), i);  // da_e = dy_e wd_e
+    float *d_gate = da.data(), *d_up = act.data();  // in place: act and da are read no more after this pass
+    for (int64_t p = 0; p < rows * i; ++p) {
+      float s = Sigmoid(gb[p]), d = da[p];
+      d_up[p] = d * gb[p] * s;
+      d_gate[p] = d * ub[p] * s * (1.0f + gb[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
+    }
+    Gemm('T', 'N', i, h, rows, d_gate, i, xb.data(), h, dwg_e, h);  // dwg_e = dgate_e^T x_e
+    Gemm('T', 'N', i, h, rows, d_up, i, xb.data(), h, dwu_e, h);    // dwu_e = dup_e^T x_e
+    float* dxb = dx.data() + r0 * h;
+    Gemm('N', 'N', rows, h, i, d_gate, i, g.wg + e * i * h, h, dxb, h);
+    Gemm('N', 'N', rows, h, i, d_up, i, g.wu + e * i * h, h, dxb, h, 1.0f);
   });
-  float* a = act.data();
-  Elementwise(m * i, [&](int64_t p) { a[p] = gate[p] * Sigmoid(gate[p]) * up[p]; });
-  WeightGrad(dys, a, offsets, e, h, i, static_cast<float*>(params[12]));  // dwd_e = dy_e^T act_e
-  Rows(dys, g.wd, offsets, e, m, h, i, false, da.data());                 // da_e = dy_e wd_e
-  float *d_act = da.data(), *d_gate = dgate.data(), *d_up = dup.data();
-  Elementwise(m * i, [&](int64_t p) {
-    float s = Sigmoid(gate[p]);
-    d_up[p] = d_act[p] * gate[p] * s;
-    d_gate[p] = d_act[p] * up[p] * s * (1.0f + gate[p] * (1.0f - s));  // d silu(g) / dg = s (1 + g (1 - s))
-  });
-  WeightGrad(d_gate, x.data(), offsets, e, i, h, static_cast<float*>(params[10]));
-  WeightGrad(d_up, x.data(), offsets, e, i, h, static_cast<float*>(params[11]));
-  float* dx = dy.data();  // reused: dy is read no more
-  Rows(d_gate, g.wg, offsets, e, m, i, h, false, dx);
-  Rows(d_up, g.wu, offsets, e, m, i, h, false, dx, 1.0f);
   std::vector<int64_t> position(static_cast<size_t>(m));  // the sorted position of each slot
   for (int64_t p = 0; p < m; ++p) position[g.order[p]] = p;
-  ForTasks((g.n + 31) / 32, [&](int64_t t) {  // dtokens[n] = sum over its k slots, no two tasks on one token
+  const float* dxs = dx.data();
+  ForTasks((g.n + 31) / 32, g.s, [&](int64_t t) {  // per token: its k rows summed, its routing weights' gradient
     for (int64_t n = t * 32, end = std::min(g.n, n + 32); n < end; ++n) {
       float* row = dtokens + n * h;
+      const float* dn = dout + n * h;
       std::fill(row, row + h, 0.0f);
-      for (int64_t j = 0; j < g.k; ++j) {
-        const float* src = dx + position[n * g.k + j] * h;
-        for (int64_t c = 0; c < h; ++c) row[c] += src[c];
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t p = position[n * k + j];
+        const float *src = dxs + p * h, *y = ys + p * h;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < h; ++c) {
+          row[c] += src[c];
+          dot += dn[c] * y[c];
+        }
+        dweight[n * k + j] = dot;
       }
     }
   });

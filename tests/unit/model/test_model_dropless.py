@@ -170,6 +170,31 @@ def test_capacity_drops_and_dropless_does_not():
     assert np.abs(dropless(ids, ids).logits.asnumpy() - capacity(ids, ids).logits.asnumpy()).max() > 1e-3
 
 
+# ----------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_generate_dropless_equals_capacity(mode):
+    """At the same weights a dropless model generates what the capacity model does (the reference's greedy ids);
+    its decode steps take the path ``DeepseekV2MoE.set_decode_mode`` chose for the mode (graph: the dropless
+    kernel, PyNative: the one-token gather), the capacity model's always the one-token gather."""
+    from ms_deepseek.generate import generate
+
+    folder = FIXTURES_DIR / "lite"
+    ref = load_reference(folder)["generate"]
+    ids = {}
+    ms.set_context(mode=MODES[mode])
+    try:
+        for dispatch in ("capacity", "dropless"):
+            model = DeepseekV2ForCausalLM.from_pretrained(folder, show_progress=False, moe_dispatch=dispatch)
+            ids[dispatch] = generate(model, ref["prompt"], ref["max_new_tokens"], eos_ids=()).ids
+            one_token = [moe.one_token_decode for moe in _moe_layers(model)]
+            assert one_token == [dispatch == "capacity" or mode == "pynative"] * len(one_token), (dispatch, one_token)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert ids["dropless"] == ids["capacity"] == ref["greedy"], ids
+
+
 # ----------------------------------------------------------------------------- the key
 
 

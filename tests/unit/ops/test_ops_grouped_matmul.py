@@ -100,15 +100,16 @@ class SwigluLoss(nn.Cell):
         super().__init__()
         self.op = op
 
-    def construct(self, tokens, order, wg, wu, wd, g, dy):
-        return (self.op(tokens, order, wg, wu, wd, g) * dy).sum()
+    def construct(self, tokens, order, wg, wu, wd, g, weight, dy):
+        return (self.op(tokens, order, wg, wu, wd, g, weight) * dy).sum()
 
 
 @pytest.mark.parametrize("mode", ["pynative", "graph"])
 @pytest.mark.parametrize("counts, k", [([10, 0, 7, 15, 4], 2), ([0, 0, 36, 0], 3)])
 def test_fused_swiglu_matches_the_composed_one(counts, k, mode):
-    """GroupedSwiglu's CPU kernel (gather, experts and the way back in one call; its gradient in one more) against
-    gathers, three GroupedMatmul calls and SiLU, on a random routing of N tokens' k choices."""
+    """GroupedSwiglu's CPU kernel (gather, experts and the weighted way back in one call; its gradient in one more)
+    against gathers, three GroupedMatmul calls, SiLU and the weighted sum, on a random routing of N tokens' k
+    choices."""
     rng = np.random.default_rng(k)
     s, h, i, e = sum(counts), 24, 40, len(counts)
     n = s // k
@@ -117,26 +118,30 @@ def test_fused_swiglu_matches_the_composed_one(counts, k, mode):
     tokens = rng.standard_normal((n, h)).astype(np.float32)
     wg, wu = (rng.standard_normal((e, i, h)).astype(np.float32) * 0.3 for _ in range(2))
     wd = rng.standard_normal((e, h, i)).astype(np.float32) * 0.3
-    dy = rng.standard_normal((s, h)).astype(np.float32)
+    weight = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)  # the routing weights
+    dy = rng.standard_normal((n, h)).astype(np.float32)
     g = np.array(counts, np.int32)
-    args = [Tensor(a) for a in (tokens, order, wg, wu, wd, g, dy)]
+    args = [Tensor(a) for a in (tokens, order, wg, wu, wd, g, weight, dy)]
     fused, composed = GroupedSwiglu(), GroupedSwigluComposed()
     assert fused.impl.kind == "cpu"
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
         grads = ops.GradOperation(get_all=True)
-        got = [fused(*args[:6]).asnumpy()] + [t.asnumpy() for t in grads(SwigluLoss(fused))(*args)]
-        want = [composed(*args[:6]).asnumpy()] + [t.asnumpy() for t in grads(SwigluLoss(composed))(*args)]
+        got = [fused(*args[:7]).asnumpy()] + [t.asnumpy() for t in grads(SwigluLoss(fused))(*args)]
+        want = [composed(*args[:7]).asnumpy()] + [t.asnumpy() for t in grads(SwigluLoss(composed))(*args)]
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
-    names = ("out", "dtokens", "dorder", "dw_gate", "dw_up", "dw_down")
+    names = ("out", "dtokens", "dorder", "dw_gate", "dw_up", "dw_down", "dgroup_list", "dweight")
     for name, a, b in zip(names, got, want):
-        if name != "dorder":
+        if name not in ("dorder", "dgroup_list"):
             assert_close_to_scale(a, b, terms=max(h, i, max(counts), k), err_msg=name)
-    # slot s of the output is its expert's MLP on its token (numpy, float64)
-    slot = order[5]
-    x = tokens[slot // k].astype(np.float64)
-    ex = experts[5]
-    gate, up = wg[ex] @ x, wu[ex] @ x
-    want_row = wd[ex] @ (gate / (1 + np.exp(-gate)) * up)
-    assert_close_to_scale(got[0][slot], want_row, terms=max(h, i), err_msg="one slot against numpy")
+    # a token's output is the weighted sum of its k slots' expert MLPs on it (numpy, float64)
+    token = int(order[5]) // k
+    position = np.argsort(order)  # the sorted position of each slot
+    x = tokens[token].astype(np.float64)
+    want_row = np.zeros(h)
+    for j in range(k):
+        ex = experts[position[token * k + j]]
+        gate, up = wg[ex] @ x, wu[ex] @ x
+        want_row += weight[token, j] * (wd[ex] @ (gate / (1 + np.exp(-gate)) * up))
+    assert_close_to_scale(got[0][token], want_row, terms=max(h, i) * k, err_msg="one token against numpy")
