@@ -389,8 +389,9 @@ class DeepseekV2MoE(nn.Cell):
     def dropless_experts(self, tokens, topk_idx, topk_weight):
         """The routed experts without capacity: tokens [N, H], the router's topk_idx / topk_weight [N, k] ->
         [N, H] float32. All N*k choices are sorted by expert (static shapes: [N*k, H] rows, the per-expert counts
-        ``group_list`` [E] a tensor), every expert runs on exactly its rows, and the rows go back to their (token, choice) slots and are mixed
-        with the routing weights as :meth:`combine` does (without adapters all of it one fused
+        ``group_list`` [E] a tensor), every expert runs on exactly its rows, and the rows go back to their
+        (token, choice) slots and are mixed with the routing weights as :meth:`combine` does (without adapters all
+        of it one fused
         :class:`ms_deepseek.ops.GroupedSwiglu` call; with them one :class:`ms_deepseek.ops.GroupedMatmul` per
         projection and adapter factor)."""
         N, H = tokens.shape
