@@ -29,9 +29,16 @@ import tiers
 from repo_paths import FIXTURES, REPO  # tests/helpers is on pytest's pythonpath (pytest.ini)
 
 os.environ.setdefault("GLOG_v", "3")
-_TMP = tempfile.mkdtemp(prefix="ms-deepseek-test-tmp-")
+# One session folder, made by the first process (xdist's workers inherit it, never nest their own), with a short
+# name: a Unix socket a program makes under TMPDIR (Chromium's ``.org.chromium.Chromium.XXXXXX/SingletonSocket``)
+# must fit the 107 bytes of ``sun_path`` (unix(7)). pytest's own tmp_path folders stay where they were
+# (/tmp/pytest-of-<user>, three sessions kept).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+_TMP = os.environ.get("MS_DEEPSEEK_TEST_TMP")
+if not _TMP:
+    _TMP = os.environ["MS_DEEPSEEK_TEST_TMP"] = tempfile.mkdtemp(prefix="msd-test-")
+    atexit.register(shutil.rmtree, _TMP, True)
 os.environ["TMPDIR"] = tempfile.tempdir = _TMP
-atexit.register(shutil.rmtree, _TMP, True)
 # The embedded corpus is built once per test session in a temporary folder, never in ~/.cache.
 _CACHE = tempfile.mkdtemp(prefix="ms-deepseek-test-cache-")
 os.environ.setdefault("MS_DEEPSEEK_CACHE", _CACHE)
