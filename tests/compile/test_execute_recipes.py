@@ -71,17 +71,14 @@ def test_pipeline_and_tensor_parallel_execute_like_one_device():
 
 
 def test_dropless_with_a_pipeline_executes_like_one_device():
-    """model.moe_dispatch: dropless on the tiny recipe over dp2 pp2 ep2 (the bounded exchange, model/moe.py
-    use_bounded_exchange) against the one-device sorted grouped-matmul path: four ranks, the exchange's AllToAll in
-    every ep group's traffic. dp and ep without a pipeline: v2-lite-dropless-8npu in
-    test_recipe_executes_like_one_device."""
-    layout = ("--dp", "2", "--pp", "2", "--ep", "2")
+    """v2-lite-dropless-8npu at two pipeline stages (dp2 pp2 ep2 reduced, four ranks): the bounded exchange
+    (model/moe.py use_bounded_exchange) in each stage against the one-device sorted grouped-matmul path, its
+    AllToAll in the traffic. Without a pipeline the recipe runs in test_recipe_executes_like_one_device."""
     code, out, _ = main_captured(
-        ["plan", "--recipe", str(RECIPES / "tiny-cpu.yaml"), "--set", "model.moe_dispatch=dropless", *layout]
-        + ["--execute", "--json"]
+        ["plan", "--recipe", str(RECIPES / "v2-lite-dropless-8npu.yaml"), "--pp", "2", "--execute", "--json"]
     )
     report = _assert_agrees(code, out)
-    assert report["world_size"] == 4, report["reduction"]
+    assert report["world_size"] == 4 and "pp2" in report["reduction"], report["reduction"]
     assert any(key.startswith("AlltoAll") for key in report["communication_per_step"]), report
 
 
