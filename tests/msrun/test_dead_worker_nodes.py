@@ -1,10 +1,9 @@
 """Three 1-worker "nodes" on this host (three `launch --nnodes 3`, one shared run folder as on a cluster with a
 shared file system, a log folder per node): node 0's worker is SIGKILLed. Every node must exit non-zero with a
-last line naming rank 0, the first rank that died (before, nodes 1 and 2 each named their own worker, which died
-~35 s later when its collective with rank 0 failed). What is measured is what each node says, not how fast a
-loaded machine gets there: nodes 1 and 2 now stop their workers as soon as node 0's launch records the death in
-the shared folder (seconds), where they used to wait ~35 s for their collective to fail (one exited at 68.7 s on
-a busy 2-core machine, past the 60 s bound this test had)."""
+last line naming rank 0, the first rank that died, not its own worker (which a failed collective with rank 0 would
+stop later). What is checked is what each node says, not how fast a loaded machine gets there: nodes 1 and 2 stop
+their workers as soon as node 0's launch records the death in the shared folder, without waiting for their
+collective to fail."""
 
 import os
 import signal

@@ -1,12 +1,11 @@
-"""launch's supervisor (train/supervise.py) without msrun: the two races behind the watchdog test's flakes.
+"""launch's supervisor (train/supervise.py) without msrun: the two races a hung-worker watchdog must not lose.
 
-1. The watchdog learnt the step time only from what it saw between two of its own looks; on a busy machine
-   its first look could already find step 3 finished (CPU steps take ~50 ms), it never measured a step and
-   never fired, and the CPU ring collective gave up first (30 s). The workers now report their median step
-   time in the heartbeat.
+1. On a busy machine the watchdog's first look can already find several CPU steps finished, so it cannot learn
+   the step time from what it sees between two of its own looks, and without it it never fires before the CPU
+   ring collective gives up: the workers report their median step time in the heartbeat.
 2. When the collective gives up first, msrun SIGKILLs the hung worker within a second of the failed one's
-   exit, before anything dumps its stacks. A failed step now tells launch (rank_N.failed) and waits for its
-   answer: the stacks of the ranks behind are in their logs before the failed worker exits.
+   exit, before anything dumps its stacks: a failed step tells launch (rank_N.failed) and waits for its
+   answer, so the stacks of the ranks behind are in their logs before the failed worker exits.
 """
 
 import os
