@@ -234,7 +234,8 @@ class DeepseekV2MoE(nn.Cell):
         super().__init__()
         E = cfg.n_routed_experts
         self.num_experts, self.top_k = E, cfg.num_experts_per_tok
-        self.capacity_factor = cfg.capacity_factor
+        # the training buffers' factor, by the planner's rule (None on a dropless layer: C = N, the bounded exchange)
+        self.capacity_factor = dispatch_shapes.training_factor(cfg)
         self.eval_capacity_factor = cfg.eval_capacity_factor  # None: dropless evaluation
         self.capacity_multiple = 1  # rounds C up; the per-group layout needs none (G*C splits by G/ep)
         # The parallel degrees come from the plan (apply_plan), never from the config's ep_size.
@@ -328,8 +329,6 @@ class DeepseekV2MoE(nn.Cell):
         """Per-expert buffer rows of one group: the training factor's, in evaluation the eval factor's
         (None: dropless); the rule is :func:`ms_deepseek.config.dispatch_shapes.capacity`."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        if self.dropless and self.training:
-            factor = None  # the bounded exchange: C = N drops nothing (use_bounded_exchange)
         return dispatch_shapes.capacity(tokens_per_group, self.top_k, self.num_experts, factor, self.capacity_multiple)
 
     def dispatch_index(self, buffer_row, keep, C: int):
