@@ -6,7 +6,8 @@
 
 One dropless MoE layer (16 experts top-2 + 2 shared, hidden 512, I=256) in evaluation, x [B, 1, H]: the gathered
 weights of the chosen experts (``DeepseekV2MoE.one_token``) and the dropless path (``construct_dropless``: the B*k
-rows through the grouped kernel). Each path's output is checked against the other first; then rounds of
+rows through the grouped kernel). Each path's output is compared with the other's first (the largest difference is
+printed beside the largest value); then rounds of
 ``--calls`` calls per path, interleaved, and the median and minimum milliseconds per call. PyNative runs with
 synchronous launch, as ``ms-deepseek generate`` does on CPU. ``ms_deepseek.generate`` picks between the two per mode
 (``DeepseekV2MoE.set_decode_mode``) from these figures (docs/measurements.md, "Training step on CPU").
@@ -25,12 +26,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def row_counts(text: str):
+    """``--rows``: comma-separated positive integers."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return rows
+
+
+def positive(text: str) -> int:
+    """``--rounds`` / ``--calls``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["graph", "pynative", "both"], default="both")
-    p.add_argument("--rows", default="1,4", help="comma-separated batch rows B of the one-token step")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per path")
-    p.add_argument("--calls", type=int, default=20, help="calls timed together per round")
+    p.add_argument("--rows", type=row_counts, default="1,4", help="comma-separated batch rows B of the one-token step")
+    p.add_argument("--rounds", type=positive, default=5, help="interleaved rounds per path")
+    p.add_argument("--calls", type=positive, default=20, help="calls timed together per round")
     return p.parse_args(argv)
 
 
@@ -92,10 +115,9 @@ def main(argv=None) -> int:
     import mindspore as ms
 
     ms.set_device("CPU")
-    rows = [int(r) for r in args.rows.split(",")]
     modes = ["graph", "pynative"] if args.mode == "both" else [args.mode]
     for mode in modes:
-        run_mode(mode, rows, args.rounds, args.calls)
+        run_mode(mode, args.rows, args.rounds, args.calls)
     return 0
 
 
