@@ -67,7 +67,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps . \
  && useradd --create-home --uid "${USER_UID}" --gid "${ASCEND_GID}" --shell /bin/bash msd \
  && mkdir -p /workspace \
  && chown msd:"${ASCEND_GID}" /workspace
-COPY --chmod=0755 ms_deepseek/diagnostics/docker-entrypoint.sh /usr/local/bin/ms-deepseek-entrypoint
+COPY --chmod=0755 docker-entrypoint.sh /usr/local/bin/ms-deepseek-entrypoint
 
 USER ${USER_UID}:${ASCEND_GID}
 WORKDIR /workspace

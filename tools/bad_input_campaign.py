@@ -500,7 +500,7 @@ def cases() -> List[Case]:
         # a real SIGKILL mid-write: a child converting with a sleep in its shard writer is killed by the parent
         code = (
             "import os, signal, sys, time\n"
-            "import ms_deepseek.checkpoint.convert as api\n"
+            "import ms_deepseek.checkpoint.convert.hf as api\n"
             "orig = api._write_shards\n"
             "def slow(*a, **k):\n"
             "    open(os.environ['READY'], 'w').close(); time.sleep(60)\n"

@@ -43,8 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint  # noqa: E402
 from ms_deepseek.checkpoint.safetensors_io import read_header  # noqa: E402
-from ms_deepseek.checkpoint.synthetic import write_random_checkpoint  # noqa: E402
 from ms_deepseek.config import names  # noqa: E402
 from ms_deepseek.config.inventory import expected_hf_shapes  # noqa: E402
 from ms_deepseek.config.model import get_preset  # noqa: E402
@@ -52,7 +52,7 @@ from ms_deepseek.config.model import get_preset  # noqa: E402
 # The child reports its own peak RSS (VmHWM: high-water mark of this process image, all threads, since exec;
 # ru_maxrss would also count the benchmark's memory inherited at fork).
 _CONVERT = (
-    "import sys; from ms_deepseek.checkpoint.convert import {fn}; "
+    "import sys; from ms_deepseek.checkpoint.convert.hf import {fn}; "
     "{fn}(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), shard_size=sys.argv[4], progress=False); "
     "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
 )
@@ -60,7 +60,7 @@ _CONVERT = (
 
 _LOAD_RANK = (
     "import sys, resource; from pathlib import Path; "
-    "from ms_deepseek.checkpoint.sharded import load_rank, target_layout; "
+    "from ms_deepseek.checkpoint.convert.sharded import load_rank, target_layout; "
     "from ms_deepseek.checkpoint.slice_readers import WholeSource; "
     "from ms_deepseek.checkpoint.weight_files import read_weight_files; "
     "from ms_deepseek.config.parallel import ParallelConfig; "
@@ -74,7 +74,7 @@ _LOAD_RANK = (
     "print('VmHWM', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
 )
 _SHARDED = (
-    "import sys; from ms_deepseek.checkpoint.sharded import write_sharded, merge_to_hf; "
+    "import sys; from ms_deepseek.checkpoint.convert.sharded import write_sharded, merge_to_hf; "
     "from ms_deepseek.config.parallel import ParallelConfig; "
     "dp, tp, pp, ep = map(int, sys.argv[3:7]); "
     "par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=max(1, pp)); "

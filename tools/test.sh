@@ -26,7 +26,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "could not install chromium: tests/unit/diagnostics/test_report.py's rendering test will fail" >&2
+    || echo "could not install chromium: tests/unit/report/test_report.py's rendering test will fail" >&2
 fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .

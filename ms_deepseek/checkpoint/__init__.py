@@ -10,9 +10,8 @@
 * :mod:`.opt_shard`      the parallel optimizer's further cut, undone for files and redone on load;
 * :mod:`.training`       the run's ``checkpoints/step_N`` folders (whole or ``rank_RRRRR`` slices) and
                          the one "which checkpoint does this path mean" resolver (``resolve_checkpoint``);
-* :mod:`.sharded`        per-rank loading, pre-sharded conversion, merge back to HF, resharding;
-* :mod:`.convert`, :mod:`.convert_map`  the streaming converter; :mod:`.synthetic` random checkpoints;
-* :mod:`.quant_format`, :mod:`.quantize` the quantized (QLoRA base) format and ``convert quantize``.
+* :mod:`.convert`        ``ms-deepseek convert``: HF <-> ms, per-rank loading, merge and resharding, the
+                         quantized (QLoRA base) format and ``convert quantize``, random checkpoints.
 
 The atomic folder writer is :mod:`ms_deepseek.core.atomic`; the model's name/shape table is
 :mod:`ms_deepseek.config.inventory`.
@@ -20,9 +19,9 @@ The atomic folder writer is :mod:`ms_deepseek.core.atomic`; the model's name/sha
 
 
 def __getattr__(name):
-    # Lazy: .sharded imports the converter's modules, which importing this package should not.
+    # Lazy: .convert.sharded imports the converter's modules, which importing this package should not.
     if name in ("check_loader_slices", "load_rank", "write_sharded", "merge_to_hf", "write_whole"):
-        from ms_deepseek.checkpoint import sharded
+        from ms_deepseek.checkpoint.convert import sharded
 
         return getattr(sharded, name)
     raise AttributeError(f"module 'ms_deepseek.checkpoint' has no attribute {name!r}")

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ms_deepseek.checkpoint.quant_format import is_quantized_weight, quantized_entries
+from ms_deepseek.checkpoint.convert.quant_format import is_quantized_weight, quantized_entries
 from ms_deepseek.config.inventory import parameter_inventory
 from ms_deepseek.config.lora import LoraSpec, lora_inventory
 from ms_deepseek.core.dtypes import safetensors_code
@@ -391,7 +391,7 @@ def _suffix_after(pattern: str, name: str) -> str:
 
 
 def quantized_layouts(t: TensorLayout, quant, parallel) -> Dict[str, TensorLayout]:
-    """The layouts of a quantized weight's tensors (checkpoint/quant_format.py), from the float weight's ``t``.
+    """The layouts of a quantized weight's tensors (checkpoint/convert/quant_format.py), from the float weight's ``t``.
 
     The stored weight (int8 [.., out, in], or int4 packed [.., out, in/2]) splits like the float one; a
     split of ``in`` must fall on a byte (int4) and on a group boundary (group-wise), else UserError naming

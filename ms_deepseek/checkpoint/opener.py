@@ -24,10 +24,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional, Union
 
-from ms_deepseek.checkpoint.convert_map import check_tensors
+from ms_deepseek.checkpoint.convert.byte_map import check_tensors
+from ms_deepseek.checkpoint.convert.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.digests import check_file
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ShardLayout, checkpoint_inventory, is_sharded
-from ms_deepseek.checkpoint.quant_format import check_quantized, expected_quantized, quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import read_header
 from ms_deepseek.checkpoint.slice_readers import ShardedSource, WholeSource
 from ms_deepseek.checkpoint.training import read_recipe
@@ -89,7 +89,7 @@ def open_checkpoint(folder) -> Opened:
     weights = read_weight_files(folder)
     lora = lora_of(folder)
     quant = quant_spec_of(folder)
-    if quant is not None:  # int8 / int4 weights with scales (checkpoint.quantize)
+    if quant is not None:  # int8 / int4 weights with scales (checkpoint.convert.quantize)
         model = WholeSource.of(weights)
         expected = expected_hf_shapes(weights.config) if model.hf else expected_ms_shapes(weights.config)
         check_quantized(weights, expected, quant, optional=zero_width_shapes(weights.config))

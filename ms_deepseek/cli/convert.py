@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ms_deepseek.checkpoint.convert import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.convert.hf import DEFAULT_SHARD_SIZE, DEFAULT_WORKERS, hf_to_ms, ms_to_hf
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.cli.args import LAYOUT_FLAGS, add_all, arg, overrides_arg, positive_int, resolve_layout
 from ms_deepseek.core.errors import UserError
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace, fsync: bool, _progress: bool) -> None:
-    from ms_deepseek.checkpoint import sharded
+    from ms_deepseek.checkpoint.convert import sharded
 
     par = layout_from_args(args)
     if par is None:
@@ -167,7 +167,7 @@ def _reshard(args: argparse.Namespace, fsync: bool, _progress: bool) -> None:
 
 
 def _quantize(args: argparse.Namespace, fsync: bool, progress: bool):
-    from ms_deepseek.checkpoint.quantize import quantize_checkpoint, quantize_sharded
+    from ms_deepseek.checkpoint.convert.quantize import quantize_checkpoint, quantize_sharded
 
     par = layout_from_args(args)
     if par is not None:
@@ -192,7 +192,7 @@ def _quantize(args: argparse.Namespace, fsync: bool, progress: bool):
 
 
 def _hf_to_ms(args: argparse.Namespace, fsync: bool, progress: bool):
-    from ms_deepseek.checkpoint import sharded
+    from ms_deepseek.checkpoint.convert import sharded
 
     par = layout_from_args(args)
     if par is not None:
@@ -206,7 +206,7 @@ def _hf_to_ms(args: argparse.Namespace, fsync: bool, progress: bool):
 
 
 def _ms_to_hf(args: argparse.Namespace, fsync: bool, progress: bool):
-    from ms_deepseek.checkpoint import sharded
+    from ms_deepseek.checkpoint.convert import sharded
 
     src = _resolve_source(args.src)
     write = sharded.merge_to_hf if is_sharded(src) else ms_to_hf

@@ -4,7 +4,7 @@ Each check prints one line: pass / warn / fail / skip, what was found and, when
 something is wrong, the fix. Exit code 0 when nothing failed (warnings allowed),
 1 when a check failed. ``--json`` prints the same as one JSON document.
 
-Checks live in doctor_host.py (level 1) and doctor_node.py (8, 16); their ids are
+Checks live in doctor/host.py (level 1) and doctor/node.py (8, 16); their ids are
 listed by ``--list`` and cited by docs/troubleshooting.md as ``doctor:<id>``.
 """
 
@@ -18,8 +18,9 @@ from typing import List, Optional, Tuple
 
 from ms_deepseek.cli.args import host, non_negative_int, port, positive_float, positive_int
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.diagnostics import doctor_host, doctor_node  # noqa: F401  (register the checks)
-from ms_deepseek.diagnostics.doctor_core import (
+from ms_deepseek.doctor import host as host_checks  # noqa: F401  (importing it registers the checks)
+from ms_deepseek.doctor import node as node_checks  # noqa: F401  (importing it registers the checks)
+from ms_deepseek.doctor.core import (
     FAIL,
     LEVELS,
     PASS,
@@ -32,7 +33,7 @@ from ms_deepseek.diagnostics.doctor_core import (
     checks_for_level,
     run_check,
 )
-from ms_deepseek.diagnostics.probe import SystemProbe
+from ms_deepseek.doctor.probe import SystemProbe
 
 _TAG = {PASS: "PASS", WARN: "WARN", FAIL: "FAIL", SKIP: "SKIP"}
 
@@ -78,7 +79,7 @@ def context_from_args(args: argparse.Namespace, probe: Optional[SystemProbe] = N
     if args.bench_mb <= 0:
         raise UserError(f"--bench-mb: must be > 0, got {args.bench_mb}")
     if args.requirements:  # bad input, not a failed check: one line and exit 2 before any check runs
-        from ms_deepseek.diagnostics.pins import read_pins
+        from ms_deepseek.doctor.pins import read_pins
 
         read_pins(args.requirements)
     return DoctorContext(

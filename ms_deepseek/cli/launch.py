@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         )
     _resolve_master(args.master_addr)  # msrun would fail only after creating the run folder
     check_output_dir(run_dir, "run folder")
-    from ms_deepseek.train.lease import live_holder, refusal
+    from ms_deepseek.jobs.lease import live_holder, refusal
 
     holder = live_holder(run_dir, getattr(args, "take_over", False))  # a job in this folder: touch nothing of it
     if holder is not None:
@@ -271,14 +271,14 @@ def _worker_env(env: Dict[str, str]) -> Dict[str, str]:
 
 
 def _supervise(args: argparse.Namespace, recipe, cmd: List[str], full_env: Dict[str, str], run_dir: Path) -> int:
-    """Run msrun under train/supervise.py; its exit code, with one line on stderr when it failed."""
-    from ms_deepseek.train.supervise import clear_node_entries, run_supervised
+    """Run msrun under jobs/supervise.py; its exit code, with one line on stderr when it failed."""
+    from ms_deepseek.jobs.supervise import clear_node_entries, run_supervised
 
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "msrun_logs"
-    # a dead worker stops the whole job within seconds, with one line naming it (see train/supervise.py)
+    # a dead worker stops the whole job within seconds, with one line naming it (see jobs/supervise.py)
     # SIGTERM / SIGHUP / SIGINT: the workers save and stop, then nothing of the job is left (supervise.py)
     # a hung worker (no step within the watchdog time) stops the job with stacks and the ranks behind
-    from ms_deepseek.train.preempt import HEARTBEAT_DIR
+    from ms_deepseek.jobs.preempt import HEARTBEAT_DIR
 
     if args.watchdog_factor < 0:
         raise UserError(f"--watchdog-factor: must be >= 0 (0: off), got {args.watchdog_factor:g}")

@@ -27,22 +27,23 @@ def _progress(args):
 
 
 def run_compile(args, hw) -> int:
-    """MindSpore's dry run compiles the recipe's graphs for the selected ranks (diagnostics.compile_check)."""
+    """MindSpore's dry run compiles the recipe's graphs for the selected ranks (verification.compile.check)."""
     from ms_deepseek.core.runtime import check_mindspore_version
-    from ms_deepseek.diagnostics import compile_check as cc
+    from ms_deepseek.verification import dryrun
+    from ms_deepseek.verification.compile import check as cc
 
     check_mindspore_version()
     micro_batches, args.micro_batches = args.micro_batches, None  # the compiled count, not the recipe's
     result, recipe, _ = check_recipe(args, hw)
     refuse_invalid(result)
     par = recipe.parallel
-    reduction = cc.default_reduction(recipe, args.layers, micro_batches, moe_per_stage=2 if args.memory else 1)
+    reduction = dryrun.default_reduction(recipe, args.layers, micro_batches, moe_per_stage=2 if args.memory else 1)
     ranks = cc.parse_ranks(args.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
     cann = args.cann or os.environ.get("ASCEND_HOME_PATH")
     keep = _keep_dir(args)
     say = _progress(args)
     if not cann:
-        from ms_deepseek.diagnostics.cann_stubs import cache_key, cache_root
+        from ms_deepseek.verification.cann_stubs import cache_key, cache_root
 
         if not (cache_root() / cache_key(level=1 if args.memory else 0) / "MANIFEST").is_file():
             say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
@@ -64,9 +65,9 @@ def run_compile(args, hw) -> int:
 
 
 def _compile_recipe(args, recipe, ranks, reduction, setup):
-    """``compile_check.compile_recipe`` on the recipe with the command line's --set and the plan flags standing
+    """``compile.check.compile_recipe`` on the recipe with the command line's --set and the plan flags standing
     for recipe keys."""
-    from ms_deepseek.diagnostics import compile_check as cc
+    from ms_deepseek.verification.compile import check as cc
 
     overrides = list(args.overrides) + recipe_overrides(args)
     return cc.compile_recipe(args.recipe, recipe, overrides, ranks, reduction, setup)
@@ -86,7 +87,7 @@ def reduced_plan(args, hw, reduction):
 def run_execute(args, hw) -> int:
     """``--execute``: every rank's compiled program of the reduced recipe run on CPU against one device."""
     from ms_deepseek.core.runtime import check_mindspore_version
-    from ms_deepseek.diagnostics import execute_check as ec
+    from ms_deepseek.verification.execute import check as ec
 
     check_mindspore_version()
     result, recipe, _ = check_recipe(args, hw)
@@ -174,9 +175,9 @@ def _memory_depth(args, hw, recipe, red, ranks, setup, lines, points):
 def _memory_rank(args, r, red, reduced, par, lines, points):
     """One rank's level-1 accounting beside the planner's stage: (its JSON row, whether it is within
     --tolerance; False when the rank failed)."""
-    from ms_deepseek.diagnostics import memory_check as mc
     from ms_deepseek.parallel_plan.plan import stage_layer_counts
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
+    from ms_deepseek.verification.compile import memory as mc
 
     layers = red.layers
     step_graph = r.graphs.get("step", {})
@@ -223,9 +224,9 @@ def _memory_rank(args, r, red, reduced, par, lines, points):
 def _extrapolate(result, reduction, par, points, lines):
     """Each rank's MindSpore and planner totals fitted over its stage's layers and extrapolated to the recipe's
     depth and cut, beside the planner for the recipe as written; the JSON rows."""
-    from ms_deepseek.diagnostics import memory_check as mc
     from ms_deepseek.parallel_plan.plan import stage_layer_counts
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
+    from ms_deepseek.verification.compile import memory as mc
 
     extrapolated = []
     full = reduction.full_layers

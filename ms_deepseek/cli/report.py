@@ -1,5 +1,5 @@
 """``ms-deepseek report RUN_DIR [-o report.html] [--watch S]``: the run's HTML health page
-(:mod:`ms_deepseek.diagnostics.report`)."""
+(:mod:`ms_deepseek.report.html`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.diagnostics.report import generate, watch
+from ms_deepseek.report.html import generate, watch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from ms_deepseek.core.safe_io import check_output_dir
 
     check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
-    from ms_deepseek.train.lease import LeaseHeld
+    from ms_deepseek.jobs.lease import LeaseHeld
     from ms_deepseek.train.trainer import train
 
     before = _snapshot(run_dir)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Tuple
 
-# an expert's weight, or a quantized one's scale / offset (checkpoint/quant_format.py)
+# an expert's weight, or a quantized one's scale / offset (checkpoint/convert/quant_format.py)
 _EXPERT_TENSOR = r"((?:gate|up|down)_proj\.weight(?:_scale|_offset)?)$"
 _HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\." + _EXPERT_TENSOR)
 _MS_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\." + _EXPERT_TENSOR)

@@ -181,7 +181,7 @@ class LoggingSection:
     log_interval: int = 10  # optimizer steps between metrics records
     tensorboard: bool = True  # event files under RUN_DIR/tb
     progress_bar: bool = True
-    alerts: bool = True  # print ms_deepseek.train.alerts warnings as they happen
+    alerts: bool = True  # print ms_deepseek.report.alerts warnings as they happen
 
     def __post_init__(self):
         if self.log_interval < 1:

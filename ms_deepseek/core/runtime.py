@@ -40,7 +40,7 @@ def detect_device() -> str:
 # The MindSpore release lines ms-deepseek runs on, the default first: requirements.txt pins the default (2.9.0),
 # requirements-ms<line>.txt each other line (setup.py installs one when MS_DEEPSEEK_MINDSPORE=<line> is set). The
 # compile and execution checks (plan --compile / --execute) load MindSpore's Ascend plugin against stub CANN
-# libraries generated from the installed wheel (diagnostics/cann_stubs.py); a line they were not run on is refused
+# libraries generated from the installed wheel (verification/cann_stubs.py); a line they were not run on is refused
 # at start rather than trained on unchecked (README: which releases and why).
 SUPPORTED_MINDSPORE_LINES = ("2.9", "2.10")
 MINDSPORE_LINE_ENV = "MS_DEEPSEEK_MINDSPORE"  # read by setup.py at install time

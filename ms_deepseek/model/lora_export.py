@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_deepseek.checkpoint.convert.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import encode_array
 from ms_deepseek.checkpoint.slice_readers import full_slice, to_float32
 from ms_deepseek.config.lora import LoraSpec
@@ -51,7 +51,7 @@ def run_base(ckpt: Path, model_section: Dict) -> Path:
     source = Path(str(model_section.get("source", ""))).expanduser()
     if source.is_dir() and (source / "config.json").is_file():
         if quant_spec_of(source) is not None:  # a QLoRA run on a `convert quantize` folder: its float original
-            from ms_deepseek.checkpoint.quantize import original_of
+            from ms_deepseek.checkpoint.convert.quantize import original_of
 
             original = original_of(source)
             if original is None:

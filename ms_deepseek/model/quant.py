@@ -1,6 +1,6 @@
 """A quantized frozen base under LoRA: int8 / int4 Linear layers and stacked experts.
 
-The layers hold the stored weight of :mod:`ms_deepseek.checkpoint.quant_format` (int8
+The layers hold the stored weight of :mod:`ms_deepseek.checkpoint.convert.quant_format` (int8
 [out, in], or uint8 [out, in/2] with two int4 per byte), ``weight_scale`` [out, in/G] and
 ``weight_offset`` (zeros) as frozen Parameters, and compute ``x @ dequant(W)^T`` with
 ``dequant(W) = q * scale`` per group of G input columns. LoRA adapters attach to them exactly
@@ -10,7 +10,7 @@ are not trainable, and the integer weight has no gradient).
 Backends:
 
 * CPU (the reference): dequantise in float32 (``dequant_mul``: the same product as
-  :func:`~ms_deepseek.checkpoint.quant_format.dequantize_array`), then the float layer's matmul;
+  :func:`~ms_deepseek.checkpoint.convert.quant_format.dequantize_array`), then the float layer's matmul;
 * Ascend, int8 per output channel Linear: ``ops.auto_generate.WeightQuantBatchMatmul`` (MindSpore
   2.9 ``ops/auto_generate/gen_ops_prim.py``: ``WeightQuantBatchMatmul(transpose_x=False,
   transpose_weight=False, antiquant_group_size=0)(x, weight, antiquant_scale, antiquant_offset=None,
@@ -35,7 +35,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from ms_deepseek.checkpoint.quant_format import group_of, is_quantized_weight, stored_array
+from ms_deepseek.checkpoint.convert.quant_format import group_of, is_quantized_weight, stored_array
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.model.layers import Linear

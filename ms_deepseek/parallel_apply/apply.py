@@ -304,7 +304,7 @@ def restore_expert_order(name: str, array: np.ndarray, applied: AppliedPlan) -> 
 def recompute_segments(path: str) -> bool:
     """Whether ``path`` is a segment "full" recompute marks: a decoder layer, ``model.layers.<i>``, with or without a
     pipeline (MindFormers and Megatron recompute whole layers too). MindSpore must then replay each layer as its own
-    region, which the compile check verifies (``diagnostics/compile_check.py`` recompute_regions). With one region
+    region, which the compile check verifies (``verification/compile/check.py`` recompute_regions). With one region
     per layer a recomputed layer keeps one [tokens, H] for its backward; segments of each layer's sub-cells keep four
     (MindSpore's level-1 accounting of v2-lora-16npu: docs/measurements.md, "One recompute region per layer")."""
     parts = path.split(".")

@@ -1,7 +1,7 @@
 """Before step 1 on Ascend: does the graph MindSpore compiled hold the layouts the plan says?
 
 Used after every sharded compile: by ``train`` before step 1 on the cluster, and by the compile check
-(``plan --recipe R --compile``: MindSpore's dry run on any machine, ``diagnostics.compile_check``). It
+(``plan --recipe R --compile``: MindSpore's dry run on any machine, ``verification.compile.check``). It
 compares MindSpore's answer with the plan and stops with one line naming the parameter or primitive
 and both layouts (:class:`ms_deepseek.core.errors.UserError`), instead of training for hours on a
 silent mismatch.

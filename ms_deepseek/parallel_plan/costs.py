@@ -459,7 +459,7 @@ def _layers_working_set(cfg, parallel: ParallelConfig, w: Workload, c: int, laye
     comm = 0.0
     if parallel.recompute != "none":
         # the layer being recomputed and its dispatch's temporaries, one layer at a time (MindSpore replays each
-        # layer as its own region: diagnostics/compile_check.py recompute_regions checks the compiled graph);
+        # layer as its own region: verification/compile/check.py recompute_regions checks the compiled graph);
         # no all-to-all buffers beside them: the transients hold the exchange's two [E, C, H] gradients (level 1
         # of v2-pretrain-256npu, stage 0: no AlltoAll output alive at the MoE layer's backward)
         working += max(full) + transient

@@ -7,8 +7,8 @@
 * :func:`build_step`: the optimizer and the compiled step, as :class:`~.context.TrainTensors`.
 
 :class:`ms_deepseek.train.trainer.Trainer` builds a run from these; so do the compile check's worker
-(``diagnostics/compile_worker.py``, shapes only) and ``plan --execute``'s one-device reference
-(``diagnostics/execute_reference.py``).
+(``verification/compile/worker.py``, shapes only) and ``plan --execute``'s one-device reference
+(``verification/execute/one_device.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import numpy as np
 from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.runtime import allow_graph_depth, detect_device, skip_parameter_load_copies
+from ms_deepseek.jobs.distributed import is_distributed
 from ms_deepseek.train.context import ModelConverter, ModelSource, RunContext, TrainTensors
-from ms_deepseek.train.distributed import is_distributed
 
 
 def fit_plan(recipe: Recipe, force: bool = False):

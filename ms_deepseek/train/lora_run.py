@@ -15,8 +15,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ms_deepseek.checkpoint.convert.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.quant_format import quant_spec_of
 from ms_deepseek.checkpoint.safetensors_io import write_arrays
 from ms_deepseek.checkpoint.slice_readers import to_float32
 from ms_deepseek.core.atomic import atomic_folder
@@ -52,7 +52,7 @@ def prepare(
     rebuilds the same one; a quantized ``model.source`` (``convert quantize``) arrives quantized and
     must match the section. ``sharded`` (a tp / pp / ep run, built without allocating): the quantized
     layers are placeholders, whose slices :func:`load_base_slices` reads after the compile.
-    ``shapes_only`` (the compile check, ``diagnostics.compile_worker``): no base is read or needed,
+    ``shapes_only`` (the compile check, ``verification.compile.worker``): no base is read or needed,
     the quantized layers are placeholders whatever the layout, and the adapters are unallocated too."""
     from ms_deepseek.model import lora
 
@@ -140,8 +140,8 @@ def load_base_slices(params: Dict[str, object], base: Path, cfg, parallel, spec,
     in one line naming the tensor (per channel, one group per row: any split of ``in`` cuts it)."""
     from mindspore import Tensor
 
+    from ms_deepseek.checkpoint.convert.quant_format import is_quantized_weight, stored_array
     from ms_deepseek.checkpoint.layout import build_layout, cuts_scale_groups
-    from ms_deepseek.checkpoint.quant_format import is_quantized_weight, stored_array
     from ms_deepseek.checkpoint.tensors import restore_into
 
     opened = open_checkpoint(base)

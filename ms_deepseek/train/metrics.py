@@ -5,7 +5,7 @@ written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` so every line 
 valid JSON. The file is appended to and flushed after each record, so a crashed run
 keeps every record it logged; on resume, records past the checkpoint's step are dropped
 first (see :func:`truncate_after`). Reading the file back (live or crashed runs too) is
-:func:`ms_deepseek.train.metrics_io.read_metrics`.
+:func:`ms_deepseek.report.metrics_io.read_metrics`.
 """
 
 from __future__ import annotations

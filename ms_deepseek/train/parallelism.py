@@ -58,7 +58,7 @@ class DataParallel:
         return step_cell
 
     def stats_mean(self, world: int):
-        from ms_deepseek.train.distributed import RankMean
+        from ms_deepseek.jobs.distributed import RankMean
 
         return RankMean(world) if world > 1 else None  # logged values are averaged over the workers
 
@@ -73,7 +73,7 @@ class DataParallel:
         """Rank 0 writes whole tensors (experts in HF order whatever the placement); every rank takes part in
         the replicas' digest."""
         from ms_deepseek.checkpoint.tensors import hf_ordered
-        from ms_deepseek.train.distributed import replica_digests
+        from ms_deepseek.jobs.distributed import replica_digests
 
         if ctx.world > 1:  # every rank takes part: the replicas must hold the same weights
             state["replica_sha1"] = replica_digests(tensors.model_tensors, ctx.world)
@@ -161,7 +161,7 @@ class Sharded:
         frozen base (``fresh``: no checkpoint is read after this); returns the checkpoint layout."""
         from mindspore import Tensor
 
-        from ms_deepseek.train.distributed import checked_on_every_rank
+        from ms_deepseek.jobs.distributed import checked_on_every_rank
 
         zeros = Tensor(np.zeros(tensors.input_shape, np.int32))  # [k * b, T]
         tensors.step_cell.compile(zeros, zeros)

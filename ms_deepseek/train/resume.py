@@ -23,8 +23,8 @@ from ms_deepseek.checkpoint import digests
 from ms_deepseek.checkpoint import training as ckpt_mod
 from ms_deepseek.checkpoint.layout import is_sharded
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.jobs.distributed import gather_ints
 from ms_deepseek.train.context import RunContext, TrainOptions
-from ms_deepseek.train.distributed import gather_ints
 
 
 @dataclasses.dataclass(frozen=True)

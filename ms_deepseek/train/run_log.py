@@ -30,12 +30,12 @@ class StepOut:
     lr: object  # Tensor
     overflow: object  # Tensor (bool)
     loss_scale: object  # Tensor
-    stop: bool = False  # some rank got SIGTERM: save this step and stop (train/preempt.py)
+    stop: bool = False  # some rank got SIGTERM: save this step and stop (jobs/preempt.py)
 
 
 def alert_monitor():
     """The alerts' monitor (``logging.alerts``) of the logging rank."""
-    from ms_deepseek.train.alerts import AlertMonitor
+    from ms_deepseek.report.alerts import AlertMonitor
 
     return AlertMonitor()
 

@@ -31,16 +31,16 @@ from ms_deepseek.config.recipe import Recipe
 from ms_deepseek.core.atomic import atomic_write_text
 from ms_deepseek.core.runtime import skip_parameter_load_copies, use_device
 from ms_deepseek.data.batches import stack_micro_batches
+from ms_deepseek.jobs.distributed import any_rank, dry_run_level, init_distributed
+from ms_deepseek.jobs.lease import RunLease
+from ms_deepseek.jobs.preempt import Heartbeat, StopRequest
 from ms_deepseek.train import metrics as metrics_mod
 from ms_deepseek.train import run_log
 from ms_deepseek.train.build import build_data, build_model, build_step, check_layout, fit_plan
 from ms_deepseek.train.components import Checkpointer, RngState, RunCounters, Throughput
 from ms_deepseek.train.context import ModelSource, RunContext, TrainOptions
-from ms_deepseek.train.distributed import any_rank, dry_run_level, init_distributed
-from ms_deepseek.train.lease import RunLease
 from ms_deepseek.train.lora_run import model_converter
 from ms_deepseek.train.parallelism import TensorFiles, parallelism_of
-from ms_deepseek.train.preempt import Heartbeat, StopRequest
 from ms_deepseek.train.resume import ResumePoint, resume_point
 from ms_deepseek.train.run_log import RunLog, StepOut
 
@@ -88,7 +88,7 @@ class Trainer:
     Refusals about the layout, the workers, the resume state and the data come before anything
     is written to the run folder."""
 
-    lease: Optional[RunLease] = None  # rank 0's lease of the run folder (train/lease.py), taken in setup
+    lease: Optional[RunLease] = None  # rank 0's lease of the run folder (jobs/lease.py), taken in setup
 
     def __init__(self, recipe: Recipe, run_dir, options: Optional[TrainOptions] = None):
         self.started = time.time()
@@ -250,7 +250,7 @@ class Trainer:
         self.heartbeat.beat(step, step, time.time() - t0 if step > self.resume.step + 1 else None)
         if not out.stop:
             return False
-        # some rank got SIGTERM: every rank saves this step and stops (train/preempt.py)
+        # some rank got SIGTERM: every rank saves this step and stops (jobs/preempt.py)
         if self.saved_step != step:
             self.save(step)
         self.preempted = self.stop.name

@@ -44,7 +44,7 @@ def test_sigkilled_conversion_is_cleaned_by_the_next_run(capsys, tmp_path):
     hf = hf_copy(tmp_path)
     code = (
         "import os, time\n"
-        "import ms_deepseek.checkpoint.convert as api\n"
+        "import ms_deepseek.checkpoint.convert.hf as api\n"
         "def stuck(*a, **k):\n"
         "    open(os.environ['READY'], 'w').close(); time.sleep(120)\n"
         "api._write_shards = stuck\n"

@@ -265,7 +265,7 @@ local, node = int(flags["local_worker_num"]), int(flags.get("node_rank", 0))
 worker = """
 import sys, time
 from pathlib import Path
-from ms_deepseek.train.preempt import Heartbeat
+from ms_deepseek.jobs.preempt import Heartbeat
 Heartbeat(sys.argv[1], int(sys.argv[2])).beat(5, 5)
 while not (Path(sys.argv[1]) / "stop").exists():
     time.sleep(0.05)

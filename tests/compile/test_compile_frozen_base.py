@@ -34,7 +34,7 @@ def _compile(tmp_path, plant: str = "", quant=True):
     work.mkdir()
     (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
     code = (
-        textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
+        textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"
         f"run({str(work / 'request.json')!r})\n"
     )
     _, out = run_dryrun(code, work, world=8, rank=0)

@@ -1,6 +1,6 @@
 """MindSpore's own compiler as the oracle of our sharded path, on a small model (seconds per compile).
 
-Each test runs the compile check's worker (``diagnostics.compile_worker``, the trainer's own set-up
+Each test runs the compile check's worker (``verification.compile.worker``, the trainer's own set-up
 under MindSpore's dry run with stub CANN libraries) on a small recipe, in a fresh process. The
 planted mistakes go through our code (the plan's style table, the layout the check compares with)
 and must be refused: by MindSpore with its own message where the lint restates a MindSpore rule, by
@@ -43,7 +43,7 @@ def _compile(
     work.mkdir()
     (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
     code = (
-        textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
+        textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"
         f"run({str(work / 'request.json')!r})\n"
     )
     rc, out = run_dryrun(code, work, world=world, rank=rank, extra_env=extra_env)
@@ -100,9 +100,9 @@ def test_a_planner_that_syncs_per_micro_batch_disagrees_with_the_compiled_step(s
     reduce-scatter and the parameters' gather): set beside the same compiled step, the data-parallel axis is marked,
     and only it. (The program-side form of this mistake, MindSpore's optimizer levels 2 and 3, does not compile
     here: MindSpore 2.9 asks for ``lazy_inline`` with them.)"""
-    from ms_deepseek.diagnostics import traffic
-    from ms_deepseek.diagnostics.compile_check import stage_layers_setting
     from ms_deepseek.parallel_plan import planner
+    from ms_deepseek.verification.compile import traffic
+    from ms_deepseek.verification.dryrun import stage_layers_setting
 
     from builders import main_captured
 
@@ -156,10 +156,11 @@ def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
     """Under a pipeline MindSpore compiles in ``semi_auto``, where an operation without a strategy splits its first
     axis only: the attention's slices, transposes and rotary on [B, nh, T, d] gathered every head onto each
     tensor-parallel rank (v2-sft-64npu, 128 heads on each of 8 ranks). They are named primitives with the plan's
-    split (model/mla.py, plan ``attention_heads``). The compile check's rule (compile_check.gathered_heads) reads
+    split (model/mla.py, plan ``attention_heads``). The compile check's rule (ir_rules.gathered_heads) reads
     MindSpore's validate IR: none of the 4 heads' tensors on the 2 ranks as built; planted, the slices' outputs."""
     from ms_deepseek.config.recipe import load_recipe
-    from ms_deepseek.diagnostics.ir_rules import HeadShape, gathered_heads, ir_dump_env, ir_files
+    from ms_deepseek.verification.compile.ir_rules import HeadShape, gathered_heads
+    from ms_deepseek.verification.dryrun import ir_dump_env, ir_files
 
     ir = tmp_path / "ir"
     fa = {"use_flash_attention": True}
@@ -274,10 +275,11 @@ print("COMPILED")
 
 @pytest.mark.parametrize("runtime", [False, True], ids=["folded-zeros", "padv3"])
 def test_a_folded_activation_sized_constant_is_found_in_the_compiled_graph(tmp_path, runtime):
-    """The compile check's folded-constant rule (compile_check.large_constants) read from MindSpore's own
+    """The compile check's folded-constant rule (ir_rules.large_constants) read from MindSpore's own
     validate IR: the zeros constant is there ([16, 16, 4096, 64] bfloat16, 128 MiB: MindSpore keeps a constant
     whole when its user's input comes from no dataset), PadV3's run-time pad is not."""
-    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files, large_constants
+    from ms_deepseek.verification.compile.ir_rules import large_constants
+    from ms_deepseek.verification.dryrun import ir_dump_env, ir_files
 
     ir = tmp_path / "ir"
     rc, out = run_dryrun(f"RUNTIME = {runtime}\n" + _PAD_PROBE, tmp_path, world=8, extra_env=ir_dump_env(ir))
@@ -307,7 +309,7 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
     alone) across the accumulation's micro-steps and hold it all step (level 1 of v2-qlora-8npu: 190 GB per NPU).
     Its first op (``unpack_first``, an ExpandDims) carries ``side_effect_hidden``: the compiled graph unpacks in
     each micro-step. Planted: the attribute removed, MindSpore merges them into one."""
-    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files
+    from ms_deepseek.verification.dryrun import ir_dump_env, ir_files
 
     def unpackings(plant: str) -> int:
         run = tmp_path / ("planted" if plant else "as-built")
@@ -331,7 +333,7 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
         (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
         ir = work / "ir"
         code = (
-            textwrap.dedent(plant) + "\nfrom ms_deepseek.diagnostics.compile_worker import run\n"
+            textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"
             f"run({str(work / 'request.json')!r})\n"
         )
         rc, out = run_dryrun(code, work, world=2, extra_env=ir_dump_env(ir))
@@ -371,10 +373,11 @@ def test_each_layer_is_its_own_recompute_region_under_a_pipeline(tmp_path, plant
     shared by the layers' recomputed cells makes every layer replay at the start of the backward. Under a pipeline
     (``semi_auto``) the rotary table's scaling without a strategy split the table, and MindSpore put the AllGather
     that made it whole again inside the first layer's attention, read by every layer (level 1 of v2-lora-16npu:
-    about 1 GiB per layer held); this small model's eager attention has the causal mask for the same mistake. The rule (compile_check.recompute_regions) reads MindSpore's own region ids from
+    about 1 GiB per layer held); this small model's eager attention has the causal mask for the same mistake. The rule (ir_rules.recompute_regions) reads MindSpore's own region ids from
     the validate IR: as built each of the stage's 2 layers is one region per micro-batch; planted, one region
-    reads both layers' weights (which run_rank refuses: tests/unit/diagnostics/test_compile_check_ir_rules.py)."""
-    from ms_deepseek.diagnostics.ir_rules import ir_dump_env, ir_files, recompute_regions
+    reads both layers' weights (which run_rank refuses: tests/unit/verification/test_compile_check_ir_rules.py)."""
+    from ms_deepseek.verification.compile.ir_rules import recompute_regions
+    from ms_deepseek.verification.dryrun import ir_dump_env, ir_files
 
     ir = tmp_path / "ir"
     four = {"num_hidden_layers": 4, "first_k_dense_replace": 1}

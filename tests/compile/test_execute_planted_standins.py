@@ -42,7 +42,7 @@ def _rewire(program) -> int:
 
 
 def test_a_gradient_given_another_micro_batchs_statistics_is_refused(monkeypatch):
-    from ms_deepseek.diagnostics import execute as ex
+    from ms_deepseek.verification.execute import executor as ex
 
     decode = ex.RankProgram.from_bytes
     rewired = {}

@@ -1,5 +1,5 @@
 """Run a Python snippet under MindSpore's dry run (compile only, a simulated world, device Ascend) with the
-stub CANN libraries (ms_deepseek.diagnostics.cann_stubs): what the compile tier (tests/compile) uses to
+stub CANN libraries (ms_deepseek.verification.cann_stubs): what the compile tier (tests/compile) uses to
 have MindSpore's own compiler judge a graph."""
 
 import subprocess
@@ -20,7 +20,7 @@ init()
 
 def dryrun_env(world: int, rank: int = 0, level: int = 0):
     """Level 0 compiles; level 1 also runs the step once without kernels, accounting device memory."""
-    from ms_deepseek.diagnostics.cann_stubs import ensure_stubs
+    from ms_deepseek.verification.cann_stubs import ensure_stubs
 
     env = ensure_stubs(level=level).env()
     env.update(

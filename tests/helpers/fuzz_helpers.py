@@ -214,8 +214,8 @@ def metrics_lines() -> List[dict]:
 
 def build_fixtures(root: Path) -> Dict[str, Path]:
     """The small inputs every case starts from (built once)."""
-    from ms_deepseek.checkpoint.sharded import write_sharded
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.convert.sharded import write_sharded
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
     from ms_deepseek.config.parallel import ParallelConfig
 
     root = Path(root)

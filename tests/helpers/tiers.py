@@ -30,8 +30,8 @@ FULL_TIER_FOLDERS = ("compile", "lines", "msrun")
 LIST_ENV = "MS_DEEPSEEK_LIST_TIERS"
 # the marks that let a test start a compile or an msrun job
 MAY_COMPILE = ("slow", "heavy", "smoke")
-# the process modules of plan --compile / --execute (diagnostics/compile_check.py and execute_check.py start them)
-_WORKER_MODULES = ("ms_deepseek.diagnostics.compile_worker", "ms_deepseek.diagnostics.execute_reference")
+# the process modules of plan --compile / --execute (verification/compile/check.py and verification/execute/check.py start them)
+_WORKER_MODULES = ("ms_deepseek.verification.compile.worker", "ms_deepseek.verification.execute.one_device")
 
 
 def tier_marker(relative_path: str, marks: Sequence[str] = ()) -> Optional[str]:

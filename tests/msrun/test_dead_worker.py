@@ -150,7 +150,7 @@ time.sleep(600)  # msrun waiting for its scheduler
 
 @pytest.mark.parametrize("lost_elsewhere", [False, True])
 def test_supervisor_names_the_rank_and_stops_a_hanging_job(tmp_path, lost_elsewhere, capsys):
-    from ms_deepseek.train.supervise import run_supervised
+    from ms_deepseek.jobs.supervise import run_supervised
 
     script = tmp_path / "fake_msrun.py"
     script.write_text(FAKE_MSRUN)

@@ -96,8 +96,8 @@ def test_a_survivor_names_the_rank_another_node_recorded(tmp_path, shared, monke
     another node."""
     from test_dead_worker import FAKE_MSRUN
 
-    from ms_deepseek.train import supervise
-    from ms_deepseek.train.supervise import record_first_failure, run_supervised
+    from ms_deepseek.jobs import supervise
+    from ms_deepseek.jobs.supervise import record_first_failure, run_supervised
 
     script, logs, beats = tmp_path / "fake_msrun.py", tmp_path / "logs", tmp_path / "run" / ".heartbeat"
     script.write_text(FAKE_MSRUN)

@@ -37,7 +37,7 @@ def _fake_checkpoint(run: Path, step: int) -> None:
 @pytest.mark.msrun
 def test_ranks_that_see_different_checkpoints_stop_naming_the_rank(tmp_path, capsys):
     from ms_deepseek.cli.launch import msrun_executable
-    from ms_deepseek.train.supervise import run_supervised
+    from ms_deepseek.jobs.supervise import run_supervised
 
     recipe = write(tmp_path, recipe_data(None, dp=2))
     for step in (2, 4):

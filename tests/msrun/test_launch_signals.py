@@ -1,7 +1,7 @@
 """`launch` stops the whole job on SIGTERM, SIGHUP and SIGINT: a timeout, `kill PID`, a closed ssh session or a
 scheduler's stop ends msrun and every worker, not only the launcher. A 2-worker CPU msrun job gets each signal soon
 after its workers start; within seconds no process of the job may remain and the exit code is 128 + the signal. (The
-preemption save on SIGTERM mid-run is tested in test_train_preempt.py.)"""
+preemption save on SIGTERM mid-run is tested in tests/unit/train/test_train_preempt.py.)"""
 
 import json
 import os

@@ -58,8 +58,8 @@ def test_a_hung_worker_stops_the_job_with_stacks_and_its_rank(tmp_path, factor):
 
     from ms_deepseek.cli.launch import msrun_executable
     from ms_deepseek.data.prepare import prepare_embedded_default
-    from ms_deepseek.train.preempt import HEARTBEAT_DIR
-    from ms_deepseek.train.supervise import run_supervised
+    from ms_deepseek.jobs.preempt import HEARTBEAT_DIR
+    from ms_deepseek.jobs.supervise import run_supervised
 
     data = tmp_path / "corpus"
     prepare_embedded_default(data, seq_len=32, vocab_size=512, max_bytes=60_000, progress=False)

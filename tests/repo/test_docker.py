@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from ms_deepseek.diagnostics import doctor_node, pins  # noqa: F401  (importing them registers their checks)
-from ms_deepseek.diagnostics.doctor_core import PASS, REGISTRY, DoctorContext, run_check
-from ms_deepseek.diagnostics.probe import RecordedProbe
+from ms_deepseek.doctor import (
+    node,  # noqa: F401  (importing it registers its checks)
+    pins,
+)
+from ms_deepseek.doctor.core import PASS, REGISTRY, DoctorContext, run_check
+from ms_deepseek.doctor.probe import RecordedProbe
 
 from repo_paths import REPO
 
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
-ENTRYPOINT = REPO / "ms_deepseek" / "diagnostics" / "docker-entrypoint.sh"
+ENTRYPOINT = REPO / "docker-entrypoint.sh"
 
 
 def hadolint():

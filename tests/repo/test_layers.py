@@ -26,15 +26,15 @@ PACKAGE = REPO / "ms_deepseek"
 LAYERS = [
     ("core",),
     ("config",),
-    ("parallel_plan", "data", "ops"),
+    ("parallel_plan", "data", "ops", "report", "jobs"),
     ("checkpoint",),
     ("model", "parallel_apply"),
     ("train", "generate"),
-    ("diagnostics",),
+    ("verification", "doctor", "simulation"),
     ("cli",),
 ]
 # modules run as programs by doctor on every node (their argparse is their command line)
-ARGPARSE_PROGRAMS = {"ms_deepseek.diagnostics.smoke", "ms_deepseek.diagnostics.collective_bench"}
+ARGPARSE_PROGRAMS = {"ms_deepseek.doctor.smoke", "ms_deepseek.doctor.collective_bench"}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

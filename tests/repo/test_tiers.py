@@ -46,8 +46,8 @@ def test_the_default_tier_holds_no_slow_test_and_the_two_smoke_tests():
 @pytest.mark.parametrize(
     "argv, env, what",
     [
-        (["python", "-m", "ms_deepseek.diagnostics.compile_worker", "r.json"], None, "a MindSpore compile"),
-        (["python", "-m", "ms_deepseek.diagnostics.execute_reference", "r.json"], None, "a MindSpore compile"),
+        (["python", "-m", "ms_deepseek.verification.compile.worker", "r.json"], None, "a MindSpore compile"),
+        (["python", "-m", "ms_deepseek.verification.execute.one_device", "r.json"], None, "a MindSpore compile"),
         (["/venv/bin/msrun", "--worker_num=2", "train.py"], None, "an msrun job"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml", "--compile"], None, "plan --compile"),
         (["python", "-m", "ms_deepseek.cli", "plan", "--recipe", "r.yaml", "--execute"], None, "plan --compile"),
@@ -71,7 +71,7 @@ import sys
 
 import pytest
 
-COMPILE = [sys.executable, "-c", "pass", "ms_deepseek.diagnostics.compile_worker"]
+COMPILE = [sys.executable, "-c", "pass", "ms_deepseek.verification.compile.worker"]
 
 
 def test_unmarked_compile():
@@ -101,7 +101,7 @@ def test_a_test_that_compiles_without_a_slow_mark_fails(tmp_path):
     (tmp_path / "tests" / "test_planted_tier.py").write_text(textwrap.dedent(PLANTED))
     (tmp_path / "tests" / "compile" / "test_planted_folder.py").write_text(
         "import subprocess, sys\n\n\ndef test_folder_compile():\n"
-        "    subprocess.run([sys.executable, '-c', 'pass', 'ms_deepseek.diagnostics.compile_worker'], check=True)\n"
+        "    subprocess.run([sys.executable, '-c', 'pass', 'ms_deepseek.verification.compile.worker'], check=True)\n"
     )
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy", "tests"],

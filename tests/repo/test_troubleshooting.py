@@ -5,8 +5,8 @@ of FAILURES (the OOM, HCCL, loss and expert failures users meet) has a section w
 import re
 
 from ms_deepseek.cli import doctor  # noqa: F401  (registers every check)
-from ms_deepseek.diagnostics.doctor_core import REGISTRY
-from ms_deepseek.train.alerts import RULES
+from ms_deepseek.doctor.core import REGISTRY
+from ms_deepseek.report.alerts import RULES
 
 from repo_paths import REPO
 

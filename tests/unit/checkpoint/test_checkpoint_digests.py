@@ -101,7 +101,7 @@ def test_convert_refuses_a_damaged_checkpoint_and_writes_nothing(tmp_path, capsy
 
 
 def test_a_resharded_checkpoint_records_its_rank_files_and_checks_them_when_read(tmp_path, capsys):
-    from ms_deepseek.checkpoint.sharded import write_sharded
+    from ms_deepseek.checkpoint.convert.sharded import write_sharded
     from ms_deepseek.config.parallel import ParallelConfig
 
     folder = _training_checkpoint(tmp_path)
@@ -126,8 +126,8 @@ def test_a_resharded_checkpoint_records_its_rank_files_and_checks_them_when_read
 def test_a_sharded_resume_checks_rank_files_by_size_up_front(tmp_path):
     """--resume of a sharded checkpoint: the rank files' sizes by the deciding rank, their bytes by the ranks
     that read them (ShardedSource, above); the small files in full."""
+    from ms_deepseek.checkpoint.convert.sharded import write_sharded
     from ms_deepseek.checkpoint.digests import damage
-    from ms_deepseek.checkpoint.sharded import write_sharded
     from ms_deepseek.config.parallel import ParallelConfig
 
     sharded = tmp_path / "sharded"

@@ -13,11 +13,11 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from ms_deepseek import cli
+from ms_deepseek.checkpoint.convert.sharded import load_rank, rank_entries
+from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 from ms_deepseek.checkpoint.layout import LAYOUT_FILE, ExpertIds, build_layout, rank_dir_name, read_layout
 from ms_deepseek.checkpoint.opener import open_checkpoint
 from ms_deepseek.checkpoint.safetensors_io import DTYPE_SIZES, read_header, write_file
-from ms_deepseek.checkpoint.sharded import load_rank, rank_entries
-from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.config.model import DeepseekV2Config
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.config.recipe import load_recipe, planning_config_path

@@ -14,12 +14,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from ms_deepseek import cli
-from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.convert.hf import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.convert.sharded import check_loader_slices, load_rank, write_sharded, write_whole
+from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 from ms_deepseek.checkpoint.layout import ExpertIds, build_layout, read_layout
 from ms_deepseek.checkpoint.opener import open_checkpoint
-from ms_deepseek.checkpoint.sharded import check_loader_slices, load_rank, write_sharded, write_whole
 from ms_deepseek.checkpoint.slice_readers import WholeSource
-from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
 from ms_deepseek.checkpoint.weight_files import read_weight_files
 from ms_deepseek.config.inventory import expected_ms_shapes
 from ms_deepseek.config.parallel import ParallelConfig

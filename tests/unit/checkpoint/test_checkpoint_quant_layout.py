@@ -24,8 +24,8 @@ SPECS = [QuantSpec(bits=8, group_size=None), QuantSpec(bits=4, group_size=8)]
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    from ms_deepseek.checkpoint.quantize import quantize_checkpoint
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.convert.quantize import quantize_checkpoint
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("qlayout")
     write_random_checkpoint(root / "hf", small_config(), dtype="float32", layout="hf", seed=3)
@@ -43,8 +43,8 @@ def test_each_rank_reads_the_slice_mindspores_loader_cuts(quantized, spec, par):
     import mindspore as ms
     import mindspore.parallel._tensor as ms_tensor
 
+    from ms_deepseek.checkpoint.convert.sharded import load_rank
     from ms_deepseek.checkpoint.opener import open_checkpoint
-    from ms_deepseek.checkpoint.sharded import load_rank
 
     cfg = small_config()
     opened = open_checkpoint(quantized[spec.bits])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ms_deepseek.checkpoint.quant_format import (
+from ms_deepseek.checkpoint.convert.quant_format import (
     dequantize_array,
     is_quantized_weight,
     pack_int4,
@@ -26,7 +26,7 @@ SMALL = dict(num_hidden_layers=2, vocab_size=512, max_position_embeddings=64)
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
     from ms_deepseek.config.model import get_preset
 
     folder = tmp_path_factory.mktemp("base") / "hf"

@@ -14,8 +14,8 @@ import pytest
 import safetensors
 
 from ms_deepseek import cli
-from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf, parse_size
-from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.checkpoint.convert.hf import hf_to_ms, ms_to_hf, parse_size
+from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 from ms_deepseek.config.inventory import count_parameters, expected_hf_shapes, expected_ms_shapes, zero_width_shapes
 from ms_deepseek.config.model import DeepseekV2Config, get_preset
 from ms_deepseek.core.errors import UserError
@@ -382,7 +382,7 @@ def test_layout_module_imports_without_mindspore():
     import sys
 
     code = (
-        "import sys, ms_deepseek.config.inventory, ms_deepseek.config.names, ms_deepseek.checkpoint.convert; "
+        "import sys, ms_deepseek.config.inventory, ms_deepseek.config.names, ms_deepseek.checkpoint.convert.hf; "
         "assert 'mindspore' not in sys.modules and 'numpy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ms_deepseek import cli
-from ms_deepseek.checkpoint import convert as api
-from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf
-from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+from ms_deepseek.checkpoint.convert import hf as api
+from ms_deepseek.checkpoint.convert.hf import hf_to_ms, ms_to_hf
+from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
 
 from builders import small_config as builders_small_config

@@ -92,8 +92,8 @@ def test_restore_into_hands_a_lazily_built_rank_its_part():
 
     from mindspore.nn.utils import no_init_parameters
 
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
     from ms_deepseek.checkpoint.slice_readers import WholeSource
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
     from ms_deepseek.checkpoint.tensors import model_tensors, restore_into
     from ms_deepseek.checkpoint.weight_files import read_weight_files
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM

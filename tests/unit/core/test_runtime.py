@@ -61,7 +61,7 @@ def test_the_supported_lines_pass_and_name_their_line(found, line):
 
 def test_each_supported_line_has_a_pins_file_that_differs_only_in_mindspore_and_mindformers():
     from ms_deepseek.core.runtime import SUPPORTED_MINDSPORE_LINES, pins_file
-    from ms_deepseek.diagnostics.pins import parse_requirement_lines
+    from ms_deepseek.doctor.pins import parse_requirement_lines
 
     from repo_paths import REPO
 

@@ -14,7 +14,7 @@ VARIANTS = ("lite", "v2", "lite_yarn", "v2_yarn", "yarn_mscale")
 
 import mindspore as ms  # noqa: E402
 
-from ms_deepseek.checkpoint.convert import hf_to_ms, ms_to_hf  # noqa: E402
+from ms_deepseek.checkpoint.convert.hf import hf_to_ms, ms_to_hf  # noqa: E402
 from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM  # noqa: E402
 
 from repo_paths import FIXTURES

@@ -151,7 +151,7 @@ def test_unsupported_peft_options_are_refused_naming_the_key(tmp_path, capsys, e
 
 
 def test_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
     from ms_deepseek.config.model import DeepseekV2Config
 
     cfg = DeepseekV2Config.from_json(FIX / "base" / "config.json").replace(q_lora_rank=8)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor, ops
 
-from ms_deepseek.checkpoint.quant_format import dequantize_array, stored_array
+from ms_deepseek.checkpoint.convert.quant_format import dequantize_array, stored_array
 from ms_deepseek.config.quant import QuantSpec
 from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.quant import QuantLinear, QuantStackedWeight, quantize_model

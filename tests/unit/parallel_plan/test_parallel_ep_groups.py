@@ -79,10 +79,10 @@ def test_simulated_alltoall_runs_over_adjacent_ranks():
     import mindspore as ms
     from mindspore import Tensor
 
-    from ms_deepseek.diagnostics.simulate_moe import simulate_moe_layer
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.parallel_plan.plan import Mesh
+    from ms_deepseek.simulation.moe import simulate_moe_layer
 
     cfg = get_preset(
         "tiny",
@@ -141,8 +141,8 @@ def test_lint_fails_on_the_ep_outer_order():
     # exchange does not deliver it.
     import copy
 
-    from ms_deepseek.diagnostics import simulate as S
     from ms_deepseek.parallel_apply.lint import lint_model
+    from ms_deepseek.simulation import layout as S
 
     par = ParallelConfig(dp=8, tp=1, ep=2)
     ctx = S.build_context(get_preset("tiny"), par, 16)

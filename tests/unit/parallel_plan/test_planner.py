@@ -671,7 +671,7 @@ def test_all_to_all_buffers_are_counted_without_recompute_only():
 def test_full_recompute_keeps_the_layer_input_and_replays_one_layer_at_a_time():
     """ "full" recompute keeps one [n, H] per layer and micro-batch (the layer input) and replays one layer at a time,
     also under a pipeline: the stage's working set does not grow with its layers. MindSpore's level 1 (docs/planner.md)
-    shows both once each layer is its own recompute region (diagnostics/compile_check.py recompute_regions); the
+    shows both once each layer is its own recompute region (verification/compile/check.py recompute_regions); the
     planner counted four tensors a layer and the replays of all but one attention while it was not."""
     from ms_deepseek.parallel_plan.activations import layer_activation_bytes
 

@@ -138,8 +138,8 @@ def test_metrics_records(reference):
 
 
 def test_non_finite_numbers_are_written_as_strings(tmp_path):
+    from ms_deepseek.report.metrics_io import read_metrics
     from ms_deepseek.train.metrics import MetricsWriter, json_number
-    from ms_deepseek.train.metrics_io import read_metrics
 
     assert json_number({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5]}) == {
         "a": "NaN",
@@ -387,8 +387,8 @@ def test_resume_auto_starts_fresh_then_resumes_then_says_complete(reference, dat
 
 def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, tmp_path, monkeypatch, capsys):
     from ms_deepseek.config.recipe import load_recipe_dict
+    from ms_deepseek.report.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train import run_log
-    from ms_deepseek.train.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference

@@ -32,8 +32,8 @@ LAYOUTS = [ParallelConfig(dp=2, ep=2), ParallelConfig(dp=1, tp=2)]
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    from ms_deepseek.checkpoint.quantize import quantize_checkpoint
-    from ms_deepseek.checkpoint.synthetic import write_random_checkpoint
+    from ms_deepseek.checkpoint.convert.quantize import quantize_checkpoint
+    from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("qbase")
     write_random_checkpoint(root / "hf", CFG, dtype="bfloat16", layout="hf", seed=4)

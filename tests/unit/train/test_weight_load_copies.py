@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from ms_deepseek.core.runtime import LOAD_COPIES_ENV
-from ms_deepseek.diagnostics.ir_rules import ir_dump_env
+from ms_deepseek.verification.dryrun import ir_dump_env
 
 from builders import SMALL_MODEL, write_recipe
 
