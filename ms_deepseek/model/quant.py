@@ -23,7 +23,7 @@ Backends:
   stacked experts (one scale row per expert) take the dequantise-then-matmul path on Ascend too,
   every step of which (the unpacking, the scale's Mul, the cast to the compute dtype:
   :data:`DEQUANT_PRIMITIVES`) and the (Batch)MatMul shard by the plan, like the weight
-  (parallel_plan/styles.py ``dequant_layouts``; ``weight_scale``/``weight_offset`` layouts beside ``weight``).
+  (parallel_plan/named_layout.py ``dequant_layouts``; ``weight_scale``/``weight_offset`` layouts beside ``weight``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ms_deepseek.model.layers import Linear
 from ms_deepseek.model.moe import RoutedExperts, StackedWeight, grouped_project, stacked_project
 
 # the dequantisation's primitives (``_Dequant``), each split like the weight by the plan
-# (parallel_plan/styles.py ``dequant_layouts``)
+# (parallel_plan/named_layout.py ``dequant_layouts``)
 DEQUANT_PRIMITIVES = (
     "unpack_first",
     "unpack_cast",
@@ -95,7 +95,7 @@ class _Dequant:
         self.unpack_first = ops.ExpandDims()
         self.unpack_first.add_prim_attr("side_effect_hidden", True)
         # Every step of the unpacking is a named primitive, so that the plan gives each the weight's split
-        # (parallel_plan/styles.py ``dequant_layouts``). An operator without a strategy takes semi_auto's
+        # (parallel_plan/named_layout.py ``dequant_layouts``). An operator without a strategy takes semi_auto's
         # default, its first axis split over all the stage's devices (MindSpore frontend/parallel/step_parallel.cc
         # ExtractStrategyAndInit -> GenerateBatchParallelStrategy; ops_info/operator_info.cc
         # GenerateBatchStrategiesBySplitFlag), and a Parameter takes the layout of the operator that reads it: the

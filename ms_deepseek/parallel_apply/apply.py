@@ -77,7 +77,7 @@ def _shard_custom(prim, layouts) -> None:
 
 
 def _shard_named(prim, named) -> None:
-    """``prim.shard`` with one ``mindspore.parallel.Layout`` per input (``styles.NamedLayout``)."""
+    """``prim.shard`` with one ``mindspore.parallel.Layout`` per input (``named_layout.NamedLayout``)."""
     from mindspore.parallel import Layout
 
     layout = Layout(named.device_matrix, named.axes)
