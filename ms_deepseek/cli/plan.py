@@ -500,7 +500,7 @@ def _run_model(args, hw) -> int:
 
 def _simulate(args, recipe, result) -> int:
     """The planner's verdict, then the simulation's lines; the exit status is the simulation's."""
-    from ms_deepseek.simulation.layout import all_passed, format_results, simulate
+    from ms_deepseek.simulation.simulate import all_passed, format_results, simulate
 
     if not args.json:
         emit(args, result, None)

@@ -177,7 +177,7 @@ def _memory_rank(args, r, red, reduced, par, lines, points):
     --tolerance; False when the rank failed)."""
     from ms_deepseek.parallel_plan.plan import stage_layer_counts
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
-    from ms_deepseek.verification.compile import memory as mc
+    from ms_deepseek.verification.compile import memory_accounting as mc
 
     layers = red.layers
     step_graph = r.graphs.get("step", {})
@@ -226,7 +226,7 @@ def _extrapolate(result, reduction, par, points, lines):
     depth and cut, beside the planner for the recipe as written; the JSON rows."""
     from ms_deepseek.parallel_plan.plan import stage_layer_counts
     from ms_deepseek.parallel_plan.ranks import stage_of_rank
-    from ms_deepseek.verification.compile import memory as mc
+    from ms_deepseek.verification.compile import memory_accounting as mc
 
     extrapolated = []
     full = reduction.full_layers

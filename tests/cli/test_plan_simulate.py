@@ -12,7 +12,7 @@ import pytest
 from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan
-from ms_deepseek.simulation import layout as S
+from ms_deepseek.simulation import simulate as S
 
 from repo_paths import REPO
 
@@ -118,7 +118,7 @@ def test_stage_check_catches_a_misplaced_layer():
 
 
 def test_missing_check_is_not_a_pass(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ms_deepseek.simulation.moe", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "ms_deepseek.simulation.moe_layer", None)  # import -> ImportError
     ctx = S.build_context(TINY, ParallelConfig(dp=2, ep=2), 64)
     result = S.check_moe(ctx)
     assert result.status == "unavailable" and not result.passed

@@ -55,7 +55,7 @@ def _recipe(tmp_path):
 def test_level1_peak_agrees_with_the_planner_and_a_planted_planner_error_does_not(tmp_path):
     from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.parallel_plan.planner import check_recipe_fits, default_precision
-    from ms_deepseek.verification.compile import memory as mc
+    from ms_deepseek.verification.compile import memory_accounting as mc
 
     recipe = _recipe(tmp_path)
     code, out, err = main_captured(

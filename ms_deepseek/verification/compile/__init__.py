@@ -4,5 +4,5 @@
 * :mod:`.worker`    the per-rank process: builds the recipe as ``train`` does and compiles its graphs;
 * :mod:`.ir_rules`  rules read from the dumped IR (folded constants, gathered heads, recompute regions);
 * :mod:`.traffic`   the collectives and bytes MindSpore inserted, per group and kind;
-* :mod:`.memory`    ``--memory``: MindSpore's level-1 accounting of the device memory, beside the planner.
+* :mod:`.memory_accounting`  ``--memory``: MindSpore's level-1 accounting of the device memory, beside the planner.
 """

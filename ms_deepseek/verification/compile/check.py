@@ -17,7 +17,7 @@ What a compile proves: MindSpore's parallel frontend accepts every strategy, lay
 the pipeline and accumulation passes, and lays the parameters out as the plan says. What it does
 not: Ascend kernels (ours and CANN's), HCCL, speed. Device memory: ``plan --compile --memory`` runs the
 workers at ``MS_SIMULATION_LEVEL=1`` instead (the step runs once without kernels and MindSpore accounts
-its memory pool; :mod:`ms_deepseek.verification.compile.memory`).
+its memory pool; :mod:`ms_deepseek.verification.compile.memory_accounting`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class RankJob:
     overrides, the world size, the CANN install (None: stubs), the folder that holds each rank's request, log
     and result, whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
     process runs at ``MS_SIMULATION_LEVEL=1`` (the step runs once without kernels and ``graphs["step"]["memory"]``
-    holds MindSpore's accounting, :mod:`ms_deepseek.verification.compile.memory`), ``heads``: the attention's
+    holds MindSpore's accounting, :mod:`ms_deepseek.verification.compile.memory_accounting`), ``heads``: the attention's
     per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`), and ``par``: the layout,
     to sort each communication operator to the axis it serves (``traffic.by_axis``)."""
 
@@ -156,7 +156,7 @@ def run_rank(job: RankJob, rank: int) -> RankResult:
         str(log),
     )
     if job.memory and result.graphs.get("step", {}).get("ok"):
-        from ms_deepseek.verification.compile.memory import read_accounting
+        from ms_deepseek.verification.compile.memory_accounting import read_accounting
 
         result.graphs["step"]["memory"] = read_accounting(log, folder / f"rank_{rank}")
         return result

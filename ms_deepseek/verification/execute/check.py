@@ -60,7 +60,7 @@ from ms_deepseek.verification.dryrun import compile_environment
 from ms_deepseek.verification.execute import cache as execute_cache
 from ms_deepseek.verification.execute import compare as cmp
 from ms_deepseek.verification.execute import executor as ex
-from ms_deepseek.verification.execute import ranks as xr
+from ms_deepseek.verification.execute import scheduler as xr
 from ms_deepseek.verification.execute.setup import (
     SEQ_LEN,
     ExecReduction,

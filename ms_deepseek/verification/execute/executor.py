@@ -4,7 +4,7 @@ A dry-run compile (``plan --compile``) hands back each rank's compiled training 
 (``_cell_graph_executor._get_func_graph_proto(cell, exec_id, "mind_ir")``, ``mindspore.train.mind_ir_pb2``):
 one flat list of nodes in a valid execution order for that rank, after MindSpore's parallel passes, with
 this rank's slice shapes, every collective MindSpore inserted, the backward and the optimizer update
-(``mindspore/train/mind_ir_pb2.py``; ``mindspore/common/api.py`` ``_CellGraphExecutor``). :class:`RankProgram` decodes one such list; :func:`.ranks.run_ranks` executes
+(``mindspore/train/mind_ir_pb2.py``; ``mindspore/common/api.py`` ``_CellGraphExecutor``). :class:`RankProgram` decodes one such list; :func:`.scheduler.run_ranks` executes
 all ranks' lists together:
 
 * every computing primitive runs on MindSpore's own CPU kernel, called in PyNative with the inputs the node
@@ -43,7 +43,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from ms_deepseek.verification.execute.errors import ExecutionError
+from ms_deepseek.verification.execute.execution_error import ExecutionError
 
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "Broadcast", "_MicroStepAllGather")
 POINT_TO_POINT = ("Send", "Receive")

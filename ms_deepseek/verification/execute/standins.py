@@ -20,7 +20,7 @@ from typing import Tuple
 import numpy as np
 
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.verification.execute.errors import ExecutionError
+from ms_deepseek.verification.execute.execution_error import ExecutionError
 
 
 @functools.lru_cache(maxsize=None)

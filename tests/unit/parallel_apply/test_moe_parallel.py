@@ -3,7 +3,7 @@ the planner reads, and the CPU simulation of the sharded layer (forward and back
 are right and plans that are deliberately wrong.
 
 SEMI_AUTO_PARALLEL cannot compile on CPU: the sharded semantics are checked by
-:func:`ms_deepseek.simulation.moe.simulate_moe_layer`, which runs every virtual rank's share.
+:func:`ms_deepseek.simulation.moe_layer.simulate_moe_layer`, which runs every virtual rank's share.
 """
 
 import mindspore as ms
@@ -19,7 +19,7 @@ from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
 from ms_deepseek.model.moe import DeepseekV2MoE
 from ms_deepseek.parallel_apply.apply import apply_plan
 from ms_deepseek.parallel_plan.plan import Mesh
-from ms_deepseek.simulation.moe import simulate_moe_layer
+from ms_deepseek.simulation.moe_layer import simulate_moe_layer
 
 
 def small_cfg(**kw):

@@ -9,7 +9,7 @@ from ms_deepseek.config.model import get_preset
 from ms_deepseek.config.parallel import ParallelConfig
 from ms_deepseek.parallel_apply.lint import lint_model
 from ms_deepseek.parallel_plan.plan import DEEPSEEK_V2_PLAN, Plan
-from ms_deepseek.simulation import layout as S
+from ms_deepseek.simulation import simulate as S
 
 TINY = get_preset("tiny")
 DENSE = TINY.replace(n_routed_experts=None)  # no MoE: every layer a dense MLP

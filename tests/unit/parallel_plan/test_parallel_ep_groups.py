@@ -82,7 +82,7 @@ def test_simulated_alltoall_runs_over_adjacent_ranks():
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.parallel_apply.apply import apply_plan
     from ms_deepseek.parallel_plan.plan import Mesh
-    from ms_deepseek.simulation.moe import simulate_moe_layer
+    from ms_deepseek.simulation.moe_layer import simulate_moe_layer
 
     cfg = get_preset(
         "tiny",
@@ -142,7 +142,7 @@ def test_lint_fails_on_the_ep_outer_order():
     import copy
 
     from ms_deepseek.parallel_apply.lint import lint_model
-    from ms_deepseek.simulation import layout as S
+    from ms_deepseek.simulation import simulate as S
 
     par = ParallelConfig(dp=8, tp=1, ep=2)
     ctx = S.build_context(get_preset("tiny"), par, 16)

@@ -10,7 +10,7 @@ from mindspore.common import dtype as mstype
 from mindspore.train import mind_ir_pb2 as pb
 
 from ms_deepseek.verification.execute import executor as ex
-from ms_deepseek.verification.execute import ranks as xr
+from ms_deepseek.verification.execute import scheduler as xr
 
 X = np.array([[3.0, 1.0, 2.0], [0.5, 4.0, -1.0]], np.float32)
 

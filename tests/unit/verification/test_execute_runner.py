@@ -14,7 +14,7 @@ from mindspore import Tensor
 from mindspore.common import dtype as mstype
 
 from ms_deepseek.verification.execute import executor as ex
-from ms_deepseek.verification.execute import ranks as xr
+from ms_deepseek.verification.execute import scheduler as xr
 
 
 def _node(out, kind, inputs, **attrs):

@@ -1,9 +1,9 @@
-"""MindSpore's level-1 memory accounting read beside the planner (verification/compile/memory.py)."""
+"""MindSpore's level-1 memory accounting read beside the planner (verification/compile/memory_accounting.py)."""
 
 import pytest
 
 from ms_deepseek.parallel_plan.costs import GB, StageMemory
-from ms_deepseek.verification.compile import memory as mc
+from ms_deepseek.verification.compile import memory_accounting as mc
 
 HEADER = (
     "start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_used_memory,"

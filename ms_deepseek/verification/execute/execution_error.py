@@ -1,4 +1,4 @@
-"""The executor's one error (:mod:`.executor`, :mod:`.ranks`, :mod:`.standins`), in a module of its own
+"""The executor's one error (:mod:`.executor`, :mod:`.scheduler`, :mod:`.standins`), in a module of its own
 so that the references can raise it without importing the executor that loads them."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Registered checks (``CHECKS``, name -> function(ctx) -> CheckResult; add yours w
 :func:`register`):
 
 * ``layout``: the validator's rules on the full-size config (divisibility, world, batch);
-* ``moe``: every MoE layer through ``ms_deepseek.simulation.moe.simulate_moe_layer``
+* ``moe``: every MoE layer through ``ms_deepseek.simulation.moe_layer.simulate_moe_layer``
   (each virtual rank's share of routing, ExpertLookup, dispatch, its local experts, the
   emulated AllToAll and combine, forward and backward, against the unsharded layer);
 * ``data``: the rows every rank reads (``data_coordinates`` + the loader's strided rule)
@@ -275,10 +275,10 @@ def check_moe(ctx: SimContext) -> CheckResult:
     if failed:
         return failed
     try:
-        from ms_deepseek.simulation.moe import simulate_moe_layer
+        from ms_deepseek.simulation.moe_layer import simulate_moe_layer
     except ImportError:
         return CheckResult(
-            "moe", "unavailable", None, "(ms_deepseek.simulation.moe.simulate_moe_layer is not in this build)"
+            "moe", "unavailable", None, "(ms_deepseek.simulation.moe_layer.simulate_moe_layer is not in this build)"
         )
     import mindspore as ms
 
