@@ -194,13 +194,15 @@ class RecipeOrigin:
     """What a loaded recipe was built from, so that a variant of it (more ``--set`` overrides) or its copy in
     another process is built without reading a file again: the mapping as read (``written``), the overrides
     applied to it in order, where it was read (messages start with it), and the architecture ``model.source``
-    gave (the model config's fields before ``model.overrides``) with the source it was read for."""
+    gave (the model config's fields before ``model.overrides``) with the source it was read for and, when that
+    source was not on this machine, the config.json beside the recipe it was read from instead."""
 
     written: Dict[str, Any]
     overrides: Tuple[str, ...]
     source: str
     architecture: Dict[str, Any]
     architecture_of: str
+    architecture_file: Optional[str] = None
 
 
 @dataclass
@@ -259,25 +261,13 @@ class Recipe:
         overrides). No file is read unless an override names another ``model.source``."""
         origin = self._origin()
         try:
-            return load_recipe_dict(
-                origin.written,
-                origin.overrides + tuple(overrides),
-                origin.source,
-                architecture=(origin.architecture_of, origin.architecture),
-            )
+            return load_recipe_dict(origin.written, origin.overrides + tuple(overrides), origin.source, origin=origin)
         except UserError as exc:
             raise UserError(f"{origin.source}: {exc}") from None
 
     def to_request(self) -> Dict[str, Any]:
         """The recipe as JSON-ready data for a worker process (:func:`recipe_from_request` builds it there)."""
-        origin = self._origin()
-        return {
-            "written": origin.written,
-            "overrides": list(origin.overrides),
-            "source": origin.source,
-            "architecture": origin.architecture,
-            "architecture_of": origin.architecture_of,
-        }
+        return dict(dataclasses.asdict(self._origin()), overrides=list(self._origin().overrides))
 
     def _origin(self) -> RecipeOrigin:
         if self.origin is None:
@@ -311,11 +301,15 @@ def planning_config_path(recipe_path: Union[str, Path]) -> List[Path]:
     return [recipe_path.with_name(recipe_path.stem + ".config.json"), recipe_path.with_name("config.json")]
 
 
-def read_architecture(section: ModelSection, config_fallbacks: Sequence[Union[str, Path]] = ()) -> Dict[str, Any]:
-    """The model config fields of ``model.source`` (preset / config.json / folder), before ``model.overrides``.
+def read_architecture(
+    section: ModelSection, config_fallbacks: Sequence[Union[str, Path]] = ()
+) -> Tuple[Dict[str, Any], Optional[Path]]:
+    """The model config fields of ``model.source`` (preset / config.json / folder), before ``model.overrides``,
+    and the fallback file they were read from (None: from ``model.source``).
 
     ``config_fallbacks``: when the source cannot be read, the first of these files that exists
     gives the architecture (``plan``: :func:`planning_config_path`, beside the recipe)."""
+    beside = None
     try:
         cfg = load_model_config(section.source)
     except UserError as exc:
@@ -327,8 +321,9 @@ def read_architecture(section: ModelSection, config_fallbacks: Sequence[Union[st
                 else ""
             )
             raise UserError(f"model.source: {exc}{hint}") from None
-        cfg = load_model_config(beside[0])
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        beside = beside[0]
+        cfg = load_model_config(beside)
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, beside
 
 
 def build_model_config(
@@ -341,7 +336,7 @@ def build_model_config(
     ``architecture``: the fields :func:`read_architecture` gave for this ``model.source`` (nothing is read);
     else they are read, with ``config_fallbacks``."""
     if architecture is None:
-        architecture = read_architecture(section, config_fallbacks)
+        architecture = read_architecture(section, config_fallbacks)[0]
     values = copy.deepcopy(architecture)
     known = set(values)
     for key, value in section.overrides.items():
@@ -421,10 +416,10 @@ def load_recipe_dict(
     overrides: Sequence[str] = (),
     source: str = "recipe",
     config_fallbacks: Sequence[Union[str, Path]] = (),
-    architecture: Optional[Tuple[str, Dict[str, Any]]] = None,
+    origin: Optional[RecipeOrigin] = None,
 ) -> Recipe:
-    """A recipe from its mapping and ``--set`` overrides. ``architecture``: (``model.source``, its fields) already
-    read (:class:`RecipeOrigin`), used when the recipe names that source; else the source is read."""
+    """A recipe from its mapping and ``--set`` overrides. ``origin``: what a recipe was loaded from; its
+    architecture is used when this recipe names the same ``model.source``, else the source is read."""
     written = copy.deepcopy(data) if data else {}
     if not isinstance(written, dict):
         raise UserError(f"{source}: expected a YAML mapping of sections (model, data, train, ...)")
@@ -435,22 +430,22 @@ def load_recipe_dict(
             data[key] = {}
     recipe = from_dict(Recipe, data)
     recipe.source_path = source
-    known = architecture[1] if architecture is not None and architecture[0] == recipe.model.source else None
-    arch = known if known is not None else read_architecture(recipe.model, config_fallbacks)
+    if origin is not None and origin.architecture_of == recipe.model.source:
+        arch, beside = origin.architecture, origin.architecture_file
+    else:
+        arch, beside = read_architecture(recipe.model, config_fallbacks)
     recipe.model_config = build_model_config(recipe.model, architecture=arch)
-    recipe.origin = RecipeOrigin(written, tuple(overrides), source, arch, recipe.model.source)
+    recipe.origin = RecipeOrigin(
+        written, tuple(overrides), source, arch, recipe.model.source, None if beside is None else str(beside)
+    )
     validate(recipe)
     return recipe
 
 
 def recipe_from_request(request: Dict[str, Any]) -> Recipe:
     """The recipe :meth:`Recipe.to_request` wrote, built in this process from that data alone (no file is read)."""
-    return load_recipe_dict(
-        request["written"],
-        request["overrides"],
-        request["source"],
-        architecture=(request["architecture_of"], request["architecture"]),
-    )
+    origin = RecipeOrigin(**dict(request, overrides=tuple(request["overrides"])))
+    return load_recipe_dict(origin.written, origin.overrides, origin.source, origin=origin)
 
 
 def _nearest_recipe(path: Path) -> str:
