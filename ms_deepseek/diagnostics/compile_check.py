@@ -243,8 +243,9 @@ def compile_environment(rank: int, world: int, cann: Optional[str], ir_dir: Path
 @dataclass
 class RankJob:
     """What a rank's compile worker is given, the same for every rank of one compile: the recipe as the worker
-    builds it (:meth:`~ms_deepseek.config.recipe.Recipe.to_request`: the loaded recipe and its overrides), the world size, the CANN install (None: stubs), the folder that holds each rank's request, log
-    and result, whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
+    builds it (:meth:`~ms_deepseek.config.recipe.Recipe.to_request`: the loaded recipe and its overrides), the
+    world size, the CANN install (None: stubs), the folder that holds each rank's request, log and result,
+    whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
     process runs at ``MS_SIMULATION_LEVEL=1`` (the step runs once without kernels and ``graphs["step"]["memory"]``
     holds MindSpore's accounting, :mod:`ms_deepseek.diagnostics.memory_check`), ``heads``: the attention's
     per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`), and ``par``: the layout,

@@ -203,9 +203,9 @@ def _worker_failure(folder: Path, rank: int) -> List[str]:
 
 def _start_reference(recipe, batches, steps: int, work: Path, ep: int):
     """The one-device run of ``recipe`` in its own CPU process (:mod:`.execute_reference`), started beside the
-    compile workers;
-    its balance losses over the ``ep`` device groups of the layout it is compared with. Returns the process (None
-    when :mod:`.execute_cache` held the same run and restored it) and the run's cache key (None without a cache folder)."""
+    compile workers; its balance losses over the ``ep`` device groups of the layout it is compared with. Returns
+    the process (None when :mod:`.execute_cache` held the same run and restored it) and the run's cache key (None
+    without a cache folder)."""
     folder = work / "one_device"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {}
