@@ -310,13 +310,9 @@ def _recipe_for_dry_run(args: argparse.Namespace, not_checked: List[str]):
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
     from ms_deepseek.train.preflight import check_recipe
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except UserError as exc:
-        if ": model.source: " not in str(exc):
-            raise
-        recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
-        beside = next(p for p in planning_config_path(args.recipe) if p.is_file())
+    recipe = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))  # read once
+    beside = recipe.origin.architecture_file
+    if beside is not None:
         not_checked.append(f"model.source: {recipe.model.source} is not here (architecture read from {beside})")
     try:
         check_recipe(recipe)

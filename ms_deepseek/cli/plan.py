@@ -28,6 +28,7 @@ Exit status: 0 when the answer fits, 1 when it does not, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -49,8 +50,10 @@ from ms_deepseek.cli.plan_recipe import (
     parse_stage_layers,
     precision,
     quant_workload,
+    read_recipe,
     refuse_invalid,
 )
+from ms_deepseek.cli.plan_request import PlanRequest
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.core.schema import MAX_BATCH, MAX_DEVICES, MAX_TOKENS
 
@@ -313,78 +316,76 @@ def _pair(flag: str, text: Optional[str], low: float, high: float, zero_ok: bool
     return values[0], values[-1]
 
 
-def _hardware(args):
-    import dataclasses
-
+def _hardware(req: PlanRequest):
     from ms_deepseek.parallel_plan.costs import HIGH, LOW, Hardware
 
-    compute = _pair("--compute-efficiency", args.compute_efficiency, LOW.compute, HIGH.compute, False)
-    comm = _pair("--comm-efficiency", args.comm_efficiency, LOW.comm, HIGH.comm, False)
-    overlap = _pair("--overlap", args.overlap, LOW.overlap, HIGH.overlap, True)
+    compute = _pair("--compute-efficiency", req.compute_efficiency, LOW.compute, HIGH.compute, False)
+    comm = _pair("--comm-efficiency", req.comm_efficiency, LOW.comm, HIGH.comm, False)
+    overlap = _pair("--overlap", req.overlap, LOW.overlap, HIGH.overlap, True)
     low = dataclasses.replace(LOW, compute=compute[0], comm=comm[0], overlap=overlap[0])
     high = dataclasses.replace(HIGH, compute=compute[1], comm=comm[1], overlap=overlap[1])
     return Hardware(
-        hbm_gb=args.hbm_gb or 64.0,
-        peak_tflops=args.peak_tflops,
-        hbm_tbps=args.hbm_tbps,
-        hccs_gbps=args.hccs_gbps,
-        roce_gbps=args.roce_gbps,
-        npus_per_node=args.npus_per_node,
-        runtime_reserved_gb=args.runtime_reserved_gb,
-        hccl_buffer_mb=args.hccl_buffer_mb,
-        workspace_gb=args.workspace_gb,
+        hbm_gb=req.hbm_gb or 64.0,
+        peak_tflops=req.peak_tflops,
+        hbm_tbps=req.hbm_tbps,
+        hccs_gbps=req.hccs_gbps,
+        roce_gbps=req.roce_gbps,
+        npus_per_node=req.npus_per_node,
+        runtime_reserved_gb=req.runtime_reserved_gb,
+        hccl_buffer_mb=req.hccl_buffer_mb,
+        workspace_gb=req.workspace_gb,
         low=low,
         high=high,
     )
 
 
-def _model(args):
+def _model(req: PlanRequest):
     from ms_deepseek.config.model import load_model_config
 
-    cfg = load_model_config(args.model)
-    changes = {"compute_dtype": args.compute_dtype or "bfloat16"}
-    if args.param_dtype:
-        changes["param_dtype"] = args.param_dtype
-    if args.capacity_factor is not None:
-        changes["capacity_factor"] = args.capacity_factor
+    cfg = load_model_config(req.model)
+    changes = {"compute_dtype": req.compute_dtype or "bfloat16"}
+    if req.param_dtype:
+        changes["param_dtype"] = req.param_dtype
+    if req.capacity_factor is not None:
+        changes["capacity_factor"] = req.capacity_factor
     elif cfg.has_moe and cfg.capacity_factor is None:
         changes["capacity_factor"] = 1.0
     return cfg.replace(**changes)
 
 
-def _layout(args, npus: int, global_batch: int):
+def _layout(req: PlanRequest, npus: int, global_batch: int):
     from ms_deepseek.config.parallel import ParallelConfig
 
-    tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
-    if args.dp is None:
+    tp, pp, ep = req.tp or 1, req.pp or 1, req.ep or 1
+    if req.dp is None:
         if npus % (tp * pp):
             raise UserError(f"--npus {npus} is not divisible by tp*pp = {tp * pp}")
         dp = npus // (tp * pp)
     else:
-        dp = args.dp
-    micro = args.micro_batches
+        dp = req.dp
+    micro = req.micro_batches
     if micro is None:
-        per_rank = global_batch // max(1, dp * (args.micro_batch_size or 1))
+        per_rank = global_batch // max(1, dp * (req.micro_batch_size or 1))
         micro = per_rank if pp > 1 else 1
-    stage_layers = parse_stage_layers(args.stage_layers) if args.stage_layers else None
+    stage_layers = parse_stage_layers(req.stage_layers) if req.stage_layers else None
     return ParallelConfig(
         dp=dp,
         tp=tp,
         pp=pp,
         ep=ep,
         micro_batches=max(1, micro),
-        recompute=args.recompute or "none",
-        optimizer_shard=args.optimizer_shard,
-        sequence_parallel=args.sequence_parallel,
-        vocab_parallel=not args.no_vocab_parallel,
+        recompute=req.recompute or "none",
+        optimizer_shard=req.optimizer_shard,
+        sequence_parallel=req.sequence_parallel,
+        vocab_parallel=not req.no_vocab_parallel,
         stage_layers=stage_layers,
-        hbm_gb=args.hbm_gb or 64.0,
+        hbm_gb=req.hbm_gb or 64.0,
     )
 
 
-def _positive(args, *keys):
+def _positive(req: PlanRequest, *keys):
     for key in keys:
-        value = getattr(args, key)
+        value = getattr(req, key)
         if value is None:
             raise UserError(f"--{key.replace('_', '-')}: required (or pass --recipe)")
         if value < 1:
@@ -392,120 +393,121 @@ def _positive(args, *keys):
 
 
 def run(args: argparse.Namespace) -> int:
-    hw = _hardware(args)
-    _refuse_misplaced_flags(args)
-    if args.execute:
+    req = PlanRequest.from_args(args)  # the edge: nothing below reads the namespace
+    hw = _hardware(req)
+    _refuse_misplaced_flags(req)
+    if req.execute:
         from ms_deepseek.cli.plan_checks import run_execute
 
-        return run_execute(args, hw)
-    if args.compile:
+        return run_execute(req, hw)
+    if req.compile:
         from ms_deepseek.cli.plan_checks import run_compile
 
-        return run_compile(args, hw)
-    if args.recipe:
-        return _run_recipe(args, hw)
-    return _run_model(args, hw)
+        return run_compile(req, hw)
+    if req.recipe:
+        return _run_recipe(req, hw)
+    return _run_model(req, hw)
 
 
-def _refuse_misplaced_flags(args) -> None:
+def _refuse_misplaced_flags(req: PlanRequest) -> None:
     """Flags given where they mean nothing (or with a check they cannot join) are bad input."""
-    if args.simulate and not args.recipe:
+    if req.simulate and not req.recipe:
         raise UserError("--simulate: needs --recipe RECIPE (the model, sequence length and layout to simulate)")
-    if args.memory and not args.compile:
+    if req.memory and not req.compile:
         raise UserError("--memory: only with --compile (MindSpore's level-1 dry run of the recipe's step)")
-    if args.tolerance != 0.10 and not args.memory:
+    if req.tolerance != 0.10 and not req.memory:
         raise UserError("--tolerance: only with --compile --memory")
-    if args.steps is not None and not args.execute:
+    if req.steps is not None and not req.execute:
         raise UserError("--steps: only with --execute")
-    if args.execute:
-        _refuse_with_execute(args)
+    if req.execute:
+        _refuse_with_execute(req)
         return
-    if not args.compile:
+    if not req.compile:
         for flag in ("layers", "cann", "keep"):
-            if getattr(args, flag) is not None:
+            if getattr(req, flag) is not None:
                 raise UserError(f"--{flag}: only with --compile or --execute")
-        if args.ranks != "default" or args.no_eval:
-            raise UserError(f"--{'ranks' if args.ranks != 'default' else 'no-eval'}: only with --compile")
-    if args.compile:
-        if not args.recipe:
+        if req.ranks != "default" or req.no_eval:
+            raise UserError(f"--{'ranks' if req.ranks != 'default' else 'no-eval'}: only with --compile")
+    if req.compile:
+        if not req.recipe:
             raise UserError("--compile: needs --recipe RECIPE (the recipe whose graphs MindSpore compiles)")
-        if args.simulate:
+        if req.simulate:
             raise UserError("--compile and --simulate: one at a time")
 
 
-def _refuse_with_execute(args) -> None:
-    if not args.recipe:
+def _refuse_with_execute(req: PlanRequest) -> None:
+    if not req.recipe:
         raise UserError("--execute: needs --recipe RECIPE (the recipe whose ranks are executed)")
-    for flag, on in (("compile", args.compile), ("simulate", args.simulate), ("memory", args.memory)):
+    for flag, on in (("compile", req.compile), ("simulate", req.simulate), ("memory", req.memory)):
         if on:
             raise UserError(f"--execute and --{flag}: one at a time")
     for flag in ("layers", "micro_batches"):
-        if getattr(args, flag) is not None:
+        if getattr(req, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')}: not with --execute (it chooses its own reduction)")
-    if args.ranks != "default" or args.no_eval:
-        raise UserError(f"--{'ranks' if args.ranks != 'default' else 'no-eval'}: not with --execute (every rank runs)")
+    if req.ranks != "default" or req.no_eval:
+        raise UserError(f"--{'ranks' if req.ranks != 'default' else 'no-eval'}: not with --execute (every rank runs)")
 
 
-def _run_recipe(args, hw) -> int:
+def _run_recipe(req: PlanRequest, hw) -> int:
     """``--recipe R``: the planner's verdict on the recipe's layout (or, with --simulate, the CPU simulation)."""
-    result, recipe, note = check_recipe(args, hw)
+    result, recipe, note = check_recipe(req, hw, read_recipe(req))
     refuse_invalid(result)
-    if args.simulate:
-        return _simulate(args, recipe, result)
-    emit(args, result, None)
-    if note and not args.json:
+    if req.simulate:
+        return _simulate(req, recipe, result)
+    emit(req, result, None)
+    if note and not req.json:
         print(note)
     return 0 if result.fits else 1
 
 
-def _run_model(args, hw) -> int:
+def _run_model(req: PlanRequest, hw) -> int:
     """``--model M --npus N ...``: one layout checked (any of --dp/--tp/--pp/--ep given), else a search."""
     from ms_deepseek.parallel_plan.planner import estimate, search
     from ms_deepseek.parallel_plan.workload import Workload
 
-    if not args.model:
+    if not req.model:
         raise UserError("--model: required (a preset, config.json or checkpoint folder), or pass --recipe")
-    args.micro_batch_size = args.micro_batch_size or 1
-    _positive(args, "npus", "seq_len", "global_batch", "micro_batch_size")
-    cfg = _model(args)
-    prec = precision(args, cfg)
-    lora = lora_workload(args, None)
+    req = dataclasses.replace(req, micro_batch_size=req.micro_batch_size or 1)
+    _positive(req, "npus", "seq_len", "global_batch", "micro_batch_size")
+    cfg = _model(req)
+    prec = precision(req, cfg)
+    lora = lora_workload(req, None)
     workload = Workload(
-        seq_len=args.seq_len,
-        global_batch_size=args.global_batch,
-        micro_batch_size=args.micro_batch_size,
-        flash_attention=args.flash_attention,
+        seq_len=req.seq_len,
+        global_batch_size=req.global_batch,
+        micro_batch_size=req.micro_batch_size,
+        flash_attention=req.flash_attention,
         lora=lora,
-        quant=quant_workload(args, None, lora),
+        quant=quant_workload(req, None, lora),
     )
-    if any(getattr(args, k) is not None for k in ("dp", "tp", "pp", "ep")):
-        layout = _layout(args, args.npus, args.global_batch)
-        result = estimate(cfg, layout, workload, prec, hw, world_size=args.npus)
+    if any(getattr(req, k) is not None for k in ("dp", "tp", "pp", "ep")):
+        layout = _layout(req, req.npus, req.global_batch)
+        result = estimate(cfg, layout, workload, prec, hw, world_size=req.npus)
         refuse_invalid(result)
-        emit(args, result, None)
+        emit(req, result, None)
         return 0 if result.fits else 1
     ranked = search(
         cfg,
-        args.npus,
+        req.npus,
         workload,
         prec,
         hw,
-        top=max(1, args.top or 5),
+        top=max(1, req.top or 5),
         progress=True,
-        announce=lambda n: print(f"plan: estimating {n} layouts of {args.npus} NPUs ...", file=sys.stderr, flush=True),
+        announce=lambda n: print(f"plan: estimating {n} layouts of {req.npus} NPUs ...", file=sys.stderr, flush=True),
     )
-    emit(args, ranked[0], ranked)
+    emit(req, ranked[0], ranked)
     return 0 if ranked[0].fits else 1
 
 
-def _simulate(args, recipe, result) -> int:
+def _simulate(req: PlanRequest, recipe, result) -> int:
     """The planner's verdict, then the simulation's lines; the exit status is the simulation's."""
     from ms_deepseek.simulation.simulate import all_passed, format_results, simulate
 
-    if not args.json:
-        emit(args, result, None)
+    if not req.json:
+        emit(req, result, None)
     results = simulate(recipe.model_config, recipe.parallel, recipe.seq_len, recipe.train.micro_batch_size)
-    if args.json:
+    if req.json:
         out = result.to_dict()
         out["simulation"] = [
             {"check": r.name, "status": r.status, "max_err": r.max_err, "detail": r.detail} for r in results

@@ -9,52 +9,55 @@ import os
 import sys
 from pathlib import Path
 
-from ms_deepseek.cli.plan_recipe import check_recipe, recipe_overrides, refuse_invalid
+from ms_deepseek.cli.plan_recipe import check_recipe, read_recipe, refuse_invalid
+from ms_deepseek.cli.plan_request import PlanRequest
 from ms_deepseek.core.errors import UserError
 
 
-def _keep_dir(args):
+def _keep_dir(req: PlanRequest):
     """``--keep DIR`` as a path (None without it); refused when it names something other than a folder."""
-    keep = Path(args.keep) if args.keep else None
+    keep = Path(req.keep) if req.keep else None
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UserError(f"--keep: {keep} exists and is not a folder")
     return keep
 
 
-def _progress(args):
+def _progress(req: PlanRequest):
     """Progress lines on stderr, none with --json."""
-    return (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    return (lambda msg: None) if req.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
-def run_compile(args, hw) -> int:
+def run_compile(req: PlanRequest, hw) -> int:
     """MindSpore's dry run compiles the recipe's graphs for the selected ranks (verification.compile.check)."""
     from ms_deepseek.core.runtime import check_mindspore_version
     from ms_deepseek.verification import dryrun
     from ms_deepseek.verification.compile import check as cc
 
     check_mindspore_version()
-    micro_batches, args.micro_batches = args.micro_batches, None  # the compiled count, not the recipe's
-    result, recipe, _ = check_recipe(args, hw)
+    micro_batches = req.micro_batches
+    req = dataclasses.replace(req, micro_batches=None)  # --micro-batches is the compiled count, not the recipe's
+    written = read_recipe(req)
+    result, recipe, _ = check_recipe(req, hw, written)
     refuse_invalid(result)
     par = recipe.parallel
-    reduction = dryrun.default_reduction(recipe, args.layers, micro_batches, moe_per_stage=2 if args.memory else 1)
-    ranks = cc.parse_ranks(args.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
-    cann = args.cann or os.environ.get("ASCEND_HOME_PATH")
-    keep = _keep_dir(args)
-    say = _progress(args)
+    reduction = dryrun.default_reduction(recipe, req.layers, micro_batches, moe_per_stage=2 if req.memory else 1)
+    ranks = cc.parse_ranks(req.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
+    cann = req.cann or os.environ.get("ASCEND_HOME_PATH")
+    keep = _keep_dir(req)
+    say = _progress(req)
     if not cann:
         from ms_deepseek.verification.cann_stubs import cache_key, cache_root
 
-        if not (cache_root() / cache_key(level=1 if args.memory else 0) / "MANIFEST").is_file():
+        if not (cache_root() / cache_key(level=1 if req.memory else 0) / "MANIFEST").is_file():
             say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
-    if args.memory:
+    if req.memory:
         setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=False, memory=True, progress=say)
-        return run_memory(args, hw, result, recipe, reduction, ranks, setup)
-    setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=not args.no_eval, progress=say)
-    report = _compile_recipe(args, recipe, ranks, reduction, setup)
-    reduced = reduced_plan(args, hw, reduction)
+        return run_memory(req, hw, (written, result, recipe), reduction, ranks, setup)
+    setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=not req.no_eval, progress=say)
+    report = cc.compile_recipe(recipe, ranks, reduction, setup)
+    reduced, _, _ = check_recipe(req, hw, written, reduction.overrides())  # the planner on the compiled model
     report.price_traffic(reduced.stage_comm_gb)
-    if args.json:
+    if req.json:
         out = report.to_dict()
         out["planner"] = result.to_dict()
         out["planner_reduced"] = reduced.to_dict()
@@ -64,61 +67,41 @@ def run_compile(args, hw) -> int:
     return 0 if report.ok else 1
 
 
-def _compile_recipe(args, recipe, ranks, reduction, setup):
-    """``compile.check.compile_recipe`` on the recipe with the command line's --set and the plan flags standing
-    for recipe keys."""
-    from ms_deepseek.verification.compile import check as cc
-
-    overrides = list(args.overrides) + recipe_overrides(args)
-    return cc.compile_recipe(args.recipe, recipe, overrides, ranks, reduction, setup)
-
-
-def reduced_plan(args, hw, reduction):
-    """The planner's result for the reduced model a compile ran (its depth, stage cut and micro-batches)."""
-    saved = list(args.overrides)
-    try:
-        args.overrides = saved + reduction.overrides()
-        reduced, _, _ = check_recipe(args, hw)
-    finally:
-        args.overrides = saved
-    return reduced
-
-
-def run_execute(args, hw) -> int:
+def run_execute(req: PlanRequest, hw) -> int:
     """``--execute``: every rank's compiled program of the reduced recipe run on CPU against one device."""
     from ms_deepseek.core.runtime import check_mindspore_version
     from ms_deepseek.verification.execute import check as ec
 
     check_mindspore_version()
-    result, recipe, _ = check_recipe(args, hw)
+    result, recipe, _ = check_recipe(req, hw, read_recipe(req))
     refuse_invalid(result)
-    keep = _keep_dir(args)
-    say = _progress(args)
+    keep = _keep_dir(req)
+    say = _progress(req)
     report = ec.execute_recipe(
-        args.recipe,
         recipe,
-        list(args.overrides) + recipe_overrides(args),
-        steps=args.steps or 2,
-        cann=args.cann or os.environ.get("ASCEND_HOME_PATH"),
+        steps=req.steps or 2,
+        cann=req.cann or os.environ.get("ASCEND_HOME_PATH"),
         work=keep,
         progress=say,
     )
-    if args.json:
+    if req.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(ec.format_report(report))
     return 0 if report.ok else 1
 
 
-def run_memory(args, hw, result, recipe, reduction, ranks, setup) -> int:
-    """``--compile --memory``: each rank at two depths under MindSpore's level-1 dry run, beside the planner."""
+def run_memory(req: PlanRequest, hw, recipes, reduction, ranks, setup) -> int:
+    """``--compile --memory``: each rank at two depths under MindSpore's level-1 dry run, beside the planner.
+    ``recipes``: the recipe as read (:func:`read_recipe`), the planner's verdict on it and the recipe planned."""
+    written, result, recipe = recipes
     par = recipe.parallel
     step = max(1, par.pp)  # one more layer per pipeline stage (an MoE layer each: Reduction.stage_layers)
     depths = [reduction.layers] + (
         [reduction.layers + step] if reduction.layers + step <= reduction.full_layers else []
     )
     out = {
-        "recipe": args.recipe,
+        "recipe": req.recipe,
         "world_size": par.world_size,
         "layout": par.describe(),
         "depths": [],
@@ -126,16 +109,16 @@ def run_memory(args, hw, result, recipe, reduction, ranks, setup) -> int:
         "micro_batches_kind": reduction.what,
         "full_micro_batches": reduction.full_micro_batches,
         "full_layers": reduction.full_layers,
-        "tolerance": args.tolerance,
+        "tolerance": req.tolerance,
     }
     lines = [
-        f"memory {args.recipe}: {par.describe()}, world {par.world_size}; MindSpore's dry run at level 1 "
+        f"memory {req.recipe}: {par.describe()}, world {par.world_size}; MindSpore's dry run at level 1 "
         "(MS_SIMULATION_LEVEL=1: the step runs once without kernels; nothing is saved)"
     ]
     ok, points = True, {}
     for layers in depths:
         entry, depth_ok = _memory_depth(
-            args, hw, recipe, dataclasses.replace(reduction, layers=layers), ranks, setup, lines, points
+            req, hw, (written, recipe), dataclasses.replace(reduction, layers=layers), ranks, setup, lines, points
         )
         ok = ok and depth_ok
         out["depths"].append(entry)
@@ -150,29 +133,33 @@ def run_memory(args, hw, result, recipe, reduction, ranks, setup) -> int:
         "  (MindSpore's level 1 does not count kernel workspaces, HCCL buffers or the runtime's reserve: "
         "the planner's margin)"
     )
-    print(json.dumps(out, indent=2) if args.json else "\n".join(lines))
+    print(json.dumps(out, indent=2) if req.json else "\n".join(lines))
     return 0 if ok else 1
 
 
-def _memory_depth(args, hw, recipe, red, ranks, setup, lines, points):
+def _memory_depth(req: PlanRequest, hw, recipes, red, ranks, setup, lines, points):
     """One depth of ``--memory``: the selected ranks compiled and run at level 1 with ``red``'s layers, each beside
-    the planner on the same reduced model; (the depth's JSON entry, whether every rank agreed). Each rank's
-    (layers on its stage, planner total, MindSpore total) is added to ``points``."""
+    the planner on the same reduced model; (the depth's JSON entry, whether every rank agreed). ``recipes``: the
+    recipe as read and the recipe planned. Each rank's (layers on its stage, planner total, MindSpore total) is
+    added to ``points``."""
+    from ms_deepseek.verification.compile import check as cc
+
+    written, recipe = recipes
     layers = red.layers
-    reduced = reduced_plan(args, hw, red)  # the planner on the same reduced model
+    reduced, _, _ = check_recipe(req, hw, written, red.overrides())  # the planner on the same reduced model
     work = setup.work / f"layers_{layers}" if setup.work else None
-    report = _compile_recipe(args, recipe, ranks, red, dataclasses.replace(setup, work=work))
+    report = cc.compile_recipe(recipe, ranks, red, dataclasses.replace(setup, work=work))
     lines.append(f"  {red.describe()} ({report.provider})")
     entry = {"layers": layers, "stage_layers": red.stage_layers, "ranks": []}
     ok = True
     for r in report.ranks:
-        row, rank_ok = _memory_rank(args, r, red, reduced, recipe.parallel, lines, points)
+        row, rank_ok = _memory_rank(req, r, red, reduced, recipe.parallel, lines, points)
         ok = ok and rank_ok
         entry["ranks"].append(row)
     return entry, ok
 
 
-def _memory_rank(args, r, red, reduced, par, lines, points):
+def _memory_rank(req: PlanRequest, r, red, reduced, par, lines, points):
     """One rank's level-1 accounting beside the planner's stage: (its JSON row, whether it is within
     --tolerance; False when the rank failed)."""
     from ms_deepseek.parallel_plan.plan import stage_layer_counts
@@ -189,7 +176,7 @@ def _memory_rank(args, r, red, reduced, par, lines, points):
         return {"rank": r.rank, "ok": False, "error": why, "log": r.log}, False
     stage = stage_of_rank(r.rank, par)
     comp = mc.compare(reduced.stages[stage], acct, r.rank, layers)
-    within = abs(comp.ratio - 1.0) <= args.tolerance
+    within = abs(comp.ratio - 1.0) <= req.tolerance
     # x: the layers of the rank's own stage, the quantity the memory grows with
     on_stage = stage_layer_counts(layers, par.pp, red.stage_layers)[stage]
     points.setdefault(r.rank, []).append((on_stage, comp.planner_total, comp.ms_total))
@@ -198,7 +185,7 @@ def _memory_rank(args, r, red, reduced, par, lines, points):
         f", peak host memory {r.peak_rss_mb / 1024:.1f} GB"
     )
     lines += mc.format_comparison(comp)
-    lines.append("    " + ("within" if within else "OUTSIDE") + f" the tolerance {args.tolerance:.0%}")
+    lines.append("    " + ("within" if within else "OUTSIDE") + f" the tolerance {req.tolerance:.0%}")
     big = ", ".join(
         f"{b['name']} x{b['blocks']} {b['mb'] / 1024:.2f}G ({b['category']})"
         for b in acct.get("largest_at_peak", [])[:6]

@@ -8,8 +8,9 @@ from typing import List, Optional
 from ms_deepseek.parallel_plan.costs import MEMORY_CATEGORIES, QUANT_CATEGORIES
 
 
-def emit(args, result, ranked: Optional[List]) -> None:
-    if args.json:
+def emit(req, result, ranked: Optional[List]) -> None:
+    """The verdict (and the other ranked layouts of a search) as text, or as one JSON object with ``req.json``."""
+    if req.json:
         out = result.to_dict()
         if ranked is not None:
             out["ranked"] = [r.to_dict() for r in ranked]

@@ -4,22 +4,23 @@ plan flags that stand for its keys (refusing those it answers), checked by the p
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Sequence
 
 from ms_deepseek.cli.args import resolve_layout
+from ms_deepseek.cli.plan_request import PlanRequest
 from ms_deepseek.core.errors import UserError
 
 
-def precision(args, cfg):
+def precision(req: PlanRequest, cfg):
     from ms_deepseek.core.dtypes import itemsize
     from ms_deepseek.parallel_plan.workload import Precision
 
     return Precision(
         compute_bytes=itemsize(cfg.compute_dtype),
-        grad_bytes=args.grad_bytes,
-        optimizer_bytes=8 if args.optimizer_bytes is None else args.optimizer_bytes,
-        master_bytes=args.master_bytes or 0,
-        optimizer_level=args.optimizer_level or "level1",
+        grad_bytes=req.grad_bytes,
+        optimizer_bytes=8 if req.optimizer_bytes is None else req.optimizer_bytes,
+        master_bytes=req.master_bytes or 0,
+        optimizer_level=req.optimizer_level or "level1",
     )
 
 
@@ -36,21 +37,21 @@ def refuse_invalid(result) -> None:
         raise UserError(f"invalid layout {result.layout.describe()}: " + "; ".join(result.problems))
 
 
-def lora_workload(args, section):
+def lora_workload(req: PlanRequest, section):
     """The LoRA workload from --lora-r / --lora-targets / --train-router over the recipe's section."""
     from ms_deepseek.config.lora import DEFAULT_TARGETS, LORA_TARGETS, LoraSpec
 
-    if args.lora_r is None and args.lora_targets is None and section is None:
-        if args.train_router:
+    if req.lora_r is None and req.lora_targets is None and section is None:
+        if req.train_router:
             raise UserError("--train-router: only with LoRA (--lora-r or a recipe lora: section)")
         return None
-    r = args.lora_r if args.lora_r is not None else (section.r if section is not None else None)
+    r = req.lora_r if req.lora_r is not None else (section.r if section is not None else None)
     if r is None:
         raise UserError("--lora-targets: needs --lora-r (the adapter rank)")
     if r < 1:
         raise UserError(f"--lora-r: must be >= 1, got {r}")
-    if args.lora_targets is not None:
-        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if req.lora_targets is not None:
+        targets = tuple(t.strip() for t in req.lora_targets.split(",") if t.strip())
         for t in targets:
             if t.rsplit(".", 1)[-1] not in LORA_TARGETS:
                 raise UserError(f"--lora-targets: unknown target module {t!r}; known: {', '.join(LORA_TARGETS)}")
@@ -58,24 +59,24 @@ def lora_workload(args, section):
             raise UserError("--lora-targets: empty")
     else:
         targets = tuple(section.target_modules) if section is not None else DEFAULT_TARGETS
-    train_router = args.train_router or bool(section is not None and section.train_router)
+    train_router = req.train_router or bool(section is not None and section.train_router)
     # the section's dropout sizes activations too (activations.lora_dropout_bytes); --lora-r alone: none
     dropout = section.dropout if section is not None else 0.0
     return LoraSpec(r=int(r), dropout=dropout, target_modules=list(targets), train_router=train_router)
 
 
-def quant_workload(args, section, lora):
+def quant_workload(req: PlanRequest, section, lora):
     """The quantized base from --quant-bits / --quant-group-size over the recipe's ``quant:`` section."""
     from ms_deepseek.config.quant import QuantSpec
 
-    if args.quant_bits is None and args.quant_group_size is None:
+    if req.quant_bits is None and req.quant_group_size is None:
         return section
-    bits = args.quant_bits if args.quant_bits is not None else (section.bits if section is not None else None)
+    bits = req.quant_bits if req.quant_bits is not None else (section.bits if section is not None else None)
     if bits is None:
         raise UserError("--quant-group-size: needs --quant-bits (4 or 8)")
     if lora is None:
         raise UserError("--quant-bits: only with LoRA (--lora-r or a recipe lora: section): a quantized base is frozen")
-    group = args.quant_group_size
+    group = req.quant_group_size
     if group is None and section is not None:
         group = section.group_size
     try:
@@ -108,42 +109,54 @@ _REFUSED_WITH_RECIPE = {
 }
 
 
-def recipe_overrides(args) -> List[str]:
-    """The --set strings the plan flags given with --recipe stand for (refusing those it answers)."""
+def _refuse_answered(req: PlanRequest) -> None:
+    """The plan flags a recipe already answers are refused with --recipe."""
     for key, why in _REFUSED_WITH_RECIPE.items():
-        if getattr(args, key) is not None:
+        if getattr(req, key) is not None:
             raise UserError(f"--{key.replace('_', '-')}: not with --recipe; {why}")
+
+
+def recipe_overrides(req: PlanRequest) -> List[str]:
+    """The --set strings the plan flags given with --recipe stand for (refusing those it answers)."""
+    _refuse_answered(req)
     sets = []
     for key, to_set in _AS_SET.items():
-        value = getattr(args, key)
+        value = getattr(req, key)
         if value is not None and value is not False:
             sets.append(to_set(value))
     return sets
 
 
-def check_recipe(args, hw):
-    import dataclasses
-
+def read_recipe(req: PlanRequest):
+    """The recipe file with the command line's --set, read once per command (the flags it answers refused first);
+    every variant the command plans or compiles is built from it (``Recipe.with_overrides``)."""
     from ms_deepseek.config.recipe import load_recipe, planning_config_path
+
+    _refuse_answered(req)
+    return load_recipe(req.recipe, req.overrides, planning_config_path(req.recipe))
+
+
+def check_recipe(req: PlanRequest, hw, written, extra: Sequence[str] = ()):
+    """The planner's verdict on ``written`` (:func:`read_recipe`) with ``extra`` overrides (a compile's reduction)
+    and the plan flags that stand for recipe keys or replace its degrees: (result, the recipe planned, a note
+    when the flags change the global batch)."""
     from ms_deepseek.parallel_plan.planner import check_recipe_fits, recipe_workload
 
-    flag_sets = recipe_overrides(args)
-    as_written = load_recipe(args.recipe, args.overrides, planning_config_path(args.recipe))
-    recipe = load_recipe(args.recipe, list(args.overrides) + flag_sets, planning_config_path(args.recipe))
-    recipe.parallel = _recipe_layout(args, recipe)
+    flag_sets = recipe_overrides(req)
+    as_written = written.with_overrides(extra) if extra else written
+    recipe = written.with_overrides(list(extra) + flag_sets)
+    recipe.parallel = _recipe_layout(req, recipe)
     hw.hbm_gb = recipe.parallel.hbm_gb
     workload = recipe_workload(recipe)
-    lora = lora_workload(args, getattr(recipe, "lora", None))
-    workload = dataclasses.replace(
-        workload, lora=lora, quant=quant_workload(args, getattr(recipe, "quant", None), lora)
-    )
+    lora = lora_workload(req, getattr(recipe, "lora", None))
+    workload = dataclasses.replace(workload, lora=lora, quant=quant_workload(req, getattr(recipe, "quant", None), lora))
     note = None
     before = recipe_workload(as_written).global_batch_size
     if before != workload.global_batch_size:
         changed = [
-            f"--{k.replace('_', '-')} {getattr(args, k)}"
+            f"--{k.replace('_', '-')} {getattr(req, k)}"
             for k in ("dp", "pp", "micro_batches")
-            if getattr(args, k) is not None
+            if getattr(req, k) is not None
         ]
         par, mbs = recipe.parallel, workload.micro_batch_size
         per_replica, rest = divmod(before, par.dp * mbs)
@@ -161,17 +174,17 @@ def check_recipe(args, hw):
             f"{keep}"
         )
     # The precision flags are planner assumptions (no recipe key holds them); the dtypes come from the recipe.
-    result = check_recipe_fits(recipe, hardware=hw, precision=precision(args, recipe.model_config), workload=workload)
+    result = check_recipe_fits(recipe, hardware=hw, precision=precision(req, recipe.model_config), workload=workload)
     return result, recipe, note
 
 
-def _recipe_layout(args, recipe):
+def _recipe_layout(req: PlanRequest, recipe):
     """The recipe's layout with --dp/--tp/--pp/--ep/--micro-batches replacing its degrees (validated)."""
     from ms_deepseek.parallel_plan.validate import validate_layout
 
-    par = resolve_layout(args, recipe.parallel)
-    if args.stage_layers:  # after --pp (a --set would be checked against the recipe's pp)
-        par = dataclasses.replace(par, stage_layers=parse_stage_layers(args.stage_layers))
+    par = resolve_layout(req, recipe.parallel)
+    if req.stage_layers:  # after --pp (a --set would be checked against the recipe's pp)
+        par = dataclasses.replace(par, stage_layers=parse_stage_layers(req.stage_layers))
     if par is not recipe.parallel:
         validate_layout(par, recipe.model_config, seq_len=recipe.seq_len)
     return par

@@ -122,9 +122,9 @@ def _remove_leftovers(run_dir: Path, before) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ms_deepseek.core.errors import UserError
-    from ms_deepseek.train.preflight import load_checked_recipe
+    from ms_deepseek.train.preflight import load_run_inputs
 
-    recipe = load_checked_recipe(args.recipe, args.overrides)
+    recipe, data = load_run_inputs(args.recipe, args.overrides, progress=not args.quiet)
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max-steps: must be >= 1, got {args.max_steps}")
     run_dir = Path(args.output) if args.output else default_run_dir(args.recipe)
@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(
             recipe,
             run_dir,
+            data=data,
             resume=args.resume,
             force=args.force,
             progress=not args.quiet,

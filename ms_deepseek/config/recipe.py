@@ -23,7 +23,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -189,6 +189,22 @@ class LoggingSection:
         check_at_most("logging.log_interval", self.log_interval, MAX_STEPS, "optimizer steps")
 
 
+@dataclass(frozen=True)
+class RecipeOrigin:
+    """What a loaded recipe was built from, so that a variant of it (more ``--set`` overrides) or its copy in
+    another process is built without reading a file again: the mapping as read (``written``), the overrides
+    applied to it in order, where it was read (messages start with it), and the architecture ``model.source``
+    gave (the model config's fields before ``model.overrides``) with the source it was read for and, when that
+    source was not on this machine, the config.json beside the recipe it was read from instead."""
+
+    written: Dict[str, Any]
+    overrides: Tuple[str, ...]
+    source: str
+    architecture: Dict[str, Any]
+    architecture_of: str
+    architecture_file: Optional[str] = None
+
+
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
@@ -203,6 +219,7 @@ class Recipe:
     # filled by load_recipe (not YAML keys)
     source_path: Optional[str] = field(default=None, init=False, repr=False)
     model_config: Optional[DeepseekV2Config] = field(default=None, init=False, repr=False)
+    origin: Optional[RecipeOrigin] = field(default=None, init=False, repr=False)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -237,6 +254,26 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    # ---------------------------------------------------------------- variants and copies
+    def with_overrides(self, overrides: Sequence[str]) -> "Recipe":
+        """This recipe as loaded, with ``overrides`` applied after its own: built again from its
+        :class:`RecipeOrigin` (sections changed on this object after loading are not carried; give them as
+        overrides). No file is read unless an override names another ``model.source``."""
+        origin = self._origin()
+        try:
+            return load_recipe_dict(origin.written, origin.overrides + tuple(overrides), origin.source, origin=origin)
+        except UserError as exc:
+            raise UserError(f"{origin.source}: {exc}") from None
+
+    def to_request(self) -> Dict[str, Any]:
+        """The recipe as JSON-ready data for a worker process (:func:`recipe_from_request` builds it there)."""
+        return dict(dataclasses.asdict(self._origin()), overrides=list(self._origin().overrides))
+
+    def _origin(self) -> RecipeOrigin:
+        if self.origin is None:
+            raise UserError("recipe: built without load_recipe / load_recipe_dict, so it has no origin to copy")
+        return self.origin
+
 
 def effective_seq_len(data: DataConfig) -> int:
     """The training sequence length: data.seq_len, else the prepared folder's, else the embedded default's."""
@@ -264,11 +301,15 @@ def planning_config_path(recipe_path: Union[str, Path]) -> List[Path]:
     return [recipe_path.with_name(recipe_path.stem + ".config.json"), recipe_path.with_name("config.json")]
 
 
-def build_model_config(section: ModelSection, config_fallbacks: Sequence[Union[str, Path]] = ()) -> DeepseekV2Config:
-    """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*).
+def read_architecture(
+    section: ModelSection, config_fallbacks: Sequence[Union[str, Path]] = ()
+) -> Tuple[Dict[str, Any], Optional[Path]]:
+    """The model config fields of ``model.source`` (preset / config.json / folder), before ``model.overrides``,
+    and the fallback file they were read from (None: from ``model.source``).
 
     ``config_fallbacks``: when the source cannot be read, the first of these files that exists
     gives the architecture (``plan``: :func:`planning_config_path`, beside the recipe)."""
+    beside = None
     try:
         cfg = load_model_config(section.source)
     except UserError as exc:
@@ -280,8 +321,23 @@ def build_model_config(section: ModelSection, config_fallbacks: Sequence[Union[s
                 else ""
             )
             raise UserError(f"model.source: {exc}{hint}") from None
-        cfg = load_model_config(beside[0])
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        beside = beside[0]
+        cfg = load_model_config(beside)
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, beside
+
+
+def build_model_config(
+    section: ModelSection,
+    config_fallbacks: Sequence[Union[str, Path]] = (),
+    architecture: Optional[Dict[str, Any]] = None,
+) -> DeepseekV2Config:
+    """Preset / config.json / folder -> config, with overrides and alphas applied (errors name model.*).
+
+    ``architecture``: the fields :func:`read_architecture` gave for this ``model.source`` (nothing is read);
+    else they are read, with ``config_fallbacks``."""
+    if architecture is None:
+        architecture = read_architecture(section, config_fallbacks)[0]
+    values = copy.deepcopy(architecture)
     known = set(values)
     for key, value in section.overrides.items():
         if key not in known:
@@ -360,19 +416,36 @@ def load_recipe_dict(
     overrides: Sequence[str] = (),
     source: str = "recipe",
     config_fallbacks: Sequence[Union[str, Path]] = (),
+    origin: Optional[RecipeOrigin] = None,
 ) -> Recipe:
-    data = copy.deepcopy(data) if data else {}
-    if not isinstance(data, dict):
+    """A recipe from its mapping and ``--set`` overrides. ``origin``: what a recipe was loaded from; its
+    architecture is used when this recipe names the same ``model.source``, else the source is read."""
+    written = copy.deepcopy(data) if data else {}
+    if not isinstance(written, dict):
         raise UserError(f"{source}: expected a YAML mapping of sections (model, data, train, ...)")
+    data = copy.deepcopy(written)
     apply_overrides(data, overrides)
     for key, value in list(data.items()):
         if value is None:  # an empty section in YAML ("data:") means defaults
             data[key] = {}
     recipe = from_dict(Recipe, data)
     recipe.source_path = source
-    recipe.model_config = build_model_config(recipe.model, config_fallbacks)
+    if origin is not None and origin.architecture_of == recipe.model.source:
+        arch, beside = origin.architecture, origin.architecture_file
+    else:
+        arch, beside = read_architecture(recipe.model, config_fallbacks)
+    recipe.model_config = build_model_config(recipe.model, architecture=arch)
+    recipe.origin = RecipeOrigin(
+        written, tuple(overrides), source, arch, recipe.model.source, None if beside is None else str(beside)
+    )
     validate(recipe)
     return recipe
+
+
+def recipe_from_request(request: Dict[str, Any]) -> Recipe:
+    """The recipe :meth:`Recipe.to_request` wrote, built in this process from that data alone (no file is read)."""
+    origin = RecipeOrigin(**dict(request, overrides=tuple(request["overrides"])))
+    return load_recipe_dict(origin.written, origin.overrides, origin.source, origin=origin)
 
 
 def _nearest_recipe(path: Path) -> str:

@@ -37,8 +37,9 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -393,8 +394,10 @@ def checked_meta(
     *,
     max_positions: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    tokenizer: Any = None,
 ) -> Dict:
-    """A prepared folder's meta.json, checked against the recipe and the model (errors name ``key``)."""
+    """A prepared folder's meta.json, checked against the recipe and the model (errors name ``key``).
+    ``tokenizer``: ``data.tokenizer`` already loaded (:func:`resolve_data`); else it is loaded here."""
     meta = load_meta(data_dir, key)
     where = f"{key}: {data_dir}"
     if data_cfg.format is not None and meta["format"] != data_cfg.format:
@@ -425,9 +428,11 @@ def checked_meta(
             f"(the data's tokenizer has {meta['tokenizer']['vocab_size']} tokens)"
         )
     if data_cfg.tokenizer is not None:
-        from ms_deepseek.data.tokenizer import load_tokenizer
+        if tokenizer is None:
+            from ms_deepseek.data.tokenizer import load_tokenizer
 
-        if load_tokenizer(data_cfg.tokenizer).sha256() != meta["tokenizer"]["sha256"]:
+            tokenizer = load_tokenizer(data_cfg.tokenizer)
+        if tokenizer.sha256() != meta["tokenizer"]["sha256"]:
             raise UserError(
                 f"data.tokenizer: {data_cfg.tokenizer} is not the tokenizer {data_dir} was prepared with "
                 f"({meta['tokenizer']['source']})"
@@ -466,8 +471,70 @@ def source_folders(data_cfg: DataConfig, cache_dir=None, progress: bool = True) 
     return [(f"data.path[{i}]", Path(s.path).expanduser(), s.weight) for i, s in enumerate(data_cfg.path)]
 
 
-def build_train_dataset(
+@dataclass(frozen=True)
+class ResolvedData:
+    """A recipe's ``data:`` section resolved once for a run: every training source (recipe key, folder, weight; the
+    embedded default built when ``data.path`` is unset) with its ``meta.json`` checked against the recipe and the
+    model, the validation folder's (``data.validation.path``) checked the same way and prepared like the sources,
+    and the run's one tokenizer (``data.tokenizer``, else the prepared folder's when the caller loaded it; None:
+    not loaded). The preflight's checks, the training batches and the validation sets read from it, not from the
+    folders' metadata again."""
+
+    config: DataConfig
+    sources: Tuple[Tuple[str, Path, float], ...]
+    metas: Tuple[Dict, ...]
+    validation: Optional[Tuple[Path, Dict]] = None
+    tokenizer: Any = None
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.metas[0]["seq_len"])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.metas[0]["tokenizer"]["pad_id"])
+
+
+def resolve_data(
     data_cfg: DataConfig,
+    *,
+    max_positions: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    cache_dir: Union[str, Path, None] = None,
+    progress: bool = True,
+    tokenizer: Any = None,
+) -> ResolvedData:
+    """Resolve ``data_cfg`` once (:class:`ResolvedData`): the sources and their checked metadata, the validation
+    folder's, every folder prepared like the first. ``tokenizer``: the run's tokenizer when the caller has loaded
+    it (``train.preflight``); ``data.tokenizer`` is loaded here otherwise, once for every folder's check."""
+    if tokenizer is None and data_cfg.tokenizer is not None:
+        from ms_deepseek.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(data_cfg.tokenizer)
+    bounds = dict(max_positions=max_positions, vocab_size=vocab_size, tokenizer=tokenizer)
+    folders = source_folders(data_cfg, cache_dir, progress)
+    metas = [checked_meta(folder, data_cfg, key, **bounds) for key, folder, _ in folders]
+    first = (folders[0][0], folders[0][1], metas[0])
+    for (key, folder, _), meta in zip(folders[1:], metas[1:]):
+        check_same_preparation(first, (key, folder, meta))
+    validation = None
+    val = data_cfg.validation
+    if val is not None and val.path is not None:
+        folder = Path(val.path).expanduser()
+        meta = checked_meta(folder, data_cfg, "data.validation.path", **bounds)
+        check_same_preparation(first, ("data.validation.path", folder, meta))
+        validation = (folder, meta)
+    return ResolvedData(data_cfg, tuple(folders), tuple(metas), validation, tokenizer)
+
+
+def as_resolved(data: Union[DataConfig, ResolvedData], **resolve) -> ResolvedData:
+    """``data`` as resolved: a :class:`ResolvedData` as given, a recipe's ``data:`` section resolved now
+    (:func:`resolve_data` with ``resolve``)."""
+    return data if isinstance(data, ResolvedData) else resolve_data(data, **resolve)
+
+
+def build_train_dataset(
+    data: Union[DataConfig, ResolvedData],
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
@@ -484,14 +551,14 @@ def build_train_dataset(
     """The training batches for one data-parallel rank: a :class:`TrainDataset`, or for a weighted
     mixture (``data.path`` a list) a :class:`ms_deepseek.data.mixture.MixtureDataset`.
 
-    data_cfg: the recipe's ``data:`` section; with ``path`` unset the embedded
-        default corpus is built under ``cache_dir`` (default
-        :func:`default_cache_dir`) the first time. A ``validation.fraction``
+    data: the run's :class:`ResolvedData`, or the recipe's ``data:`` section, resolved here
+        (:func:`resolve_data`; with ``path`` unset the embedded default corpus is built under
+        ``cache_dir``, default :func:`default_cache_dir`, the first time). A ``validation.fraction``
         holds the tail of every folder out of training.
     batch_size: per-rank micro batch; rank / world_size: data-parallel coordinates.
     state: a previous ``state_dict()`` to continue exactly.
-    max_positions: the model's ``max_position_embeddings``; longer data fails.
-    vocab_size: the model's vocabulary size; token ids at or above it fail.
+    max_positions: the model's ``max_position_embeddings``; longer data fails (when resolved here).
+    vocab_size: the model's vocabulary size; token ids at or above it fail (when resolved here).
     seed: overrides ``data_cfg.seed`` (e.g. the recipe's global seed).
     static_shapes: every batch [B, seq_len] (a sharded run: under SEMI_AUTO_PARALLEL all ranks
         run one graph of one shape, while each data-parallel rank's SFT length buckets differ
@@ -500,10 +567,13 @@ def build_train_dataset(
         a sharded step with k micro-batches of ``batch_size``: k * batch_size, ``data.batches.rank_positions``).
     """
     _check_position(batch_size, rank, world_size)
+    resolved = as_resolved(
+        data, max_positions=max_positions, vocab_size=vocab_size, cache_dir=cache_dir, progress=progress
+    )
+    data_cfg, folders, metas = resolved.config, resolved.sources, resolved.metas
     seed = data_cfg.seed if seed is None else seed
     fraction = data_cfg.validation.fraction if data_cfg.validation is not None else None
-    folders, metas = _checked_sources(data_cfg, cache_dir, progress, max_positions, vocab_size)
-    seq_len = int(metas[0]["seq_len"])
+    seq_len = resolved.seq_len
     buckets = None
     if metas[0]["format"] == "sft":
         buckets = [seq_len] if static_shapes else bucket_lengths(seq_len, data_cfg.bucket_boundaries)
@@ -566,16 +636,3 @@ def _mixture(parts, folders, position, seed: int, state: Optional[Dict]):
         seed=seed,
         state=state,
     )
-
-
-def _checked_sources(data_cfg: DataConfig, cache_dir, progress: bool, max_positions, vocab_size):
-    """The recipe's data folders ((key, folder, weight)) and their checked metadata; every source prepared
-    like the first."""
-    folders = source_folders(data_cfg, cache_dir, progress)
-    metas = [
-        checked_meta(folder, data_cfg, key, max_positions=max_positions, vocab_size=vocab_size)
-        for key, folder, _ in folders
-    ]
-    for (key, folder, _), meta in zip(folders[1:], metas[1:]):
-        check_same_preparation((folders[0][0], folders[0][1], metas[0]), (key, folder, meta))
-    return folders, metas

@@ -22,14 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.data.dataset import check_same_preparation, checked_meta, holdout_count, source_folders
+from ms_deepseek.data.dataset import ResolvedData, as_resolved, holdout_count
 from ms_deepseek.data.storage import load_lengths, shard_paths
 
 
@@ -83,7 +83,7 @@ def _enough_hint(val, pieces, per_step: int) -> str:
 
 
 def build_validation(
-    data_cfg: DataConfig,
+    data: Union[DataConfig, ResolvedData],
     batch_size: int,
     rank: int,
     world_size: int,
@@ -94,26 +94,25 @@ def build_validation(
     seed: Optional[int] = None,
     cache_dir=None,
 ) -> Optional[ValidationSet]:
-    """This rank's validation batches (see module doc), or None without ``data.validation``."""
+    """This rank's validation batches (see module doc), or None without ``data.validation``. ``data``: the run's
+    :class:`~ms_deepseek.data.dataset.ResolvedData`, or the recipe's ``data:`` section, resolved here with
+    ``max_positions``, ``vocab_size`` and ``cache_dir``."""
+    data_cfg = data.config if isinstance(data, ResolvedData) else data
     val = data_cfg.validation
     if val is None:
         return None
+    resolved = as_resolved(
+        data, max_positions=max_positions, vocab_size=vocab_size, cache_dir=cache_dir, progress=False
+    )
     seed = data_cfg.seed if seed is None else seed
-    train = source_folders(data_cfg, cache_dir, progress=False)
-    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions, vocab_size=vocab_size)
-    seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
+    seq_len, pad_id = resolved.seq_len, resolved.pad_id
     pieces = []  # (folder, meta, storage indices)
-    if val.path is not None:
-        folder = Path(val.path).expanduser()
-        meta = checked_meta(
-            folder, data_cfg, "data.validation.path", max_positions=max_positions, vocab_size=vocab_size
-        )
-        check_same_preparation((train[0][0], train[0][1], train_meta), ("data.validation.path", folder, meta))
+    if resolved.validation is not None:
+        folder, meta = resolved.validation
         pieces.append((folder, meta, np.arange(_lengths(folder, meta).size)))
         what = f"{folder}"
     else:
-        for key, folder, _ in train:
-            meta = checked_meta(folder, data_cfg, key)
+        for (_, folder, _), meta in zip(resolved.sources, resolved.metas):
             n = _lengths(folder, meta).size
             pieces.append((folder, meta, np.arange(n - holdout_count(n, val.fraction), n)))
         what = f"{val.fraction:g} of the training data held out"
@@ -136,7 +135,7 @@ def source_names(data_cfg: DataConfig) -> List[str]:
 
 
 def build_validation_by_source(
-    data_cfg: DataConfig,
+    data: Union[DataConfig, ResolvedData],
     batch_size: int,
     rank: int,
     world_size: int,
@@ -151,17 +150,19 @@ def build_validation_by_source(
     tail as a validation set of its own (``eval_batches`` batches at most, seeded per source), for
     ``val_loss/<source>`` beside the overall ``val_loss``. Returns ({name: set}, notes): a source whose tail
     holds less than one batch per worker gets a note instead of a set. ({}, []) for anything else (one folder,
-    or a validation folder, which is not split by source)."""
+    or a validation folder, which is not split by source). ``data`` as for :func:`build_validation`."""
+    data_cfg = data.config if isinstance(data, ResolvedData) else data
     val = data_cfg.validation
     if val is None or val.fraction is None or not isinstance(data_cfg.path, list):
         return {}, []
+    resolved = as_resolved(
+        data, max_positions=max_positions, vocab_size=vocab_size, cache_dir=cache_dir, progress=False
+    )
     seed = data_cfg.seed if seed is None else seed
-    train = source_folders(data_cfg, cache_dir, progress=False)
-    train_meta = checked_meta(train[0][1], data_cfg, train[0][0], max_positions=max_positions, vocab_size=vocab_size)
-    seq_len, pad_id = int(train_meta["seq_len"]), int(train_meta["tokenizer"]["pad_id"])
+    seq_len, pad_id = resolved.seq_len, resolved.pad_id
     sets, notes = {}, []
-    for i, ((key, folder, _), name) in enumerate(zip(train, source_names(data_cfg))):
-        meta = checked_meta(folder, data_cfg, key)
+    sources = zip(resolved.sources, resolved.metas, source_names(data_cfg))
+    for i, ((key, folder, _), meta, name) in enumerate(sources):
         n = _lengths(folder, meta).size
         piece = (folder, meta, np.arange(n - holdout_count(n, val.fraction), n))
         if piece[2].size < batch_size * world_size:

@@ -84,35 +84,35 @@ class TrainData:
         return self.dataset.seq_len
 
 
-def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bool) -> TrainData:
+def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bool, resolved=None) -> TrainData:
     """This rank's batches from the data position ``position`` (None: the start), first batch read (a bad
     dataset stops the run before anything is compiled), and its validation sets, read once. A sharded rank
     reads its rows by the training rule (``data_coordinates``, ``block_rows``): one micro-batch ``[rows, T]``
-    each."""
+    each. ``resolved``: the recipe's data as the preflight resolved it (``data.dataset.ResolvedData``), which the
+    batches and the validation sets share; None: resolved here, once for both."""
     from ms_deepseek.data.batches import first_batch_checked
-    from ms_deepseek.data.dataset import build_train_dataset
+    from ms_deepseek.data.dataset import build_train_dataset, resolve_data
     from ms_deepseek.data.validation import build_validation, build_validation_by_source
 
     recipe, cfg = ctx.recipe, ctx.cfg
+    if resolved is None:
+        bounds = dict(max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+        resolved = resolve_data(recipe.data, progress=progress, **bounds)
     data_rank, data_world, rows = strategy.data_coordinates(ctx.rank, ctx.world, ctx.par, recipe.train.micro_batch_size)
     dataset = build_train_dataset(
-        recipe.data,
+        resolved,
         rows,
         data_rank,
         data_world,
         state=position,
-        max_positions=cfg.max_position_embeddings,
-        vocab_size=cfg.vocab_size,
-        progress=progress,
         static_shapes=strategy.static_shapes,
         block_rows=strategy.block_rows(ctx.par, recipe.train.micro_batch_size, micro_batches(recipe)),
     )
     batches = first_batch_checked(dataset)
-    shape = dict(max_positions=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
-    held_out = (recipe.data, rows, data_rank, data_world, recipe.train.eval_batches)
-    validation = build_validation(*held_out, **shape)
+    held_out = (resolved, rows, data_rank, data_world, recipe.train.eval_batches)
+    validation = build_validation(*held_out)
     # a weighted mixture with a held-out fraction: val_loss/<source> beside val_loss, one set per source
-    by_source, notes = build_validation_by_source(*held_out, **shape)
+    by_source, notes = build_validation_by_source(*held_out)
     return TrainData(dataset, batches, rows, validation, by_source, notes)
 
 

@@ -62,14 +62,15 @@ class TrainResult:
     dry_run: Optional[str] = None  # MS_SIMULATION_LEVEL of MindSpore's dry run: the step compiled, nothing ran
 
 
-def train(recipe: Recipe, run_dir, **options) -> TrainResult:
+def train(recipe: Recipe, run_dir, data=None, **options) -> TrainResult:
     """Run the recipe with the command's :class:`~.context.TrainOptions` (``resume``, ``force``, ``progress``,
     ``max_steps``, ``allow_changes``, ``skip_damaged``, ``take_over``). ``max_steps`` stops early after that
     many total steps (the schedule still spans ``train.steps``), which is how a run is split into resumable
     pieces. A resume whose recipe changes the checkpoint's settings in a way that breaks exactness is refused
     unless ``allow_changes`` (train/resume.py, check_settings). A damaged checkpoint is refused naming the
-    newest intact one, which ``skip_damaged`` takes (train/resume.py, intact)."""
-    return Trainer(recipe, run_dir, TrainOptions(**options)).run()
+    newest intact one, which ``skip_damaged`` takes (train/resume.py, intact). ``data``: the recipe's data as the
+    preflight resolved it (``data.dataset.ResolvedData``; None: resolved when the data is built)."""
+    return Trainer(recipe, run_dir, TrainOptions(**options), data).run()
 
 
 class Trainer:
@@ -90,8 +91,9 @@ class Trainer:
 
     lease: Optional[RunLease] = None  # rank 0's lease of the run folder (jobs/lease.py), taken in setup
 
-    def __init__(self, recipe: Recipe, run_dir, options: Optional[TrainOptions] = None):
+    def __init__(self, recipe: Recipe, run_dir, options: Optional[TrainOptions] = None, data=None):
         self.started = time.time()
+        self.resolved_data = data  # the preflight's resolution of the recipe's data (None: build_data resolves)
         skip_parameter_load_copies()  # before any graph compiles: no copy of each weight per step (runtime.py)
         self.recipe, self.run_dir = recipe, Path(run_dir)
         self.options = options or TrainOptions()
@@ -160,7 +162,7 @@ class Trainer:
     def build(self) -> None:
         """This rank's data (at the resume point's position), the model, the compiled step, the checkpointer."""
         ctx, converter, loud = self.ctx, self.converter, self.options.progress and self.is_log_rank
-        self.data = build_data(ctx, self.parallelism, self.resume.state.get("data"), loud)
+        self.data = build_data(ctx, self.parallelism, self.resume.state.get("data"), loud, self.resolved_data)
         base = converter.weights_folder(self.recipe, self.run_dir)
         source = ModelSource(base, converter.loads_weights(self.resume.folder), base is None and self.is_log_rank)
         built = build_model(ctx, self.parallelism, converter, source, self.plan, loud)

@@ -9,6 +9,8 @@ over the stage's devices and a Parameter takes the layout of the operator that r
 import json
 import textwrap
 
+from ms_deepseek.config.recipe import load_recipe
+
 from builders import SMALL_MODEL, write_recipe
 from dryrun import run_dryrun
 
@@ -32,7 +34,7 @@ def _compile(tmp_path, plant: str = "", quant=True):
     recipe = write_recipe(tmp_path / "recipe", data)
     work = tmp_path / "work"
     work.mkdir()
-    (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
+    (work / "request.json").write_text(json.dumps({"recipe": load_recipe(recipe).to_request(), "eval": False}))
     code = (
         textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"
         f"run({str(work / 'request.json')!r})\n"

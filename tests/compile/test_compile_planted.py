@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from ms_deepseek.config.recipe import load_recipe
+
 from builders import SMALL_MODEL, write_recipe
 from dryrun import run_dryrun
 
@@ -41,7 +43,7 @@ def _compile(
     recipe = _recipe(tmp_path, accum, model, **parallel)
     work = tmp_path / "work"
     work.mkdir()
-    (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": True}))
+    (work / "request.json").write_text(json.dumps({"recipe": load_recipe(recipe).to_request(), "eval": True}))
     code = (
         textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"
         f"run({str(work / 'request.json')!r})\n"
@@ -158,7 +160,6 @@ def test_attention_keeps_its_heads_split_under_a_pipeline(tmp_path, plant):
     tensor-parallel rank (v2-sft-64npu, 128 heads on each of 8 ranks). They are named primitives with the plan's
     split (model/mla.py, plan ``attention_heads``). The compile check's rule (ir_rules.gathered_heads) reads
     MindSpore's validate IR: none of the 4 heads' tensors on the 2 ranks as built; planted, the slices' outputs."""
-    from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.verification.compile.ir_rules import HeadShape, gathered_heads
     from ms_deepseek.verification.dryrun import ir_dump_env, ir_files
 
@@ -330,7 +331,7 @@ def test_a_quantized_base_is_unpacked_at_each_use_not_once_per_step(tmp_path):
         )
         work = run / "work"
         work.mkdir()
-        (work / "request.json").write_text(json.dumps({"recipe": str(recipe), "overrides": [], "eval": False}))
+        (work / "request.json").write_text(json.dumps({"recipe": load_recipe(recipe).to_request(), "eval": False}))
         ir = work / "ir"
         code = (
             textwrap.dedent(plant) + "\nfrom ms_deepseek.verification.compile.worker import run\n"

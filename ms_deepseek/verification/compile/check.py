@@ -95,16 +95,16 @@ class RankResult:
 
 @dataclass
 class RankJob:
-    """What a rank's compile worker is given, the same for every rank of one compile: the recipe and its
-    overrides, the world size, the CANN install (None: stubs), the folder that holds each rank's request, log
-    and result, whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
+    """What a rank's compile worker is given, the same for every rank of one compile: the recipe as the worker
+    builds it (:meth:`~ms_deepseek.config.recipe.Recipe.to_request`: the loaded recipe and its overrides), the
+    world size, the CANN install (None: stubs), the folder that holds each rank's request, log and result,
+    whether the validation graph is compiled too, the seconds a worker may take, ``memory``: the
     process runs at ``MS_SIMULATION_LEVEL=1`` (the step runs once without kernels and ``graphs["step"]["memory"]``
     holds MindSpore's accounting, :mod:`ms_deepseek.verification.compile.memory_accounting`), ``heads``: the attention's
     per-head shape, to refuse a graph that gathers the heads (:func:`gathered_heads`), and ``par``: the layout,
     to sort each communication operator to the axis it serves (``traffic.by_axis``)."""
 
-    recipe: str
-    overrides: List[str]
+    recipe: Dict[str, Any]
     world: int
     cann: Optional[str]
     work: Path
@@ -123,8 +123,7 @@ def run_rank(job: RankJob, rank: int) -> RankResult:
     request.write_text(
         json.dumps(
             {
-                "recipe": str(Path(job.recipe).resolve()),
-                "overrides": job.overrides,
+                "recipe": job.recipe,
                 "eval": job.eval_graph,
                 "memory": job.memory,
             }
@@ -302,29 +301,25 @@ class CompileSetup:
 
 
 def compile_recipe(
-    recipe_path: str,
     recipe,
-    user_overrides: List[str],
     ranks: List[int],
     reduction: Reduction,
     setup: CompileSetup = CompileSetup(),
 ) -> CompileReport:
-    """Compile the recipe (already loaded with ``user_overrides`` and any layout flags applied) for ``ranks``."""
+    """Compile ``recipe`` (loaded with its overrides; its ``parallel`` section may hold layout flags applied after
+    loading) for ``ranks`` at ``reduction``'s depth and micro-batches."""
     par = recipe.parallel
     world = par.world_size
-    overrides = list(user_overrides) + layout_overrides(par) + reduction.overrides()
-    # the recipe each worker will load, checked once here: a refusal (e.g. --pp 2 on a recipe that
-    # accumulates) is one UserError line before any compile, not the same line from every worker
-    from ms_deepseek.config.recipe import load_recipe, planning_config_path
-
-    compiled_recipe = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
+    # the recipe every worker builds, built once here: a refusal (e.g. --pp 2 on a recipe that accumulates)
+    # is one UserError line before any compile, not the same line from every worker
+    compiled_recipe = recipe.with_overrides(layout_overrides(par) + reduction.overrides())
     heads = HeadShape.of(compiled_recipe.model_config, par.tp, compiled_recipe.data.seq_len)
     memory = setup.memory
     _, provider = compile_environment(0, world, setup.cann, Path(tempfile.gettempdir()), level=1 if memory else 0)
     own = setup.work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-compile-")) if own else Path(setup.work)
     job = RankJob(
-        recipe_path, overrides, world, setup.cann, work, setup.eval_graph, memory=memory, heads=heads, par=par
+        compiled_recipe.to_request(), world, setup.cann, work, setup.eval_graph, memory=memory, heads=heads, par=par
     )
     results = []
     try:
@@ -338,7 +333,7 @@ def compile_recipe(
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):
             shutil.rmtree(work, ignore_errors=True)  # kept when something failed: the logs are there
-    return CompileReport(recipe_path, world, par.describe(), reduction, provider, results)
+    return CompileReport(recipe.source_path, world, par.describe(), reduction, provider, results)
 
 
 def _comm_text(comm: Dict[str, Dict[str, float]]) -> str:

@@ -4,7 +4,8 @@ Run by :mod:`ms_deepseek.verification.compile.check` as
 ``python -m ms_deepseek.verification.compile.worker REQUEST.json`` in a process whose environment
 holds MindSpore's dry run (``MS_SIMULATION_LEVEL=0``, ``RANK_SIZE`` / ``RANK_ID`` of the simulated
 world, ``MS_DEEPSEEK_DEVICE=Ascend``) and CANN's libraries or their stubs
-(:mod:`ms_deepseek.verification.cann_stubs`).
+(:mod:`ms_deepseek.verification.cann_stubs`). The request holds the recipe as the caller loaded it
+(``Recipe.to_request``: its mapping, overrides and architecture), so the worker reads no recipe or config file.
 
 It builds the run from the trainer's own parts (:mod:`ms_deepseek.train.build`: the planner's verdict,
 collective group, model, plan, optimizer, step, ``AutoParallel`` wrapper) with two differences,
@@ -225,12 +226,10 @@ def run(request_path: str) -> int:
     result: Dict[str, object] = {"rank": int(os.environ.get("RANK_ID", "0")), "graphs": {}}
     start = time.time()
     try:
-        from ms_deepseek.config.recipe import load_recipe, planning_config_path
+        from ms_deepseek.config.recipe import recipe_from_request
 
         try:
-            recipe = load_recipe(
-                request["recipe"], request.get("overrides", []), planning_config_path(request["recipe"])
-            )
+            recipe = recipe_from_request(request["recipe"])
             trainer = CompileRun(recipe, out)
         except UserError as e:
             result["graphs"]["setup"] = {"ok": False, "error": str(e), "where": "", "kind": "refused"}

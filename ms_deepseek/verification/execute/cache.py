@@ -66,14 +66,17 @@ def _package_files() -> Iterable[Path]:
 
 def key(recipe, batches: Dict[str, np.ndarray], request: Dict, env: Dict[str, str]) -> str:
     """The one-device run's identity (module docstring): ``recipe`` as the run will load it, ``batches`` as written
-    to its ``batches.npz``, ``request`` the rest of its request (its recipe path and overrides count through
-    ``recipe``), ``env`` the run's environment."""
+    to its ``batches.npz``, ``request`` the rest of its request (its recipe counts through ``recipe``), ``env`` the
+    run's environment."""
     import dataclasses
 
     import mindspore
 
     h = hashlib.sha256()
-    _digest_value(dataclasses.asdict(recipe), h)
+    built = dataclasses.asdict(recipe)
+    # the recipe as built counts; what it was built from does not (its overrides name the per-run folders by path)
+    built.pop("origin", None)
+    _digest_value(built, h)
     for name in sorted(batches):
         h.update(name.encode())
         h.update(np.ascontiguousarray(batches[name]).tobytes())

@@ -52,7 +52,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
-from ms_deepseek.config.recipe import load_recipe, planning_config_path
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.parallel_plan.planner import check_recipe_fits
 from ms_deepseek.verification.compile.traffic import wire_factor
@@ -140,8 +139,9 @@ class ExecReport:
         }
 
 
-def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path, jobs: int, say) -> None:
-    """Every rank's program from a compile worker, ``jobs`` at a time; the first failure stops the others."""
+def _export(recipe: Dict, world: int, cann, work: Path, jobs: int, say) -> None:
+    """Every rank's program from a compile worker given ``recipe`` (``Recipe.to_request``), ``jobs`` at a time; the
+    first failure stops the others."""
     queue = list(range(world))
     running: Dict[int, Tuple[subprocess.Popen, object, float]] = {}
     failed: List[str] = []
@@ -149,7 +149,7 @@ def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path
         while (queue or running) and not failed:
             while queue and len(running) < jobs:
                 rank = queue.pop(0)
-                running[rank] = _start_worker(recipe_path, overrides, rank, world, cann, work)
+                running[rank] = _start_worker(recipe, rank, world, cann, work)
                 say(f"compiling rank {rank} of {world} ...")
             for rank, (proc, log, started) in list(running.items()):
                 if proc.poll() is None and time.time() - started < WORKER_TIMEOUT_S:
@@ -169,13 +169,11 @@ def _export(recipe_path: str, overrides: List[str], world: int, cann, work: Path
         raise UserError(failed[0])
 
 
-def _start_worker(recipe_path: str, overrides: List[str], rank: int, world: int, cann, work: Path):
+def _start_worker(recipe: Dict, rank: int, world: int, cann, work: Path):
     folder = work / f"rank_{rank:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     request = folder / "request.json"
-    request.write_text(
-        json.dumps({"recipe": str(Path(recipe_path).resolve()), "overrides": overrides, "execute": True})
-    )
+    request.write_text(json.dumps({"recipe": recipe, "execute": True}))
     env, _ = compile_environment(rank, world, cann, folder / "ir")
     for key in ("MS_DEV_SAVE_GRAPHS", "MS_DEV_DUMP_IR_PASSES", "MS_DEV_SAVE_GRAPHS_PATH"):  # no IR dump needed
         env.pop(key, None)
@@ -203,10 +201,11 @@ def _worker_failure(folder: Path, rank: int) -> List[str]:
     return []
 
 
-def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int, work: Path, ep: int):
-    """The one-device run in its own CPU process (:mod:`.one_device`), started beside the compile workers;
-    its balance losses over the ``ep`` device groups of the layout it is compared with. Returns the process (None
-    when :mod:`.cache` held the same run and restored it) and the run's cache key (None without a cache folder)."""
+def _start_reference(recipe, batches, steps: int, work: Path, ep: int):
+    """The one-device run of ``recipe`` in its own CPU process (:mod:`.one_device`), started beside the
+    compile workers; its balance losses over the ``ep`` device groups of the layout it is compared with. Returns
+    the process (None when :mod:`.cache` held the same run and restored it) and the run's cache key (None
+    without a cache folder)."""
     folder = work / "one_device"
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {}
@@ -214,8 +213,7 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
         arrays[f"ids_{s}"], arrays[f"labels_{s}"] = ids, labels
     np.savez(folder / "batches.npz", **arrays)
     request = {
-        "recipe": str(Path(recipe_path).resolve()),
-        "overrides": overrides,
+        "recipe": recipe.to_request(),
         "steps": steps,
         "expert_parallel": ep,
     }
@@ -230,9 +228,7 @@ def _start_reference(recipe_path: str, overrides: List[str], batches, steps: int
     env["MS_DEEPSEEK_OPS"] = "reference"
     env.setdefault("GLOG_v", "3")
     # the key reads the recipe, the named files and the package: only worth it with a cache folder to look in
-    cache_key = (
-        execute_cache.key(load_recipe(recipe_path, overrides), arrays, request, env) if execute_cache.folder() else None
-    )
+    cache_key = execute_cache.key(recipe, arrays, request, env) if execute_cache.folder() else None
     if cache_key and execute_cache.restore(cache_key, folder):
         return None, cache_key
     with open(folder / "reference.log", "wb") as log:
@@ -266,30 +262,28 @@ def _finish_reference(proc: Optional[subprocess.Popen], work: Path, cache_key: O
 
 
 def execute_recipe(
-    recipe_path: str,
     recipe,
-    user_overrides: List[str],
     steps: int = 2,
     cann: Optional[str] = None,
     work: Optional[Path] = None,
     progress: Optional[Callable[[str], None]] = None,
     jobs: int = 2,
 ) -> ExecReport:
-    """Run the recipe's reduced layout rank by rank and compare it with one device (module docstring); ``jobs``
-    compile workers at a time."""
+    """Run the reduced layout of ``recipe`` (loaded with its overrides; its ``parallel`` section may hold layout
+    flags applied after loading) rank by rank and compare it with one device (module docstring); ``jobs`` compile
+    workers at a time."""
 
     say = progress or (lambda msg: None)
     red = reduce_recipe(recipe)
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-execute-")) if own else Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    report = ExecReport(recipe_path, recipe.parallel.describe(), red, steps, work=str(work))
+    report = ExecReport(recipe.source_path, recipe.parallel.describe(), red, steps, work=str(work))
     report.stage_size = red.layout["dp"] * red.layout["tp"]
     clock = time.time()
     base = dataclasses.replace(recipe.model_config, **red.config)
     weights = write_random_checkpoint(work / "weights", base, dtype="float32", seed=recipe.train.seed)
-    overrides = list(user_overrides) + reduced_overrides(red, weights, recipe, _sft_folder(red))
-    reduced = load_recipe(recipe_path, overrides, planning_config_path(recipe_path))
+    reduced = recipe.with_overrides(reduced_overrides(red, weights, recipe, _sft_folder(red)))
     if reduced.parallel.world_size != red.world:
         raise UserError(f"--execute: the reduced layout has {reduced.parallel.world_size} ranks, expected {red.world}")
     per_rank = rank_batches(reduced, steps)
@@ -306,12 +300,12 @@ def execute_recipe(
     clock = time.time()
     say(f"training the same {steps} steps on one device, beside the compiles ...")
     one_device, cache_key = _start_reference(
-        recipe_path, overrides + single_device_overrides(reduced), global_batches, steps, work, red.layout["ep"]
+        reduced.with_overrides(single_device_overrides(reduced)), global_batches, steps, work, red.layout["ep"]
     )
     if one_device is None:
         red.notes.append(f"one device: the same run restored from {execute_cache.ENV} ({cache_key})")
     try:
-        _export(recipe_path, overrides, red.world, cann, work / "ranks", jobs, say)
+        _export(reduced.to_request(), red.world, cann, work / "ranks", jobs, say)
         one = _finish_reference(one_device, work, cache_key)
     finally:
         if one_device is not None and one_device.poll() is None:

@@ -23,7 +23,7 @@ def run(request_path: str) -> int:
     from mindspore import Tensor
     from safetensors.numpy import save_file
 
-    from ms_deepseek.config.recipe import load_recipe
+    from ms_deepseek.config.recipe import recipe_from_request
     from ms_deepseek.core.runtime import use_device
     from ms_deepseek.train.build import build_model, build_step, check_layout
     from ms_deepseek.train.context import ModelSource, RunContext
@@ -32,7 +32,7 @@ def run(request_path: str) -> int:
 
     request = json.loads(Path(request_path).read_text())
     out = Path(request_path).parent
-    recipe = load_recipe(request["recipe"], request["overrides"])
+    recipe = recipe_from_request(request["recipe"])
     plan = check_layout(recipe, DATA_PARALLEL, force=True)
     use_device()
     ctx = RunContext(recipe, out / "run")

@@ -149,14 +149,13 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
     text = [Path(m.__file__).read_text(encoding="utf-8") for m in (argparse, dataclasses, os)]
     train_sentencepiece(text, 600, tmp_path / "tokenizer.model")
-    ok = check_recipe(
-        load_recipe_dict(
-            base(
-                data={"tokenizer": str(tmp_path / "tokenizer.model")}, model={"overrides": dict(SMALL, vocab_size=1024)}
-            )
-        )
+    # within the model's vocabulary the tokenizer passes, and the next check runs: the data it would read, the
+    # embedded default corpus, was prepared with another tokenizer
+    within = load_recipe_dict(
+        base(data={"tokenizer": str(tmp_path / "tokenizer.model")}, model={"overrides": dict(SMALL, vocab_size=1024)})
     )
-    assert ok.model_config.vocab_size == 1024
+    with pytest.raises(UserError, match=r"^data.tokenizer: .* is not the tokenizer .* was prepared with"):
+        check_recipe(within)
     with pytest.raises(
         UserError,
         match=r"data.tokenizer: the tokenizer has \d+ tokens but the model's vocab_size "
@@ -231,3 +230,39 @@ def test_global_batch_is_one_definition_for_train_and_plan():
     assert layout_problems(flat.parallel, flat.model_config, global_batch_size=16, micro_batch_size=8) == []
     piped = load_recipe_dict(base(train={"micro_batch_size": 2}, parallel={"dp": 2, "pp": 2, "micro_batches": 4}))
     assert piped.global_batch_size == 16 == recipe_workload(piped).global_batch_size
+
+
+def test_a_loaded_recipe_travels_as_data_and_its_variants_read_no_file(tmp_path, monkeypatch):
+    """``Recipe.to_request`` / ``recipe_from_request`` and ``Recipe.with_overrides`` build from what the recipe was
+    loaded from: the same recipe as a load of the file, with no file read; a variant naming another model.source
+    reads that source."""
+    import dataclasses
+    import json
+
+    from ms_deepseek.config import recipe as recipe_module
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(base(parallel={"dp": 1})))
+    loaded = load_recipe(path, ["train.steps=7"])
+    want = load_recipe(path, ["train.steps=7", "model.overrides.num_hidden_layers=1"])
+
+    def built(r):
+        return {k: v for k, v in dataclasses.asdict(r).items() if k != "origin"}
+
+    reads = []
+    read = recipe_module.read_architecture
+    monkeypatch.setattr(recipe_module, "read_architecture", lambda *a, **k: reads.append(a) or read(*a, **k))
+    path.unlink()  # nothing below may read it
+    copy = recipe_module.recipe_from_request(json.loads(json.dumps(loaded.to_request())))
+    assert built(copy) == built(loaded)
+    variant = loaded.with_overrides(["model.overrides.num_hidden_layers=1"])
+    assert built(variant) == built(want) and variant.model_config.num_hidden_layers == 1
+    assert reads == []
+    # the origin is what a variant is built from, not the sections changed after loading
+    loaded.train.steps = 99
+    assert loaded.with_overrides([]).train.steps == 7
+    other = loaded.with_overrides(["model.source=tiny", "model.overrides={}"])  # the same source: not read again
+    assert reads == [] and other.model_config.num_hidden_layers != 1
+    with pytest.raises(UserError, match=rf"^{path}: model.source: "):
+        loaded.with_overrides([f"model.source={tmp_path / 'absent'}"])
+    assert len(reads) == 1

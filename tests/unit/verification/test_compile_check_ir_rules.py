@@ -40,7 +40,7 @@ def test_a_graph_holding_every_head_on_each_rank_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_IR))
     monkeypatch.setattr(cc, "compile_environment", lambda *a, **k: ({}, "stand-in"))
     heads = cc.HeadShape(heads=4, tp=2, tokens=32, head_dims=(8, 16, 32))
-    result = cc.run_rank(cc.RankJob("recipe.yaml", [], 8, None, tmp_path, eval_graph=False, heads=heads), 1)
+    result = cc.run_rank(cc.RankJob({}, 8, None, tmp_path, eval_graph=False, heads=heads), 1)
     train = result.graphs["train"]
     assert train["ok"] is False
     assert [g["shape"] for g in train["gathered_heads"]] == [[1, 4, 32, 8]]
@@ -50,9 +50,7 @@ def test_a_graph_holding_every_head_on_each_rank_is_refused(tmp_path, monkeypatc
     # the same IR with the heads split as planned (tp 1: nothing to gather) passes
     (tmp_path / "rank_00001").rename(tmp_path / "first")
     whole = cc.HeadShape(heads=4, tp=1, tokens=32, head_dims=(8, 16, 32))
-    assert cc.run_rank(cc.RankJob("recipe.yaml", [], 8, None, tmp_path, eval_graph=False, heads=whole), 1).graphs[
-        "train"
-    ]["ok"]
+    assert cc.run_rank(cc.RankJob({}, 8, None, tmp_path, eval_graph=False, heads=whole), 1).graphs["train"]["ok"]
 
 
 # Recomputed operators of two layers as MindSpore prints them after its validate pass: each tagged with its
@@ -74,7 +72,7 @@ subgraph @main() {{
 def test_layers_recomputed_as_one_region_are_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_regions_ir(0)))
     monkeypatch.setattr(cc, "compile_environment", lambda *a, **k: ({}, "stand-in"))
-    train = cc.run_rank(cc.RankJob("recipe.yaml", [], 8, None, tmp_path, eval_graph=False), 1).graphs["train"]
+    train = cc.run_rank(cc.RankJob({}, 8, None, tmp_path, eval_graph=False), 1).graphs["train"]
     assert train["ok"] is False
     assert train["joined_recompute_regions"] == [{"region": 0, "layers": [0, 1]}]
     assert "recomputes layers [0, 1] as one region" in train["error"]
@@ -82,7 +80,7 @@ def test_layers_recomputed_as_one_region_are_refused(tmp_path, monkeypatch):
     # each layer its own region (region 7 reads no layer's weight): passes
     (tmp_path / "rank_00001").rename(tmp_path / "first")
     monkeypatch.setattr(cc.subprocess, "run", _stand_in_worker(_regions_ir(1)))
-    result = cc.run_rank(cc.RankJob("recipe.yaml", [], 8, None, tmp_path, eval_graph=False), 1)
+    result = cc.run_rank(cc.RankJob({}, 8, None, tmp_path, eval_graph=False), 1)
     assert result.graphs["train"]["ok"], result.graphs
     ir = tmp_path / "one_each.ir"
     ir.write_text(_regions_ir(1))

@@ -56,7 +56,7 @@ def test_too_few_layers_for_an_moe_layer_per_stage_fall_back_to_the_even_cut():
 def _stand_in(calls):
     """compile_recipe's stand-in: each rank's peak is BASE + PER_LAYER x the layers of its stage."""
 
-    def compile_recipe(recipe_path, recipe, overrides, ranks, red, setup=None):
+    def compile_recipe(recipe, ranks, red, setup=None):
         calls.append(red)
         counts = stage_layer_counts(red.layers, recipe.parallel.pp, red.stage_layers)
         out = []
