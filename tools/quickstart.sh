@@ -38,7 +38,7 @@ echo "== preparing the embedded default corpus"
 import sys
 from ms_deepseek.core.runtime import quiet_defaults
 quiet_defaults()
-from ms_deepseek.data.dataset import ensure_embedded_default
+from ms_deepseek.data.sources import ensure_embedded_default
 from ms_deepseek.train.preflight import load_checked_recipe
 
 folder = ensure_embedded_default(load_checked_recipe(sys.argv[1]).data)

@@ -141,7 +141,7 @@ def _recipe_tokenizer(recipe_path: Path):
             return None
         return load_tokenizer(folder)
     if data.embedded_default:
-        from ms_deepseek.data.dataset import resolve_data_dir
+        from ms_deepseek.data.sources import resolve_data_dir
 
         return load_tokenizer(resolve_data_dir(data, progress=False))  # built once, cached
     return None
@@ -269,7 +269,7 @@ COMPILED = "compiled"
 
 def default_compile_cache() -> Path:
     """``$MS_DEEPSEEK_CACHE/compiled`` (``~/.cache/ms_deepseek/compiled``)."""
-    from ms_deepseek.data.dataset import default_cache_dir
+    from ms_deepseek.data.sources import default_cache_dir
 
     return default_cache_dir() / COMPILED
 

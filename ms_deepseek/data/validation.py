@@ -29,7 +29,7 @@ import numpy as np
 from ms_deepseek.config.data import DataConfig
 from ms_deepseek.core.errors import UserError
 from ms_deepseek.data.chat import IGNORE_INDEX
-from ms_deepseek.data.dataset import ResolvedData, as_resolved, holdout_count
+from ms_deepseek.data.sources import ResolvedData, as_resolved, holdout_count
 from ms_deepseek.data.storage import load_lengths, shard_paths
 
 
@@ -95,7 +95,7 @@ def build_validation(
     cache_dir=None,
 ) -> Optional[ValidationSet]:
     """This rank's validation batches (see module doc), or None without ``data.validation``. ``data``: the run's
-    :class:`~ms_deepseek.data.dataset.ResolvedData`, or the recipe's ``data:`` section, resolved here with
+    :class:`~ms_deepseek.data.sources.ResolvedData`, or the recipe's ``data:`` section, resolved here with
     ``max_positions``, ``vocab_size`` and ``cache_dir``."""
     data_cfg = data.config if isinstance(data, ResolvedData) else data
     val = data_cfg.validation

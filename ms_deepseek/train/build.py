@@ -88,10 +88,11 @@ def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bo
     """This rank's batches from the data position ``position`` (None: the start), first batch read (a bad
     dataset stops the run before anything is compiled), and its validation sets, read once. A sharded rank
     reads its rows by the training rule (``data_coordinates``, ``block_rows``): one micro-batch ``[rows, T]``
-    each. ``resolved``: the recipe's data as the preflight resolved it (``data.dataset.ResolvedData``), which the
+    each. ``resolved``: the recipe's data as the preflight resolved it (``data.sources.ResolvedData``), which the
     batches and the validation sets share; None: resolved here, once for both."""
     from ms_deepseek.data.batches import first_batch_checked
-    from ms_deepseek.data.dataset import build_train_dataset, resolve_data
+    from ms_deepseek.data.dataset import build_train_dataset
+    from ms_deepseek.data.sources import resolve_data
     from ms_deepseek.data.validation import build_validation, build_validation_by_source
 
     recipe, cfg = ctx.recipe, ctx.cfg

@@ -3,7 +3,7 @@
 The recipe schema (:mod:`ms_deepseek.config.recipe`) checks the recipe as text; this module checks
 it against the machine: every data folder is prepared, the tokenizer fits the model's vocabulary,
 a sharded LoRA run has its base checkpoint. Its data checks are made on the run's one resolution of
-the data (``data.dataset.ResolvedData``: the sources, their checked metadata, the one tokenizer), which
+the data (``data.sources.ResolvedData``: the sources, their checked metadata, the one tokenizer), which
 it hands on: ``train`` calls :func:`load_run_inputs` and gives the trainer that resolution for its
 batches and validation sets; ``launch`` calls :func:`load_checked_recipe` (once, instead of failing in N
 workers); ``plan`` and ``convert --recipe`` read recipes of jobs whose data and checkpoints are
@@ -18,7 +18,7 @@ from typing import Any, Sequence, Tuple, Union
 from ms_deepseek.config.data import DataConfig
 from ms_deepseek.config.recipe import Recipe, load_recipe
 from ms_deepseek.core.errors import UserError
-from ms_deepseek.data.dataset import ResolvedData, resolve_data
+from ms_deepseek.data.sources import ResolvedData, resolve_data
 from ms_deepseek.data.tokenizer import load_tokenizer
 
 
@@ -45,7 +45,7 @@ def _tokenizer(data: DataConfig) -> Tuple[str, Any, int]:
 
 def check_recipe(recipe: Recipe, progress: bool = False) -> ResolvedData:
     """Raise UserError naming the key when the run would not find what the recipe names; the run's data as
-    resolved for these checks (:func:`~ms_deepseek.data.dataset.resolve_data`, the embedded default built when
+    resolved for these checks (:func:`~ms_deepseek.data.sources.resolve_data`, the embedded default built when
     ``data.path`` is unset, with a progress line when ``progress``)."""
     cfg = recipe.model_config
     if recipe.lora is not None and recipe.parallel.uses_semi_auto and recipe.weights_folder is None:

@@ -69,7 +69,7 @@ def train(recipe: Recipe, run_dir, data=None, **options) -> TrainResult:
     pieces. A resume whose recipe changes the checkpoint's settings in a way that breaks exactness is refused
     unless ``allow_changes`` (train/resume.py, check_settings). A damaged checkpoint is refused naming the
     newest intact one, which ``skip_damaged`` takes (train/resume.py, intact). ``data``: the recipe's data as the
-    preflight resolved it (``data.dataset.ResolvedData``; None: resolved when the data is built)."""
+    preflight resolved it (``data.sources.ResolvedData``; None: resolved when the data is built)."""
     return Trainer(recipe, run_dir, TrainOptions(**options), data).run()
 
 

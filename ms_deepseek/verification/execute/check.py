@@ -326,7 +326,7 @@ def _sft_folder(red: ExecReduction) -> Optional[Path]:
     if not red.sft:
         return None
     from ms_deepseek.config.data import DataConfig
-    from ms_deepseek.data.dataset import ensure_embedded_chat
+    from ms_deepseek.data.sources import ensure_embedded_chat
 
     return ensure_embedded_chat(DataConfig(seq_len=SEQ_LEN, embedded_vocab_size=int(red.config["vocab_size"])))
 

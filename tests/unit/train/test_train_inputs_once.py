@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from ms_deepseek.data import dataset as dataset_module
+from ms_deepseek.data import sources as sources_module
 from ms_deepseek.data import tokenizer as tokenizer_module
 from ms_deepseek.data.prepare import prepare_data
 from ms_deepseek.train import preflight
@@ -41,8 +41,8 @@ def mixture(tmp_path_factory):
 
 
 def _counted(monkeypatch, reads: Counter) -> None:
-    """Count tokenizer loads (wherever they happen) and meta.json reads (``data.dataset.load_meta``)."""
-    load_tokenizer, load_meta = tokenizer_module.load_tokenizer, dataset_module.load_meta
+    """Count tokenizer loads (wherever they happen) and meta.json reads (``data.sources.load_meta``)."""
+    load_tokenizer, load_meta = tokenizer_module.load_tokenizer, sources_module.load_meta
 
     def counted_tokenizer(*a, **k):
         reads["tokenizer"] += 1
@@ -54,7 +54,7 @@ def _counted(monkeypatch, reads: Counter) -> None:
 
     monkeypatch.setattr(tokenizer_module, "load_tokenizer", counted_tokenizer)
     monkeypatch.setattr(preflight, "load_tokenizer", counted_tokenizer)
-    monkeypatch.setattr(dataset_module, "load_meta", counted_meta)
+    monkeypatch.setattr(sources_module, "load_meta", counted_meta)
 
 
 def test_preflight_training_and_validation_share_one_resolution(mixture, tmp_path, monkeypatch):
