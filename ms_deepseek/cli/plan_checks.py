@@ -12,6 +12,7 @@ from pathlib import Path
 from ms_deepseek.cli.plan_recipe import check_recipe, read_recipe, refuse_invalid
 from ms_deepseek.cli.plan_request import PlanRequest
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.progress import progress_line
 
 
 def _keep_dir(req: PlanRequest):
@@ -23,8 +24,8 @@ def _keep_dir(req: PlanRequest):
 
 
 def _progress(req: PlanRequest):
-    """Progress lines on stderr, none with --json."""
-    return (lambda msg: None) if req.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    """The stream progress lines go to: stderr, none with --json."""
+    return None if req.json else sys.stderr
 
 
 def run_compile(req: PlanRequest, hw) -> int:
@@ -44,16 +45,19 @@ def run_compile(req: PlanRequest, hw) -> int:
     ranks = cc.parse_ranks(req.ranks, par.world_size, cc.default_ranks(par.dp, par.tp, par.pp))
     cann = req.cann or os.environ.get("ASCEND_HOME_PATH")
     keep = _keep_dir(req)
-    say = _progress(req)
+    progress = _progress(req)
     if not cann:
         from ms_deepseek.verification.cann_stubs import cache_key, cache_root
 
         if not (cache_root() / cache_key(level=1 if req.memory else 0) / "MANIFEST").is_file():
-            say(f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)")
+            progress_line(
+                progress,
+                f"no CANN on this host: building stub CANN libraries for this MindSpore into {cache_root()} (once)",
+            )
     if req.memory:
-        setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=False, memory=True, progress=say)
+        setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=False, memory=True, progress=progress)
         return run_memory(req, hw, (written, result, recipe), reduction, ranks, setup)
-    setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=not req.no_eval, progress=say)
+    setup = cc.CompileSetup(cann=cann, work=keep, eval_graph=not req.no_eval, progress=progress)
     report = cc.compile_recipe(recipe, ranks, reduction, setup)
     reduced, _, _ = check_recipe(req, hw, written, reduction.overrides())  # the planner on the compiled model
     report.price_traffic(reduced.stage_comm_gb)
@@ -76,13 +80,13 @@ def run_execute(req: PlanRequest, hw) -> int:
     result, recipe, _ = check_recipe(req, hw, read_recipe(req))
     refuse_invalid(result)
     keep = _keep_dir(req)
-    say = _progress(req)
+    progress = _progress(req)
     report = ec.execute_recipe(
         recipe,
         steps=req.steps or 2,
         cann=req.cann or os.environ.get("ASCEND_HOME_PATH"),
         work=keep,
-        progress=say,
+        progress=progress,
     )
     if req.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -1,4 +1,4 @@
-"""Progress bars: tqdm, drawn only on a terminal.
+"""Progress bars: tqdm, drawn only on a terminal; progress lines, written to a stream a command chooses.
 
 A bar redraws itself with ``\\r`` frames; in a redirected log (``train ... > run.log 2>&1``,
 a scheduler's output file) those frames pile up as one endless line. Every bar of the
@@ -33,3 +33,11 @@ def progress_bar(iterable=None, *, enabled: bool = True, **kwargs):
 
     stream = kwargs.get("file")
     return tqdm(iterable, disable=not (enabled and interactive(stream)), **kwargs)
+
+
+def progress_line(stream, message: str) -> None:
+    """One progress line on ``stream`` (a text file such as ``sys.stderr``; None: nowhere), flushed at once. Long
+    work below the command line is given the stream, not a function of the command's, so that nothing it calls
+    sits above it."""
+    if stream is not None:
+        print(message, file=stream, flush=True)

@@ -31,9 +31,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.progress import progress_line
 from ms_deepseek.verification.compile import traffic
 from ms_deepseek.verification.compile.ir_rules import (
     LARGE_CONSTANT_MB,
@@ -291,13 +292,13 @@ class CompileSetup:
     """How :func:`compile_recipe` runs its workers: the CANN install (None: stubs), the folder for each rank's
     request, log and result (None: a temporary one, removed when every rank compiled), whether the validation
     graph is compiled too, whether each step runs at MindSpore's level 1 (``memory``: :class:`RankJob`), and
-    where progress lines go (None: nowhere)."""
+    the stream progress lines go to (``sys.stderr``; None: nowhere)."""
 
     cann: Optional[str] = None
     work: Optional[Path] = None
     eval_graph: bool = True
     memory: bool = False
-    progress: Optional[Callable[[str], None]] = None
+    progress: Optional[TextIO] = None
 
 
 def compile_recipe(
@@ -324,11 +325,11 @@ def compile_recipe(
     results = []
     try:
         for rank in ranks:
-            if setup.progress is not None:
-                setup.progress(
-                    f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
-                    f"{reduction.describe()} ..."
-                )
+            progress_line(
+                setup.progress,
+                f"compiling rank {rank} of {world}{' and running its step (level 1)' if memory else ''}: "
+                f"{reduction.describe()} ...",
+            )
             results.append(run_rank(job, rank))
     finally:
         if own and all(r.ok for r in results) and len(results) == len(ranks):

@@ -47,12 +47,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 
 from ms_deepseek.checkpoint.convert.synthetic import write_random_checkpoint
 from ms_deepseek.core.errors import UserError
+from ms_deepseek.core.progress import progress_line
 from ms_deepseek.parallel_plan.planner import check_recipe_fits
 from ms_deepseek.verification.compile.traffic import wire_factor
 from ms_deepseek.verification.dryrun import compile_environment
@@ -266,14 +267,16 @@ def execute_recipe(
     steps: int = 2,
     cann: Optional[str] = None,
     work: Optional[Path] = None,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[TextIO] = None,
     jobs: int = 2,
 ) -> ExecReport:
     """Run the reduced layout of ``recipe`` (loaded with its overrides; its ``parallel`` section may hold layout
     flags applied after loading) rank by rank and compare it with one device (module docstring); ``jobs`` compile
-    workers at a time."""
+    workers at a time; progress lines go to the stream ``progress`` (None: nowhere)."""
 
-    say = progress or (lambda msg: None)
+    def say(message: str) -> None:
+        progress_line(progress, message)
+
     red = reduce_recipe(recipe)
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="ms-deepseek-execute-")) if own else Path(work)
