@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -105,6 +106,8 @@ def main() -> int:
     if not command:
         parser.error("give the command after --, e.g. -- plan --recipe recipes/tiny-cpu.yaml")
     sys.path.insert(0, str(ROOT))
+    # the worker processes the command starts import this checkout too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     from ms_deepseek.cli import main as cli_main
 
     walk = Walk(_layers())
