@@ -180,3 +180,37 @@ def test_data_parallel_layout_writes_and_reads_the_checkpointers_tensors(tmp_pat
         np.testing.assert_array_equal(tensors.model_tensors[name].asnumpy(), value, err_msg=name)
     np.testing.assert_array_equal(tensors.opt_tensors["adam_m.lm_head.weight"].asnumpy(), 1.0)
     assert counters2.tokens_seen == 32
+
+
+def test_the_layout_protocol_declares_every_member_of_the_layouts():
+    """What the trainer and its builders use of a layout is what LayoutStrategy declares: the two layouts'
+    public members and the Protocol's are the same set."""
+    from ms_deepseek.train.context import LayoutStrategy
+    from ms_deepseek.train.parallelism import DataParallel, Sharded
+
+    declared = set(LayoutStrategy.__annotations__) | {n for n in vars(LayoutStrategy) if not n.startswith("_")}
+    for layout in (DataParallel, Sharded):
+        public = {n for n in dir(layout) if not n.startswith("_")}
+        assert public == declared, (layout.__name__, public ^ declared)
+
+
+def test_the_trainer_is_complete_when_built():
+    """Every attribute of a Trainer is a field declared on the class without a default (its builder must set
+    each one), and no method of the trainer module sets an attribute afterwards."""
+    import ast
+    import dataclasses
+    import inspect
+
+    from ms_deepseek.train import trainer as trainer_mod
+
+    fields = dataclasses.fields(trainer_mod.Trainer)
+    assert fields and all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
+    tree = ast.parse(inspect.getsource(trainer_mod))
+    set_later = [
+        f"line {node.lineno}: self.{target.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    ]
+    assert not set_later, set_later
