@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from ms_deepseek.checkpoint.tensors import restore_rng, rng_state
+from ms_deepseek.train.build import TrainData
 from ms_deepseek.train.context import LayoutStrategy, ModelConverter, RunContext, Stateful, TrainTensors
 
 
@@ -135,7 +136,7 @@ class Checkpointer:
         strategy: LayoutStrategy,
         converter: ModelConverter,
         tensors: TrainTensors,
-        data: Any,
+        data: TrainData,
         counters: RunCounters,
         manager,
         stop_at: int,
