@@ -77,7 +77,7 @@ def lora_transfer(steps: int) -> None:
     from ms_deepseek.data.prepare import prepare_embedded_default
     from ms_deepseek.model.causal_lm import DeepseekV2ForCausalLM
     from ms_deepseek.train.context import TrainOptions
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.train.trainer import build_trainer, start_run
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -97,7 +97,7 @@ def lora_transfer(steps: int) -> None:
             "model.overrides.initializer_range=0.2",
         ]
         recipe = load_recipe(REPO / "recipes" / "tiny-qlora-cpu.yaml", sets)
-        trainer = Trainer(recipe, tmp / "run", TrainOptions(progress=False))
+        trainer = build_trainer(start_run(recipe, tmp / "run", TrainOptions(progress=False)))
         result = trainer.run()
         batches = trainer.data.validation.batches
         print(

@@ -132,22 +132,21 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_dir(run_dir, "--output run folder")  # before any data is read or model built
     from ms_deepseek.jobs.lease import LeaseHeld
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import train
 
+    options = TrainOptions(
+        resume=args.resume,
+        force=args.force,
+        progress=not args.quiet,
+        max_steps=args.max_steps,
+        allow_changes=args.allow_changes,
+        skip_damaged=args.skip_damaged,
+        take_over=args.take_over,
+    )
     before = _snapshot(run_dir)
     try:
-        result = train(
-            recipe,
-            run_dir,
-            data=data,
-            resume=args.resume,
-            force=args.force,
-            progress=not args.quiet,
-            max_steps=args.max_steps,
-            allow_changes=args.allow_changes,
-            skip_damaged=args.skip_damaged,
-            take_over=args.take_over,
-        )
+        result = train(recipe, run_dir, options, data)
     except LeaseHeld:
         raise  # the folder is another job's: nothing of it is this command's to clean up
     except UserError:

@@ -7,8 +7,8 @@ batches forever (epoch after epoch) as numpy dicts::
 
 with labels aligned to input_ids (HF convention, -100 = no loss; the model
 shifts). ``state_dict()`` after a batch is that batch's position; a dataset
-built with ``state=`` continues with exactly the batch an uninterrupted run
-would have produced next.
+built with ``state=``, or given it by ``load_state_dict`` before its first batch,
+continues with exactly the batch an uninterrupted run would have produced next.
 
 How the order is made (the same on every run and every rank):
 
@@ -152,6 +152,12 @@ class TrainDataset:
             "holdout": self.holdout,
             "block_rows": self.block_rows,
         }
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue from a previous :meth:`state_dict` (before the first batch is read), as ``state=`` does."""
+        self._restore(state)
+        if self.format == "sft":
+            self._sft_batches(self.epoch)  # fail now, not at the first batch, if a rank gets no full batch
 
     def _restore(self, state: Dict) -> None:
         missing = [k for k in ("steps", "epoch", "samples_in_epoch", "batches_in_epoch") if k not in state]

@@ -130,6 +130,10 @@ class MixtureDataset:
             "source_counts": self.source_counts,
         }
 
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue from a previous :meth:`state_dict` (before the first batch is read), as ``state=`` does."""
+        self._restore(state)
+
     def _restore(self, state: Dict) -> None:
         if not state.get("mixture"):
             raise UserError(

@@ -2,7 +2,7 @@
 
 * :func:`check_layout`: refusals about the layout that need nothing built, and the planner's verdict
   (:func:`fit_plan`);
-* :func:`build_data`: this rank's training batches (first one read) and validation sets (:class:`TrainData`);
+* :func:`build_data`: this rank's training batches and validation sets (:class:`TrainData`, a stateful part);
 * :func:`build_model`: the model, its converter (LoRA) and the parallel plan applied to it;
 * :func:`build_step`: the optimizer and the compiled step, as :class:`~.context.TrainTensors`.
 
@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -70,27 +70,45 @@ def check_layout(recipe: Recipe, strategy, force: bool, device: Optional[str] = 
 
 @dataclass
 class TrainData:
-    """This rank's training batches (the first already read) and its validation sets."""
+    """This rank's training batches and its validation sets; a stateful part of the run: its state is the data
+    position a checkpoint records (the dataset's own ``state_dict``).
 
-    dataset: Any  # data.dataset: its state_dict is the data position a checkpoint records
-    batches: Any  # iterator of micro-batches
+    The position is set (:meth:`load_state_dict`) before the batches are opened (:meth:`open`, which reads the
+    first one: a bad shard stops the run there)."""
+
+    dataset: Any  # data.dataset.TrainDataset or data.mixture.MixtureDataset
     rows: int  # rows per micro-batch on this rank
     validation: Any  # data.validation.Validation, or None
     validation_by_source: Dict[str, Any]  # a weighted mixture's held-out set per source
     validation_notes: List[str]
+    batches: Optional[Iterator] = None  # the micro-batches from the position on, once opened
 
     @property
     def seq_len(self) -> int:
         return self.dataset.seq_len
 
+    def state_dict(self) -> Dict:
+        return self.dataset.state_dict()
 
-def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bool, resolved=None) -> TrainData:
-    """This rank's batches from the data position ``position`` (None: the start), first batch read (a bad
-    dataset stops the run before anything is compiled), and its validation sets, read once. A sharded rank
-    reads its rows by the training rule (``data_coordinates``, ``block_rows``): one micro-batch ``[rows, T]``
-    each. ``resolved``: the recipe's data as the preflight resolved it (``data.sources.ResolvedData``), which the
-    batches and the validation sets share; None: resolved here, once for both."""
-    from ms_deepseek.data.batches import first_batch_checked
+    def load_state_dict(self, state: Dict) -> None:
+        if self.batches is not None:
+            raise RuntimeError("TrainData.load_state_dict: the batches are already open at another position")
+        self.dataset.load_state_dict(state)
+
+    def open(self) -> None:
+        """The batches from the position on, the first one read (an unreadable shard fails here, as one line)."""
+        from ms_deepseek.data.batches import first_batch_checked
+
+        self.batches = first_batch_checked(self.dataset)
+
+
+def build_data(ctx: RunContext, strategy, progress: bool, resolved=None) -> TrainData:
+    """This rank's training data at the start of the sample stream (its position and first batch come with the
+    run's restore: :meth:`TrainData.load_state_dict`, :meth:`TrainData.open`) and its validation sets, read
+    once. A sharded rank reads its rows by the training rule (``data_coordinates``, ``block_rows``): one
+    micro-batch ``[rows, T]`` each. ``resolved``: the recipe's data as the preflight resolved it
+    (``data.sources.ResolvedData``), which the batches and the validation sets share; None: resolved here, once
+    for both."""
     from ms_deepseek.data.dataset import build_train_dataset
     from ms_deepseek.data.sources import resolve_data
     from ms_deepseek.data.validation import build_validation, build_validation_by_source
@@ -105,16 +123,14 @@ def build_data(ctx: RunContext, strategy, position: Optional[Dict], progress: bo
         rows,
         data_rank,
         data_world,
-        state=position,
         static_shapes=strategy.static_shapes,
         block_rows=strategy.block_rows(ctx.par, recipe.train.micro_batch_size, micro_batches(recipe)),
     )
-    batches = first_batch_checked(dataset)
     held_out = (resolved, rows, data_rank, data_world, recipe.train.eval_batches)
     validation = build_validation(*held_out)
     # a weighted mixture with a held-out fraction: val_loss/<source> beside val_loss, one set per source
     by_source, notes = build_validation_by_source(*held_out)
-    return TrainData(dataset, batches, rows, validation, by_source, notes)
+    return TrainData(dataset, rows, validation, by_source, notes)
 
 
 def config_changes(recipe: Recipe, folder=None) -> Dict:

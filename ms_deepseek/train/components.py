@@ -4,20 +4,21 @@
 * :class:`RngState`: numpy's and MindSpore's generators (a resume continues their streams);
 * :class:`Throughput`: the metrics counters of the logged interval and of the steady state (steps
   after the first, compile, step of a call): tokens/s, data wait, compile time, the losses;
-* :class:`Checkpointer`: one checkpoint of the run, saved and loaded: the model and optimizer tensors
-  (through the layout, :mod:`ms_deepseek.train.parallelism`) and ``state.json``, assembled from the parts
-  above and the data position (the dataset's own ``state_dict``).
-
-The data position is the dataset's (``data.dataset``: ``state_dict()``, and ``state=`` when built).
+* :class:`Checkpointer`: every stateful part of a run (the data position, the model and optimizer tensors,
+  the RNG, the counters) and its save schedule: one call saves them all (:meth:`Checkpointer.save`), one
+  puts them all at the resume point (:meth:`Checkpointer.restore`);
+* :func:`run_state`: the one shape of ``state.json``.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from ms_deepseek.checkpoint.tensors import restore_rng, rng_state
+from ms_deepseek.train.build import TrainData
+from ms_deepseek.train.context import LayoutStrategy, ModelConverter, RunContext, Stateful, TrainTensors
 
 
 class RunCounters:
@@ -102,40 +103,88 @@ class Throughput:
         return self.steady_tokens / self.steady_time if self.steady_time else 0.0
 
 
+def run_state(step: int, data: Stateful, rng: Stateful, counters: Stateful, shape: Dict, replicas: Dict) -> Dict:
+    """What ``state.json`` records of a run at ``step``, in the file's key order (part of its bytes): ``step``;
+    the data position under ``data`` and the RNG under ``rng`` (each part's own ``state_dict``); the counters'
+    fields (``tokens_seen``, ``elapsed_s``) and the run's shape (``world_size``, ``global_batch_size``,
+    ``seq_len``) at the top level, where a resume's settings check reads the shape; a data-parallel job's
+    ``replica_sha1`` (:meth:`~.context.LayoutStrategy.replica_state`). The writer adds ``files``, the digests
+    of the files it wrote (``checkpoint.training``)."""
+    return {
+        "step": step,
+        "data": data.state_dict(),
+        "rng": rng.state_dict(),
+        **counters.state_dict(),
+        **shape,
+        **replicas,
+    }
+
+
 class Checkpointer:
-    """One checkpoint of every stateful part of a run, saved and loaded.
+    """Every stateful part of one worker's run and its save schedule.
 
-    ``state.json`` holds ``step``, each named part's ``state_dict`` under its name (the data position, the
-    RNG), the ``merged`` parts' keys at its top level (the counters: ``tokens_seen``, ``elapsed_s``) and the
-    run's fixed shape; the model and optimizer tensors go through ``files``, the layout strategy
-    (:class:`ms_deepseek.train.parallelism.TensorFiles`), which writes whole tensors or this rank's slices.
+    The parts: the data position (:class:`~.build.TrainData`), the model and optimizer tensors (written and
+    read by the layout strategy, :mod:`.parallelism`: whole tensors or this rank's slices), the RNG
+    (:class:`RngState`) and the counters (:class:`RunCounters`). :meth:`save` writes them as one checkpoint
+    (``state.json``: :func:`run_state`), :meth:`restore` puts every one at the resume point. The folders
+    (atomic writes, digests, pruning that spares the resumed checkpoint) are
+    :class:`ms_deepseek.checkpoint.training.CheckpointManager`'s."""
 
-    :meth:`load` gives every part its state back. A part without ``load_state_dict`` takes its state when it
-    is built: the dataset (``build_train_dataset(state=)``), whose first batch is read before the model
-    is built so that a bad shard at the resumed position stops the run before any compile."""
+    def __init__(
+        self,
+        ctx: RunContext,
+        strategy: LayoutStrategy,
+        converter: ModelConverter,
+        tensors: TrainTensors,
+        data: TrainData,
+        counters: RunCounters,
+        manager,
+        stop_at: int,
+    ):
+        self.ctx, self.strategy, self.converter, self.tensors = ctx, strategy, converter, tensors
+        self.data, self.rng, self.counters = data, RngState(), counters
+        self.manager, self.stop_at = manager, stop_at
+        self.saved_step: Optional[int] = None  # the step of this call's last save
+        self.last: Optional[Path] = None  # the folder of this call's last save (rank 0's path)
 
-    def __init__(self, manager, files, parts: Dict[str, object], merged: Sequence[object] = (), fixed=None):
-        self.manager, self.files, self.parts, self.merged = manager, files, dict(parts), list(merged)
-        self.fixed = dict(fixed or {})
+    def due(self, step: int) -> bool:
+        """A checkpoint every ``checkpoint.save_interval`` steps and at the call's last step (``save_final``)."""
+        ck = self.ctx.recipe.checkpoint
+        return bool((ck.save_interval and step % ck.save_interval == 0) or (step == self.stop_at and ck.save_final))
 
     def state(self, step: int) -> Dict:
-        state: Dict = {"step": step}
-        state.update({name: part.state_dict() for name, part in self.parts.items()})
-        for part in self.merged:
-            state.update(part.state_dict())
-        state.update(self.fixed)
-        return state
+        """``state.json``'s content at ``step`` (every rank takes part: the replicas' digest is a collective)."""
+        ctx = self.ctx
+        shape = {
+            "world_size": ctx.world,
+            "global_batch_size": ctx.recipe.global_batch_size,
+            "seq_len": self.data.seq_len,
+        }
+        replicas = self.strategy.replica_state(ctx, self.tensors)
+        return run_state(step, self.data, self.rng, self.counters, shape, replicas)
 
     def save(self, step: int) -> Optional[Path]:
-        """Every rank takes part; the path of the checkpoint written (rank 0's), or None on other ranks."""
-        return self.files.save(self.manager, step, self.state(step))
+        """One checkpoint of every part at ``step``; every rank takes part, rank 0 completes it. The folder
+        written (rank 0's path), or None on the ranks that write no folder of their own."""
+        self.saved_step = step
+        saved = self.strategy.save(self.ctx, self.tensors, self.manager, step, self.state(step))
+        if saved is not None:
+            self.last = saved
+        return saved
 
-    def load(self, folder: Path, state: Dict) -> None:
-        """Resume from ``folder`` (its ``state.json`` read as ``state``): the tensors first, then every part
-        that takes its state back, in the order given (the RNG after the tensors: reading them draws none)."""
-        self.files.load(folder)
-        for name, part in self.parts.items():
-            if hasattr(part, "load_state_dict"):
-                part.load_state_dict(state.get(name, {}))
-        for part in self.merged:
-            part.load_state_dict(state)
+    def restore(self, folder: Optional[Path], state: Dict) -> None:
+        """Every part at the resume point ``folder`` (its ``state.json`` read as ``state``; None: the run's start),
+        in this order: the data position, then the batches opened (the first one read: an unreadable shard stops
+        the run before anything compiles); the tensors (``LayoutStrategy.materialize``: a sharded step compiles
+        and reads its slices of the weights; then the checkpoint's tensors, whole or sharded, of any layout);
+        the RNG after the tensors (reading them draws none) and the counters."""
+        fresh = folder is None
+        if not fresh and state.get("data") is not None:
+            self.data.load_state_dict(state["data"])
+        self.data.open()
+        self.strategy.materialize(self.ctx, self.tensors, self.converter, fresh)
+        if fresh:
+            return
+        self.strategy.load(self.ctx, self.tensors, folder)
+        self.rng.load_state_dict(state.get("rng", {}))
+        self.counters.load_state_dict(state)

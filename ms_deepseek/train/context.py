@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 from ms_deepseek.config.recipe import Recipe
 
@@ -100,12 +100,15 @@ class Stateful(Protocol):
 
 
 class LayoutStrategy(Protocol):
-    """How a run is laid out over its workers (:mod:`.parallelism`): data parallel or sharded."""
+    """How a run is laid out over its workers (:mod:`.parallelism`): data parallel or sharded. Every member
+    the trainer and its builders use is declared here."""
 
     sharded: bool
-    static_shapes: bool
+    static_shapes: bool  # every batch [rows, seq_len]: one compiled shape on every rank
 
     def check(self, recipe: Recipe, device: str) -> None: ...
+
+    def workers_message(self, par) -> str: ...
 
     def log_rank(self, par) -> int: ...
 
@@ -113,7 +116,19 @@ class LayoutStrategy(Protocol):
 
     def block_rows(self, par, micro_batch: int, micro_batches: int) -> int: ...
 
+    def build_model(self, cfg, weights_folder: Optional[Path], show_progress: bool, config_changes: Dict): ...
+
+    def grad_reducer(self, optimizer, world: int): ...
+
+    def wrap_step(self, step_cell, par, strategy_file: Path): ...
+
+    def stats_mean(self, world: int) -> Optional[Callable]: ...
+
+    def eval_parallel(self, par): ...
+
     def materialize(self, ctx: RunContext, tensors: TrainTensors, converter: ModelConverter, fresh: bool): ...
+
+    def replica_state(self, ctx: RunContext, tensors: TrainTensors) -> Dict: ...
 
     def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]: ...
 
@@ -130,5 +145,9 @@ class ModelConverter(Protocol):
     def convert(self, model, ctx: RunContext, source: ModelSource) -> None: ...
 
     def checkpoint_tensors(self, model) -> Dict[str, Any]: ...
+
+    def describe(self, recipe: Recipe) -> Optional[str]: ...
+
+    def before_step(self, model, seed: int, step: int, rank: int) -> None: ...
 
     def load_slices(self, ctx: RunContext, tensors: TrainTensors, layout, fresh: bool) -> None: ...

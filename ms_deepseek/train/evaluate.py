@@ -125,3 +125,27 @@ class Evaluator:
     def __call__(self) -> Dict[str, float]:
         val_loss = self.loss(self.batches, self.counts)
         return {"val_loss": float(val_loss), "val_ppl": float(math.exp(val_loss)) if val_loss < 700 else float("inf")}
+
+
+class Evaluation:
+    """When a run validates, and on what: ``val_loss`` / ``val_ppl`` every ``train.eval_interval`` steps and at
+    the call's last step (with ``data.validation``), ``val_loss/<source>`` for a mixture's held-out sets. The
+    :class:`Evaluator` (its graph compiled) is built at the first validation."""
+
+    def __init__(self, model, data, world: int, parallel, every: Optional[int], stop_at: int):
+        """``data``: the run's ``train.build.TrainData``; ``parallel``: a sharded run's ParallelConfig."""
+        self.model, self.data, self.world, self.parallel = model, data, world, parallel
+        self.every, self.stop_at = every, stop_at
+        self.evaluator: Optional[Evaluator] = None
+
+    def __call__(self, step: int) -> Optional[Dict[str, float]]:
+        """The validation values of ``step``, or None when it does not validate."""
+        validation = self.data.validation
+        if validation is None or not ((self.every and step % self.every == 0) or step == self.stop_at):
+            return None
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.model, validation.batches, self.world, parallel=self.parallel)
+        result = self.evaluator()
+        for name, per_source in self.data.validation_by_source.items():  # the same compiled eval graph
+            result[f"val_loss/{name}"] = self.evaluator.loss(per_source.batches)
+        return result

@@ -6,12 +6,11 @@ sharding, Ascend: the model is built unallocated, the step is wrapped by ``AutoP
 any weight is read, every rank reads and writes only its slices, the checkpoint has a ``layout.json``).
 The trainer asks its layout (:func:`parallelism_of`) instead of branching on the layout itself. A strategy
 is given the run (:class:`~.context.RunContext`) and its tensors (:class:`~.context.TrainTensors`), never
-the trainer; it is the checkpointer's file backend (:class:`TensorFiles`).
+the trainer; it writes and reads the checkpoint's tensors for the checkpointer (``components.Checkpointer``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -69,14 +68,17 @@ class DataParallel:
         """The model was built whole and read its weights then: nothing to do; whole tensors (no layout)."""
         return None
 
-    def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]:
-        """Rank 0 writes whole tensors (experts in HF order whatever the placement); every rank takes part in
-        the replicas' digest."""
-        from ms_deepseek.checkpoint.tensors import hf_ordered
+    def replica_state(self, ctx: RunContext, tensors: TrainTensors) -> Dict:
+        """``replica_sha1``: every rank's digest of its model tensors, which must be the same (every rank takes
+        part); nothing on one worker."""
         from ms_deepseek.jobs.distributed import replica_digests
 
-        if ctx.world > 1:  # every rank takes part: the replicas must hold the same weights
-            state["replica_sha1"] = replica_digests(tensors.model_tensors, ctx.world)
+        return {"replica_sha1": replica_digests(tensors.model_tensors, ctx.world)} if ctx.world > 1 else {}
+
+    def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]:
+        """Rank 0 writes whole tensors (experts in HF order whatever the placement)."""
+        from ms_deepseek.checkpoint.tensors import hf_ordered
+
         if ctx.rank != 0:
             return None
         return manager.save(
@@ -176,6 +178,10 @@ class Sharded:
         converter.load_slices(ctx, tensors, layout, fresh)
         return layout
 
+    def replica_state(self, ctx: RunContext, tensors: TrainTensors) -> Dict:
+        """Nothing: the ranks hold different slices (the digests of every rank's files are in ``files``)."""
+        return {}
+
     def save(self, ctx: RunContext, tensors: TrainTensors, manager, step: int, state: Dict) -> Optional[Path]:
         """Every rank writes its slices (experts in HF order by construction), rank 0 completes."""
         from ms_deepseek.checkpoint import training as ckpt_mod
@@ -200,21 +206,6 @@ def parallelism_of(sharded: bool):
     """:class:`Sharded` for a layout that shards the model (``ParallelConfig.uses_semi_auto``), else
     :class:`DataParallel`."""
     return SHARDED if sharded else DATA_PARALLEL
-
-
-@dataclass(frozen=True)
-class TensorFiles:
-    """A layout strategy as the checkpointer's file backend: one run's model and optimizer tensors."""
-
-    strategy: object  # DataParallel or Sharded
-    ctx: RunContext
-    tensors: TrainTensors
-
-    def save(self, manager, step: int, state: Dict) -> Optional[Path]:
-        return self.strategy.save(self.ctx, self.tensors, manager, step, state)
-
-    def load(self, folder: Path) -> None:
-        self.strategy.load(self.ctx, self.tensors, folder)
 
 
 def checkpoint_layout(ctx: RunContext, opt_tensors: Dict[str, object]):

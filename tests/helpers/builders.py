@@ -126,24 +126,29 @@ def emulated_rank(recipe, run_dir: Path, rank: int, model, applied, model_tensor
     """One emulated rank of a sharded run, built from the trainer's parts without a trainer: its
     ``RunContext`` (``recipe`` needs ``model_config``, ``parallel``, ``lora``, ``weights_folder``,
     ``global_batch_size`` and ``to_yaml``), its ``TrainTensors`` (no compiled step, no optimizer state) and
-    the ``Checkpointer`` that saves them through the sharded layout."""
+    the ``Checkpointer`` that saves them through the sharded layout (its data part a stand-in)."""
     import time
     from types import SimpleNamespace
 
     from ms_deepseek.checkpoint.training import CheckpointManager
-    from ms_deepseek.train.components import Checkpointer, RngState, RunCounters
+    from ms_deepseek.train.components import Checkpointer, RunCounters
     from ms_deepseek.train.context import RunContext, TrainTensors
-    from ms_deepseek.train.parallelism import SHARDED, TensorFiles
+    from ms_deepseek.train.lora_run import model_converter
+    from ms_deepseek.train.parallelism import SHARDED
 
     run_dir = Path(run_dir)
     ctx = RunContext(recipe, run_dir, rank, recipe.parallel.world_size)
     strategy_file = run_dir / "strategy" / "none.ckpt"
     tensors = TrainTensors(model, applied, model_tensors, {}, None, strategy_file, 1, 1, seq_len)
+    data = SimpleNamespace(state_dict=lambda: {}, seq_len=seq_len)
     checkpointer = Checkpointer(
+        ctx,
+        SHARDED,
+        model_converter(recipe),
+        tensors,
+        data,
+        RunCounters(time.time()),
         CheckpointManager(run_dir / "checkpoints", 2),
-        TensorFiles(SHARDED, ctx, tensors),
-        {"data": SimpleNamespace(state_dict=lambda: {}), "rng": RngState()},
-        merged=[RunCounters(time.time())],
-        fixed={"world_size": ctx.world, "global_batch_size": recipe.global_batch_size, "seq_len": seq_len},
+        stop_at=1,
     )
     return SimpleNamespace(ctx=ctx, tensors=tensors, checkpointer=checkpointer)

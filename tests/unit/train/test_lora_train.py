@@ -53,9 +53,9 @@ def _fixture_recipe(data_dir, **changes):
 def _run(recipe_dict, run_dir: Path):
     from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.train.context import TrainOptions
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.train.trainer import build_trainer, start_run
 
-    trainer = Trainer(load_recipe_dict(recipe_dict), run_dir, TrainOptions(progress=False))
+    trainer = build_trainer(start_run(load_recipe_dict(recipe_dict), run_dir, TrainOptions(progress=False)))
     return trainer, trainer.run()
 
 
@@ -172,10 +172,10 @@ def test_tiny_lora_recipe_lowers_the_loss_and_exports(tmp_path, data_dir):
     sets += [f"model.overrides.{k}={'null' if v is None else v}" for k, v in SMALL_MODEL.items()]
     recipe = load_recipe(REPO / "recipes" / "tiny-lora-cpu.yaml", sets)
     from ms_deepseek.train.context import TrainOptions
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.train.trainer import build_trainer, start_run
 
     run_dir = tmp_path / "run"
-    trainer = Trainer(recipe, run_dir, TrainOptions(progress=False))
+    trainer = build_trainer(start_run(recipe, run_dir, TrainOptions(progress=False)))
     result = trainer.run()
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 0.1, result.losses

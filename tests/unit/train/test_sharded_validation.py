@@ -218,7 +218,7 @@ def _data(recipe, rank):
     from ms_deepseek.train.context import RunContext
     from ms_deepseek.train.parallelism import SHARDED
 
-    return build_data(RunContext(recipe, Path("unused"), rank, recipe.parallel.world_size), SHARDED, None, False)
+    return build_data(RunContext(recipe, Path("unused"), rank, recipe.parallel.world_size), SHARDED, False)
 
 
 def test_trainer_builds_this_ranks_validation_for_a_sharded_layout(folders, tmp_path):
@@ -230,6 +230,7 @@ def test_trainer_builds_this_ranks_validation_for_a_sharded_layout(folders, tmp_
         r, w, rows = data_coordinates(rank, par, B)
         ref = build_validation(recipe.data, rows, r, w, 2)
         assert [b["input_ids"].tolist() for b in t.validation.batches] == [b["input_ids"].tolist() for b in ref.batches]
+        t.open()
         assert next(t.batches)["input_ids"].shape == (rows, SEQ)  # training SFT batches: static too
         seen[rank] = t.validation.batches[0]["input_ids"].tolist()
     assert seen[5] == seen[1] != seen[0]

@@ -198,6 +198,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
 
     Run with selective recompute, which must not change the math either."""
     from ms_deepseek.config.recipe import load_recipe_dict
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -209,7 +210,7 @@ def test_gradient_accumulation_matches_one_big_batch(reference, data_dir, tmp_pa
             logging={"tensorboard": False},
         )
     )
-    result = train(recipe, tmp_path / "accum", progress=False)
+    result = train(recipe, tmp_path / "accum", TrainOptions(progress=False))
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=1e-5)
     got, want = weights(result.checkpoint), weights(ref_dir / "checkpoints" / "step_00000004")
     for name in want:
@@ -389,6 +390,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
     from ms_deepseek.config.recipe import load_recipe_dict
     from ms_deepseek.report.alerts import AlertConfig, AlertMonitor
     from ms_deepseek.train import run_log
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -396,7 +398,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
     monkeypatch.setattr(run_log, "alert_monitor", lambda: AlertMonitor(AlertConfig(streak=2, grad_high=1e-3)))
     data = recipe_dict(data_dir, checkpoint={"save_interval": 0}, logging={"tensorboard": False})
     data["model"]["overrides"]["compute_dtype"] = "float16"
-    result = train(load_recipe_dict(data), tmp_path / "fp16", progress=False)
+    result = train(load_recipe_dict(data), tmp_path / "fp16", TrainOptions(progress=False))
     records = [json.loads(line) for line in (tmp_path / "fp16" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss_scale"] == 65536.0 and r["overflow"] is False for r in records)
     np.testing.assert_allclose(result.losses, losses_of(ref_dir), rtol=5e-3)  # float16 matmuls, fp32 master
@@ -407,6 +409,7 @@ def test_float16_compute_trains_with_a_dynamic_loss_scale(reference, data_dir, t
 def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_dir, tmp_path):
     """model.source = a checkpoint folder: its weights are loaded (not a random init), overrides still apply."""
     from ms_deepseek.config.recipe import load_recipe_dict
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -414,7 +417,7 @@ def test_model_source_checkpoint_folder_starts_from_its_weights(reference, data_
     data["model"] = {"source": str(ref_dir / "checkpoints" / "step_00000004"), "overrides": {"capacity_factor": 4.0}}
     recipe = load_recipe_dict(data)
     assert recipe.weights_folder is not None and recipe.model_config.capacity_factor == 4.0
-    result = train(recipe, tmp_path / "finetune", progress=False)
+    result = train(recipe, tmp_path / "finetune", TrainOptions(progress=False))
     # the first batch again, now seen by the trained weights: lower loss than at random init
     assert result.losses[0] < losses_of(ref_dir)[0] - 0.02
     cfg = json.loads((result.checkpoint / "config.json").read_text())
@@ -442,6 +445,7 @@ def test_training_checkpoint_exports_to_huggingface(reference, tmp_path):
 
 def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
     from ms_deepseek.config.recipe import load_recipe_dict
+    from ms_deepseek.train.context import TrainOptions
     from ms_deepseek.train.trainer import train
 
     ref_dir, _ = reference
@@ -451,7 +455,7 @@ def test_pynative_mode_trains_the_same(reference, data_dir, tmp_path):
         checkpoint={"save_interval": 0, "save_final": False},
         logging={"tensorboard": False},
     )
-    result = train(load_recipe_dict(data), tmp_path / "pynative", progress=False, max_steps=2)
+    result = train(load_recipe_dict(data), tmp_path / "pynative", TrainOptions(progress=False, max_steps=2))
     np.testing.assert_allclose(result.losses, losses_of(ref_dir)[:2], rtol=1e-5)
     assert result.checkpoint is None
 

@@ -78,13 +78,13 @@ def _losses(run_dir):
 def qlora_run(tmp_path_factory, data_dir):
     from ms_deepseek.config.recipe import load_recipe
     from ms_deepseek.train.context import TrainOptions
-    from ms_deepseek.train.trainer import Trainer
+    from ms_deepseek.train.trainer import build_trainer, start_run
 
     root = tmp_path_factory.mktemp("qlora")
     recipe = load_recipe(
         REPO / "recipes" / "tiny-qlora-cpu.yaml", _sets(data_dir, 30, **{"checkpoint.save_interval": 10})
     )
-    trainer = Trainer(recipe, root / "run", TrainOptions(progress=False))
+    trainer = build_trainer(start_run(recipe, root / "run", TrainOptions(progress=False)))
     return trainer, trainer.run()
 
 
