@@ -62,7 +62,8 @@ def test_preflight_training_and_validation_share_one_resolution(mixture, tmp_pat
     _counted(monkeypatch, reads)
     recipe, data = preflight.load_run_inputs(mixture)
     assert reads == Counter({"tokenizer": 1, "meta.json": 2}), reads  # one tokenizer, one read per folder
-    built = build_data(RunContext(recipe, tmp_path / "run"), DATA_PARALLEL, None, False, data)
+    built = build_data(RunContext(recipe, tmp_path / "run"), DATA_PARALLEL, False, data)
+    built.open()  # the batches from the start, first one read
     assert reads == Counter({"tokenizer": 1, "meta.json": 2}), reads
     # what was built from it: the batches, the held-out set of both folders, and each folder's own
     assert next(built.batches)["input_ids"].shape == (2, 16)
