@@ -202,7 +202,6 @@ def build_trainer(start: RunStart, parts: Optional[RunParts] = None) -> "Trainer
         tensors=parts.tensors,
         stats_mean=parts.stats_mean,
         checkpointer=parts.checkpointer,
-        counters=parts.checkpointer.counters,
         log=RunLog(ctx, start.is_log_rank, start.options.progress, start.resume.step, start.stop_at),
         throughput=Throughput(recipe.global_batch_size * parts.data.seq_len),
         guards=RunGuards(start.lease, Heartbeat(ctx.run_dir, ctx.rank), StopRequest()),
@@ -259,7 +258,6 @@ class Trainer:
     tensors: TrainTensors
     stats_mean: Optional[Callable]
     checkpointer: Checkpointer
-    counters: RunCounters  # the checkpointer's counters part
     log: RunLog
     throughput: Throughput
     guards: RunGuards
@@ -272,6 +270,11 @@ class Trainer:
     @property
     def run_dir(self) -> Path:
         return self.ctx.run_dir
+
+    @property
+    def counters(self) -> RunCounters:
+        """The run's counters: one of the checkpointer's parts."""
+        return self.checkpointer.counters
 
     def run(self) -> TrainResult:
         """The start lines, then the steps of this call until its last or a stop request; the guards are
