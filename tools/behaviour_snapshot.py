@@ -5,8 +5,8 @@ A restructuring must not change behaviour. This script writes, into one folder:
 - ``help/<command>.txt``: ``ms-deepseek --help`` and every command's ``--help``;
 - ``plan/<recipe>.json``: ``ms-deepseek plan --recipe R --json`` for every recipe in ``recipes/``;
 - ``checkpoint.sha256``: the SHA-256 of every file a short ``train recipes/tiny-cpu.yaml`` run saves
-  under ``checkpoints/``, except ``state.json``'s wall-clock fields, which are listed apart
-  (``state.json`` is hashed with them removed).
+  under ``checkpoints/``, ``state.json`` hashed without its one wall-clock field (``elapsed_s``, the counters'
+  time so far: ``train.components.RunCounters``).
 
 Run it from the root of each commit's checkout (with that checkout on ``PYTHONPATH``) and compare the folders::
 
@@ -30,8 +30,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path.cwd()  # the checkout being recorded: run the script from its root
-# state.json fields that record when, where or how long, not what was saved
-WALL_CLOCK_KEYS = ("saved_at", "time", "wall_time", "elapsed_s", "host", "pid", "created")
+# the state.json field that records how long the run took, not what it saved (components.run_state)
+WALL_CLOCK_KEYS = ("elapsed_s",)
 
 
 def _cli(args, cwd=ROOT, env=None):
@@ -51,12 +51,8 @@ def _commands():
     return list(COMMANDS)
 
 
-def _strip_wall_clock(obj):
-    if isinstance(obj, dict):
-        return {k: _strip_wall_clock(v) for k, v in obj.items() if k not in WALL_CLOCK_KEYS}
-    if isinstance(obj, list):
-        return [_strip_wall_clock(v) for v in obj]
-    return obj
+def _without_wall_clock(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k not in WALL_CLOCK_KEYS}
 
 
 def snapshot(out: Path, steps: int) -> None:
@@ -94,7 +90,7 @@ def snapshot(out: Path, steps: int) -> None:
             rel = path.relative_to(run)
             data = path.read_bytes()
             if path.name == "state.json":
-                data = json.dumps(_strip_wall_clock(json.loads(data)), sort_keys=True).encode()
+                data = json.dumps(_without_wall_clock(json.loads(data)), sort_keys=True).encode()
             lines.append(f"{hashlib.sha256(data).hexdigest()}  {rel}")
         if not lines:
             sys.exit(f"behaviour_snapshot: the training run saved no checkpoint under {run / 'checkpoints'}")
